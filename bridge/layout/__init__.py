@@ -1,0 +1,5 @@
+"""Pure index math over numpy: no torch, no jax, no I/O."""
+
+from bridge.layout.boxes import Box
+
+__all__ = ["Box"]
