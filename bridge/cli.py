@@ -1,9 +1,13 @@
 """The `gtp-bridge` command line.
 
 Each subcommand lives in `bridge/commands/<name>.py` and exposes
-`add_parser(subparsers)` (registering itself, with an example in its epilog) and `run(args) -> int`.
-Errors: a `BridgeError` prints one line `gtp-bridge: error: ...` and exits with its code (2 for bad
-input, 1 for damaged data); `--debug` shows the traceback instead.
+`add_parser(subparsers)` (registering itself, with examples in its epilog, lines starting with
+`  gtp-bridge`) and `run(args) -> int`.
+
+Error contract (DESIGN.md): bad usage or bad input prints ONE line `gtp-bridge: error: ...` on stderr
+and exits 2 (`IntegrityError`: exit 1); `--debug` (before or after the subcommand) shows the
+traceback instead. Progress bars appear only on a terminal (`bridge.progress`), so piped output is
+just the result.
 """
 
 from __future__ import annotations
@@ -11,21 +15,40 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from bridge.errors import BridgeError
 
 # Order is the order shown in --help.
 COMMANDS = ["convert", "to_megatron", "inspect", "verify", "diff", "demo"]
 
+# Shown in the top-level --help for a command whose parser epilog has no `gtp-bridge ...` example.
+FALLBACK_EXAMPLES = {
+    "convert": "gtp-bridge convert megatron_ckpt/iter_0000100 logical_ckpt/",
+    "to-megatron": "gtp-bridge to-megatron logical_ckpt/ megatron_out/ --tp 2 --gtp 2 --dp 2",
+    "inspect": "gtp-bridge inspect logical_ckpt/ --stats",
+    "verify": "gtp-bridge verify logical_ckpt/",
+    "diff": "gtp-bridge diff a/ b/ --ulp 2",
+    "demo": "gtp-bridge demo --workdir /tmp/gtp-demo",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose usage errors are one line (plus where to look), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The full parser: every built subcommand, `--debug` accepted before or after it, examples in --help."""
+    parser = _Parser(
         prog="gtp-bridge",
         description="Move Megatron-Core (GTP) training state to and from JAX as global logical arrays.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         try:
             module = importlib.import_module(f"bridge.commands.{name}")
@@ -34,25 +57,63 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # command not built yet
             raise
         module.add_parser(sub)
+    for p in sub.choices.values():
+        if "--debug" in p._option_string_actions:
+            continue
+        # SUPPRESS keeps a top-level --debug from being reset by the subparser's default.
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+    parser.epilog = examples_text(sub.choices)
     return parser
 
 
+def examples_text(choices: dict[str, argparse.ArgumentParser]) -> str:
+    """'examples:' block with the first example of each subcommand's epilog (or a fallback)."""
+    lines = ["examples:"]
+    for name, p in choices.items():
+        ex = next((ln.strip() for ln in (p.epilog or "").splitlines() if ln.strip().startswith("gtp-bridge ")), None)
+        ex = ex or FALLBACK_EXAMPLES.get(name)
+        if ex:
+            lines.append(f"  {ex}")
+    lines.append("Run `gtp-bridge COMMAND --help` for each command's options and more examples.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "command", None):
-        parser.print_help()
-        return 2
+    """Entry point: parse, run the subcommand, turn errors into one line and an exit code."""
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "command", None):
+            parser.print_help(sys.stderr)
+            return 2
         return int(args.func(args) or 0)
     except BridgeError as e:
-        if args.debug:
+        if debug:
             raise
-        print(f"gtp-bridge: error: {e}", file=sys.stderr)
+        print(f"gtp-bridge: error: {_one_line(str(e))}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("gtp-bridge: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return 0  # `gtp-bridge inspect ... | head`: the reader left; not an error
+    except OSError as e:
+        if debug:
+            raise
+        print(f"gtp-bridge: error: {_one_line(str(e))} (check the path and permissions)", file=sys.stderr)
+        return 2
+    except Exception as e:  # a bug or an input we failed to classify: still one line, traceback on --debug
+        if debug:
+            raise
+        print(f"gtp-bridge: error: unexpected {type(e).__name__}: {_one_line(str(e))} "
+              "(rerun with --debug for the traceback)", file=sys.stderr)
+        return 2
+
+
+def _one_line(text: str) -> str:
+    """First non-empty line of an error message (tensorstore and friends return multi-line text)."""
+    return next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
 
 
 if __name__ == "__main__":
