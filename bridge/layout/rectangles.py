@@ -1,0 +1,118 @@
+"""Flat ranges -> rectangular boxes, and the Piece every plan speaks in.
+
+A DP flat fragment `[f0, f1)` of a row-major tensor is a contiguous run; it decomposes into at most
+three boxes per 2-D section (partial first row, run of full rows, partial last row;
+megatron-layout.md §6.5-6.6), at most 2·ndim-1 for N-D. `map_flat_range` applies that per *row run*
+of a physical shard (a run of TP-local rows that maps to one logical array), dropping rows that map
+to nothing (GTP padding).
+
+>>> flat_run_boxes((4, 60), 0, 128)            # §6.6: W[10,60], t=0 g=0, DP rank 0
+[Box(start=(0, 0), stop=(2, 60)), Box(start=(2, 0), stop=(3, 8))]
+>>> flat_run_boxes((4, 60), 128, 240)
+[Box(start=(2, 8), stop=(3, 60)), Box(start=(3, 0), stop=(4, 60))]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from bridge.layout.boxes import Box
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous run of a rank's local flat tensor that is one box of one logical array.
+
+    data = `local_flat[local_start : local_start + logical.size].reshape(logical.shape)`.
+    """
+
+    array: str
+    logical: Box
+    local_start: int
+
+    @property
+    def local_stop(self) -> int:
+        return self.local_start + self.logical.size
+
+    def take(self, local_flat: np.ndarray) -> np.ndarray:
+        """This piece's data out of the local flat tensor (a view when possible)."""
+        return local_flat[self.local_start:self.local_stop].reshape(self.logical.shape)
+
+    def put(self, local_flat: np.ndarray, data: np.ndarray) -> None:
+        """Write `data` (this piece's box) into the local flat tensor."""
+        local_flat[self.local_start:self.local_stop] = np.asarray(data).reshape(-1)
+
+
+@dataclass(frozen=True)
+class RowRun:
+    """TP-local rows [row, row+rows) map to `array` with the first row at logical `offset`
+    (full logical coordinates: prepended axes, row, trailing-dim offsets). Trailing dims keep
+    their local extent."""
+
+    row: int
+    rows: int
+    array: str
+    offset: tuple[int, ...]
+
+
+def flat_run_boxes(shape: Sequence[int], a: int, b: int) -> list[Box]:
+    """Boxes (in order, each contiguous in memory) tiling flat run [a, b) of a row-major `shape`.
+
+    >>> flat_run_boxes((3, 4), 2, 11)
+    [Box(start=(0, 2), stop=(1, 4)), Box(start=(1, 0), stop=(2, 4)), Box(start=(2, 0), stop=(3, 3))]
+    """
+    shape = tuple(int(s) for s in shape)
+    if b <= a:
+        return []
+    if len(shape) == 1:
+        return [Box((a,), (b,))]
+    k = prod(shape[1:])
+    r0, c0 = divmod(a, k)
+    r1, c1 = divmod(b, k)
+    inner = shape[1:]
+    if r0 == r1:
+        return [Box((r0,) + x.start, (r0 + 1,) + x.stop) for x in flat_run_boxes(inner, c0, c1)]
+    out: list[Box] = []
+    if c0:
+        out += [Box((r0,) + x.start, (r0 + 1,) + x.stop) for x in flat_run_boxes(inner, c0, k)]
+        r0 += 1
+    if r1 > r0:
+        out.append(Box((r0,) + (0,) * len(inner), (r1,) + inner))
+    if c1:
+        out += [Box((r1,) + x.start, (r1 + 1,) + x.stop) for x in flat_run_boxes(inner, 0, c1)]
+    return out
+
+
+def map_flat_range(runs: Iterable[RowRun], trailing: Sequence[int], lo: int, hi: int) -> list[Piece]:
+    """Pieces of flat positions [lo, hi) of a TP-local tensor with trailing dims `trailing`.
+
+    `local_start` is relative to `lo` (the start of the rank's local flat buffer). Positions in
+    no run (padding) produce nothing. Prepended axes (len(offset) - 1 - len(trailing) of them) are
+    explicit size-1 dims of each box.
+
+    >>> runs = [RowRun(0, 5, "w", (0, 0))]                       # 5 logical rows, 3 pad rows
+    >>> [(p.logical, p.local_start) for p in map_flat_range(runs, (6,), 24, 48)]
+    [(Box(start=(4, 0), stop=(5, 6)), 0)]
+    """
+    trailing = tuple(int(x) for x in trailing)
+    k = prod(trailing)
+    out: list[Piece] = []
+    for run in runs:
+        base = run.row * k
+        a = max(lo, base)
+        b = min(hi, base + run.rows * k)
+        if b <= a:
+            continue
+        npre = len(run.offset) - 1 - len(trailing)
+        pre, off = run.offset[:npre], run.offset[npre:]
+        pos = a - lo
+        for box in flat_run_boxes((run.rows,) + trailing, a - base, b - base):
+            start = pre + tuple(o + s for o, s in zip(off, box.start))
+            stop = tuple(p + 1 for p in pre) + tuple(o + s for o, s in zip(off, box.stop))
+            out.append(Piece(run.array, Box(start, stop), pos))
+            pos += box.size
+    return out
