@@ -1,0 +1,174 @@
+"""Read any committed Orbax PyTree checkpoint lazily with TensorStore (no JAX needed).
+
+    ck = open_checkpoint("/ckpt/step_100")
+    ck.arrays()[("params", "w")]                    # ArrayInfo(shape, dtype, chunk_shape, ...)
+    block = ck.read(("params", "w"), Box((0, 0), (128, 64)))
+
+Works on checkpoints written by the bridge and by Orbax itself (zarr2/zarr3, OCDBT or per-array
+directories, compressed or not). `.manifest` is None for checkpoints not written by the bridge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from bridge.errors import BridgeError, IntegrityError
+from bridge.layout.boxes import Box
+from bridge.store import specs
+from bridge.store.commit import CHECKSUM_KEY, TMP_SUFFIX
+from bridge.store.manifest import MANIFEST_KEY, Manifest
+from bridge.store.tree import Path, parse_tree_metadata, path_str
+
+# Orbax item sub-directories (v1 `state/`, CheckpointManager `default/`) when given the step dir.
+ITEM_DIRS = ("state", "default")
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """Shape, dtype and chunking of one stored array."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_shape: tuple[int, ...]         # outer chunk (zarr chunk grid)
+    inner_chunk_shape: tuple[int, ...]   # zarr3 sharding_indexed inner chunk (= chunk_shape otherwise)
+    compression: str | None
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(_np_dtype(self.dtype)).itemsize
+
+
+def _np_dtype(name: str):
+    import ml_dtypes  # noqa: F401 (registers bfloat16 with numpy)
+
+    return np.dtype(name) if name != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
+
+
+def find_checkpoint_root(path: str) -> str:
+    """The directory holding `_METADATA`: `path` itself or its single Orbax item sub-directory."""
+    path = os.path.abspath(path)
+    if path.rstrip("/").endswith(TMP_SUFFIX):
+        raise BridgeError(f"{path} is an uncommitted (temporary) checkpoint directory; it was never completed")
+    if not os.path.isdir(path):
+        raise BridgeError(f"{path} is not a directory; pass a checkpoint directory")
+    if os.path.isfile(os.path.join(path, "_METADATA")):
+        return path
+    for item in ITEM_DIRS:
+        if os.path.isfile(os.path.join(path, item, "_METADATA")):
+            return os.path.join(path, item)
+    raise BridgeError(f"{path} has no _METADATA: not a committed Orbax checkpoint")
+
+
+class Checkpoint:
+    """A committed checkpoint opened for lazy reads."""
+
+    def __init__(self, root: str, metadata: dict) -> None:
+        import tensorstore as ts
+
+        self._ts = ts
+        self.root = root
+        self.metadata = metadata
+        try:
+            self._arrays, self.empty_paths = parse_tree_metadata(metadata["tree_metadata"])
+        except (KeyError, TypeError, AttributeError) as e:
+            raise IntegrityError(f"{root}/_METADATA has no valid tree_metadata ({e}); the checkpoint is damaged") from e
+        self.use_ocdbt = bool(metadata.get("use_ocdbt", True))
+        self.use_zarr3 = bool(metadata.get("use_zarr3", False))
+        # When every chunk was stored, a missing chunk means damage, not zeros.
+        self.fill_missing = not metadata.get("store_array_data_equal_to_fill_value", False)
+        custom = metadata.get("custom_metadata") or {}
+        raw = custom.get(MANIFEST_KEY) if isinstance(custom, dict) else None
+        self.manifest: Manifest | None = Manifest.from_json(raw) if raw is not None else None
+        self.metadata_checksum: str | None = custom.get(CHECKSUM_KEY) if isinstance(custom, dict) else None
+        self.context = ts.Context(specs.context_spec())
+        self._info: dict[Path, ArrayInfo] = {}
+
+    def paths(self) -> list[Path]:
+        """Array leaf paths, sorted."""
+        return sorted(self._arrays)
+
+    def name_of(self, path: Sequence[str] | str) -> str:
+        return path if isinstance(path, str) else ".".join(path)
+
+    def _path(self, path: Sequence[str] | str) -> Path:
+        p = tuple(path.split(".")) if isinstance(path, str) else tuple(path)
+        if p not in self._arrays:
+            raise BridgeError(f"array {path_str(p)} is not in checkpoint {self.root}; "
+                              f"it has {len(self._arrays)} arrays (see `gtp-bridge inspect`)")
+        return p
+
+    def open(self, path: Sequence[str] | str):
+        """Lazy read-only ts.TensorStore of one array (IntegrityError naming it if unreadable)."""
+        p = self._path(path)
+        name = ".".join(p)
+        spec = specs.array_read_spec(self.root, name, use_ocdbt=self.use_ocdbt, use_zarr3=self.use_zarr3,
+                                     fill_missing=self.fill_missing)
+        try:
+            return self._ts.open(spec, read=True, context=self.context).result()
+        except Exception as e:
+            raise IntegrityError(f"array {path_str(p)}: cannot open in {self.root}: {_one_line(e)}") from e
+
+    def info(self, path: Sequence[str] | str) -> ArrayInfo:
+        """Shape, dtype and chunking of one array (reads its zarr metadata)."""
+        p = self._path(path)
+        if p not in self._info:
+            t = self.open(p)
+            self._info[p] = _array_info(t, self.use_zarr3)
+        return self._info[p]
+
+    def arrays(self) -> dict[Path, ArrayInfo]:
+        """path -> ArrayInfo for every array."""
+        return {p: self.info(p) for p in self.paths()}
+
+    def read(self, path: Sequence[str] | str, box: Box | None = None) -> np.ndarray:
+        """Read a box (default: all) into a numpy array; IntegrityError naming the array on damage."""
+        t = self.open(path)
+        p = self._path(path)
+        try:
+            view = t if box is None else t[box.slices]
+            return np.asarray(view.read().result())
+        except Exception as e:
+            raise IntegrityError(f"array {path_str(p)}: read of {box or 'all'} failed: {_one_line(e)}") from e
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())[:500]
+
+
+def _array_info(t, zarr3: bool) -> ArrayInfo:
+    spec = t.spec().to_json()
+    meta = spec.get("metadata", {})
+    shape = tuple(int(s) for s in t.shape)
+    dtype = t.dtype.name
+    compression = None
+    if zarr3:
+        outer = tuple(meta.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", shape))
+        inner, codecs = outer, meta.get("codecs", [])
+        for c in codecs:
+            if c.get("name") == "sharding_indexed":
+                inner = tuple(c["configuration"]["chunk_shape"])
+                codecs = c["configuration"].get("codecs", [])
+        names = [c.get("name") for c in codecs if c.get("name") not in ("bytes", "transpose")]
+        compression = names[0] if names else None
+        return ArrayInfo(shape, dtype, outer, inner, compression)
+    chunks = tuple(meta.get("chunks", shape))
+    comp = meta.get("compressor")
+    return ArrayInfo(shape, dtype, chunks, chunks, comp.get("id") if comp else None)
+
+
+def open_checkpoint(path: str) -> Checkpoint:
+    """Open a committed checkpoint directory (never a `*.orbax-checkpoint-tmp` one)."""
+    root = find_checkpoint_root(path)
+    try:
+        with open(os.path.join(root, "_METADATA")) as f:
+            metadata = json.load(f)
+    except (OSError, ValueError) as e:
+        raise IntegrityError(f"{root}/_METADATA is unreadable ({e}); the checkpoint is damaged") from e
+    if not isinstance(metadata, dict):
+        raise IntegrityError(f"{root}/_METADATA is not a JSON object; the checkpoint is damaged")
+    return Checkpoint(root, metadata)

@@ -1,0 +1,161 @@
+"""PURE TensorStore spec builders for the logical checkpoint (no I/O, no tensorstore import).
+
+Layout written by the bridge (Orbax-compatible, see docs/orbax-tensorstore-optax.md §3.2):
+writer w puts every array's owned chunks into its own OCDBT database ``<tmp>/ocdbt.process_<w>/``;
+the array is zarr3 with one ``sharding_indexed`` codec: outer chunk = one owned block, inner
+chunks sized for reads. Readers always go through the merged root database (or, for non-OCDBT
+Orbax checkpoints, the per-array directory).
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Sequence
+
+from bridge.errors import BridgeError
+
+SUPPORTED_DTYPES = ("float64", "float32", "bfloat16", "float16", "int64", "int32", "int16", "int8",
+                    "uint64", "uint32", "uint16", "uint8", "bool")
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2,
+            "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1}
+COMPRESSIONS = (None, "zstd")
+DEFAULT_INNER_CHUNK_BYTES = 4 << 20
+OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000, "manifest_kind": "single"}
+TARGET_DATA_FILE_SIZE = 2 ** 31
+
+
+def check_dtype(dtype: str, name: str = "array") -> str:
+    """Normalise a dtype name and refuse unsupported ones.
+
+    >>> check_dtype("float32")
+    'float32'
+    """
+    d = str(dtype)
+    if d not in SUPPORTED_DTYPES:
+        raise BridgeError(f"{name}: unsupported dtype {d!r}; use one of {', '.join(SUPPORTED_DTYPES)}")
+    return d
+
+
+def check_compression(compression: str | None) -> str | None:
+    if compression not in COMPRESSIONS:
+        raise BridgeError(f"unknown compression {compression!r}; use None or 'zstd'")
+    return compression
+
+
+def writer_db_dir(root: str, writer: int) -> str:
+    """Directory of writer `writer`'s own OCDBT database (Orbax's naming)."""
+    return f"{root.rstrip('/')}/ocdbt.process_{writer}/"
+
+
+def file_kvstore(path: str) -> dict:
+    return {"driver": "file", "path": path if path.endswith("/") else path + "/"}
+
+
+def ocdbt_kvstore(db_dir: str, key_prefix: str | None = None, *, write: bool = False) -> dict:
+    """OCDBT kvstore over the database in `db_dir`; `key_prefix` = array name (adds a trailing '/').
+
+    >>> ocdbt_kvstore("/c/ocdbt.process_1", "params.w")["path"]
+    'params.w/'
+    """
+    kv: dict = {"driver": "ocdbt", "base": file_kvstore(db_dir)}
+    if key_prefix is not None:
+        kv["path"] = key_prefix.rstrip("/") + "/"
+    if write:
+        # Writers create fresh databases: fixing the config avoids reading one (Orbax does the same).
+        kv.update({"config": dict(OCDBT_CONFIG), "assume_config": True, "target_data_file_size": TARGET_DATA_FILE_SIZE})
+    return kv
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of n in increasing order (n >= 1).
+
+    >>> divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def choose_inner_chunk(chunk_shape: Sequence[int], itemsize: int,
+                       target_bytes: int = DEFAULT_INNER_CHUNK_BYTES) -> tuple[int, ...]:
+    """Inner (read) chunk: divides the outer chunk, at most `target_bytes` where possible.
+
+    Repeatedly shrinks the currently largest dimension to its next smaller divisor, so inner
+    chunks stay roughly square (good for both row and column shards of a later reader).
+
+    >>> choose_inner_chunk((1024, 4096), 4, 1 << 20)
+    (512, 512)
+    >>> choose_inner_chunk((), 4)
+    ()
+    """
+    inner = [int(c) for c in chunk_shape]
+    if not inner:
+        return ()
+    divs = [divisors(max(1, c)) for c in inner]
+    while prod(inner) * itemsize > target_bytes:
+        k = max(range(len(inner)), key=lambda i: inner[i])
+        if inner[k] <= 1:
+            break
+        smaller = [d for d in divs[k] if d < inner[k]]
+        inner[k] = smaller[-1]
+    return tuple(max(1, c) for c in inner)
+
+
+def zarr3_metadata(shape: Sequence[int], dtype: str, chunk_shape: Sequence[int], inner_chunk_shape: Sequence[int],
+                   compression: str | None = None) -> dict:
+    """zarr3 array metadata: regular outer grid, one sharding_indexed codec (Orbax's shape)."""
+    check_compression(compression)
+    codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if compression == "zstd":
+        codecs.append({"name": "zstd", "configuration": {"level": 1, "checksum": False}})
+    outer = [max(1, int(c)) for c in chunk_shape]
+    inner = [max(1, int(c)) for c in inner_chunk_shape]
+    for o, i in zip(outer, inner):
+        if o % i:
+            raise BridgeError(f"inner chunk {tuple(inner)} does not divide outer chunk {tuple(outer)}")
+    return {
+        "shape": [int(s) for s in shape],
+        "data_type": check_dtype(dtype),
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": outer}},
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": inner,
+            "codecs": codecs,
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+            "index_location": "end"}}],
+    }
+
+
+def array_write_spec(root: str, writer: int, name: str, shape: Sequence[int], dtype: str,
+                     chunk_shape: Sequence[int], inner_chunk_shape: Sequence[int],
+                     compression: str | None = None) -> dict:
+    """Spec for writer `writer` to write array `name` into its own OCDBT database under `root`."""
+    return {
+        "driver": "zarr3",
+        "kvstore": ocdbt_kvstore(writer_db_dir(root, writer), name, write=True),
+        "metadata": zarr3_metadata(shape, dtype, chunk_shape, inner_chunk_shape, compression),
+        # Orbax declares store_array_data_equal_to_fill_value: all-zero chunks must still be stored.
+        "store_data_equal_to_fill_value": True,
+        "recheck_cached_data": False,
+        "recheck_cached_metadata": False,
+    }
+
+
+def array_read_spec(root: str, name: str, *, use_ocdbt: bool = True, use_zarr3: bool = True,
+                    fill_missing: bool = False) -> dict:
+    """Spec to open array `name` of a committed checkpoint read-only (zarr2 or zarr3, OCDBT or not).
+
+    ``fill_missing=False`` makes a missing chunk an error rather than silent zeros (Orbax restores
+    this way when the checkpoint says all chunks were stored).
+    """
+    if name in ("", ".", "..") or "/" in name or "\\" in name:
+        raise BridgeError(f"array name {name!r} would escape the checkpoint directory; the checkpoint is unsafe")
+    kv = ocdbt_kvstore(root, name) if use_ocdbt else file_kvstore(f"{root.rstrip('/')}/{name}")
+    return {"driver": "zarr3" if use_zarr3 else "zarr", "kvstore": kv, "open": True,
+            "fill_missing_data_reads": bool(fill_missing),
+            "recheck_cached_data": False, "recheck_cached_metadata": False}
+
+
+def context_spec(io_concurrency: int = 64) -> dict:
+    """Shared ts.Context resources (one Context must serve both sides of an OCDBT merge)."""
+    return {"file_io_concurrency": {"limit": io_concurrency}, "cache_pool": {"total_bytes_limit": 0}}

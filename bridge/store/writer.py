@@ -1,0 +1,215 @@
+"""CheckpointWriter: one writer process writing its owned chunks into its own OCDBT database.
+
+Usage (every writer w of W, after `begin_checkpoint(dst)` created the tmp dir)::
+
+    w = CheckpointWriter(tmp_dir_for(dst), plan, writer_id)
+    w.write(("params", "w"), Box.of((0, 0), block.shape), block)   # only boxes inside owned chunks
+    w.finish()                                                      # flush + report for the commit
+
+Writes are batched into TensorStore transactions of at most `inflight_bytes`, each committed as
+one OCDBT version, so host memory is bounded by that budget, not by the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+from bridge.errors import BridgeError
+from bridge.layout.boxes import Box
+from bridge.store import digest as dg
+from bridge.store import specs
+from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan  # noqa: F401 (re-export)
+from bridge.store.tree import path_str
+
+REPORT_DIR = "_gtp_bridge_writers"
+
+
+def report_path(tmp_dir: str, writer: int) -> str:
+    return os.path.join(tmp_dir, REPORT_DIR, f"writer_{writer}.json")
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """Write JSON via tmp file + fsync + rename (a reader never sees half a file)."""
+    tmp = path + ".part"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class _ArrayState:
+    """What one writer has written of one array: boxes (for overlap checks), coverage, digest."""
+
+    def __init__(self, plan: ArrayPlan) -> None:
+        self.plan = plan
+        nd = len(plan.spec.shape)
+        self.starts = np.zeros((0, nd), dtype=np.int64)
+        self.stops = np.zeros((0, nd), dtype=np.int64)
+        self.covered = np.zeros(plan.ownership.grid_shape, dtype=np.int64)
+        self.digest = 0
+
+    def record(self, box: Box) -> None:
+        if len(self.starts):
+            lo = np.maximum(self.starts, np.asarray(box.start, dtype=np.int64))
+            hi = np.minimum(self.stops, np.asarray(box.stop, dtype=np.int64))
+            hit = np.all(hi > lo, axis=1) if box.ndim else np.ones(len(self.starts), dtype=bool)
+            if hit.any():
+                k = int(np.argmax(hit))
+                prev = Box(tuple(int(x) for x in self.starts[k]), tuple(int(x) for x in self.stops[k]))
+                raise BridgeError(f"{path_str(self.plan.spec.path)}: box {box} overlaps box {prev} written before; "
+                                  "every element must be written exactly once")
+        self.starts = np.vstack([self.starts, np.asarray([box.start], dtype=np.int64).reshape(1, -1)])
+        self.stops = np.vstack([self.stops, np.asarray([box.stop], dtype=np.int64).reshape(1, -1)])
+        own = self.plan.ownership
+        sl = own.chunks_touching(box)
+        # Elements of `box` inside each touched chunk = product over dims of per-dim overlap lengths.
+        counts = np.ones((), dtype=np.int64)
+        for d, s in enumerate(sl):
+            idx = np.arange(s.start, s.stop, dtype=np.int64)
+            c = own.chunk_shape[d]
+            lengths = np.minimum(box.stop[d], (idx + 1) * c) - np.maximum(box.start[d], idx * c)
+            counts = np.multiply.outer(counts, lengths)
+        self.covered[sl] += counts
+
+
+class CheckpointWriter:
+    """Writes the chunks `writer_id` owns into ``<tmp_dir>/ocdbt.process_<writer_id>/``."""
+
+    def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int = 1 << 30,
+                 compute_digest: bool = True) -> None:
+        if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
+            raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
+        if not os.path.isdir(tmp_dir):
+            raise BridgeError(f"checkpoint tmp dir {tmp_dir} does not exist; call begin_checkpoint(dst) first")
+        import tensorstore as ts
+
+        self._ts = ts
+        self.tmp_dir = tmp_dir
+        self.plan = plan
+        self.writer_id = writer_id
+        self.inflight_bytes = max(1, int(inflight_bytes))
+        self.compute_digest = compute_digest
+        self.context = ts.Context(specs.context_spec())
+        self._state: dict[str, _ArrayState] = {}
+        self._created: set[str] = set()
+        self._open: dict[str, object] = {}
+        self._txn = None
+        self._futures: list = []
+        self._pending = 0
+        self._finished = False
+        self.bytes_written = 0
+
+    # -- public -------------------------------------------------------------------------------
+    def write(self, path: Sequence[str] | str, box: Box, data: np.ndarray) -> None:
+        """Write `data` at `box` of array `path`; the box must lie in chunks this writer owns.
+
+        Data is copied (the caller may reuse its buffer once `write` returns).
+        """
+        if self._finished:
+            raise BridgeError(f"writer {self.writer_id}: write after finish()")
+        ap = self.plan.lookup(path)
+        spec = ap.spec
+        where = f"writer {self.writer_id}: {path_str(spec.path)}"
+        data = np.asarray(data)
+        if data.dtype.name != spec.dtype:
+            raise BridgeError(f"{where}: data dtype {data.dtype.name} does not match catalog dtype {spec.dtype}; "
+                              "cast before writing")
+        if not isinstance(box, Box) or box.ndim != len(spec.shape):
+            raise BridgeError(f"{where}: box {box} does not match the rank of shape {spec.shape}")
+        if tuple(data.shape) != box.shape:
+            raise BridgeError(f"{where}: data shape {tuple(data.shape)} does not match box {box} (shape {box.shape})")
+        if not Box.full(spec.shape).contains(box):
+            raise BridgeError(f"{where}: box {box} lies outside the array shape {spec.shape}")
+        if box.empty:
+            return
+        self._check_owner(ap, box, where)
+        state = self._state.get(spec.name) or self._state.setdefault(spec.name, _ArrayState(ap))
+        state.record(box)
+        if self.compute_digest:
+            state.digest = dg.combine([state.digest, dg.digest_box(spec.shape, box, data)])
+        store = self._store(ap)
+        try:
+            self._futures.append(store[box.slices].write(data))
+        except Exception as e:  # TensorStore raises ValueError etc.; name the array
+            raise BridgeError(f"{where}: writing box {box} failed: {e}") from e
+        self._pending += data.nbytes
+        self.bytes_written += data.nbytes
+        if self._pending >= self.inflight_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Commit the current transaction (one OCDBT version); bounds host memory."""
+        for f in self._futures:
+            f.result()
+        self._futures.clear()
+        if self._txn is not None:
+            try:
+                self._txn.commit_async().result()
+            except Exception as e:
+                raise BridgeError(f"writer {self.writer_id}: committing writes to {self.tmp_dir} failed: {e}") from e
+        self._txn = None
+        self._open.clear()
+        self._pending = 0
+
+    def finish(self) -> dict:
+        """Create metadata of arrays this writer is responsible for, flush, and publish its report."""
+        if self._finished:
+            raise BridgeError(f"writer {self.writer_id}: finish() called twice")
+        for ap in self.plan.arrays.values():
+            if ap.meta_writer == self.writer_id and ap.spec.name not in self._created:
+                self._store(ap)
+        self.flush()
+        report = {
+            "writer": self.writer_id,
+            "plan": self.plan.fingerprint(),
+            "digest_algorithm": dg.ALGORITHM if self.compute_digest else "",
+            "arrays": {},
+        }
+        for name, st in self._state.items():
+            own = st.plan.ownership
+            mine = own.owners == self.writer_id
+            report["arrays"][name] = {"covered": st.covered[mine].tolist(), "digest": dg.to_hex(st.digest)}
+        os.makedirs(os.path.join(self.tmp_dir, REPORT_DIR), exist_ok=True)
+        write_json_atomic(report_path(self.tmp_dir, self.writer_id), report)
+        self._finished = True
+        return report
+
+    # -- internals ------------------------------------------------------------------------------
+    def _check_owner(self, ap: ArrayPlan, box: Box, where: str) -> None:
+        own = ap.ownership
+        sl = own.chunks_touching(box)
+        owners = own.owners[sl]
+        bad = owners != self.writer_id
+        if bad.any():
+            rel = tuple(int(i) for i in np.argwhere(bad)[0])
+            idx = tuple(s.start + r for s, r in zip(sl, rel))
+            raise BridgeError(f"{where}: box {box} touches chunk {own.chunk_box(idx)} owned by writer "
+                              f"{int(owners[rel])}; send that data to its owner")
+
+    def _store(self, ap: ArrayPlan):
+        name = ap.spec.name
+        st = self._open.get(name)
+        if st is not None:
+            return st
+        ts = self._ts
+        if self._txn is None:
+            self._txn = ts.Transaction(atomic=True)
+        spec = specs.array_write_spec(self.tmp_dir, self.writer_id, name, ap.spec.shape, ap.spec.dtype,
+                                      ap.ownership.chunk_shape, ap.inner_chunk_shape, self.plan.compression)
+        create = ap.meta_writer == self.writer_id and name not in self._created
+        try:
+            if create:
+                st = ts.open(spec, create=True, context=self.context, transaction=self._txn).result()
+                self._created.add(name)
+            else:
+                st = ts.open(spec, open=True, assume_metadata=True, context=self.context,
+                             transaction=self._txn).result()
+        except Exception as e:
+            raise BridgeError(f"writer {self.writer_id}: {path_str(ap.spec.path)}: opening for write failed: {e}") from e
+        self._open[name] = st
+        return st
