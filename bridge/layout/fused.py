@@ -85,7 +85,7 @@ class FusedSpec:
             raise BridgeError(f"fused spec: section names {names} must be unique, non-empty, without '.' or '/'")
         if any(s.rows < 0 for s in self.sections):
             raise BridgeError(f"fused spec: negative section rows in {[(s.name, s.rows) for s in self.sections]}")
-        if self.groups < 1 or (self.kind == "concat") != (self.groups == 1):
+        if self.groups < 1 or (self.kind == "concat" and self.groups != 1):
             raise BridgeError(f"fused spec: kind {self.kind!r} needs groups {'== 1' if self.kind == 'concat' else '>= 1'}, got {self.groups}")
         bad = [s.name for s in self.sections if s.rows % self.groups]
         if bad:
