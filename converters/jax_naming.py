@@ -238,6 +238,25 @@ class Group:
             start = stop
         return out
 
+    @property
+    def logical_name(self) -> Path:
+        """The logical path the group presents: the fused parent for joins, else the source."""
+        return self.sources[0][:-1] if self.join_axis is not None else self.sources[0]
+
+    def forward_spec(self, joined_spec: Sequence[Any]) -> tuple:
+        """A partition spec of the joined logical array carried to each output (drop the unstacked
+        axis, apply the permutation).
+
+        >>> Group((("w",),), ((4, 8, 6),), (("w0",),), unstack_axis=0, perm=(1, 0)).forward_spec((None, "tp", "fsdp"))
+        ('fsdp', 'tp')
+        """
+        spec = list(joined_spec) + [None] * (len(self.joined_shape) - len(joined_spec))
+        if self.unstack_axis is not None:
+            del spec[self.unstack_axis]
+        if self.perm is not None:
+            spec = [spec[p] for p in self.perm]
+        return tuple(spec)
+
     def source_spec(self, out_spec: Sequence[Any]) -> tuple:
         """A partition spec for the sources that makes `forward` need no data movement when it can.
 
@@ -273,22 +292,24 @@ class Plan:
             out.update(zip(g.outputs, g.forward([tree[s] for s in g.sources], be)))
         return out
 
-    def invert(self, tree: Mapping[Path, Any], be: Backend = NUMPY) -> dict[Path, Any]:
-        """{output path: array} -> {source path: array}; refuses a tree with missing or extra leaves."""
-        expected = {o for g in self.groups for o in g.outputs}
-        missing, extra = sorted(expected - set(tree)), sorted(set(tree) - expected)
+    def check(self, shapes: Mapping[Path, Sequence[int]]) -> None:
+        """Refuse a presented tree ({output path: shape}) with missing/extra leaves or changed shapes."""
+        expected = {o: g.out_shape for g in self.groups for o in g.outputs}
+        missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
         if missing or extra:
             which = f"lacks {_join(missing[0])}" if missing else f"has unexpected {_join(extra[0])}"
             raise BridgeError(f"tree to save {which} under the naming map; save the tree the map presents")
+        for o, want in expected.items():
+            if tuple(shapes[o]) != want:
+                raise BridgeError(f"array {_join(o)} has shape {tuple(shapes[o])}, expected {want}; "
+                                  f"it must keep the shape it was restored with")
+
+    def invert(self, tree: Mapping[Path, Any], be: Backend = NUMPY) -> dict[Path, Any]:
+        """{output path: array} -> {source path: array}; refuses a tree with missing or extra leaves."""
+        self.check({p: a.shape for p, a in tree.items()})
         out: dict[Path, Any] = {}
         for g in self.groups:
-            outs = [tree[o] for o in g.outputs]
-            for o, arr in zip(g.outputs, outs):
-                want = g.out_shape
-                if tuple(arr.shape) != want:
-                    raise BridgeError(f"array {_join(o)} has shape {tuple(arr.shape)}, expected {want}; "
-                                      f"it must keep the shape it was restored with")
-            out.update(zip(g.sources, g.inverse(outs, be)))
+            out.update(zip(g.sources, g.inverse([tree[o] for o in g.outputs], be)))
         return out
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import jax
 
-Path = tuple[str, ...]
+from bridge.store.tree import Path, path_str  # noqa: F401 - one path type and printer for the project
 
 
 def key_name(key: Any) -> str:
@@ -36,11 +36,6 @@ def key_name(key: Any) -> str:
 def to_path(keypath: tuple) -> Path:
     """A JAX key path -> tuple of strings."""
     return tuple(key_name(k) for k in keypath)
-
-
-def path_str(path: Path) -> str:
-    """Human form of a path, used in error messages: components joined by '/'."""
-    return "/".join(path)
 
 
 def leaves_by_path(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> dict[Path, Any]:

@@ -1,0 +1,184 @@
+"""What a logical checkpoint holds, and abstract trees of `jax.ShapeDtypeStruct` to restore it.
+
+`stored_arrays(path)` lists every stored array (full tree path -> shape, dtype) and the checkpoint's
+custom metadata from Orbax's own metadata API. `Target` turns a mesh + `ShardingRules`, or explicit
+shardings, into a sharding for each logical array; `abstract_tree` builds the exact abstract tree
+`ocp.StandardCheckpointer().restore(path, abstract)` needs (opt_state as `[{count, mu, nu}, None,
+None]`, the structure Orbax records for `optax.adamw(...).init(params)`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+from bridge.errors import BridgeError
+from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
+from bridge.jaxside.sharding_rules import ShardingRules, default_spec
+from converters.jax_naming import Group
+
+PARAMS, MODEL, STEP = ("params",), ("model",), ("step",)
+ADAM = ("opt_state", "0")
+MU, NU, COUNT = ADAM + ("mu",), ADAM + ("nu",), ADAM + ("count",)
+
+
+@dataclass(frozen=True)
+class StoredArray:
+    """One stored array: full tree path, global shape and dtype."""
+
+    path: Path
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@dataclass
+class StoredTree:
+    """All arrays of a logical checkpoint, plus its custom metadata (the manifest lives there)."""
+
+    directory: str
+    arrays: dict[Path, StoredArray]
+    custom_metadata: dict = field(default_factory=dict)
+
+    def section(self, prefix: Path) -> dict[Path, StoredArray]:
+        """Arrays under `prefix`, keyed by the path below it."""
+        n = len(prefix)
+        return {p[n:]: a for p, a in self.arrays.items() if p[:n] == prefix and len(p) > n}
+
+    def has(self, prefix: Path) -> bool:
+        return any(p[:len(prefix)] == prefix for p in self.arrays)
+
+
+def stored_arrays(directory: str | os.PathLike) -> StoredTree:
+    """Read a checkpoint's array metadata through Orbax (no data is read).
+
+    Raises BridgeError for a missing, uncommitted or non-Orbax directory.
+    """
+    import orbax.checkpoint as ocp
+
+    d = os.fspath(directory)
+    if d.rstrip("/").endswith(".orbax-checkpoint-tmp"):
+        raise BridgeError(f"{d} is an uncommitted checkpoint (tmp suffix); use the committed directory")
+    if not os.path.isdir(d):
+        raise BridgeError(f"checkpoint directory {d} does not exist; pass the path of a committed checkpoint")
+    if not os.path.isfile(os.path.join(d, "_METADATA")):
+        raise BridgeError(f"{d} has no _METADATA: not a committed Orbax checkpoint; pass a checkpoint directory")
+    meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(d).item_metadata
+    arrays = {}
+    for p, m in leaves_by_path(meta.tree).items():
+        if m is None or not hasattr(m, "shape"):
+            continue
+        arrays[p] = StoredArray(p, tuple(int(s) for s in m.shape), np.dtype(m.dtype))
+    return StoredTree(d, arrays, dict(meta.custom_metadata or {}))
+
+
+ShardingSource = Callable[[Path, tuple[int, ...]], Sharding]
+
+
+@dataclass
+class Target:
+    """Where restored arrays go: a mesh with `ShardingRules`, or explicit shardings.
+
+    `shardings` is a nested dict (same paths as the parameter tree, JAX-facing names) of
+    `Sharding`s, or `callable(path, shape) -> Sharding`. Scalars (count, step) are replicated on
+    `mesh` (or on the mesh of the first explicit NamedSharding).
+    """
+
+    mesh: Mesh | None = None
+    rules: ShardingRules = field(default_factory=ShardingRules)
+    shardings: Mapping | ShardingSource | None = None
+
+    def __post_init__(self) -> None:
+        if self.mesh is None and self.shardings is None:
+            raise BridgeError("no target: pass mesh= (with optional rules=) or shardings=")
+        self._explicit: dict[Path, Sharding] | None = None
+        if self.shardings is not None and not callable(self.shardings):
+            self._explicit = leaves_by_path(self.shardings, is_leaf=lambda x: isinstance(x, Sharding))
+            if self.mesh is None:
+                named = [s for s in self._explicit.values() if isinstance(s, NamedSharding)]
+                if not named:
+                    raise BridgeError("explicit shardings hold no NamedSharding; also pass mesh=")
+                self.mesh = named[0].mesh
+
+    def sharding(self, path: Path, shape: tuple[int, ...]) -> Sharding:
+        """Sharding of the array at (JAX-facing) parameter path `path`."""
+        if self._explicit is not None:
+            if path not in self._explicit:
+                raise BridgeError(f"explicit shardings have no entry for {path_str(path)}; add one")
+            s = self._explicit[path]
+        elif callable(self.shardings):
+            s = self.shardings(path, shape)
+        else:
+            spec = self.rules.spec_for(path, shape, dict(self.mesh.shape))
+            return NamedSharding(self.mesh, spec)
+        try:
+            s.shard_shape(shape)
+        except Exception as e:  # noqa: BLE001 - jax raises ValueError/TypeError variants
+            raise BridgeError(f"sharding {s} does not fit {path_str(path)} {shape}: {e}".splitlines()[0]) from None
+        return s
+
+    def group_shardings(self, g: "Group") -> list[Sharding]:
+        """Target shardings of a naming group's outputs. Outputs no explicit rule names take the
+        default spec of the logical array they come from, carried through the group (so a
+        transposed `[in, out]` kernel keeps Megatron's column/row split)."""
+        out = []
+        for o in g.outputs:
+            if self.shardings is None and not g.is_identity and self.rules.match(o) is None:
+                sizes = dict(self.mesh.shape)
+                spec = default_spec(g.logical_name, g.joined_shape, sizes, self.rules.axes)
+                out.append(NamedSharding(self.mesh, PartitionSpec(*g.forward_spec(tuple(spec)))))
+            else:
+                out.append(self.sharding(o, g.out_shape))
+        return out
+
+    def replicated(self) -> NamedSharding:
+        """Sharding for scalars (count, step)."""
+        return NamedSharding(self.mesh, PartitionSpec())
+
+
+def abstract_tree(stored: StoredTree, target: Target, dtypes: Mapping[str, Any] | None = None,
+                  items: tuple[str, ...] = ("params", "opt_state", "model", "step")) -> dict:
+    """The abstract tree (ShapeDtypeStruct with shardings) restoring `items` of a stored checkpoint.
+
+    Moments take their parameter's sharding; `dtypes` may cast "params", "model", "mu", "nu" on read.
+    The result can be passed as-is to `ocp.StandardCheckpointer().restore(path, abstract)` when all
+    items are requested, or with `partial_restore=True` otherwise.
+    """
+    dtypes = dict(dtypes or {})
+    bad = set(dtypes) - {"params", "model", "mu", "nu"}
+    if bad:
+        raise BridgeError(f"dtypes keys {sorted(bad)} unknown; use params, model, mu, nu")
+    flat: dict[Path, Any] = {}
+
+    def add(prefix: Path, kind: str) -> None:
+        for p, a in stored.section(prefix).items():
+            dt = np.dtype(dtypes[kind]) if kind in dtypes else a.dtype
+            flat[prefix + p] = jax.ShapeDtypeStruct(a.shape, dt, sharding=target.sharding(p, a.shape))
+
+    if "params" in items:
+        add(PARAMS, "params")
+    if "model" in items and stored.has(MODEL):
+        add(MODEL, "model")
+    if "opt_state" in items:
+        if not stored.has(ADAM):
+            raise BridgeError(f"{stored.directory} holds no optimizer state; restore items without opt_state")
+        add(MU, "mu")
+        add(NU, "nu")
+    for p in ((COUNT,) if "opt_state" in items else ()) + ((STEP,) if "step" in items else ()):
+        if p in stored.arrays:
+            a = stored.arrays[p]
+            flat[p] = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target.replicated())
+    return to_orbax_structure(flat)
+
+
+def to_orbax_structure(flat: Mapping[Path, Any]) -> dict:
+    """Nested dicts from full paths, with opt_state as the list `[adam, None, None]` Orbax records."""
+    tree = nested_from_paths(flat)
+    if "opt_state" in tree:
+        adam = tree["opt_state"].get("0", {})
+        tree["opt_state"] = [adam, None, None]
+    return tree

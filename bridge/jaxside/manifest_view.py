@@ -1,0 +1,138 @@
+"""What the JAX side needs from a checkpoint's manifest: section orders and AdamW hyper-parameters.
+
+`optimizer_from_manifest(manifest)` returns a ready `optax.adamw` with Megatron's betas, eps,
+weight decay, learning rate and its no-decay parameter group as the weight-decay mask. The
+no-decay set is, in order of preference: the manifest's `no_decay` list, the params of groups with
+`wd_mult == 0`, else Megatron's default rule (`get_standard_config_overrides`: biases and
+parameters whose own shape is 1-D, i.e. ignoring stacked-layer and expert axes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from bridge.errors import BridgeError
+from bridge.jaxside.keypaths import Path, to_path
+from bridge.store.manifest import Manifest
+from converters.jax_naming import Plan, leading_axes
+
+
+def as_manifest(manifest: Manifest | Mapping | None) -> Manifest | None:
+    """Accept a Manifest, its JSON dict, or None."""
+    if manifest is None or isinstance(manifest, Manifest):
+        return manifest
+    return Manifest.from_json(manifest)
+
+
+def _split(key: str) -> Path:
+    return tuple(c for c in key.replace(".", "/").split("/") if c)
+
+
+def section_orders(manifest: Manifest | Mapping | None) -> dict[Path, list[str]]:
+    """Fused parameter path -> its section names in fused order (from the manifest's section table).
+
+    >>> m = Manifest(fused={"decoder/layers/mlp/linear_fc1/weight": {"kind": "swiglu", "sections": [["gate", 4], ["up", 4]]}})
+    >>> section_orders(m)
+    {('decoder', 'layers', 'mlp', 'linear_fc1', 'weight'): ['gate', 'up']}
+    """
+    m = as_manifest(manifest)
+    if m is None:
+        return {}
+    out = {}
+    for key, spec in m.fused.items():
+        try:
+            out[_split(key)] = [str(name) for name, _ in spec["sections"]]
+        except (KeyError, TypeError, ValueError):
+            raise BridgeError(f"manifest section table for {key} is malformed; re-export the checkpoint") from None
+    return out
+
+
+@dataclass(frozen=True)
+class AdamHParams:
+    """AdamW hyper-parameters as optax names them; `no_decay` holds logical parameter paths."""
+
+    lr: float | None
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    no_decay: frozenset[Path] | None
+
+
+def adam_hparams(manifest: Manifest | Mapping) -> AdamHParams:
+    """AdamW hyper-parameters from a manifest, with Megatron's defaults for absent ones."""
+    m = as_manifest(manifest)
+    o = m.optimizer
+    if o.name and o.name.lower() not in ("adam", "adamw", "fusedadam"):
+        raise BridgeError(f"checkpoint optimizer is {o.name!r}, not Adam/AdamW; build the optax optimizer yourself")
+    b1, b2 = o.betas if o.betas is not None else (0.9, 0.999)  # Megatron --adam-beta1/2 defaults
+    no_decay: set[Path] | None = None
+    if o.no_decay:
+        no_decay = {_split(k) for k in o.no_decay}
+    elif any("wd_mult" in g for g in o.groups):
+        no_decay = {_split(k) for g in o.groups if g.get("wd_mult", 1.0) == 0.0 for k in g.get("params", [])}
+    return AdamHParams(lr=o.lr, b1=float(b1), b2=float(b2), eps=float(o.eps if o.eps is not None else 1e-8),
+                       weight_decay=float(o.weight_decay if o.weight_decay is not None else 0.01),
+                       no_decay=frozenset(no_decay) if no_decay is not None else None)
+
+
+def megatron_default_no_decay(path: Path, shape: tuple[int, ...]) -> bool:
+    """Megatron's default no-weight-decay rule: biases and parameters whose own shape is 1-D.
+
+    >>> megatron_default_no_decay(("decoder", "layers", "input_layernorm", "weight"), (4, 64))
+    True
+    >>> megatron_default_no_decay(("decoder", "layers", "mlp", "linear_fc2", "weight"), (4, 64, 32))
+    False
+    """
+    own = len(shape) - sum(leading_axes(path))
+    return path[-1] == "bias" or own <= 1
+
+
+def decay_mask(manifest: Manifest | Mapping, plan: Plan | None = None) -> Callable[[Any], Any]:
+    """`mask(params) -> tree of bools` (True = apply weight decay) for optax.adamw.
+
+    With a naming `plan`, a presented parameter is decayed iff its logical sources are.
+    """
+    import jax
+
+    h = adam_hparams(manifest)
+    sources: dict[Path, tuple[Path, ...]] = {}
+    if plan is not None:
+        for g in plan.groups:
+            for o in g.outputs:
+                sources[o] = g.sources
+
+    def no_decay(path: Path, shape: tuple[int, ...]) -> bool:
+        logical = sources.get(path, (path,))
+        if h.no_decay is not None:
+            return all(p in h.no_decay for p in logical)
+        return megatron_default_no_decay(logical[0], shape if plan is None else plan_shape(plan, logical[0]))
+
+    def mask(params: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(lambda kp, x: not no_decay(to_path(kp), tuple(x.shape)), params)
+
+    return mask
+
+
+def plan_shape(plan: Plan, source: Path) -> tuple[int, ...]:
+    """Logical shape of a source array of a naming plan."""
+    for g in plan.groups:
+        if source in g.sources:
+            return g.source_shapes[g.sources.index(source)]
+    raise KeyError(source)
+
+
+def optimizer_from_manifest(manifest: Manifest | Mapping, learning_rate: Any = None, plan: Plan | None = None):
+    """A ready `optax.adamw` with the checkpoint's hyper-parameters and no-decay mask.
+
+    `learning_rate` (a float or an optax schedule) overrides the manifest's lr; one of them is needed.
+    """
+    import optax
+
+    h = adam_hparams(manifest)
+    lr = learning_rate if learning_rate is not None else h.lr
+    if lr is None:
+        raise BridgeError("manifest records no learning rate; pass learning_rate= (a float or an optax schedule)")
+    return optax.adamw(lr, b1=h.b1, b2=h.b2, eps=h.eps, weight_decay=h.weight_decay,
+                       mask=decay_mask(manifest, plan))

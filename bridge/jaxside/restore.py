@@ -1,0 +1,219 @@
+"""Restore a logical checkpoint as sharded `jax.Array`s, with Orbax doing all the reading.
+
+    state = restore(path, mesh=mesh)                                  # default PartitionSpec rules
+    state = restore(path, mesh=mesh, rules=ShardingRules([("*/linear_fc2/weight", (None, "tp"))]))
+    state = restore(path, shardings=my_named_shardings)                # explicit, per parameter path
+    state = restore(path, mesh=mesh, optimizer=jax.eval_shape(tx.init, params_abstract))
+    state.params, state.opt_state, state.model, state.step
+
+Each process asks Orbax (`PyTreeCheckpointHandler` + `ArrayRestoreArgs` with the target sharding)
+for the arrays, so it reads only its addressable shards; multi-process JAX (`jax.distributed`) works
+unchanged (every process passes the same arguments). Optional `dtypes` casts on read (TensorStore
+`cast`). An optional `NamingMap` presents the tree the way a JAX model expects (joined sections,
+`[in, out]` kernels, unstacked layers): stored arrays are restored with shardings derived from the
+target ones, then transformed on device under `jit` with the target shardings.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, Sharding
+
+from bridge.errors import BridgeError
+from bridge.jaxside.abstract import (COUNT, MODEL, MU, NU, PARAMS, STEP, StoredTree, Target, stored_arrays,
+                                     to_orbax_structure)
+from bridge.jaxside.keypaths import Path, nested_from_paths
+from bridge.jaxside.manifest_view import adam_hparams, as_manifest, section_orders
+from bridge.jaxside.optax_state import MOMENTS, check_template, fill_template, template_roles
+from bridge.jaxside.sharding_rules import ShardingRules
+from bridge.store.manifest import MANIFEST_KEY, Manifest
+from converters.jax_naming import Group, NamingMap, Plan, jax_backend
+
+ITEMS = ("params", "opt_state", "model", "step")
+
+
+@dataclass
+class Restored:
+    """Restored training state (nested dicts of jax.Array, JAX-facing names).
+
+    `opt_state` is the filled optax template, or `(ScaleByAdamState, EmptyState, EmptyState)` when
+    no template was given. `manifest` is the checkpoint's `gtp_bridge` custom metadata (or None);
+    `plans` are the naming plans used (params, model), needed to save back in logical form.
+    """
+
+    params: dict | None
+    opt_state: Any
+    model: dict | None
+    step: jax.Array | None
+    manifest: Manifest | None
+    plans: dict[str, Plan] = field(default_factory=dict)
+
+
+def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
+            rules: ShardingRules | None = None, shardings: Mapping | Any = None, optimizer: Any = None,
+            dtypes: Mapping[str, Any] | None = None, items: tuple[str, ...] = ITEMS,
+            naming: NamingMap | None = None, strict: bool = True) -> Restored:
+    """Restore `items` of a logical checkpoint onto a mesh (see module docstring).
+
+    `optimizer` is an optax template (`jax.eval_shape(tx.init, params)`), filled by key path; it
+    must match the (named) parameter tree and shapes, else BridgeError names the first differing path.
+    `dtypes` ({"params"|"model"|"mu"|"nu": dtype}) casts on read; moments default to the template's dtype.
+    """
+    bad = set(items) - set(ITEMS)
+    if bad:
+        raise BridgeError(f"unknown items {sorted(bad)}; choose from {list(ITEMS)}")
+    dtypes = dict(dtypes or {})
+    if set(dtypes) - {"params", "model", "mu", "nu"}:
+        raise BridgeError(f"dtypes keys {sorted(set(dtypes) - {'params', 'model', 'mu', 'nu'})} unknown; "
+                          f"use params, model, mu, nu")
+    stored = stored_arrays(directory)
+    target = Target(mesh=mesh, rules=rules or ShardingRules(), shardings=shardings)
+    manifest = as_manifest(stored.custom_metadata.get(MANIFEST_KEY))
+    naming = naming or NamingMap()
+    orders = section_orders(manifest)
+    plans = {"params": naming.plan({p: a.shape for p, a in stored.section(PARAMS).items()}, orders)}
+    if "model" in items and stored.has(MODEL):
+        plans["model"] = naming.plan({p: a.shape for p, a in stored.section(MODEL).items()}, orders)
+
+    want_opt = "opt_state" in items or optimizer is not None
+    if want_opt and not stored.has(MU):
+        raise BridgeError(f"{stored.directory} holds no optimizer state (opt_state/0/mu); restore without opt_state")
+    moment_dtypes: dict[str, dict[Path, Any]] = {"mu": {}, "nu": {}}
+    if optimizer is not None:
+        check_template(optimizer, {o: (s, None) for o, s in plans["params"].out_shapes().items()}, strict)
+        for _, role, leaf in template_roles(optimizer):
+            if role.kind in MOMENTS:
+                moment_dtypes[role.kind][role.param] = leaf.dtype
+
+    # Which stored arrays to read, with which sharding and dtype, and the transforms after reading.
+    requests: list[tuple[Path, str, Plan, Any]] = []  # (stored prefix, kind, plan, dtype rule)
+    if "params" in items:
+        requests.append((PARAMS, "params", plans["params"], dtypes.get("params")))
+    if "model" in plans:
+        requests.append((MODEL, "model", plans["model"], dtypes.get("model")))
+    if want_opt:
+        requests.append((MU, "mu", plans["params"], dtypes.get("mu")))
+        requests.append((NU, "nu", plans["params"], dtypes.get("nu")))
+
+    abstract: dict[Path, jax.ShapeDtypeStruct] = {}
+    jobs: list[tuple[Path, str, Group, list[Sharding], Any]] = []
+    for prefix, kind, plan, dt in requests:
+        for g in plan.groups:
+            outs = target.group_shardings(g)
+            want_dt = dt if dt is not None else moment_dtypes.get(kind, {}).get(g.outputs[0])
+            src_sh = outs[0] if g.is_identity else _source_sharding(g, outs[0], target)
+            for s, shape in zip(g.sources, g.source_shapes):
+                a = stored.arrays[prefix + s]
+                abstract[prefix + s] = jax.ShapeDtypeStruct(shape, np.dtype(want_dt) if want_dt else a.dtype,
+                                                            sharding=src_sh)
+            jobs.append((prefix, kind, g, outs, want_dt))
+    scalars = ([COUNT] if want_opt else []) + ([STEP] if "step" in items else [])
+    for p in scalars:
+        if p in stored.arrays:
+            a = stored.arrays[p]
+            abstract[p] = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target.replicated())
+
+    flat = _orbax_restore(stored, abstract)
+
+    results: dict[str, dict[Path, Any]] = {"params": {}, "model": {}, "mu": {}, "nu": {}}
+    for prefix, kind, g, outs, _ in jobs:
+        srcs = [flat[prefix + s] for s in g.sources]
+        arrays = srcs if g.is_identity else _transform(g, tuple(outs))(*srcs)
+        results[kind].update(zip(g.outputs, arrays))
+
+    opt_state = None
+    if want_opt:
+        count = flat.get(COUNT)
+        if count is None:
+            raise BridgeError(f"{stored.directory} has moments but no opt_state/0/count; the checkpoint is incomplete")
+        if optimizer is not None:
+            hyper = _injectable_hyperparams(manifest)
+            opt_state = fill_template(optimizer, results["mu"], results["nu"], count, hyper,
+                                      place=functools.partial(_place, replicated=target.replicated()))
+        else:
+            import optax
+
+            opt_state = (optax.ScaleByAdamState(count=count, mu=nested_from_paths(results["mu"]),
+                                                nu=nested_from_paths(results["nu"])),
+                         optax.EmptyState(), optax.EmptyState())
+    return Restored(
+        params=nested_from_paths(results["params"]) if "params" in items else None,
+        opt_state=opt_state if "opt_state" in items else opt_state,
+        model=nested_from_paths(results["model"]) if "model" in plans else None,
+        step=flat.get(STEP) if "step" in items else None,
+        manifest=manifest,
+        plans=plans,
+    )
+
+
+def _orbax_restore(stored: StoredTree, abstract: Mapping[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
+    """One Orbax restore of the requested arrays (partial when not everything is requested)."""
+    import orbax.checkpoint as ocp
+
+    from bridge.jaxside.keypaths import leaves_by_path
+
+    item = to_orbax_structure(abstract)
+    restore_args = jax.tree.map(
+        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), item)
+    partial = set(abstract) != set(stored.arrays)
+    ck = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    try:
+        out = ck.restore(stored.directory,
+                         args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=partial))
+    except (ValueError, FileNotFoundError) as e:
+        raise BridgeError(f"Orbax could not restore {stored.directory}: {str(e).splitlines()[0]}") from None
+    return {p: v for p, v in leaves_by_path(out).items() if p in abstract}
+
+
+def _source_sharding(g: Group, out: Sharding, target: Target) -> Sharding:
+    """Sharding to read a group's sources with, so its transform is local where possible."""
+    if not isinstance(out, NamedSharding):
+        return target.replicated()
+    spec = list(g.source_spec(tuple(out.spec)))
+    sizes = dict(out.mesh.shape)
+    for shape in g.source_shapes:  # drop axes that do not divide a section
+        for d, entry in enumerate(spec):
+            if entry is None:
+                continue
+            n = int(np.prod([sizes[a] for a in (entry if isinstance(entry, tuple) else (entry,))]))
+            if shape[d] % n:
+                spec[d] = None
+    return NamedSharding(out.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+@functools.lru_cache(maxsize=256)
+def _transform(g: Group, outs: tuple[Sharding, ...]):
+    """Jitted forward of a naming group, producing arrays with the target shardings."""
+    be = jax_backend()
+    return jax.jit(lambda *srcs: tuple(g.forward(srcs, be)), out_shardings=outs)
+
+
+def _place(value: Any, leaf: Any, replicated: NamedSharding) -> Any:
+    """Put a filled value where an optax template leaf wants it (dtype; scalars replicated)."""
+    dtype = getattr(leaf, "dtype", None)
+    if isinstance(value, jax.Array):
+        if dtype is not None and value.dtype != dtype:
+            value = jax.jit(lambda x: x.astype(dtype), out_shardings=value.sharding)(value)
+        return value
+    arr = np.asarray(value, dtype=dtype)
+    return jax.device_put(arr, replicated)
+
+
+def _injectable_hyperparams(manifest: Manifest | None) -> dict[str, float] | None:
+    """inject_hyperparams values from the manifest (None when it has no optimizer record)."""
+    if manifest is None:
+        return None
+    h = adam_hparams(manifest)
+    out = {"b1": h.b1, "b2": h.b2, "eps": h.eps, "eps_root": 0.0, "weight_decay": h.weight_decay}
+    if h.lr is not None:
+        out["learning_rate"] = h.lr
+    return out
+
+
+__all__ = ["Restored", "restore"]
