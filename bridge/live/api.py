@@ -16,6 +16,7 @@ Per rank, a run describes every parameter it holds with one `LocalParam`:
 - `optim`     this rank's distributed-optimizer fragment of that physical shard (`OptimFragment`:
               flat range `[f0, f1)` of `shard.view(-1)` and the fp32 `master`, `exp_avg`,
               `exp_avg_sq` of that range), or None when the rank owns none of it;
+- `index`     position of this instance on the geometry's prepended (layer / expert) axes;
 - `main_replica` writer election among ranks that hold identical copies of the same logical data
               (DP / TP / GTP replicas): True / False as the run decides (Megatron's
               `replica_id == (0, 0, 0)`), or None to let the exporter elect deterministically.
@@ -107,6 +108,7 @@ class LocalParam:
     weight: "torch.Tensor | QuantizedWeight | None"
     optim: OptimFragment | None = None
     main_replica: bool | None = None
+    index: tuple[int, ...] = ()  # position on the geometry's prepended (layer / expert) axes
 
 
 @dataclass(frozen=True)
