@@ -1,18 +1,13 @@
-"""Pure planning for streamed reads: cut an array into row-major contiguous blocks under a budget.
+"""Pure planning for streamed reads: cut an array into blocks of whole storage chunks under a budget.
 
 Statistics and diffs read an array block by block so host memory is bounded by the in-flight
-budget, not by the array size. Every block is a *contiguous run of the row-major flattening*
-(a range of rows of full trailing extent, or, when one row is too big, a range inside one row
-along the next axis, recursively), and blocks come in row-major order: so the first differing
-element of the first block that differs is the first differing element of the array, and a
-block's flat offset is just its start index raveled.
-
-Block extents along the cut axis are multiples of the storage chunk extent when they can be,
-so reads do not straddle chunks needlessly.
+budget, not by the array size. Blocks are disjoint boxes that tile the array; consumers must not
+assume blocks are contiguous in row-major order (the diff takes the minimum flat index over blocks).
 """
 
 from __future__ import annotations
 
+from itertools import product
 from math import prod
 from typing import Iterator, Sequence
 
@@ -20,10 +15,14 @@ from bridge.layout.boxes import Box
 
 
 def plan_blocks(shape: Sequence[int], max_elems: int, chunk: Sequence[int] | None = None) -> Iterator[Box]:
-    """Yield boxes covering `shape` in row-major order, each a contiguous run of <= max_elems elements.
+    """Yield disjoint boxes covering `shape`, each of <= max_elems elements, made of whole storage chunks.
 
-    `chunk` (the storage read-chunk shape) aligns cuts to chunk boundaries where the budget allows.
-    A block is never smaller than one element, so `max_elems < 1` is treated as 1.
+    TensorStore decodes a whole read chunk for any read that touches it, so blocks are unions of
+    whole `chunk`s (the storage read-chunk shape): the block grows over the innermost dimensions
+    first, in chunk multiples, while it fits; blocks come in row-major order of the block grid.
+    When one chunk alone exceeds `max_elems`, each chunk is cut into row-major slabs (each read then
+    decodes that chunk again: give a budget of a few chunks to avoid it). Without `chunk`, blocks are
+    row-major slabs. A block is never smaller than one element.
 
     >>> [str(b) for b in plan_blocks((4, 3), 6)]
     ['[0:2, 0:3]', '[2:4, 0:3]']
@@ -31,46 +30,68 @@ def plan_blocks(shape: Sequence[int], max_elems: int, chunk: Sequence[int] | Non
     ['[0:1, 0:3]', '[0:1, 3:5]', '[1:2, 0:3]', '[1:2, 3:5]']
     >>> [str(b) for b in plan_blocks((10, 4), 20, chunk=(3, 4))]
     ['[0:3, 0:4]', '[3:6, 0:4]', '[6:9, 0:4]', '[9:10, 0:4]']
+    >>> [str(b) for b in plan_blocks((4, 8), 8, chunk=(2, 2))]
+    ['[0:2, 0:4]', '[0:2, 4:8]', '[2:4, 0:4]', '[2:4, 4:8]']
     >>> list(plan_blocks((), 5))
     [Box(start=(), stop=())]
     """
     shape = tuple(int(s) for s in shape)
+    max_elems = max(1, int(max_elems))
     if any(s == 0 for s in shape):
         return
-    chunk = tuple(int(c) for c in chunk) if chunk is not None else (1,) * len(shape)
-    yield from _blocks((), shape, max(1, int(max_elems)), chunk)
+    if chunk is None or len(chunk) != len(shape):
+        yield from _slabs((), shape, max_elems)
+        return
+    chunk = tuple(max(1, min(int(c), s)) for c, s in zip(chunk, shape))
+    if prod(chunk) > max_elems:
+        for cbox in _grid(shape, chunk):
+            for b in _slabs((), cbox.shape, max_elems):
+                yield b.shift(cbox.start)
+        return
+    yield from _grid(shape, block_shape(shape, chunk, max_elems))
 
 
-def _blocks(prefix: tuple[int, ...], shape: tuple[int, ...], max_elems: int,
-            chunk: tuple[int, ...]) -> Iterator[Box]:
-    """Blocks of the sub-array at index `prefix` (fixed leading indices) of the remaining `shape`."""
-    ones = (1,) * len(prefix)
+def block_shape(shape: Sequence[int], chunk: Sequence[int], max_elems: int) -> tuple[int, ...]:
+    """Largest block of whole chunks (innermost dimensions grown first) with <= max_elems elements.
+
+    >>> block_shape((100, 64, 64), (10, 16, 64), 16 * 64 * 10 * 3)
+    (10, 48, 64)
+    >>> block_shape((100, 64, 64), (10, 16, 64), 64 * 64 * 25)
+    (20, 64, 64)
+    """
+    block = list(chunk)
+    for d in reversed(range(len(shape))):
+        rest = prod(block) // block[d]
+        units = max(1, (max_elems // rest) // chunk[d])
+        block[d] = min(shape[d], units * chunk[d])
+        if block[d] < shape[d]:
+            break  # outer dims stay one chunk deep, so blocks remain compact
+    return tuple(block)
+
+
+def _grid(shape: tuple[int, ...], step: tuple[int, ...]) -> Iterator[Box]:
+    """Boxes of a regular grid of `step`-shaped cells over `shape`, row-major, clipped at the edges."""
+    counts = [-(-s // t) for s, t in zip(shape, step)]
+    for cell in product(*(range(c) for c in counts)):
+        start = tuple(i * t for i, t in zip(cell, step))
+        yield Box(start, tuple(min(a + t, s) for a, t, s in zip(start, step, shape)))
+
+
+def _slabs(prefix: tuple[int, ...], shape: tuple[int, ...], max_elems: int) -> Iterator[Box]:
+    """Row-major contiguous slabs of the sub-array at index `prefix` of the remaining `shape`."""
+    ones = tuple(p + 1 for p in prefix)
     if not shape:
-        yield Box(prefix, tuple(p + 1 for p in prefix))
+        yield Box(prefix, ones)
         return
     inner = prod(shape[1:])  # elements in one step along the cut axis
     if inner <= max_elems:
-        step = _aligned_step(shape[0], max_elems // inner, chunk[0] if chunk else 1)
+        step = max(1, min(shape[0], max_elems // inner))
         for lo in range(0, shape[0], step):
             hi = min(lo + step, shape[0])
-            yield Box(prefix + (lo,) + (0,) * (len(shape) - 1), tuple(p + o for p, o in zip(prefix, ones)) + (hi,) + shape[1:])
+            yield Box(prefix + (lo,) + (0,) * (len(shape) - 1), ones + (hi,) + shape[1:])
         return
     for i in range(shape[0]):
-        yield from _blocks(prefix + (i,), shape[1:], max_elems, chunk[1:])
-
-
-def _aligned_step(extent: int, fit: int, chunk: int) -> int:
-    """Largest step <= fit, rounded down to a multiple of `chunk` when at least one chunk fits.
-
-    >>> _aligned_step(10, 7, 3), _aligned_step(10, 2, 3), _aligned_step(10, 50, 3)
-    (6, 2, 10)
-    """
-    fit = max(1, min(fit, extent))
-    if fit >= extent:
-        return extent
-    if chunk > 1 and fit >= chunk:
-        return fit - fit % chunk
-    return fit
+        yield from _slabs(prefix + (i,), shape[1:], max_elems)
 
 
 def block_elems_for_budget(budget_bytes: int, itemsize: int, in_flight: int = 2) -> int:

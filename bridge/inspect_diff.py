@@ -47,11 +47,11 @@ def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @dataclass
 class ArrayDiff:
-    """Streaming comparison result for one array; `update` takes blocks in row-major order.
+    """Streaming comparison result for one array; `update` takes blocks (boxes) in any order.
 
     >>> d = ArrayDiff(shape=(2, 3))
     >>> a = np.zeros((2, 3), np.float32); b = a.copy(); b[1, 1] = 1e-3; b[0, 2] = -0.0
-    >>> d.update(a, b, flat_offset=0)
+    >>> d.update(a[1:], b[1:], start=(1, 0)); d.update(a[:1], b[:1], start=(0, 0))
     >>> d.differing, d.first_index, d.signed_zero, d.beyond_tolerance
     (1, (1, 1), 1, 1)
     """
@@ -68,40 +68,48 @@ class ArrayDiff:
     max_ulp: int = 0
     first_index: tuple[int, ...] | None = None
     first_beyond_index: tuple[int, ...] | None = None
-    first_values: tuple[Any, Any] | None = field(default=None)
+    first_values: tuple[Any, Any] | None = None
+    _first_flat: int | None = field(default=None, repr=False)
+    _first_beyond_flat: int | None = field(default=None, repr=False)
 
-    def update(self, a: np.ndarray, b: np.ndarray, flat_offset: int) -> None:
-        """Compare one pair of equally shaped blocks whose first element has row-major index `flat_offset`."""
-        fa, fb = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
+    def update(self, a: np.ndarray, b: np.ndarray, start: Sequence[int] | None = None) -> None:
+        """Compare one pair of equally shaped blocks located at `start` in the array (blocks in any order)."""
+        a, b = np.asarray(a), np.asarray(b)
+        start = tuple(start) if start is not None else (0,) * a.ndim
+        fa, fb = a.reshape(-1), b.reshape(-1)
         self.elements += fa.size
         xa, xb = as_float(fa), as_float(fb)
         nan_a, nan_b = np.isnan(xa), np.isnan(xb)
         nan_mis = nan_a != nan_b
-        both_nan = nan_a & nan_b
-        differ = (xa != xb) & ~both_nan  # NaN != NaN is True, so mask both-NaN; NaN vs number stays True
+        differ = (xa != xb) & ~(nan_a & nan_b)  # NaN != NaN is True: mask both-NaN; NaN vs number stays
         self.signed_zero += int(np.count_nonzero((xa == 0) & (xb == 0) & (np.signbit(xa) != np.signbit(xb))))
-        n_diff = int(np.count_nonzero(differ))
-        if n_diff == 0:
-            return
-        self.differing += n_diff
-        self.nan_mismatch += int(np.count_nonzero(nan_mis))
         idx = np.flatnonzero(differ)
+        if idx.size == 0:
+            return
+        self.differing += idx.size
+        self.nan_mismatch += int(np.count_nonzero(nan_mis))
         da, db = fa[idx], fb[idx]
-        ea, eb = xa[idx].astype(np.float64), xb[idx].astype(np.float64)
         with np.errstate(invalid="ignore", over="ignore"):
-            absd = np.abs(ea - eb)
-        absd = np.where(np.isnan(absd), np.inf, absd)  # NaN vs number, or +Inf vs +Inf impossible here
-        ulps = ulp_distance(da, db) if da.dtype == db.dtype else np.full(idx.size, np.iinfo(np.uint64).max, np.uint64)
-        ulps = np.where(nan_mis[idx], np.iinfo(np.uint64).max, ulps)
+            absd = np.abs(xa[idx].astype(np.float64) - xb[idx].astype(np.float64))
+        absd = np.where(np.isnan(absd), np.inf, absd)  # NaN vs number (both-NaN never gets here)
+        top = np.iinfo(np.uint64).max
+        ulps = ulp_distance(da, db) if da.dtype == db.dtype else np.full(idx.size, top, np.uint64)
+        ulps = np.where(nan_mis[idx], top, ulps)
         self.max_abs = max(self.max_abs, float(absd.max()))
         self.max_ulp = max(self.max_ulp, int(ulps.max()))
         beyond = ~((absd <= self.atol) | (ulps <= np.uint64(self.ulp)))
         self.beyond_tolerance += int(np.count_nonzero(beyond))
-        if self.first_index is None:
-            self.first_index = _unravel(flat_offset + int(idx[0]), self.shape)
-            self.first_values = (_scalar(fa[idx[0]]), _scalar(fb[idx[0]]))
-        if self.first_beyond_index is None and beyond.any():
-            self.first_beyond_index = _unravel(flat_offset + int(idx[np.argmax(beyond)]), self.shape)
+        flat = _global_flat(idx, a.shape, start, self.shape)
+        i = int(np.argmin(flat))
+        if self._first_flat is None or flat[i] < self._first_flat:
+            self._first_flat = int(flat[i])
+            self.first_index = _unravel(int(flat[i]), self.shape)
+            self.first_values = (_scalar(da[i]), _scalar(db[i]))
+        if beyond.any():
+            j = int(flat[beyond].min())
+            if self._first_beyond_flat is None or j < self._first_beyond_flat:
+                self._first_beyond_flat = j
+                self.first_beyond_index = _unravel(j, self.shape)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe dict (infinite max_abs becomes the string "inf")."""
@@ -112,6 +120,19 @@ class ArrayDiff:
         d["first_beyond_index"] = list(self.first_beyond_index) if self.first_beyond_index is not None else None
         d["first_values"] = list(self.first_values) if self.first_values is not None else None
         return d
+
+
+def _global_flat(local_idx: np.ndarray, block_shape: Sequence[int], start: Sequence[int],
+                 shape: Sequence[int]) -> np.ndarray:
+    """Row-major flat indices in the whole array of flat indices `local_idx` inside a block at `start`.
+
+    >>> _global_flat(np.array([0, 3]), (2, 2), (1, 2), (4, 5)).tolist()
+    [7, 13]
+    """
+    if not shape:
+        return np.zeros(local_idx.size, np.int64)
+    local = np.unravel_index(local_idx, tuple(block_shape))
+    return np.ravel_multi_index(tuple(c + o for c, o in zip(local, start)), tuple(shape)).astype(np.int64)
 
 
 def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:

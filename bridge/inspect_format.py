@@ -67,9 +67,9 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[
     """Plain aligned text table.
 
     >>> print(table(["a", "bb"], [["x", "1"], ["yyy", "22"]], right=[False, True]))
-    a     bb
-    x      1
-    yyy   22
+    a    bb
+    x     1
+    yyy  22
     """
     right = right or [False] * len(header)
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]

@@ -1,0 +1,172 @@
+"""`gtp-bridge inspect --stats`: streamed statistics checked against numpy on the original data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bridge.inspect_stats import ArrayStats
+from inspect_fixtures import REPO, run_cli, save_plain_orbax, small_state
+
+
+def _numpy_stats(x: np.ndarray) -> dict:
+    """Independent whole-array reference for ArrayStats' definitions."""
+    x = np.asarray(x, dtype=np.float64).reshape(-1)
+    fin = x[np.isfinite(x)]
+    return {"count": x.size, "nan": int(np.isnan(x).sum()), "posinf": int((x == np.inf).sum()),
+            "neginf": int((x == -np.inf).sum()), "zeros": int((x == 0).sum()),
+            "min": float(fin.min()) if fin.size else None, "max": float(fin.max()) if fin.size else None,
+            "mean": float(fin.mean()) if fin.size else None,
+            "rms": float(np.sqrt(np.mean(fin ** 2))) if fin.size else None}
+
+
+def _assert_matches(got: dict, want: dict) -> None:
+    for k in ("count", "nan", "posinf", "neginf", "zeros", "min", "max"):
+        assert got[k] == want[k], k
+    for k in ("mean", "rms"):
+        if want[k] is None:
+            assert got[k] is None
+        else:
+            assert got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-12), k
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 400), cut=st.integers(1, 80), seed=st.integers(0, 10_000),
+       dtype=st.sampled_from([np.float32, np.float64, ml_dtypes.bfloat16, np.int32]))
+def test_stats_blockwise_and_merged_equal_whole_array(n, cut, seed, dtype):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n) * 10
+    x[rng.random(n) < 0.2] = 0
+    if np.dtype(dtype).kind != "i":
+        x[rng.random(n) < 0.05] = np.nan
+        x[rng.random(n) < 0.03] = np.inf
+        x[rng.random(n) < 0.03] = -np.inf
+    x = x.astype(dtype)
+    streamed = ArrayStats()
+    parts = []
+    for lo in range(0, n, cut):
+        streamed.update(x[lo:lo + cut])
+        p = ArrayStats()
+        p.update(x[lo:lo + cut])
+        parts.append(p)
+    merged = ArrayStats()
+    for p in reversed(parts):  # order must not matter
+        merged = merged.merge(p)
+    want = _numpy_stats(x.astype(np.float64))
+    _assert_matches(streamed.to_json(), want)
+    _assert_matches(merged.to_json(), want)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    state = small_state(3)
+    nu = state["opt_state"]["nu"]["decoder"]["layers"]["mlp"]["linear_fc2"]["weight"]
+    nu[1, 2, 3] = np.nan
+    nu[2, 0, 0] = np.nan
+    master = state["params"]["embedding"]["word_embeddings"]["weight"]
+    master[5, 5] = np.inf
+    master[6, 1] = -np.inf
+    path = str(tmp_path_factory.mktemp("stats") / "ck")
+    save_plain_orbax(path, state, custom_metadata={"gtp_bridge": {"format_version": 1, "source": {"tp": 2}}})
+    return path, state
+
+
+def _flatten(tree, prefix=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, prefix + (k,))
+    else:
+        yield "/".join(prefix), tree
+
+
+def test_stats_report_planted_nans_in_right_array(planted):
+    path, state = planted
+    r = run_cli("inspect", path, "--stats", "--json", "--budget", "4K")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    got = {a["name"]: a for a in rep["arrays"]}
+    want = dict(_flatten(state))
+    assert set(got) == set(want)
+    for name, x in want.items():
+        x = np.asarray(x)
+        assert got[name]["shape"] == list(x.shape) and got[name]["dtype"] == str(x.dtype)
+        assert got[name]["bytes"] == x.nbytes
+        _assert_matches(got[name]["stats"], _numpy_stats(x))
+    nans = {n: a["stats"]["nan"] for n, a in got.items() if a["stats"]["nan"]}
+    assert nans == {"opt_state/nu/decoder/layers/mlp/linear_fc2/weight": 2}
+    infs = {n: (a["stats"]["posinf"], a["stats"]["neginf"]) for n, a in got.items()
+            if a["stats"]["posinf"] or a["stats"]["neginf"]}
+    assert infs == {"params/embedding/word_embeddings/weight": (1, 1)}
+    assert rep["manifest"] == {"format_version": 1, "source": {"tp": 2}}
+    # the text table shows the same NaN count on that array's row
+    text = run_cli("inspect", path, "--stats").stdout
+    row = next(ln for ln in text.splitlines() if ln.startswith("opt_state/nu/decoder/"))
+    assert row.split()[-2:] == ["2", "0"]
+    assert "\r" not in text  # no progress bar when not a tty
+
+
+def test_inspect_lists_layout_without_reading_data(planted):
+    path, state = planted
+    rep = json.loads(run_cli("inspect", path, "--json", "--only", "params/*").stdout)
+    assert [a["name"] for a in rep["arrays"]] == ["params/decoder/layers/mlp/linear_fc2/weight",
+                                                  "params/embedding/word_embeddings/weight"]
+    assert all("stats" not in a for a in rep["arrays"])
+    a = rep["arrays"][0]
+    assert a["chunk"] is not None and len(a["chunk"]) == 3 and a["read_chunk"] is not None
+
+
+_MEASURE = r"""
+import json, sys, numpy as np
+from bridge.inspect_open import open_for_inspection
+from bridge.inspect_stream import stream_stats
+budget = int(sys.argv[2])
+info = open_for_inspection(sys.argv[1])
+arr = info.get("params/big")
+def status(key):
+    for ln in open("/proc/self/status"):
+        if ln.startswith(key):
+            return int(ln.split()[1]) * 1024
+with open("/proc/self/clear_refs", "w") as f:   # reset the peak-RSS high-water mark
+    f.write("5")
+base = status("VmRSS:")
+s = stream_stats(arr.view, budget, arr.read_chunk)
+print(json.dumps({"growth": status("VmHWM:") - base, "count": s.count, "max": s.max,
+                  "read_chunk_bytes": int(np.prod(arr.read_chunk)) * 4}))
+"""
+
+
+def _peak_growth(path: str, budget: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", _MEASURE, path, str(budget)], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.slow
+def test_stats_memory_bounded_by_budget_not_array_size(tmp_path):
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux /proc peak-RSS reset")
+    rows, cols = 8192, 4096  # 128 MiB fp32
+    big = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) % 1000.0
+    # TensorStore decodes whole read chunks, so the bound is max(budget, chunk): store 4 MiB chunks
+    save_plain_orbax(str(tmp_path / "ck"), {"params": {"big": big}}, chunk_byte_size=4 << 20)
+    array_bytes = big.nbytes
+    del big
+    budget = 16 << 20
+    small = _peak_growth(str(tmp_path / "ck"), budget)
+    assert small["count"] == rows * cols and small["max"] == 999.0 and small["read_chunk_bytes"] <= 4 << 20
+    # the control shows the measurement sees a whole-array read
+    whole = _peak_growth(str(tmp_path / "ck"), 4 * array_bytes)
+    assert whole["growth"] > array_bytes * 0.9, whole
+    # budget + a few read chunks that TensorStore decodes whole + allocator/thread slack; not 128 MiB
+    allowance = budget + 4 * small["read_chunk_bytes"] + (16 << 20)
+    assert small["growth"] < allowance, (small, allowance)
