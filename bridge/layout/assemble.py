@@ -37,20 +37,20 @@ def fill_flat(pieces: Sequence[Piece], numel: int, read: Reader, dtype) -> np.nd
 
 
 def assemble_shard(geom: ParamGeometry, tp: int, gtp: int, t: int, g: int, read: Reader, dtype,
-                   index: Sequence[int] = ()) -> np.ndarray:
+                   index: Sequence[int] | None = None) -> np.ndarray:
     """Physical shard (padded GTP shard, or TP-local tensor) of (TP rank t, GTP rank g)."""
     shape = geom.physical_shape(tp, gtp)
     flat = fill_flat(geom.shard_pieces(tp, gtp, t, g, index), int(np.prod(shape, dtype=np.int64)), read, dtype)
     return flat.reshape(shape)
 
 
-def assemble_tp_local(geom: ParamGeometry, tp: int, t: int, read: Reader, dtype, index: Sequence[int] = ()) -> np.ndarray:
+def assemble_tp_local(geom: ParamGeometry, tp: int, t: int, read: Reader, dtype, index: Sequence[int] | None = None) -> np.ndarray:
     """TP-local tensor (fused sections re-interleaved as Megatron holds them) of TP rank t."""
     return assemble_shard(geom, tp, 1, t, 0, read, dtype, index)
 
 
 def assemble_fragment(geom: ParamGeometry, tp: int, gtp: int, t: int, g: int, f0: int, f1: int, read: Reader, dtype,
-                      index: Sequence[int] = ()) -> np.ndarray:
+                      index: Sequence[int] | None = None) -> np.ndarray:
     """DP flat fragment [f0, f1) of the physical shard (what a DistOpt rank's state holds)."""
     return fill_flat(geom.fragment_pieces(tp, gtp, t, g, f0, f1, index), f1 - f0, read, dtype)
 

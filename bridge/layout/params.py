@@ -14,7 +14,7 @@ GtpSplit(rows=5, pad=3, shard_rows=4, size=2)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Sequence
 
@@ -77,6 +77,8 @@ class ParamGeometry:
       shard belongs to one `index` into them.
     - `fused`: section table; logical arrays are then `section_array(name, section)`.
     - `expert`: sizes come from the expert grid (ETP, EGTP).
+    - `index`: default stacked-axes index of this instance (layer, expert), used when a method's
+      `index` argument is None; `at(index)` returns a copy for another instance.
 
     >>> ParamGeometry("l.w", (10, 6), "row", gtp=True, pad_for_alignment=4, prepend=(24,)).logical_arrays()
     {'l.w': (24, 10, 6)}
@@ -90,11 +92,15 @@ class ParamGeometry:
     prepend: tuple[int, ...] = ()
     fused: FusedSpec | None = None
     expert: bool = False
+    index: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         object.__setattr__(self, "prepend", tuple(int(s) for s in self.prepend))
+        object.__setattr__(self, "index", tuple(int(s) for s in self.index))
         n = self.name
+        if self.index:
+            self._check_index(self.index)
         if self.tp_kind not in TP_KINDS:
             raise BridgeError(f"{n}: unknown TP kind {self.tp_kind!r}; use one of {list(TP_KINDS)}")
         if any(s < 0 for s in self.shape) or any(s < 1 for s in self.prepend):
@@ -120,9 +126,47 @@ class ParamGeometry:
             return {self.name: self.prepend + self.shape}
         return {section_array(self.name, s.name): self.prepend + (s.rows,) + self.shape[1:] for s in self.fused.sections}
 
+    def at(self, index: Sequence[int]) -> "ParamGeometry":
+        """The same geometry for the instance at stacked-axes `index`."""
+        return replace(self, index=tuple(index))
+
     def sizes(self, layout) -> tuple[int, int]:
         """(TP, GTP) sizes that apply to this parameter in a `ParallelLayout`."""
         return layout.tp_gtp_sizes(self.expert)
+
+    def placement(self, layout, rank: int) -> tuple[int, int, int, int]:
+        """`(tp, gtp, t, g)` of `rank` for this parameter (expert grid for expert params).
+
+        >>> from bridge.layout.parallel import ParallelLayout
+        >>> ParamGeometry("w", (8, 4), "column", gtp=True).placement(ParallelLayout(tp=2, gtp=2, dp=2), 6)
+        (2, 2, 0, 1)
+        """
+        tp, gtp = self.sizes(layout)
+        t, g = layout.shard_coords(rank, self.expert)
+        return tp, gtp, t, g
+
+    def to_json(self) -> dict:
+        """Plain JSON (fused spec included)."""
+        return {"name": self.name, "shape": list(self.shape), "tp_kind": self.tp_kind, "gtp": self.gtp,
+                "pad_for_alignment": self.pad_for_alignment, "prepend": list(self.prepend),
+                "fused": None if self.fused is None else self.fused.to_json(), "expert": self.expert,
+                "index": list(self.index)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ParamGeometry":
+        """Inverse of `to_json`.
+
+        >>> w = ParamGeometry("fc1", (12, 4), "column", True, 4, (2,), FusedSpec.swiglu(6), index=(1,))
+        >>> ParamGeometry.from_json(w.to_json()) == w
+        True
+        """
+        try:
+            fused = None if d.get("fused") is None else FusedSpec.from_json(d["fused"])
+            return cls(str(d["name"]), tuple(d["shape"]), d.get("tp_kind", "replicated"), bool(d.get("gtp", False)),
+                       int(d.get("pad_for_alignment", 16)), tuple(d.get("prepend", ())), fused,
+                       bool(d.get("expert", False)), tuple(d.get("index", ())))
+        except (KeyError, TypeError, ValueError) as e:
+            raise BridgeError(f"parameter geometry JSON {d!r} is malformed ({e}); write it with ParamGeometry.to_json()") from None
 
     # --- TP / GTP ------------------------------------------------------------------------------------
     def tp_local_shape(self, tp: int) -> tuple[int, ...]:
@@ -169,7 +213,7 @@ class ParamGeometry:
         """Element count of the physical shard (what the DistOpt buffer reserves)."""
         return prod(self.physical_shape(tp, gtp))
 
-    def row_runs(self, tp: int, t: int, index: Sequence[int] = ()) -> list[RowRun]:
+    def row_runs(self, tp: int, t: int, index: Sequence[int] | None = None) -> list[RowRun]:
         """TP-local rows that hold data -> logical arrays, for TP rank t and stacked-axes `index`."""
         index = self._check_index(index)
         if not 0 <= t < tp:
@@ -190,15 +234,15 @@ class ParamGeometry:
             off = (0,) + zeros
         return [RowRun(0, local[0], self.name, index + off)]
 
-    def _check_index(self, index: Sequence[int]) -> tuple[int, ...]:
-        index = tuple(int(i) for i in index)
+    def _check_index(self, index: Sequence[int] | None) -> tuple[int, ...]:
+        index = self.index if index is None else tuple(int(i) for i in index)
         if len(index) != len(self.prepend) or any(not 0 <= i < n for i, n in zip(index, self.prepend)):
             raise BridgeError(f"{self.name}: stacked-axes index {index} does not fit prepend sizes {self.prepend}")
         return index
 
     # --- pieces -------------------------------------------------------------------------------------
     def fragment_pieces(self, tp: int, gtp: int, t: int, g: int, f0: int, f1: int,
-                        index: Sequence[int] = ()) -> list[Piece]:
+                        index: Sequence[int] | None = None) -> list[Piece]:
         """Pieces of flat fragment [f0, f1) of the physical shard on (TP rank t, GTP rank g).
 
         `local_start` is relative to f0. Padding rows give no Piece.
@@ -216,6 +260,7 @@ class ParamGeometry:
         numel = prod(shape)
         if not 0 <= f0 <= f1 <= numel:
             raise BridgeError(f"{self.name}: flat range [{f0}, {f1}) outside the physical shard of {numel} elements")
+        index = self._check_index(index)
         runs = self.row_runs(tp, t, index)
         if not shape:  # 0-d parameter: one element
             return [Piece(self.name, Box(index, tuple(i + 1 for i in index)), 0)] if f1 > f0 else []
@@ -223,6 +268,6 @@ class ParamGeometry:
         base = g * sp.shard_rows * k
         return map_flat_range(runs, shape[1:], base + f0, base + f1)
 
-    def shard_pieces(self, tp: int, gtp: int, t: int, g: int, index: Sequence[int] = ()) -> list[Piece]:
+    def shard_pieces(self, tp: int, gtp: int, t: int, g: int, index: Sequence[int] | None = None) -> list[Piece]:
         """Pieces of the whole physical shard on (TP rank t, GTP rank g)."""
         return self.fragment_pieces(tp, gtp, t, g, 0, self.physical_numel(tp, gtp), index)
