@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
+import shutil
 from typing import Any, Mapping
 
 import jax
@@ -30,6 +32,8 @@ from bridge.jaxside.manifest_view import as_manifest
 from bridge.jaxside.optax_state import extract_adam
 from bridge.layout.boxes import Box
 from bridge.store import digest as store_digest
+from bridge.store.commit import CHECKSUM_KEY, fsync_dir, metadata_checksum
+from bridge.store.writer import write_json_atomic
 from bridge.store.manifest import MANIFEST_KEY, ArrayRecord, Manifest, SourceLayout
 from bridge.store.tree import check_tree_paths, path_to_name
 from converters.jax_naming import Plan, jax_backend
@@ -88,10 +92,42 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     save_args = None
     if chunk_byte_size is not None:
         save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=int(chunk_byte_size)), tree)
+    # Orbax commits (tmp + rename) into a staging name; we then seal _METADATA with the store's
+    # checksum and rename to `d`, so `d` only ever appears complete and sealed.
+    staging = os.path.abspath(d).rstrip("/") + STAGING_SUFFIX
+    if jax.process_index() == 0 and os.path.lexists(staging):
+        shutil.rmtree(staging)  # left by a crashed save; never a checkpoint anyone was given
+    _barrier("gtpb-save-start")
     handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False)
     ck = ocp.Checkpointer(handler)
-    ck.save(d, args=ocp.args.PyTreeSave(tree, save_args=save_args, custom_metadata={MANIFEST_KEY: out.to_json()}))
+    ck.save(staging, args=ocp.args.PyTreeSave(tree, save_args=save_args,
+                                              custom_metadata={MANIFEST_KEY: out.to_json()}))
+    if jax.process_index() == 0:
+        seal_metadata(staging)
+        os.rename(staging, d)
+        fsync_dir(os.path.dirname(os.path.abspath(d)))
+    _barrier("gtpb-save-done")
     return out
+
+
+STAGING_SUFFIX = ".gtpb-jax-staging"
+
+
+def seal_metadata(directory: str) -> None:
+    """Add the store's `_METADATA` checksum (tree + manifest) that `gtp-bridge verify` checks."""
+    path = os.path.join(directory, "_METADATA")
+    with open(path) as f:
+        meta = json.load(f)
+    custom = meta.setdefault("custom_metadata", {})
+    custom[CHECKSUM_KEY] = metadata_checksum(meta["tree_metadata"], custom[MANIFEST_KEY])
+    write_json_atomic(path, meta)
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _to_logical(flat: dict[Path, Any], plan: Plan | None) -> dict[Path, Any]:
