@@ -153,7 +153,7 @@ def _array_info(t, zarr3: bool) -> ArrayInfo:
             if c.get("name") == "sharding_indexed":
                 inner = tuple(c["configuration"]["chunk_shape"])
                 codecs = c["configuration"].get("codecs", [])
-        names = [c.get("name") for c in codecs if c.get("name") not in ("bytes", "transpose")]
+        names = [c.get("name") for c in codecs if c.get("name") not in ("bytes", "transpose", "crc32c")]
         compression = names[0] if names else None
         return ArrayInfo(shape, dtype, outer, inner, compression)
     chunks = tuple(meta.get("chunks", shape))

@@ -102,12 +102,18 @@ def choose_inner_chunk(chunk_shape: Sequence[int], itemsize: int,
 
 
 def zarr3_metadata(shape: Sequence[int], dtype: str, chunk_shape: Sequence[int], inner_chunk_shape: Sequence[int],
-                   compression: str | None = None) -> dict:
-    """zarr3 array metadata: regular outer grid, one sharding_indexed codec (Orbax's shape)."""
+                   compression: str | None = None, checksum: bool = True) -> dict:
+    """zarr3 array metadata: regular outer grid, one sharding_indexed codec (Orbax's shape).
+
+    `checksum` adds a crc32c codec to every inner chunk, so a flipped byte fails the read of that
+    chunk (in TensorStore, hence also in Orbax's restore) instead of returning wrong numbers.
+    """
     check_compression(compression)
     codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
     if compression == "zstd":
         codecs.append({"name": "zstd", "configuration": {"level": 1, "checksum": False}})
+    if checksum:
+        codecs.append({"name": "crc32c"})
     outer = [max(1, int(c)) for c in chunk_shape]
     inner = [max(1, int(c)) for c in inner_chunk_shape]
     for o, i in zip(outer, inner):
