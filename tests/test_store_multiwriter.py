@@ -165,3 +165,48 @@ def test_plain_orbax_restores_on_meshes_and_one_device_bit_exact(written):
         assert len({s.device for s in w.addressable_shards}) == 8
     one = SingleDeviceSharding(jax.devices()[3])
     check(ck.restore(written, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), template)))
+
+
+def _dist_writer(dst: str, rank: int, world: int, port: int) -> None:
+    """torch.distributed (gloo) rank: begin + write + finalize use the process group as barrier."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        plan, data = make_plan_for(world)
+        tmp = begin_checkpoint(dst)
+        w = CheckpointWriter(tmp, plan, rank)
+        for ap in plan.arrays.values():
+            for box in ap.ownership.boxes_owned_by(rank):
+                w.write(ap.spec.path, box, np.array(data[ap.spec.path][box.slices]))
+        w.finish()
+        assert finalize(dst, plan, rank, Manifest()) == os.path.abspath(dst)
+        assert os.path.isdir(dst)          # every rank sees the committed checkpoint
+    finally:
+        dist.destroy_process_group()
+
+
+def make_plan_for(world: int):
+    data = {k: v for k, v in tree_data().items() if k[0] != "model"}
+    catalog = [ArraySpec(p, a.shape, a.dtype.name) for p, a in data.items()]
+    return make_write_plan(catalog, world, empty_paths=adamw_empty_paths()), data
+
+
+def test_torch_distributed_barrier_commit(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dst = str(tmp_path / "ckpt")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_dist_writer, args=(dst, r, 2, port)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    _, data = make_plan_for(2)
+    ck = open_checkpoint(dst)
+    for p, a in data.items():
+        assert ck.read(p).tobytes() == a.tobytes(), p

@@ -46,7 +46,29 @@ def tmp_dir_for(dst: str) -> str:
 
 
 def begin_checkpoint(dst: str) -> str:
-    """Create a fresh `<dst>.orbax-checkpoint-tmp` (removing a stale one); refuse an existing `dst`."""
+    """Create a fresh `<dst>.orbax-checkpoint-tmp` (removing a stale one); refuse an existing `dst`.
+
+    Under torch.distributed every rank calls it: rank 0 prepares the directory, the outcome is
+    broadcast and all ranks return the tmp path (or raise the same error). Without it, call it
+    once before starting the writer processes.
+    """
+    if not dist_initialized():
+        return _begin_local(dst)
+    import torch.distributed as dist
+
+    err = [None]
+    if dist.get_rank() == 0:
+        try:
+            _begin_local(dst)
+        except BridgeError as e:
+            err = [str(e)]
+    dist.broadcast_object_list(err, src=0)
+    if err[0] is not None:
+        raise BridgeError(err[0])
+    return tmp_dir_for(dst)
+
+
+def _begin_local(dst: str) -> str:
     dst = os.path.abspath(dst)
     if os.path.lexists(dst):
         raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
