@@ -112,6 +112,8 @@ class Target:
             s = self._explicit[path]
         elif callable(self.shardings):
             s = self.shardings(path, shape)
+            if self.mesh is None and isinstance(s, NamedSharding):
+                self.mesh = s.mesh  # scalars are replicated on the mesh the user's shardings use
         else:
             spec = self.rules.spec_for(path, shape, dict(self.mesh.shape))
             return NamedSharding(self.mesh, spec)
@@ -137,6 +139,8 @@ class Target:
 
     def replicated(self) -> NamedSharding:
         """Sharding for scalars (count, step)."""
+        if self.mesh is None:
+            raise BridgeError("cannot place count/step: explicit shardings named no mesh; also pass mesh=")
         return NamedSharding(self.mesh, PartitionSpec())
 
 
