@@ -27,6 +27,8 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
+from bridge.errors import BridgeError
+
 __all__ = ["ModelConfig", "ParamDef", "param_table", "init_logical", "batch", "forward", "TPComm"]
 
 
@@ -73,12 +75,12 @@ class ModelConfig:
         return 2 * self.d_inner + 2 * self.mamba_groups * self.mamba_state + self.mamba_heads
 
     def check_tp(self, tp: int) -> None:
-        """Raise ValueError when `tp` does not divide every TP-split size."""
+        """Raise BridgeError when `tp` does not divide every TP-split size."""
         sizes = {"vocab": self.vocab, "num_query_groups": self.num_query_groups, "ffn": self.ffn,
                  "mamba_heads": self.mamba_heads, "mamba_groups": self.mamba_groups, "expert_ffn": self.expert_ffn}
         bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
         if bad:
-            raise ValueError(f"TP={tp} does not divide {', '.join(bad)}; pick a TP that divides them")
+            raise BridgeError(f"reference model: TP={tp} does not divide {', '.join(bad)}; pick a TP that divides them")
 
     def fused_sections(self, kind: str) -> list[tuple[str, int]]:
         """Global (TP=1) section table `[(name, rows)]` of a fused projection, in fused order.

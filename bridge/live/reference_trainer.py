@@ -267,8 +267,8 @@ class ReferenceTrainer:
         for i, s in enumerate(self._slots):
             shard = torch.from_numpy(assemble_shard(s.geometry, s.tp, s.gtp, s.t, s.g, read, np.float32, s.index))
             pad = ~s.logical_mask.cpu()
-            if pad.any():  # TE initialises a shard's padding rows with its own RNG: random, never data
-                gen = torch.Generator().manual_seed(self.config.pad_seed + 7919 * self.rank + 104729 * i)
+            if pad.any():  # TE initialises padding rows with the shard's own RNG (same on DP replicas): never data
+                gen = torch.Generator().manual_seed(self.config.pad_seed + 7919 * (s.t * s.gtp + s.g) + 104729 * i)
                 shard.view(-1)[pad] = torch.randn(int(pad.sum()), generator=gen)
             flat = shard.view(-1).to(self.device)
             if s.frag is not None:
@@ -390,7 +390,7 @@ class ReferenceTrainer:
                 continue
             g = s.buffer.grad_data[s.start + fr.f0:s.start + fr.f1]
             decay = f32(a.weight_decay if s.decay and s.pdef.key not in a.no_decay else 0.0)
-            lr_s = lr * f32(a.lr_mult.get(s.pdef.key, 1.0)) if a.lr_mult else lr
+            lr_s = f32(a.lr * a.lr_mult[s.pdef.key]) if s.pdef.key in a.lr_mult else lr  # host double, as per group
             m = b1 * fr.exp_avg + (one - b1) * g
             v = b2 * fr.exp_avg_sq + (one - b2) * g * g
             denom = torch.sqrt(v / bc2) + eps
@@ -444,10 +444,16 @@ class ReferenceTrainer:
 
     def live_run(self, group=None) -> LiveRun:
         """Run-level facts for `export_state` / `reload_state`."""
-        return LiveRun(layout=self.layout, rank=self.rank, step=self.step_count, optimizer=self.config.adam,
+        return LiveRun(layout=self.layout, rank=self.rank, step=self.step_count, optimizer=self.adam_config(),
                        group=group, device=self.device,
                        extra={"reference_trainer": {"weights": self.config.weights, "seed": self.config.seed,
                                                     "pad_for_alignment": self.config.pad_for_alignment}})
+
+    def adam_config(self) -> AdamConfig:
+        """The optimizer settings as applied: `no_decay` lists every key trained without weight decay."""
+        a = self.config.adam
+        no_decay = set(a.no_decay) | {p.key for p in param_table(self.model) if not p.decay}
+        return replace(a, no_decay=tuple(sorted(no_decay)))
 
     def state(self, losses: Sequence[float] = ()) -> RankState:
         return RankState(self.local_params(), self.live_run(), list(losses), self)
