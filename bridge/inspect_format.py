@@ -80,13 +80,25 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[
     return "\n".join(lines)
 
 
-def summarize_value(v: Any, limit: int = 100) -> str:
-    """One-line summary of a manifest value: scalars as JSON, big containers as a count.
+def summarize_value(v: Any, limit: int = 200) -> str:
+    """One-line summary of a manifest value: dicts as k=v (containers as counts), long ones cut.
 
-    >>> summarize_value({"tp": 2, "gtp": 4}), summarize_value(list(range(100)))
-    ('{"tp": 2, "gtp": 4}', '[100 items]')
+    >>> summarize_value({"tp": 2, "betas": [0.9, 0.95], "groups": [{"lr": 1}] * 3, "name": "adamw"})
+    'tp=2 betas=[0.9, 0.95] groups=[3 items] name=adamw'
+    >>> summarize_value({}), summarize_value(list(range(100)))
+    ('{}', '[100 items]')
     """
-    text = json.dumps(v, sort_keys=False, default=str)
+    if isinstance(v, dict) and v:
+        text = " ".join(f"{k}={_short(x)}" for k, x in v.items())
+    else:
+        text = _short(v, limit)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short(v: Any, limit: int = 24) -> str:
+    if isinstance(v, str):
+        return v if v else "''"
+    text = json.dumps(v, default=str)
     if len(text) <= limit:
         return text
     if isinstance(v, dict):

@@ -60,7 +60,7 @@ def inspect_report(directory: str, stats: bool = False, budget_bytes: int = DEFA
     """The JSON-ready report: format flags, manifest, and one record per array (with stats if asked)."""
     info = open_for_inspection(directory)
     arrays = select(info, only)
-    records = [_record(a, info.manifest) for a in arrays]
+    records = [_record(a, info) for a in arrays]
     if stats:
         total = sum(a.nbytes for a in arrays)
         with progress(total, "stats") as bar:
@@ -76,26 +76,15 @@ def inspect_report(directory: str, stats: bool = False, budget_bytes: int = DEFA
     }
 
 
-def _record(a: Any, manifest: dict | None) -> dict[str, Any]:
+def _record(a: Any, info: CheckpointInfo) -> dict[str, Any]:
     rec = {"name": a.name, "shape": list(a.shape), "dtype": a.dtype, "bytes": a.nbytes,
            "chunk": list(a.chunk) if a.chunk is not None else None,
-           "read_chunk": list(a.read_chunk) if a.read_chunk is not None else None}
-    prov = _array_provenance(a.name, manifest)
-    if prov:
+           "read_chunk": list(a.read_chunk) if a.read_chunk is not None else None,
+           "compression": a.compression}
+    prov = info.record(a.name)
+    if prov is not None:
         rec["manifest"] = prov
     return rec
-
-
-def _array_provenance(name: str, manifest: dict | None) -> dict | None:
-    """The manifest's per-array record for `name`, if the manifest has one."""
-    if not isinstance(manifest, dict):
-        return None
-    arrays = manifest.get("arrays")
-    if isinstance(arrays, dict):
-        for key in (name, name.replace("/", ".")):
-            if isinstance(arrays.get(key), dict):
-                return arrays[key]
-    return None
 
 
 def render_text(report: dict[str, Any]) -> str:
@@ -106,14 +95,17 @@ def render_text(report: dict[str, Any]) -> str:
     manifest = report.get("manifest")
     if isinstance(manifest, dict):
         out.append("provenance (gtp_bridge manifest):")
-        out += [f"  {k}: {summarize_value(v)}" for k, v in manifest.items()]
+        for k, v in manifest.items():
+            text = f"{len(v)} records (digests in the table)" if k == "arrays" and isinstance(v, dict) else summarize_value(v)
+            out.append(f"  {k}: {text}")
     else:
         out.append("provenance: none (not written by gtp-bridge)")
     if report["empty_nodes"]:
         out.append("empty nodes: " + ", ".join(report["empty_nodes"]))
     has_stats = any("stats" in r for r in report["arrays"])
-    header = ["array", "shape", "dtype", "bytes", "chunk", "read chunk"]
-    right = [False, False, False, True, False, False]
+    has_digest = any((r.get("manifest") or {}).get("digest") for r in report["arrays"])
+    header = ["array", "shape", "dtype", "bytes", "chunk", "read chunk"] + (["digest"] if has_digest else [])
+    right = [False, False, False, True, False, False] + ([False] if has_digest else [])
     if has_stats:
         header += ["min", "max", "mean", "rms", "zeros", "nan", "inf"]
         right += [True] * 7
@@ -121,6 +113,8 @@ def render_text(report: dict[str, Any]) -> str:
     for r in report["arrays"]:
         row = [r["name"], fmt_shape(r["shape"]), r["dtype"], human_bytes(r["bytes"]),
                fmt_shape(r["chunk"]), fmt_shape(r["read_chunk"])]
+        if has_digest:
+            row.append(str((r.get("manifest") or {}).get("digest") or "-")[:16])
         if has_stats:
             s = r["stats"]
             zf = s["zero_fraction"]
