@@ -5,8 +5,7 @@ import importlib
 
 import pytest
 
-MODULES = ["bridge.inspect_blocks", "bridge.inspect_stats", "bridge.inspect_diff", "bridge.inspect_format",
-           "bridge.inspect_stream"]
+MODULES = ["bridge.inspect_blocks", "bridge.inspect_stats", "bridge.inspect_diff", "bridge.inspect_format"]
 
 
 @pytest.mark.parametrize("name", MODULES)
