@@ -66,8 +66,10 @@ def tiny_manifest(step: int = 0):
     """A manifest like a Megatron export of the tiny model would carry."""
     from bridge.store.manifest import Manifest, OptimizerConfig, SourceLayout
 
+    # Megatron's default no-wd set, plus the embedding (as a custom no-wd condition would add),
+    # so tests can tell the manifest's list from the default rule.
     no_decay = ["/".join(p) for p in tiny_params() if p[-1] in ("bias", "layer_norm_weight") or
-                p[-2] == "final_layernorm"]
+                p[-2] == "final_layernorm" or p[0] == "embedding"]
     return Manifest(source=SourceLayout(framework="megatron", tp=2, gtp=2, dp=2, world_size=8,
                                         optimizer_format="fully_reshardable"),
                     optimizer=OptimizerConfig(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, step=step,
