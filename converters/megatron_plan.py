@@ -1,0 +1,318 @@
+"""PURE conversion planning: which bytes of which stored chunk land where in which logical array.
+
+A `Copy` moves one rectangular region from a stored DCP chunk into one logical array box; a
+`Unit` gathers every copy that fills the four arrays of one parameter (bf16 `model`, fp32
+`params`, `mu`, `nu`), so the master/weight cross-check sees both copies at once.
+
+- Model-space entries (model weights, `fully_reshardable` optimizer state) are boxes of the
+  stored global tensor; their rows map to logical arrays through row runs from the layout engine
+  (fused sections, and 0.19.2's padded GTP grid §2.5 A).
+- `dp_reshardable` bucket tensors are flat; the buffer layout is rebuilt with
+  `bridge.layout.distopt.buffer_layout` and each param's flat range becomes Pieces through
+  `ParamGeometry.fragment_pieces`.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from math import prod
+from typing import Iterable, Sequence
+
+from bridge.errors import BridgeError
+from bridge.layout.boxes import Box
+from bridge.layout.distopt import BufferLayout, BufferParam, buffer_layout
+from bridge.layout.parallel import ParallelLayout
+from bridge.layout.params import ParamGeometry
+from bridge.layout.rectangles import RowRun
+from bridge.store.tree import megatron_key_to_path
+from converters.dcp_reader import ChunkInfo, TensorInfo
+
+ROLES = ("model", "params", "mu", "nu")
+
+
+def role_path(role: str, array: str) -> tuple[str, ...]:
+    """Tree path of a logical array in one role.
+
+    >>> role_path("mu", "decoder.layers.mlp.linear_fc1.weight.gate")
+    ('opt_state', '0', 'mu', 'decoder', 'layers', 'mlp', 'linear_fc1', 'weight', 'gate')
+    """
+    p = megatron_key_to_path(array)
+    return {"model": ("model",), "params": ("params",), "mu": ("opt_state", "0", "mu"),
+            "nu": ("opt_state", "0", "nu")}[role] + p
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Stored chunk region -> logical box.
+
+    `flat` copies take `chunk.reshape(-1)[start : start + dst.size]`; box copies take
+    `chunk[tuple(slice(a, b) for a, b in src)]`. Either way the data is reshaped to `dst.shape`.
+    """
+
+    key: str
+    chunk: int
+    array: str
+    dst: Box
+    src: tuple[tuple[int, int], ...] = ()
+    flat_start: int = -1
+
+    @property
+    def flat(self) -> bool:
+        return self.flat_start >= 0
+
+    def clip_lead(self, lo: int, hi: int) -> "Copy | None":
+        """This copy restricted to logical rows [lo, hi) of the array's leading axis."""
+        if self.dst.ndim == 0:
+            return self if lo == 0 else None
+        a, b = max(lo, self.dst.start[0]), min(hi, self.dst.stop[0])
+        if b <= a:
+            return None
+        if a == self.dst.start[0] and b == self.dst.stop[0]:
+            return self
+        d0 = a - self.dst.start[0]
+        dst = Box((a,) + self.dst.start[1:], (b,) + self.dst.stop[1:])
+        if self.flat:  # the box is row-major contiguous in the flat source
+            inner = prod(self.dst.shape[1:])
+            return Copy(self.key, self.chunk, self.array, dst, (), self.flat_start + d0 * inner)
+        # box copies map dst axis 0 to the first source axis whose extent matches
+        src = list(self.src)
+        ax = _lead_src_axis(self)
+        s0 = src[ax][0] + d0
+        src[ax] = (s0, s0 + (b - a))
+        return Copy(self.key, self.chunk, self.array, dst, tuple(src))
+
+
+def _lead_src_axis(c: Copy) -> int:
+    # src and dst have the same rank (stored stacked axes are the logical ones)
+    return 0
+
+
+@dataclass
+class Unit:
+    """All copies that fill one parameter's logical arrays in every role."""
+
+    name: str
+    arrays: dict[str, tuple[int, ...]]               # logical array -> full shape
+    dtypes: dict[str, str]                           # role -> numpy dtype name
+    copies: dict[str, list[Copy]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        n = 0
+        for role in self.copies:
+            item = 2 if self.dtypes[role] == "bfloat16" else 4
+            n += sum(prod(s) for s in self.arrays.values()) * item
+        return n
+
+    def split_lead(self, max_bytes: int) -> list[tuple[int, int, "Unit"]]:
+        """Sub-units of leading-axis row blocks so each fills at most ~`max_bytes` of buffers."""
+        lead = min((s[0] for s in self.arrays.values() if s), default=0)
+        if self.nbytes <= max_bytes or lead <= 1 or any(len(s) == 0 for s in self.arrays.values()):
+            return [(0, lead, self)]
+        if len({s[0] for s in self.arrays.values()}) != 1:
+            return [(0, lead, self)]
+        rows = max(1, int(lead * max_bytes // max(1, self.nbytes)))
+        out = []
+        for lo in range(0, lead, rows):
+            hi = min(lead, lo + rows)
+            sub = Unit(self.name, self.arrays, self.dtypes,
+                       {r: [x for x in (c.clip_lead(lo, hi) for c in cs) if x is not None]
+                        for r, cs in self.copies.items()})
+            out.append((lo, hi, sub))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Model-space entries (model weights, fully_reshardable state)
+
+
+def stored_row_runs(geom: ParamGeometry, legacy: bool, tp: int, gtp: int) -> list[RowRun]:
+    """Rows of the stored per-instance tensor that hold data -> logical arrays (stacked index 0).
+
+    Logical storage: the TP=1 row runs (fused sections split). Padded GTP grid (§2.5 A):
+    column/vocab keys store TP blocks of P = G·S padded TP-local rows; row-parallel keys store
+    G·S rows of which the first O are data.
+
+    >>> from bridge.layout.params import ParamGeometry
+    >>> g = ParamGeometry("w", (10, 6), "column", gtp=True, pad_for_alignment=4)
+    >>> [(r.row, r.rows, r.offset) for r in stored_row_runs(g, True, 2, 2)]
+    [(0, 5, (0, 0)), (8, 5, (5, 0))]
+    """
+    zeros = (0,) * len(geom.prepend)
+    if not legacy or geom.tp_kind not in ("column", "vocab"):
+        return geom.row_runs(1, 0, zeros)
+    P = geom.split(tp, gtp).shard_rows * gtp
+    out = []
+    for t in range(tp):
+        for r in geom.row_runs(tp, t, zeros):
+            out.append(RowRun(t * P + r.row, r.rows, r.array, r.offset))
+    return out
+
+
+def box_copies(key: str, index: int, chunk: ChunkInfo, runs: Sequence[RowRun], npre: int) -> list[Copy]:
+    """Copies of one stored chunk of a model-space key, through `runs` (row axis = `npre`).
+
+    >>> from converters.dcp_reader import ChunkInfo, StorageRef
+    >>> ch = ChunkInfo((1, 4, 0), (1, 4, 6), StorageRef("f", 0, 0))     # layer 1, rows 4..7
+    >>> [(c.array, str(c.dst), c.src) for c in box_copies("k", 0, ch, [RowRun(0, 6, "a", (0, 0, 0)), RowRun(6, 6, "b", (0, 0, 0))], 1)]
+    [('a', '[1:2, 4:6, 0:6]', ((0, 1), (0, 2), (0, 6))), ('b', '[1:2, 0:2, 0:6]', ((0, 1), (2, 4), (0, 6)))]
+    """
+    offs, sizes = chunk.offsets, chunk.sizes
+    if len(offs) == npre:  # 0-d instances: one element per stacked index
+        return [Copy(key, index, runs[0].array, Box.of(offs, sizes), tuple((0, s) for s in sizes))] if runs else []
+    r0c, r1c = offs[npre], offs[npre] + sizes[npre]
+    out = []
+    for run in runs:
+        a, b = max(r0c, run.row), min(r1c, run.row + run.rows)
+        if b <= a:
+            continue
+        src = tuple((0, s) for s in sizes[:npre]) + ((a - r0c, b - r0c),) + tuple((0, s) for s in sizes[npre + 1:])
+        start = tuple(offs[:npre]) + (run.offset[npre] + a - run.row,) + tuple(
+            run.offset[npre + 1 + i] + offs[npre + 1 + i] for i in range(len(offs) - npre - 1))
+        shape = tuple(sizes[:npre]) + (b - a,) + tuple(sizes[npre + 1:])
+        out.append(Copy(key, index, run.array, Box.of(start, shape), src))
+    return out
+
+
+def model_space_copies(key: str, info: TensorInfo, geom: ParamGeometry, npre: int, legacy: bool,
+                       tp: int, gtp: int) -> list[Copy]:
+    """Every copy of a model-space key (all chunks)."""
+    runs = stored_row_runs(geom, legacy, tp, gtp)
+    out: list[Copy] = []
+    for i, ch in enumerate(info.chunks):
+        out += box_copies(key, i, ch, runs, npre)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# dp_reshardable buckets
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One runtime parameter of a rank's buffer: a stacked-axes index of a geometry."""
+
+    name: str
+    index: tuple[int, ...]
+
+    @property
+    def label(self) -> str:
+        return self.name + "".join(f"[{i}]" for i in self.index)
+
+
+def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, expert: bool, e: int) -> list[Instance]:
+    """A rank's parameters of one optimizer domain in registration order.
+
+    Stacked keys expand layer-major (all of layer 0's params, then layer 1's...), routed experts
+    per local expert; params are ordered inside a layer as the checkpoint lists them.
+    """
+    sel = [g for g in geoms if g.expert == expert]
+    out: list[Instance] = []
+    # group by layer axis presence: top-level params keep their position relative to the block
+    i = 0
+    while i < len(sel):
+        g = sel[i]
+        if not g.prepend:
+            out.append(Instance(g.name, ()))
+            i += 1
+            continue
+        j = i
+        while j < len(sel) and sel[j].prepend and sel[j].prepend[0] == g.prepend[0]:
+            j += 1
+        block = sel[i:j]
+        for layer in range(g.prepend[0]):
+            if expert:
+                nle = block[0].prepend[1] // layout.ep
+                for le in range(nle):
+                    for b in block:
+                        out.append(Instance(b.name, (layer, e * nle + le)))
+            else:
+                for b in block:
+                    out.append(Instance(b.name, (layer,) + (0,) * (len(b.prepend) - 1)))
+        i = j
+    return out
+
+
+def parse_dtype_key(s: str) -> tuple[str, str]:
+    """`(torch.bfloat16, torch.float32)` -> ('bfloat16', 'float32').
+
+    >>> parse_dtype_key("(torch.bfloat16, torch.float32)")
+    ('bfloat16', 'float32')
+    """
+    inner = s.strip()[1:-1]
+    parts = [p.strip().replace("torch.", "") for p in inner.split(",") if p.strip()]
+    if len(parts) != 2:
+        raise BridgeError(f"cannot parse the buffer dtype key {s!r}; unknown format")
+    return parts[0], parts[1]
+
+
+def rebuild_bucket_layout(instances: Sequence[Instance], numels: dict[Instance, int], dp_size: int,
+                          per_bucket_unpadded: Sequence[int] | None, per_bucket_padded: Sequence[int] | None,
+                          bucket_size: int | None, where: str) -> BufferLayout:
+    """Rebuild one buffer's layout and check it against the saved per-bucket numels.
+
+    The bucket size is taken from `bucket_size` when given, else inferred: a single bucket when
+    one numel is saved, else the smallest size that reproduces the saved bucket boundaries.
+    """
+    params = [BufferParam(i.label, numels[i]) for i in instances]
+    cands: list[int | None]
+    if bucket_size is not None:
+        cands = [bucket_size]
+    elif per_bucket_unpadded is None or len(per_bucket_unpadded) <= 1:
+        cands = [None]
+    else:
+        # a bucket closes at the first param end reaching bucket_size: try each saved bucket's size
+        cands = sorted(set(int(n) for n in per_bucket_unpadded[:-1]))
+    last = None
+    for bs in cands:
+        lay = buffer_layout(params, bs, dp_size)
+        last = lay
+        if per_bucket_unpadded is not None and list(lay.numel_unpadded) != [int(n) for n in per_bucket_unpadded]:
+            continue
+        if per_bucket_padded is not None and lay.per_bucket_numel() != [int(n) for n in per_bucket_padded]:
+            continue
+        return lay
+    got = last.numel_unpadded if last is not None else []
+    raise BridgeError(f"{where}: rebuilt bucket numels {list(got)} do not match the saved per_bucket_numel_unpadded "
+                      f"{list(per_bucket_unpadded or [])}; the parameter order, bucket size or GTP padding differs — "
+                      f"pass --bucket-size and/or --pad-for-alignment")
+
+
+def flat_copies(key: str, chunks: Sequence[ChunkInfo], geom: ParamGeometry, tp: int, gtp: int, t: int, g: int,
+                index: tuple[int, ...], p0: int) -> list[Copy]:
+    """Copies of one parameter whose physical shard sits at [p0, p0+numel) of a 1-D bucket tensor."""
+    numel = geom.physical_numel(tp, gtp)
+    out: list[Copy] = []
+    for ci, ch in enumerate(chunks):
+        c0, c1 = ch.offsets[0], ch.offsets[0] + ch.sizes[0]
+        a, b = max(c0, p0), min(c1, p0 + numel)
+        if b <= a:
+            continue
+        for piece in geom.fragment_pieces(tp, gtp, t, g, a - p0, b - p0, index):
+            out.append(Copy(key, ci, piece.array, piece.logical, (), a - c0 + piece.local_start))
+    return out
+
+
+def contributes(geom: ParamGeometry, tp: int, gtp: int, t: int, g: int) -> bool:
+    """Whether TP rank t / GTP rank g holds a distinct copy (replicas export once, from rank 0)."""
+    if geom.tp_kind == "replicated" and t != 0:
+        return False
+    if not geom.gtp_active(gtp) and g != 0:
+        return False
+    return True
+
+
+def literal(s: str):
+    """Parse a Python literal safely (dtype keys in per_bucket_numel dicts are strings or tuples)."""
+    try:
+        return ast.literal_eval(s)
+    except (ValueError, SyntaxError):
+        return s
+
+
+def leading_blocks(shape: Sequence[int], rows: int) -> Iterable[tuple[int, int]]:
+    """Row blocks of the leading axis."""
+    n = shape[0] if shape else 1
+    for lo in range(0, n, max(1, rows)):
+        yield lo, min(n, lo + max(1, rows))

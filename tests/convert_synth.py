@@ -1,0 +1,322 @@
+"""Synthetic Megatron-shaped torch_dist checkpoints for the converter tests, built independently.
+
+A tiny GQA + SwiGLU GPT's *logical* arrays are drawn at random; this module then computes, with
+its own straightforward code (not bridge.layout), what Megatron-Core stores: group-interleaved
+qkv, [gate; up] fc1, stacked layer axes, TP chunks, and for `dp_reshardable` the DistOpt bucket
+buffers (reverse order, 64-element alignment, bucket end padding to lcm(DP, 128), DP shards).
+Real `torch.distributed.checkpoint.save` writes it from real gloo processes (one per rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import os
+import socket
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+L, H, NQ, NG, HD, F, V = 2, 8, 4, 2, 2, 12, 32
+QKV = (NQ + 2 * NG) * HD
+LR, BETAS, EPS, WD = 0.01, (0.9, 0.95), 1e-8, 0.1
+
+
+def logical_arrays(seed: int = 0) -> dict[str, np.ndarray]:
+    """name -> fp32 logical array (sections split, stacked layer axis first)."""
+    r = np.random.default_rng(seed)
+    f = lambda *s: r.standard_normal(s).astype(np.float32)  # noqa: E731
+    return {
+        "embedding.word_embeddings.weight": f(V, H),
+        "decoder.layers.input_layernorm.weight": f(L, H),
+        "decoder.layers.self_attention.linear_qkv.weight.query": f(L, NQ * HD, H),
+        "decoder.layers.self_attention.linear_qkv.weight.key": f(L, NG * HD, H),
+        "decoder.layers.self_attention.linear_qkv.weight.value": f(L, NG * HD, H),
+        "decoder.layers.self_attention.linear_qkv.bias.query": f(L, NQ * HD),
+        "decoder.layers.self_attention.linear_qkv.bias.key": f(L, NG * HD),
+        "decoder.layers.self_attention.linear_qkv.bias.value": f(L, NG * HD),
+        "decoder.layers.self_attention.linear_proj.weight": f(L, H, NQ * HD),
+        "decoder.layers.self_attention.linear_proj.bias": f(L, H),
+        "decoder.layers.pre_mlp_layernorm.weight": f(L, H),
+        "decoder.layers.mlp.linear_fc1.weight.gate": f(L, F, H),
+        "decoder.layers.mlp.linear_fc1.weight.up": f(L, F, H),
+        "decoder.layers.mlp.linear_fc2.weight": f(L, H, F),
+        "decoder.final_layernorm.weight": f(H),
+        "output_layer.weight": f(V, H),
+    }
+
+
+def fuse(logical: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Megatron's stored global tensors (one key per parameter) from the logical arrays."""
+    out: dict[str, np.ndarray] = {}
+    for name, a in logical.items():
+        base, _, sec = name.rpartition(".")
+        if sec in ("query", "key", "value", "gate", "up"):
+            continue
+        out[name] = a
+    for kind in ("weight", "bias"):
+        q = logical[f"decoder.layers.self_attention.linear_qkv.{kind}.query"]
+        k = logical[f"decoder.layers.self_attention.linear_qkv.{kind}.key"]
+        v = logical[f"decoder.layers.self_attention.linear_qkv.{kind}.value"]
+        rest = q.shape[2:]
+        qg = q.reshape((L, NG, NQ // NG * HD) + rest)
+        kg = k.reshape((L, NG, HD) + rest)
+        vg = v.reshape((L, NG, HD) + rest)
+        out[f"decoder.layers.self_attention.linear_qkv.{kind}"] = np.concatenate([qg, kg, vg], axis=2).reshape((L, QKV) + rest)
+    g, u = logical["decoder.layers.mlp.linear_fc1.weight.gate"], logical["decoder.layers.mlp.linear_fc1.weight.up"]
+    out["decoder.layers.mlp.linear_fc1.weight"] = np.concatenate([g, u], axis=1)
+    return out
+
+
+ORDER = [  # registration order (named_parameters) of one layer, and the model
+    "embedding.word_embeddings.weight",
+    "decoder.layers.input_layernorm.weight",
+    "decoder.layers.self_attention.linear_proj.weight",
+    "decoder.layers.self_attention.linear_proj.bias",
+    "decoder.layers.self_attention.linear_qkv.weight",
+    "decoder.layers.self_attention.linear_qkv.bias",
+    "decoder.layers.pre_mlp_layernorm.weight",
+    "decoder.layers.mlp.linear_fc1.weight",
+    "decoder.layers.mlp.linear_fc2.weight",
+    "decoder.final_layernorm.weight",
+    "output_layer.weight",
+]
+COLUMN = {"linear_qkv", "linear_fc1", "output_layer", "word_embeddings"}
+ROW = {"linear_proj", "linear_fc2"}
+
+
+def tp_axis(name: str) -> int | None:
+    """Axis TP splits in the per-instance tensor (None: replicated)."""
+    mod = name.split(".")[-2]
+    leaf = name.split(".")[-1]
+    if mod in COLUMN:
+        return 0
+    if mod in ROW and leaf == "weight":
+        return 1
+    return None
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    return a.astype(ml_dtypes.bfloat16)
+
+
+def state(seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
+    """role -> logical arrays: params (fp32 master), mu, nu, model = bf16(master)."""
+    p = logical_arrays(seed)
+    mu = {k: v * 0.1 for k, v in logical_arrays(seed + 1).items()}
+    nu = {k: np.abs(v) * 0.01 for k, v in logical_arrays(seed + 2).items()}
+    return {"params": p, "mu": mu, "nu": nu, "model": {k: bf16(v) for k, v in p.items()}}
+
+
+def _to_torch(a: np.ndarray) -> torch.Tensor:
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+# --- chunking -------------------------------------------------------------------------------
+
+
+def tp_chunks(name: str, full: np.ndarray, tp: int) -> list[tuple[int, tuple[int, ...], np.ndarray]]:
+    """(tp rank, offsets, data) chunks: per layer instance (stacked keys) and TP rank.
+
+    SwiGLU fc1 is split per TP rank as Megatron does: rank t stores gate rows t·F/tp.. and up rows F + t·F/tp..
+    """
+    npre = 1 if name.startswith("decoder.layers.") else 0
+    ax = tp_axis(name)
+    out = []
+    layers = range(full.shape[0]) if npre else [None]
+    for layer in layers:
+        inst = full[layer] if npre else full
+        pre = (layer,) if npre else ()
+        for t in range(tp):
+            if ax is None:
+                if t == 0:
+                    out.append((0, pre + (0,) * inst.ndim, inst[None] if npre else inst))
+                continue
+            if name.endswith("linear_fc1.weight"):
+                n = F // tp
+                for base in (0, F):
+                    sl = inst[base + t * n: base + (t + 1) * n]
+                    out.append((t, pre + (base + t * n,) + (0,) * (inst.ndim - 1), sl[None] if npre else sl))
+                continue
+            n = inst.shape[ax] // tp
+            idx = [slice(None)] * inst.ndim
+            idx[ax] = slice(t * n, (t + 1) * n)
+            offs = [0] * inst.ndim
+            offs[ax] = t * n
+            sl = inst[tuple(idx)]
+            out.append((t, pre + tuple(offs), sl[None] if npre else sl))
+    return out
+
+
+def model_space_entries(st: dict[str, dict[str, np.ndarray]], tp: int, fully: bool) -> dict[str, list]:
+    """key -> [(writer rank, offsets, data)] for the model (and fully_reshardable optimizer) keys."""
+    entries: dict[str, list] = {}
+    roles = [("model", "")] + ([("params", "optimizer.state.param."), ("mu", "optimizer.state.exp_avg."),
+                                ("nu", "optimizer.state.exp_avg_sq.")] if fully else [])
+    for role, prefix in roles:
+        fused = fuse(st[role])
+        for name in ORDER:
+            full = fused[name]
+            entries[prefix + name] = [(t, offs, data) for t, offs, data in tp_chunks(name, full, tp)]
+    return entries
+
+
+def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None) -> tuple[dict[str, list], dict[str, Any]]:
+    """dp_reshardable bucket tensors and per_bucket_numel objects, computed directly."""
+    entries: dict[str, list] = {}
+    objects: dict[str, Any] = {}
+    div = math.lcm(dp, 128)
+    fused = {r: fuse(st[r]) for r in ("params", "mu", "nu")}
+    for t in range(tp):
+        # the TP-local flat tensor of each runtime param instance, registration order
+        inst: list[tuple[str, dict[str, np.ndarray]]] = []
+        stacked = [n for n in ORDER if n.startswith("decoder.layers.")]
+        runtime = ([(ORDER[0], None)] + [(n, layer) for layer in range(L) for n in stacked]
+                   + [(n, None) for n in ORDER[1 + len(stacked):]])
+        for name, layer in runtime:
+            npre = 1 if layer is not None else 0
+            if True:
+                local = {}
+                for r in ("params", "mu", "nu"):
+                    full = fused[r][name]
+                    x = full[layer] if npre else full
+                    if name.endswith("linear_fc1.weight"):
+                        n = F // tp
+                        x = np.concatenate([x[t * n:(t + 1) * n], x[F + t * n:F + (t + 1) * n]])
+                    else:
+                        ax = tp_axis(name)
+                        if ax is not None:
+                            n = x.shape[ax] // tp
+                            x = np.take(x, range(t * n, (t + 1) * n), axis=ax)
+                    local[r] = x.reshape(-1)
+                inst.append((f"{name}[{layer}]", local))
+        # reverse order, 64-aligned starts, buckets
+        buckets: list[list[tuple[int, dict]]] = [[]]
+        starts: list[int] = [0]
+        pos = 0
+        bstart = 0
+        for i, (_n, local) in enumerate(reversed(inst)):
+            pos = -(-pos // 64) * 64
+            buckets[-1].append((pos, local))
+            pos += local["params"].size
+            if bucket_size is not None and pos - bstart >= bucket_size and i < len(inst) - 1:
+                bend = -(-pos // div) * div
+                buckets.append([])
+                starts.append(bend)
+                bstart = bend
+                pos = bend
+        unpadded, padded = [], []
+        for b, items in enumerate(buckets):
+            b0 = starts[b]
+            last = max(p + loc["params"].size for p, loc in items)
+            unp = last - b0
+            pad_end = -(-last // div) * div
+            unpadded.append(unp)
+            padded.append(pad_end - b0)
+            s = (pad_end - b0) // dp
+            for r, stname in (("params", "param"), ("mu", "exp_avg"), ("nu", "exp_avg_sq")):
+                world = np.zeros(unp, dtype=np.float32)
+                for p, loc in items:
+                    world[p - b0:p - b0 + loc[r].size] = loc[r]
+                key = (f"optimizer.distributed.dp_group_idx_{t}.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32)"
+                       f".bucket_idx_{b}.{stname}")
+                chunks = []
+                for d in range(dp):
+                    lo, hi = d * s, min((d + 1) * s, unp)
+                    if hi > lo:
+                        chunks.append((t + tp * d, (lo,), world[lo:hi]))
+                entries[key] = chunks
+        pre = f"optimizer.distributed.dp_group_idx_{t}."
+        objects[pre + "per_bucket_numel"] = [{(torch.bfloat16, torch.float32): padded}]
+        objects[pre + "per_bucket_numel_unpadded"] = [{(torch.bfloat16, torch.float32): unpadded}]
+        objects[pre + "optimizer"] = {"param_groups": param_groups(step=3)}
+    return entries, objects
+
+
+def param_groups(step: int) -> list[dict]:
+    return [{"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD, "wd_mult": 1.0, "lr_mult": 1.0,
+             "step": step, "params": list(range(12))},
+            {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": 0.0, "wd_mult": 0.0, "lr_mult": 1.0,
+             "step": step, "params": list(range(10))}]
+
+
+def common_state(tp: int, dp: int, fmt: str, with_args: bool = True) -> dict:
+    cs: dict[str, Any] = {"iteration": 3, "checkpoint_version": 3.0}
+    if with_args:
+        cs["args"] = argparse.Namespace(tensor_model_parallel_size=tp, data_parallel_size=dp, world_size=tp * dp,
+                                        pipeline_model_parallel_size=1, num_attention_heads=NQ, num_query_groups=NG,
+                                        group_query_attention=True, kv_channels=HD, hidden_size=H, ffn_hidden_size=F,
+                                        swiglu=True, padded_vocab_size=V, num_layers=L, params_dtype=torch.bfloat16)
+    if fmt == "fully_reshardable":
+        cs["optimizer"] = {"optimizer": {"param_groups": param_groups(step=3)}, "param_state_sharding_type": fmt}
+    return cs
+
+
+# --- saving with real DCP from real gloo ranks ------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _save_rank(rank: int, world: int, port: int, path: str, entries: dict, shapes: dict, objects: dict,
+               common: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+
+    sd: dict[str, Any] = {}
+    for key, chunks in entries.items():
+        mine = [Shard(_to_torch(np.ascontiguousarray(d)).clone(), ShardMetadata(list(o), list(d.shape), f"rank:{rank}/cpu"))
+                for w, o, d in chunks if w == rank]
+        sd[key] = init_from_local_shards(mine, list(shapes[key]))
+    if rank == 0:
+        for k, obj in list(objects.items()) + [("common_state", common)]:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            sd[k] = buf
+    dist.barrier()
+    from torch.distributed.checkpoint import save
+
+    save(sd, checkpoint_id=path)
+    dist.destroy_process_group()
+
+
+def save(path: str, entries: dict, objects: dict, common: dict, world: int) -> None:
+    """Write `entries` (key -> [(rank, offsets, data)]) with real dcp.save from `world` gloo ranks."""
+    shapes = {}
+    for key, chunks in entries.items():
+        shape = None
+        for _w, o, d in chunks:
+            end = tuple(a + b for a, b in zip(o, d.shape))
+            shape = end if shape is None else tuple(max(a, b) for a, b in zip(shape, end))
+        shapes[key] = shape
+    # keys must be known to every rank with consistent global shape
+    for key in entries:
+        if key.startswith("optimizer.distributed"):
+            pass
+    mp.start_processes(_save_rank, args=(world, _free_port(), path, entries, shapes, objects, common),
+                       nprocs=world, start_method="spawn")
+
+
+def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0, bucket_size: int | None = None,
+                    with_args: bool = True, dp_shapes: dict | None = None) -> dict[str, dict[str, np.ndarray]]:
+    """Write a synthetic Megatron checkpoint and return its logical state (the reference)."""
+    st = state(seed)
+    entries = model_space_entries(st, tp, fmt == "fully_reshardable")
+    objects: dict[str, Any] = {}
+    if fmt == "dp_reshardable":
+        e2, objects = dp_buffers(st, tp, dp, bucket_size)
+        entries.update(e2)
+    # dp bucket tensors' global length = unpadded numel
+    save(path, entries, objects, common_state(tp, dp, fmt, with_args), tp * dp)
+    return st
