@@ -23,6 +23,7 @@ from bridge.errors import BridgeError
 
 TOKENS = ("tp", "gtp_remat", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+MEGATRON_APPEND_ORDER = ("tp", "pp", "dp", "ep", "cp", "gtp_remat")  # RankGenerator.name_to_size order
 
 
 def inject_gtp_axis(order: str, after: str) -> str:
@@ -69,7 +70,8 @@ class RankGrid:
             raise BridgeError(f"parallel order {order!r}: unknown token(s) {unknown}; use tokens from {list(TOKENS)}")
         if len(set(toks)) != len(toks):
             raise BridgeError(f"parallel order {order!r}: a token appears twice; name each of {list(TOKENS)} at most once")
-        for name, n in sizes.items():
+        for name in MEGATRON_APPEND_ORDER:  # Megatron appends missing tokens in this order
+            n = sizes.get(name, 1)
             if name not in toks:
                 if n != 1:
                     raise BridgeError(f"parallel order {order!r} lacks {name!r} but its size is {n}; add {name!r} to the order")
