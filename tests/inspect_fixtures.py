@@ -52,3 +52,47 @@ def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "bridge.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env=env)
+
+
+def numpy_stats(x: np.ndarray) -> dict:
+    """Independent whole-array reference for ArrayStats' definitions (finite-only min/max/mean/RMS)."""
+    x = np.asarray(x, dtype=np.float64).reshape(-1)
+    fin = x[np.isfinite(x)]
+    return {"count": x.size, "nan": int(np.isnan(x).sum()), "posinf": int((x == np.inf).sum()),
+            "neginf": int((x == -np.inf).sum()), "zeros": int((x == 0).sum()),
+            "min": float(fin.min()) if fin.size else None, "max": float(fin.max()) if fin.size else None,
+            "mean": float(fin.mean()) if fin.size else None,
+            "rms": float(np.sqrt(np.mean(fin ** 2))) if fin.size else None}
+
+
+def assert_stats_match(got: dict, want: dict) -> None:
+    """Counts and extremes exactly; mean and RMS to float64 rounding of differently ordered sums."""
+    import pytest
+
+    for k in ("count", "nan", "posinf", "neginf", "zeros", "min", "max"):
+        assert got[k] == want[k], k
+    for k in ("mean", "rms"):
+        if want[k] is None:
+            assert got[k] is None
+        else:
+            assert got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-12), k
+
+
+def run_notebook(path: str, env: dict, timeout: int = 180) -> None:
+    """Execute a notebook top to bottom with nbclient (env vars set for its kernel); raise on any error."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    env = dict(env, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the kernel inherits this process's environment
+    try:
+        NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                       resources={"metadata": {"path": REPO}}).execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -114,7 +114,7 @@ def render_text(report: dict[str, Any]) -> str:
         row = [r["name"], fmt_shape(r["shape"]), r["dtype"], human_bytes(r["bytes"]),
                fmt_shape(r["chunk"]), fmt_shape(r["read_chunk"])]
         if has_digest:
-            row.append(str((r.get("manifest") or {}).get("digest") or "-")[:16])
+            row.append(str((r.get("manifest") or {}).get("digest") or "-")[-12:])
         if has_stats:
             s = r["stats"]
             zf = s["zero_fraction"]
