@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from typing import NoReturn
 
@@ -67,13 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def examples_text(choices: dict[str, argparse.ArgumentParser]) -> str:
-    """'examples:' block with the first example of each subcommand's epilog (or a fallback)."""
-    lines = ["examples:"]
+    """'examples:' block with the first example of each subcommand's epilog (or a fallback), aligned.
+
+    An epilog example line is `  gtp-bridge ...` optionally followed by two or more spaces and a comment.
+    """
+    pairs = []
     for name, p in choices.items():
         ex = next((ln.strip() for ln in (p.epilog or "").splitlines() if ln.strip().startswith("gtp-bridge ")), None)
         ex = ex or FALLBACK_EXAMPLES.get(name)
         if ex:
-            lines.append(f"  {ex}")
+            cmd, note = (re.split(r"\s{2,}", ex, maxsplit=1) + [""])[:2]
+            pairs.append((cmd.strip(), note.strip()))
+    width = max((len(c) for c, _ in pairs), default=0)
+    lines = ["examples:"] + [f"  {c.ljust(width)}  {n}".rstrip() for c, n in pairs]
     lines.append("Run `gtp-bridge COMMAND --help` for each command's options and more examples.")
     return "\n".join(lines)
 
