@@ -1,0 +1,155 @@
+"""What one rank holds, as flat local tensors cut into logical pieces (export side, per rank).
+
+Every `LocalParam` gives up to four local flat tensors: the model weight shard (root `model`;
+FP8 dequantized to bf16) and the optimizer fragment's master / exp_avg / exp_avg_sq (roots
+`params`, `mu`, `nu`). The layout engine cuts each into `Piece`s (contiguous runs that are one
+box of one logical array; padding gives none). `Holding.describe()` is the JSON-safe summary
+all ranks exchange so that every rank computes the same global plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Sequence
+
+import torch
+
+from bridge.errors import BridgeError
+from bridge.layout.params import ParamGeometry
+from bridge.layout.rectangles import Piece
+from bridge.live.api import LocalParam, QuantizedWeight
+from bridge.store.tree import megatron_key_to_path, path_to_name
+
+# Logical tree roots: model weights, fp32 masters, Adam moments (optax.adamw state layout).
+ROOT_PATHS: dict[str, tuple[str, ...]] = {
+    "model": ("model",),
+    "params": ("params",),
+    "mu": ("opt_state", "0", "mu"),
+    "nu": ("opt_state", "0", "nu"),
+}
+ROOTS = tuple(ROOT_PATHS)
+
+_TORCH_TO_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                  torch.float64: "float64"}
+
+
+def tree_name(root: str, array: str) -> str:
+    """Orbax name of logical array `array` under `root`.
+
+    >>> tree_name("mu", "module.decoder.layers.mlp.linear_fc1.weight.gate")
+    'opt_state.0.mu.decoder.layers.mlp.linear_fc1.weight.gate'
+    """
+    return path_to_name(ROOT_PATHS[root] + megatron_key_to_path(array))
+
+
+def dtype_name(t: torch.dtype, what: str) -> str:
+    """Store dtype name of a torch float dtype (BridgeError for anything else)."""
+    try:
+        return _TORCH_TO_NAME[t]
+    except KeyError:
+        raise BridgeError(f"{what}: dtype {t} cannot be stored; pass bf16/fp16/fp32 tensors or a QuantizedWeight") from None
+
+
+@dataclass(eq=False)
+class Holding:
+    """One local flat tensor of this rank and its logical pieces (array names without root)."""
+
+    root: str
+    param: str  # the LocalParam key, for messages
+    data: torch.Tensor  # 1-D contiguous, the dtype that is stored
+    pieces: list[Piece]
+    main_replica: bool | None
+
+    @property
+    def dtype(self) -> str:
+        return _TORCH_TO_NAME[self.data.dtype]
+
+    def describe(self) -> dict:
+        """JSON-safe summary (pieces as [array, start, stop, local_start])."""
+        return {"root": self.root, "param": self.param, "dtype": self.dtype, "main": self.main_replica,
+                "pieces": [[p.array, list(p.logical.start), list(p.logical.stop), p.local_start] for p in self.pieces]}
+
+
+def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise BridgeError(f"{what} is not contiguous; pass the shard tensor itself (or .contiguous())")
+    return t.reshape(-1)
+
+
+def weight_tensor(p: LocalParam) -> torch.Tensor | None:
+    """The weight as stored: FP8 dequantized to bf16, other dtypes as held."""
+    w = p.weight
+    if w is None:
+        return None
+    if isinstance(w, QuantizedWeight):
+        return w.dequantize()
+    if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise BridgeError(f"{p.key}: FP8 weight passed as a bare tensor; wrap it in QuantizedWeight(data, scale_inv, block)")
+    return w
+
+
+def param_holdings(p: LocalParam, run_layout, rank: int) -> list[Holding]:
+    """Holdings of one LocalParam on `rank` (validates shapes and ranges, naming param and rank)."""
+    geom = p.geometry
+    where = f"rank {rank}: {p.key}"
+    tp, gtp, t, g = geom.placement(run_layout, rank)
+    index = tuple(p.index) or None  # None: the geometry's own default index
+    shape = geom.physical_shape(tp, gtp)
+    numel = prod(shape)
+    out: list[Holding] = []
+    w = weight_tensor(p)
+    if w is not None:
+        if tuple(w.shape) != tuple(shape):
+            raise BridgeError(f"{where}: weight shard has shape {tuple(w.shape)}, the layout (TP={tp}, GTP={gtp}, "
+                              f"t={t}, g={g}) gives {tuple(shape)}; pass the padded physical shard")
+        dtype_name(w.dtype, where)
+        out.append(Holding("model", p.key, _flat(w, f"{where} weight"),
+                           geom.shard_pieces(tp, gtp, t, g, index), p.main_replica))
+    o = p.optim
+    if o is not None:
+        if not 0 <= o.f0 <= o.f1 <= numel:
+            raise BridgeError(f"{where}: optimizer range [{o.f0}, {o.f1}) is outside the physical shard of {numel} elements")
+        pieces = geom.fragment_pieces(tp, gtp, t, g, o.f0, o.f1, index)
+        for root, tensor in o.tensors().items():
+            if tensor.numel() != o.numel:
+                raise BridgeError(f"{where}: optimizer {root} has {tensor.numel()} elements, range [{o.f0}, {o.f1}) "
+                                  f"has {o.numel}")
+            dtype_name(tensor.dtype, where)
+            out.append(Holding(root, p.key, _flat(tensor, f"{where} {root}"), pieces, p.main_replica))
+    return out
+
+
+def rank_holdings(params: Sequence[LocalParam], run_layout, rank: int,
+                  with_optim: bool) -> tuple[list[Holding], dict[str, list]]:
+    """This rank's holdings (params as given, roots in ROOTS order) and its logical catalog.
+
+    The catalog maps Orbax name -> [shape, dtype] for every array these params belong to: `model/...`
+    when a weight is given, `params`/`mu`/`nu` when `with_optim` (even where this rank owns no
+    fragment: the global coverage check then finds state nobody holds).
+    """
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    out: list[Holding] = []
+    catalog: dict[str, list] = {}
+    for p in params:
+        ident = (p.key, tuple(p.index) or p.geometry.index)
+        if ident in seen:
+            raise BridgeError(f"rank {rank}: parameter {p.key} (index {tuple(p.index)}) is listed twice; pass each once")
+        seen.add(ident)
+        if p.geometry.name != p.key:
+            raise BridgeError(f"rank {rank}: LocalParam key {p.key!r} differs from its geometry name {p.geometry.name!r}")
+        mine = param_holdings(p, run_layout, rank)
+        if mine and not with_optim and any(h.root != "model" for h in mine):
+            raise BridgeError(f"rank {rank}: {p.key} carries optimizer state but the run has no optimizer config; "
+                              "set LiveRun.optimizer (AdamConfig)")
+        out.extend(mine)
+        dtypes = {h.root: h.dtype for h in mine}
+        for array, shape in p.geometry.logical_arrays().items():
+            if "model" in dtypes:
+                catalog[tree_name("model", array)] = [list(shape), dtypes["model"]]
+            if with_optim:
+                for root in ("params", "mu", "nu"):
+                    catalog.setdefault(tree_name(root, array), [list(shape), dtypes.get(root, "float32")])
+                    if root in dtypes:
+                        catalog[tree_name(root, array)][1] = dtypes[root]
+    return out, catalog

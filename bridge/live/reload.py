@@ -1,0 +1,161 @@
+"""Live reload: fill a run's physical shards and optimizer fragments from a logical checkpoint.
+
+    result = reload_state(src, run, params)   # per rank; params allocated at the new layout
+
+Each rank reads exactly the boxes its own shards and fragments need (the layout engine's pieces
+of its placement), with all reads of a batch in flight at once; padding (GTP tail rows,
+alignment gaps) comes back as zeros. Weights come from `model/...` (FP8 targets are
+re-quantized), or from the fp32 masters when the checkpoint has no model tree. No collectives:
+any layout and world size can reload any checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from bridge.errors import BridgeError
+from bridge.layout.rectangles import Piece
+from bridge.live.api import AdamConfig, LiveRun, LocalParam, QuantizedWeight, ReloadResult
+from bridge.live.fp8 import quantize_into
+from bridge.live.holdings import tree_name
+from bridge.live.staging import np_dtype
+from bridge.store.reader import Checkpoint, open_checkpoint
+from bridge.store.tree import name_to_path
+
+
+@dataclass
+class _Job:
+    """One local flat buffer to fill: from which root, which pieces, into which tensor."""
+
+    param: LocalParam
+    root: str
+    pieces: list[Piece]
+    numel: int
+    target: torch.Tensor | QuantizedWeight
+
+
+def _jobs(p: LocalParam, run: LiveRun, have_model: bool) -> list[_Job]:
+    geom = p.geometry
+    tp, gtp, t, g = geom.placement(run.layout, run.rank)
+    index = tuple(p.index) or None
+    shape = geom.physical_shape(tp, gtp)
+    numel = prod(shape)
+    where = f"rank {run.rank}: {p.key}"
+    out = []
+    if p.weight is not None:
+        if tuple(p.weight.shape) != tuple(shape):
+            raise BridgeError(f"{where}: target weight has shape {tuple(p.weight.shape)}, the layout (TP={tp}, GTP={gtp}) "
+                              f"gives the physical shard shape {tuple(shape)}; allocate it at that shape")
+        out.append(_Job(p, "model" if have_model else "params", geom.shard_pieces(tp, gtp, t, g, index), numel,
+                        p.weight))
+    o = p.optim
+    if o is not None:
+        if not 0 <= o.f0 <= o.f1 <= numel:
+            raise BridgeError(f"{where}: optimizer range [{o.f0}, {o.f1}) is outside the physical shard of {numel} elements")
+        pieces = geom.fragment_pieces(tp, gtp, t, g, o.f0, o.f1, index)
+        for root, tensor in o.tensors().items():
+            if tensor.numel() != o.numel:
+                raise BridgeError(f"{where}: optimizer {root} target has {tensor.numel()} elements, range has {o.numel}")
+            out.append(_Job(p, root, pieces, o.numel, tensor))
+    return out
+
+
+def _check_arrays(ck: Checkpoint, jobs: Sequence[_Job]) -> dict[str, object]:
+    """Open every array the jobs need once; shapes must match the geometry (BridgeError naming it)."""
+    stores: dict[str, object] = {}
+    available = set(ck.paths())
+    for j in jobs:
+        for array, shape in j.param.geometry.logical_arrays().items():
+            name = tree_name(j.root, array)
+            if name in stores:
+                continue
+            path = name_to_path(name)
+            if path not in available:
+                raise BridgeError(f"checkpoint {ck.root} has no array {'/'.join(path)} needed by {j.param.key}; "
+                                  "it was written for another model (or without optimizer state)")
+            info = ck.info(path)
+            if tuple(info.shape) != tuple(shape):
+                raise BridgeError(f"{'/'.join(path)}: checkpoint shape {list(info.shape)} != {list(shape)} expected by "
+                                  f"{j.param.key}'s geometry; reload with the model the checkpoint was written for")
+            stores[name] = ck.open(path)
+    return stores
+
+
+def _fill(jobs: Sequence[_Job], stores: dict) -> int:
+    """Issue every read of the batch, then assemble flat buffers and copy them into the targets."""
+    futures = []
+    for j in jobs:
+        futures.append([stores[tree_name(j.root, p.array)][p.logical.slices].read() for p in j.pieces])
+    nbytes = 0
+    for j, futs in zip(jobs, futures):
+        first = stores[tree_name(j.root, j.pieces[0].array)] if j.pieces else None
+        dtype = np.dtype(first.dtype.numpy_dtype) if first is not None else np.float32
+        flat = np.zeros(j.numel, dtype=dtype)
+        for p, f in zip(j.pieces, futs):
+            data = np.asarray(f.result())
+            p.put(flat, data)
+            nbytes += data.nbytes
+        _copy_into(j, flat)
+    return nbytes
+
+
+def _copy_into(j: _Job, flat: np.ndarray) -> None:
+    target = j.target
+    src = torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16) if flat.dtype == np_dtype(torch.bfloat16) \
+        else torch.from_numpy(flat)
+    if isinstance(target, QuantizedWeight):
+        quantize_into(target, src.reshape(target.shape).to(torch.float32))
+        return
+    with torch.no_grad():
+        target.view(-1).copy_(src.to(target.device, target.dtype))
+
+
+def reload_state(src: str, run: LiveRun, params: Sequence[LocalParam], *,
+                 inflight_bytes: int = 256 << 20) -> ReloadResult:
+    """Fill `params` (allocated for `run.layout` at `run.rank`) in place from checkpoint `src`.
+
+    Weights come from `model/...` (bf16; FP8 targets re-quantized with current scaling), or from
+    `params/...` when the checkpoint has no model tree; optimizer fragments from `params`, `mu`,
+    `nu`. Reads at most about `inflight_bytes` at a time. Returns the step and the recorded
+    optimizer settings.
+    """
+    ck = open_checkpoint(src)
+    have_model = any(p[0] == "model" for p in ck.paths())
+    jobs = [j for p in params for j in _jobs(p, run, have_model)]
+    stores = _check_arrays(ck, jobs)
+    total = 0
+    batch: list[_Job] = []
+    used = 0
+    for j in jobs:
+        batch.append(j)
+        used += j.numel * 4
+        if used >= inflight_bytes:
+            total += _fill(batch, stores)
+            batch, used = [], 0
+    if batch:
+        total += _fill(batch, stores)
+    step = _read_step(ck)
+    m = ck.manifest
+    opt = None
+    if m is not None and m.optimizer.lr is not None:
+        o = m.optimizer
+        opt = AdamConfig(lr=o.lr, betas=tuple(o.betas) if o.betas else (0.9, 0.999), eps=o.eps if o.eps is not None else 1e-8,
+                         weight_decay=o.weight_decay or 0.0, no_decay=tuple(o.no_decay))
+    source = dict(vars(m.source)) if m is not None else {}
+    return ReloadResult(step=step, optimizer=opt, source_layout=source, bytes_read=total)
+
+
+def _read_step(ck: Checkpoint) -> int:
+    """optax `count` when present (completed optimizer steps), else the `step` leaf, else the manifest."""
+    available = set(ck.paths())
+    for path in (("opt_state", "0", "count"), ("step",)):
+        if path in available:
+            return int(np.asarray(ck.read(path)))
+    if ck.manifest is not None and ck.manifest.optimizer.step is not None:
+        return int(ck.manifest.optimizer.step)
+    raise BridgeError(f"checkpoint {ck.root} records no step (no opt_state/0/count, step, or manifest step)")
