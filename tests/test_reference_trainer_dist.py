@@ -66,7 +66,7 @@ def _spawn(world: int, scenarios: list[dict], tmp) -> dict[str, list[dict]]:
             torch.save(arrays, sc["reload"])
     wire = [{**sc, "config": {**sc["config"], "adam": AdamConfig(**ADAM)}} for sc in scenarios]
     mp.spawn(run_scenarios, args=(world, f"tcp://127.0.0.1:{_port()}", wire, str(tmp)), nprocs=world, join=True)
-    return {sc["name"]: [torch.load(tmp / f"{sc['name']}.rank{r}.pt", weights_only=False) for r in range(world)]
+    return {sc["name"]: [torch.load(tmp / f"{sc['name']}.rank{r}.pt", weights_only=True) for r in range(world)]
             for sc in scenarios}
 
 
