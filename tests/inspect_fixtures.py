@@ -13,8 +13,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def save_plain_orbax(path: str, tree: dict, custom_metadata: dict | None = None,
-                     chunk_byte_size: int | None = None) -> str:
-    """Write `tree` (nested dicts of numpy arrays) with Orbax itself: OCDBT + zarr3, no compression.
+                     chunk_byte_size: int | None = None, use_ocdbt: bool = True, use_zarr3: bool = True,
+                     use_compression: bool = False) -> str:
+    """Write `tree` (nested dicts of numpy arrays) with Orbax itself (default OCDBT + zarr3, no compression).
 
     `chunk_byte_size` makes Orbax cut arrays into chunks of at most that many bytes (default: one chunk).
     """
@@ -22,7 +23,8 @@ def save_plain_orbax(path: str, tree: dict, custom_metadata: dict | None = None,
     import orbax.checkpoint as ocp
 
     jtree = jax.tree.map(lambda x: jax.numpy.asarray(x), tree)
-    ck = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False))
+    ck = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt, use_zarr3=use_zarr3,
+                                                       use_compression=use_compression))
     save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=chunk_byte_size), jtree)
     ck.save(os.path.abspath(path),
             args=ocp.args.PyTreeSave(jtree, save_args=save_args, custom_metadata=custom_metadata or {}))

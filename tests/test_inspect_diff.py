@@ -158,3 +158,22 @@ def test_diff_nan_signed_zero_missing_arrays_and_shapes(tmp_path):
                              "--atol", "1e30").stdout)
     assert rep["arrays"][0]["nan_mismatch"] == 1 and rep["arrays"][0]["first_index"] == [0]
     assert rep["equal"] is False
+
+
+def test_diff_equal_across_writers_and_formats(tmp_path):
+    """The same state written by Orbax (zarr2, zstd) and by the bridge store (zarr3, OCDBT) compares equal."""
+    from bridge.store.commit import save_checkpoint
+
+    state = small_state(4)
+    state["params"]["embedding"]["word_embeddings"]["weight"][0, :3] = [np.nan, -0.0, np.inf]
+    save_plain_orbax(str(tmp_path / "orbax"), state, use_zarr3=False, use_compression=True, chunk_byte_size=1024)
+
+    def flat(tree, prefix=()):
+        for k, v in tree.items():
+            yield from flat(v, prefix + (k,)) if isinstance(v, dict) else [("/".join(prefix + (k,)), np.asarray(v))]
+
+    save_checkpoint(str(tmp_path / "bridge"), dict(flat(state)))
+    r = run_cli("diff", str(tmp_path / "orbax"), str(tmp_path / "bridge"), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(r.stdout)
+    assert len(rep["arrays"]) == len(dict(flat(state))) and all(a["status"] == "equal" for a in rep["arrays"])

@@ -92,6 +92,22 @@ def test_stats_report_planted_nans_in_right_array(planted):
     assert "\r" not in text  # no progress bar when not a tty
 
 
+@pytest.mark.parametrize("fmt", [dict(use_zarr3=False, use_compression=True),   # Orbax v0 default
+                                 dict(use_ocdbt=False, use_zarr3=True),
+                                 dict(use_ocdbt=False, use_zarr3=False)])
+def test_stats_on_other_orbax_layouts(tmp_path, fmt):
+    state = small_state(9, layers=2)
+    state["opt_state"]["mu"]["embedding"]["word_embeddings"]["weight"][3] = np.nan
+    save_plain_orbax(str(tmp_path / "ck"), state, chunk_byte_size=512, **fmt)
+    rep = json.loads(run_cli("inspect", str(tmp_path / "ck"), "--stats", "--json", "--budget", "2K").stdout)
+    got = {a["name"]: a for a in rep["arrays"]}
+    want = dict(_flatten(state))
+    assert set(got) == set(want)
+    for name, x in want.items():
+        assert_stats_match(got[name]["stats"], numpy_stats(np.asarray(x)))
+    assert rep["format"] == {"use_ocdbt": fmt.get("use_ocdbt", True), "use_zarr3": fmt["use_zarr3"]}
+
+
 def test_inspect_lists_layout_without_reading_data(planted):
     path, state = planted
     rep = json.loads(run_cli("inspect", path, "--json", "--only", "params/*").stdout)
