@@ -453,8 +453,22 @@ class DcpCheckpoint:
             raise BridgeError(f"{what}: {t.numel()} elements, .metadata says {chunk.numel}; damaged checkpoint")
         return t.reshape(chunk.sizes)
 
+    def object_key(self, name: str) -> str | None:
+        """The stored fqn of object `name`: itself, or Megatron's `name/shard_<offset>_<shape>` form."""
+        if name in self.objects:
+            return name
+        for k in self.objects:
+            if k.split("/", 1)[0] == name:
+                return k
+        return None
+
+    def object_names(self) -> list[str]:
+        """Object names without Megatron's `/shard_...` suffix."""
+        return [k.split("/", 1)[0] for k in self.objects]
+
     def read_object(self, fqn: str) -> Any:
         """A byte entry unpickled with the allow-list (first blob; MCore wraps objects in a list)."""
+        fqn = self.object_key(fqn) or fqn
         if fqn not in self.objects:
             raise BridgeError(f"{self.root}: no object {fqn!r} in the checkpoint")
         out = []
@@ -475,8 +489,9 @@ class DcpCheckpoint:
 
     def common_state(self) -> dict:
         """Megatron's `common_state` object (args, iteration, optimizer groups...), or {} when absent."""
-        for fqn in ("common_state",):
-            if fqn in self.objects:
+        for name in ("common_state",):
+            fqn = self.object_key(name)
+            if fqn is not None:
                 obj = self.read_object(fqn)
                 if isinstance(obj, list) and obj:
                     obj = obj[0]

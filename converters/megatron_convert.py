@@ -140,15 +140,16 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
     geoms_all = [m.geom for m in src.models.values()]
     has_expert = any(g.expert for g in geoms_all)
     prefixed = any(d.key.startswith("chained_") for d in src.dp_keys)
-    if has_expert and len(chains) < 2:
-        raise BridgeError(f"{ck.root}: MoE model but a single dp_reshardable optimizer; unknown format")
+    # At EP=1 routed experts share the dense buffer (one optimizer); otherwise the expert optimizer
+    # is the last of the chain.
+    split_expert = has_expert and len(chains) > 1
     by_bucket: dict[tuple[int, int, int, str, int], dict[str, str]] = {}
     for d in src.dp_keys:
         by_bucket.setdefault((d.chain, d.dp_group_idx, d.gbuf, d.dtype, d.bucket), {})[d.state] = d.key
     buffers = sorted({k[:4] for k in by_bucket})
     coords = _dp_group_coords(lay)
     for chain, k, j, dtype_key in buffers:
-        expert = has_expert and chain == chains[-1]
+        expert = split_expert and chain == chains[-1]
         prefix = f"chained_{chain}." if prefixed else ""
         where = f"{prefix}optimizer.distributed.dp_group_idx_{k}.gbuf_idx_{j}"
         ck_coords = coords["expert" if expert else "dense"].get(k)
@@ -156,12 +157,13 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
             raise BridgeError(f"{where}: dp_group_idx {k} does not exist for layout {lay.to_json()}; "
                               f"pass --tp/--gtp/--ep matching the run")
         t, g, e = ck_coords
-        tp, gtp = lay.tp_gtp_sizes(expert)
         pdt, _gdt = parse_dtype_key(dtype_key)
-        geoms = [g_ for g_ in geoms_all if g_.expert == expert and np_dtype_name(src.models[g_.name].dtype) == pdt]
-        insts = local_instances(geoms, lay, expert, e)
+        geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
+                 and np_dtype_name(src.models[g_.name].dtype) == pdt]
+        insts = local_instances(geoms, lay, e)
         gmap = {g_.name: g_ for g_ in geoms}
-        numels = {i: gmap[i.name].physical_numel(tp, gtp) for i in insts}
+        sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
+        numels = {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
         obj_pre = f"{prefix}optimizer.distributed.dp_group_idx_{k}."
         unp = _per_bucket(_maybe_object(ck, obj_pre + "per_bucket_numel_unpadded"), j, dtype_key, where)
         pad = _per_bucket(_maybe_object(ck, obj_pre + "per_bucket_numel"), j, dtype_key, where)
@@ -180,6 +182,7 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
                 for inst in insts:
                     p0, _p1, bid = blay.index[inst.label]
                     geom = gmap[inst.name]
+                    tp, gtp = sizes[inst.name]
                     if bid != b or not contributes(geom, tp, gtp, t, g):
                         continue
                     u = units[inst.name]
@@ -188,8 +191,9 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
                         flat_copies(key, info.chunks, geom, tp, gtp, t, g, inst.index, p0 - b0))
 
 
-def _maybe_object(ck: DcpCheckpoint, fqn: str):
-    return ck.read_object(fqn) if fqn in ck.objects else None
+def _maybe_object(ck: DcpCheckpoint, name: str):
+    key = ck.object_key(name)
+    return ck.read_object(key) if key is not None else None
 
 
 def _dp_group_coords(lay: ParallelLayout) -> dict[str, dict[int, tuple[int, int, int]]]:
@@ -381,11 +385,14 @@ def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | Non
                           egtp=lay.egtp, pp=lay.pp, cp=lay.cp, pad_for_alignment=src.pad_for_alignment,
                           optimizer_format=src.format_label, world_size=lay.world)
     hyper = parse_groups_hyper(groups)
-    no_decay = []
+    # Megatron puts biases and 1-D params in the wd_mult=0 group (its default no_weight_decay_cond);
+    # they are "no decay" when that group's effective weight_decay (what the inner optimizer used) is 0.
+    wd_mult_zero = []
     for m in src.models.values():
-        inst_shape = m.geom.shape
-        if m.name.endswith(".bias") or len(inst_shape) == 1:
-            no_decay += [path_str(megatron_key_to_path(a)) for a in m.geom.logical_arrays()]
+        if m.name.endswith(".bias") or len(m.geom.shape) == 1:
+            wd_mult_zero += [path_str(megatron_key_to_path(a)) for a in m.geom.logical_arrays()]
+    zero_groups = [g for g in hyper.get("groups", []) if g.get("wd_mult") == 0.0]
+    no_decay = wd_mult_zero if zero_groups and all(float(g.get("weight_decay") or 0.0) == 0.0 for g in zero_groups) else []
     opt = OptimizerConfig(name="adamw", lr=hyper.get("lr"), betas=hyper.get("betas"), eps=hyper.get("eps"),
                           weight_decay=hyper.get("weight_decay"), step=step, groups=hyper.get("groups", []),
                           no_decay=no_decay)
@@ -402,9 +409,10 @@ def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | Non
         "source_dir": str(src.ck.root),
         "params": params,
         "param_groups": [[{k: _plain(v) for k, v in g.items() if k != "params"} for g in gs] for gs in groups],
-        "extra_state_keys": sorted(k for k in src.ck.objects if k.endswith("_extra_state") or "._extra_state/" in k),
+        "extra_state_keys": sorted(k for k in src.ck.objects if k.split("/", 1)[0].endswith("._extra_state")),
         "args": keep_args,
         "inferred": list(src.inferred),
+        "wd_mult_zero_params": wd_mult_zero,
         "iteration": _plain(src.common.get("iteration")),
         "checkpoint_version": _plain(src.common.get("checkpoint_version")),
     }}

@@ -264,8 +264,8 @@ def fused_spec(name: str, rows: int, args: dict, hints: Hints, shapes: dict[str,
             kv = rows - heads * hd
             groups = kv // (2 * hd) if kv > 0 and kv % (2 * hd) == 0 else None
         if not (heads and groups and hd):
-            raise BridgeError(f"{name}: cannot split the fused qkv projection without the head layout; "
-                              f"pass --num-attention-heads, --num-query-groups and --kv-channels")
+            raise BridgeError(f"{name}: the checkpoint has no args, and {rows} qkv rows fit several head layouts; "
+                              f"pass --kv-channels (head dim) or --num-query-groups")
         spec = FusedSpec.qkv(int(heads), int(groups), int(hd))
         if spec.rows != rows:
             raise BridgeError(f"{name}: {rows} qkv rows do not match heads={heads}, groups={groups}, head_dim={hd} "
@@ -452,7 +452,7 @@ def optimizer_groups(src: SourceCheckpoint) -> list[list[dict]]:
         chains = sorted({d.chain for d in src.dp_keys})
         for c in chains:
             prefix = f"chained_{c}." if any(k.startswith("chained_") for k in src.ck.objects) else ""
-            cands = [k for k in src.ck.objects if k.startswith(f"{prefix}optimizer.distributed.dp_group_idx_")
+            cands = [k for k in src.ck.object_names() if k.startswith(f"{prefix}optimizer.distributed.dp_group_idx_")
                      and k.endswith(".optimizer")]
             cands.sort(key=lambda k: int(re.search(r"dp_group_idx_(\d+)", k).group(1)))
             if cands:

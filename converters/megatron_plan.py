@@ -201,35 +201,41 @@ class Instance:
         return self.name + "".join(f"[{i}]" for i in self.index)
 
 
-def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, expert: bool, e: int) -> list[Instance]:
-    """A rank's parameters of one optimizer domain in registration order.
+def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, e: int) -> list[Instance]:
+    """A rank's parameters of one DistOpt buffer in registration order (EP rank `e`).
 
-    Stacked keys expand layer-major (all of layer 0's params, then layer 1's...), routed experts
-    per local expert; params are ordered inside a layer as the checkpoint lists them.
+    Stacked keys expand layer-major (all of layer 0's params, then layer 1's...); inside a layer,
+    params keep the checkpoint's key order, and a run of routed-expert keys expands expert-major
+    over the rank's local experts (`local_experts.<i>.linear_fc1`, `.linear_fc2`, then i+1).
     """
-    sel = [g for g in geoms if g.expert == expert]
     out: list[Instance] = []
-    # group by layer axis presence: top-level params keep their position relative to the block
     i = 0
-    while i < len(sel):
-        g = sel[i]
+    while i < len(geoms):
+        g = geoms[i]
         if not g.prepend:
             out.append(Instance(g.name, ()))
             i += 1
             continue
         j = i
-        while j < len(sel) and sel[j].prepend and sel[j].prepend[0] == g.prepend[0]:
+        while j < len(geoms) and geoms[j].prepend and geoms[j].prepend[0] == g.prepend[0]:
             j += 1
-        block = sel[i:j]
+        block = geoms[i:j]
         for layer in range(g.prepend[0]):
-            if expert:
-                nle = block[0].prepend[1] // layout.ep
-                for le in range(nle):
-                    for b in block:
-                        out.append(Instance(b.name, (layer, e * nle + le)))
-            else:
-                for b in block:
+            k = 0
+            while k < len(block):
+                b = block[k]
+                if not b.expert:
                     out.append(Instance(b.name, (layer,) + (0,) * (len(b.prepend) - 1)))
+                    k += 1
+                    continue
+                m = k
+                while m < len(block) and block[m].expert:
+                    m += 1
+                nle = b.prepend[1] // layout.ep
+                for le in range(nle):
+                    for x in block[k:m]:
+                        out.append(Instance(x.name, (layer, e * nle + le)))
+                k = m
         i = j
     return out
 

@@ -1,0 +1,159 @@
+"""Independent logical reference of a real fixture run, from the per-rank dumps the GPU run recorded.
+
+Each `reference_rank<r>.pt` holds what rank r's model held (`live` bf16 physical shard) and what
+its distributed optimizer owned (flat range `[f0, f1)` of each param with fp32 master and moments).
+This module assembles the logical arrays from those dumps with its own simple code: flat ranges
+overlaid per (param, TP rank, EP rank), TP shards placed by `partition_dim` (SwiGLU fc1 by halves),
+layers and experts stacked, qkv and fc1 split by the model sizes in `run.json`. It never calls the
+converter or bridge.layout. GTP runs are not handled here (their dumps carry padded shards).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import ml_dtypes
+import numpy as np
+import torch
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "megatron")
+
+# Megatron's local layer spec checkpoints the norms under the fused linear that follows them.
+RENAMES = [(".input_layernorm.", ".self_attention.linear_qkv.layer_norm_"),
+           (".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_")]
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.contiguous().numpy()
+
+
+def checkpoint_key(name: str, moe: bool) -> tuple[str, tuple[int, ...]]:
+    """DDP param name -> (checkpoint key, stacked index). Experts: (layer, global expert)."""
+    n = re.sub(r"^(module\.)+", "", name)
+    m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", n)
+    if not m:
+        return n, ()
+    layer, rest = int(m.group(1)), "." + m.group(2)
+    e = re.match(r"\.mlp\.experts\.local_experts\.(\d+)\.(.*)$", rest)
+    if e:
+        return f"decoder.layers.mlp.experts.experts.{e.group(2)}", (layer, int(e.group(1)))
+    for a, b in RENAMES:
+        if rest.startswith(a) and not (moe and a == ".pre_mlp_layernorm."):
+            rest = b + rest[len(a):]
+    if moe and rest.startswith(".pre_mlp_layernorm."):
+        rest = ".mlp.linear_fc1.layer_norm_" + rest[len(".pre_mlp_layernorm."):]
+    return "decoder.layers" + rest, (layer,)
+
+
+def sections(key: str, full: np.ndarray, sizes: dict) -> dict[str, np.ndarray]:
+    """Split fused qkv / SwiGLU fc1 per-instance tensors into logical sections."""
+    if key.endswith("linear_qkv.weight") or key.endswith("linear_qkv.bias"):
+        nq, ng, hd = sizes["num_attention_heads"], sizes["num_query_groups"], sizes["kv_channels"]
+        per = (nq // ng + 2) * hd
+        g = full.reshape((ng, per) + full.shape[1:])
+        q = g[:, : nq // ng * hd].reshape((nq * hd,) + full.shape[1:])
+        k = g[:, nq // ng * hd: nq // ng * hd + hd].reshape((ng * hd,) + full.shape[1:])
+        v = g[:, nq // ng * hd + hd:].reshape((ng * hd,) + full.shape[1:])
+        return {key + ".query": q, key + ".key": k, key + ".value": v}
+    if key.endswith("linear_fc1.weight") or key.endswith("linear_fc1.bias"):
+        f = full.shape[0] // 2
+        return {key + ".gate": full[:f], key + ".up": full[f:]}
+    return {key: full}
+
+
+def load_reference(run: str) -> tuple[dict[str, dict[str, np.ndarray]], int]:
+    """role -> logical array name -> array (model bf16; params, mu, nu fp32), and the step."""
+    d = os.path.join(FIXTURES, run)
+    info = json.load(open(os.path.join(d, "run.json")))
+    sizes = info["sizes"]
+    moe = bool(info["layout"].get("moe"))
+    refs = [torch.load(f, weights_only=True) for f in sorted(glob.glob(os.path.join(d, "reference_rank*.pt")))]
+    if any(r.get("gtp_size", 1) > 1 for r in refs):
+        raise NotImplementedError("GTP reference assembly is not implemented")
+    # (key, index) -> role -> global per-instance array
+    inst: dict[tuple[str, tuple[int, ...]], dict[str, np.ndarray]] = {}
+    step = None
+    for ref in refs:
+        t, tps = ref["tp_rank"], ref["tp_size"]
+        e, eps = ref["ep_rank"], ref["ep_size"]
+        step = ref["step"]
+        flat: dict[str, dict[str, np.ndarray]] = {}
+        for o in ref["optimizers"]:
+            for name, rec in o["params"].items():
+                f0, f1 = rec["range"]["param"]
+                numel = int(np.prod(ref["params"][name]["shape"]))
+                fl = flat.setdefault(name, {r: np.full(numel, np.nan, np.float32) for r in ("params", "mu", "nu")})
+                for role, k in (("params", "param"), ("mu", "exp_avg"), ("nu", "exp_avg_sq")):
+                    fl[role][f0:f1] = _np(rec[k])
+        for name, p in ref["params"].items():
+            key, idx = checkpoint_key(name, moe)
+            if len(idx) == 2:  # local expert -> global expert
+                nle = None
+                idx = (idx[0], e * _num_local(ref) + idx[1])
+            live = _np(p["live"])
+            locals_ = {"model": live}
+            if name in flat:
+                locals_.update({r: flat[name][r].reshape(live.shape) for r in ("params", "mu", "nu")})
+            attrs = p["attrs"]
+            split = attrs.get("tensor_model_parallel") and tps > 1
+            pdim = attrs.get("partition_dim", 0)
+            for role, loc in locals_.items():
+                gshape = list(loc.shape)
+                if split:
+                    gshape[pdim] *= tps
+                slot = inst.setdefault((key, idx), {})
+                if role not in slot:
+                    slot[role] = np.zeros(gshape, dtype=loc.dtype)
+                g = slot[role]
+                if not split:
+                    g[...] = loc
+                elif attrs.get("partition_stride", 1) == 2:  # SwiGLU fc1: [gate_t; up_t]
+                    h = loc.shape[0] // 2
+                    F = h * tps
+                    g[t * h:(t + 1) * h] = loc[:h]
+                    g[F + t * h:F + (t + 1) * h] = loc[h:]
+                else:
+                    n = loc.shape[pdim]
+                    sl = [slice(None)] * loc.ndim
+                    sl[pdim] = slice(t * n, (t + 1) * n)
+                    g[tuple(sl)] = loc
+    out: dict[str, dict[str, np.ndarray]] = {r: {} for r in ("model", "params", "mu", "nu")}
+    keys = sorted({k for k, _ in inst})
+    for key in keys:
+        idxs = sorted(i for k, i in inst if k == key)
+        roles = inst[(key, idxs[0])].keys()
+        for role in roles:
+            per = [sections(key, inst[(key, i)][role], sizes) for i in idxs]
+            for arr in per[0]:
+                if idxs[0] == ():
+                    out[role][arr] = per[0][arr]
+                else:
+                    shape = tuple(max(i[a] for i in idxs) + 1 for a in range(len(idxs[0])))
+                    stacked = np.zeros(shape + per[0][arr].shape, dtype=per[0][arr].dtype)
+                    for i, s in zip(idxs, per):
+                        stacked[i] = s[arr]
+                    out[role][arr] = stacked
+    return out, int(step)
+
+
+def _num_local(ref: dict) -> int:
+    n = 0
+    for name in ref["params"]:
+        m = re.search(r"local_experts\.(\d+)\.", name)
+        if m:
+            n = max(n, int(m.group(1)) + 1)
+    return n
+
+
+def available_runs() -> list[str]:
+    """Runs with both formats and at least one reference dump."""
+    out = []
+    for d in sorted(glob.glob(os.path.join(FIXTURES, "*"))):
+        if os.path.isdir(os.path.join(d, "dp_reshardable")) and glob.glob(os.path.join(d, "reference_rank*.pt")):
+            out.append(os.path.basename(d))
+    return out
