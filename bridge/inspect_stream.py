@@ -14,6 +14,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from bridge.errors import IntegrityError
 from bridge.inspect_blocks import block_elems_for_budget, plan_blocks
 from bridge.inspect_diff import ArrayDiff
 from bridge.inspect_stats import ArrayStats, as_float, reduce_rms_along
@@ -29,10 +30,11 @@ def _itemsize(view: Any) -> int:
 
 
 def read_blocks(views: Sequence[Any], budget_bytes: int = DEFAULT_BUDGET, chunk: Sequence[int] | None = None,
-                bar: Any = None) -> Iterator[tuple[Box, list[np.ndarray]]]:
+                bar: Any = None, names: Sequence[str] | None = None) -> Iterator[tuple[Box, list[np.ndarray]]]:
     """Yield (box, [block of each view]) over equally shaped views, block by block, one read ahead.
 
-    `chunk` aligns block cuts to storage chunks; `bar.update(nbytes)` is called per block.
+    `chunk` aligns block cuts to storage chunks; `bar.update(nbytes)` is called per block. A failed
+    read raises IntegrityError naming the array (`names[i]`, default "array <i>") and the box.
     """
     shape = tuple(views[0].shape)
     per_elem = sum(_itemsize(v) for v in views)
@@ -41,36 +43,45 @@ def read_blocks(views: Sequence[Any], budget_bytes: int = DEFAULT_BUDGET, chunk:
     for box in plan_blocks(shape, max_elems, chunk):
         futures = [v[box.slices].read() for v in views]
         if pending is not None:
-            yield _finish(pending, bar, per_elem)
+            yield _finish(pending, bar, per_elem, names)
         pending = (box, futures)
     if pending is not None:
-        yield _finish(pending, bar, per_elem)
+        yield _finish(pending, bar, per_elem, names)
 
 
-def _finish(pending: tuple[Box, list[Any]], bar: Any, per_elem: int) -> tuple[Box, list[np.ndarray]]:
+def _finish(pending: tuple[Box, list[Any]], bar: Any, per_elem: int,
+            names: Sequence[str] | None) -> tuple[Box, list[np.ndarray]]:
     box, futures = pending
-    blocks = [f.result() for f in futures]
+    blocks = []
+    for i, f in enumerate(futures):
+        try:
+            blocks.append(f.result())
+        except Exception as e:  # tensorstore reports missing/corrupt chunks as ValueError etc.
+            name = names[i] if names else f"array {i}"
+            msg = " ".join(str(e).split())[:300]
+            raise IntegrityError(f"array {name}: read of {box} failed: {msg}; run `gtp-bridge verify` "
+                                 "on the checkpoint") from e
     if bar is not None:
         bar.update(box.size * per_elem)
     return box, blocks
 
 
 def stream_stats(view: Any, budget_bytes: int = DEFAULT_BUDGET, chunk: Sequence[int] | None = None,
-                 bar: Any = None) -> ArrayStats:
+                 bar: Any = None, name: str | None = None) -> ArrayStats:
     """ArrayStats of a lazy view, read block by block under `budget_bytes`."""
     stats = ArrayStats()
-    for _, (block,) in read_blocks([view], budget_bytes, chunk, bar):
+    for _, (block,) in read_blocks([view], budget_bytes, chunk, bar, [name] if name else None):
         stats.update(block)
         del block
     return stats
 
 
 def stream_diff(view_a: Any, view_b: Any, atol: float = 0.0, ulp: int = 0, budget_bytes: int = DEFAULT_BUDGET,
-                chunk: Sequence[int] | None = None, bar: Any = None) -> ArrayDiff:
+                chunk: Sequence[int] | None = None, bar: Any = None, names: Sequence[str] | None = None) -> ArrayDiff:
     """ArrayDiff of two equally shaped lazy views, read block by block under `budget_bytes` (both sides together)."""
     shape = tuple(view_a.shape)
     diff = ArrayDiff(shape=shape, atol=atol, ulp=ulp)
-    for box, (a, b) in read_blocks([view_a, view_b], budget_bytes, chunk, bar):
+    for box, (a, b) in read_blocks([view_a, view_b], budget_bytes, chunk, bar, names):
         diff.update(a, b, start=box.start)
         del a, b
     return diff

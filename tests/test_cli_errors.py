@@ -133,3 +133,18 @@ def test_progress_bar_only_on_a_terminal(ck):
     assert p.returncode == 0
     assert b"stats" in err  # tqdm bar drawn on the terminal
     assert b"stats" not in p.stdout.split(b"\n", 1)[0] and b"params/w" in p.stdout
+
+
+def test_damaged_array_is_named_exit_1(tmp_path):
+    path = tmp_path / "ck"
+    save_plain_orbax(str(path), {"params": {"w": np.ones((8, 8), np.float32), "v": np.ones(4, np.float32)}},
+                     use_ocdbt=False, chunk_byte_size=64)
+    chunks = sorted(p for p in (path / "params.w").rglob("*") if p.is_file() and p.name != "zarr.json")
+    assert chunks
+    chunks[0].unlink()  # a lost chunk file
+    r = run_cli("inspect", str(path), "--stats")
+    assert r.returncode == 1
+    line = _one_error_line(r)
+    assert "params/w" in line and "failed" in line
+    r = run_cli("diff", str(path), str(path))
+    assert r.returncode == 1 and "params/w" in _one_error_line(r)

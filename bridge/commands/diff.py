@@ -76,7 +76,8 @@ def diff_report(dir_a: str, dir_b: str, atol: float = 0.0, ulp: int = 0, budget_
             if x.shape != y.shape:
                 rec.update(status="shape", shape_b=list(y.shape))
             else:
-                d = stream_diff(x.view, y.view, atol, ulp, budget_bytes, x.read_chunk, bar)
+                d = stream_diff(x.view, y.view, atol, ulp, budget_bytes, x.read_chunk, bar,
+                                names=[f"{n} of {dir_a}", f"{n} of {dir_b}"])
                 rec.update(d.to_json())
                 if x.dtype != y.dtype:
                     rec.update(status="dtype", dtype_b=y.dtype)

@@ -65,7 +65,7 @@ def inspect_report(directory: str, stats: bool = False, budget_bytes: int = DEFA
         total = sum(a.nbytes for a in arrays)
         with progress(total, "stats") as bar:
             for rec, a in zip(records, arrays):
-                rec["stats"] = stream_stats(a.view, budget_bytes, a.read_chunk, bar).to_json()
+                rec["stats"] = stream_stats(a.view, budget_bytes, a.read_chunk, bar, name=a.name).to_json()
     return {
         "directory": info.directory,
         "format": {"use_ocdbt": info.use_ocdbt, "use_zarr3": info.use_zarr3},
