@@ -359,3 +359,42 @@ def run_scenarios(rank: int, world: int, init_method: str, scenarios: Sequence[d
             dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def run_export_reload(rank: int, world: int, init_method: str, outdir: str, weights: str, source: dict, target: dict,
+                      steps: int = 2, backend: str = "gloo") -> None:
+    """Worker body: train at `source`, `export_state`, continue one step; a second trainer at
+    `target` (zeroed, `init=False`) is filled by `reload_state`, resumes and steps once. Dumps
+    `src.rank<r>.pt` (source after the extra step) and `dst.rank<r>.pt` (target after its step)."""
+    import torch.distributed as dist
+
+    from bridge.layout import ParallelLayout
+    from bridge.live.export import export_state
+    from bridge.live.reference_collectives import RankGroups
+    from bridge.live.reference_trainer import ReferenceTrainer, TrainerConfig, step, train
+    from bridge.live.reload import reload_state
+
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    try:
+        cfg = TrainerConfig(weights=weights)
+        src_layout, dst_layout = ParallelLayout(**source), ParallelLayout(**target)
+        src_groups, dst_groups = RankGroups.build(src_layout, backend), RankGroups.build(dst_layout, backend)
+        st = train(src_layout, steps, cfg.seed, cfg, device=device, groups=src_groups)
+        export_state(os.path.join(outdir, "ckpt"), st.run, st.params)
+        cont = step(st.trainer, 1)
+        tgt = ReferenceTrainer(dst_layout, cfg, init=False, device=device, groups=dst_groups)
+        res = reload_state(os.path.join(outdir, "ckpt"), tgt.live_run(), tgt.local_params())
+        tgt.resume(res.step)
+        after = step(tgt, 1)
+        for tag, tr, losses in (("src", st.trainer, cont), ("dst", tgt, after)):
+            d = dump_rank(tr)
+            d["losses"] = losses
+            torch.save(d, os.path.join(outdir, f"{tag}.rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
