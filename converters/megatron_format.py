@@ -227,7 +227,8 @@ def infer_tp(infos: Iterable[tuple[str, TensorInfo, int]]) -> int:
         kind = tp_kind_by_name(name)
         if kind == "row" and len(info.shape) > npre + 1:
             row = max(row, _distinct_offsets(info, npre + 1))
-        elif kind in ("column", "vocab") and len(info.shape) > npre:
+        elif kind in ("column", "vocab") and len(info.shape) > npre and module_of(name) != "linear_fc1":
+            # (SwiGLU fc1 stores gate and up halves as separate chunks: not a TP cut)
             col = max(col, _distinct_offsets(info, npre))
     return row if row > 1 else col
 
@@ -311,6 +312,9 @@ def _layout_from(args: dict, hints: Hints, tp_inferred: int, world: int, inferre
 def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
     """Interpret a DCP checkpoint as a Megatron-Core save (format, layout, geometry per key)."""
     hints = hints or Hints()
+    if not (ck.root / "metadata.json").is_file():
+        raise BridgeError(f"{ck.root}: a DCP checkpoint without metadata.json, so not written by Megatron-Core "
+                          f"dist_checkpointing (unknown format); convert reads torch_dist saves only")
     common = ck.common_state()
     args = _as_dict(common.get("args"))
     model_keys, opt, dp, _other = classify_keys(ck)

@@ -319,4 +319,6 @@ def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0
         entries.update(e2)
     # dp bucket tensors' global length = unpadded numel
     save(path, entries, objects, common_state(tp, dp, fmt, with_args), tp * dp)
+    with open(os.path.join(path, "metadata.json"), "w") as f:  # what dist_checkpointing.save adds
+        f.write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
     return st

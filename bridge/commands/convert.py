@@ -1,0 +1,84 @@
+"""`gtp-bridge convert SRC DST`: Megatron-Core torch_dist checkpoint -> logical checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from bridge.errors import BridgeError
+
+EPILOG = """examples:
+  gtp-bridge convert runs/gpt/iter_0001000 ckpt/logical
+  gtp-bridge convert runs/gpt ckpt/logical --workers 4 --budget 2G     # latest iteration
+  gtp-bridge convert lib_ckpt out --kv-channels 128                      # no args saved: head dim
+"""
+
+
+def parse_size(text: str) -> int:
+    """'512M', '2G', '1048576' -> bytes.
+
+    >>> parse_size("2G"), parse_size("512k")
+    (2147483648, 524288)
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(text))
+    if not m:
+        raise BridgeError(f"cannot read size {text!r}; use a number of bytes or e.g. 512M, 2G")
+    mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * mult)
+
+
+def add_hint_flags(p: argparse.ArgumentParser) -> None:
+    """Flags that supply what a source checkpoint does not show."""
+    g = p.add_argument_group("facts the checkpoint may lack (only needed when it cannot be inferred)")
+    g.add_argument("--tp", type=int, help="tensor-parallel size of the run that saved SRC")
+    g.add_argument("--gtp", type=int, help="GTP (weight-remat) size of the run")
+    g.add_argument("--dp", type=int, help="data-parallel (replicate) size of the run")
+    g.add_argument("--ep", type=int, help="expert-parallel size of the run")
+    g.add_argument("--pad-for-alignment", type=int, help="GTP pad_for_alignment (default: inferred, else 16)")
+    g.add_argument("--bucket-size", type=int, help="DDP bucket size in elements (dp_reshardable)")
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--num-query-groups", type=int)
+    g.add_argument("--kv-channels", type=int, help="attention head dim")
+    sw = g.add_mutually_exclusive_group()
+    sw.add_argument("--swiglu", dest="swiglu", action="store_true", default=None, help="linear_fc1 is gated")
+    sw.add_argument("--no-swiglu", dest="swiglu", action="store_false", help="linear_fc1 is not gated")
+
+
+def hints_from(args: argparse.Namespace):
+    from converters.megatron_format import Hints
+
+    return Hints(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, pad_for_alignment=args.pad_for_alignment,
+                 num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                 kv_channels=args.kv_channels, swiglu=args.swiglu, bucket_size=args.bucket_size)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("convert", help="Megatron torch_dist checkpoint -> logical checkpoint",
+                       description="Convert a Megatron-Core torch_dist checkpoint (fully_reshardable, "
+                                   "dp_reshardable, legacy padded GTP, chained dense+expert; auto-detected) "
+                                   "into a logical Orbax/TensorStore checkpoint.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", metavar="SRC", help="torch_dist checkpoint directory (iter_XXXXXXX or its parent)")
+    p.add_argument("dst", metavar="DST", help="new logical checkpoint directory (must not exist)")
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                   help="writer processes (each owns whole arrays); default min(4, cores)")
+    p.add_argument("--budget", default="1G", help="in-flight host memory budget, e.g. 512M, 2G (default 1G)")
+    p.add_argument("--force", action="store_true",
+                   help="convert even when fp32 masters disagree with the bf16 weights (corrupt source; loud)")
+    add_hint_flags(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from converters.megatron_convert import ConvertOptions, convert
+
+    res = convert(args.src, args.dst, ConvertOptions(workers=args.workers, budget=parse_size(args.budget),
+                                                     force=args.force, hints=hints_from(args)))
+    lay = res.layout
+    print(f"converted {args.src} ({res.source_format}, TP={lay['tp']} GTP={lay['gtp']} DP={lay['dp']} "
+          f"EP={lay['ep']}, step {res.step}) -> {res.dst}: {res.params} params, {res.arrays} arrays, "
+          f"{res.bytes / 2**20:.1f} MiB")
+    if res.inferred:
+        print("inferred: " + ", ".join(res.inferred))
+    return 0
