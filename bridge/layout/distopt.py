@@ -15,7 +15,9 @@ padding to lcm(DP, 128) [or lcm(DP, 128, 65536)]), `_build_model_gbuf_range` and
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
+from functools import cached_property
 from math import lcm
 from typing import Iterable, Sequence
 
@@ -99,6 +101,11 @@ class BufferLayout:
         """Parameters by ascending buffer offset (reverse registration order)."""
         return list(reversed(self.order))
 
+    @cached_property
+    def _by_offset(self) -> tuple[list[str], list[int]]:
+        names = sorted(self.index, key=lambda n: (self.index[n][0], self.index[n][1]))
+        return names, [self.index[n][1] for n in names]
+
 
 def buffer_layout(params: Sequence[BufferParam], bucket_size: int | None, dp_size: int,
                   pad_for_high_nccl_busbw: bool = False) -> BufferLayout:
@@ -176,15 +183,22 @@ def owned_ranges(layout: BufferLayout, r: int) -> list[OwnedRange]:
     ([(0, 128)], [(128, 240)])
     """
     out: list[OwnedRange] = []
-    bounds = [layout.dp_range(b, r) for b in range(len(layout.buckets))]
-    for name in layout.params_in_offset_order():
-        p0, p1, b = layout.index[name]
-        w0, w1 = bounds[b]
-        ls = max(0, p0 - w0)
-        le = min(w1 - w0, p1 - w0)
-        if le > ls:
-            sub = max(0, w0 - p0)
-            out.append(OwnedRange(name, b, (sub, sub + le - ls), (w0 + ls, w0 + le), (ls, le)))
+    names, ends = layout._by_offset
+    for b in range(len(layout.buckets)):
+        w0, w1 = layout.dp_range(b, r)
+        # params are disjoint and sorted by offset: start at the first one ending after w0
+        for i in range(bisect_right(ends, w0), len(names)):
+            name = names[i]
+            p0, p1, pb = layout.index[name]
+            if p0 >= w1:
+                break
+            if pb != b:
+                continue
+            ls = max(0, p0 - w0)
+            le = min(w1 - w0, p1 - w0)
+            if le > ls:
+                sub = max(0, w0 - p0)
+                out.append(OwnedRange(name, b, (sub, sub + le - ls), (w0 + ls, w0 + le), (ls, le)))
     return out
 
 
