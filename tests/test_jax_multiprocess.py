@@ -117,7 +117,7 @@ def test_two_process_restore_step_save(tmp_path):
     for res in results:
         assert res["local_devices"] == 4 and res["checked_shards"] > 0
         # each process reads its own half of the big arrays (+ small ones and metadata), never everything
-        assert res["bytes_read"] < 0.55 * total, (res, total)
+        assert res["bytes_read"] < 0.65 * total, (res, total)
 
     # single-process reference of the same step (same XLA CPU element-wise ops -> bit-identical)
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tp"))
