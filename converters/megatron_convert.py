@@ -469,7 +469,8 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
 
 def _run_parallel(root: str, per: list[list[Unit]], plan: WritePlan, tmp: str, opts: ConvertOptions, fmt: str,
                   step: int, bar) -> list[str]:
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    # spawn: TensorStore aborts in a forked child once the parent has used it
+    ctx = mp.get_context("spawn")
     q = ctx.Queue()
     budget = max(1 << 20, opts.budget // len(per))
     procs = [ctx.Process(target=_worker_main, args=(q, root, per[w], plan, tmp, w, budget, opts.force, fmt, step),
