@@ -9,17 +9,18 @@ flat fragments; replicas allowed), `plan_ownership`:
 3. lists the transfers that complete each owner's chunks: every element of a chunk the owner
    lacks comes from exactly one holder (no duplicates when replicas exist).
 
->>> plan = plan_ownership((8, 4), {0: [Box((0, 0), (5, 4))], 1: [Box((5, 0), (8, 4))]}, itemsize=4,
-...                       target_chunk_bytes=64)
+>>> plan = plan_ownership((8, 4), {0: [Box((0, 0), (4, 4))], 1: [Box((4, 0), (7, 4))], 2: [Box((7, 0), (8, 4))]},
+...                       itemsize=4, chunk_shape=(4, 4))
 >>> plan.ownership.chunk_shape, plan.ownership.owners.ravel().tolist()
 ((4, 4), [0, 1])
 >>> [(str(t.box), t.src, t.dst) for t in plan.transfers]
-[('[4:5, 0:4]', 0, 1)]
+[('[7:8, 0:4]', 2, 1)]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import product
 from math import gcd, prod
 from typing import Iterable, Mapping, Sequence
 
@@ -28,6 +29,7 @@ import numpy as np
 from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
+from bridge.layout.rectangles import trusted_box
 
 DEFAULT_TARGET_CHUNK_BYTES = 4 << 20
 
@@ -91,12 +93,17 @@ def choose_chunk_shape(shape: Sequence[int], boxes: Iterable[Box], itemsize: int
 
     - Leading dims in which every box has extent 1 (stacked layer / expert axes): chunk 1.
     - Later dims: cut at the common divisor of the boundaries of *multi-row* boxes (TP column
-      splits of row-parallel weights); partial-row boxes of DP fragments are ignored there.
+      splits of row-parallel weights); single-row boxes (ends of DP flat fragments) are ignored.
     - The row dim (first non-stacked dim): as many rows as fit `target_bytes`, snapped to a
-      divisor of the multi-row boxes' row boundaries when that loses at most 2x in size.
+      divisor of the *shard* boundaries (rows where one aligned box ends and another begins:
+      GTP / TP shard edges, not the partial-row cuts of DP fragments) while chunks stay at least
+      `target_bytes / 16`; smaller arrays stay one chunk.
 
     >>> choose_chunk_shape((4, 10, 6), [Box((0, 0, 0), (1, 10, 3)), Box((0, 0, 3), (1, 10, 6))], 4, 64)
     (1, 5, 3)
+    >>> choose_chunk_shape((1024, 8), [Box((0, 0), (300, 8)), Box((300, 0), (301, 5)),   # DP cut at row 300
+    ...                                Box((300, 5), (301, 8)), Box((301, 0), (512, 8)), Box((512, 0), (1024, 8))], 4, 16384)
+    (512, 8)
     """
     shape = tuple(int(s) for s in shape)
     if not shape:
@@ -104,10 +111,10 @@ def choose_chunk_shape(shape: Sequence[int], boxes: Iterable[Box], itemsize: int
     boxes = list(boxes)
     nd = len(shape)
     lead = 0
-    while lead < nd - 1 and shape[lead] > 1 and boxes and all(b.shape[lead] == 1 for b in boxes):
+    while lead < nd - 1 and shape[lead] > 1 and boxes and all(b.stop[lead] - b.start[lead] == 1 for b in boxes):
         lead += 1
     chunk = [1] * lead + [max(1, s) for s in shape[lead:]]
-    multi = [b for b in boxes if b.shape[lead] > 1] or boxes
+    multi = [b for b in boxes if b.stop[lead] - b.start[lead] > 1] or boxes
     for d in range(lead + 1, nd):
         g = shape[d]
         for b in multi:
@@ -115,22 +122,28 @@ def choose_chunk_shape(shape: Sequence[int], boxes: Iterable[Box], itemsize: int
         chunk[d] = max(1, g)
     inner = max(1, prod(chunk[lead + 1:]) * itemsize)
     rows = max(1, min(shape[lead], target_bytes // inner))
-    if rows < shape[lead]:
-        g = 0
-        for b in multi:
-            g = gcd(g, b.start[lead], b.stop[lead] if b.stop[lead] < shape[lead] else 0)
-        if g:
-            snapped = _largest_divisor_at_most(g, rows)
-            if snapped * 2 >= rows:
-                rows = snapped
+    starts, ends = set(), set()
+    for b in boxes:  # boxes covering whole chunks in the trailing dims
+        if all(b.start[d] % chunk[d] == 0 and (b.stop[d] % chunk[d] == 0 or b.stop[d] == shape[d])
+               for d in range(lead + 1, nd)):
+            starts.add(b.start[lead])
+            ends.add(b.stop[lead])
+    g = 0
+    for x in (starts & ends) - {0, shape[lead]}:
+        g = gcd(g, x)
+    if g:
+        snapped = _largest_divisor_at_most(g, rows)
+        # smaller chunks beat moving data across ranks, down to target/16 per chunk
+        if snapped * inner * 16 >= target_bytes:
+            rows = snapped
     chunk[lead] = rows
     return tuple(chunk)
 
 
 def _holdings_list(holdings) -> list[tuple[int, Box]]:
     if isinstance(holdings, Mapping):
-        return [(int(r), b) for r, bs in holdings.items() for b in bs if not b.empty]
-    return [(int(r), b) for r, b in holdings if not b.empty]
+        return [(int(r), b) for r, bs in holdings.items() for b in bs if b.size]
+    return [(int(r), b) for r, b in holdings if b.size]
 
 
 def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
@@ -138,16 +151,18 @@ def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
                    load: dict[int, int] | None = None, slack: float = 0.25, name: str = "array") -> OwnershipPlan:
     """Chunk grid, owners and transfers for one array.
 
-    `holdings`: {rank: [Box]} or [(rank, Box)] in global coordinates (replicas allowed). `load`
-    (elements owned so far per rank) is updated, so passing one dict over many arrays balances
+    `holdings`: {rank: [Box]} or [(rank, Box)] in global coordinates; replicas (several ranks
+    holding the same region) are allowed, one rank's own boxes must not overlap. `load`
+    (elements owned so far per rank) is updated, so one dict passed over many arrays balances
     them. A chunk goes to the least-loaded rank among those holding at least (1 - slack) of what
-    its best holder holds. BridgeError when some region is held by nobody.
+    its best holder holds. BridgeError (naming the array and region) when nobody holds a region.
     """
     shape = tuple(int(s) for s in shape)
     hold = _holdings_list(holdings)
     load = {} if load is None else load
+    nd = len(shape)
     for r, b in hold:
-        if b.ndim != len(shape) or not Box.full(shape).contains(b):
+        if b.ndim != nd or any(a < 0 or z > n for a, z, n in zip(b.start, b.stop, shape)):
             raise BridgeError(f"{name}: rank {r} holds box {b}, outside the array of shape {shape}")
     if not shape:  # 0-d: one chunk
         ranks = sorted({r for r, _ in hold})
@@ -159,38 +174,42 @@ def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
     chunk = tuple(int(c) for c in chunk_shape) if chunk_shape is not None else \
         choose_chunk_shape(shape, (b for _, b in hold), itemsize, target_chunk_bytes)
     grid = tuple(-(-s // c) for s, c in zip(shape, chunk))
-    owners = np.full(grid, -1, dtype=np.int32)
-    own = ArrayOwnership(shape, chunk, np.zeros(grid, dtype=np.int32))
-    # parts of each holding per chunk
+    nchunks = prod(grid)
+    # parts of each holding per chunk (most holdings fall in one chunk)
     parts: dict[tuple[int, ...], list[tuple[int, Box]]] = {}
     for r, b in hold:
-        sl = own.chunks_touching(b)
-        if all(s.stop - s.start == 1 for s in sl):
-            parts.setdefault(tuple(s.start for s in sl), []).append((r, b))
+        lo = tuple(a // c for a, c in zip(b.start, chunk))
+        hi = tuple(-(-z // c) for z, c in zip(b.stop, chunk))
+        if all(h - l == 1 for l, h in zip(lo, hi)):
+            parts.setdefault(lo, []).append((r, b))
             continue
-        for idx in np.ndindex(*(s.stop - s.start for s in sl)):
-            key = tuple(s.start + i for s, i in zip(sl, idx))
-            part = b.intersect(own.chunk_box(key))
-            if part is not None:
-                parts.setdefault(key, []).append((r, part))
+        for key in product(*(range(l, h) for l, h in zip(lo, hi))):
+            s0 = tuple(max(a, k * c) for a, k, c in zip(b.start, key, chunk))
+            s1 = tuple(min(z, (k + 1) * c) for z, k, c in zip(b.stop, key, chunk))
+            parts.setdefault(key, []).append((r, trusted_box(s0, s1)))
+    if len(parts) != nchunks and 0 not in shape:
+        missing = next(k for k in np.ndindex(*grid) if k not in parts)
+        raise BridgeError(f"{name}: no rank holds region {_chunk_box(missing, chunk, shape)}; pass every rank's "
+                          f"holdings (pieces must cover the array)")
+    owners = np.zeros(grid, dtype=np.int32)
     transfers: list[Transfer] = []
-    for key in np.ndindex(*grid):
-        cbox = own.chunk_box(key)
-        if cbox.empty:
-            owners[key] = 0
-            continue
-        plist = parts.get(key)
-        if not plist:
-            raise BridgeError(f"{name}: no rank holds region {cbox}; pass every rank's holdings "
-                              f"(pieces must cover the array)")
+    for key in sorted(parts):
+        plist = parts[key]
+        cbox = _chunk_box(key, chunk, shape)
+        csize = cbox.size
         held: dict[int, int] = {}
         for r, p in plist:
             held[r] = held.get(r, 0) + p.size
-        best = max(held.values())
-        cands = [r for r, v in held.items() if v >= best * (1 - slack)]
-        owner = min(cands, key=lambda r: (load.get(r, 0), -held[r], r))
+        if len(held) == 1:
+            owner = plist[0][0]
+        else:
+            best = max(held.values())
+            owner = min((r for r, v in held.items() if v >= best * (1 - slack)),
+                        key=lambda r: (load.get(r, 0), -held[r], r))
         owners[key] = owner
-        load[owner] = load.get(owner, 0) + cbox.size
+        load[owner] = load.get(owner, 0) + csize
+        if held[owner] == csize:  # the owner already holds the whole chunk
+            continue
         needed = [cbox]
         for r, p in plist:
             if r == owner:
@@ -211,6 +230,11 @@ def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
             raise BridgeError(f"{name}: no rank holds region {needed[0]} (chunk {cbox}); pass every rank's holdings "
                               f"(pieces must cover the array)")
     return OwnershipPlan(ArrayOwnership(shape, chunk, owners), transfers)
+
+
+def _chunk_box(key: tuple[int, ...], chunk: tuple[int, ...], shape: tuple[int, ...]) -> Box:
+    return trusted_box(tuple(k * c for k, c in zip(key, chunk)),
+                       tuple(min((k + 1) * c, n) for k, c, n in zip(key, chunk, shape)))
 
 
 def plan_ownership_many(arrays: Mapping[str, tuple[Sequence[int], object, int]], *,

@@ -191,51 +191,81 @@ class ParamGeometry:
     def gtp_active(self, gtp: int) -> bool:
         return self.gtp and gtp > 1
 
+    def _memo(self) -> dict:
+        # per-instance cache of pure results (the dataclass is frozen, so they never go stale)
+        m = self.__dict__.get("_memo_")
+        if m is None:
+            m = self.__dict__["_memo_"] = {}
+        return m
+
+    def _phys(self, tp: int, gtp: int) -> tuple[GtpSplit, tuple[int, ...], int]:
+        key = ("phys", tp, gtp)
+        m = self._memo()
+        hit = m.get(key)
+        if hit is None:
+            local = self.tp_local_shape(tp)
+            if gtp < 1:
+                raise BridgeError(f"{self.name}: GTP={gtp} must be >= 1")
+            if not self.gtp_active(gtp):
+                rows = local[0] if local else 1
+                sp, shape = GtpSplit(rows, 0, rows, 1), local
+            else:
+                srows, pad = gtp_shard_dim0(local[0], gtp, self.pad_for_alignment, self.name)
+                sp, shape = GtpSplit(local[0], pad, srows, gtp), (srows,) + local[1:]
+            hit = m[key] = (sp, shape, prod(shape))
+        return hit
+
     def split(self, tp: int, gtp: int) -> GtpSplit:
         """GTP split of the TP-local dim 0 (G=1, pad 0 when GTP does not apply)."""
-        local = self.tp_local_shape(tp)
-        if gtp < 1:
-            raise BridgeError(f"{self.name}: GTP={gtp} must be >= 1")
-        if not self.gtp_active(gtp):
-            rows = local[0] if local else 1
-            return GtpSplit(rows, 0, rows, 1)
-        s, pad = gtp_shard_dim0(local[0], gtp, self.pad_for_alignment, self.name)
-        return GtpSplit(local[0], pad, s, gtp)
+        return self._phys(tp, gtp)[0]
 
     def physical_shape(self, tp: int, gtp: int) -> tuple[int, ...]:
         """Shape of the physical shard a rank holds (padded GTP shard, or the TP-local tensor)."""
-        local = self.tp_local_shape(tp)
-        if not self.gtp_active(gtp):
-            return local
-        return (self.split(tp, gtp).shard_rows,) + local[1:]
+        return self._phys(tp, gtp)[1]
 
     def physical_numel(self, tp: int, gtp: int) -> int:
         """Element count of the physical shard (what the DistOpt buffer reserves)."""
-        return prod(self.physical_shape(tp, gtp))
+        return self._phys(tp, gtp)[2]
 
     def row_runs(self, tp: int, t: int, index: Sequence[int] | None = None) -> list[RowRun]:
         """TP-local rows that hold data -> logical arrays, for TP rank t and stacked-axes `index`."""
-        index = self._check_index(index)
+        return list(self._runs(tp, t, self._check_index(index)))
+
+    def _runs(self, tp: int, t: int, index: tuple[int, ...]) -> tuple[RowRun, ...]:
+        key = ("runs", tp, t, index)
+        m = self._memo()
+        hit = m.get(key)
+        if hit is not None:
+            return hit
         if not 0 <= t < tp:
             raise BridgeError(f"{self.name}: TP rank {t} outside TP={tp}")
         local = self.tp_local_shape(tp)
         if not local:
-            return [RowRun(0, 1, self.name, index + (0,))]
-        zeros = (0,) * (len(local) - 1)
-        if self.fused is not None:
-            return [RowRun(sg.local_row, sg.rows, section_array(self.name, sg.section),
-                           index + (t * sg.section_tp_rows + sg.section_row,) + zeros)
-                    for sg in self.fused.segments(tp, self.name)]
-        if self.tp_kind in ("column", "vocab"):
-            off = (t * local[0],) + zeros
-        elif self.tp_kind == "row":
-            off = (0, t * local[1]) + zeros[1:]
+            runs = [RowRun(0, 1, self.name, index + (0,))]
         else:
-            off = (0,) + zeros
-        return [RowRun(0, local[0], self.name, index + off)]
+            zeros = (0,) * (len(local) - 1)
+            if self.fused is not None:
+                runs = [RowRun(sg.local_row, sg.rows, section_array(self.name, sg.section),
+                               index + (t * sg.section_tp_rows + sg.section_row,) + zeros)
+                        for sg in self.fused.segments(tp, self.name)]
+            else:
+                if self.tp_kind in ("column", "vocab"):
+                    off = (t * local[0],) + zeros
+                elif self.tp_kind == "row":
+                    off = (0, t * local[1]) + zeros[1:]
+                else:
+                    off = (0,) + zeros
+                runs = [RowRun(0, local[0], self.name, index + off)]
+        hit = m[key] = tuple(runs)
+        return hit
 
     def _check_index(self, index: Sequence[int] | None) -> tuple[int, ...]:
-        index = self.index if index is None else tuple(int(i) for i in index)
+        if index is None or index == self.index:
+            index = self.index
+            if len(index) == len(self.prepend):  # the default was validated at construction
+                return index
+        else:
+            index = tuple(int(i) for i in index)
         if len(index) != len(self.prepend) or any(not 0 <= i < n for i, n in zip(index, self.prepend)):
             raise BridgeError(f"{self.name}: stacked-axes index {index} does not fit prepend sizes {self.prepend}")
         return index
@@ -251,20 +281,18 @@ class ParamGeometry:
         >>> [(str(p.logical), p.local_start) for p in w.fragment_pieces(2, 2, 0, 0, 0, 128)]
         [('[0:2, 0:60]', 0), ('[2:3, 0:8]', 120)]
         """
-        sp = self.split(tp, gtp)
-        if not self.gtp_active(gtp):
+        sp, shape, numel = self._phys(tp, gtp)
+        if sp.size == 1:
             g = 0  # GTP peers hold identical copies of a GTP-replicated parameter
         elif not 0 <= g < gtp:
             raise BridgeError(f"{self.name}: GTP rank {g} outside GTP={gtp}")
-        shape = self.physical_shape(tp, gtp)
-        numel = prod(shape)
         if not 0 <= f0 <= f1 <= numel:
             raise BridgeError(f"{self.name}: flat range [{f0}, {f1}) outside the physical shard of {numel} elements")
         index = self._check_index(index)
-        runs = self.row_runs(tp, t, index)
+        runs = self._runs(tp, t, index)
         if not shape:  # 0-d parameter: one element
             return [Piece(self.name, Box(index, tuple(i + 1 for i in index)), 0)] if f1 > f0 else []
-        k = prod(shape[1:])
+        k = numel // shape[0] if shape[0] else prod(shape[1:])
         base = g * sp.shard_rows * k
         return map_flat_range(runs, shape[1:], base + f0, base + f1)
 

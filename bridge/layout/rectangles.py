@@ -23,6 +23,14 @@ import numpy as np
 from bridge.layout.boxes import Box
 
 
+def trusted_box(start: tuple[int, ...], stop: tuple[int, ...]) -> Box:
+    """A Box built without re-validation, for boxes this module derives from valid ones (hot path)."""
+    b = object.__new__(Box)
+    object.__setattr__(b, "start", start)
+    object.__setattr__(b, "stop", stop)
+    return b
+
+
 @dataclass(frozen=True)
 class Piece:
     """A contiguous run of a rank's local flat tensor that is one box of one logical array.
@@ -98,21 +106,31 @@ def map_flat_range(runs: Iterable[RowRun], trailing: Sequence[int], lo: int, hi:
     >>> [(p.logical, p.local_start) for p in map_flat_range(runs, (6,), 24, 48)]
     [(Box(start=(4, 0), stop=(5, 6)), 0)]
     """
-    trailing = tuple(int(x) for x in trailing)
+    trailing = tuple(trailing)
     k = prod(trailing)
     out: list[Piece] = []
+    nt = len(trailing)
     for run in runs:
         base = run.row * k
-        a = max(lo, base)
-        b = min(hi, base + run.rows * k)
+        a = lo if lo > base else base
+        end = base + run.rows * k
+        b = hi if hi < end else end
         if b <= a:
             continue
-        npre = len(run.offset) - 1 - len(trailing)
+        npre = len(run.offset) - 1 - nt
         pre, off = run.offset[:npre], run.offset[npre:]
+        pre_stop = tuple(p + 1 for p in pre)
         pos = a - lo
+        r0, c0 = divmod(a - base, k)
+        r1, c1 = divmod(b - base, k)
+        if c0 == 0 and c1 == 0:  # whole rows: one box (the common case)
+            start = pre + (off[0] + r0,) + off[1:]
+            stop = pre_stop + (off[0] + r1,) + tuple(o + n for o, n in zip(off[1:], trailing))
+            out.append(Piece(run.array, trusted_box(start, stop), pos))
+            continue
         for box in flat_run_boxes((run.rows,) + trailing, a - base, b - base):
-            start = pre + tuple(o + s for o, s in zip(off, box.start))
-            stop = tuple(p + 1 for p in pre) + tuple(o + s for o, s in zip(off, box.stop))
-            out.append(Piece(run.array, Box(start, stop), pos))
+            start = pre + tuple(o + x for o, x in zip(off, box.start))
+            stop = pre_stop + tuple(o + x for o, x in zip(off, box.stop))
+            out.append(Piece(run.array, trusted_box(start, stop), pos))
             pos += box.size
     return out
