@@ -180,3 +180,73 @@ def test_export_world4_fp8_reload_other_layouts_and_orbax(tmp_path):
     assert not np.array_equal(want["model"]["embedding.word_embeddings.weight"],
                               logical["model"]["embedding.word_embeddings.weight"].astype(np.float32))
     assert not os.path.exists(dst + ".orbax-checkpoint-tmp")
+
+
+def _export_and_die(rank, world, dst, victim, stage):
+    """Export at TP1 x GTP2 x DP(world/2); rank `victim` dies (os._exit) at `stage`."""
+    from bridge.layout import ParallelLayout
+    from bridge.live.api import AdamConfig, LiveRun
+    from bridge.live.export import export_state
+
+    def hook(name):
+        if rank == victim and name == stage:
+            os._exit(17)
+
+    dp = world // 2
+    params, _ = local_params(MODEL, 1, 2, dp, 4, rank, None)
+    run = LiveRun(ParallelLayout(tp=1, gtp=2, dp=dp), rank, STEP, AdamConfig(lr=1e-3))
+    export_state(dst, run, params, target_chunk_bytes=64, timeout=20, on_stage=hook)
+    return {"exported": True}
+
+
+@pytest.mark.parametrize("stage", ["exchanged", "written"])
+def test_killed_rank_leaves_no_checkpoint_and_others_fail(tmp_path, stage):
+    """A rank killed mid-export: no loadable checkpoint, every other rank fails with an error (no hang)."""
+    from bridge.errors import BridgeError
+    from bridge.store.reader import open_checkpoint
+
+    dst = str(tmp_path / "ckpt")
+    results, errors = spawn(4, _export_and_die, (dst, 2, stage), tmp_path, timeout_s=150, pg_timeout_s=20,
+                            allow_fail=True)
+    assert set(errors) == {0, 1, 2, 3}, errors
+    assert errors[2] == "exit code 17"
+    for r in (0, 1, 3):
+        last = errors[r].strip().splitlines()[-1]
+        assert last.startswith("bridge.errors.BridgeError: rank") and "nothing was committed" in last, errors[r]
+    assert not os.path.exists(dst)
+    with pytest.raises(BridgeError):
+        open_checkpoint(dst)
+    tmp = dst + ".orbax-checkpoint-tmp"
+    if os.path.exists(tmp):
+        with pytest.raises(BridgeError):
+            open_checkpoint(tmp)
+
+
+def _export_bad_input(rank, world, dst):
+    """Rank 1 passes a weight of the wrong shape: every rank must raise the same BridgeError."""
+    import torch
+
+    from bridge.errors import BridgeError
+    from bridge.layout import ParallelLayout
+    from bridge.live.api import AdamConfig, LiveRun
+    from bridge.live.export import export_state
+
+    params, _ = local_params(MODEL, 1, 2, 1, 4, rank, None)
+    if rank == 1:
+        params[0].weight = torch.zeros(3, 3, dtype=torch.bfloat16)
+    run = LiveRun(ParallelLayout(tp=1, gtp=2, dp=1), rank, STEP, AdamConfig(lr=1e-3))
+    try:
+        export_state(dst, run, params)
+    except BridgeError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def test_bad_input_on_one_rank_fails_everywhere_and_writes_nothing(tmp_path):
+    dst = str(tmp_path / "ckpt")
+    results, _ = spawn(2, _export_bad_input, (dst,), tmp_path, timeout_s=120)
+    msgs = [r["error"] for r in results]
+    assert all(msgs), msgs
+    assert "rank 1" in msgs[0] and "decoder.layers.mlp.linear_fc1.weight" in msgs[0] and "\n" not in msgs[0]
+    assert "shape" in msgs[1]
+    assert not os.path.exists(dst) and not os.path.exists(dst + ".orbax-checkpoint-tmp")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -132,6 +133,19 @@ def _received_items(plan: ExportPlan, recv: torch.Tensor, rank: int, dtypes: dic
     return items
 
 
+@contextmanager
+def _collective(stage: str, rank: int, dst: str):
+    """Turn a collective failure (a peer died, a timeout) into one BridgeError line naming rank and stage."""
+    try:
+        yield
+    except BridgeError:
+        raise
+    except RuntimeError as e:  # torch.distributed.DistBackendError and gloo/NCCL failures are RuntimeErrors
+        first = " ".join(str(e).split())[:300]
+        raise BridgeError(f"rank {rank}: export to {dst} aborted during {stage}: a peer failed or timed out "
+                          f"({first}); nothing was committed, rerun the export") from e
+
+
 _STORE_TO_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                    "float64": torch.float64}
 
@@ -163,7 +177,8 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
         holdings, summary = _summary(params, run, rank)
     except BridgeError as e:
         error = str(e)
-    summaries = all_gather_json({"error": error, **summary}, group, device)
+    with _collective("planning", rank, dst):
+        summaries = all_gather_json({"error": error, **summary}, group, device)
     bad = [(r, s["error"]) for r, s in enumerate(summaries) if s["error"]]
     if bad:
         r, e = bad[0]
@@ -180,13 +195,15 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
                             empty_paths=adamw_empty_paths() if run.optimizer is not None else (),
                             compression=compression)
     manifest = _manifest(run, summaries)
-    tmp = begin_checkpoint(dst)  # collective: rank 0 prepares, every rank gets the path or the error
+    with _collective("the start", rank, dst):
+        tmp = begin_checkpoint(dst)  # collective: rank 0 prepares, every rank gets the path or the error
     t_plan = time.perf_counter()
     if on_stage:
         on_stage("planned")
 
     send = _send_buffer(plan, holdings, rank, device)
-    recv = all_to_all_bytes(send, plan.send_splits(rank), plan.recv_splits(rank), group)
+    with _collective("the exchange", rank, dst):
+        recv = all_to_all_bytes(send, plan.send_splits(rank), plan.recv_splits(rank), group)
     bytes_sent = send.numel()
     del send
     t_x = time.perf_counter()
@@ -210,7 +227,8 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     t_w = time.perf_counter()
     if on_stage:
         on_stage("written")
-    path = finalize(dst, wplan, rank, manifest, timeout=timeout)
+    with _collective("the commit", rank, dst):
+        path = finalize(dst, wplan, rank, manifest, timeout=timeout)
     t_c = time.perf_counter()
     return ExportReport(path=path or os.path.abspath(dst), rank=rank, bytes_written=writer.bytes_written,
                         bytes_sent=bytes_sent, bytes_received=sum(plan.recv_splits(rank)), plan_s=t_plan - t0,
