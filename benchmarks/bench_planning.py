@@ -3,7 +3,8 @@
 Measures, for N in --sizes (default 2500, 5000, 10000):
   distopt  - DistOpt buffer layout + every rank's owned ranges + their logical Pieces (optimizer state);
   owners   - chunk grid, owners and transfers for every logical array from all ranks' pieces;
-  peak MiB - tracemalloc peak of the whole planning (holdings + plans).
+  peak MiB - peak resident memory growth of a fresh process doing the planning (ru_maxrss after
+             planning minus after building the parameter list).
 Anchor (same run): `pairs` = the cheapest possible rank x parameter loop (one divmod per pair), what a
 planner that visits every (rank, parameter) pair pays at least. Reported: seconds, ratio to the
 anchor, and per-parameter time and memory (linear when these stay flat as N grows).
@@ -16,7 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import tracemalloc
+import multiprocessing as mp
+import resource
 from collections import defaultdict
 
 from bridge.layout import FusedSpec, ParallelLayout, ParamGeometry
@@ -57,7 +59,7 @@ def plan(n: int) -> dict:
     lay = ParallelLayout(tp=TP, gtp=GTP, dp=DP)
     geoms = model_params(n)
     by_name = {g.name: g for g in geoms}
-    tracemalloc.start()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     cache = {}
     holdings: dict[str, list] = defaultdict(list)
@@ -81,8 +83,7 @@ def plan(n: int) -> dict:
     shapes = {a: s for g in geoms for a, s in g.logical_arrays().items()}
     plans = plan_ownership_many({a: (shapes[a], h, 4) for a, h in holdings.items()})
     t2 = time.perf_counter()
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
     chunks = sum(p.ownership.num_chunks for p in plans.values())
     moved = sum(p.moved_elements() for p in plans.values())
     total = sum(s[0] * (s[1] if len(s) > 1 else 1) for s in shapes.values())
@@ -97,8 +98,10 @@ def main() -> None:
     a = ap.parse_args()
     world = TP * GTP * DP
     rows = []
+    ctx = mp.get_context("spawn")   # a fresh process per size: ru_maxrss is per process
     for n in a.sizes:
-        r = plan(n)
+        with ctx.Pool(1) as pool:
+            r = pool.apply(plan, (n,))
         r["anchor_pairs_s"] = anchor_pairs(world, n)
         r["ratio_to_anchor"] = r["total_s"] / r["anchor_pairs_s"]
         rows.append(r)

@@ -60,19 +60,34 @@ def box_difference(a: Box, b: Box) -> list[Box]:
     >>> [str(x) for x in box_difference(Box((0, 0), (4, 4)), Box((1, 1), (3, 3)))]
     ['[0:1, 0:4]', '[3:4, 0:4]', '[1:3, 0:1]', '[1:3, 3:4]']
     """
-    inter = a.intersect(b)
-    if inter is None:
+    if a.size == 0:
         return [a]
+    return [trusted_box(s, e) for s, e in _diff(a.start, a.stop, b.start, b.stop)]
+
+
+def _isect(a0: tuple, a1: tuple, b0: tuple, b1: tuple):
+    lo = tuple(x if x > y else y for x, y in zip(a0, b0))
+    hi = tuple(x if x < y else y for x, y in zip(a1, b1))
+    for x, y in zip(lo, hi):
+        if y <= x:
+            return None
+    return lo, hi
+
+
+def _diff(a0: tuple, a1: tuple, b0: tuple, b1: tuple) -> list[tuple[tuple, tuple]]:
+    """(start, stop) pairs of box a minus box b (slabs along each dim in turn)."""
+    inter = _isect(a0, a1, b0, b1)
+    if inter is None:
+        return [(a0, a1)]
+    i0, i1 = inter
     out = []
-    lo, hi = list(a.start), list(a.stop)
-    for d in range(a.ndim):
-        if lo[d] < inter.start[d]:
-            out.append(Box(tuple(lo[:d]) + (lo[d],) + tuple(lo[d + 1:]),
-                           tuple(hi[:d]) + (inter.start[d],) + tuple(hi[d + 1:])))
-        if inter.stop[d] < hi[d]:
-            out.append(Box(tuple(lo[:d]) + (inter.stop[d],) + tuple(lo[d + 1:]),
-                           tuple(hi[:d]) + (hi[d],) + tuple(hi[d + 1:])))
-        lo[d], hi[d] = inter.start[d], inter.stop[d]
+    lo, hi = list(a0), list(a1)
+    for d in range(len(a0)):
+        if lo[d] < i0[d]:
+            out.append((tuple(lo), tuple(hi[:d]) + (i0[d],) + tuple(hi[d + 1:])))
+        if i1[d] < hi[d]:
+            out.append((tuple(lo[:d]) + (i1[d],) + tuple(lo[d + 1:]), tuple(hi)))
+        lo[d], hi[d] = i0[d], i1[d]
     return out
 
 
@@ -142,8 +157,15 @@ def choose_chunk_shape(shape: Sequence[int], boxes: Iterable[Box], itemsize: int
 
 def _holdings_list(holdings) -> list[tuple[int, Box]]:
     if isinstance(holdings, Mapping):
-        return [(int(r), b) for r, bs in holdings.items() for b in bs if b.size]
-    return [(int(r), b) for r, b in holdings if b.size]
+        return [(int(r), b) for r, bs in holdings.items() for b in bs]
+    return [(int(r), b) for r, b in holdings]
+
+
+def _vol(start: tuple[int, ...], stop: tuple[int, ...]) -> int:
+    v = 1
+    for x, y in zip(start, stop):
+        v *= y - x
+    return v
 
 
 def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
@@ -158,35 +180,40 @@ def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
     its best holder holds. BridgeError (naming the array and region) when nobody holds a region.
     """
     shape = tuple(int(s) for s in shape)
-    hold = _holdings_list(holdings)
     load = {} if load is None else load
     nd = len(shape)
-    for r, b in hold:
-        if b.ndim != nd or any(a < 0 or z > n for a, z, n in zip(b.start, b.stop, shape)):
+    hold = []
+    for r, b in _holdings_list(holdings):
+        st, sp = b.start, b.stop
+        if len(st) != nd or any(x < 0 or y > n or y < x for x, y, n in zip(st, sp, shape)):
             raise BridgeError(f"{name}: rank {r} holds box {b}, outside the array of shape {shape}")
+        v = _vol(st, sp)
+        if v:
+            hold.append((r, st, sp, v))
     if not shape:  # 0-d: one chunk
-        ranks = sorted({r for r, _ in hold})
+        ranks = sorted({r for r, *_ in hold})
         if not ranks:
             raise BridgeError(f"{name}: no rank holds this scalar; pass every rank's holdings")
         owner = min(ranks, key=lambda r: (load.get(r, 0), r))
         load[owner] = load.get(owner, 0) + 1
         return OwnershipPlan(ArrayOwnership((), (), np.array(owner, dtype=np.int32)), [])
     chunk = tuple(int(c) for c in chunk_shape) if chunk_shape is not None else \
-        choose_chunk_shape(shape, (b for _, b in hold), itemsize, target_chunk_bytes)
+        choose_chunk_shape(shape, (trusted_box(st, sp) for _, st, sp, _ in hold), itemsize, target_chunk_bytes)
     grid = tuple(-(-s // c) for s, c in zip(shape, chunk))
     nchunks = prod(grid)
     # parts of each holding per chunk (most holdings fall in one chunk)
-    parts: dict[tuple[int, ...], list[tuple[int, Box]]] = {}
-    for r, b in hold:
-        lo = tuple(a // c for a, c in zip(b.start, chunk))
-        hi = tuple(-(-z // c) for z, c in zip(b.stop, chunk))
-        if all(h - l == 1 for l, h in zip(lo, hi)):
-            parts.setdefault(lo, []).append((r, b))
+    parts: dict[tuple[int, ...], list[tuple[int, tuple, tuple, int]]] = {}
+    for h in hold:
+        r, st, sp, v = h
+        lo = tuple(x // c for x, c in zip(st, chunk))
+        hi = tuple(-(-y // c) for y, c in zip(sp, chunk))
+        if all(y - x == 1 for x, y in zip(lo, hi)):
+            parts.setdefault(lo, []).append(h)
             continue
-        for key in product(*(range(l, h) for l, h in zip(lo, hi))):
-            s0 = tuple(max(a, k * c) for a, k, c in zip(b.start, key, chunk))
-            s1 = tuple(min(z, (k + 1) * c) for z, k, c in zip(b.stop, key, chunk))
-            parts.setdefault(key, []).append((r, trusted_box(s0, s1)))
+        for key in product(*(range(x, y) for x, y in zip(lo, hi))):
+            s0 = tuple(max(x, k * c) for x, k, c in zip(st, key, chunk))
+            s1 = tuple(min(y, (k + 1) * c) for y, k, c in zip(sp, key, chunk))
+            parts.setdefault(key, []).append((r, s0, s1, _vol(s0, s1)))
     if len(parts) != nchunks and 0 not in shape:
         missing = next(k for k in np.ndindex(*grid) if k not in parts)
         raise BridgeError(f"{name}: no rank holds region {_chunk_box(missing, chunk, shape)}; pass every rank's "
@@ -195,11 +222,12 @@ def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
     transfers: list[Transfer] = []
     for key in sorted(parts):
         plist = parts[key]
-        cbox = _chunk_box(key, chunk, shape)
-        csize = cbox.size
+        c0 = tuple(k * c for k, c in zip(key, chunk))
+        c1 = tuple(min(x + c, n) for x, c, n in zip(c0, chunk, shape))
+        csize = _vol(c0, c1)
         held: dict[int, int] = {}
-        for r, p in plist:
-            held[r] = held.get(r, 0) + p.size
+        for r, _, _, v in plist:
+            held[r] = held.get(r, 0) + v
         if len(held) == 1:
             owner = plist[0][0]
         else:
@@ -210,25 +238,25 @@ def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
         load[owner] = load.get(owner, 0) + csize
         if held[owner] == csize:  # the owner already holds the whole chunk
             continue
-        needed = [cbox]
-        for r, p in plist:
+        needed = [(c0, c1)]
+        for r, st, sp, _ in plist:
             if r == owner:
-                needed = [x for n in needed for x in box_difference(n, p)]
-        for r, p in sorted(plist, key=lambda rp: (load.get(rp[0], 0), rp[0])):
+                needed = [x for n0, n1 in needed for x in _diff(n0, n1, st, sp)]
+        for r, st, sp, _ in sorted(plist, key=lambda h: (load.get(h[0], 0), h[0])):
             if r == owner or not needed:
                 continue
             rest = []
-            for n in needed:
-                inter = n.intersect(p)
+            for n0, n1 in needed:
+                inter = _isect(n0, n1, st, sp)
                 if inter is None:
-                    rest.append(n)
+                    rest.append((n0, n1))
                     continue
-                transfers.append(Transfer(inter, r, owner))
-                rest.extend(box_difference(n, p))
+                transfers.append(Transfer(trusted_box(*inter), r, owner))
+                rest.extend(_diff(n0, n1, st, sp))
             needed = rest
         if needed:
-            raise BridgeError(f"{name}: no rank holds region {needed[0]} (chunk {cbox}); pass every rank's holdings "
-                              f"(pieces must cover the array)")
+            raise BridgeError(f"{name}: no rank holds region {trusted_box(*needed[0])} (chunk {trusted_box(c0, c1)}); "
+                              f"pass every rank's holdings (pieces must cover the array)")
     return OwnershipPlan(ArrayOwnership(shape, chunk, owners), transfers)
 
 

@@ -73,25 +73,29 @@ def flat_run_boxes(shape: Sequence[int], a: int, b: int) -> list[Box]:
     >>> flat_run_boxes((3, 4), 2, 11)
     [Box(start=(0, 2), stop=(1, 4)), Box(start=(1, 0), stop=(2, 4)), Box(start=(2, 0), stop=(3, 3))]
     """
-    shape = tuple(int(s) for s in shape)
+    return [trusted_box(s, e) for s, e in _run_boxes(tuple(int(x) for x in shape), a, b)]
+
+
+def _run_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(start, stop) pairs of `flat_run_boxes` (no Box objects: hot path)."""
     if b <= a:
         return []
     if len(shape) == 1:
-        return [Box((a,), (b,))]
-    k = prod(shape[1:])
+        return [((a,), (b,))]
+    inner = shape[1:]
+    k = prod(inner)
     r0, c0 = divmod(a, k)
     r1, c1 = divmod(b, k)
-    inner = shape[1:]
     if r0 == r1:
-        return [Box((r0,) + x.start, (r0 + 1,) + x.stop) for x in flat_run_boxes(inner, c0, c1)]
-    out: list[Box] = []
+        return [((r0,) + s, (r0 + 1,) + e) for s, e in _run_boxes(inner, c0, c1)]
+    out = []
     if c0:
-        out += [Box((r0,) + x.start, (r0 + 1,) + x.stop) for x in flat_run_boxes(inner, c0, k)]
+        out += [((r0,) + s, (r0 + 1,) + e) for s, e in _run_boxes(inner, c0, k)]
         r0 += 1
     if r1 > r0:
-        out.append(Box((r0,) + (0,) * len(inner), (r1,) + inner))
+        out.append(((r0,) + (0,) * len(inner), (r1,) + inner))
     if c1:
-        out += [Box((r1,) + x.start, (r1 + 1,) + x.stop) for x in flat_run_boxes(inner, 0, c1)]
+        out += [((r1,) + s, (r1 + 1,) + e) for s, e in _run_boxes(inner, 0, c1)]
     return out
 
 
@@ -128,9 +132,9 @@ def map_flat_range(runs: Iterable[RowRun], trailing: Sequence[int], lo: int, hi:
             stop = pre_stop + (off[0] + r1,) + tuple(o + n for o, n in zip(off[1:], trailing))
             out.append(Piece(run.array, trusted_box(start, stop), pos))
             continue
-        for box in flat_run_boxes((run.rows,) + trailing, a - base, b - base):
-            start = pre + tuple(o + x for o, x in zip(off, box.start))
-            stop = pre_stop + tuple(o + x for o, x in zip(off, box.stop))
+        for bs, be in _run_boxes((run.rows,) + trailing, a - base, b - base):
+            start = pre + tuple(o + x for o, x in zip(off, bs))
+            stop = pre_stop + tuple(o + x for o, x in zip(off, be))
             out.append(Piece(run.array, trusted_box(start, stop), pos))
-            pos += box.size
+            pos += prod(y - x for x, y in zip(bs, be))
     return out
