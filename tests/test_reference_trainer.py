@@ -126,7 +126,7 @@ def test_resume_from_logical_state_continues_bit_exactly():
                            wb.view(torch.uint8) if wb.dtype == torch.float8_e4m3fn else wb)
 
 
-@pytest.mark.parametrize("kwargs, msg", [(dict(ep=2, dp=2), "ep=1"), (dict(cp=2), "cp=1"), (dict(tp=3), "TP=3")])
+@pytest.mark.parametrize("kwargs, msg", [(dict(ep=3, dp=3), "EP=3"), (dict(cp=2), "cp=1"), (dict(tp=3), "TP=3")])
 def test_unsupported_layouts_are_refused(kwargs, msg):
     with pytest.raises(BridgeError, match=msg):
         ReferenceTrainer(ParallelLayout(**kwargs), groups=None)

@@ -77,6 +77,11 @@ def _check(sc: dict, dumps: list[dict]) -> dict:
     ref = _reference(cfg, total)
     problems = [p for d in dumps for p in check_buffers(d)]
     assert problems == [], problems[:5]
+    ep = sc["layout"].get("ep", 1)
+    for d in dumps:  # EP: each rank holds its contiguous block of E / EP experts (fc1 and fc2)
+        held = sorted({s["index"][0] for s in d["slots"] if s["index"]})
+        e = ParallelLayout(**sc["layout"]).coords(d["rank"]).e
+        assert held == list(range(e * 2 // ep, (e + 1) * 2 // ep)), (d["rank"], held)
     pads = padding_report(dumps)
     assert pads["nonzero_pad_grads"] == 0, pads
     got = assemble_global(dumps)
@@ -105,6 +110,9 @@ WORLD2 = [
     {"name": "gtp2_fp8", "layout": {"gtp": 2, "egtp": 2}, "config": {"weights": "fp8"}},
     {"name": "dp2_buckets", "layout": {"dp": 2}, "config": {"bucket_size": 500}},
     {"name": "reload_gtp2", "layout": {"gtp": 2}, "steps": 1, "reload_step": 2},
+    {"name": "dp2_ep2", "layout": {"dp": 2, "ep": 2}},
+    {"name": "reload_dp2_ep2_fp8", "layout": {"dp": 2, "ep": 2}, "steps": 1, "reload_step": 2,
+     "config": {"weights": "fp8"}},
 ]
 WORLD4 = [
     {"name": "tp2_gtp2", "layout": {"tp": 2, "gtp": 2, "egtp": 2}},
@@ -112,6 +120,8 @@ WORLD4 = [
     {"name": "gtp4_fp32_allpad", "layout": {"gtp": 4, "egtp": 4}, "config": {"weights": "fp32"}},
     {"name": "tp4", "layout": {"tp": 4}, "config": {"bucket_size": 300}},
     {"name": "tp2_dp2", "layout": {"tp": 2, "dp": 2}, "config": {"pad_for_alignment": 0}},
+    {"name": "tp2_dp2_ep2", "layout": {"tp": 2, "dp": 2, "ep": 2}},
+    {"name": "gtp2_dp2_ep2_egtp2_fp8", "layout": {"gtp": 2, "dp": 2, "ep": 2, "egtp": 2}, "config": {"weights": "fp8"}},
     {"name": "reload_tp2_gtp2_fp8", "layout": {"tp": 2, "gtp": 2}, "steps": 1, "reload_step": 2,
      "config": {"weights": "fp8"}},
 ]

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bridge.live.reference_model import TPComm
+from bridge.live.reference_model import EPComm, TPComm
 
-__all__ = ["Group", "RankGroups", "all_gather_into", "reduce_scatter_into", "all_reduce", "gtp_gather", "DistTPComm"]
+__all__ = ["Group", "RankGroups", "all_gather_into", "reduce_scatter_into", "all_reduce", "gtp_gather", "DistTPComm",
+           "DistEPComm"]
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,14 @@ class RankGroups:
     expert_tp: Group
     expert_gtp: Group
     expert_distopt: Group   # expert DP (EGTP excluded)
+    ep: Group
     world_group: Group
 
     @classmethod
     def single(cls) -> "RankGroups":
         """The unsharded reference: every group is this one rank."""
         s = Group.single()
-        return cls(0, 1, s, s, s, s, s, s, s, s)
+        return cls(0, 1, s, s, s, s, s, s, s, s, s)
 
     @classmethod
     def build(cls, layout, backend: str | None = None) -> "RankGroups":
@@ -91,6 +93,7 @@ class RankGroups:
             expert_tp=_new_groups(e.groups("tp"), rank, backend),
             expert_gtp=_new_groups(e.groups("gtp_remat"), rank, backend),
             expert_distopt=_new_groups(e.groups("dp"), rank, backend),
+            ep=_new_groups(e.groups("ep"), rank, backend),
             world_group=Group(None if world == 1 else dist.group.WORLD, world, rank, tuple(range(world))),
         )
 
@@ -210,3 +213,52 @@ class DistTPComm(TPComm):
 
     def gather_last_dim(self, x):
         return x if self.size == 1 else _GatherLastDim.apply(x, self.group)
+
+
+def _gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out = torch.empty((group.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_into(out.view(-1), x.contiguous().view(-1), group)
+    return out
+
+
+def _reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out = torch.empty((x.shape[0] // group.size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out.view(-1), x.contiguous().view(-1), group)
+    return out
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_dim0(g, ctx.group), None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_dim0(g, ctx.group), None
+
+
+class DistEPComm(EPComm):
+    """`EPComm` over an expert-parallel process group (all-gather token dispatcher)."""
+
+    def __init__(self, group: Group):
+        self.group = group
+        self.size = group.size
+        self.rank = group.rank
+
+    def gather_tokens(self, x):
+        return x if self.size == 1 else _GatherTokens.apply(x, self.group)
+
+    def scatter_tokens(self, x):
+        return x if self.size == 1 else _ScatterTokens.apply(x, self.group)

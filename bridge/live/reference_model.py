@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from bridge.errors import BridgeError
 
-__all__ = ["ModelConfig", "ParamDef", "param_table", "init_logical", "batch", "forward", "TPComm"]
+__all__ = ["ModelConfig", "ParamDef", "param_table", "init_logical", "batch", "forward", "TPComm", "EPComm"]
 
 
 @dataclass(frozen=True)
@@ -257,26 +257,48 @@ def _mamba_like(c: ModelConfig, tp: int, h: torch.Tensor, in_w: torch.Tensor, D:
 
 
 def _moe(c: ModelConfig, comm: TPComm, h: torch.Tensor, router: torch.Tensor,
-         fc1: list[torch.Tensor], fc2: list[torch.Tensor]) -> torch.Tensor:
-    probs = (h @ router.t()).softmax(-1)                                 # [b, T, E]
+         fc1: list[torch.Tensor], fc2: list[torch.Tensor], ep: "EPComm") -> torch.Tensor:
+    h_all = ep.gather_tokens(h)                                          # tokens of the whole EP group
+    probs = (h_all @ router.t()).softmax(-1)                             # [b, T, E]
     top_p, top_i = probs.topk(c.topk, dim=-1)
     if c.topk > 1:
         top_p = top_p / top_p.sum(-1, keepdim=True)
-    hp = comm.copy_to_tp(h)
-    out = torch.zeros_like(h)
-    for e in range(c.num_experts):
+    hp = comm.copy_to_tp(h_all)
+    out = torch.zeros_like(h_all)
+    for i, e in enumerate(ep.local_experts(c.num_experts)):
         gate = (top_p * (top_i == e)).sum(-1, keepdim=True)             # 0 for tokens not routed to e
-        y = comm.reduce_from_tp(_swiglu(hp, fc1[e], fc2[e]))
+        y = comm.reduce_from_tp(_swiglu(hp, fc1[i], fc2[i]))
         out = out + gate * y
-    return out
+    return ep.scatter_tokens(out)                                        # sum over the EP group's experts
+
+
+class EPComm:
+    """Expert-parallel token exchange used by `forward` (all-gather dispatcher); base class = EP size 1."""
+
+    size: int = 1
+    rank: int = 0
+
+    def local_experts(self, num_experts: int) -> range:
+        """Global indices of the experts this EP rank holds."""
+        n = num_experts // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    def gather_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """All-gather along dim 0 over the EP group forward, reduce-scatter backward."""
+        return x
+
+    def scatter_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """Reduce-scatter along dim 0 over the EP group forward, all-gather backward."""
+        return x
 
 
 def forward(c: ModelConfig, w: Mapping[str, torch.Tensor | list[torch.Tensor]], tokens: torch.Tensor,
-            comm: TPComm | None = None, vocab_start: int = 0) -> torch.Tensor:
+            comm: TPComm | None = None, vocab_start: int = 0, ep: EPComm | None = None) -> torch.Tensor:
     """Sum of next-token cross-entropy over `tokens[:, 1:]` (fp32 scalar).
 
     `w` maps each key of `param_table` to its TP-local logical weight (expert keys: a list, one
-    tensor per expert). `vocab_start` is this TP rank's first embedding row.
+    tensor per local expert, see `EPComm.local_experts`). `vocab_start` is this TP rank's first
+    embedding row.
     """
     comm = comm or TPComm()
     tp = comm.size
@@ -298,7 +320,7 @@ def forward(c: ModelConfig, w: Mapping[str, torch.Tensor | list[torch.Tensor]], 
                                             w[L + "2.mixer.dt_bias"], w[L + "2.mixer.out_proj.weight"]))
     h = _rmsnorm(x, w[L + "3.pre_mlp_layernorm.weight"], eps)
     x = x + _moe(c, comm, h, w[L + "3.mlp.router.weight"], list(w[L + "3.mlp.experts.linear_fc1.weight"]),
-                 list(w[L + "3.mlp.experts.linear_fc2.weight"]))
+                 list(w[L + "3.mlp.experts.linear_fc2.weight"]), ep or EPComm())
     h = comm.copy_to_tp(_rmsnorm(x, w["decoder.final_layernorm.weight"], eps))
     logits = comm.gather_last_dim(h @ w["output_layer.weight"].t())
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum")

@@ -1,5 +1,6 @@
-"""Reference GTP trainer: the tiny model of `reference_model` trained under TP x GTP x DP with a
-Megatron-style distributed Adam, on gloo (CPU) or NCCL (GPU). World size 1 is the reference.
+"""Reference GTP trainer: the tiny model of `reference_model` trained under TP x GTP x DP (x EP, with
+expert GTP) with a Megatron-style distributed Adam, on gloo (CPU) or NCCL (GPU). World size 1 is
+the reference.
 
 All geometry comes from `bridge.layout` -- `ParallelLayout` (ranks, groups), `ParamGeometry`
 (TP split, GTP split with tail padding, fused sections, expert axis), `bridge.layout.distopt`
@@ -7,6 +8,8 @@ All geometry comes from `bridge.layout` -- `ParallelLayout` (ranks, groups), `Pa
 
 What each rank holds (as Megatron-Core does):
 
+- experts: expert-parallel rank e holds experts [e·E/EP, (e+1)·E/EP) (expert TP = TP; expert GTP and
+  expert DP from the layout's expert grid); tokens reach them through an all-gather dispatcher;
 - weights: the padded physical shard of every parameter, a view into one contiguous param buffer
   per `BufferKey` (bf16 / fp32, or uint8 bytes viewed as `float8_e4m3fn` for native FP8 weights
   with a per-tensor fp32 `scale_inv`); GTP padding rows hold random values (as TransformerEngine
@@ -42,9 +45,9 @@ from bridge.layout.assemble import assemble_shard, split_local
 from bridge.layout.distopt import BufferKey, BufferLayout, DistOptParam, distopt_layouts, owned_ranges
 from bridge.live.api import AdamConfig, LiveRun, LocalParam, OptimFragment, QuantizedWeight
 from bridge.live.fp8 import bind_optimizer_state
-from bridge.live.reference_collectives import (DistTPComm, Group, RankGroups, all_gather_into, all_reduce, gtp_gather,
+from bridge.live.reference_collectives import (DistEPComm, DistTPComm, Group, RankGroups, all_gather_into, all_reduce, gtp_gather,
                                                reduce_scatter_into)
-from bridge.live.reference_model import ModelConfig, ParamDef, batch, forward, init_logical, param_table
+from bridge.live.reference_model import EPComm, ModelConfig, ParamDef, batch, forward, init_logical, param_table
 
 __all__ = ["TrainerConfig", "ReferenceTrainer", "RankState", "train", "step", "geometry_of", "DEFAULT_ADAM"]
 
@@ -122,6 +125,17 @@ def logical_arrays(c: ModelConfig, seed: int, pad_for_alignment: int = 8) -> dic
     return out
 
 
+def local_experts(num_experts: int, ep: int, e: int) -> range:
+    """Global indices of the experts held by expert-parallel rank `e` (Megatron: contiguous blocks).
+
+    >>> list(local_experts(4, 2, 1))
+    [2, 3]
+    """
+    ec = EPComm()
+    ec.size, ec.rank = ep, e
+    return ec.local_experts(num_experts)
+
+
 @dataclass(eq=False)
 class _Slot:
     """One physical parameter this rank holds."""
@@ -178,10 +192,12 @@ class ReferenceTrainer:
 
     def __init__(self, layout: ParallelLayout, config: TrainerConfig = TrainerConfig(), *, init: bool = True,
                  device: torch.device | str | None = None, groups: RankGroups | None = None):
-        for name, want in (("cp", 1), ("pp", 1), ("ep", 1)):
-            if getattr(layout, name) != want:
+        for name in ("cp", "pp"):
+            if getattr(layout, name) != 1:
                 raise BridgeError(f"reference trainer supports {name}=1 only (got {name}={getattr(layout, name)}); "
-                                  f"use TP, GTP, DP and expert GTP")
+                                  f"use TP, GTP, DP, EP and expert GTP")
+        if config.model.num_experts % layout.ep:
+            raise BridgeError(f"EP={layout.ep} does not divide the {config.model.num_experts} experts; pick EP dividing it")
         if layout.etp != layout.tp:
             raise BridgeError(f"reference trainer needs etp == tp (got etp={layout.etp}, tp={layout.tp})")
         self.layout = layout
@@ -199,9 +215,12 @@ class ReferenceTrainer:
         self._buffers: list[_Buffer] = []
         self._build_slots()
         self._build_buffers()
-        self._fp8_index = {(s.pdef.key, s.index): i for i, s in enumerate(
-            sorted({(s.pdef.key, s.index): s for s in self._slots if s.quant is not None}.values(),
-                   key=lambda s: (s.pdef.key, s.index)))}
+        # one amax slot per logical FP8 parameter instance of the whole model (not just this rank's),
+        # so the world all-reduce lines up on every rank whatever it holds
+        self._fp8_index = {} if config.weights != "fp8" else {
+            (p.key, (e,) if p.experts else ()): None for p in param_table(self.model) if p.fp8
+            for e in range(max(p.experts, 1))}
+        self._fp8_index = {k: i for i, k in enumerate(self._fp8_index)}
         if init:
             self._init_from_seed()
 
@@ -217,8 +236,9 @@ class ReferenceTrainer:
             dtype = _DTYPES[self.config.weights]
             if dtype == FP8_DTYPE and not p.fp8:
                 dtype = torch.bfloat16
-            for e in range(max(p.experts, 1)):
-                name = p.key + (str(e) if p.experts else "")
+            experts = local_experts(p.experts, lay.ep, self.coords.e) if p.experts else range(1)
+            for e in experts:
+                name = p.key + (str(e) if p.experts else "")  # global expert index: unique across ranks
                 self._slots.append(_Slot(p, name, geom, (e,) if p.experts else (), tp, gtp, t, g, dtype,
                                          shape=geom.physical_shape(tp, gtp)))
 
@@ -333,7 +353,8 @@ class ReferenceTrainer:
         leaves, weights = self._compute_weights()
         comm = DistTPComm(self.groups.tp)
         vocab_local = c.vocab // self.layout.tp
-        loss_sum = forward(c, weights, tokens, comm, vocab_start=self.coords.t * vocab_local)
+        loss_sum = forward(c, weights, tokens, comm, vocab_start=self.coords.t * vocab_local,
+                           ep=DistEPComm(self.groups.ep))
         n_tokens = c.batch * c.seq_len
         (loss_sum / n_tokens).backward()
 
