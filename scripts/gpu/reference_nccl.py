@@ -7,7 +7,9 @@ Run from the repository root on the GPU machine:
 Spawns 2 processes (one GPU each, NCCL), trains 3 steps per layout with the same checks as
 tests/test_reference_trainer_dist.py (buffer layout vs §4.2-4.3 recomputed, zero pad-row grads,
 shards reassembled without bridge.layout and compared with a world-size-1 run on cuda:0), plus a
-reload of the world-size-1 state after 2 steps into TP1xGTP2 continued for one step. Prints one
+reload of the world-size-1 state after 2 steps into TP1xGTP2 continued for one step, DP2xEP2, and
+(when the live exporter is present) a real `export_state` at TP1xGTP2 (FP8, padded) reloaded by
+`reload_state` at TP2xGTP1 whose next step must match continuing the original. Prints one
 `PASS <name>` / `FAIL <name>: <why>` line per scenario and exits 1 on any failure.
 """
 
@@ -41,6 +43,7 @@ SCENARIOS = [
      "steps": 3},
     {"name": "gtp2_bf16_buckets", "layout": {"gtp": 2}, "config": {"bucket_size": 600}, "steps": 3},
     {"name": "reload_gtp2", "layout": {"gtp": 2}, "config": {}, "steps": 1, "reload_step": 2},
+    {"name": "dp2_ep2", "layout": {"dp": 2, "ep": 2}, "config": {}, "steps": 3},
 ]
 
 
@@ -119,8 +122,39 @@ def main() -> int:
             print(f"FAIL {sc['name']}: {len(problems)} problem(s); first: {problems[0]}", flush=True)
         else:
             print(f"PASS {sc['name']}", flush=True)
-    print("PASS all" if not failed else f"FAIL {failed} of {len(SCENARIOS)} scenarios")
+    failed += _export_reload(out, backend)
+    print("PASS all" if not failed else f"FAIL {failed} scenario(s)")
     return 1 if failed else 0
+
+
+def _export_reload(out: str, backend: str) -> int:
+    """Export at GTP2 (FP8, padded) over the backend, reload at TP2, compare the next step. Returns failures."""
+    try:
+        import bridge.live.export  # noqa: F401
+        import bridge.live.reload  # noqa: F401
+    except ImportError as e:
+        print(f"SKIP export_gtp2_reload_tp2: live exporter not importable ({e})")
+        return 0
+    from bridge.live.reference_check import run_export_reload
+
+    name = "export_gtp2_fp8_reload_tp2"
+    d = os.path.join(out, name)
+    os.makedirs(d, exist_ok=True)
+    try:
+        t0 = time.time()
+        mp.spawn(run_export_reload, args=(2, f"tcp://127.0.0.1:{_port()}", d, "fp8", {"gtp": 2, "egtp": 2}, {"tp": 2}, 2,
+                                          backend), nprocs=2, join=True)
+        src = [torch.load(os.path.join(d, f"src.rank{r}.pt"), weights_only=True) for r in range(2)]
+        dst = [torch.load(os.path.join(d, f"dst.rank{r}.pt"), weights_only=True) for r in range(2)]
+        problems = compare(assemble_global(dst), assemble_global(src), ATOL)
+        if any(abs(a - b) > 1e-5 * abs(b) for a, b in zip(dst[0]["losses"], src[0]["losses"])):
+            problems.append(f"next-step loss {dst[0]['losses']} != {src[0]['losses']}")
+        print(f"  {name}: {time.time() - t0:.1f} s, next-step loss {dst[0]['losses']} vs original {src[0]['losses']}")
+    except Exception as e:
+        traceback.print_exc()
+        problems = [f"{type(e).__name__}: {e}"]
+    print(f"FAIL {name}: {problems[0]}" if problems else f"PASS {name}", flush=True)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
