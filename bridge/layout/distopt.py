@@ -19,7 +19,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from functools import cached_property
 from math import lcm
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from bridge.errors import BridgeError
 
@@ -160,8 +160,7 @@ def buffer_layout(params: Sequence[BufferParam], bucket_size: int | None, dp_siz
     return BufferLayout(tuple(names), index, buckets, unpadded, dp_size)
 
 
-@dataclass(frozen=True)
-class OwnedRange:
+class OwnedRange(NamedTuple):
     """What DP rank r owns of one parameter (Megatron's `param_range_map` entry).
 
     `param` = flat range [f0, f1) in the physical shard; `gbuf_world` = buffer range;

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import product
+from operator import add, floordiv, sub
 from math import gcd, prod
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -34,8 +35,7 @@ from bridge.layout.rectangles import trusted_box
 DEFAULT_TARGET_CHUNK_BYTES = 4 << 20
 
 
-@dataclass(frozen=True)
-class Transfer:
+class Transfer(NamedTuple):
     """Region `box` (global coordinates, inside one chunk) moves from rank `src` to owner `dst`."""
 
     box: Box
@@ -203,12 +203,18 @@ def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
     nchunks = prod(grid)
     # parts of each holding per chunk (most holdings fall in one chunk)
     parts: dict[tuple[int, ...], list[tuple[int, tuple, tuple, int]]] = {}
+    ones = (1,) * nd
+    cm1 = tuple(c - 1 for c in chunk)
     for h in hold:
         r, st, sp, v = h
-        lo = tuple(x // c for x, c in zip(st, chunk))
-        hi = tuple(-(-y // c) for y, c in zip(sp, chunk))
-        if all(y - x == 1 for x, y in zip(lo, hi)):
-            parts.setdefault(lo, []).append(h)
+        lo = tuple(map(floordiv, st, chunk))
+        hi = tuple(map(floordiv, map(add, sp, cm1), chunk))
+        if lo == tuple(map(sub, hi, ones)):
+            lst = parts.get(lo)
+            if lst is None:
+                parts[lo] = [h]
+            else:
+                lst.append(h)
             continue
         for key in product(*(range(x, y) for x, y in zip(lo, hi))):
             s0 = tuple(max(x, k * c) for x, k, c in zip(st, key, chunk))

@@ -14,9 +14,8 @@ to nothing (GTP padding).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from math import prod
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -31,11 +30,11 @@ def trusted_box(start: tuple[int, ...], stop: tuple[int, ...]) -> Box:
     return b
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """A contiguous run of a rank's local flat tensor that is one box of one logical array.
 
     data = `local_flat[local_start : local_start + logical.size].reshape(logical.shape)`.
+    (A NamedTuple: planning creates hundreds of thousands of these.)
     """
 
     array: str
@@ -55,8 +54,7 @@ class Piece:
         local_flat[self.local_start:self.local_stop] = np.asarray(data).reshape(-1)
 
 
-@dataclass(frozen=True)
-class RowRun:
+class RowRun(NamedTuple):
     """TP-local rows [row, row+rows) map to `array` with the first row at logical `offset`
     (full logical coordinates: prepended axes, row, trailing-dim offsets). Trailing dims keep
     their local extent."""
