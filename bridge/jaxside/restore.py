@@ -144,7 +144,7 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
                          optax.EmptyState(), optax.EmptyState())
     return Restored(
         params=nested_from_paths(results["params"]) if "params" in items else None,
-        opt_state=opt_state if "opt_state" in items else opt_state,
+        opt_state=opt_state,
         model=nested_from_paths(results["model"]) if "model" in plans else None,
         step=flat.get(STEP) if "step" in items else None,
         manifest=manifest,
@@ -167,7 +167,8 @@ def _orbax_restore(stored: StoredTree, abstract: Mapping[Path, jax.ShapeDtypeStr
         out = ck.restore(stored.directory,
                          args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=partial))
     except (ValueError, FileNotFoundError) as e:
-        raise BridgeError(f"Orbax could not restore {stored.directory}: {str(e).splitlines()[0]}") from None
+        raise BridgeError(f"process {jax.process_index()}: Orbax could not restore {stored.directory}: "
+                          f"{str(e).splitlines()[0]}") from None
     return {p: v for p, v in leaves_by_path(out).items() if p in abstract}
 
 

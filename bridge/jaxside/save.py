@@ -31,6 +31,7 @@ from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, pat
 from bridge.jaxside.manifest_view import as_manifest
 from bridge.jaxside.optax_state import extract_adam
 from bridge.layout.boxes import Box
+from bridge.progress import progress
 from bridge.store import digest as store_digest
 from bridge.store.commit import CHECKSUM_KEY, fsync_dir, metadata_checksum
 from bridge.store.writer import write_json_atomic
@@ -170,17 +171,20 @@ def _manifest_for(tree: dict, base: Manifest | None, hyperparams: Mapping[str, A
 def _digests(arrays: list[jax.Array]) -> list[int]:
     """Per-array digests: each process digests its addressable replica-0 shards; sums are combined."""
     partial = np.zeros(len(arrays), dtype=np.uint64)
-    for i, a in enumerate(arrays):
-        a = jnp.asarray(a)
-        total = 0
-        for shard in a.addressable_shards:
-            if shard.replica_id != 0:
-                continue
-            idx = shard.index
-            start = tuple((s.start or 0) for s in idx)
-            box = Box.of(start, shard.data.shape)
-            total += store_digest.digest_box(a.shape, box, np.asarray(shard.data))
-        partial[i] = np.uint64(store_digest.combine([total]))
+    local = sum(int(np.prod(s.data.shape)) * np.dtype(a.dtype).itemsize
+                for a in arrays for s in jnp.asarray(a).addressable_shards if s.replica_id == 0)
+    with progress(local, f"digest (process {jax.process_index()})") as bar:
+        for i, a in enumerate(arrays):
+            a = jnp.asarray(a)
+            total = 0
+            for shard in a.addressable_shards:
+                if shard.replica_id != 0:
+                    continue  # one replica digests each region, so the cross-process sum counts it once
+                start = tuple((s.start or 0) for s in shard.index)
+                data = np.asarray(shard.data)
+                total += store_digest.digest_box(a.shape, Box.of(start, data.shape), data)
+                bar.update(data.nbytes)
+            partial[i] = np.uint64(store_digest.combine([total]))
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
