@@ -211,8 +211,7 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
         on_stage("exchanged")
 
     dtypes = {a.name: _STORE_TO_TORCH[a.dtype] for a in catalog}
-    items = [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t))
-             for t in plan.transfers if t.src.rank == rank and t.dst == rank]
+    items = [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t)) for t in plan.sends(rank, rank)]
     items += _received_items(plan, recv, rank, dtypes)
     writer = CheckpointWriter(tmp, wplan, rank, inflight_bytes=inflight_bytes)
     total = sum(it.box.size * plan.itemsize[it.name] for it in items)
