@@ -395,3 +395,26 @@ class NamingMap:
                 s = re.sub(r.regex, r.replacement, s)
             final.append(tuple(c for c in s.split("/") if c))
         return Group(g.sources, g.source_shapes, tuple(final), g.join_axis, unstack_axis, perm)
+
+
+def named_views(directory: str, naming: NamingMap, prefix: Path = ("params",)) -> dict[Path, Any]:
+    """Lazy TensorStore views of the arrays under `prefix` of a checkpoint, presented by `naming`.
+
+    Nothing is read until a view's `.read()`; joins, transposes and unstacking are TensorStore
+    index transforms / virtual concatenations, so a slice reads only the bytes it covers. Section
+    orders come from the checkpoint's manifest.
+    """
+    from bridge.store.reader import open_checkpoint
+
+    ck = open_checkpoint(directory)
+    n = len(prefix)
+    sources = {p[n:]: p for p in ck.paths() if p[:n] == tuple(prefix) and len(p) > n}
+    if not sources:
+        raise BridgeError(f"checkpoint {directory} has no arrays under {_join(tuple(prefix))}; pick another prefix")
+    views = {short: ck.open(full) for short, full in sources.items()}
+    orders: dict[Path, list[str]] = {}
+    if ck.manifest is not None:
+        for key, spec in ck.manifest.fused.items():
+            orders[tuple(c for c in key.replace(".", "/").split("/") if c)] = [str(s[0]) for s in spec["sections"]]
+    plan = naming.plan({p: tuple(v.shape) for p, v in views.items()}, orders)
+    return plan.apply(views, TENSORSTORE)

@@ -105,3 +105,25 @@ def test_refusals():
     out[("h_1", "mlp", "linear_fc2", "weight")] = np.zeros((4, 5), np.float32)
     with pytest.raises(BridgeError, match=r"shape \(4, 5\), expected \(5, 4\)"):
         plan.invert(out)
+
+
+def test_named_views_on_a_store_checkpoint(tmp_path):
+    """Lazy presentation straight from disk equals the numpy presentation of the same arrays."""
+    from bridge.store.manifest import Manifest
+    from converters.jax_naming import named_views
+    from jax_checkpoints import write_store_checkpoint
+
+    tree = _tree()
+    m = Manifest(fused={"/".join(QKV): {"kind": "concat", "sections": [["query", 4], ["key", 2], ["value", 2]]}})
+    d = str(tmp_path / "ck")
+    write_store_checkpoint(d, {("params",) + p: a for p, a in tree.items()}, m, num_writers=2)
+    views = named_views(d, FULL)
+    want = FULL.plan({p: a.shape for p, a in tree.items()}, SECTIONS).apply(tree)
+    assert set(views) == set(want)
+    for p, v in views.items():
+        assert isinstance(v, ts.TensorStore)
+        assert np.array_equal(v.read().result(), want[p]), p
+    col = views[("h_1", "mlp", "linear_fc1", "weight")][:, 2:4].read().result()  # a slice of a lazy join
+    assert np.array_equal(col, want[("h_1", "mlp", "linear_fc1", "weight")][:, 2:4])
+    with pytest.raises(BridgeError, match="no arrays under model"):
+        named_views(d, FULL, prefix=("model",))
