@@ -163,3 +163,48 @@ def test_6_3_swiglu_physical_rows():
 
 
 # §2.5 A legacy padded grid: see tests/test_layout_legacy.py
+
+
+# §4.6 (a): dp_reshardable keys are bound to dp_group_idx; offsets d*s + gbuf_local_start -------------
+def test_4_6_dp_reshardable_offsets():
+    lay = ParallelLayout(tp=2, gtp=2, dp=2)
+    assert lay.dp_group_idx(2) == lay.dp_group_idx(6) == 2      # same key dp_group_idx_2
+    buf = buffer_layout([BufferParam("a", 300), BufferParam("w", 240)], None, lay.distopt_size)
+    s = buf.shard_size(0)
+    for r in (2, 6):
+        d = lay.distopt_rank(r)
+        for o in owned_ranges(buf, d):
+            # global offset inside the bucket's 1-D tensor = d*s + gbuf_local_start
+            assert d * s + o.gbuf_local[0] == o.gbuf_world[0] - buf.buckets[o.bucket][0]
+
+
+# §2.7 routed experts: expert axis, EGTP composes with expert TP ----------------------------------------
+def test_2_7_grouped_experts_expert_grid():
+    lay = ParallelLayout(tp=2, dp=4, ep=2, etp=1, egtp=2)       # world 8, edp 2
+    n_local, L = 2, 3
+    fc1 = ParamGeometry("decoder.layers.mlp.experts.linear_fc1.weight", (12, 4), "column", gtp=True,
+                        pad_for_alignment=4, prepend=(L, lay.ep * n_local), fused=FusedSpec.swiglu(6), expert=True)
+    assert fc1.logical_arrays()["decoder.layers.mlp.experts.linear_fc1.weight.gate"] == (3, 4, 6, 4)
+    count = np.zeros((3, 4, 6, 4), int)
+    for r in range(lay.world):
+        c = lay.coords(r)
+        if c.ed:            # expert DP replicas hold the same shard
+            continue
+        tp, gtp, t, g = fc1.placement(lay, r)
+        assert (tp, gtp, t, g) == (1, 2, c.et, c.eg)
+        for layer in range(L):
+            for i in range(n_local):
+                for p in fc1.shard_pieces(tp, gtp, t, g, index=(layer, c.e * n_local + i)):
+                    if p.array.endswith("gate"):
+                        count[p.logical.slices] += 1
+    assert (count == 1).all()
+
+
+def test_distopt_expert_buffer_uses_edp():
+    from bridge.layout.distopt import DistOptParam, distopt_layouts
+    lays = distopt_layouts([DistOptParam("d", 100), DistOptParam("e", 100, expert=True),
+                            DistOptParam("f", 10, param_dtype="float32")], None, dp_size=4, edp_size=3)
+    keys = list(lays)
+    assert [(k.param_dtype, k.expert) for k in keys] == [("bfloat16", False), ("bfloat16", True), ("float32", False)]
+    assert lays[keys[0]].buckets == [(0, 128)] and lays[keys[1]].buckets == [(0, 384)]   # lcm(4,128), lcm(3,128)
+    assert lays[keys[0]].dp_size == 4 and lays[keys[1]].dp_size == 3
