@@ -1,0 +1,153 @@
+"""Single-process checks of the live exporter's pure parts: planning, staging, FP8, binding, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bridge.errors import BridgeError
+from bridge.layout import FusedSpec, ParallelLayout, ParamGeometry
+from bridge.layout.boxes import Box
+from bridge.live.api import LocalParam, OptimFragment, QuantizedWeight
+from bridge.live.fp8 import bind_optimizer_state, dequantize, quantize_into
+from bridge.live.holdings import rank_holdings, tree_name
+from bridge.live.plan import build_plan
+from bridge.live.staging import WriteItem, split_rows, stage_and_write
+
+
+def _summary(params, layout, rank, with_optim=True):
+    hs, cat = rank_holdings(params, layout, rank, with_optim)
+    return {"catalog": cat, "holdings": [h.describe() for h in hs]}
+
+
+def _w(shape, fill=0.0):
+    return torch.full(shape, fill, dtype=torch.bfloat16)
+
+
+def test_plan_replicas_owners_keep_local_and_every_element_written_once():
+    """DP replicas of a column weight + a fragment split over DP: every element written exactly once."""
+    lay = ParallelLayout(tp=1, gtp=2, dp=2)
+    geom = ParamGeometry("w", (10, 6), "column", gtp=True, pad_for_alignment=4)  # S=8? (a*G=8: pad 6, S=8)
+    shape = geom.physical_shape(1, 2)
+    n = int(np.prod(shape))
+    sums = []
+    for r in range(4):
+        d = r // 2
+        f0, f1 = (0, 20) if d == 0 else (20, n)
+        frag = OptimFragment(f0, f1, torch.zeros(f1 - f0), torch.zeros(f1 - f0), torch.zeros(f1 - f0))
+        sums.append(_summary([LocalParam("w", geom, _w(shape), frag)], lay, r))
+    plan = build_plan(sums, tree_name, target_chunk_bytes=16)
+    for spec in plan.catalog:
+        hit = np.zeros(spec.shape, np.int32)
+        for t in plan.transfers:
+            if t.array == spec.name:
+                assert t.src.box.contains(t.box)
+                assert plan.ownership[spec.name].owner_of(t.box) == t.dst  # inside chunks its destination owns
+                hit[t.box.slices] += 1
+        assert (hit == 1).all(), spec.name
+    # the model array's chunks went to DP replicas that hold them: nothing moves for weights
+    assert all(t.src.rank == t.dst for t in plan.transfers if t.array.startswith("model."))
+    # a DP cut inside row 3 (flat 20 of 6-wide rows): some optimizer bytes do move
+    assert plan.moved_bytes() > 0
+    assert sum(plan.send_splits(0)) == sum(plan.split_bytes(0, d) for d in range(4) if d != 0)
+
+
+def test_plan_names_missing_optimizer_state_and_disagreeing_replicas():
+    lay = ParallelLayout(tp=1, gtp=1, dp=2)
+    geom = ParamGeometry("w", (4, 4), "replicated")
+    frag = OptimFragment(0, 8, *(torch.zeros(8) for _ in range(3)))
+    sums = [_summary([LocalParam("w", geom, _w((4, 4)), frag)], lay, r) for r in range(2)]
+    with pytest.raises(BridgeError, match=r"params\.w: no rank holds optimizer state for element \(2, 0\)"):
+        build_plan(sums, tree_name)
+    sums[1] = {"catalog": {tree_name("model", "w"): [[4, 4], "float32"]}, "holdings": []}
+    with pytest.raises(BridgeError, match="model.w: rank 0 holds it as bfloat16"):
+        build_plan(sums, tree_name)
+
+
+def test_main_replica_false_copies_are_not_sources():
+    lay = ParallelLayout(tp=1, gtp=1, dp=2)
+    geom = ParamGeometry("w", (4, 4), "replicated")
+    sums = [_summary([LocalParam("w", geom, _w((4, 4), r), None, main_replica=(r == 1))], lay, r, False)
+            for r in range(2)]
+    plan = build_plan(sums, tree_name)
+    assert {t.src.rank for t in plan.transfers} == {1}
+
+
+def test_holdings_reject_bad_shapes_ranges_and_duplicates():
+    lay = ParallelLayout(tp=2, gtp=1, dp=1)
+    geom = ParamGeometry("w", (8, 4), "column")
+    with pytest.raises(BridgeError, match=r"rank 1: w: weight shard has shape \(8, 4\).*\(4, 4\)"):
+        rank_holdings([LocalParam("w", geom, _w((8, 4)))], lay, 1, False)
+    frag = OptimFragment(10, 20, *(torch.zeros(10) for _ in range(3)))
+    with pytest.raises(BridgeError, match=r"optimizer range \[10, 20\) is outside the physical shard of 16"):
+        rank_holdings([LocalParam("w", geom, _w((4, 4)), frag)], lay, 0, True)
+    with pytest.raises(BridgeError, match="listed twice"):
+        rank_holdings([LocalParam("w", geom, _w((4, 4)))] * 2, lay, 0, False)
+    with pytest.raises(BridgeError, match="QuantizedWeight"):
+        rank_holdings([LocalParam("w", geom, torch.zeros(4, 4).to(torch.float8_e4m3fn))], lay, 0, False)
+
+
+def test_fused_sections_become_sibling_arrays():
+    lay = ParallelLayout()
+    geom = ParamGeometry("m.fc1.weight", (12, 2), "column", fused=FusedSpec.swiglu(6))
+    hs, cat = rank_holdings([LocalParam(geom.name, geom, _w((12, 2)))], lay, 0, False)
+    assert sorted(cat) == ["model.m.fc1.weight.gate", "model.m.fc1.weight.up"]
+    assert [p.array for p in hs[0].pieces] == ["m.fc1.weight.gate", "m.fc1.weight.up"]
+
+
+def test_dequantize_per_tensor_and_per_block_against_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 7)).astype(np.float32)
+    data = torch.from_numpy(x).to(torch.float8_e4m3fn)
+    sinv = torch.tensor([[0.5, 2.0], [4.0, 0.25], [3.0, 1.0]])  # block (2, 4): grid 3 x 2
+    got = dequantize(QuantizedWeight(data, sinv, (2, 4))).float().numpy()
+    grid = np.repeat(np.repeat(sinv.numpy(), 2, 0), 4, 1)[:5, :7]
+    import ml_dtypes
+
+    want = (data.float().numpy() * grid).astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(got, want)
+    q = QuantizedWeight(data, torch.tensor([0.125]))
+    assert np.array_equal(dequantize(q).float().numpy(),
+                          (data.float().numpy() * 0.125).astype(ml_dtypes.bfloat16).astype(np.float32))
+    with pytest.raises(BridgeError, match="too small"):
+        dequantize(QuantizedWeight(data, torch.ones(2, 2), (2, 4)))
+
+
+def test_quantize_into_round_trips_within_fp8_precision():
+    x = torch.linspace(-3, 5, 35).reshape(5, 7)
+    for block in (None, (2, 4)):
+        q = QuantizedWeight(torch.zeros(5, 7, dtype=torch.float8_e4m3fn),
+                            torch.ones(1) if block is None else torch.ones(3, 2), block)
+        quantize_into(q, x)
+        back = q.data.float() * (q.scale_inv.reshape(()) if block is None else
+                                 q.scale_inv.repeat_interleave(2, 0)[:5].repeat_interleave(4, 1)[:, :7])
+        assert torch.allclose(back, x, rtol=2 ** -3, atol=1e-6)
+
+
+def test_bind_optimizer_state_follows_backlinks_and_names_unmatched():
+    geom = ParamGeometry("w", (2, 2))
+    live = QuantizedWeight(torch.zeros(2, 2, dtype=torch.float8_e4m3fn), torch.ones(1))
+    frag = OptimFragment(0, 4, *(torch.zeros(4) for _ in range(3)))
+    out = bind_optimizer_state([("w", geom, live.dequantize())], [(live, frag)])
+    assert out[0].optim is frag and out[0].weight is live
+    other = torch.zeros(2, 2)
+    other._debug_name = "decoder.orphan.weight"
+    with pytest.raises(BridgeError, match="decoder.orphan.weight"):
+        bind_optimizer_state([("w", geom, live.dequantize())], [(live, frag), (other, frag)])
+    # identity of the dequantized copy is not the live param: without the backlink nothing binds
+    copy = live.dequantize()
+    del copy._gtp_dequant_src
+    with pytest.raises(BridgeError, match="matches no model entry"):
+        bind_optimizer_state([("w", geom, copy)], [(live, frag)])
+
+
+def test_staging_splits_rows_and_writes_every_element_once():
+    item = WriteItem("a", Box((2, 0), (7, 3)), torch.arange(15.0).reshape(5, 3))
+    parts = list(split_rows(item, 4))
+    assert [p.box for p in parts][0] == Box((2, 0), (3, 3)) and sum(p.box.size for p in parts) == 15
+    tiny = list(split_rows(WriteItem("a", Box((0, 0), (1, 5)), torch.arange(5.0).reshape(1, 5)), 2))
+    assert [str(p.box) for p in tiny] == ["[0:1, 0:2]", "[0:1, 2:4]", "[0:1, 4:5]"]
+    out = np.zeros((7, 3), np.float32)
+    stage_and_write([item], lambda n, b, a: out.__setitem__(b.slices, a), budget_bytes=64)
+    assert np.array_equal(out[2:7], np.arange(15.0).reshape(5, 3))
