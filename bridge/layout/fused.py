@@ -169,7 +169,14 @@ class FusedSpec:
 
     def segments(self, tp: int, param: str = "<fused>") -> list[Segment]:
         """TP-local row runs (same for every TP rank) in fused order."""
-        self.check_tp(tp, param)
+        memo = self.__dict__.setdefault("_segments_memo", {})  # frozen and pure: cache per TP
+        hit = memo.get(tp)
+        if hit is None:
+            self.check_tp(tp, param)
+            hit = memo[tp] = tuple(self._segments(tp))
+        return list(hit)
+
+    def _segments(self, tp: int) -> list[Segment]:
         out, row = [], 0
         per_rank_groups = self.groups // tp if self.kind == "grouped" else 1
         for q in range(per_rank_groups):
