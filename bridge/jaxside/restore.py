@@ -58,12 +58,13 @@ class Restored:
 def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
             rules: ShardingRules | None = None, shardings: Mapping | Any = None, optimizer: Any = None,
             dtypes: Mapping[str, Any] | None = None, items: tuple[str, ...] = ITEMS,
-            naming: NamingMap | None = None, strict: bool = True) -> Restored:
+            naming: NamingMap | None = None, strict: bool = True, concurrent_gb: int | None = None) -> Restored:
     """Restore `items` of a logical checkpoint onto a mesh (see module docstring).
 
     `optimizer` is an optax template (`jax.eval_shape(tx.init, params)`), filled by key path; it
     must match the (named) parameter tree and shapes, else BridgeError names the first differing path.
     `dtypes` ({"params"|"model"|"mu"|"nu": dtype}) casts on read; moments default to the template's dtype.
+    `concurrent_gb` bounds the bytes Orbax reads in flight (host memory), default Orbax's.
     """
     bad = set(items) - set(ITEMS)
     if bad:
@@ -119,7 +120,7 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
             a = stored.arrays[p]
             abstract[p] = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target.replicated())
 
-    flat = _orbax_restore(stored, abstract)
+    flat = _orbax_restore(stored, abstract, concurrent_gb)
 
     results: dict[str, dict[Path, Any]] = {"params": {}, "model": {}, "mu": {}, "nu": {}}
     for prefix, kind, g, outs, _ in jobs:
@@ -152,7 +153,8 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
     )
 
 
-def _orbax_restore(stored: StoredTree, abstract: Mapping[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
+def _orbax_restore(stored: StoredTree, abstract: Mapping[Path, jax.ShapeDtypeStruct],
+                   concurrent_gb: int | None = None) -> dict[Path, jax.Array]:
     """One Orbax restore of the requested arrays (partial when not everything is requested)."""
     import orbax.checkpoint as ocp
 
@@ -162,7 +164,7 @@ def _orbax_restore(stored: StoredTree, abstract: Mapping[Path, jax.ShapeDtypeStr
     restore_args = jax.tree.map(
         lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), item)
     partial = set(abstract) != set(stored.arrays)
-    ck = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    ck = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(restore_concurrent_gb=concurrent_gb))
     try:
         out = ck.restore(stored.directory,
                          args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=partial))

@@ -42,13 +42,15 @@ from converters.jax_naming import Plan, jax_backend
 
 def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any, model: Any = None,
          manifest: Manifest | Mapping | None = None, plans: Mapping[str, Plan] | None = None,
-         hyperparams: Mapping[str, Any] | None = None, chunk_byte_size: int | None = None) -> Manifest:
+         hyperparams: Mapping[str, Any] | None = None, chunk_byte_size: int | None = None,
+         concurrent_gb: int | None = None) -> Manifest:
     """Write a logical checkpoint at `directory` (must not exist); returns the manifest written.
 
     `opt_state` is any optax state holding Adam moments (adamw, chain, multi_transform...).
     `manifest` is the base manifest (e.g. `restored.manifest`) whose section tables and
     hyper-parameters are kept; `hyperparams` ({"lr", "betas", "eps", "weight_decay"}) overrides them.
-    `chunk_byte_size` asks Orbax for inner chunks of that size (cheaper resharded reads later).
+    `chunk_byte_size` asks Orbax for inner chunks of that size (cheaper resharded reads later);
+    `concurrent_gb` bounds Orbax's in-flight save bytes (host memory).
     """
     import optax
     import orbax.checkpoint as ocp
@@ -99,7 +101,8 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     if jax.process_index() == 0 and os.path.lexists(staging):
         shutil.rmtree(staging)  # left by a crashed save; never a checkpoint anyone was given
     _barrier("gtpb-save-start")
-    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False)
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
+                                          save_concurrent_gb=concurrent_gb)
     ck = ocp.Checkpointer(handler)
     ck.save(staging, args=ocp.args.PyTreeSave(tree, save_args=save_args,
                                               custom_metadata={MANIFEST_KEY: out.to_json()}))
