@@ -89,6 +89,8 @@ class Run:
                 for n, rec in o["params"].items():
                     frag[strip_wrappers(n)] = rec
             for m in self.mapping(rank):
+                if not m.model_parallel_main:
+                    continue  # TP / GTP replica copies are not exported (checked separately)
                 g = m.geometry
                 tp, gtp, t, gg = g.placement(self.layout, rank)
                 live = ref["params"][m.param]["live"]
@@ -108,7 +110,7 @@ def run(request) -> Run:
 
 
 def test_fixtures_present():
-    assert {"tp1", "tp1_buckets", "moe_ep1"} <= set(RUNS)
+    assert {"tp1", "tp2", "dp2", "moe_ep2", "dp2_buckets", "gtp2_local", "gtp2_te"} <= set(RUNS)
 
 
 def test_every_param_maps_and_matches_its_physical_shard(run):
@@ -300,3 +302,53 @@ def test_gtp_padding_geometry():
             ("[0:1, 8:40, 0:24]", "decoder.layers.mlp.linear_fc1.weight.up")]
     with pytest.raises(BridgeError, match="pad_for_alignment"):
         param_geometry(p, e_logical, lay, None, 8)
+
+
+def _unscramble_swiglu_tp1(stored: np.ndarray, npre: int, gtp: int) -> np.ndarray:
+    """0.19.2 GTP fc1 grid at TP=1 (§6.3): the factory halves each shard; put shards back in order."""
+    body = np.moveaxis(stored, npre, 0)
+    h = body.shape[0] // (2 * gtp)  # half a shard
+    rows = []
+    for g in range(gtp):
+        rows += list(range(g * h, (g + 1) * h)) + list(range(gtp * h + g * h, gtp * h + (g + 1) * h))
+    return np.moveaxis(body[rows], 0, npre)
+
+
+@pytest.mark.parametrize("fmt", ["dp_reshardable", "fully_reshardable"])
+def test_gtp_weights_equal_megatrons_padded_grid(run, fmt):
+    """GTP runs at TP=1: the legacy padded grid, un-padded and un-scrambled by hand, equals our mapping."""
+    lay = run.info["layout"]
+    if lay.get("gtp", 1) == 1 or lay.get("tp", 1) != 1:
+        pytest.skip("GTP at TP=1 only")
+    arrays, _ = run.assemble()
+    ck = DcpCheckpoint(run.dir / fmt)
+    entries = entries_from_description(run.ssd["ranks"][0]["formats"][fmt]["entries"])
+    checked = 0
+    for e in {e.key: e for e in entries}.values():
+        key, n = strip_wrappers(e.key), e.prepend_axis_num
+        t = ck.read_full(e.key)
+        arr = t.to(torch.float32).numpy()
+        if key.endswith("linear_fc1.weight"):
+            arr = _unscramble_swiglu_tp1(arr, n, lay["gtp"])
+        names = [a for a in arrays["model"] if a == key or a.rsplit(".", 1)[0] == key]
+        rows = sum(arrays["model"][a].shape[n] for a in names)
+        arr = np.take(arr, range(rows), axis=n)  # padding rows sit at the tail at TP=1
+        for name, want in _split_sections(key, arr, n, run).items():
+            assert np.array_equal(arrays["model"][name], want), name
+            checked += 1
+    assert checked >= len(arrays["model"])
+
+
+def test_gtp_replicated_params_may_differ_across_gtp_ranks_and_rank0_is_exported():
+    """0.19.2 inits position embeddings independently per GTP rank; Megatron saves GTP rank 0's copy."""
+    r = Run("gtp2_local")
+    key = "module.module.embedding.position_embeddings.weight"
+    a, b = (r.refs[i]["params"][key]["live"] for i in (0, 1))
+    assert not torch.equal(a, b)
+    main = {i: {m.param: m.model_parallel_main for m in r.mapping(i)} for i in (0, 1)}
+    assert main[0][key] and not main[1][key]
+    # GTP-sharded weights are exported from both GTP ranks; the fc1 bias (GTP-replicated) only from rank 0
+    fc1 = "module.module.decoder.layers.0.mlp.linear_fc1"
+    assert main[1][fc1 + ".weight"] and not main[1][fc1 + ".bias"]
+    stored = DcpCheckpoint(r.dir / "dp_reshardable").read_full("embedding.position_embeddings.weight")
+    assert torch.equal(stored, a)

@@ -21,9 +21,15 @@ GTP entries) or, without one, for the parameter whose state-dict name it carries
 is keyed by the live parameter object. Checkpoint copies are never matched by tensor identity.
 A parameter without an entry, or an entry naming no parameter, is a `BridgeError` naming it.
 
-Writer election is left to the exporter (`main_replica=None`): one `LocalParam` carries both the
-weight (replicated across DP) and this rank's optimizer fragment (unique to it), so Megatron's
-`replica_id` cannot be applied to both.
+Writer election: one `LocalParam` carries both the weight (replicated across DP) and this rank's
+optimizer fragment (unique to it), so Megatron's `replica_id` cannot become one `main_replica`
+flag. Instead, for export, copies that are TP / GTP replicas (`replica_id[:2] != (0, 0)`: layer
+norms on TP rank > 0, biases on GTP rank > 0; and any parameter GTP does not shard, on GTP rank
+> 0, whose replica_id folds the GTP rank into the DP coordinate) are left out entirely,
+weights and optimizer fragments alike: they need not equal the main copy (0.19.2 initialises some
+GTP-replicated params, e.g. position embeddings, differently on each GTP rank), and Megatron's
+own save keeps the main copy. DP replicas are identical; the exporter elects among them
+(`main_replica=None`). Reload fills every copy.
 """
 
 from __future__ import annotations
@@ -105,6 +111,15 @@ class EntryRecord:
         return tuple(self.global_offset[: self.prepend_axis_num])
 
     @property
+    def model_parallel_main(self) -> bool:
+        """Megatron writes this copy: no pipeline / TP / GTP replica coordinate (DP ones aside).
+
+        >>> EntryRecord("n", "k", (4,), (0,), replica_id=(0, 1, 0)).model_parallel_main
+        False
+        """
+        return all(int(r) == 0 for r in self.replica_id[:2])
+
+    @property
     def stored_shape(self) -> tuple[int, ...]:
         """Global shape of one instance as stored (padded grid for 0.19.2 GTP saves)."""
         return tuple(self.global_shape[self.prepend_axis_num :])
@@ -159,6 +174,7 @@ class ParamMapping:
     key: str  # logical key (checkpoint key without wrappers)
     geometry: ParamGeometry
     entry: str  # state-dict name of the model entry it was bound through
+    model_parallel_main: bool = True  # False: a TP / GTP replica Megatron does not write
 
     @property
     def index(self) -> tuple[int, ...]:
@@ -291,7 +307,11 @@ def map_params(entries: Iterable[EntryRecord], params: Iterable[ParamRecord], la
     for n, p in by_name.items():
         e = bound[n]
         key, geom = param_geometry(p, e, layout, dims, pad_for_alignment, rank)
-        out.append(ParamMapping(p.name, key, geom, e.name))
+        tp, gtp, _t, g = geom.placement(layout, rank)
+        # GTP peers of a GTP-replicated parameter are replicas whose replica_id may look like a DP
+        # coordinate (modules without GTP params); Megatron writes GTP rank 0's copy.
+        main = e.model_parallel_main and (g == 0 or geom.gtp_active(gtp))
+        out.append(ParamMapping(p.name, key, geom, e.name, main))
     seen: dict[tuple[str, tuple[int, ...]], str] = {}
     for m in out:
         ident = (m.key, m.index)
@@ -496,11 +516,13 @@ def _check_alias(name: str, entry: Any, p: Any, rank: int) -> None:
 
 def local_params(model: Any, optimizer: Any, *, metadata: Mapping[str, Any] | None = None,
                  dims: ModelDims | None = None, pad_for_alignment: int | None = None,
-                 group: Any = None, extra: Mapping[str, Any] | None = None) -> tuple[list["LocalParam"], "LiveRun"]:
+                 group: Any = None, extra: Mapping[str, Any] | None = None,
+                 for_export: bool = False) -> tuple[list["LocalParam"], "LiveRun"]:
     """This rank's `LocalParam`s (live tensors, filled in place on reload) and `LiveRun`.
 
     `model` is the (DDP / Float16Module wrapped) GPT model or a one-element list of it;
     `optimizer` the Megatron optimizer (DistributedOptimizer or ChainedOptimizer of them).
+    `for_export` leaves out TP / GTP replica copies Megatron would not write (module docstring).
     """
     import torch
 
@@ -556,6 +578,8 @@ def local_params(model: Any, optimizer: Any, *, metadata: Mapping[str, Any] | No
         w = lp.weight
         if isinstance(w, torch.Tensor) and type(w) is not torch.Tensor and not isinstance(w, torch.nn.Parameter):
             lp.weight = data[m.entry]  # a quantized live param: export its dequantized bf16 copy
+    if for_export:
+        out = [lp for lp, m in zip(out, mappings) if m.model_parallel_main]
     step = common_step([int(s) for s in steps], f"rank {rank} optimizer")
     run = LiveRun(layout=layout, rank=rank, step=step,
                   optimizer=adam_config_from_groups(groups, group_keys), group=group,
@@ -573,8 +597,8 @@ def export_megatron(model: Any, optimizer: Any, path: str, **kwargs: Any) -> Any
     from bridge.live import export as live_export
 
     own = {k: kwargs.pop(k) for k in ("metadata", "dims", "pad_for_alignment", "group", "extra") if k in kwargs}
-    params, run = local_params(model, optimizer, **own)
-    return live_export.export_state(params, run, path, **kwargs)
+    params, run = local_params(model, optimizer, for_export=True, **own)
+    return live_export.export_state(path, run, params, **kwargs)
 
 
 def _ensure_optimizer_state(optimizer: Any) -> None:
@@ -619,6 +643,6 @@ def load_megatron(model: Any, optimizer: Any, path: str, **kwargs: Any) -> "Relo
     own = {k: kwargs.pop(k) for k in ("metadata", "dims", "pad_for_alignment", "group", "extra") if k in kwargs}
     _ensure_optimizer_state(optimizer)
     params, run = local_params(model, optimizer, **own)
-    result = live_reload.reload_state(params, run, path, **kwargs)
+    result = live_reload.reload_state(path, run, params, **kwargs)
     _set_step(optimizer, result.step)
     return result
