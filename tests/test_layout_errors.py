@@ -60,3 +60,11 @@ def test_distopt_errors():
     err(lambda: buffer_layout([BufferParam("a", 4), BufferParam("a", 4)], None, 2), "['a']", "twice")
     err(lambda: buffer_layout([BufferParam("a", 4)], 0, 2), "bucket_size=0")
     err(lambda: buffer_layout([BufferParam("a", 4)], None, 2).dp_range(0, 2), "DP rank 2", "size 2")
+
+
+def test_default_index_validated_at_construction():
+    err(lambda: ParamGeometry("l.w", (4, 4), "column", prepend=(3,), index=(3,)), "l.w", "index (3,)", "(3,)")
+    err(lambda: ParamGeometry("l.w", (4, 4), "column", prepend=(3,)).shard_pieces(1, 1, 0, 0), "l.w", "index ()")
+    w = ParamGeometry("l.w", (4, 4), "column", prepend=(3,), index=(2,))
+    assert w.shard_pieces(1, 1, 0, 0)[0].logical.start == (2, 0, 0)
+    assert w.at((1,)).shard_pieces(1, 1, 0, 0)[0].logical.start == (1, 0, 0)

@@ -99,8 +99,9 @@ class ParamGeometry:
         object.__setattr__(self, "prepend", tuple(int(s) for s in self.prepend))
         object.__setattr__(self, "index", tuple(int(s) for s in self.index))
         n = self.name
-        if self.index:
-            self._check_index(self.index)
+        if self.index and (len(self.index) != len(self.prepend)
+                           or any(not 0 <= i < k for i, k in zip(self.index, self.prepend))):
+            raise BridgeError(f"{n}: stacked-axes index {self.index} does not fit prepend sizes {self.prepend}")
         if self.tp_kind not in TP_KINDS:
             raise BridgeError(f"{n}: unknown TP kind {self.tp_kind!r}; use one of {list(TP_KINDS)}")
         if any(s < 0 for s in self.shape) or any(s < 1 for s in self.prepend):
