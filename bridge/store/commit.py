@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from typing import Mapping, Sequence
 
@@ -88,11 +89,9 @@ def checkpoint_metadata_json(init_ns: int, commit_ns: int | None = None) -> dict
 
 # -- barrier -------------------------------------------------------------------------------------
 def dist_initialized() -> bool:
-    try:
-        import torch.distributed as dist
-    except Exception:  # torch not installed: independent processes only
-        return False
-    return dist.is_available() and dist.is_initialized()
+    """True when torch.distributed has a process group (never imports torch: that costs seconds)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def wait_for_reports(tmp_dir: str, plan: WritePlan, timeout: float = 600.0, poll: float = 0.05) -> list[dict]:
@@ -173,7 +172,8 @@ def merge_writer_databases(tmp_dir: str, writers: Sequence[int]) -> None:
         db = specs.writer_db_dir(tmp_dir, w)
         if not os.path.isdir(db):
             continue
-        child = ts.KvStore.open(specs.ocdbt_kvstore(db), context=ctx).result()
+        # Same base-kvstore spec as the parent: CopyRange only works within one file kvstore.
+        child = ts.KvStore.open(specs.ocdbt_kvstore(db, write=True), context=ctx).result()
         futures.append(child.experimental_copy_range_to(parent.with_transaction(txn)))
     for f in futures:
         f.result()

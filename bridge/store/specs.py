@@ -61,7 +61,11 @@ def ocdbt_kvstore(db_dir: str, key_prefix: str | None = None, *, write: bool = F
     if key_prefix is not None:
         kv["path"] = key_prefix.rstrip("/") + "/"
     if write:
-        # Writers create fresh databases: fixing the config avoids reading one (Orbax does the same).
+        # As Orbax: data files are written in place (content-addressed, referenced only once the
+        # manifest commits, so a crash leaves unreferenced garbage, never a torn value); the manifest
+        # keeps atomic replace. Writers create fresh databases, so the config is fixed, not read.
+        kv["base"]["file_io_locking"] = {"mode": "non_atomic"}
+        kv["manifest"] = file_kvstore(db_dir)
         kv.update({"config": dict(OCDBT_CONFIG), "assume_config": True, "target_data_file_size": TARGET_DATA_FILE_SIZE})
     return kv
 

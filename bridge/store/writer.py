@@ -105,10 +105,12 @@ class CheckpointWriter:
         self.bytes_written = 0
 
     # -- public -------------------------------------------------------------------------------
-    def write(self, path: Sequence[str] | str, box: Box, data: np.ndarray) -> None:
+    def write(self, path: Sequence[str] | str, box: Box, data: np.ndarray, *, donate: bool = False) -> None:
         """Write `data` at `box` of array `path`; the box must lie in chunks this writer owns.
 
-        Data is copied (the caller may reuse its buffer once `write` returns).
+        By default data is copied, so the caller may reuse its buffer once `write` returns. With
+        ``donate=True`` the writer keeps a reference instead (no copy: faster, less memory) and the
+        caller must not modify `data` until the next `flush()` / `finish()`.
         """
         if self._finished:
             raise BridgeError(f"writer {self.writer_id}: write after finish()")
@@ -134,7 +136,7 @@ class CheckpointWriter:
             state.digest = dg.combine([state.digest, dg.digest_box(spec.shape, box, data)])
         store = self._store(ap)
         try:
-            self._futures.append(store[box.slices].write(data))
+            self._futures.append(store[box.slices].write(data, can_reference_source_data_indefinitely=donate))
         except Exception as e:  # TensorStore raises ValueError etc.; name the array
             raise BridgeError(f"{where}: writing box {box} failed: {e}") from e
         self._pending += data.nbytes
