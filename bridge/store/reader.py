@@ -87,6 +87,7 @@ class Checkpoint:
         self.metadata_checksum: str | None = custom.get(CHECKSUM_KEY) if isinstance(custom, dict) else None
         self.context = ts.Context(specs.context_spec())
         self._info: dict[Path, ArrayInfo] = {}
+        self._stores: dict[Path, object] = {}
 
     def paths(self) -> list[Path]:
         """Array leaf paths, sorted."""
@@ -105,13 +106,17 @@ class Checkpoint:
     def open(self, path: Sequence[str] | str):
         """Lazy read-only ts.TensorStore of one array (IntegrityError naming it if unreadable)."""
         p = self._path(path)
+        if p in self._stores:
+            return self._stores[p]
         name = ".".join(p)
         spec = specs.array_read_spec(self.root, name, use_ocdbt=self.use_ocdbt, use_zarr3=self.use_zarr3,
                                      fill_missing=self.fill_missing)
         try:
-            return self._ts.open(spec, read=True, context=self.context).result()
+            store = self._ts.open(spec, read=True, context=self.context).result()
         except Exception as e:
             raise IntegrityError(f"array {path_str(p)}: cannot open in {self.root}: {_one_line(e)}") from e
+        self._stores[p] = store  # checkpoints are immutable: one handle per array is enough
+        return store
 
     def info(self, path: Sequence[str] | str) -> ArrayInfo:
         """Shape, dtype and chunking of one array (reads its zarr metadata)."""

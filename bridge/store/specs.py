@@ -57,7 +57,7 @@ def ocdbt_kvstore(db_dir: str, key_prefix: str | None = None, *, write: bool = F
     >>> ocdbt_kvstore("/c/ocdbt.process_1", "params.w")["path"]
     'params.w/'
     """
-    kv: dict = {"driver": "ocdbt", "base": file_kvstore(db_dir)}
+    kv: dict = {"driver": "ocdbt", "base": file_kvstore(db_dir), "cache_pool": "cache_pool#ocdbt"}
     if key_prefix is not None:
         kv["path"] = key_prefix.rstrip("/") + "/"
     if write:
@@ -168,4 +168,6 @@ def array_read_spec(root: str, name: str, *, use_ocdbt: bool = True, use_zarr3: 
 
 def context_spec(io_concurrency: int = 64) -> dict:
     """Shared ts.Context resources (one Context must serve both sides of an OCDBT merge)."""
-    return {"file_io_concurrency": {"limit": io_concurrency}, "cache_pool": {"total_bytes_limit": 0}}
+    # Chunk data is never cached (each byte is read once); OCDBT B-tree nodes are, as in Orbax.
+    return {"file_io_concurrency": {"limit": io_concurrency}, "cache_pool": {"total_bytes_limit": 0},
+            "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}}
