@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from bridge.layout import ParallelLayout
+from bridge.layout import BufferParam, ParallelLayout, buffer_layout, owned_ranges
 from bridge.live.api import AdamConfig
 from bridge.live.reference_check import (assemble_global, check_buffers, compare, dump_rank, logical_state,
                                          padding_report, run_scenarios)
@@ -77,6 +77,16 @@ def _check(sc: dict, dumps: list[dict]) -> dict:
     ref = _reference(cfg, total)
     problems = [p for d in dumps for p in check_buffers(d)]
     assert problems == [], problems[:5]
+    for d in dumps:  # and what bridge.layout.distopt says for the same parameters
+        slots = {x["name"]: x for x in d["slots"]}
+        for b in d["buffers"]:
+            lay = buffer_layout([BufferParam(n, math.prod(slots[n]["shape"])) for n in b["order"]], d["bucket_size"],
+                                b["group_size"])
+            assert [list(x) for x in lay.buckets] == b["buckets"]
+            assert all(lay.index[n][:2] == (slots[n]["start"], slots[n]["end"]) for n in b["order"])
+            owned = {o.name: o.param for o in owned_ranges(lay, b["group_rank"])}
+            assert all(owned.get(n) == (None if slots[n]["frag"] is None else (slots[n]["frag"]["f0"], slots[n]["frag"]["f1"]))
+                       for n in b["order"])
     ep = sc["layout"].get("ep", 1)
     for d in dumps:  # EP: each rank holds its contiguous block of E / EP experts (fc1 and fc2)
         held = sorted({s["index"][0] for s in d["slots"] if s["index"]})

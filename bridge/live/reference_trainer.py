@@ -33,6 +33,7 @@ allocates zeroed targets, `reload_state` fills `trainer.local_params()` in place
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -284,12 +285,19 @@ class ReferenceTrainer:
         """Physical shards and masters from the seeded logical weights (same on every layout)."""
         arrays = logical_arrays(self.model, self.config.seed, self.config.pad_for_alignment)
         read = lambda a, b: arrays[a][b.slices]  # noqa: E731
-        for i, s in enumerate(self._slots):
+        if self._fp8_index:  # per-tensor scales from each logical tensor's amax
+            amax = torch.zeros(len(self._fp8_index), dtype=torch.float32, device=self.device)
+            for s in self._slots:
+                if s.quant is not None:
+                    logical = [arrays[n][s.index] if s.index else arrays[n] for n in s.geometry.logical_arrays()]
+                    amax[self._fp8_index[(s.pdef.key, s.index)]] = float(max(np.abs(x).max() for x in logical))
+            self._set_fp8_scales(amax)
+        for s in self._slots:
             shard = torch.from_numpy(assemble_shard(s.geometry, s.tp, s.gtp, s.t, s.g, read, np.float32, s.index))
             pad = ~s.logical_mask.cpu()
             if pad.any():  # TE initialises padding rows with the shard's own RNG (same on DP replicas): never data
-                gen = torch.Generator().manual_seed(self.config.pad_seed + 7919 * (s.t * s.gtp + s.g) + 104729 * i)
-                shard.view(-1)[pad] = torch.randn(int(pad.sum()), generator=gen)
+                seed = self.config.pad_seed + 7919 * (s.t * s.gtp + s.g) + zlib.crc32(s.name.encode())
+                shard.view(-1)[pad] = torch.randn(int(pad.sum()), generator=torch.Generator().manual_seed(seed))
             flat = shard.view(-1).to(self.device)
             if s.frag is not None:
                 hi = flat[s.frag.f0:s.frag.f1]
@@ -298,19 +306,7 @@ class ReferenceTrainer:
             if s.quant is None:
                 s.storage.view(-1).copy_(flat.to(s.dtype))
             else:
-                s.quant.data.view(-1).copy_(flat.to(FP8_DTYPE))  # placeholder until the scales are known
-                s._init_flat = flat
-        if self._fp8_index:
-            amax = torch.zeros(len(self._fp8_index), dtype=torch.float32, device=self.device)
-            for s in self._slots:
-                if s.quant is not None:
-                    logical = [arrays[n][s.index] if s.index else arrays[n] for n in s.geometry.logical_arrays()]
-                    amax[self._fp8_index[(s.pdef.key, s.index)]] = float(max(np.abs(x).max() for x in logical))
-            self._set_fp8_scales(amax)
-            for s in self._slots:
-                if s.quant is not None:
-                    s.quant.data.view(-1).copy_(self._quantize(s._init_flat, s.quant.scale_inv))
-                    del s._init_flat
+                s.quant.data.view(-1).copy_(self._quantize(flat, s.quant.scale_inv))
 
     # --- FP8 ------------------------------------------------------------------------------------------
     @staticmethod
