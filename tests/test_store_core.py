@@ -23,6 +23,11 @@ def _arrays(rng):
         ("params", "h"): rng.standard_normal((3, 4, 5)).astype(np.float16),
         ("params", "i"): rng.integers(-9, 9, (6, 2)).astype(np.int32),
         ("step",): np.array(7, np.int32),
+        ("extra", "u8"): rng.integers(0, 255, (9,)).astype(np.uint8),
+        ("extra", "i8"): rng.integers(-128, 127, (2, 9)).astype(np.int8),
+        ("extra", "f64"): rng.standard_normal((3, 3)),
+        ("extra", "mask"): rng.integers(0, 2, (4, 4)).astype(bool),
+        ("extra", "empty"): np.zeros((0, 6), np.float32),
     }
 
 

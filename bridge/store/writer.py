@@ -138,7 +138,7 @@ class CheckpointWriter:
         try:
             self._futures.append(store[box.slices].write(data, can_reference_source_data_indefinitely=donate))
         except Exception as e:  # TensorStore raises ValueError etc.; name the array
-            raise BridgeError(f"{where}: writing box {box} failed: {e}") from e
+            raise BridgeError(f"{where}: writing box {box} failed: {' '.join(str(e).split())}") from e
         self._pending += data.nbytes
         self.bytes_written += data.nbytes
         if self._pending >= self.inflight_bytes:
@@ -153,7 +153,8 @@ class CheckpointWriter:
             try:
                 self._txn.commit_async().result()
             except Exception as e:
-                raise BridgeError(f"writer {self.writer_id}: committing writes to {self.tmp_dir} failed: {e}") from e
+                raise BridgeError(f"writer {self.writer_id}: committing writes to {self.tmp_dir} failed: "
+                                  f"{' '.join(str(e).split())}") from e
         self._txn = None
         self._open.clear()
         self._pending = 0
@@ -212,6 +213,7 @@ class CheckpointWriter:
                 st = ts.open(spec, open=True, assume_metadata=True, context=self.context,
                              transaction=self._txn).result()
         except Exception as e:
-            raise BridgeError(f"writer {self.writer_id}: {path_str(ap.spec.path)}: opening for write failed: {e}") from e
+            raise BridgeError(f"writer {self.writer_id}: {path_str(ap.spec.path)}: opening for write failed: "
+                              f"{' '.join(str(e).split())}") from e
         self._open[name] = st
         return st
