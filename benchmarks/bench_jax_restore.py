@@ -17,6 +17,7 @@ Reported: median wall time over interleaved repetitions and TensorStore file byt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import statistics
@@ -48,10 +49,32 @@ def bytes_read() -> int:
     return total
 
 
-def write_bridge(dst: str, arrays: dict, writers: int, inner_chunk_bytes: int) -> None:
-    """The store's own multi-writer path (what an export produces)."""
+def tp_aligned_inner_chunk(chunk_shape, itemsize: int, target_bytes: int, global_shape, split: int = 8):
+    """Proposed inner-chunk choice: cap the parameter's own (last two) dims at global/split, so a
+    TP-style row or column split by `split` (or any divisor of it) never cuts an inner chunk; then
+    shrink as the store does (`specs.choose_inner_chunk`) down to `target_bytes`.
+
+    >>> tp_aligned_inner_chunk((2048, 4096), 4, 4 << 20, (4096, 4096))
+    (512, 512)
+    """
+    inner = [int(c) for c in chunk_shape]
+    for k in range(max(0, len(inner) - 2), len(inner)):
+        g = int(global_shape[k])
+        if g % split == 0 and inner[k] % (g // split) == 0:
+            inner[k] = min(inner[k], g // split)
+    return specs.choose_inner_chunk(tuple(inner), itemsize, target_bytes)
+
+
+def write_bridge(dst: str, arrays: dict, writers: int, inner_chunk_bytes: int, tp_aligned: int = 0) -> None:
+    """The store's own multi-writer path (what an export produces). `tp_aligned` > 0 is the tuning
+    hook: inner chunks from `tp_aligned_inner_chunk(..., split=tp_aligned)` instead of the store's."""
     catalog = catalog_of(arrays)
     plan = make_write_plan(catalog, writers, inner_chunk_bytes=inner_chunk_bytes)
+    if tp_aligned:
+        for name, ap in list(plan.arrays.items()):
+            inner = tp_aligned_inner_chunk(ap.ownership.chunk_shape, ap.spec.itemsize, inner_chunk_bytes,
+                                           ap.spec.shape, tp_aligned)
+            plan.arrays[name] = dataclasses.replace(ap, inner_chunk_shape=inner)
     tmp = begin_checkpoint(dst)
     for w in range(writers):
         writer = CheckpointWriter(tmp, plan, w)
@@ -96,6 +119,13 @@ def restore_bridge(path: str, spec: P, mesh: Mesh) -> list:
     return leaves
 
 
+def _inner_chunks(path: str) -> list:
+    from bridge.store.reader import open_checkpoint
+
+    ck = open_checkpoint(path)
+    return [ck.info(p).inner_chunk_shape for p in ck.paths()]
+
+
 def measure(fn) -> tuple[float, int]:
     b0, t0 = bytes_read(), time.perf_counter()
     out = fn()
@@ -112,6 +142,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--inner-chunk-bytes", type=int, default=specs.DEFAULT_INNER_CHUNK_BYTES,
                     help="tuning hook for the store's inner chunk choice (default: the store's)")
+    ap.add_argument("--tp-aligned", type=int, default=0, metavar="N",
+                    help="tuning hook: inner chunks aligned to TP splits by N (proposed store change); 0 = store's")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
 
@@ -125,12 +157,12 @@ def main() -> None:
     bdir, odir = os.path.join(work, "bridge"), os.path.join(work, "orbax")
     for d in (bdir, odir):
         shutil.rmtree(d, ignore_errors=True)
-    write_bridge(bdir, arrays, args.writers, args.inner_chunk_bytes)
+    write_bridge(bdir, arrays, args.writers, args.inner_chunk_bytes, args.tp_aligned)
     write_orbax(odir, arrays, args.writers)
     mesh = Mesh(np.array(jax.devices()), ("tp",))
     print(f"{args.arrays} x ({side}, {side}) fp32 = {needed / 2**20:.0f} MiB, saved by {args.writers} writers "
           f"(row blocks); target: 8 devices; reps {args.reps} (interleaved, median); "
-          f"bridge inner chunk bytes {args.inner_chunk_bytes}")
+          f"bridge inner chunks {next(iter(_inner_chunks(bdir)))} (tp-aligned {args.tp_aligned or 'off'})")
     print("| target | bridge s | orbax s | time ratio | bridge read/needed | orbax read/needed |")
     print("|---|---|---|---|---|---|")
     for name, spec in (("column P(None,'tp')", P(None, "tp")), ("row P('tp',None)", P("tp", None))):
