@@ -24,6 +24,7 @@ from collections import defaultdict
 
 from bridge.layout import FusedSpec, ParallelLayout, ParamGeometry
 from bridge.layout.distopt import BufferParam, buffer_layout, owned_ranges
+from bridge.layout.bulk import paused_gc
 from bridge.layout.ownership import plan_ownership_many
 
 TP, GTP, DP = 8, 2, 64
@@ -57,12 +58,9 @@ def anchor_pairs(world: int, n: int) -> float:
     return time.process_time() - t0
 
 
-def plan(n: int) -> dict:
-    lay = ParallelLayout(tp=TP, gtp=GTP, dp=DP)
-    geoms = model_params(n)
+def all_holdings(lay: ParallelLayout, geoms: list[ParamGeometry]) -> tuple[dict[str, list], int]:
+    """Every rank's optimizer-state pieces: {logical array: [(rank, Box)]}, and the piece count."""
     by_name = {g.name: g for g in geoms}
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t0, c0 = time.perf_counter(), time.process_time()
     cache = {}
     holdings: dict[str, list] = defaultdict(list)
     pieces = 0
@@ -81,6 +79,16 @@ def plan(n: int) -> dict:
             for p in geom.fragment_pieces(TP, GTP, c.t, c.g, o.param[0], o.param[1]):
                 holdings[p.array].append((rank, p.logical))
                 pieces += 1
+    return holdings, pieces
+
+
+def plan(n: int) -> dict:
+    lay = ParallelLayout(tp=TP, gtp=GTP, dp=DP)
+    geoms = model_params(n)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0, c0 = time.perf_counter(), time.process_time()
+    with paused_gc():   # what a bulk planner (converter, exporter) does around this loop
+        holdings, pieces = all_holdings(lay, geoms)
     t1, c1 = time.perf_counter(), time.process_time()
     shapes = {a: s for g in geoms for a, s in g.logical_arrays().items()}
     plans = plan_ownership_many({a: (shapes[a], h, 4) for a, h in holdings.items()})

@@ -29,6 +29,7 @@ import numpy as np
 
 from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
+from bridge.layout.bulk import paused_gc
 from bridge.layout.chunks import ArrayOwnership
 from bridge.layout.rectangles import trusted_box
 
@@ -282,5 +283,6 @@ def plan_ownership_many(arrays: Mapping[str, tuple[Sequence[int], object, int]],
     [0, 1]
     """
     load = {} if load is None else load
-    return {name: plan_ownership(shape, h, itemsize, target_chunk_bytes=target_chunk_bytes, load=load, name=name)
-            for name, (shape, h, itemsize) in arrays.items()}
+    with paused_gc():
+        return {name: plan_ownership(shape, h, itemsize, target_chunk_bytes=target_chunk_bytes, load=load, name=name)
+                for name, (shape, h, itemsize) in arrays.items()}
