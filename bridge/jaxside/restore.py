@@ -92,8 +92,7 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
             if role.kind in MOMENTS:
                 moment_dtypes[role.kind][role.param] = leaf.dtype
 
-    # Which stored arrays to read, with which sharding and dtype, and the transforms after reading.
-    requests: list[tuple[Path, str, Plan, Any]] = []  # (stored prefix, kind, plan, dtype rule)
+    requests: list[tuple[Path, str, Plan, Any]] = []  # (stored prefix, kind, plan, dtype override)
     if "params" in items:
         requests.append((PARAMS, "params", plans["params"], dtypes.get("params")))
     if "model" in plans:
@@ -101,25 +100,8 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
     if want_opt:
         requests.append((MU, "mu", plans["params"], dtypes.get("mu")))
         requests.append((NU, "nu", plans["params"], dtypes.get("nu")))
-
-    abstract: dict[Path, jax.ShapeDtypeStruct] = {}
-    jobs: list[tuple[Path, str, Group, list[Sharding], Any]] = []
-    for prefix, kind, plan, dt in requests:
-        for g in plan.groups:
-            outs = target.group_shardings(g)
-            want_dt = dt if dt is not None else moment_dtypes.get(kind, {}).get(g.outputs[0])
-            src_sh = outs[0] if g.is_identity else _source_sharding(g, outs[0], target)
-            for s, shape in zip(g.sources, g.source_shapes):
-                a = stored.arrays[prefix + s]
-                abstract[prefix + s] = jax.ShapeDtypeStruct(shape, np.dtype(want_dt) if want_dt else a.dtype,
-                                                            sharding=src_sh)
-            jobs.append((prefix, kind, g, outs, want_dt))
     scalars = ([COUNT] if want_opt else []) + ([STEP] if "step" in items else [])
-    for p in scalars:
-        if p in stored.arrays:
-            a = stored.arrays[p]
-            abstract[p] = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target.replicated())
-
+    abstract, jobs = _plan_reads(stored, target, requests, moment_dtypes, scalars)
     flat = _orbax_restore(stored, abstract, concurrent_gb)
 
     results: dict[str, dict[Path, Any]] = {"params": {}, "model": {}, "mu": {}, "nu": {}}
@@ -130,19 +112,7 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
 
     opt_state = None
     if want_opt:
-        count = flat.get(COUNT)
-        if count is None:
-            raise BridgeError(f"{stored.directory} has moments but no opt_state/0/count; the checkpoint is incomplete")
-        if optimizer is not None:
-            hyper = _injectable_hyperparams(manifest)
-            opt_state = fill_template(optimizer, results["mu"], results["nu"], count, hyper,
-                                      place=functools.partial(_place, replicated=target.replicated()))
-        else:
-            import optax
-
-            opt_state = (optax.ScaleByAdamState(count=count, mu=nested_from_paths(results["mu"]),
-                                                nu=nested_from_paths(results["nu"])),
-                         optax.EmptyState(), optax.EmptyState())
+        opt_state = _optimizer_state(stored, flat.get(COUNT), results, optimizer, manifest, target)
     return Restored(
         params=nested_from_paths(results["params"]) if "params" in items else None,
         opt_state=opt_state,
@@ -151,6 +121,47 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
         manifest=manifest,
         plans=plans,
     )
+
+
+Job = tuple[Path, str, Group, list[Sharding], Any]  # (stored prefix, kind, group, target shardings, dtype)
+
+
+def _plan_reads(stored: StoredTree, target: Target, requests: list[tuple[Path, str, Plan, Any]],
+                moment_dtypes: Mapping[str, Mapping[Path, Any]], scalars: list[Path],
+                ) -> tuple[dict[Path, jax.ShapeDtypeStruct], list[Job]]:
+    """Which stored arrays to read, with which sharding and dtype, and the transforms after reading."""
+    abstract: dict[Path, jax.ShapeDtypeStruct] = {}
+    jobs: list[Job] = []
+    for prefix, kind, plan, dt in requests:
+        for g in plan.groups:
+            outs = target.group_shardings(g)
+            want_dt = dt if dt is not None else moment_dtypes.get(kind, {}).get(g.outputs[0])
+            src_sh = outs[0] if g.is_identity else _source_sharding(g, outs[0], target)
+            for s, shape in zip(g.sources, g.source_shapes):
+                a = stored.arrays[prefix + s]
+                abstract[prefix + s] = jax.ShapeDtypeStruct(shape, np.dtype(want_dt) if want_dt else a.dtype,
+                                                            sharding=src_sh)
+            jobs.append((prefix, kind, g, outs, want_dt))
+    for p in scalars:
+        if p in stored.arrays:
+            a = stored.arrays[p]
+            abstract[p] = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target.replicated())
+    return abstract, jobs
+
+
+def _optimizer_state(stored: StoredTree, count: Any, results: Mapping[str, Mapping[Path, Any]], optimizer: Any,
+                     manifest: Manifest | None, target: Target) -> Any:
+    """The filled optax template, or the canonical adamw state when there is no template."""
+    if count is None:
+        raise BridgeError(f"{stored.directory} has moments but no opt_state/0/count; the checkpoint is incomplete")
+    if optimizer is not None:
+        return fill_template(optimizer, results["mu"], results["nu"], count, _injectable_hyperparams(manifest),
+                             place=functools.partial(_place, replicated=target.replicated()))
+    import optax
+
+    return (optax.ScaleByAdamState(count=count, mu=nested_from_paths(results["mu"]),
+                                   nu=nested_from_paths(results["nu"])),
+            optax.EmptyState(), optax.EmptyState())
 
 
 def _orbax_restore(stored: StoredTree, abstract: Mapping[Path, jax.ShapeDtypeStruct],
