@@ -11,7 +11,7 @@ from bridge.layout.ownership import box_difference, plan_ownership, plan_ownersh
 
 from test_layout_properties import geometries
 
-SETTINGS = settings(deadline=None, max_examples=80, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(deadline=None, max_examples=int(__import__("os").environ.get("LAYOUT_EXAMPLES", 80)), suppress_health_check=[HealthCheck.too_slow])
 
 
 def holdings_of(geom, tp, gtp, cuts, replicas):

@@ -121,29 +121,33 @@ def choose_chunk_shape(shape: Sequence[int], boxes: Iterable[Box], itemsize: int
     ...                                Box((300, 5), (301, 8)), Box((301, 0), (512, 8)), Box((512, 0), (1024, 8))], 4, 16384)
     (512, 8)
     """
-    shape = tuple(int(s) for s in shape)
+    return _choose_chunk(tuple(int(s) for s in shape), [(b.start, b.stop) for b in boxes], itemsize, target_bytes)
+
+
+def _choose_chunk(shape: tuple[int, ...], spans: list[tuple[tuple, tuple]], itemsize: int,
+                  target_bytes: int) -> tuple[int, ...]:
+    """`choose_chunk_shape` on (start, stop) pairs."""
     if not shape:
         return ()
-    boxes = list(boxes)
     nd = len(shape)
     lead = 0
-    while lead < nd - 1 and shape[lead] > 1 and boxes and all(b.stop[lead] - b.start[lead] == 1 for b in boxes):
+    while lead < nd - 1 and shape[lead] > 1 and spans and all(e[lead] - s[lead] == 1 for s, e in spans):
         lead += 1
-    chunk = [1] * lead + [max(1, s) for s in shape[lead:]]
-    multi = [b for b in boxes if b.stop[lead] - b.start[lead] > 1] or boxes
+    chunk = [1] * lead + [max(1, x) for x in shape[lead:]]
+    multi = [(s, e) for s, e in spans if e[lead] - s[lead] > 1] or spans
     for d in range(lead + 1, nd):
         g = shape[d]
-        for b in multi:
-            g = gcd(g, b.start[d], b.stop[d])
+        for s, e in multi:
+            g = gcd(g, s[d], e[d])
         chunk[d] = max(1, g)
     inner = max(1, prod(chunk[lead + 1:]) * itemsize)
     rows = max(1, min(shape[lead], target_bytes // inner))
     starts, ends = set(), set()
-    for b in boxes:  # boxes covering whole chunks in the trailing dims
-        if all(b.start[d] % chunk[d] == 0 and (b.stop[d] % chunk[d] == 0 or b.stop[d] == shape[d])
-               for d in range(lead + 1, nd)):
-            starts.add(b.start[lead])
-            ends.add(b.stop[lead])
+    trail = range(lead + 1, nd)
+    for s, e in spans:  # boxes covering whole chunks in the trailing dims
+        if all(s[d] % chunk[d] == 0 and (e[d] % chunk[d] == 0 or e[d] == shape[d]) for d in trail):
+            starts.add(s[lead])
+            ends.add(e[lead])
     g = 0
     for x in (starts & ends) - {0, shape[lead]}:
         g = gcd(g, x)
@@ -199,7 +203,7 @@ def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
         load[owner] = load.get(owner, 0) + 1
         return OwnershipPlan(ArrayOwnership((), (), np.array(owner, dtype=np.int32)), [])
     chunk = tuple(int(c) for c in chunk_shape) if chunk_shape is not None else \
-        choose_chunk_shape(shape, (trusted_box(st, sp) for _, st, sp, _ in hold), itemsize, target_chunk_bytes)
+        _choose_chunk(shape, [(st, sp) for _, st, sp, _ in hold], itemsize, target_chunk_bytes)
     grid = tuple(-(-s // c) for s, c in zip(shape, chunk))
     nchunks = prod(grid)
     # parts of each holding per chunk (most holdings fall in one chunk)
@@ -245,6 +249,9 @@ def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
         load[owner] = load.get(owner, 0) + csize
         if held[owner] == csize:  # the owner already holds the whole chunk
             continue
+        if sum(held.values()) == csize and _disjoint(plist):  # parts tile the chunk: send them as they are
+            transfers.extend(Transfer(trusted_box(st, sp), r, owner) for r, st, sp, _ in plist if r != owner)
+            continue
         needed = [(c0, c1)]
         for r, st, sp, _ in plist:
             if r == owner:
@@ -265,6 +272,15 @@ def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
             raise BridgeError(f"{name}: no rank holds region {trusted_box(*needed[0])} (chunk {trusted_box(c0, c1)}); "
                               f"pass every rank's holdings (pieces must cover the array)")
     return OwnershipPlan(ArrayOwnership(shape, chunk, owners), transfers)
+
+
+def _disjoint(plist: list[tuple[int, tuple, tuple, int]]) -> bool:
+    for i in range(len(plist)):
+        _, a0, a1, _ = plist[i]
+        for j in range(i + 1, len(plist)):
+            if _isect(a0, a1, plist[j][1], plist[j][2]) is not None:
+                return False
+    return True
 
 
 def _chunk_box(key: tuple[int, ...], chunk: tuple[int, ...], shape: tuple[int, ...]) -> Box:
