@@ -145,3 +145,28 @@ def test_save_refusals(src, mesh, tmp_path):
     with pytest.raises(BridgeError, match="lacks decoder/layers/1/"):
         save(str(dst), params=bad, opt_state=bad_state, step=rn.step, plans=rn.plans)
     assert not os.path.exists(dst) and not os.path.exists(str(dst) + ".gtpb-jax-staging")
+    dotted = {"a.b": jnp.ones((2,), jnp.float32)}
+    with pytest.raises(BridgeError, match="must not contain '.'"):
+        save(str(dst), params=dotted, opt_state=optax.adam(0.1).init(dotted), step=0)
+    assert not os.path.exists(dst)
+
+
+def test_stale_staging_from_a_crashed_save_is_replaced(src, mesh, tmp_path):
+    """A save killed before its final rename leaves only staging dirs, which the next save clears;
+    the destination itself never exists half-written."""
+    from bridge.store.commit import TMP_SUFFIX
+    from bridge.jaxside.save import STAGING_SUFFIX
+
+    d, arrays = src
+    r = restore(d, mesh=mesh, items=("params", "opt_state", "step"))
+    dst = str(tmp_path / "out")
+    for stale in (dst + STAGING_SUFFIX, dst + STAGING_SUFFIX + TMP_SUFFIX):
+        os.makedirs(stale)
+        open(os.path.join(stale, "_METADATA"), "w").write("{garbage")
+    with pytest.raises(BridgeError):
+        open_checkpoint(dst)  # nothing at the destination yet
+    save(dst, params=r.params, opt_state=r.opt_state, step=r.step)
+    assert not os.path.exists(dst + STAGING_SUFFIX) and not os.path.exists(dst + STAGING_SUFFIX + TMP_SUFFIX)
+    ck = open_checkpoint(dst)
+    p = ("opt_state", "0", "nu", "output_layer", "weight")
+    assert np.array_equal(bits(ck.read(p)), bits(arrays[p]))

@@ -33,7 +33,7 @@ from bridge.jaxside.optax_state import extract_adam
 from bridge.layout.boxes import Box
 from bridge.progress import progress
 from bridge.store import digest as store_digest
-from bridge.store.commit import CHECKSUM_KEY, fsync_dir, metadata_checksum
+from bridge.store.commit import CHECKSUM_KEY, TMP_SUFFIX, fsync_dir, metadata_checksum
 from bridge.store.writer import write_json_atomic
 from bridge.store.manifest import MANIFEST_KEY, ArrayRecord, Manifest, SourceLayout
 from bridge.store.tree import check_tree_paths, path_to_name
@@ -77,7 +77,6 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     }
     if model is not None:
         logical["model"] = _to_logical(leaves_by_path(model), plans.get("model"))
-    check_tree_paths(("params",) + p for p in logical["params"])
 
     count = jnp.asarray(count, dtype=jnp.int32)
     step = jnp.asarray(step, dtype=jnp.int32)
@@ -90,6 +89,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     }
     if model is not None:
         tree["model"] = nested_from_paths(logical["model"])
+    check_tree_paths(leaves_by_path(tree))  # no '.' or '/' in names: Orbax joins names with '.'
 
     out = _manifest_for(tree, as_manifest(manifest), hyperparams, int(jax.device_get(count)))
     save_args = None
@@ -98,8 +98,10 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     # Orbax commits (tmp + rename) into a staging name; we then seal _METADATA with the store's
     # checksum and rename to `d`, so `d` only ever appears complete and sealed.
     staging = os.path.abspath(d).rstrip("/") + STAGING_SUFFIX
-    if jax.process_index() == 0 and os.path.lexists(staging):
-        shutil.rmtree(staging)  # left by a crashed save; never a checkpoint anyone was given
+    if jax.process_index() == 0:
+        for stale in (staging, staging + TMP_SUFFIX):  # left by a crashed save; never given to anyone
+            if os.path.lexists(stale):
+                shutil.rmtree(stale)
     _barrier("gtpb-save-start")
     handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
                                           save_concurrent_gb=concurrent_gb)
