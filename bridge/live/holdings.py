@@ -10,6 +10,7 @@ all ranks exchange so that every rank computes the same global plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from math import prod
 from typing import Sequence
 
@@ -34,6 +35,7 @@ _TORCH_TO_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.fl
                   torch.float64: "float64"}
 
 
+@lru_cache(maxsize=None)
 def tree_name(root: str, array: str) -> str:
     """Orbax name of logical array `array` under `root`.
 
