@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from bridge.errors import BridgeError
 from bridge.live.reference_model import ModelConfig, ParamDef, param_table
 
 __all__ = ["dump_rank", "assemble_global", "check_buffers", "padding_report", "compare", "fill_from_logical", "logical_state",
@@ -281,7 +282,7 @@ def logical_state(trainer) -> dict[str, dict[str, np.ndarray]]:
     from bridge.layout.assemble import split_local
 
     if trainer.layout.world != 1:
-        raise ValueError("logical_state needs the world-size-1 trainer")
+        raise BridgeError("logical_state needs the world-size-1 trainer; assemble sharded runs with assemble_global")
     out: dict[str, dict[str, np.ndarray]] = {k: {} for k in ("model", "params", "mu", "nu")}
     for lp, s in zip(trainer.local_params(), trainer.slots):
         src = {"model": trainer.weight_fp32(s).reshape(-1), "params": s.frag.master, "mu": s.frag.exp_avg,

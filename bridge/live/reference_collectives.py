@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bridge.errors import BridgeError
 from bridge.live.reference_model import EPComm, TPComm
 
 __all__ = ["Group", "RankGroups", "all_gather_into", "reduce_scatter_into", "all_reduce", "gtp_gather", "DistTPComm",
@@ -47,7 +48,7 @@ def _new_groups(all_groups: list[list[int]], rank: int, backend: str | None) -> 
         if rank in members:
             mine = Group(pg, len(members), members.index(rank), tuple(members))
     if mine is None:
-        raise ValueError(f"rank {rank} is in none of the groups {all_groups}")
+        raise BridgeError(f"rank {rank} is in none of the groups {all_groups}; build groups from the run's own layout")
     return mine
 
 
@@ -79,10 +80,12 @@ class RankGroups:
         if layout.world == 1 and not dist.is_initialized():
             return cls.single()
         if not dist.is_initialized():
-            raise RuntimeError(f"layout needs {layout.world} ranks but torch.distributed is not initialized")
+            raise BridgeError(f"layout needs {layout.world} ranks but torch.distributed is not initialized; "
+                              "call torch.distributed.init_process_group first")
         rank, world = dist.get_rank(), dist.get_world_size()
         if world != layout.world:
-            raise ValueError(f"layout world size {layout.world} != process group size {world}")
+            raise BridgeError(f"layout world size {layout.world} != process group size {world}; "
+                              "pass the layout of this process group")
         d, e = layout.dense, layout.expert
         return cls(
             rank, world,

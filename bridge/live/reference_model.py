@@ -99,7 +99,7 @@ class ModelConfig:
         if kind == "qkv":
             return [("query", self.num_heads * self.head_dim), ("key", self.num_query_groups * self.head_dim),
                     ("value", self.num_query_groups * self.head_dim)]
-        raise ValueError(f"unknown fused kind {kind!r}")
+        raise BridgeError(f"reference model: unknown fused kind {kind!r}; use swiglu, expert_swiglu, mamba or qkv")
 
 
 @dataclass(frozen=True)
