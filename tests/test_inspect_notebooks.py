@@ -104,3 +104,110 @@ def test_inspect_notebook_default_demo_finds_planted_problems(tmp_path):
         if name.startswith("decoder/layers/mlp/"):
             assert [i for i, n in enumerate(d["stale_per_layer"]) if n] == [2], name
     assert res["nonfinite"] == {}
+
+
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "megatron", "tp1")
+
+
+def _read_all(directory: str) -> dict[str, np.ndarray]:
+    """Every array of a checkpoint by '/'-joined path, read with TensorStore (no JAX)."""
+    from bridge.store.reader import open_checkpoint
+
+    ck = open_checkpoint(directory)
+    return {"/".join(p): ck.read(p) for p in ck.paths()}
+
+
+def _no_decay(name: str) -> bool:
+    """Independent no-weight-decay rule for the fixture (biases and norms), checked against its reference."""
+    return name.endswith(".bias") or "layernorm" in name or "layer_norm" in name or "/bias" in name
+
+
+@pytest.fixture(scope="module")
+def m2j(tmp_path_factory):
+    """Run megatron_to_jax.ipynb once on the real fixture; its results, the fixture's reference and run.json."""
+    torch = pytest.importorskip("torch")
+    src = os.path.join(FIXTURE, "fully_reshardable")
+    if not os.path.isdir(src):
+        pytest.skip("real Megatron fixture not present")
+    out = tmp_path_factory.mktemp("m2j") / "results.json"
+    run_notebook(os.path.join(NOTEBOOKS, "megatron_to_jax.ipynb"),
+                 {"GTP_BRIDGE_MEGATRON_SRC": src, "GTP_BRIDGE_CONVERT_FLAGS": "--kv-channels 6",
+                  "GTP_BRIDGE_NB_RESULTS": str(out)})
+    res = json.loads(out.read_text())
+    ref = torch.load(os.path.join(FIXTURE, "reference_rank0.pt"), weights_only=True)
+    run = json.load(open(os.path.join(FIXTURE, "run.json")))
+    groups = {n: v["group_index"] for o in ref["optimizers"] for n, v in o["params"].items()}
+    assert groups and all(_no_decay(n) == (g == 1) for n, g in groups.items())
+    return res, ref, run, _read_all(res["dst"]), _read_all(res["step1"])
+
+
+def _adamw_reference(before: dict, name: str, t: int, opt: dict) -> tuple[tuple, tuple]:
+    """optax.adamw's step emulated in float64 with the notebook's stand-in gradient: (p, mu, nu), tolerances.
+
+    optax multiplies float32 arrays by Python floats, so the constants are float32 roundings of b1, 1 - b1
+    (computed in double first), b2, 1 - b2, lr, eps, wd; bias corrections are 1 - b**t in float32.
+    """
+    f32 = lambda x: float(np.float32(x))  # noqa: E731
+    b1_, b2_ = opt["betas"]
+    lr, b1, b2, eps, wd = f32(opt["lr"]), f32(b1_), f32(b2_), f32(opt["eps"]), f32(opt["weight_decay"])
+    omb1, omb2 = f32(1 - b1_), f32(1 - b2_)
+    c1 = f32(np.float32(1) - np.float32(b1) ** np.float32(t))
+    c2 = f32(np.float32(1) - np.float32(b2) ** np.float32(t))
+    key = name[len("params/"):]
+    p, mu, nu = before[name], before[f"opt_state/0/mu/{key}"], before[f"opt_state/0/nu/{key}"]
+    g = ((np.arange(p.size) % 17 - 8) * 2.0 ** -13).astype(np.float32).reshape(p.shape)  # the notebook's, exact
+    p64, mu64, nu64, g64 = (x.astype(np.float64) for x in (p, mu, nu, g))
+    mu_new = b1 * mu64 + omb1 * g64
+    nu_new = b2 * nu64 + omb2 * g64 * g64
+    den = np.sqrt(nu_new / c2) + eps
+    upd = (mu_new / c1) / den
+    step = lr * (upd + (0.0 if _no_decay(name) else wd) * p64)
+    p_new = p64 - step
+    # Tolerances by propagating float32 rounding (u = 2**-24 relative per operation): each moment is a
+    # sum of two rounded products, so a couple of ulps of its larger term; that error and ~6 roundings
+    # in the update reach the params through lr * d(update). (A wrong count moves the update by ~8%.)
+    u = 2.0 ** -24
+    big = lambda *xs: np.maximum.reduce([abs(x) for x in xs])  # noqa: E731
+    d_mu = 4 * u * big(b1 * mu64, omb1 * g64)
+    d_nu = 4 * u * big(b2 * nu64, omb2 * g64 * g64)
+    sq = np.sqrt(nu_new / c2)
+    d_upd = 8 * u * abs(upd) + (d_mu / c1) / den + abs(mu_new / c1) * (d_nu / c2) / (2 * np.maximum(sq, 1e-300) * den ** 2)
+    d_p = 4 * u * big(p64, p_new, lr * upd, lr * wd * p64) + lr * d_upd
+    return (p_new, mu_new, nu_new), (d_p, d_mu, d_nu)
+
+
+def _check_step(m2j, decayed: bool) -> int:
+    res, ref, run, before, after = m2j
+    t = res["count"] + 1
+    checked = 0
+    for name in before:
+        if not name.startswith("params/") or _no_decay(name) == decayed:
+            continue
+        key = name[len("params/"):]
+        wants, tols = _adamw_reference(before, name, t, run["optimizer"])
+        for got, want, tol in zip((after[name], after[f"opt_state/0/mu/{key}"], after[f"opt_state/0/nu/{key}"]),
+                                  wants, tols):
+            assert got.dtype == np.float32
+            bad = np.abs(got.astype(np.float64) - want) > tol
+            assert not bad.any(), (name, np.argwhere(bad)[:3].tolist(), got[bad][:3], want[bad][:3])
+        checked += 1
+    return checked
+
+
+@pytest.mark.slow
+def test_megatron_to_jax_notebook_restore_roundtrip_and_step(m2j):
+    res, ref, run, before, after = m2j
+    assert res["step"] == res["count"] == int(ref["step"]) == run["steps"]
+    assert res["roundtrip_diff_rc"] == 0 and res["step_diff_rc"] == 1
+    # shards of the word embedding follow its PartitionSpec on the (data=2, model=4) mesh
+    axis = {"data": 2, "model": 4, "None": 1}
+    spec = [a.strip(" '") for a in res["emb_spec"][2:-1].split(",")]
+    assert res["emb_shards"] == [[72 // axis[spec[0]], 24 // axis[spec[1]]]]
+    # masters and moments follow AdamW from the converted state, with and without weight decay
+    assert _check_step(m2j, decayed=True) >= 8
+    assert _check_step(m2j, decayed=False) >= 8
+    t = res["count"] + 1
+    assert int(after["opt_state/0/count"]) == t and int(after["step"]) == t
+    for name, w in before.items():  # the bf16 weights are carried unchanged
+        if name.startswith("model/"):
+            assert np.array_equal(after[name].view(np.uint16), w.view(np.uint16)), name
