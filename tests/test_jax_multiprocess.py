@@ -55,6 +55,16 @@ def _worker(rank: int, world: int, port: int, src: str, dst: str, out: str) -> N
             for shard in a.addressable_shards:
                 assert np.array_equal(bits(shard.data), bits(ref[shard.index])), (rank, p)
                 checked += 1
+    # a naming map (transposed, unstacked) restores across processes too: transforms run under jit
+    from converters.jax_naming import NamingMap, Transpose, Unstack
+
+    nm = NamingMap([Unstack("decoder/layers/*"), Transpose("*/linear_fc2/weight")])
+    rn = restore(src, mesh=mesh, naming=nm, items=("params",))
+    fc2 = read_with_tensorstore(src, ("params", "decoder", "layers", "mlp", "linear_fc2", "weight"))
+    got = rn.params["decoder"]["layers"]["1"]["mlp"]["linear_fc2"]["weight"]
+    for shard in got.addressable_shards:
+        assert np.array_equal(bits(shard.data), bits(fc2[1].T[shard.index])), (rank, shard.index)
+        checked += 1
     grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), r.params)
     upd, state = jax.jit(tx.update)(grads, r.opt_state, r.params)
     params = optax.apply_updates(r.params, upd)
