@@ -85,7 +85,7 @@ def test_6_3_scrambled_swiglu_example():
     assert all((c == 1).all() for c in count.values())
 
 
-@settings(deadline=None, max_examples=80, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 @given(geometries(), st.data())
 def test_padded_grid_maps_every_logical_element_once(case, data):
     geom, tp, gtp = case

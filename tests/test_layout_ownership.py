@@ -1,5 +1,7 @@
 """Chunk-ownership planning: one owner per chunk, owners end up holding whole chunks exactly once."""
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -11,7 +13,8 @@ from bridge.layout.ownership import box_difference, plan_ownership, plan_ownersh
 
 from test_layout_properties import geometries
 
-SETTINGS = settings(deadline=None, max_examples=int(__import__("os").environ.get("LAYOUT_EXAMPLES", 80)), suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(deadline=None, max_examples=int(os.environ.get("LAYOUT_EXAMPLES", 150)),
+                    suppress_health_check=[HealthCheck.too_slow])
 
 
 def holdings_of(geom, tp, gtp, cuts, replicas):

@@ -13,7 +13,7 @@ from bridge.layout import FusedSpec, ParamGeometry
 from bridge.layout.assemble import assemble_fragment, assemble_shard, split_local
 from bridge.layout.distopt import BufferParam, buffer_layout, owned_ranges, owners_of
 
-SETTINGS = settings(deadline=None, max_examples=120, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
