@@ -20,7 +20,7 @@ NOTEBOOKS = os.path.join(REPO, "notebooks")
 def test_notebooks_are_committed_without_outputs():
     import nbformat
 
-    for name in ("inspect_checkpoint.ipynb",):
+    for name in ("inspect_checkpoint.ipynb", "megatron_to_jax.ipynb"):
         nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
         for cell in nb.cells:
             if cell.cell_type == "code":
