@@ -56,7 +56,18 @@ def _reversed_4x2_explicit():
     return dict(shardings=pick)
 
 
-MESHES = {"fsdp2_tp4": _mesh_2x4, "tp8": _mesh_1x8, "fsdp8_rules": _mesh_8_fsdp_rules,
+def _nested_dict_explicit():
+    """Explicit NamedShardings as a tree shaped like the parameters (what a JAX model would give)."""
+    from bridge.jaxside.keypaths import nested_from_paths
+
+    mesh = Mesh(_devices().reshape(4, 2), ("x", "y"))
+    specs = {p: (P(*([None] * (a.ndim - 2)), "y", "x") if a.ndim >= 2 and a.shape[-1] % 4 == 0 and
+                 a.shape[-2] % 2 == 0 else P())
+             for p, a in tiny_params(0).items()}
+    return dict(shardings=nested_from_paths({p: NamedSharding(mesh, s) for p, s in specs.items()}))
+
+
+MESHES = {"fsdp2_tp4": _mesh_2x4, "nested_dict_explicit": _nested_dict_explicit, "tp8": _mesh_1x8, "fsdp8_rules": _mesh_8_fsdp_rules,
           "reversed4x2_explicit": _reversed_4x2_explicit}
 
 
