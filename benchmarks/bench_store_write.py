@@ -42,6 +42,11 @@ def _half(shape, rank, seed):
     return rng.random((rows, shape[1]), dtype=np.float32)
 
 
+def _cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -64,6 +69,7 @@ def store_worker(rank, world, shapes, out_dir, barrier, q, extra):
     base = _cur_rss_mib()
     barrier.wait()
     t0 = time.time()
+    c0 = _cpu_s()
     w = CheckpointWriter(tmp_dir_for(out_dir), plan, rank, **{k: v for k, v in extra.items() if k != "donate"})
     for i, s in enumerate(shapes):
         r0 = rank * (s[0] // 2)
@@ -76,7 +82,7 @@ def store_worker(rank, world, shapes, out_dir, barrier, q, extra):
         while not os.path.exists(out_dir):
             time.sleep(0.001)
         t1 = time.time()
-    q.put((rank, t0, t1, _rss_mib(), base))
+    q.put((rank, t0, t1, _rss_mib(), base, _cpu_s() - c0))
 
 
 def raw_ts_worker(rank, world, shapes, out_dir, barrier, q, extra):
@@ -87,6 +93,7 @@ def raw_ts_worker(rank, world, shapes, out_dir, barrier, q, extra):
     ctx = ts.Context({"file_io_concurrency": {"limit": 64}})
     barrier.wait()
     t0 = time.time()
+    c0 = _cpu_s()
     futs = []
     for i, d in enumerate(data):
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{out_dir}/a{i}.r{rank}/"},
@@ -96,7 +103,7 @@ def raw_ts_worker(rank, world, shapes, out_dir, barrier, q, extra):
         futs.append(t.write(d))
     for f in futs:
         f.result()
-    q.put((rank, t0, time.time(), _rss_mib(), base))
+    q.put((rank, t0, time.time(), _rss_mib(), base, _cpu_s() - c0))
 
 
 def dcp_worker(rank, world, shapes, out_dir, barrier, q, extra):
@@ -115,10 +122,11 @@ def dcp_worker(rank, world, shapes, out_dir, barrier, q, extra):
     base = _cur_rss_mib()
     barrier.wait()
     t0 = time.time()
+    c0 = _cpu_s()
     dcp.save(sd, checkpoint_id=out_dir)
     dist.barrier()
     t1 = time.time()
-    q.put((rank, t0, t1, _rss_mib(), base))
+    q.put((rank, t0, t1, _rss_mib(), base, _cpu_s() - c0))
     dist.destroy_process_group()
 
 
@@ -140,8 +148,9 @@ def orbax_worker(rank, world, shapes, out_dir, barrier, q, extra):
     ck = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True, use_compression=False))
     barrier.wait()
     t0 = time.time()
+    c0 = _cpu_s()
     ck.save(out_dir, {"params": tree})
-    q.put((rank, t0, time.time(), _rss_mib(), base))
+    q.put((rank, t0, time.time(), _rss_mib(), base, _cpu_s() - c0))
 
 
 VARIANTS = {"store": (store_worker, 2), "raw_ts": (raw_ts_worker, 2), "orbax": (orbax_worker, 1),
@@ -192,7 +201,8 @@ def run_variant(name, shapes, workdir, rep, store_extra):
     shutil.rmtree(out, ignore_errors=True)
     return {"gbps": nbytes / (t1 - t0) / 1e9, "seconds": t1 - t0,
             "peak_rss_mib": max(r[3] for r in results),
-            "rss_overhead_mib": max(r[3] - r[4] for r in results)}
+            "rss_overhead_mib": max(r[3] - r[4] for r in results),
+            "cpu_s": sum(r[5] for r in results)}
 
 
 def main(argv=None) -> int:
@@ -223,17 +233,20 @@ def main(argv=None) -> int:
         for v in order:
             r = run_variant(v, shapes, args.workdir, rep, store_extra)
             runs[v].append(r)
-            print(f"rep {rep} {v:7s} {r['gbps']:.2f} GB/s  {r['seconds']:.2f} s  peak RSS {r['peak_rss_mib']:.0f} MiB",
+            print(f"rep {rep} {v:7s} {r['gbps']:.2f} GB/s  {r['seconds']:.2f} s  CPU {r['cpu_s']:.2f} s  "
+                  f"peak RSS {r['peak_rss_mib']:.0f} MiB",
                   file=sys.stderr)
     med = {v: statistics.median(r["gbps"] for r in rs) for v, rs in runs.items()}
     gib = sum(int(np.prod(s)) * 4 for s in shapes) / (1 << 30)
     print(f"\n{gib:.2f} GiB fp32 in {len(shapes)} arrays, {args.reps} interleaved reps, median GB/s; "
           f"{os.cpu_count()} CPUs")
-    print("| variant | GB/s (median) | runs | store / variant | peak RSS per writer (MiB) | RSS over data (MiB) |")
-    print("|---|---|---|---|---|---|")
+    print("| variant | GB/s (median) | runs | store / variant | writer CPU s (median) | peak RSS per writer (MiB) "
+          "| RSS over data (MiB) |")
+    print("|---|---|---|---|---|---|---|")
     for v, rs in runs.items():
         ratio = med.get("store", float("nan")) / med[v]
         print(f"| {v} | {med[v]:.2f} | {', '.join(format(r['gbps'], '.2f') for r in rs)} | {ratio:.2f} | "
+              f"{statistics.median(r['cpu_s'] for r in rs):.2f} | "
               f"{max(r['peak_rss_mib'] for r in rs):.0f} | {max(r['rss_overhead_mib'] for r in rs):.0f} |")
     if args.json:
         with open(args.json, "w") as f:

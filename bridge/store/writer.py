@@ -80,7 +80,7 @@ class _ArrayState:
 class CheckpointWriter:
     """Writes the chunks `writer_id` owns into ``<tmp_dir>/ocdbt.process_<writer_id>/``."""
 
-    def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int = 1 << 30,
+    def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int = 256 << 20,
                  compute_digest: bool = True) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
