@@ -1,0 +1,61 @@
+"""Live export benchmark over NCCL: export vs DCP save vs raw TensorStore, and exchange bus bandwidth.
+
+Run from the repository root on the GPU machine:
+
+    python scripts/gpu/live_bench.py                 # 2 GPUs: TP2xGTP1 and TP1xGTP2
+    python scripts/gpu/live_bench.py --world 4       # 4 GPUs: TP2xGTP2
+    python scripts/gpu/live_bench.py --mib 4096 --reps 3
+
+For each layout it runs `benchmarks/bench_live_export.py --backend nccl --busbw` (same ranks, same
+state: export_state vs torch.distributed.checkpoint.save vs a raw TensorStore write of the bytes
+the export wrote; then the export's all_to_all alone vs a plain all_gather_into_tensor with the
+same per-rank bytes) and prints one figure line per layout plus PASS/FAIL against the targets
+(export <= DCP time, raw/export >= 0.8, exchange busbw >= 0.7 x all-gather busbw).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")))
+
+LAYOUTS = {2: [(2, 1), (1, 2)], 4: [(2, 2)]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, choices=sorted(LAYOUTS), default=2)
+    ap.add_argument("--mib", type=float, default=2048, help="total model state (weights + optimizer), MiB")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    ap.add_argument("--dir", default=None, help="scratch directory on a real disk (default: a temp dir)")
+    a = ap.parse_args(argv)
+    import bench_live_export as bench
+
+    failed = 0
+    for tp, gtp in LAYOUTS[a.world]:
+        out = tempfile.mktemp(suffix=".json")
+        argv_b = ["--world", str(a.world), "--tp", str(tp), "--gtp", str(gtp), "--mib", str(a.mib), "--reps",
+                  str(a.reps), "--backend", a.backend, "--busbw", "--json", out]
+        if a.dir:
+            argv_b += ["--dir", os.path.join(a.dir, f"tp{tp}_gtp{gtp}")]
+        bench.main(argv_b)
+        s = json.load(open(out))
+        b = s["busbw"]
+        ok = s["export_over_dcp_time"] <= 1.0 and s["raw_over_export_time"] >= 0.8 and b["busbw_ratio"] >= 0.7
+        failed += not ok
+        print(f"{'PASS' if ok else 'FAIL'} TP{tp}xGTP{gtp}: export/dcp time {s['export_over_dcp_time']:.2f}, "
+              f"raw/export time {s['raw_over_export_time']:.2f}, exchange busbw {b['a2a_busbw_GBps']:.1f} GB/s vs "
+              f"all-gather {b['allgather_busbw_GBps']:.1f} GB/s (ratio {b['busbw_ratio']:.2f}), "
+              f"peak host RSS growth export {s['phases']['export']['peak_rss_growth_MiB']:.0f} MiB / "
+              f"dcp {s['phases']['dcp']['peak_rss_growth_MiB']:.0f} MiB")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
