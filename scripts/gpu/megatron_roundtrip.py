@@ -1,0 +1,200 @@
+"""Live export from / load into real Megatron-Core runs (GPU machine, issue #7).
+
+Driven by `scripts/gpu/megatron_roundtrip.sh`; every mode but `compare` runs under
+`torch.distributed.run` on 2 GPUs with the tiny GPT of `tests/fixtures/megatron/tinygpt.py`.
+
+    --mode train --layout tp2|dp2 --out DIR
+        train 3 steps; check that every rank's own optimizer state (fp32 masters, moments) and bf16
+        shards are exactly what the live export wrote (read back box by box); save with
+        dist_checkpointing in both formats (kept: DIR/<layout>/dp_reshardable for the converter);
+        time one cold and REPEATS warm saves of each format and of the live export; then step 3,
+        export DIR/<layout>/live_after, step 4; write DIR/<layout>/result.json.
+    --mode load --layout L --src DIR/<other> --out DIR
+        fresh model at layout L, `load_megatron` from DIR/<other>/live; re-export and compare with
+        the source bit-exactly; step 3 and step 4 losses against the source run's; export after
+        step 3 and compare with the source's live_after to fp32 tolerance; DIR/load_<L>/result.json.
+    --mode compare A B [--exact]
+        compare two logical checkpoints array by array (single process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures", "megatron"))
+
+LAYOUTS = {"tp2": dict(nproc=2, tp=2), "dp2": dict(nproc=2)}
+STEPS = 3
+REPEATS = 3
+
+
+def compare_checkpoints(a: str, b: str, exact: bool, rtol: float = 1e-5, atol: float = 1e-7) -> dict:
+    """Array-by-array comparison of two logical checkpoints; returns a summary (mismatches listed)."""
+    import numpy as np
+
+    from bridge.store.reader import open_checkpoint
+
+    ca, cb = open_checkpoint(a), open_checkpoint(b)
+    pa, pb = set(map(tuple, ca.paths())), set(map(tuple, cb.paths()))
+    out = {"a": a, "b": b, "exact": exact, "only_a": sorted(".".join(p) for p in pa - pb),
+           "only_b": sorted(".".join(p) for p in pb - pa), "mismatch": [], "arrays": 0, "max_abs": 0.0}
+    for p in sorted(pa & pb):
+        x, y = ca.read(p), cb.read(p)
+        out["arrays"] += 1
+        if x.shape != y.shape or x.dtype != y.dtype:
+            out["mismatch"].append(f"{'.'.join(p)}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}")
+            continue
+        if exact:
+            same = x.tobytes() == y.tobytes()
+        else:
+            xf, yf = x.astype(np.float64), y.astype(np.float64)
+            same = bool(np.allclose(xf, yf, rtol=rtol, atol=atol))
+            if x.size:
+                out["max_abs"] = max(out["max_abs"], float(np.abs(xf - yf).max()))
+        if not same:
+            out["mismatch"].append(".".join(p))
+    out["ok"] = not (out["mismatch"] or out["only_a"] or out["only_b"])
+    return out
+
+
+def check_export_against_live(path: str, params, run) -> list[str]:
+    """Read back, box by box, what this rank holds; return mismatches (weights: main copies only)."""
+    import numpy as np
+    import torch
+
+    from bridge.live.holdings import tree_name
+    from bridge.store.reader import open_checkpoint
+
+    ck = open_checkpoint(path)
+    bad = []
+
+    def check(root, array, box, want):
+        got = ck.read(tree_name(root, array), box)
+        w = want.detach().float().cpu().numpy() if want.dtype == torch.bfloat16 else want.detach().cpu().numpy()
+        g = got.astype(np.float32) if got.dtype != w.dtype else got
+        if g.tobytes() != w.astype(g.dtype).tobytes():
+            bad.append(f"rank {run.rank} {root}/{array} {box}")
+
+    for lp in params:
+        g = lp.geometry
+        tp, gtp, t, gg = g.placement(run.layout, run.rank)
+        flat = lp.weight.reshape(-1)
+        for pc in g.shard_pieces(tp, gtp, t, gg, lp.index or None):
+            check("model", pc.array, pc.logical, flat[pc.local_start:pc.local_start + pc.logical.size]
+                  .reshape(pc.logical.shape))
+        o = lp.optim
+        if o is None:
+            continue
+        for pc in g.fragment_pieces(tp, gtp, t, gg, o.f0, o.f1, lp.index or None):
+            for root, ten in o.tensors().items():
+                check(root, pc.array, pc.logical, ten[pc.local_start:pc.local_start + pc.logical.size]
+                      .reshape(pc.logical.shape))
+    return bad
+
+
+def _sync():
+    import torch
+
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+
+
+def _timed(fn) -> float:
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", required=True, choices=["train", "load", "compare"])
+    ap.add_argument("--layout", choices=sorted(LAYOUTS))
+    ap.add_argument("--src")
+    ap.add_argument("--out")
+    ap.add_argument("paths", nargs="*")
+    ap.add_argument("--exact", action="store_true")
+    a = ap.parse_args()
+    if a.mode == "compare":
+        res = compare_checkpoints(a.paths[0], a.paths[1], a.exact)
+        print(json.dumps({k: v for k, v in res.items()}, indent=None)[:4000])
+        sys.exit(0 if res["ok"] else 1)
+
+    import torch
+
+    import tinygpt
+    from bridge.live.megatron_adapter import export_megatron, load_megatron, local_params
+
+    run_cfg = LAYOUTS[a.layout]
+    tinygpt.setup_parallel(run_cfg.get("tp", 1))
+    rank = torch.distributed.get_rank()
+    model, gpt, optimizer, _ = tinygpt.build(run_cfg)
+    res: dict = {"layout": a.layout, "mode": a.mode}
+
+    if a.mode == "train":
+        d = os.path.join(a.out, a.layout)
+        os.makedirs(d, exist_ok=True)
+        res["losses"] = [tinygpt.train_step(model, optimizer, s) for s in range(STEPS)]
+        live = os.path.join(d, "live")
+        times = {"live_export": [], "dp_reshardable": [], "fully_reshardable": []}
+        times["live_export"].append(_timed(lambda: export_megatron(model, optimizer, live)))
+        params, lrun = local_params(model, optimizer, for_export=True)
+        res["readback_mismatches"] = check_export_against_live(live, params, lrun)
+        res["step"] = lrun.step
+        for fmt in ("dp_reshardable", "fully_reshardable"):
+            for i in range(REPEATS + 1):
+                p = os.path.join(d, fmt if i == 0 else f"{fmt}_{i}")
+                sd = tinygpt.build_state_dict(run_cfg, model, gpt, optimizer, fmt, STEPS)
+                times[fmt].append(_timed(lambda: tinygpt.save(sd, p, fmt)))
+        for i in range(1, REPEATS + 1):
+            times["live_export"].append(_timed(lambda: export_megatron(model, optimizer, os.path.join(d, f"live_{i}"))))
+        res["seconds"] = times
+        warm = {k: statistics.median(v[1:]) for k, v in times.items()}
+        res["warm_median_seconds"] = warm
+        res["ratio_live_over_dcp"] = {f: warm["live_export"] / warm[f] for f in ("dp_reshardable", "fully_reshardable")}
+        res["next_losses"] = [tinygpt.train_step(model, optimizer, STEPS)]
+        export_megatron(model, optimizer, os.path.join(d, "live_after"))
+        res["next_losses"].append(tinygpt.train_step(model, optimizer, STEPS + 1))
+    else:
+        src = a.src
+        d = os.path.join(a.out, f"load_{a.layout}")
+        os.makedirs(d, exist_ok=True)
+        r = load_megatron(model, optimizer, os.path.join(src, "live"))
+        res["loaded_step"] = r.step
+        export_megatron(model, optimizer, os.path.join(d, "reexport"))
+        if rank == 0:
+            res["reexport_vs_source"] = compare_checkpoints(os.path.join(src, "live"), os.path.join(d, "reexport"),
+                                                            exact=True)
+        res["next_losses"] = [tinygpt.train_step(model, optimizer, STEPS)]
+        export_megatron(model, optimizer, os.path.join(d, "live_after"))
+        res["next_losses"].append(tinygpt.train_step(model, optimizer, STEPS + 1))
+        if rank == 0:
+            res["after_vs_source_after"] = compare_checkpoints(os.path.join(src, "live_after"),
+                                                               os.path.join(d, "live_after"), exact=False)
+            src_res = json.load(open(os.path.join(src, "result.json")))
+            res["source_next_losses"] = src_res["next_losses"]
+            res["loss_diff"] = [x - y for x, y in zip(res["next_losses"], src_res["next_losses"])]
+
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, {k: v for k, v in res.items() if k in
+                                                   ("readback_mismatches", "seconds")})
+    if rank == 0:
+        res["per_rank"] = gathered
+        with open(os.path.join(d, "result.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        print(json.dumps({k: v for k, v in res.items() if k != "per_rank"}, default=str)[:3000], flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
