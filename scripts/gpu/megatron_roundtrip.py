@@ -33,11 +33,15 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures", "megatron"))
 
 LAYOUTS = {"tp2": dict(nproc=2, tp=2), "dp2": dict(nproc=2)}
 STEPS = 3
-REPEATS = 3
+REPEATS = 2
 
 
-def compare_checkpoints(a: str, b: str, exact: bool, rtol: float = 1e-5, atol: float = 1e-7) -> dict:
-    """Array-by-array comparison of two logical checkpoints; returns a summary (mismatches listed)."""
+def compare_checkpoints(a: str, b: str, exact: bool, rtol: float = 1e-4, atol: float = 1e-8) -> dict:
+    """Array-by-array comparison of two logical checkpoints; returns a summary (mismatches listed).
+
+    Not exact: fp32 arrays within `rtol`/`atol`, bf16 arrays within one bf16 ulp (a weight may round
+    the other way when the masters differ in the last fp32 bits); `max_rel` is over fp32 arrays.
+    """
     import numpy as np
 
     from bridge.store.reader import open_checkpoint
@@ -45,7 +49,8 @@ def compare_checkpoints(a: str, b: str, exact: bool, rtol: float = 1e-5, atol: f
     ca, cb = open_checkpoint(a), open_checkpoint(b)
     pa, pb = set(map(tuple, ca.paths())), set(map(tuple, cb.paths()))
     out = {"a": a, "b": b, "exact": exact, "only_a": sorted(".".join(p) for p in pa - pb),
-           "only_b": sorted(".".join(p) for p in pb - pa), "mismatch": [], "arrays": 0, "max_abs": 0.0}
+           "only_b": sorted(".".join(p) for p in pb - pa), "mismatch": [], "arrays": 0, "max_abs": 0.0,
+           "max_rel": 0.0}
     for p in sorted(pa & pb):
         x, y = ca.read(p), cb.read(p)
         out["arrays"] += 1
@@ -56,9 +61,13 @@ def compare_checkpoints(a: str, b: str, exact: bool, rtol: float = 1e-5, atol: f
             same = x.tobytes() == y.tobytes()
         else:
             xf, yf = x.astype(np.float64), y.astype(np.float64)
-            same = bool(np.allclose(xf, yf, rtol=rtol, atol=atol))
+            bf16 = x.dtype.itemsize == 2
+            same = bool(np.allclose(xf, yf, rtol=2.0 ** -7 if bf16 else rtol, atol=1e-6 if bf16 else atol))
             if x.size:
                 out["max_abs"] = max(out["max_abs"], float(np.abs(xf - yf).max()))
+                if not bf16:
+                    rel = np.abs(xf - yf) / np.maximum(np.abs(yf), 1e-30)
+                    out["max_rel"] = max(out["max_rel"], float(rel.max()))
         if not same:
             out["mismatch"].append(".".join(p))
     out["ok"] = not (out["mismatch"] or out["only_a"] or out["only_b"])

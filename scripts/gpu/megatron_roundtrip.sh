@@ -15,7 +15,7 @@ step() { echo "=== $1"; shift; "$@" > "$out/$LOG.log" 2>&1; rc=$?; echo "rc=$rc"
 LOG=train_tp2 step "train tp2" $R --mode train --layout tp2 --out "$out"
 LOG=train_dp2 step "train dp2" $R --mode train --layout dp2 --out "$out"
 LOG=load_dp2 step "load dp2 from tp2" $R --mode load --layout dp2 --src "$out/tp2" --out "$out"
-LOG=load_tp2 step "load tp2 from dp2" $R --mode load --layout tp2 --src "$out/dp2" --out "$out"
+[ "${SKIP_REVERSE:-0}" = 1 ] || LOG=load_tp2 step "load tp2 from dp2" $R --mode load --layout tp2 --src "$out/dp2" --out "$out"
 for L in tp2 dp2; do
   LOG=convert_$L step "convert $L dp_reshardable" python3 -m bridge.cli convert "$out/$L/dp_reshardable" "$out/$L/converted"
   LOG=compare_$L step "compare live export vs converted dp_reshardable ($L)" python3 $S --mode compare "$out/$L/live" "$out/$L/converted" --exact
