@@ -270,8 +270,9 @@ class Group:
             spec = [spec[int(i)] for i in inv]
         if self.unstack_axis is not None:
             spec.insert(self.unstack_axis, None)
-        if self.join_axis is not None:
-            spec[self.join_axis] = None  # sections are smaller than the joined axis; keep it whole
+        # A join axis keeps its split: each section is read already sharded (least bytes read) and
+        # the concatenation under jit moves rows to their target devices; callers drop axes that
+        # do not divide a section.
         return tuple(spec)
 
 
