@@ -5,7 +5,8 @@ import importlib
 
 import pytest
 
-MODULES = ["bridge.inspect_blocks", "bridge.inspect_stats", "bridge.inspect_diff", "bridge.inspect_format"]
+MODULES = ["bridge.inspect_blocks", "bridge.inspect_stats", "bridge.inspect_diff", "bridge.inspect_format",
+           "bridge.commands.inspect"]
 
 
 @pytest.mark.parametrize("name", MODULES)

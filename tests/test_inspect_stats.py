@@ -125,8 +125,11 @@ def test_inspect_bridge_checkpoint_shows_manifest_provenance(tmp_path):
     w = np.arange(96, dtype=np.float32).reshape(8, 12)
     w[3, 4] = np.nan
     man = Manifest(source=SourceLayout(framework="megatron", tp=2, gtp=4, dp=3, optimizer_format="fully_reshardable"),
-                   optimizer=OptimizerConfig(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, step=7))
-    save_checkpoint(str(tmp_path / "ck"), {"params/w": w, "step": np.int32(7)}, man)
+                   optimizer=OptimizerConfig(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, step=7),
+                   fused={"mlp/fc1/weight": {"format": 1, "kind": "swiglu", "sections": [["gate", 4], ["up", 4]]}})
+    gate = np.ones((4, 3), np.float32)
+    save_checkpoint(str(tmp_path / "ck"), {"params/w": w, "step": np.int32(7), "params/mlp/fc1/weight/gate": gate,
+                                           "opt_state/0/nu/mlp/fc1/weight/gate": gate}, man)
     # independent: the manifest as stored in _METADATA
     stored = json.load(open(tmp_path / "ck" / "_METADATA"))["custom_metadata"]["gtp_bridge"]
     rep = json.loads(run_cli("inspect", str(tmp_path / "ck"), "--json", "--stats").stdout)
@@ -134,6 +137,9 @@ def test_inspect_bridge_checkpoint_shows_manifest_provenance(tmp_path):
     rows = {a["name"]: a for a in rep["arrays"]}
     assert rows["params/w"]["manifest"]["digest"] == stored["arrays"]["params.w"]["digest"]
     assert rows["params/w"]["stats"]["nan"] == 1 and rows["params/w"]["stats"]["max"] == 95.0
+    for n in ("params/mlp/fc1/weight/gate", "opt_state/0/nu/mlp/fc1/weight/gate"):
+        assert rows[n]["fused"] == {"param": "mlp/fc1/weight", "section": "gate", "kind": "swiglu"}
+    assert "fused" not in rows["params/w"]
     text = run_cli("inspect", str(tmp_path / "ck")).stdout
     assert "framework=megatron tp=2 gtp=4 dp=3" in text and "optimizer_format=fully_reshardable" in text
     assert stored["arrays"]["params.w"]["digest"][-12:] in text

@@ -84,7 +84,29 @@ def _record(a: Any, info: CheckpointInfo) -> dict[str, Any]:
     prov = info.record(a.name)
     if prov is not None:
         rec["manifest"] = prov
+    fused = _fused_section(a.path, (info.manifest or {}).get("fused") or {})
+    if fused is not None:
+        rec["fused"] = fused
     return rec
+
+
+# Tree prefixes in front of a parameter path (DESIGN.md logical tree).
+_PREFIXES = (("params",), ("model",), ("opt_state", "0", "mu"), ("opt_state", "0", "nu"))
+
+
+def _fused_section(path: tuple[str, ...], fused: dict) -> dict | None:
+    """{"param", "section", "kind"} when `path` is one section of a fused projection in the manifest.
+
+    >>> _fused_section(("params", "l", "qkv", "weight", "key"), {"l/qkv/weight": {"kind": "grouped"}})
+    {'param': 'l/qkv/weight', 'section': 'key', 'kind': 'grouped'}
+    """
+    for prefix in _PREFIXES:
+        if path[:len(prefix)] == prefix and len(path) > len(prefix) + 1:
+            param = "/".join(path[len(prefix):-1])
+            spec = fused.get(param)
+            if isinstance(spec, dict):
+                return {"param": param, "section": path[-1], "kind": spec.get("kind")}
+    return None
 
 
 def render_text(report: dict[str, Any]) -> str:
