@@ -80,6 +80,9 @@ def writer_main(dst: str, writer_id: int) -> None:
                 w.write(ap.spec.path, part, np.array(full[part.slices]))  # np.array keeps 0-d
     w.finish()
     finalize(dst, plan, writer_id, Manifest(), timeout=60)
+    import sys
+
+    assert "jax" not in sys.modules and "torch" not in sys.modules, "writers must need neither JAX nor torch"
 
 
 def write_with_processes(dst: str) -> None:

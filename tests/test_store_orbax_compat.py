@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -85,6 +87,12 @@ def test_reader_opens_orbax_checkpoints_of_every_layout(tmp_path, ocdbt, zarr3, 
     assert int(ck.read(("step",))) == 3
     assert np.array_equal(ck.read(("params", "w"), _box((3, 1), (11, 7))), w[3:11, 1:7])
     assert verify_checkpoint(path).ok
+    if ocdbt and zarr3 and compression:  # once: the reader itself needs no JAX
+        code = ("import sys; from bridge.store import open_checkpoint; ck = open_checkpoint(sys.argv[1]); "
+                "print(float(ck.read(('params', 'w')).sum())); assert 'jax' not in sys.modules")
+        r = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert float(r.stdout) == float(w.sum())
 
 
 def _box(start, stop):
