@@ -135,6 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     ap.add_argument("--out", default=None, help="keep dumps and checkpoints here (default: temp dir, removed)")
     a = ap.parse_args(argv)
+    # CPU fallback for the JAX restore: as many host devices as ranks (no effect on a GPU backend)
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={a.world}")
     import torch
     import torch.multiprocessing as mp
 
