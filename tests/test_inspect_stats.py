@@ -148,10 +148,10 @@ def test_inspect_bridge_checkpoint_shows_manifest_provenance(tmp_path):
 _MEASURE = r"""
 import json, sys, numpy as np
 from bridge.inspect_open import open_for_inspection
-from bridge.inspect_stream import stream_stats
-budget = int(sys.argv[2])
-info = open_for_inspection(sys.argv[1])
-arr = info.get("params/big")
+from bridge.inspect_stream import stream_diff, stream_stats
+path, budget, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+arr = open_for_inspection(path).get("params/big")
+other = open_for_inspection(path).get("params/big")  # a second, independent view for the diff
 def status(key):
     for ln in open("/proc/self/status"):
         if ln.startswith(key):
@@ -159,15 +159,20 @@ def status(key):
 with open("/proc/self/clear_refs", "w") as f:   # reset the peak-RSS high-water mark
     f.write("5")
 base = status("VmRSS:")
-s = stream_stats(arr.view, budget, arr.read_chunk)
-print(json.dumps({"growth": status("VmHWM:") - base, "count": s.count, "max": s.max,
+if mode == "stats":
+    s = stream_stats(arr.view, budget, arr.read_chunk)
+    count, top = s.count, s.max
+else:  # the array against itself through two views: both sides share the budget
+    d = stream_diff(arr.view, other.view, budget_bytes=budget, chunk=arr.read_chunk)
+    count, top = d.elements, (999.0 if d.differing == 0 else None)
+print(json.dumps({"growth": status("VmHWM:") - base, "count": count, "max": top,
                   "read_chunk_bytes": int(np.prod(arr.read_chunk)) * 4}))
 """
 
 
-def _peak_growth(path: str, budget: int) -> dict:
+def _peak_growth(path: str, budget: int, mode: str = "stats") -> dict:
     env = dict(os.environ, PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", _MEASURE, path, str(budget)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", _MEASURE, path, str(budget), mode], capture_output=True, text=True,
                          env=env, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
@@ -192,3 +197,6 @@ def test_stats_memory_bounded_by_budget_not_array_size(tmp_path):
     # budget + a few read chunks that TensorStore decodes whole + allocator/thread slack; not 128 MiB
     allowance = budget + 4 * small["read_chunk_bytes"] + (16 << 20)
     assert small["growth"] < allowance, (small, allowance)
+    diff = _peak_growth(str(tmp_path / "ck"), budget, mode="diff")
+    assert diff["count"] == rows * cols and diff["max"] == 999.0  # compared everything, found it equal
+    assert diff["growth"] < allowance + 4 * small["read_chunk_bytes"], (diff, allowance)  # two sides' chunks
