@@ -353,7 +353,9 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
         tp, gtp = layout.tp_gtp_sizes(expert)
         gtp_w = is_gtp_weight(n) and gtp > 1
         logical = logical_shape(n, stored, args, layout, expert)
-        legacy = logical != stored
+        # 0.19.2 stores every GTP-sharded weight in its padded grid (§2.5 A; SwiGLU fc1 scrambled, §6.3),
+        # which equals the logical layout only when there is no padding and no fused halves
+        legacy = logical != stored or (gtp_w and stored != ())
         kind = tp_kind_by_name(n)
         if kind != "replicated" and not stored:
             kind = "replicated"

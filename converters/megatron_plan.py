@@ -175,11 +175,24 @@ def box_copies(key: str, index: int, chunk: ChunkInfo, runs: Sequence[RowRun], n
     return out
 
 
+def is_scrambled_swiglu(geom: ParamGeometry, gtp: int) -> bool:
+    """0.19.2 stores a GTP-sharded SwiGLU fc1 as scrambled shard halves (§6.3)."""
+    return geom.gtp_active(gtp) and geom.fused is not None and geom.fused.names == ("gate", "up")
+
+
 def model_space_copies(key: str, info: TensorInfo, geom: ParamGeometry, npre: int, legacy: bool,
                        tp: int, gtp: int) -> list[Copy]:
-    """Every copy of a model-space key (all chunks)."""
-    runs = stored_row_runs(geom, legacy, tp, gtp)
+    """Every copy of a model-space key (all chunks); legacy grids through `bridge.layout.legacy`."""
     out: list[Copy] = []
+    if legacy:
+        from bridge.layout.legacy import legacy_box_map
+
+        scrambled = is_scrambled_swiglu(geom, gtp)
+        for i, ch in enumerate(info.chunks):
+            for m in legacy_box_map(geom, tp, gtp, Box.of(ch.offsets, ch.sizes), scrambled_swiglu=scrambled):
+                out.append(Copy(key, i, m.array, m.logical, tuple(zip(m.src.start, m.src.stop))))
+        return out
+    runs = stored_row_runs(geom, False, tp, gtp)
     for i, ch in enumerate(info.chunks):
         out += box_copies(key, i, ch, runs, npre)
     return out

@@ -73,16 +73,13 @@ def load_reference(run: str) -> tuple[dict[str, dict[str, np.ndarray]], int]:
     sizes = info["sizes"]
     moe = bool(info["layout"].get("moe"))
     refs = [torch.load(f, weights_only=True) for f in sorted(glob.glob(os.path.join(d, "reference_rank*.pt")))]
-    if any(r.get("gtp_size", 1) > 1 for r in refs):
-        raise NotImplementedError("GTP reference assembly is not implemented")
     # (key, index) -> role -> global per-instance array
     inst: dict[tuple[str, tuple[int, ...]], dict[str, np.ndarray]] = {}
     step = None
+    # DP ranks own disjoint flat ranges of the same shard: overlay them per (TP, GTP, EP rank)
+    flats: dict[tuple[int, int, int], dict[str, dict[str, np.ndarray]]] = {}
     for ref in refs:
-        t, tps = ref["tp_rank"], ref["tp_size"]
-        e, eps = ref["ep_rank"], ref["ep_size"]
-        step = ref["step"]
-        flat: dict[str, dict[str, np.ndarray]] = {}
+        flat = flats.setdefault((ref["tp_rank"], ref.get("gtp_rank", 0), ref["ep_rank"]), {})
         for o in ref["optimizers"]:
             for name, rec in o["params"].items():
                 f0, f1 = rec["range"]["param"]
@@ -90,38 +87,58 @@ def load_reference(run: str) -> tuple[dict[str, dict[str, np.ndarray]], int]:
                 fl = flat.setdefault(name, {r: np.full(numel, np.nan, np.float32) for r in ("params", "mu", "nu")})
                 for role, k in (("params", "param"), ("mu", "exp_avg"), ("nu", "exp_avg_sq")):
                     fl[role][f0:f1] = _np(rec[k])
+    # TP-local tensors: GTP shards concatenated in GTP-rank order, tail padding dropped
+    shards: dict[tuple[str, int, int], dict[int, dict[str, np.ndarray]]] = {}
+    meta: dict[tuple[str, int, int], tuple[dict, int]] = {}
+    for ref in refs:
+        t, e = ref["tp_rank"], ref["ep_rank"]
+        g = ref.get("gtp_rank", 0)
+        step = ref["step"]
+        flat = flats[(t, g, e)]
         for name, p in ref["params"].items():
-            key, idx = checkpoint_key(name, moe)
-            if len(idx) == 2:  # local expert -> global expert
-                nle = None
-                idx = (idx[0], e * _num_local(ref) + idx[1])
             live = _np(p["live"])
-            locals_ = {"model": live}
+            locs = {"model": live}
             if name in flat:
-                locals_.update({r: flat[name][r].reshape(live.shape) for r in ("params", "mu", "nu")})
-            attrs = p["attrs"]
-            split = attrs.get("tensor_model_parallel") and tps > 1
+                locs.update({r: flat[name][r].reshape(live.shape) for r in ("params", "mu", "nu")})
+            gtp_sharded = bool(p["attrs"].get("is_gtp_weight_remat"))
+            if not gtp_sharded and g != 0:
+                continue  # GTP peers hold copies of GTP-replicated params
+            shards.setdefault((name, t, e), {})[p.get("gtp_rank", 0) if gtp_sharded else 0] = locs
+            meta[(name, t, e)] = (p, ref["tp_size"])
+    for (name, t, e), by_g in shards.items():
+        p, tps = meta[(name, t, e)]
+        key, idx = checkpoint_key(name, moe)
+        if len(idx) == 2:  # local expert -> global expert
+            idx = (idx[0], e * _num_local_names(shards, t, e) + idx[1])
+        attrs = p["attrs"]
+        split = attrs.get("tensor_model_parallel") and tps > 1
+        if not split and t != 0:
+            continue  # TP replicas may differ in the last bits; Megatron saves TP rank 0's copy
+        logical_rows = p["gtp_remat_shard_dim0"][2] if "gtp_remat_shard_dim0" in p else None
+        for role in by_g[0]:
+            loc = np.concatenate([by_g[gg][role] for gg in sorted(by_g)], axis=0)
+            if logical_rows is not None:
+                loc = loc[:logical_rows]
             pdim = attrs.get("partition_dim", 0)
-            for role, loc in locals_.items():
-                gshape = list(loc.shape)
-                if split:
-                    gshape[pdim] *= tps
-                slot = inst.setdefault((key, idx), {})
-                if role not in slot:
-                    slot[role] = np.zeros(gshape, dtype=loc.dtype)
-                g = slot[role]
-                if not split:
-                    g[...] = loc
-                elif attrs.get("partition_stride", 1) == 2:  # SwiGLU fc1: [gate_t; up_t]
-                    h = loc.shape[0] // 2
-                    F = h * tps
-                    g[t * h:(t + 1) * h] = loc[:h]
-                    g[F + t * h:F + (t + 1) * h] = loc[h:]
-                else:
-                    n = loc.shape[pdim]
-                    sl = [slice(None)] * loc.ndim
-                    sl[pdim] = slice(t * n, (t + 1) * n)
-                    g[tuple(sl)] = loc
+            gshape = list(loc.shape)
+            if split:
+                gshape[pdim] *= tps
+            slot = inst.setdefault((key, idx), {})
+            if role not in slot:
+                slot[role] = np.zeros(gshape, dtype=loc.dtype)
+            gl = slot[role]
+            if not split:
+                gl[...] = loc
+            elif attrs.get("partition_stride", 1) == 2:  # SwiGLU fc1: [gate_t; up_t]
+                h = loc.shape[0] // 2
+                F = h * tps
+                gl[t * h:(t + 1) * h] = loc[:h]
+                gl[F + t * h:F + (t + 1) * h] = loc[h:]
+            else:
+                n = loc.shape[pdim]
+                sl = [slice(None)] * loc.ndim
+                sl[pdim] = slice(t * n, (t + 1) * n)
+                gl[tuple(sl)] = loc
     out: dict[str, dict[str, np.ndarray]] = {r: {} for r in ("model", "params", "mu", "nu")}
     keys = sorted({k for k, _ in inst})
     for key in keys:
@@ -157,3 +174,12 @@ def available_runs() -> list[str]:
         if os.path.isdir(os.path.join(d, "dp_reshardable")) and glob.glob(os.path.join(d, "reference_rank*.pt")):
             out.append(os.path.basename(d))
     return out
+
+
+def _num_local_names(shards: dict, t: int, e: int) -> int:
+    n = 0
+    for name, tt, ee in shards:
+        m = re.search(r"local_experts\.(\d+)\.", name)
+        if m and tt == t and ee == e:
+            n = max(n, int(m.group(1)) + 1)
+    return n

@@ -1,0 +1,560 @@
+"""Logical checkpoint -> Megatron-Core `torch_dist` checkpoint at a target layout (`to-megatron`).
+
+Writes what `dist_checkpointing.save` writes (megatron-layout.md §5.3): `.distcp` files of
+independent `torch.save` blobs, a `.metadata` pickle of DCP's `Metadata`, ShardedObjects
+(`common_state`, `_extra_state`, dp_reshardable objects) as `torch.save([obj])` byte items,
+and `metadata.json`. Chunks follow the target layout (one per stacked instance and TP shard, or
+per (TP, GTP) shard of the 0.19.2 padded grid for GTP-sharded weights), so Megatron-Core
+reads exactly its own rectangles. Written into `<dst>.tmp-<pid>` and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import sys
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from bridge.errors import BridgeError
+from bridge.layout.boxes import Box
+from bridge.layout.distopt import buffer_layout, BufferParam
+from bridge.layout.fused import FusedSpec
+from bridge.layout.parallel import ParallelLayout
+from bridge.layout.params import ParamGeometry
+from bridge.progress import progress
+from bridge.store.manifest import MANIFEST_KEY, Manifest
+from bridge.store.reader import open_checkpoint
+from bridge.store.tree import megatron_key_to_path, path_str
+from converters.megatron_format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
+                                        tp_kind_by_name)
+from converters.megatron_plan import Instance, box_copies, local_instances, role_path, stored_row_runs
+
+FORMATS = ("fully_reshardable", "dp_reshardable")
+STATE_NAMES = {"params": "param", "mu": "exp_avg", "nu": "exp_avg_sq"}
+TORCH_DTYPE = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+
+
+@dataclass
+class Target:
+    """The layout and format to write."""
+
+    tp: int
+    gtp: int = 1
+    dp: int = 1
+    ep: int = 1
+    fmt: str = "fully_reshardable"
+    pad_for_alignment: int | None = None
+    bucket_size: int | None = None
+
+
+@dataclass
+class ParamInfo:
+    """A parameter of the logical checkpoint as Megatron keys it."""
+
+    name: str
+    geom: ParamGeometry
+    dtype: str
+    optimized: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the logical side
+
+
+def read_manifest(root: str) -> Manifest:
+    """The gtp_bridge manifest of a logical checkpoint (BridgeError when absent)."""
+    try:
+        meta = json.load(open(os.path.join(root, "_METADATA")))
+        return Manifest.from_json(meta["custom_metadata"][MANIFEST_KEY])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise BridgeError(f"{root}: no gtp_bridge manifest in _METADATA; to-megatron needs a checkpoint written "
+                          f"by gtp-bridge (convert, live export or the JAX save)") from None
+
+
+def params_from_manifest(man: Manifest, arrays: dict, pad: int, gtp: int) -> list[ParamInfo]:
+    """Parameters in registration order: the recorded Megatron list, else derived from the tree."""
+    fused = {k: FusedSpec.from_json(v) for k, v in man.fused.items()}
+    recorded = man.extra.get("megatron", {}).get("params") if isinstance(man.extra, dict) else None
+    out: list[ParamInfo] = []
+    if recorded:
+        for p in recorded:
+            name = strip_wrappers(p["name"])
+            spec = fused.get(path_str(megatron_key_to_path(name)))
+            geom = ParamGeometry(name, tuple(p["shape"]), p["tp_kind"], gtp=bool(p.get("gtp")) or is_gtp_weight(name),
+                                 pad_for_alignment=pad, prepend=tuple(p["prepend"]), fused=spec,
+                                 expert=bool(p["expert"]))
+            out.append(ParamInfo(name, geom, p["dtype"], bool(p.get("optimized", True))))
+        return out
+    # Derived: every model/* (else params/*) array; fused sections regrouped by the manifest table.
+    role = "model" if any(p[0] == "model" for p in arrays) else "params"
+    seen: set[str] = set()
+    for path, info in arrays.items():
+        if path[0] != role:
+            continue
+        name = ".".join(path[1:])
+        parent = ".".join(path[1:-1])
+        spec = fused.get("/".join(path[1:-1]))
+        if spec is not None and path[-1] in spec.names:
+            if parent in seen:
+                continue
+            seen.add(parent)
+            npre = num_prepend_axes(parent)
+            first = arrays[(role,) + path[1:-1] + (spec.names[0],)]
+            shape = (spec.rows,) + tuple(first.shape[npre + 1:])
+            geom = ParamGeometry(parent, shape, "column", gtp=is_gtp_weight(parent), pad_for_alignment=pad,
+                                 prepend=tuple(first.shape[:npre]), fused=spec, expert=is_routed_expert(parent))
+            out.append(ParamInfo(parent, geom, "bfloat16", ("params",) + path[1:] in arrays))
+            continue
+        npre = num_prepend_axes(name)
+        kind = tp_kind_by_name(name) if len(info.shape) > npre else "replicated"
+        geom = ParamGeometry(name, tuple(info.shape[npre:]), kind, gtp=is_gtp_weight(name), pad_for_alignment=pad,
+                             prepend=tuple(info.shape[:npre]), expert=is_routed_expert(name))
+        out.append(ParamInfo(name, geom, "bfloat16" if role == "model" else "float32",
+                             ("params",) + path[1:] in arrays))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Target chunk boxes (pure)
+
+
+def stored_shape(geom: ParamGeometry, tp: int, gtp: int) -> tuple[int, ...]:
+    """Per-instance stored global shape: logical, or the 0.19.2 padded grid for GTP weights.
+
+    >>> stored_shape(ParamGeometry("w", (10, 6), "column", gtp=True, pad_for_alignment=4), 2, 2)
+    (16, 6)
+    """
+    if not geom.gtp_active(gtp) or not geom.shape:
+        return geom.shape
+    s = geom.split(tp, gtp).shard_rows
+    if geom.tp_kind in ("column", "vocab"):
+        return (tp * gtp * s,) + geom.shape[1:]
+    return (gtp * s,) + geom.shape[1:]
+
+
+def instance_boxes(geom: ParamGeometry, tp: int, gtp: int) -> list[Box]:
+    """Chunk boxes of one stacked instance (no prepend axes) as a run at (tp, gtp) writes them.
+
+    >>> [str(b) for b in instance_boxes(ParamGeometry("f", (12, 4), "column", fused=FusedSpec.swiglu(6)), 2, 1)]
+    ['[0:3, 0:4]', '[6:9, 0:4]', '[3:6, 0:4]', '[9:12, 0:4]']
+    """
+    shape = stored_shape(geom, tp, gtp)
+    if not shape:
+        return [Box((), ())]
+    rest0, rest = (0,) * (len(shape) - 1), tuple(shape[1:])
+    if geom.gtp_active(gtp):
+        s = geom.split(tp, gtp).shard_rows
+        out = []
+        for t in range(tp):
+            for g in range(gtp):
+                if geom.tp_kind in ("column", "vocab"):
+                    out.append(Box.of(((t * gtp + g) * s,) + rest0, (s,) + rest))
+                else:
+                    k = shape[1] // tp
+                    out.append(Box.of((g * s, t * k) + rest0[1:], (s, k) + rest[1:]))
+        return out
+    if tp == 1 or geom.tp_kind == "replicated":
+        return [Box.full(shape)]
+    if geom.tp_kind == "row":
+        k = shape[1] // tp
+        return [Box.of((0, t * k) + rest0[1:], (shape[0], k) + rest[1:]) for t in range(tp)]
+    spec = geom.fused
+    if spec is not None and spec.kind == "concat":
+        out, starts, acc = [], [], 0
+        for sec in spec.sections:
+            starts.append(acc)
+            acc += sec.rows
+        for t in range(tp):
+            for sec, st in zip(spec.sections, starts):
+                n = sec.rows // tp
+                out.append(Box.of((st + t * n,) + rest0, (n,) + rest))
+        return out
+    n = shape[0] // tp
+    return [Box.of((t * n,) + rest0, (n,) + rest) for t in range(tp)]
+
+
+def check_target(params: Sequence[ParamInfo], lay: ParallelLayout) -> None:
+    """Refuse a target layout the parameters cannot take, naming the parameter."""
+    for p in params:
+        tp, gtp = lay.tp_gtp_sizes(p.geom.expert)
+        p.geom.tp_local_shape(tp)  # divisibility (raises naming the param)
+        if p.geom.gtp_active(gtp):
+            if p.geom.fused is not None and p.geom.fused.kind == "concat":
+                raise BridgeError(f"{p.name}: GTP={gtp} with a fused {p.geom.fused.names} projection: megatron-core "
+                                  f"0.19.2 scrambles its halves under GTP (megatron-layout.md §6.3), so no checkpoint "
+                                  f"it loads correctly exists; choose --gtp 1")
+            p.geom.split(tp, gtp)
+        if p.geom.expert and len(p.geom.prepend) >= 2 and p.geom.prepend[1] % lay.ep:
+            raise BridgeError(f"{p.name}: {p.geom.prepend[1]} experts are not divisible by EP={lay.ep}; "
+                              f"choose an --ep that divides the number of experts")
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP file writing
+
+
+class DcpWriter:
+    """Appends independent `torch.save` blobs to one `.distcp` file and records DCP metadata."""
+
+    def __init__(self, root: str, rel: str = "__0_0.distcp") -> None:
+        import torch
+
+        self.torch = torch
+        self.root = root
+        self.rel = rel
+        self.f = open(os.path.join(root, rel), "wb")
+        self.pos = 0
+        self.tensors: dict[str, tuple[Any, tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]] = OrderedDict()
+        self.objects: list[str] = []
+        self.storage: dict[tuple[str, tuple[int, ...] | None], tuple[int, int]] = {}
+        self.bytes = 0
+
+    def _blob(self, obj: Any) -> tuple[int, int]:
+        buf = io.BytesIO()
+        self.torch.save(obj, buf)
+        data = buf.getbuffer()
+        off = self.pos
+        self.f.write(data)
+        self.pos += len(data)
+        self.bytes += len(data)
+        return off, len(data)
+
+    def declare(self, fqn: str, dtype: Any, shape: Sequence[int]) -> None:
+        self.tensors[fqn] = (dtype, tuple(int(s) for s in shape), [])
+
+    def tensor_chunk(self, fqn: str, offsets: Sequence[int], tensor: Any) -> None:
+        offsets = tuple(int(o) for o in offsets)
+        self.tensors[fqn][2].append((offsets, tuple(tensor.shape)))
+        self.storage[(fqn, offsets)] = self._blob(tensor.contiguous())
+
+    def obj(self, fqn: str, value: Any) -> None:
+        self.objects.append(fqn)
+        self.storage[(fqn, None)] = self._blob([value])
+
+    def finish(self) -> None:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                           MetadataIndex, StorageMeta, TensorProperties,
+                                                           TensorStorageMetadata)
+
+        torch = self.torch
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        sdm: dict[str, Any] = {}
+        for fqn, (dtype, shape, chunks) in self.tensors.items():
+            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape),
+                                             [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
+        for fqn in self.objects:
+            sdm[fqn] = BytesStorageMetadata()
+        storage = {}
+        for (fqn, off), (o, n) in self.storage.items():
+            idx = MetadataIndex(fqn, torch.Size(off)) if off is not None else MetadataIndex(fqn)
+            storage[idx] = _StorageInfo(self.rel, o, n)
+        md = Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage,
+                      storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4())), version="1.0.0")
+        import pickle
+
+        with open(os.path.join(self.root, ".metadata"), "wb") as f:
+            pickle.dump(md, f)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(os.path.join(self.root, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+
+
+def _torch_from_numpy(a: np.ndarray):
+    import ml_dtypes
+    import torch
+
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
+
+
+class ArrayCache:
+    """Whole logical arrays read from the store, least-recently-used out over `max_bytes`."""
+
+    def __init__(self, ck, max_bytes: int) -> None:
+        self.ck = ck
+        self.max_bytes = max_bytes
+        self._d: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self._bytes = 0
+        self.bytes_read = 0
+
+    def read(self, path: tuple, box: Box) -> np.ndarray:
+        a = self._d.get(path)
+        if a is None:
+            info = self.ck.info(path)
+            if info.nbytes > self.max_bytes:  # too big to keep: read just the box
+                out = self.ck.read(path, box)
+                self.bytes_read += out.nbytes
+                return out
+            a = self.ck.read(path)
+            self.bytes_read += a.nbytes
+            self._d[path] = a
+            self._bytes += a.nbytes
+            while self._bytes > self.max_bytes and len(self._d) > 1:
+                _, old = self._d.popitem(last=False)
+                self._bytes -= old.nbytes
+        else:
+            self._d.move_to_end(path)
+        return a[box.slices]
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def to_megatron(src: str, dst: str, target: Target, *, budget: int = 1 << 30, show_progress: bool | None = None) -> dict:
+    """Write a torch_dist checkpoint of logical checkpoint `src` for `target` at `dst`."""
+    dst = os.path.abspath(dst)
+    if os.path.lexists(dst):
+        raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
+    if target.fmt not in FORMATS:
+        raise BridgeError(f"unknown --format {target.fmt!r}; use one of {list(FORMATS)}")
+    ck = open_checkpoint(src)
+    man = read_manifest(ck.root)
+    arrays = ck.arrays()
+    pad = target.pad_for_alignment if target.pad_for_alignment is not None else (man.source.pad_for_alignment or 16)
+    params = params_from_manifest(man, arrays, pad, target.gtp)
+    if not params:
+        raise BridgeError(f"{src}: no model or params arrays; nothing to write")
+    try:
+        lay = ParallelLayout(tp=target.tp, gtp=target.gtp, dp=target.dp, ep=target.ep)
+    except BridgeError as e:
+        raise BridgeError(f"target layout: {e}") from None
+    check_target(params, lay)
+    for p in params:
+        for arr in p.geom.logical_arrays():
+            for role in ("model",) + (("params", "mu", "nu") if p.optimized else ()):
+                path = role_path(role, arr)
+                want = p.geom.logical_arrays()[arr]
+                if path not in arrays:
+                    raise BridgeError(f"{src}: array {path_str(path)} is missing; the checkpoint is incomplete")
+                if tuple(arrays[path].shape) != tuple(want):
+                    raise BridgeError(f"{path_str(path)}: shape {arrays[path].shape} differs from the recorded "
+                                      f"parameter shape {want}; the manifest and the arrays disagree")
+    step = int(ck.read(("step",))) if ("step",) in arrays else int(man.optimizer.step or 0)
+    if ("opt_state", "0", "count") in arrays and int(ck.read(("opt_state", "0", "count"))) != step:
+        raise BridgeError(f"{src}: step {step} and opt_state/0/count "
+                          f"{int(ck.read(('opt_state', '0', 'count')))} differ; the checkpoint is inconsistent")
+    tmp = f"{dst}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        w = DcpWriter(tmp)
+        cache = ArrayCache(ck, max(1, budget // 2))
+        total = sum(a.nbytes for p, a in arrays.items() if p[0] in ("model", "params", "opt_state"))
+        with progress(total, f"to-megatron {os.path.basename(dst)}", enabled=show_progress) as bar:
+            _write_model_space(w, cache, params, lay, target.fmt, bar)
+            if target.fmt == "dp_reshardable":
+                _write_dp_buckets(w, cache, params, lay, target, man, step)
+            _write_objects(w, man, params, lay, target, step)
+        w.finish()
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"dst": dst, "layout": lay.to_json(), "format": target.fmt, "bytes": w.bytes, "params": len(params),
+            "step": step}
+
+
+def _write_model_space(w: DcpWriter, cache: ArrayCache, params: Sequence[ParamInfo], lay: ParallelLayout, fmt: str,
+                       bar) -> None:
+    """Model weights (and fully_reshardable optimizer state) as model-space chunks."""
+    for p in params:
+        g = p.geom
+        tp, gtp = lay.tp_gtp_sizes(g.expert)
+        npre = len(g.prepend)
+        runs = stored_row_runs(g, g.gtp_active(gtp), tp, gtp)
+        shape = stored_shape(g, tp, gtp)
+        boxes = instance_boxes(g, tp, gtp)
+        roles = [("model", p.name, p.dtype)]
+        if fmt == "fully_reshardable" and p.optimized:
+            roles += [(r, f"optimizer.state.{STATE_NAMES[r]}.{p.name}", "float32") for r in ("params", "mu", "nu")]
+        for role, fqn, dt in roles:
+            w.declare(fqn, _torch_dtype(dt), g.prepend + shape)
+            for index in np.ndindex(*g.prepend) if g.prepend else [()]:
+                for box in boxes:
+                    chunk_box = Box.of(tuple(index) + box.start, (1,) * npre + box.shape)
+                    from converters.dcp_reader import ChunkInfo, StorageRef
+
+                    ch = ChunkInfo(chunk_box.start, chunk_box.shape, StorageRef("", 0, 0))
+                    data = np.zeros(chunk_box.shape, dtype=_np_dtype(dt))
+                    for c in box_copies(fqn, 0, ch, runs, npre):
+                        data[tuple(slice(a, b) for a, b in c.src)] = cache.read(role_path(role, c.array), c.dst)
+                    w.tensor_chunk(fqn, chunk_box.start, _torch_from_numpy(data))
+                    bar.update(data.nbytes)
+
+
+def _np_dtype(name: str):
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def _dp_coords(lay: ParallelLayout, expert: bool) -> dict[int, tuple[int, int, int]]:
+    out: dict[int, tuple[int, int, int]] = {}
+    for r in range(lay.world):
+        c = lay.coords(r)
+        if expert and c.ed == 0:
+            out.setdefault(lay.expert_dp_group_idx(r), (c.et, c.eg, c.e))
+        if not expert and c.d == 0 and c.c == 0:
+            out.setdefault(lay.dp_group_idx(r), (c.t, c.g, 0))
+    return out
+
+
+def _domains(params: Sequence[ParamInfo], lay: ParallelLayout) -> list[tuple[bool, list[ParamInfo]]]:
+    """(expert?, params) per chained optimizer: dense first, experts last when EP > 1."""
+    opt = [p for p in params if p.optimized]
+    if lay.ep > 1 and any(p.geom.expert for p in opt):
+        return [(False, [p for p in opt if not p.geom.expert]), (True, [p for p in opt if p.geom.expert])]
+    return [(False, opt)]
+
+
+def _write_dp_buckets(w: DcpWriter, cache: ArrayCache, params: Sequence[ParamInfo], lay: ParallelLayout,
+                      target: Target, man: Manifest, step: int) -> None:
+    """dp_reshardable bucket tensors and per-dp_group_idx objects (buffer layout from bridge.layout)."""
+    import torch
+
+    domains = _domains(params, lay)
+    chained = len(domains) > 1
+    groups = _param_groups(man, step)
+    for ci, (expert, plist) in enumerate(domains):
+        prefix = f"chained_{ci}." if chained else ""
+        dp_size = lay.edp if expert else lay.distopt_size
+        geoms = [p.geom for p in plist]
+        for k, (t, g, e) in sorted(_dp_coords(lay, expert).items()):
+            insts = local_instances(geoms, lay, e)
+            gmap = {p.geom.name: p.geom for p in plist}
+            sizes = {n: lay.tp_gtp_sizes(gm.expert) for n, gm in gmap.items()}
+            bparams = [BufferParam(i.label, gmap[i.name].physical_numel(*sizes[i.name])) for i in insts]
+            blay = buffer_layout(bparams, target.bucket_size, dp_size)
+            key_dt = "(torch.bfloat16, torch.float32)"
+            for b, (b0, _b1) in enumerate(blay.buckets):
+                unp = blay.numel_unpadded[b]
+                s = blay.shard_size(b)
+                for role in ("params", "mu", "nu"):
+                    world = np.zeros(unp, dtype=np.float32)
+                    for inst in insts:
+                        p0, _p1, bid = blay.index[inst.label]
+                        if bid != b:
+                            continue
+                        geom = gmap[inst.name]
+                        tp, gtp = sizes[inst.name]
+                        for piece in geom.shard_pieces(tp, gtp, t, g, inst.index):
+                            lo = p0 - b0 + piece.local_start
+                            world[lo:lo + piece.logical.size] = cache.read(role_path(role, piece.array),
+                                                                           piece.logical).reshape(-1)
+                    fqn = (f"{prefix}optimizer.distributed.dp_group_idx_{k}.gbuf_idx_0.dtype_{key_dt}"
+                           f".bucket_idx_{b}.{STATE_NAMES[role]}")
+                    w.declare(fqn, torch.float32, (unp,))
+                    for r in range(dp_size):
+                        lo, hi = r * s, min((r + 1) * s, unp)
+                        if hi > lo:
+                            w.tensor_chunk(fqn, (lo,), torch.from_numpy(world[lo:hi].copy()))
+            pre = f"{prefix}optimizer.distributed.dp_group_idx_{k}."
+            dtk = (torch.bfloat16, torch.float32)
+            w.obj(pre + "per_bucket_numel/shard_0_1", [{dtk: blay.per_bucket_numel()}])
+            w.obj(pre + "per_bucket_numel_unpadded/shard_0_1", [{dtk: list(blay.numel_unpadded)}])
+            w.obj(pre + "optimizer/shard_0_1", {"param_groups": _groups_for(groups, expert, chained)})
+
+
+def _param_groups(man: Manifest, step: int) -> list[dict]:
+    """Megatron param groups (identifier keys + hyper-parameters) with `step` set."""
+    saved = man.extra.get("megatron", {}).get("param_groups") if isinstance(man.extra, dict) else None
+    flat = [dict(g) for gs in (saved or []) for g in gs]
+    if not flat:
+        o = man.optimizer
+        lr = o.lr if o.lr is not None else 0.0
+        base = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
+                "default_config": True, "max_lr": lr, "min_lr": lr, "lr": lr, "betas": tuple(o.betas or (0.9, 0.999)),
+                "eps": o.eps if o.eps is not None else 1e-8, "weight_decay": o.weight_decay or 0.0}
+        flat = [base, dict(base, wd_mult=0.0, weight_decay=0.0 if o.no_decay else (o.weight_decay or 0.0))]
+    out = []
+    for g in flat:
+        g = {k: (tuple(v) if k == "betas" and isinstance(v, list) else v) for k, v in g.items()
+             if k not in ("params", "num_params", "optimizer")}
+        g["step"] = float(step)
+        out.append(g)
+    return out
+
+
+def _groups_for(groups: list[dict], expert: bool, chained: bool) -> list[dict]:
+    """Groups of one chained optimizer (expert flag set), unique by Megatron's identifier keys."""
+    out, seen = [], set()
+    for g in groups:
+        g = dict(g, is_expert_parallel=expert) if chained else dict(g)
+        key = json.dumps({k: g.get(k) for k in sorted(g) if k not in ("step",)}, sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            out.append(g)
+    return out
+
+
+def _write_objects(w: DcpWriter, man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, target: Target,
+                   step: int) -> None:
+    """_extra_state objects (None payloads, as the local spec saves) and common_state."""
+    meg = man.extra.get("megatron", {}) if isinstance(man.extra, dict) else {}
+    extra_keys = list(meg.get("extra_state_keys") or [])
+    if not extra_keys:  # synthesise the keys a run would save for its linears (per stacked instance)
+        seen = set()
+        for p in params:
+            mod = p.name.rsplit(".", 1)[0]
+            if p.name.endswith(".weight") and p.geom.tp_kind in ("column", "row") and mod not in seen:
+                seen.add(mod)
+                for index in np.ndindex(*p.geom.prepend) if p.geom.prepend else [()]:
+                    off = ".".join(str(i) for i in index) if index else "0"
+                    shp = ".".join(str(n) for n in p.geom.prepend) if index else "1"
+                    extra_keys.append(f"{mod}._extra_state/shard_{off}_{shp}")
+    for k in extra_keys:
+        w.obj(k, None)
+    domains = _domains(params, lay)
+    chained = len(domains) > 1
+    groups = _param_groups(man, step)
+    args = dict(meg.get("args") or {})
+    for p in params:  # model dims the fused section tables know (a library-style source saved no args)
+        spec = p.geom.fused
+        if spec is None:
+            continue
+        if spec.info.get("name") == "qkv":
+            args.setdefault("num_attention_heads", spec.info["num_heads"])
+            args.setdefault("num_query_groups", spec.info["num_query_groups"])
+            args.setdefault("kv_channels", spec.info["head_dim"])
+            args.setdefault("group_query_attention", spec.info["num_query_groups"] != spec.info["num_heads"])
+        elif spec.info.get("name") == "swiglu" and not p.geom.expert:
+            args.setdefault("swiglu", True)
+            args.setdefault("ffn_hidden_size", spec.info["ffn_hidden"])
+    args.update(tensor_model_parallel_size=lay.tp, gtp_weight_remat_size=lay.gtp,
+                tensor_parallel_num_weight_shards=lay.tp * lay.gtp, data_parallel_size=lay.dp,
+                expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp, world_size=lay.world,
+                pipeline_model_parallel_size=1, iteration=step, ckpt_format="torch_dist",
+                dist_ckpt_optim_fully_reshardable=target.fmt == "fully_reshardable", use_distributed_optimizer=True)
+    content = {"distrib_optim_sharding_type": target.fmt, "singleton_local_shards": False,
+               "chained_optim_avoid_prefix": True}
+    if target.fmt == "fully_reshardable":
+        per = [{"optimizer": {"param_groups": _groups_for(groups, ex, chained)},
+                "param_state_sharding_type": target.fmt} for ex, _ in domains]
+        optimizer: Any = per[0] if not chained else {i: s for i, s in enumerate(per)}
+    else:
+        optimizer = ({"param_state_sharding_type": target.fmt} if not chained else
+                     {i: {"param_state_sharding_type": target.fmt} for i in range(len(domains))})
+    common = {"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": step,
+              "optimizer": optimizer, "content_metadata": content}
+    w.obj("common_state/shard_0_1", common)
