@@ -40,7 +40,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 
 def model_geometries(hidden: int, layers: int, pad: int):
-    """Per-layer geometries of a GPT-like block stack (fused SwiGLU fc1 + row fc2 + qkv + norm)."""
+    """Per-layer geometries of a GPT-like block stack (fused SwiGLU fc1, row fc2, GQA qkv, row proj, norm)."""
     from bridge.layout import FusedSpec, ParamGeometry
 
     ffn = 4 * hidden
@@ -52,10 +52,9 @@ def model_geometries(hidden: int, layers: int, pad: int):
                           pad_for_alignment=pad, prepend=(layers,), fused=FusedSpec.swiglu(ffn), index=idx),
             ParamGeometry("decoder.layers.mlp.linear_fc2.weight", (hidden, ffn), "row", gtp=True,
                           pad_for_alignment=pad, prepend=(layers,), index=idx),
-            ParamGeometry("decoder.layers.self_attention.linear_qkv.weight", (3 * hidden, hidden), "column", gtp=True,
-                          pad_for_alignment=pad, prepend=(layers,),
-                          fused=FusedSpec.qkv(hidden // 64 or 1, hidden // 64 or 1, 64 if hidden >= 64 else hidden),
-                          index=idx),
+            ParamGeometry("decoder.layers.self_attention.linear_qkv.weight", (2 * hidden, hidden), "column", gtp=True,
+                          pad_for_alignment=pad, prepend=(layers,), fused=FusedSpec.qkv(8, 4, hidden // 8),
+                          index=idx),  # GQA: 8 heads, 4 query groups -> (8 + 2*4) * hidden/8 rows
             ParamGeometry("decoder.layers.self_attention.linear_proj.weight", (hidden, hidden), "row", gtp=True,
                           pad_for_alignment=pad, prepend=(layers,), index=idx),
             ParamGeometry("decoder.layers.mlp.linear_fc1.layer_norm_weight", (hidden,), "replicated", prepend=(layers,),
@@ -253,7 +252,7 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
 
 def hidden_for(mib: float, layers: int) -> int:
     """Hidden size whose per-layer state (~ (8+4+3+1) h^2 bf16 + fp32 masters/moments) totals `mib`."""
-    per_h2 = 16 * (2 + 12)  # elements per h^2 x bytes (bf16 weight + 3 fp32 optimizer words)
+    per_h2 = 12 * (2 + 12)  # h^2 elements per layer (fc1 8, fc2 4... see model_geometries) x bytes per element
     h = int((mib * 2 ** 20 / layers / per_h2) ** 0.5)
     return max(64, h - h % 64)
 

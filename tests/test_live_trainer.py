@@ -5,8 +5,9 @@ exports. Checks:
 (a) plain Orbax restores exactly the state the ranks held, assembled from their raw dumps by
     `reference_check.assemble_global` (independent of `bridge.layout`), and is within fp32
     tolerance of the world-size-1 run;
-(b) TP1 x GTP4 x DP2 and TP4 x GTP1 x DP2 jobs reload exactly that state (re-assembled from their
-    dumps) and their next step matches the original layout's next step to fp32 tolerance;
+(b) TP1 x GTP4 x DP2, TP4 x GTP1 x DP2 and TP2 x DP4 x EP2 jobs (and a world-size-1 job) reload
+    exactly that state (re-assembled from their dumps) and their next step matches the original
+    layout's next step to fp32 tolerance;
 (c) JAX restores it on a different mesh and an optax.adamw step from it matches Megatron's FusedAdam
     formula; a JAX-trained, JAX-saved checkpoint reloads into the TP2 x GTP2 x DP2 trainer with
     params / mu / nu / count bit-exact.
@@ -25,7 +26,8 @@ from test_live_sharding import spawn
 STEPS = 3
 SEED = 3
 SRC = {"tp": 2, "gtp": 2, "dp": 2, "egtp": 2}
-TARGETS = {"tp1_gtp4_dp2": {"tp": 1, "gtp": 4, "dp": 2, "egtp": 4}, "tp4_gtp1_dp2": {"tp": 4, "gtp": 1, "dp": 2}}
+TARGETS = {"tp1_gtp4_dp2": {"tp": 1, "gtp": 4, "dp": 2, "egtp": 4}, "tp4_gtp1_dp2": {"tp": 4, "gtp": 1, "dp": 2},
+           "tp2_dp4_ep2": {"tp": 2, "dp": 4, "ep": 2}}
 ADAM = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -102,6 +104,9 @@ def test_world8_trainer_export_reload_jax(tmp_path):
 
     assert check_restored(ocp.StandardCheckpointer().restore(dst, abstract_tree(held)), bad, STEPS)
 
+    # another world size: a single-process (TP1 x GTP1 x DP1) job reloads it and takes the same next step
+    _world1_reload(dst, held, out)
+
     # (c) JAX continues: restore on another mesh, one optax.adamw step == FusedAdam formula
     _jax_continue(dst, held)
     # a JAX-saved checkpoint reloads into torch bit-exactly
@@ -111,6 +116,30 @@ def test_world8_trainer_export_reload_jax(tmp_path):
         for arr, v in from_jax[k].items():
             want = jax_expected[tuple(root.split("/")) + megatron_key_to_path(arr)]
             assert np.array_equal(bits(v), bits(want)), f"from JAX {root}/{arr}"
+
+
+def _world1_reload(dst, held, out):
+    from bridge.layout import ParallelLayout
+    from bridge.live.reference_check import assemble_global, compare, dump_rank
+    from bridge.live.reference_trainer import ReferenceTrainer, step
+    from bridge.live.reload import reload_state
+    from bridge.live.scenario import ATOL, KINDS
+
+    tr = ReferenceTrainer(ParallelLayout(), _config(), init=False)
+    res = reload_state(dst, tr.live_run(), tr.local_params())
+    tr.resume(res.step)
+    got = logical_from_assembled(assemble_global([dump_rank(tr)]))
+    for k in KINDS:
+        for arr, w in held[k].items():
+            assert np.array_equal(bits(got[k][arr]), bits(w)), f"world 1: reloaded {k}/{arr}"
+    losses = step(tr, 1)
+    src_next = load_dumps(out, "src_next", 8)
+    want = assemble_global(src_next)
+    state = ("master", "exp_avg", "exp_avg_sq")
+    nxt = assemble_global([dump_rank(tr)])
+    assert compare({n: {k: v[k] for k in state} for n, v in nxt.items()},
+                   {n: {k: v[k] for k in state} for n, v in want.items()}, ATOL) == []
+    assert losses == pytest.approx(src_next[0]["losses"], rel=1e-5, abs=1e-6)
 
 
 def _jax_continue(path, held):
