@@ -36,7 +36,9 @@ from bridge.store.reader import open_checkpoint
 from bridge.store.tree import megatron_key_to_path, path_str
 from converters.megatron_format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
-from converters.megatron_plan import Instance, box_copies, local_instances, role_path, stored_row_runs
+from bridge.layout.legacy import legacy_box_map, legacy_shape
+from converters.megatron_plan import (Instance, box_copies, is_scrambled_swiglu, local_instances, role_path,
+                                      stored_row_runs)
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
 STATE_NAMES = {"params": "param", "mu": "exp_avg", "nu": "exp_avg_sq"}
@@ -135,10 +137,7 @@ def stored_shape(geom: ParamGeometry, tp: int, gtp: int) -> tuple[int, ...]:
     """
     if not geom.gtp_active(gtp) or not geom.shape:
         return geom.shape
-    s = geom.split(tp, gtp).shard_rows
-    if geom.tp_kind in ("column", "vocab"):
-        return (tp * gtp * s,) + geom.shape[1:]
-    return (gtp * s,) + geom.shape[1:]
+    return legacy_shape(geom, tp, gtp)[len(geom.prepend):]
 
 
 def instance_boxes(geom: ParamGeometry, tp: int, gtp: int) -> list[Box]:
@@ -188,10 +187,9 @@ def check_target(params: Sequence[ParamInfo], lay: ParallelLayout) -> None:
         tp, gtp = lay.tp_gtp_sizes(p.geom.expert)
         p.geom.tp_local_shape(tp)  # divisibility (raises naming the param)
         if p.geom.gtp_active(gtp):
-            if p.geom.fused is not None and p.geom.fused.kind == "concat":
-                raise BridgeError(f"{p.name}: GTP={gtp} with a fused {p.geom.fused.names} projection: megatron-core "
-                                  f"0.19.2 scrambles its halves under GTP (megatron-layout.md §6.3), so no checkpoint "
-                                  f"it loads correctly exists; choose --gtp 1")
+            if p.geom.fused is not None and p.geom.fused.kind == "concat" and not is_scrambled_swiglu(p.geom, gtp):
+                raise BridgeError(f"{p.name}: GTP={gtp} with a fused {p.geom.fused.names} projection is not written "
+                                  f"by megatron-core 0.19.2's padded grid; choose --gtp 1")
             p.geom.split(tp, gtp)
         if p.geom.expert and len(p.geom.prepend) >= 2 and p.geom.prepend[1] % lay.ep:
             raise BridgeError(f"{p.name}: {p.geom.prepend[1]} experts are not divisible by EP={lay.ep}; "
@@ -382,7 +380,9 @@ def _write_model_space(w: DcpWriter, cache: ArrayCache, params: Sequence[ParamIn
         g = p.geom
         tp, gtp = lay.tp_gtp_sizes(g.expert)
         npre = len(g.prepend)
-        runs = stored_row_runs(g, g.gtp_active(gtp), tp, gtp)
+        runs = stored_row_runs(g, False, tp, gtp)
+        legacy = g.gtp_active(gtp) and bool(g.shape)
+        scrambled = is_scrambled_swiglu(g, gtp)
         shape = stored_shape(g, tp, gtp)
         boxes = instance_boxes(g, tp, gtp)
         roles = [("model", p.name, p.dtype)]
@@ -396,9 +396,13 @@ def _write_model_space(w: DcpWriter, cache: ArrayCache, params: Sequence[ParamIn
                     from converters.dcp_reader import ChunkInfo, StorageRef
 
                     ch = ChunkInfo(chunk_box.start, chunk_box.shape, StorageRef("", 0, 0))
-                    data = np.zeros(chunk_box.shape, dtype=_np_dtype(dt))
-                    for c in box_copies(fqn, 0, ch, runs, npre):
-                        data[tuple(slice(a, b) for a, b in c.src)] = cache.read(role_path(role, c.array), c.dst)
+                    data = np.zeros(chunk_box.shape, dtype=_np_dtype(dt))  # GTP pad rows stay zero
+                    if legacy:  # the 0.19.2 padded grid (scrambled SwiGLU halves), via bridge.layout.legacy
+                        for m in legacy_box_map(g, tp, gtp, chunk_box, scrambled_swiglu=scrambled):
+                            data[m.src.slices] = cache.read(role_path(role, m.array), m.logical)
+                    else:
+                        for c in box_copies(fqn, 0, ch, runs, npre):
+                            data[tuple(slice(a, b) for a, b in c.src)] = cache.read(role_path(role, c.array), c.dst)
                     w.tensor_chunk(fqn, chunk_box.start, _torch_from_numpy(data))
                     bar.update(data.nbytes)
 
