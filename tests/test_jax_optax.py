@@ -187,3 +187,28 @@ def test_default_no_decay_rule_and_missing_lr():
         ("decoder", "final_layernorm", "weight")}
     with pytest.raises(BridgeError, match="not Adam"):
         optimizer_from_manifest(Manifest(optimizer=OptimizerConfig(name="sgd", lr=1.0)))
+
+
+def test_lr_multiplier_groups_become_multi_transform(ckpt, mesh):
+    """A Megatron param group with lr_mult (e.g. a decoupled embedding lr) gets its own scaled adamw."""
+    d, arrays = ckpt
+    m = tiny_manifest(STEP)
+    emb = ("embedding", "word_embeddings", "weight")
+    m.optimizer.groups = [{"params": ["/".join(emb)], "lr_mult": 0.1, "wd_mult": 1.0}]
+    tx = optimizer_from_manifest(m)
+    r = restore(d, mesh=mesh, optimizer=jax.eval_shape(tx.init, _abstract_params()))
+    assert type(r.opt_state).__name__ == "PartitionState"
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), r.params)
+    upd, _ = jax.jit(tx.update)(grads, r.opt_state, r.params)
+    new = leaves_by_path(optax.apply_updates(r.params, upd))
+    no_decay = {tuple(k.split("/")) for k in m.optimizer.no_decay}
+    for p in (emb, ("output_layer", "weight")):
+        lr = 3e-3 * (0.1 if p == emb else 1.0)
+        ref = _numpy_adamw_step(arrays[("params",) + p].astype(np.float64), 0.01,
+                                arrays[("opt_state", "0", "mu") + p].astype(np.float64),
+                                arrays[("opt_state", "0", "nu") + p].astype(np.float64), STEP,
+                                lr, 0.9, 0.95, 1e-8, 0.0 if p in no_decay else 0.1)
+        np.testing.assert_allclose(np.asarray(new[p]), ref, rtol=2e-6, atol=1e-7, err_msg=path_str(p))
+    m.optimizer.groups = [{"lr_mult": 0.5}]
+    with pytest.raises(BridgeError, match="lists no params"):
+        optimizer_from_manifest(m)

@@ -70,7 +70,7 @@ def adam_hparams(manifest: Manifest | Mapping) -> AdamHParams:
     no_decay: set[Path] | None = None
     if o.no_decay:
         no_decay = {_split(k) for k in o.no_decay}
-    elif any("wd_mult" in g for g in o.groups):
+    elif any("wd_mult" in g and g.get("params") for g in o.groups):
         no_decay = {_split(k) for g in o.groups if g.get("wd_mult", 1.0) == 0.0 for k in g.get("params", [])}
     return AdamHParams(lr=o.lr, b1=float(b1), b2=float(b2), eps=float(o.eps if o.eps is not None else 1e-8),
                        weight_decay=float(o.weight_decay if o.weight_decay is not None else 0.01),
@@ -127,6 +127,8 @@ def optimizer_from_manifest(manifest: Manifest | Mapping, learning_rate: Any = N
     """A ready `optax.adamw` with the checkpoint's hyper-parameters and no-decay mask.
 
     `learning_rate` (a float or an optax schedule) overrides the manifest's lr; one of them is needed.
+    Param groups with an lr multiplier (and their `params` list) become `optax.multi_transform`
+    groups of adamw with the scaled learning rate.
     """
     import optax
 
@@ -134,5 +136,42 @@ def optimizer_from_manifest(manifest: Manifest | Mapping, learning_rate: Any = N
     lr = learning_rate if learning_rate is not None else h.lr
     if lr is None:
         raise BridgeError("manifest records no learning rate; pass learning_rate= (a float or an optax schedule)")
-    return optax.adamw(lr, b1=h.b1, b2=h.b2, eps=h.eps, weight_decay=h.weight_decay,
-                       mask=decay_mask(manifest, plan))
+    groups = [g for g in as_manifest(manifest).optimizer.groups if float(g.get("lr_mult", 1.0)) != 1.0]
+    if not groups:
+        return optax.adamw(lr, b1=h.b1, b2=h.b2, eps=h.eps, weight_decay=h.weight_decay,
+                           mask=decay_mask(manifest, plan))
+    return _grouped_adamw(manifest, lr, groups, plan)
+
+
+def _grouped_adamw(manifest: Manifest | Mapping, lr: Any, groups: list[dict], plan: Plan | None):
+    """Megatron param groups with lr multipliers -> optax.multi_transform of adamw per multiplier."""
+    import jax
+    import optax
+
+    h = adam_hparams(manifest)
+    label_of: dict[Path, str] = {}
+    mults: dict[str, float] = {"default": 1.0}
+    for i, g in enumerate(groups):
+        if not g.get("params"):
+            raise BridgeError(f"manifest param group with lr_mult {g.get('lr_mult')} lists no params; build the "
+                              f"optimizer yourself with optax.multi_transform")
+        label = f"group{i}"
+        mults[label] = float(g["lr_mult"])
+        for key in g["params"]:
+            label_of[_split(key)] = label
+    sources: dict[Path, tuple[Path, ...]] = {}
+    if plan is not None:
+        sources = {o: g.sources for g in plan.groups for o in g.outputs}
+
+    def labels(params: Any) -> Any:
+        def one(kp, _):
+            logical = sources.get(to_path(kp), (to_path(kp),))
+            return label_of.get(logical[0], "default")
+        return jax.tree_util.tree_map_with_path(one, params)
+
+    def scaled(m: float):
+        return (lambda step: lr(step) * m) if callable(lr) else lr * m
+
+    txs = {label: optax.adamw(scaled(m), b1=h.b1, b2=h.b2, eps=h.eps, weight_decay=h.weight_decay,
+                              mask=decay_mask(manifest, plan)) for label, m in mults.items()}
+    return optax.multi_transform(txs, labels)
