@@ -151,3 +151,24 @@ def test_staging_splits_rows_and_writes_every_element_once():
     out = np.zeros((7, 3), np.float32)
     stage_and_write([item], lambda n, b, a: out.__setitem__(b.slices, a), budget_bytes=64)
     assert np.array_equal(out[2:7], np.arange(15.0).reshape(5, 3))
+
+
+def test_wire_blocks_keep_every_piece_aligned():
+    """Odd-sized bf16 pieces next to fp32 ones, from two sources: every received view is aligned."""
+    from bridge.layout.chunks import ArrayOwnership
+    from bridge.live.export import _received_items
+    from bridge.live.plan import ExportPlan, Source, Transfer
+    from bridge.store.plan import ArraySpec
+
+    cat = [ArraySpec(("model", "a"), (3, 1), "bfloat16"), ArraySpec(("params", "b"), (2, 1), "float32")]
+    own = {c.name: ArrayOwnership(c.shape, c.shape, np.array([[1]], np.int32)) for c in cat}
+    tr = []
+    for src in (0, 2):
+        tr.append(Transfer(Source("model.a", Box((0, 0), (3, 1)), src, 0, 0, 0), Box((0, 0), (3, 1)), 1))
+        tr.append(Transfer(Source("params.b", Box((0, 0), (2, 1)), src, 1, 0, 0), Box((0, 0), (2, 1)), 1))
+    plan = ExportPlan(3, cat, own, tr, {"model.a": 2, "params.b": 4})
+    assert plan.recv_splits(1) == [16, 0, 16] and plan.payload_bytes(0, 1) == 14
+    recv = torch.arange(32, dtype=torch.uint8)
+    items = _received_items(plan, recv, 1, {"model.a": torch.bfloat16, "params.b": torch.float32})
+    assert [(it.name, it.data.dtype) for it in items] == [("params.b", torch.float32), ("model.a", torch.bfloat16)] * 2
+    assert items[2].data.view(torch.uint8).reshape(-1).tolist() == list(range(16, 24))  # second block starts at 16

@@ -114,6 +114,9 @@ def _send_buffer(plan: ExportPlan, holdings: Sequence[Holding], rank: int, devic
         if dst == rank:
             continue
         segs.extend(_piece_tensor(holdings[t.src.holding], t) for t in plan.sends(rank, dst))
+        pad = plan.split_bytes(rank, dst) - plan.payload_bytes(rank, dst)
+        if pad:
+            segs.append(torch.zeros(pad, dtype=torch.uint8, device=device))
     return pack(segs, device)
 
 
@@ -122,12 +125,14 @@ def _received_items(plan: ExportPlan, recv: torch.Tensor, rank: int, dtypes: dic
     for src in range(plan.world):
         if src == rank:
             continue
+        block_end = off + plan.split_bytes(src, rank)
         for t in plan.sends(src, rank):
             dt = dtypes[t.array]
             nb = t.box.size * plan.itemsize[t.array]
-            data = recv[off:off + nb].view(dt).reshape(t.box.shape)
+            data = recv[off:off + nb].view(dt).reshape(t.box.shape)  # aligned: wide dtypes first, blocks padded
             items.append(WriteItem(t.array, t.box, data))
             off += nb
+        off = block_end
     if off != recv.numel():
         raise BridgeError(f"rank {rank}: received {recv.numel()} bytes, the plan accounts for {off} (plans differ between ranks)")
     return items

@@ -31,6 +31,9 @@ from bridge.store.specs import ITEMSIZE
 from bridge.store.tree import name_to_path
 
 
+WIRE_ALIGN = 16  # bytes: each (src, dst) block of the exchange buffer starts at a multiple of this
+
+
 @dataclass(frozen=True)
 class Source:
     """A usable piece: `rank`'s holding `holding`, piece `piece`, covering `box` of `array`."""
@@ -68,15 +71,24 @@ class ExportPlan:
     _pairs: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        for t in self.transfers:  # plan order within each (src, dst) pair = wire order
+        for t in self.transfers:
             self._pairs.setdefault((t.src.rank, t.dst), []).append(t)
+        # wire order: wider dtypes first, so every piece starts aligned to its item size
+        for pair, ts in self._pairs.items():
+            ts.sort(key=lambda t: -self.itemsize[t.array])
 
     def sends(self, rank: int, dst: int) -> list[Transfer]:
         """Transfers from `rank` to `dst` in wire order (src == dst: the owner's local parts)."""
         return self._pairs.get((rank, dst), [])
 
-    def split_bytes(self, src: int, dst: int) -> int:
+    def payload_bytes(self, src: int, dst: int) -> int:
+        """Data bytes `src` sends to `dst` (the wire block is padded to WIRE_ALIGN)."""
         return sum(t.box.size * self.itemsize[t.array] for t in self.sends(src, dst))
+
+    def split_bytes(self, src: int, dst: int) -> int:
+        """Wire block size: payload rounded up to WIRE_ALIGN, so the next block stays aligned."""
+        n = self.payload_bytes(src, dst)
+        return -(-n // WIRE_ALIGN) * WIRE_ALIGN
 
     def send_splits(self, rank: int) -> list[int]:
         return [0 if d == rank else self.split_bytes(rank, d) for d in range(self.world)]
@@ -86,7 +98,7 @@ class ExportPlan:
 
     def moved_bytes(self) -> int:
         """Bytes that cross ranks (what the exchange carries)."""
-        return sum(t.box.size * self.itemsize[t.array] for t in self.transfers if t.src.rank != t.dst)
+        return sum(self.payload_bytes(s, d) for (s, d) in self._pairs if s != d)
 
     def written_bytes(self, rank: int) -> int:
         return sum(t.box.size * self.itemsize[t.array] for t in self.transfers if t.dst == rank)
