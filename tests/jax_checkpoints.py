@@ -70,7 +70,7 @@ def tiny_manifest(step: int = 0):
     # so tests can tell the manifest's list from the default rule.
     no_decay = ["/".join(p) for p in tiny_params() if p[-1] in ("bias", "layer_norm_weight") or
                 p[-2] == "final_layernorm" or p[0] == "embedding"]
-    return Manifest(source=SourceLayout(framework="megatron", tp=2, gtp=2, dp=2, world_size=8,
+    return Manifest(source=SourceLayout(framework="megatron", tp=2, gtp=2, dp=2, world_size=8, pad_for_alignment=32,
                                         optimizer_format="fully_reshardable"),
                     optimizer=OptimizerConfig(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, step=step,
                                               no_decay=no_decay),

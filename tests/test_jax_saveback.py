@@ -78,6 +78,7 @@ def test_train_save_back_read_by_store(src, mesh, tmp_path):
     assert m.optimizer.betas == (0.9, 0.95) and m.optimizer.weight_decay == 0.1 and m.optimizer.step == STEP + 3
     assert m.optimizer.no_decay == manifest.optimizer.no_decay
     assert m.source.framework == "jax" and m.extra["previous_source"]["tp"] == 2
+    assert m.source.pad_for_alignment == manifest.source.pad_for_alignment == 32
     # the tree is Orbax's own for adamw: EmptyState entries recorded as None
     tree = json.load(open(os.path.join(dst, "_METADATA")))["tree_metadata"]
     assert tree["('opt_state', '1')"]["value_metadata"]["value_type"] == "None"

@@ -154,7 +154,9 @@ def _manifest_for(tree: dict, base: Manifest | None, hyperparams: Mapping[str, A
     """The manifest of the checkpoint being saved: base tables + this writer + digests."""
     m = copy.deepcopy(base) if base is not None else Manifest()
     previous = m.source
-    m.source = SourceLayout(framework="jax", world_size=jax.process_count(), optimizer_format="optax")
+    # The data is layout-free; keep the model-config property a Megatron reload needs (GTP alignment).
+    m.source = SourceLayout(framework="jax", world_size=jax.process_count(), optimizer_format="optax",
+                            pad_for_alignment=previous.pad_for_alignment)
     if base is not None:
         m.extra = dict(m.extra)
         m.extra["previous_source"] = dataclasses.asdict(previous)
