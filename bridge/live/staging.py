@@ -108,10 +108,22 @@ def _batches(items: list[WriteItem], half: int) -> list[list[WriteItem]]:
     return out
 
 
+_PINNED: dict[int, list[torch.Tensor]] = {}  # reused across exports: pinning host memory is slow
+
+
+def _pinned(size: int, count: int) -> list[torch.Tensor]:
+    bufs = _PINNED.get(size)
+    if bufs is None or len(bufs) < count:
+        _PINNED.clear()  # keep at most one size: the budget bounds pinned memory too
+        bufs = _PINNED[size] = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
+    return bufs[:count]
+
+
 def _stage_cuda(items: list[WriteItem], write, half: int, on_bytes) -> int:
     batches = _batches(items, half)
     size = max(sum(p.data.numel() * p.data.element_size() for p in b) for b in batches)
-    bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(min(2, len(batches)))]
+    size = min(half, -(-size // (1 << 20)) * (1 << 20)) if size < half else size  # round up: reuse across calls
+    bufs = _pinned(size, min(2, len(batches)))
     stream = torch.cuda.Stream()
     events: list[torch.cuda.Event | None] = [None] * len(bufs)
 
