@@ -33,7 +33,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures", "megatron"))
 
 # sync_replicas: TP replicas start identical (0.19.2 initialises position embeddings per TP rank,
 # and a run whose replicas differ has no single logical state to reload elsewhere).
-LAYOUTS = {"tp2": dict(nproc=2, tp=2, sync_replicas=True), "dp2": dict(nproc=2, sync_replicas=True)}
+# gtp2 (TP1 x GTP2, local specs) needs TransformerEngine staged first (docs: gpu-recipes.md).
+LAYOUTS = {"tp2": dict(nproc=2, tp=2, sync_replicas=True), "dp2": dict(nproc=2, sync_replicas=True),
+           "gtp2": dict(nproc=2, gtp=2, sync_replicas=True)}
 STEPS = 3
 REPEATS = 2
 
@@ -146,7 +148,7 @@ def main() -> None:
     from bridge.live.megatron_adapter import export_megatron, load_megatron, local_params
 
     run_cfg = LAYOUTS[a.layout]
-    tinygpt.setup_parallel(run_cfg.get("tp", 1))
+    tinygpt.setup_parallel(run_cfg.get("tp", 1), run_cfg.get("ep", 1), run_cfg.get("gtp", 1))
     rank = torch.distributed.get_rank()
     model, gpt, optimizer, _ = tinygpt.build(run_cfg)
     res: dict = {"layout": a.layout, "mode": a.mode}
