@@ -352,3 +352,12 @@ def test_gtp_replicated_params_may_differ_across_gtp_ranks_and_rank0_is_exported
     assert main[1][fc1 + ".weight"] and not main[1][fc1 + ".bias"]
     stored = DcpCheckpoint(r.dir / "dp_reshardable").read_full("embedding.position_embeddings.weight")
     assert torch.equal(stored, a)
+
+
+def test_adapter_doctests():
+    import doctest
+
+    import bridge.live.megatron_adapter as mod
+
+    res = doctest.testmod(mod)
+    assert res.attempted >= 5 and res.failed == 0
