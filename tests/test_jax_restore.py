@@ -153,3 +153,20 @@ def test_restore_errors(store_ckpt, tmp_path):
     with pytest.raises(BridgeError, match="unknown items"):
         restore(d, mesh=mesh, items=("params", "extra"))
     assert os.listdir(tmp) == []  # nothing written anywhere
+
+
+def test_untrusted_names_refused_before_any_read(tmp_path):
+    """A _METADATA naming an array outside the checkpoint is refused before Orbax opens anything."""
+    import json
+
+    d = tmp_path / "evil"
+    d.mkdir()
+    entry = {"key_metadata": [{"key": "params", "key_type": 2}, {"key": "../../etc", "key_type": 2}],
+             "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False}}
+    (d / "_METADATA").write_text(json.dumps({"tree_metadata": {"('params', '../../etc')": entry},
+                                             "use_ocdbt": False, "use_zarr3": True}))
+    with pytest.raises(BridgeError, match=r"bad tree name component '\.\./\.\./etc'"):
+        restore(str(d), mesh=Mesh(_devices().reshape(2, 4), ("fsdp", "tp")))
+    (d / "_METADATA").write_text("{not json")
+    with pytest.raises(BridgeError, match="_METADATA is unreadable"):
+        restore(str(d), mesh=Mesh(_devices().reshape(2, 4), ("fsdp", "tp")))

@@ -9,6 +9,7 @@ None]`, the structure Orbax records for `optax.adamw(...).init(params)`).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -20,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from bridge.errors import BridgeError
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.sharding_rules import ShardingRules, default_spec
+from bridge.store.tree import parse_tree_metadata, validate_path
 from converters.jax_naming import Group
 
 PARAMS, MODEL, STEP = ("params",), ("model",), ("step",)
@@ -67,6 +69,7 @@ def stored_arrays(directory: str | os.PathLike) -> StoredTree:
         raise BridgeError(f"checkpoint directory {d} does not exist; pass the path of a committed checkpoint")
     if not os.path.isfile(os.path.join(d, "_METADATA")):
         raise BridgeError(f"{d} has no _METADATA: not a committed Orbax checkpoint; pass a checkpoint directory")
+    _check_names(d)
     meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(d).item_metadata
     arrays = {}
     for p, m in leaves_by_path(meta.tree).items():
@@ -74,6 +77,20 @@ def stored_arrays(directory: str | os.PathLike) -> StoredTree:
             continue
         arrays[p] = StoredArray(p, tuple(int(s) for s in m.shape), np.dtype(m.dtype))
     return StoredTree(d, arrays, dict(meta.custom_metadata or {}))
+
+
+def _check_names(directory: str) -> None:
+    """Refuse array names that could escape the checkpoint (checkpoints are untrusted input),
+    before Orbax opens anything."""
+    try:
+        with open(os.path.join(directory, "_METADATA")) as f:
+            tree = json.load(f)["tree_metadata"]
+        arrays, empty = parse_tree_metadata(tree)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise BridgeError(f"{directory}/_METADATA is unreadable ({str(e).splitlines()[0]}); "
+                          f"the checkpoint is damaged") from None
+    for p in list(arrays) + list(empty):
+        validate_path(p)
 
 
 ShardingSource = Callable[[Path, tuple[int, ...]], Sharding]
