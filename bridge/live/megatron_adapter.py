@@ -564,20 +564,25 @@ def local_params(model: Any, optimizer: Any, *, metadata: Mapping[str, Any] | No
             if name_of.get(id(p)):
                 group_keys[len(groups) - len(opt.optimizer.param_groups) + gi].append(name_of[id(p)])
 
-    bind_entries = []
+    bind_entries, dequantized = [], set()
     for m in mappings:
         e, t, p = by_entry[m.entry], data[m.entry], named[m.param]
         if e.backlink is None:
             _check_alias(m.param, t, p, rank)
             bind_entries.append((m.key, m.geometry, p))
+        elif getattr(t, "_gtp_dequant_src", None) is not None:
+            bind_entries.append((m.key, m.geometry, t))  # FP8: the bf16 copy binds through its backlink
+            dequantized.add(m.param)
         else:
-            bind_entries.append((m.key, m.geometry, t))  # dequantized copy; binds through its backlink
+            bind_entries.append((m.key, m.geometry, p))  # trimmed GTP view (gtp_pad_src): the live shard
     out = bind_optimizer_state(bind_entries, pairs)
     for lp, m in zip(out, mappings):
         lp.index = m.index
-        w = lp.weight
-        if isinstance(w, torch.Tensor) and type(w) is not torch.Tensor and not isinstance(w, torch.nn.Parameter):
-            lp.weight = data[m.entry]  # a quantized live param: export its dequantized bf16 copy
+        if m.param in dequantized:
+            if not for_export:
+                raise BridgeError(f"rank {rank}: {m.param} is a native FP8 parameter; the Megatron adapter loads "
+                                  "into bf16 parameters only (reload the checkpoint into a bf16 run)")
+            lp.weight = data[m.entry]  # export the dequantized bf16 copy, as Megatron's checkpoint does
     if for_export:
         out = [lp for lp, m in zip(out, mappings) if m.model_parallel_main]
     step = common_step([int(s) for s in steps], f"rank {rank} optimizer")
