@@ -85,11 +85,14 @@ class JoinSections:
     """Concatenate the section leaves under a fused parameter path matching `pattern`.
 
     `axis=None` joins along the parameter's first own axis (after stacked-layer/expert axes).
+    With `stack=True` equal-shaped sections are stacked on a new axis there instead
+    (`[gate; up]` -> `[2, F, H]`, which a TP-sharded JAX model can split without mixing sections).
     """
 
     pattern: str
     sections: tuple[str, ...] | None = None
     axis: int | None = None
+    stack: bool = False
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,7 @@ class Group:
     join_axis: int | None = None
     unstack_axis: int | None = None
     perm: tuple[int, ...] | None = None
+    stacked: bool = False  # join by stacking on a new axis instead of concatenating
 
     @property
     def joined_shape(self) -> tuple[int, ...]:
@@ -196,6 +200,8 @@ class Group:
         if self.join_axis is None:
             return first
         ax = self.join_axis
+        if self.stacked:
+            return first[:ax] + (len(self.source_shapes),) + first[ax:]
         return first[:ax] + (sum(s[ax] for s in self.source_shapes),) + first[ax + 1:]
 
     @property
@@ -213,7 +219,10 @@ class Group:
 
     def forward(self, sources: Sequence[Any], be: Backend = NUMPY) -> list[Any]:
         """Source arrays (in `sources` order) -> output arrays (in `outputs` order)."""
-        x = be.concat(sources, self.join_axis) if self.join_axis is not None else sources[0]
+        if self.join_axis is None:
+            x = sources[0]
+        else:
+            x = (be.stack if self.stacked else be.concat)(sources, self.join_axis)
         if self.unstack_axis is not None:
             parts = [be.take(x, self.unstack_axis, i) for i in range(self.joined_shape[self.unstack_axis])]
         else:
@@ -231,6 +240,8 @@ class Group:
         x = be.stack(parts, self.unstack_axis) if self.unstack_axis is not None else parts[0]
         if self.join_axis is None:
             return [x]
+        if self.stacked:
+            return [be.take(x, self.join_axis, i) for i in range(len(self.sources))]
         out, start = [], 0
         for shape in self.source_shapes:
             stop = start + shape[self.join_axis]
@@ -272,7 +283,9 @@ class Group:
             spec.insert(self.unstack_axis, None)
         # A join axis keeps its split: each section is read already sharded (least bytes read) and
         # the concatenation under jit moves rows to their target devices; callers drop axes that
-        # do not divide a section.
+        # do not divide a section. A stacking axis does not exist in the sources.
+        if self.join_axis is not None and self.stacked:
+            del spec[self.join_axis]
         return tuple(spec)
 
 
@@ -360,7 +373,14 @@ class NamingMap:
                                   f"expects {list(names)}; fix the JoinSections rule")
             sshapes = tuple(shapes[s] for s in srcs)
             axis = rule.axis if rule.axis is not None else sum(leading_axes(parent + ("x",)))
-            axis = axis % len(sshapes[0])
+            axis = axis % (len(sshapes[0]) + (1 if rule.stack else 0))
+            if rule.stack:
+                if len(set(sshapes)) != 1:
+                    raise BridgeError(f"sections of {_join(parent)} have shapes {list(sshapes)}; stacking needs "
+                                      f"equal shapes, use JoinSections(stack=False)")
+                groups.append(Group(srcs, sshapes, (parent,), join_axis=axis, stacked=True))
+                used.update(srcs)
+                continue
             for s in sshapes:
                 if len(s) != len(sshapes[0]) or s[:axis] + s[axis + 1:] != sshapes[0][:axis] + sshapes[0][axis + 1:]:
                     raise BridgeError(f"sections of {_join(parent)} have shapes {list(sshapes)} that do not join "
@@ -395,7 +415,7 @@ class NamingMap:
             for r in renames:
                 s = re.sub(r.regex, r.replacement, s)
             final.append(tuple(c for c in s.split("/") if c))
-        return Group(g.sources, g.source_shapes, tuple(final), g.join_axis, unstack_axis, perm)
+        return Group(g.sources, g.source_shapes, tuple(final), g.join_axis, unstack_axis, perm, g.stacked)
 
 
 def named_views(directory: str, naming: NamingMap, prefix: Path = ("params",)) -> dict[Path, Any]:

@@ -88,6 +88,21 @@ def test_round_trip_property(L, rows, cols, unstack, transpose):
         assert np.array_equal(back[p], a)
 
 
+def test_stacked_sections():
+    tree = _tree()
+    nm = NamingMap([JoinSections("*/linear_fc1/weight", ("gate", "up"), stack=True), Transpose("*/linear_fc1/weight")])
+    plan = nm.plan({p: a.shape for p, a in tree.items()})
+    out = plan.apply(tree)
+    fc1 = out[FC1]
+    assert fc1.shape == (3, 2, 4, 5)  # [layers, {gate, up}, in, out]
+    np.testing.assert_array_equal(fc1[:, 1], np.swapaxes(tree[FC1 + ("up",)], -1, -2))
+    back = plan.invert(out)
+    assert all(np.array_equal(back[p], tree[p]) for p in tree)
+    with pytest.raises(BridgeError, match="stacking needs equal shapes"):
+        NamingMap([JoinSections("*/linear_qkv/weight", ("query", "key", "value"), stack=True)]).plan(
+            {p: a.shape for p, a in tree.items()})
+
+
 def test_refusals():
     tree = _tree()
     shapes = {p: a.shape for p, a in tree.items()}

@@ -148,7 +148,11 @@ class Target:
         for o in g.outputs:
             if self.shardings is None and not g.is_identity and self.rules.match(o) is None:
                 sizes = dict(self.mesh.shape)
-                spec = default_spec(g.logical_name, g.joined_shape, sizes, self.rules.axes)
+                if g.stacked:  # each section's own default, the new stacking axis replicated
+                    spec = list(default_spec(g.sources[0], g.source_shapes[0], sizes, self.rules.axes))
+                    spec.insert(g.join_axis, None)
+                else:
+                    spec = default_spec(g.logical_name, g.joined_shape, sizes, self.rules.axes)
                 out.append(NamedSharding(self.mesh, PartitionSpec(*g.forward_spec(tuple(spec)))))
             else:
                 out.append(self.sharding(o, g.out_shape))
