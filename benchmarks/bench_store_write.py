@@ -58,6 +58,7 @@ def _cur_rss_mib() -> float:
 
 # -- variants: each runs in a spawned process and returns (t_start, t_end, peak_rss, base_rss) ------
 def store_worker(rank, world, shapes, out_dir, barrier, q, extra):
+    import tensorstore  # noqa: F401 (imported at start-up in any real program, as in raw_ts)
     from bridge.layout.boxes import Box
     from bridge.layout.chunks import regular_ownership
     from bridge.store import ArraySpec, CheckpointWriter, Manifest, finalize, make_write_plan, tmp_dir_for
@@ -80,7 +81,7 @@ def store_worker(rank, world, shapes, out_dir, barrier, q, extra):
         t1 = time.time()
     else:  # writer 1 is done when the committed checkpoint appears
         while not os.path.exists(out_dir):
-            time.sleep(0.001)
+            time.sleep(0.005)
         t1 = time.time()
     q.put((rank, t0, t1, _rss_mib(), base, _cpu_s() - c0))
 

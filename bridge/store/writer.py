@@ -100,6 +100,7 @@ class CheckpointWriter:
         self._open: dict[str, object] = {}
         self._txn = None
         self._futures: list = []
+        self._commits: list = []
         self._pending = 0
         self._finished = False
         self.bytes_written = 0
@@ -142,22 +143,36 @@ class CheckpointWriter:
         self._pending += data.nbytes
         self.bytes_written += data.nbytes
         if self._pending >= self.inflight_bytes:
-            self.flush()
+            self.flush(wait=False)
 
-    def flush(self) -> None:
-        """Commit the current transaction (one OCDBT version); bounds host memory."""
-        for f in self._futures:
-            f.result()
-        self._futures.clear()
-        if self._txn is not None:
-            try:
-                self._txn.commit_async().result()
-            except Exception as e:
-                raise BridgeError(f"writer {self.writer_id}: committing writes to {self.tmp_dir} failed: "
-                                  f"{' '.join(str(e).split())}") from e
-        self._txn = None
-        self._open.clear()
-        self._pending = 0
+    def flush(self, wait: bool = True) -> None:
+        """Commit the staged writes as one OCDBT version.
+
+        With ``wait=False`` (used when the in-flight budget fills) the commit runs in the
+        background while the next batch is staged; at most one commit is outstanding, so host
+        memory stays below about twice `inflight_bytes`.
+        """
+        try:
+            for f in self._futures:
+                f.result()
+            self._futures.clear()
+            for f in self._commits:  # the previous batch must land before the next one starts
+                f.result()
+            self._commits.clear()
+            if self._txn is not None:
+                self._commits.append(self._txn.commit_async())
+            self._txn = None
+            self._open.clear()
+            self._pending = 0
+            if wait:
+                for f in self._commits:
+                    f.result()
+                self._commits.clear()
+        except BridgeError:
+            raise
+        except Exception as e:
+            raise BridgeError(f"writer {self.writer_id}: committing writes to {self.tmp_dir} failed: "
+                              f"{' '.join(str(e).split())}") from e
 
     def finish(self) -> dict:
         """Create metadata of arrays this writer is responsible for, flush, and publish its report."""
