@@ -212,3 +212,22 @@ def test_lr_multiplier_groups_become_multi_transform(ckpt, mesh):
     m.optimizer.groups = [{"lr_mult": 0.5}]
     with pytest.raises(BridgeError, match="lists no params"):
         optimizer_from_manifest(m)
+
+
+def test_template_shardings_place_the_moments(ckpt, mesh):
+    """Explicit placement through the template: nu replicated, mu as its param (default rules)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    d, arrays = ckpt
+    tx = optax.adamw(1e-3)
+    tmpl = jax.eval_shape(tx.init, _abstract_params())
+    rep = NamedSharding(mesh, P())
+    nu = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), tmpl[0].nu)
+    tmpl = (tmpl[0]._replace(nu=nu),) + tuple(tmpl[1:])
+    r = restore(d, mesh=mesh, optimizer=tmpl)
+    w = r.opt_state[0]
+    p = ("decoder", "layers", "mlp", "linear_fc2", "weight")
+    assert leaves_by_path(w.nu)[p].sharding.is_fully_replicated
+    assert leaves_by_path(w.mu)[p].sharding == leaves_by_path(r.params)[p].sharding
+    assert not leaves_by_path(r.params)[p].sharding.is_fully_replicated
+    assert np.array_equal(bits(leaves_by_path(w.nu)[p]), bits(arrays[("opt_state", "0", "nu") + p]))

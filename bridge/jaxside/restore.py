@@ -64,6 +64,7 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
     `optimizer` is an optax template (`jax.eval_shape(tx.init, params)`), filled by key path; it
     must match the (named) parameter tree and shapes, else BridgeError names the first differing path.
     `dtypes` ({"params"|"model"|"mu"|"nu": dtype}) casts on read; moments default to the template's dtype.
+    Moments whose template leaf carries a NamedSharding are restored with it (else their param's).
     `concurrent_gb` bounds the bytes Orbax reads in flight (host memory), default Orbax's.
     """
     bad = set(items) - set(ITEMS)
@@ -86,11 +87,14 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
     if want_opt and not stored.has(MU):
         raise BridgeError(f"{stored.directory} holds no optimizer state (opt_state/0/mu); restore without opt_state")
     moment_dtypes: dict[str, dict[Path, Any]] = {"mu": {}, "nu": {}}
+    moment_shardings: dict[str, dict[Path, Sharding]] = {"mu": {}, "nu": {}}
     if optimizer is not None:
         check_template(optimizer, {o: (s, None) for o, s in plans["params"].out_shapes().items()}, strict)
         for _, role, leaf in template_roles(optimizer):
             if role.kind in MOMENTS:
                 moment_dtypes[role.kind][role.param] = leaf.dtype
+                if isinstance(getattr(leaf, "sharding", None), NamedSharding):  # the template's own placement wins
+                    moment_shardings[role.kind][role.param] = leaf.sharding
 
     requests: list[tuple[Path, str, Plan, Any]] = []  # (stored prefix, kind, plan, dtype override)
     if "params" in items:
@@ -101,7 +105,7 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
         requests.append((MU, "mu", plans["params"], dtypes.get("mu")))
         requests.append((NU, "nu", plans["params"], dtypes.get("nu")))
     scalars = ([COUNT] if want_opt else []) + ([STEP] if "step" in items else [])
-    abstract, jobs = _plan_reads(stored, target, requests, moment_dtypes, scalars)
+    abstract, jobs = _plan_reads(stored, target, requests, moment_dtypes, moment_shardings, scalars)
     flat = _orbax_restore(stored, abstract, concurrent_gb)
 
     results: dict[str, dict[Path, Any]] = {"params": {}, "model": {}, "mu": {}, "nu": {}}
@@ -127,7 +131,8 @@ Job = tuple[Path, str, Group, list[Sharding], Any]  # (stored prefix, kind, grou
 
 
 def _plan_reads(stored: StoredTree, target: Target, requests: list[tuple[Path, str, Plan, Any]],
-                moment_dtypes: Mapping[str, Mapping[Path, Any]], scalars: list[Path],
+                moment_dtypes: Mapping[str, Mapping[Path, Any]],
+                moment_shardings: Mapping[str, Mapping[Path, Sharding]], scalars: list[Path],
                 ) -> tuple[dict[Path, jax.ShapeDtypeStruct], list[Job]]:
     """Which stored arrays to read, with which sharding and dtype, and the transforms after reading."""
     abstract: dict[Path, jax.ShapeDtypeStruct] = {}
@@ -135,6 +140,8 @@ def _plan_reads(stored: StoredTree, target: Target, requests: list[tuple[Path, s
     for prefix, kind, plan, dt in requests:
         for g in plan.groups:
             outs = target.group_shardings(g)
+            given = moment_shardings.get(kind, {})
+            outs = [given.get(o, s) for o, s in zip(g.outputs, outs)]
             want_dt = dt if dt is not None else moment_dtypes.get(kind, {}).get(g.outputs[0])
             src_sh = outs[0] if g.is_identity else _source_sharding(g, outs[0], target)
             for s, shape in zip(g.sources, g.source_shapes):
