@@ -52,11 +52,13 @@ _ALLOWED: set[tuple[str, str]] = {
     ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
     ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
 }
-_ALLOWED |= {("torch.distributed.checkpoint.metadata", n) for n in (
+# DCP's own metadata classes are read as inert records (their pickled state is plain data): no torch
+# code runs while unpickling, and torch.distributed.checkpoint (seconds to import) is not needed.
+RECORD_CLASSES = {("torch.distributed.checkpoint.metadata", n) for n in (
     "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
     "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING")}
-_ALLOWED |= {("torch.distributed.checkpoint.filesystem", n) for n in ("_StorageInfo", "_StoragePrefix")}
-_ALLOWED |= {("torch.distributed.checkpoint.planner", n) for n in (
+RECORD_CLASSES |= {("torch.distributed.checkpoint.filesystem", n) for n in ("_StorageInfo", "_StoragePrefix")}
+RECORD_CLASSES |= {("torch.distributed.checkpoint.planner", n) for n in (
     "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadItemType")}
 
 
@@ -152,7 +154,7 @@ class SafeUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:  # noqa: D102 - pickle API
         module, name = str(module), str(name)
-        if any(module == p.rstrip(".") or module.startswith(p) for p in STUB_PREFIXES):
+        if any(module == p.rstrip(".") or module.startswith(p) for p in STUB_PREFIXES) or (module, name) in RECORD_CLASSES:
             return make_stub(module, name)
         obj = _resolve_allowed(module, name)
         if obj is None:
@@ -276,8 +278,14 @@ class ObjectInfo:
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
-    """Attribute of a real object or of an InertStub's pickled state."""
+    """Attribute of a real object or of an InertStub's pickled state.
+
+    `TensorProperties` pickles its state as a tuple `(dtype, layout, requires_grad, ...)`.
+    """
     if isinstance(obj, InertStub):
+        st = obj.stub_state
+        if obj.stub_name.endswith(".TensorProperties") and isinstance(st, tuple) and st and name == "dtype":
+            return st[0]
         return obj.get(name, default)
     return getattr(obj, name, default)
 

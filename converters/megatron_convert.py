@@ -40,6 +40,8 @@ from converters.megatron_plan import (ROLES, Copy, Instance, Unit, contributes, 
                                       local_instances, model_space_copies, parse_dtype_key,
                                       rebuild_bucket_layout, role_path)
 
+MIN_BYTES_PER_WORKER = 256 << 20
+
 TORCH_TO_NP = {"torch.bfloat16": "bfloat16", "torch.float32": "float32", "torch.float16": "float16",
                "torch.float64": "float64", "torch.int64": "int64", "torch.int32": "int32", "torch.uint8": "uint8"}
 
@@ -65,6 +67,7 @@ class ConvertOptions:
     force: bool = False
     hints: Hints | None = None
     show_progress: bool | None = None
+    min_worker_bytes: int = MIN_BYTES_PER_WORKER
 
 
 @dataclass
@@ -432,8 +435,8 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
         raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
     if opts.workers < 1:
         raise BridgeError(f"--workers must be >= 1, got {opts.workers}")
-    if opts.budget < (1 << 20):
-        raise BridgeError(f"--budget must be at least 1M, got {opts.budget} bytes")
+    if opts.budget < (64 << 10):
+        raise BridgeError(f"--budget must be at least 64k, got {opts.budget} bytes")
     ck = DcpCheckpoint(src_dir)
     src = describe(ck, hints)
     groups = optimizer_groups(src)
@@ -441,11 +444,14 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     units = build_units(src, hints)
     if src.fmt != "model_only" and not any("params" in u.copies for u in units):
         raise BridgeError(f"{ck.root}: optimizer entries match no model parameter; unknown format")
-    workers = max(1, min(opts.workers, len(units)))
+    # A worker process costs seconds to start (torch + TensorStore imports): give each at least
+    # MIN_BYTES_PER_WORKER of work, so small checkpoints convert in-process.
+    total_bytes = sum(u.nbytes for u in units)
+    workers = max(1, min(opts.workers, len(units), -(-total_bytes // max(1, opts.min_worker_bytes))))
     owners = assign_writers(units, workers)
     plan = make_plan(units, owners, workers)
     manifest = build_manifest(src, units, step, groups)
-    total = sum(u.nbytes for u in units)
+    total = total_bytes
     tmp = begin_checkpoint(dst)
     warnings: list[str] = []
     try:

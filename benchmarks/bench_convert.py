@@ -1,0 +1,125 @@
+"""Conversion throughput against anchors measured in the same run.
+
+Builds a Megatron-shaped `fully_reshardable` torch_dist checkpoint (GQA + SwiGLU GPT, TP=1, written
+with real `torch.distributed.checkpoint.save`), then times, one after the other:
+  convert   gtp-bridge convert SRC DST (workers as given)
+  dcp.load  torch DCP reading every tensor of SRC into preallocated tensors
+  raw write writing the same number of bytes (the logical arrays) to plain files, fsynced
+and reports convert time / (dcp.load + raw write) — below 1.0 means convert beats doing the read
+and the write separately with the standard tools.
+
+    python benchmarks/bench_convert.py --hidden 1024 --layers 4 --workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+def build_source(path: str, hidden: int, layers: int, vocab: int) -> int:
+    """Write the checkpoint (model + fully_reshardable optimizer keys); returns its tensor bytes."""
+    import convert_synth as cs
+
+    cs.H, cs.L, cs.V, cs.F = hidden, layers, vocab, 4 * hidden
+    cs.HD = 128 if hidden >= 256 else max(1, hidden // 4)
+    cs.NQ = hidden // cs.HD
+    cs.NG = max(1, cs.NQ // 4)
+    cs.QKV = (cs.NQ + 2 * cs.NG) * cs.HD
+    st = cs.state(0)
+    sd: dict = {}
+    nbytes = 0
+    for role, prefix in (("model", ""), ("params", "optimizer.state.param."), ("mu", "optimizer.state.exp_avg."),
+                         ("nu", "optimizer.state.exp_avg_sq.")):
+        for key, full in cs.fuse(st[role]).items():
+            t = cs._to_torch(np.ascontiguousarray(full)).clone()
+            sd[prefix + key] = t
+            nbytes += t.numel() * t.element_size()
+    buf = io.BytesIO()
+    torch.save([cs.common_state(1, 1, "fully_reshardable")], buf)
+    sd["common_state"] = buf
+    dcp.save(sd, checkpoint_id=path)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+    return nbytes
+
+
+def time_convert(src: str, dst: str, workers: int) -> float:
+    from converters.megatron_convert import ConvertOptions, convert
+
+    t0 = time.perf_counter()
+    convert(src, dst, ConvertOptions(workers=workers, show_progress=False))
+    return time.perf_counter() - t0
+
+
+def time_dcp_load(src: str) -> float:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(src).read_metadata()
+    target = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+              for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+    t0 = time.perf_counter()
+    dcp.load(target, checkpoint_id=src)
+    return time.perf_counter() - t0
+
+
+def time_raw_write(dst_logical: str, out: str) -> tuple[float, int]:
+    """Write the converted arrays' bytes to plain files (read beforehand, not timed)."""
+    from bridge.store.reader import open_checkpoint
+
+    ck = open_checkpoint(dst_logical)
+    arrays = [np.ascontiguousarray(ck.read(p)) for p in ck.arrays()]
+    os.makedirs(out)
+    t0 = time.perf_counter()
+    total = 0
+    for i, a in enumerate(arrays):
+        with open(os.path.join(out, f"a{i}.bin"), "wb") as f:
+            f.write(a.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        total += a.nbytes
+    return time.perf_counter() - t0, total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=16384)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    a = ap.parse_args()
+    root = a.dir or tempfile.mkdtemp(prefix="bench-convert-")
+    src, dst, raw = (os.path.join(root, n) for n in ("src", "dst", "raw"))
+    for p in (src, dst, raw):
+        shutil.rmtree(p, ignore_errors=True)
+    nbytes = build_source(src, a.hidden, a.layers, a.vocab)
+    t_load = time_dcp_load(src)
+    t_conv = time_convert(src, dst, a.workers)
+    t_raw, raw_bytes = time_raw_write(dst, raw)
+    mib = nbytes / 2**20
+    print(f"checkpoint: hidden {a.hidden}, layers {a.layers}, vocab {a.vocab}: {mib:.0f} MiB of tensors "
+          f"({raw_bytes / 2**20:.0f} MiB logical)")
+    print(f"{'step':<28}{'seconds':>9}{'MiB/s':>9}")
+    print(f"{'convert (workers=%d)' % a.workers:<28}{t_conv:>9.2f}{mib / t_conv:>9.0f}")
+    print(f"{'dcp.load (anchor)':<28}{t_load:>9.2f}{mib / t_load:>9.0f}")
+    print(f"{'raw write (anchor)':<28}{t_raw:>9.2f}{raw_bytes / 2**20 / t_raw:>9.0f}")
+    print(f"ratio convert / (dcp.load + raw write) = {t_conv / (t_load + t_raw):.2f}")
+    if not a.dir:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
