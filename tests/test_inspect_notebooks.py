@@ -106,7 +106,8 @@ def test_inspect_notebook_default_demo_finds_planted_problems(tmp_path):
     assert res["nonfinite"] == {}
 
 
-FIXTURE = os.path.join(REPO, "tests", "fixtures", "megatron", "tp1")
+# bridge/demo_data/gtp2_local is a copy of this run's fully_reshardable save; its reference is here
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "megatron", "gtp2_local")
 
 
 def _read_all(directory: str) -> dict[str, np.ndarray]:
@@ -124,16 +125,20 @@ def _no_decay(name: str) -> bool:
 
 @pytest.fixture(scope="module")
 def m2j(tmp_path_factory):
-    """Run megatron_to_jax.ipynb once on the real fixture; its results, the fixture's reference and run.json."""
+    """Run megatron_to_jax.ipynb once as shipped (on bridge/demo_data); its results, the reference and run.json."""
     torch = pytest.importorskip("torch")
-    src = os.path.join(FIXTURE, "fully_reshardable")
-    if not os.path.isdir(src):
-        pytest.skip("real Megatron fixture not present")
     out = tmp_path_factory.mktemp("m2j") / "results.json"
-    run_notebook(os.path.join(NOTEBOOKS, "megatron_to_jax.ipynb"),
-                 {"GTP_BRIDGE_MEGATRON_SRC": src, "GTP_BRIDGE_CONVERT_FLAGS": "--kv-channels 6",
-                  "GTP_BRIDGE_NB_RESULTS": str(out)})
+    saved = os.environ.pop("GTP_BRIDGE_MEGATRON_SRC", None)
+    try:
+        run_notebook(os.path.join(NOTEBOOKS, "megatron_to_jax.ipynb"), {"GTP_BRIDGE_NB_RESULTS": str(out)})
+    finally:
+        if saved is not None:
+            os.environ["GTP_BRIDGE_MEGATRON_SRC"] = saved
     res = json.loads(out.read_text())
+    assert res["src"].endswith(os.path.join("bridge", "demo_data", "gtp2_local"))
+    with open(os.path.join(res["src"], ".metadata"), "rb") as a, \
+            open(os.path.join(FIXTURE, "fully_reshardable", ".metadata"), "rb") as b:
+        assert a.read() == b.read()  # the demo data is that fixture run, so its reference applies
     ref = torch.load(os.path.join(FIXTURE, "reference_rank0.pt"), weights_only=True)
     run = json.load(open(os.path.join(FIXTURE, "run.json")))
     groups = {n: v["group_index"] for o in ref["optimizers"] for n, v in o["params"].items()}
