@@ -57,10 +57,12 @@ def build_source(path: str, hidden: int, layers: int, vocab: int) -> int:
 
 
 def time_convert(src: str, dst: str, workers: int) -> float:
+    """Wall time of convert with exactly `workers` writer processes (1 = in-process)."""
     from converters.megatron_convert import ConvertOptions, convert
 
+    shutil.rmtree(dst, ignore_errors=True)
     t0 = time.perf_counter()
-    convert(src, dst, ConvertOptions(workers=workers, show_progress=False))
+    convert(src, dst, ConvertOptions(workers=workers, show_progress=False, min_worker_bytes=1))
     return time.perf_counter() - t0
 
 
@@ -107,16 +109,20 @@ def main() -> None:
         shutil.rmtree(p, ignore_errors=True)
     nbytes = build_source(src, a.hidden, a.layers, a.vocab)
     t_load = time_dcp_load(src)
-    t_conv = time_convert(src, dst, a.workers)
+    t_conv1 = time_convert(src, dst, 1)
+    t_convn = time_convert(src, dst, a.workers) if a.workers > 1 else None
     t_raw, raw_bytes = time_raw_write(dst, raw)
     mib = nbytes / 2**20
+    anchor = t_load + t_raw
     print(f"checkpoint: hidden {a.hidden}, layers {a.layers}, vocab {a.vocab}: {mib:.0f} MiB of tensors "
-          f"({raw_bytes / 2**20:.0f} MiB logical)")
-    print(f"{'step':<28}{'seconds':>9}{'MiB/s':>9}")
-    print(f"{'convert (workers=%d)' % a.workers:<28}{t_conv:>9.2f}{mib / t_conv:>9.0f}")
-    print(f"{'dcp.load (anchor)':<28}{t_load:>9.2f}{mib / t_load:>9.0f}")
-    print(f"{'raw write (anchor)':<28}{t_raw:>9.2f}{raw_bytes / 2**20 / t_raw:>9.0f}")
-    print(f"ratio convert / (dcp.load + raw write) = {t_conv / (t_load + t_raw):.2f}")
+          f"({raw_bytes / 2**20:.0f} MiB logical), {os.cpu_count()} cores")
+    print(f"| step | seconds | MiB/s | ratio to dcp.load + raw write |")
+    print(f"|---|---|---|---|")
+    print(f"| convert, in-process | {t_conv1:.2f} | {mib / t_conv1:.0f} | {t_conv1 / anchor:.2f} |")
+    if t_convn is not None:
+        print(f"| convert, {a.workers} worker processes | {t_convn:.2f} | {mib / t_convn:.0f} | {t_convn / anchor:.2f} |")
+    print(f"| dcp.load (anchor) | {t_load:.2f} | {mib / t_load:.0f} | |")
+    print(f"| raw write of the logical bytes (anchor) | {t_raw:.2f} | {raw_bytes / 2**20 / t_raw:.0f} | |")
     if not a.dir:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -40,7 +40,7 @@ from converters.megatron_plan import (ROLES, Copy, Instance, Unit, contributes, 
                                       local_instances, model_space_copies, parse_dtype_key,
                                       rebuild_bucket_layout, role_path)
 
-MIN_BYTES_PER_WORKER = 256 << 20
+MIN_BYTES_PER_WORKER = 1 << 30
 
 TORCH_TO_NP = {"torch.bfloat16": "bfloat16", "torch.float32": "float32", "torch.float16": "float16",
                "torch.float64": "float64", "torch.int64": "int64", "torch.int32": "int32", "torch.uint8": "uint8"}
