@@ -49,6 +49,12 @@ def test_bad_input_one_line_exit_2_and_debug_traceback(tmp_path, ck):
     assert r.returncode == 2 and "256M" in _one_error_line(r)  # says how to write it
     r = run_cli("diff", ck, ck, "--ulp", "-1")
     assert r.returncode == 2 and "--ulp" in _one_error_line(r)
+    # a Megatron torch_dist checkpoint: says to convert it first
+    dcp = tmp_path / "iter_0000003"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"\x80\x04N.")
+    r = run_cli("inspect", str(dcp))
+    assert r.returncode == 2 and "gtp-bridge convert" in _one_error_line(r)
     # damaged metadata: still one line
     bad = tmp_path / "bad"
     bad.mkdir()
