@@ -1,0 +1,149 @@
+"""Real Megatron-Core 0.19.2 loads `gtp-bridge to-megatron` output at a new layout and continues identically.
+
+GPU machine, under torch.distributed.run (world = the *target* layout's GPUs), from the repo root:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/megatron_core-0.19.2-*.whl
+    export PYTHONPATH=$PWD:/tmp/site CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/gpu/megatron_load_check.py \\
+        --run dp2 --tp 2 --format fully_reshardable --work /tmp/loadcheck
+
+What it does:
+ 1. rank 0 (unless --megatron-ckpt is given): `convert` the committed fixture
+    tests/fixtures/megatron/<run>/dp_reshardable to a logical checkpoint, then `to-megatron` it at the
+    target layout (TP x GTP x DP x EP of this world) and format. (Both steps need only numpy,
+    tensorstore, ml_dtypes and torch; pass --megatron-ckpt DIR to use one made on a CPU machine.)
+ 2. every rank: build the fixture's tiny GPT (tests/fixtures/megatron/tinygpt.py) at the target layout
+    with a fresh distributed optimizer, `dist_checkpointing.load` the written checkpoint exactly as
+    Megatron-LM's training loop does (model + optimizer sharded state dicts, is_loading=True), load it
+    into the model and the optimizer;
+ 3. checks, each printed as one PASS/FAIL line on rank 0:
+    - load:       dist_checkpointing.load and the model / optimizer load_state_dict raised nothing;
+    - iteration:  common_state carries the source step (3);
+    - masters:    every rank's fp32 masters equal its bf16 weights rounded (bf16(master) == weight);
+    - next loss:  training steps 3 and 4 reproduce the source run's recorded `next_losses`
+                  (run.json) to --rtol (step 3 depends on the weights, step 4 also on the
+                  optimizer state: masters, moments and step count).
+Exit code 0 when every check passes, 1 otherwise.
+
+Pick a source run whose replicas agree (dp2, gtp2_local, moe_ep2 — TP runs of 0.19.2 initialise
+position embeddings per TP rank, so a TP source has no single logical state to continue elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "megatron")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, FIXTURES)
+
+
+def prepare(a: argparse.Namespace, world: int) -> str:
+    """convert + to-megatron on rank 0; returns the torch_dist directory to load."""
+    from converters.megatron_convert import ConvertOptions, convert
+    from converters.megatron_write import Target, to_megatron
+
+    os.makedirs(a.work, exist_ok=True)
+    logical = os.path.join(a.work, f"{a.run}_logical")
+    out = os.path.join(a.work, f"{a.run}_to_tp{a.tp}_gtp{a.gtp}_ep{a.ep}_{a.format}")
+    if not os.path.isdir(logical):
+        convert(os.path.join(FIXTURES, a.run, a.source_format), logical, ConvertOptions(workers=1))
+    if not os.path.isdir(out):
+        dp = world // (a.tp * a.gtp)
+        to_megatron(logical, out, Target(tp=a.tp, gtp=a.gtp, dp=dp, ep=a.ep, fmt=a.format,
+                                         bucket_size=a.bucket_size))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", default="dp2", help="source fixture run (tests/fixtures/megatron/<run>)")
+    ap.add_argument("--source-format", default="dp_reshardable", choices=["dp_reshardable", "fully_reshardable"])
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--gtp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--format", default="fully_reshardable", choices=["fully_reshardable", "dp_reshardable"])
+    ap.add_argument("--bucket-size", type=int, default=None, help="target DDP bucket size (dp_reshardable)")
+    ap.add_argument("--work", default="/tmp/gtp_load_check")
+    ap.add_argument("--megatron-ckpt", default=None, help="use this to-megatron output instead of making one")
+    ap.add_argument("--rtol", type=float, default=2e-3, help="relative tolerance on the next-step losses")
+    a = ap.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    import tinygpt
+
+    src_run = json.load(open(os.path.join(FIXTURES, a.run, "run.json")))
+    src_layout = src_run.get("layout", {})
+    run = dict(tp=a.tp, gtp=a.gtp, ep=a.ep, moe=bool(src_layout.get("moe")), te=bool(src_layout.get("te")),
+               overlap=a.format == "dp_reshardable" and a.bucket_size is not None, bucket_size=a.bucket_size)
+    tinygpt.setup_parallel(a.tp, a.ep, a.gtp)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: list[tuple[str, bool, str]] = []
+
+    ckpt = a.megatron_ckpt
+    err = [None, None]
+    if ckpt is None:
+        if rank == 0:
+            try:
+                err[1] = prepare(a, world)
+            except Exception as e:  # noqa: BLE001 - reported as a FAIL line
+                err[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(err, src=0)
+        if err[0] is not None:
+            if rank == 0:
+                print(f"FAIL prepare: {err[0]}", flush=True)
+            return 1
+        ckpt = err[1]
+
+    model, gpt, optimizer, _config = tinygpt.build(run)
+    try:
+        from megatron.core import dist_checkpointing
+
+        md = tinygpt.sharded_metadata(a.format)
+        sd = {"model": gpt.sharded_state_dict(metadata=md)}
+        sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=md)
+        loaded = dist_checkpointing.load(sd, ckpt)
+        gpt.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+        results.append(("load", True, f"{ckpt} at TP={a.tp} GTP={a.gtp} EP={a.ep} world {world}"))
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        results.append(("load", False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+        loaded = None
+
+    if loaded is not None:
+        it = loaded.get("iteration")
+        results.append(("iteration", it == src_run.get("steps", 3), f"iteration {it}"))
+        bad = 0
+        for opt in tinygpt.optimizer_list(optimizer):
+            for p in opt.model_param_gbuf_map:
+                f0, f1 = opt._get_model_param_range_map(p)["param"].start, opt._get_model_param_range_map(p)["param"].end
+                master = opt._get_main_param_and_optimizer_states(p)["param"]
+                live = p.detach().view(-1)[f0:f1]
+                bad += int((master.to(live.dtype) != live).sum().item())
+        t = torch.tensor([bad], device="cuda")
+        dist.all_reduce(t)
+        results.append(("masters", int(t.item()) == 0, f"{int(t.item())} elements where bf16(master) != weight"))
+        want = src_run.get("next_losses", [])
+        got = [tinygpt.train_step(model, optimizer, s) for s in (3, 4)]
+        ok = len(want) == 2 and all(abs(g - w) <= a.rtol * abs(w) for g, w in zip(got, want))
+        results.append(("next loss", ok, f"steps 3, 4: got {got}, source run {want} (rtol {a.rtol})"))
+
+    if rank == 0:
+        for name, ok, msg in results:
+            print(f"{'PASS' if ok else 'FAIL'} {name}: {msg}", flush=True)
+        print("PASS all" if all(ok for _, ok, _ in results) else "FAIL some checks", flush=True)
+    dist.barrier()
+    return 0 if all(ok for _, ok, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
