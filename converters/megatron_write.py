@@ -331,6 +331,10 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int = 1 << 30, sh
     arrays = ck.arrays()
     pad = target.pad_for_alignment if target.pad_for_alignment is not None else (man.source.pad_for_alignment or 16)
     params = params_from_manifest(man, arrays, pad, target.gtp)
+    if target.fmt == "dp_reshardable" and not (man.extra.get("megatron") or {}).get("params"):
+        raise BridgeError(f"{src}: dp_reshardable needs Megatron's parameter registration order, which this "
+                          f"checkpoint's manifest does not record (not written by convert); use "
+                          f"--format fully_reshardable")
     if not params:
         raise BridgeError(f"{src}: no model or params arrays; nothing to write")
     try:

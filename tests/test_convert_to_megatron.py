@@ -95,3 +95,23 @@ def test_bad_target_layouts_fail_cleanly(logical, tmp_path, capsys):
     rc = main(["to-megatron", str(tmp_path / "plain"), str(dst), "--tp", "1"])
     assert rc == 2 and not dst.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]
+
+
+@pytest.mark.parametrize("run", ["moe_ep2", "gtp2_local"])
+def test_geometry_derived_from_tree_matches_recorded(run, logical):
+    """A logical checkpoint without convert's parameter list (e.g. saved from JAX) yields the same geometry."""
+    import dataclasses
+
+    from bridge.store.reader import open_checkpoint
+    from converters.megatron_write import params_from_manifest, read_manifest
+
+    ck = open_checkpoint(logical[run])
+    man = read_manifest(ck.root)
+    recorded = {p.name: p for p in params_from_manifest(man, ck.arrays(), 16, 2)}
+    bare = dataclasses.replace(man, extra={})
+    derived = {p.name: p for p in params_from_manifest(bare, ck.arrays(), 16, 2)}
+    assert set(derived) == set(recorded)
+    for name, p in recorded.items():
+        d = derived[name]
+        assert (d.geom.shape, d.geom.tp_kind, d.geom.prepend, d.geom.expert, d.geom.fused, d.optimized) == \
+            (p.geom.shape, p.geom.tp_kind, p.geom.prepend, p.geom.expert, p.geom.fused, p.optimized), name
