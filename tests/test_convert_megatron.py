@@ -236,3 +236,32 @@ def test_bad_destination_exists(capsys, tmp_path):
     (tmp_path / "dst").mkdir()
     rc = main(["convert", os.path.join(cref.FIXTURES, RUNS[0], "dp_reshardable"), str(tmp_path / "dst")])
     assert rc == 2 and "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("run", [r for r in ("dp2", "moe_ep2", "gtp2_te") if r in RUNS])
+def test_no_decay_mask_matches_the_runs_param_groups(run, converted):
+    """Manifest no_decay == the params the live optimizer put in its weight-decay-0 group (reference dumps)."""
+    import glob
+    import json
+
+    import torch
+
+    from bridge.store.manifest import MANIFEST_KEY, Manifest
+
+    moe = "moe" in run
+    want = set()
+    for f in glob.glob(os.path.join(cref.FIXTURES, run, "reference_rank*.pt")):
+        ref = torch.load(f, weights_only=True)
+        for o in ref["optimizers"]:
+            for name, rec in o["params"].items():
+                if float(o["param_groups"][rec["group_index"]]["weight_decay"]) == 0.0:
+                    want.add(cref.checkpoint_key(name, moe)[0].replace(".", "/"))
+    meta = json.load(open(os.path.join(converted[(run, "dp_reshardable")], "_METADATA")))
+    m = Manifest.from_json(meta["custom_metadata"][MANIFEST_KEY])
+    got = set()
+    for p in m.optimizer.no_decay:
+        for fused in m.fused:
+            if p.startswith(fused + "/"):
+                p = fused
+        got.add(p)
+    assert want and got == want
