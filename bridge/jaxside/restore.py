@@ -93,8 +93,11 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
         for _, role, leaf in template_roles(optimizer):
             if role.kind in MOMENTS:
                 moment_dtypes[role.kind][role.param] = leaf.dtype
-                if isinstance(getattr(leaf, "sharding", None), NamedSharding):  # the template's own placement wins
-                    moment_shardings[role.kind][role.param] = leaf.sharding
+                sharding = getattr(leaf, "sharding", None)
+                # The template's own placement wins, but only on a concrete mesh: eval_shape under a
+                # mesh context yields AbstractMesh shardings, which cannot place data.
+                if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, jax.sharding.Mesh):
+                    moment_shardings[role.kind][role.param] = sharding
 
     requests: list[tuple[Path, str, Plan, Any]] = []  # (stored prefix, kind, plan, dtype override)
     if "params" in items:
