@@ -134,6 +134,9 @@ class Checkpoint:
         """Read a box (default: all) into a numpy array; IntegrityError naming the array on damage."""
         t = self.open(path)
         p = self._path(path)
+        shape = tuple(int(s) for s in t.shape)
+        if box is not None and (box.ndim != len(shape) or not Box.full(shape).contains(box)):
+            raise BridgeError(f"array {path_str(p)}: box {box} is outside its shape {shape}")
         try:
             view = t if box is None else t[box.slices]
             return np.asarray(view.read().result())
