@@ -407,12 +407,20 @@ def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | Non
                        "tp_kind": m.geom.tp_kind, "gtp": m.geom.gtp, "expert": m.geom.expert,
                        "dtype": np_dtype_name(m.dtype), "optimized": any(r != "model" for r in
                                                                          next(u for u in units if u.name == m.name).copies)})
+    extra_keys = sorted(k for k in src.ck.objects if k.split("/", 1)[0].endswith("._extra_state"))
+    payload = "none"
+    if extra_keys:  # TE saves empty uint8 tensors, Megatron-local layers None: written back the same way
+        first = src.ck.read_object(extra_keys[0])
+        first = first[0] if isinstance(first, list) and first else first
+        if hasattr(first, "numel") and first.numel() == 0:
+            payload = "empty_uint8_tensor"
     keep_args = {k: _plain(v) for k, v in src.args.items() if isinstance(_plain(v), (int, float, str, bool, type(None)))}
     extra = {"megatron": {
         "source_dir": str(src.ck.root),
         "params": params,
         "param_groups": [[{k: _plain(v) for k, v in g.items() if k != "params"} for g in gs] for gs in groups],
-        "extra_state_keys": sorted(k for k in src.ck.objects if k.split("/", 1)[0].endswith("._extra_state")),
+        "extra_state_keys": extra_keys,
+        "extra_state_payload": payload,
         "args": keep_args,
         "inferred": list(src.inferred),
         "wd_mult_zero_params": wd_mult_zero,

@@ -518,7 +518,7 @@ def _groups_for(groups: list[dict], expert: bool, chained: bool) -> list[dict]:
 
 def _write_objects(w: DcpWriter, man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, target: Target,
                    step: int) -> None:
-    """_extra_state objects (None payloads, as the local spec saves) and common_state."""
+    """_extra_state objects (None, or TE's empty uint8 tensors, as the source saved them) and common_state."""
     meg = man.extra.get("megatron", {}) if isinstance(man.extra, dict) else {}
     extra_keys = list(meg.get("extra_state_keys") or [])
     if not extra_keys:  # synthesise the keys a run would save for its linears (per stacked instance)
@@ -531,8 +531,9 @@ def _write_objects(w: DcpWriter, man: Manifest, params: Sequence[ParamInfo], lay
                     off = ".".join(str(i) for i in index) if index else "0"
                     shp = ".".join(str(n) for n in p.geom.prepend) if index else "1"
                     extra_keys.append(f"{mod}._extra_state/shard_{off}_{shp}")
+    empty = meg.get("extra_state_payload") == "empty_uint8_tensor"
     for k in extra_keys:
-        w.obj(k, None)
+        w.obj(k, w.torch.empty(0, dtype=w.torch.uint8) if empty else None)
     domains = _domains(params, lay)
     chained = len(domains) > 1
     groups = _param_groups(man, step)

@@ -13,7 +13,7 @@ import convert_reference as cref
 from bridge.cli import main
 from converters.dcp_reader import DcpCheckpoint
 from converters.megatron_convert import ConvertOptions, convert
-from converters.megatron_format import Hints
+from converters.megatron_format import Hints, is_gtp_weight
 from converters.megatron_write import Target, to_megatron
 
 RUNS = cref.available_runs()
@@ -61,6 +61,7 @@ def test_round_trip_other_layout_is_identical(run, target, logical, tmp_path):
     ("tp2", "fully_reshardable", Target(tp=2)),
     ("moe_ep2", "fully_reshardable", Target(tp=1, dp=2, ep=2)),
     ("tp2", "dp_reshardable", Target(tp=2, fmt="dp_reshardable")),
+    ("gtp2_te", "fully_reshardable", Target(tp=1, gtp=2)),           # 0.19.2 padded grid, TE extra state
 ])
 def test_same_layout_reproduces_megatrons_own_save(run, fmt, target, logical, tmp_path):
     """Written at the source's own layout, every tensor equals what Megatron-Core saved (read by dcp.load)."""
@@ -76,6 +77,8 @@ def test_same_layout_reproduces_megatrons_own_save(run, fmt, target, logical, tm
         assert got[k].shape == want[k].shape, k
         if fmt == "dp_reshardable":  # alignment gaps hold garbage in Megatron's buffers: compare params only
             continue
+        if target.gtp > 1 and is_gtp_weight(k.split("optimizer.state.")[-1].split(".", 1)[-1] if k.startswith("optimizer.") else k):
+            continue  # GTP pad rows hold TE's random init in Megatron's save, zeros in ours (data rows: round trips)
         assert torch.equal(got[k].view(torch.uint8) if got[k].dtype != torch.bool else got[k],
                            want[k].view(torch.uint8)), k
     cs = ours.common_state()
