@@ -17,7 +17,6 @@ import sys
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass
-from math import prod
 from typing import Any, Sequence
 
 import ml_dtypes
@@ -28,7 +27,7 @@ from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, regular_ownership
 from bridge.layout.parallel import ParallelLayout
 from bridge.progress import progress
-from bridge.store.commit import begin_checkpoint, commit_checkpoint, tmp_dir_for
+from bridge.store.commit import begin_checkpoint, commit_checkpoint
 from bridge.store.manifest import Manifest, OptimizerConfig, SourceLayout
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.store.tree import adamw_empty_paths, megatron_key_to_path, path_str
@@ -36,7 +35,7 @@ from bridge.store.writer import CheckpointWriter
 from converters.dcp_reader import DcpCheckpoint, to_numpy
 from converters.megatron_format import (Hints, SourceCheckpoint, _plain, describe, optimizer_groups,
                                         parse_groups_hyper, step_of)
-from converters.megatron_plan import (ROLES, Copy, Instance, Unit, contributes, flat_copies, literal,
+from converters.megatron_plan import (ROLES, Copy, Unit, contributes, flat_copies, literal,
                                       local_instances, model_space_copies, parse_dtype_key,
                                       rebuild_bucket_layout, role_path)
 

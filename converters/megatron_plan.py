@@ -75,17 +75,12 @@ class Copy:
         if self.flat:  # the box is row-major contiguous in the flat source
             inner = prod(self.dst.shape[1:])
             return Copy(self.key, self.chunk, self.array, dst, (), self.flat_start + d0 * inner)
-        # box copies map dst axis 0 to the first source axis whose extent matches
+        # box copies: source and logical boxes have the same axes (stacked axes kept), so dst axis 0
+        # is source axis 0
         src = list(self.src)
-        ax = _lead_src_axis(self)
-        s0 = src[ax][0] + d0
-        src[ax] = (s0, s0 + (b - a))
+        s0 = src[0][0] + d0
+        src[0] = (s0, s0 + (b - a))
         return Copy(self.key, self.chunk, self.array, dst, tuple(src))
-
-
-def _lead_src_axis(c: Copy) -> int:
-    # src and dst have the same rank (stored stacked axes are the logical ones)
-    return 0
 
 
 @dataclass
@@ -328,10 +323,3 @@ def literal(s: str):
         return ast.literal_eval(s)
     except (ValueError, SyntaxError):
         return s
-
-
-def leading_blocks(shape: Sequence[int], rows: int) -> Iterable[tuple[int, int]]:
-    """Row blocks of the leading axis."""
-    n = shape[0] if shape else 1
-    for lo in range(0, n, max(1, rows)):
-        yield lo, min(n, lo + max(1, rows))

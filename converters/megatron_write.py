@@ -15,12 +15,10 @@ import io
 import json
 import os
 import shutil
-import sys
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from math import prod
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -37,7 +35,7 @@ from bridge.store.tree import megatron_key_to_path, path_str
 from converters.megatron_format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
 from bridge.layout.legacy import legacy_box_map, legacy_shape
-from converters.megatron_plan import (Instance, box_copies, is_scrambled_swiglu, local_instances, role_path,
+from converters.megatron_plan import (box_copies, is_scrambled_swiglu, local_instances, role_path,
                                       stored_row_runs)
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
