@@ -62,7 +62,7 @@ class ExportReport:
     commit_s: float
     staging_peak_bytes: int
     arrays: int
-    timings: dict = field(default_factory=dict)
+    sent_by_group: dict = field(default_factory=dict)  # payload bytes to GTP peers / DistOpt (DP) peers / others
 
 
 def _summary(params: Sequence[LocalParam], run: LiveRun, rank: int) -> tuple[list[Holding], dict]:
@@ -149,6 +149,16 @@ def _collective(stage: str, rank: int, dst: str):
         first = " ".join(str(e).split())[:300]
         raise BridgeError(f"rank {rank}: export to {dst} aborted during {stage}: a peer failed or timed out "
                           f"({first}); nothing was committed, rerun the export") from e
+
+
+def _sent_by_group(plan: ExportPlan, layout, rank: int) -> dict:
+    """Payload bytes this rank sent, by the group the peer shares with it (dense grid)."""
+    gtp, dp = set(layout.gtp_group(rank)), set(layout.distopt_group(rank))
+    out = {"gtp": 0, "distopt": 0, "other": 0}
+    for dst in range(plan.world):
+        if dst != rank:
+            out["gtp" if dst in gtp else "distopt" if dst in dp else "other"] += plan.payload_bytes(rank, dst)
+    return out
 
 
 _STORE_TO_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -238,4 +248,4 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     return ExportReport(path=path or os.path.abspath(dst), rank=rank, bytes_written=writer.bytes_written,
                         bytes_sent=bytes_sent, bytes_received=sum(plan.recv_splits(rank)), plan_s=t_plan - t0,
                         exchange_s=t_x - t_plan, write_s=t_w - t_x, commit_s=t_c - t_w, staging_peak_bytes=peak,
-                        arrays=len(catalog))
+                        arrays=len(catalog), sent_by_group=_sent_by_group(plan, run.layout, rank))

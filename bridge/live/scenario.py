@@ -52,7 +52,7 @@ def run_scenario(rank: int, out: str, dst: str, src: Mapping, targets: Mapping[s
     rep = export_state(dst, trainer.live_run(), trainer.local_params())
     losses = step(trainer, 1)  # the source layout's next step
     _save({**dump_rank(trainer), "losses": losses}, out, "src_next", rank)
-    facts: dict = {"export": {k: v for k, v in vars(rep).items() if isinstance(v, (int, float, str))}}
+    facts: dict = {"export": {k: v for k, v in vars(rep).items() if isinstance(v, (int, float, str, dict))}}
     for name, kw in targets.items():
         lay = ParallelLayout(**kw)
         tr = ReferenceTrainer(lay, config, init=False, device=device, groups=RankGroups.build(lay, backend))

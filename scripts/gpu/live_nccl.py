@@ -170,7 +170,9 @@ def main(argv=None) -> int:
                 jp, where = jax_problems(dst, held, a.world)
                 problems += [f"JAX restore: {p}" for p in jp]
                 extra = f"; JAX restore on {where} with a last-dim NamedSharding: {'exact' if not jp else 'DIFFERS'}"
-            line = (f"export rank0 {ex['bytes_written'] / 2**10:.1f} KiB written, sent {ex['bytes_sent']} B, "
+            line = (f"export rank0 {ex['bytes_written'] / 2**10:.1f} KiB written, sent {ex['bytes_sent']} B "
+                    f"(to GTP peers {ex['sent_by_group']['gtp']} B, DP peers {ex['sent_by_group']['distopt']} B, "
+                    f"others {ex['sent_by_group']['other']} B), "
                     f"plan {ex['plan_s']:.3f}s exchange {ex['exchange_s']:.3f}s write {ex['write_s']:.3f}s "
                     f"commit {ex['commit_s']:.3f}s; reloads: "
                     + ", ".join(f"{t} read {facts[t]['bytes_read']} B" for t in sc["targets"]) + extra)
