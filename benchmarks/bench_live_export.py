@@ -203,7 +203,8 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
             path = os.path.join(root, f"{name}_{rep}")
             if name == "export":
                 t, m, rep_ = _timed(lambda: export_state(path, run, params, inflight_bytes=args["inflight"],
-                                                          target_chunk_bytes=args["chunk"]), device)
+                                                          target_chunk_bytes=args["chunk"],
+                                                          inner_chunk_bytes=args["inner"]), device)
                 written = rep_.bytes_written
             elif name == "dcp":
                 t, m, _ = _timed(lambda: dcp.save(dcp_sd, checkpoint_id=path), device)
@@ -268,7 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pad", type=int, default=16, help="pad_for_alignment")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--inflight", type=int, default=256 << 20, help="export in-flight budget, bytes")
-    ap.add_argument("--chunk-mib", type=float, default=16, help="export target outer chunk size, MiB")
+    ap.add_argument("--chunk-mib", type=float, default=4, help="export target outer chunk size, MiB")
+    ap.add_argument("--inner-kib", type=float, default=256, help="export inner (read) chunk size, KiB")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--busbw", action="store_true", help="also time the exchange vs all_gather_into_tensor")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
@@ -279,7 +281,7 @@ def main(argv=None) -> int:
     scratch = a.dir or tempfile.mkdtemp(prefix="bench_live_")
     os.makedirs(scratch, exist_ok=True)
     args = {"tp": a.tp, "gtp": a.gtp, "hidden": hidden_for(a.mib, a.layers), "layers": a.layers, "pad": a.pad,
-            "reps": a.reps, "inflight": a.inflight, "chunk": int(a.chunk_mib * 2 ** 20), "backend": a.backend, "busbw": a.busbw, "dir": scratch}
+            "reps": a.reps, "inflight": a.inflight, "chunk": int(a.chunk_mib * 2 ** 20), "inner": int(a.inner_kib * 2 ** 10), "backend": a.backend, "busbw": a.busbw, "dir": scratch}
     out_json = a.json or os.path.join(scratch, "summary.json")
     init = f"file://{os.path.join(scratch, 'pg_init')}"
     mp.spawn(worker, args=(a.world, init, args, out_json), nprocs=a.world, join=True)

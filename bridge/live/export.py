@@ -167,12 +167,14 @@ _STORE_TO_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float1
 
 def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflight_bytes: int = 256 << 20,
                  target_chunk_bytes: int = 4 << 20, compression: str | None = None, timeout: float = 600.0,
-                 digest: bool = True, on_stage: Callable[[str], None] | None = None) -> ExportReport:
+                 digest: bool = True, inner_chunk_bytes: int = 256 << 10,
+                 on_stage: Callable[[str], None] | None = None) -> ExportReport:
     """Write this run's full training state to the logical checkpoint `dst` (collective call).
 
     Every rank of `run.group` calls it with the same `dst` and its own `params`. `inflight_bytes`
     bounds host memory for staging and for each writer's pending TensorStore transaction.
-    `digest=False` skips the per-array integrity digests (faster; `gtp-bridge verify` can then only
+    `inner_chunk_bytes` sizes the zarr3 inner (read) chunks: small enough that a reader at another
+    TP / GTP split reads little beyond its boxes. `digest=False` skips the per-array integrity digests (faster; `gtp-bridge verify` can then only
     check structure). `on_stage(name)` is called after "planned", "exchanged", "written".
     Returns this rank's `ExportReport`; raises BridgeError on every rank if any rank's input is bad.
     """
@@ -209,7 +211,7 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
         ownership[spec.name] = ArrayOwnership((), (), np.array(0, dtype=np.int32))
     wplan = make_write_plan(catalog + scalars, world, ownership,
                             empty_paths=adamw_empty_paths() if run.optimizer is not None else (),
-                            compression=compression)
+                            compression=compression, inner_chunk_bytes=inner_chunk_bytes)
     manifest = _manifest(run, summaries)
     with _collective("the start", rank, dst):
         tmp = begin_checkpoint(dst)  # collective: rank 0 prepares, every rank gets the path or the error

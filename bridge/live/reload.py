@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from bridge.errors import BridgeError
+from bridge.layout.boxes import Box
 from bridge.layout.rectangles import Piece
 from bridge.live.api import AdamConfig, LiveRun, LocalParam, QuantizedWeight, ReloadResult
 from bridge.live.fp8 import quantize_into
@@ -86,20 +87,46 @@ def _check_arrays(ck: Checkpoint, jobs: Sequence[_Job]) -> dict[str, object]:
     return stores
 
 
+def _read_plan(pieces: Sequence[Piece], slack: float = 2.0) -> list[tuple[str, Box, list[Piece]]]:
+    """Group a buffer's pieces per array into reads: the bounding box of an array's pieces when it
+    is at most `slack` x their volume (pieces of one flat run: partial first/last rows), else one
+    read per piece. One read per region avoids re-reading the inner chunks that several pieces share.
+
+    >>> ps = [Piece("a", Box((0, 5), (1, 8)), 0), Piece("a", Box((1, 0), (3, 8)), 3), Piece("a", Box((3, 0), (4, 2)), 19)]
+    >>> [(a, str(b), len(p)) for a, b, p in _read_plan(ps)]
+    [('a', '[0:4, 0:8]', 3)]
+    """
+    by_array: dict[str, list[Piece]] = {}
+    for p in pieces:
+        by_array.setdefault(p.array, []).append(p)
+    out = []
+    for array, ps in by_array.items():
+        lo = tuple(min(p.logical.start[d] for p in ps) for d in range(ps[0].logical.ndim))
+        hi = tuple(max(p.logical.stop[d] for p in ps) for d in range(ps[0].logical.ndim))
+        bound = Box(lo, hi)
+        if len(ps) > 1 and bound.size <= slack * sum(p.logical.size for p in ps):
+            out.append((array, bound, ps))
+        else:
+            out.extend((array, p.logical, [p]) for p in ps)
+    return out
+
+
 def _fill(jobs: Sequence[_Job], stores: dict) -> int:
     """Issue every read of the batch, then assemble flat buffers and copy them into the targets."""
-    futures = []
+    reads = []
     for j in jobs:
-        futures.append([stores[tree_name(j.root, p.array)][p.logical.slices].read() for p in j.pieces])
+        plan = _read_plan(j.pieces)
+        reads.append([(box, ps, stores[tree_name(j.root, array)][box.slices].read()) for array, box, ps in plan])
     nbytes = 0
-    for j, futs in zip(jobs, futures):
+    for j, rs in zip(jobs, reads):
         first = stores[tree_name(j.root, j.pieces[0].array)] if j.pieces else None
         dtype = np.dtype(first.dtype.numpy_dtype) if first is not None else np.float32
         flat = np.zeros(j.numel, dtype=dtype)
-        for p, f in zip(j.pieces, futs):
-            data = np.asarray(f.result())
-            p.put(flat, data)
+        for box, ps, fut in rs:
+            data = np.asarray(fut.result())
             nbytes += data.nbytes
+            for p in ps:
+                p.put(flat, data[p.logical.relative_to(box).slices])
         _copy_into(j, flat)
     return nbytes
 
