@@ -14,7 +14,8 @@ buffer) and, interleaved over `--reps` repetitions:
           kvstore, 4 MiB chunks), then fsyncs: the anchor for pure write speed.
 Reported: median wall seconds (slowest rank, between barriers), throughput of logical bytes,
 ratios export/dcp time and raw/export time (>= 0.8 is the target), peak host RSS growth per phase
-(VmHWM after resetting it; max over ranks), and with `--busbw` the exchange's bus bandwidth vs a
+(VmHWM after resetting it; max over ranks), a reload at the swapped TP/GTP split (time; bytes
+TensorStore read from storage / bytes needed, target <= 1.25), and with `--busbw` the exchange's bus bandwidth vs a
 plain `all_gather_into_tensor` producing the same per-rank bytes (nccl-tests formula:
 busbw = S/t * (n-1)/n, S = per-rank buffer bytes).
 """
@@ -166,6 +167,31 @@ def _exchange_busbw(params, run, reps: int, device) -> dict:
             "busbw_ratio": (size / ta) / (ag_in.numel() * world / tg) if ta and tg else 0.0}
 
 
+def _reload_figures(path: str, run, params, args: dict, device) -> dict:
+    """Export once more, then reload at the swapped TP/GTP split: time and storage bytes read vs needed."""
+    import tensorstore as ts
+
+    from bridge.layout import ParallelLayout
+    from bridge.live.api import LiveRun
+    from bridge.live.export import export_state
+    from bridge.live.reload import reload_state
+
+    export_state(path, run, params, target_chunk_bytes=args["chunk"], inner_chunk_bytes=args["inner"])
+    lay = run.layout
+    target = ParallelLayout(tp=lay.gtp, gtp=lay.tp, dp=lay.dp)
+    rank = dist.get_rank()
+    tgt = build_state(target, rank, args["hidden"], args["layers"], args["pad"], device)
+
+    def read_bytes() -> int:
+        return sum(m["values"][0].get("value", 0) for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/")
+                   if m["name"].endswith("bytes_read"))
+
+    b0 = read_bytes()
+    t, _, res = _timed(lambda: reload_state(path, LiveRun(target, rank, 0), tgt), device)
+    return {"layout": f"TP{target.tp}xGTP{target.gtp}xDP{target.dp}", "s": t, "needed": res.bytes_read,
+            "read": read_bytes() - b0}
+
+
 def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -229,8 +255,9 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
                 shutil.rmtree(path + ".orbax-checkpoint-tmp", ignore_errors=True)
             dist.barrier()
     busbw = _exchange_busbw(params, run, args["reps"], device) if args["busbw"] else None
+    reload_fig = _reload_figures(os.path.join(root, "reload_src"), run, params, args, device)
     # slowest rank per repetition, peak memory over ranks
-    mine = {"t": res, "mem": mem, "written": written, "state_bytes": state_bytes}
+    mine = {"t": res, "mem": mem, "written": written, "state_bytes": state_bytes, "reload": reload_fig}
     from bridge.live.exchange import all_gather_json
 
     allr = all_gather_json(mine)
@@ -245,7 +272,11 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
                    "rank_state_bytes": sum(r["state_bytes"] for r in allr), "phases": out,
                    "export_over_dcp_time": out["export"]["median_s"] / out["dcp"]["median_s"],
                    "raw_over_export_time": out["raw_ts"]["median_s"] / out["export"]["median_s"],
-                   "export_GBps": total_written / out["export"]["median_s"] / 1e9, "busbw": busbw}
+                   "export_GBps": total_written / out["export"]["median_s"] / 1e9, "busbw": busbw,
+                   "reload": {"layout": allr[0]["reload"]["layout"],
+                              "max_s": max(r["reload"]["s"] for r in allr),
+                              "bytes_needed": sum(r["reload"]["needed"] for r in allr),
+                              "bytes_read_from_storage": sum(r["reload"]["read"] for r in allr)}}
         with open(out_json, "w") as f:
             json.dump(summary, f, indent=1)
     dist.barrier()
@@ -296,6 +327,9 @@ def main(argv=None) -> int:
         print(f"{name:8} {ph[name]['median_s']:9.3f} {ph[name]['peak_rss_growth_MiB']:14.1f}")
     print(f"export / dcp time: {s['export_over_dcp_time']:.2f} (target <= 1.0);  "
           f"raw_ts / export time: {s['raw_over_export_time']:.2f} (target >= 0.8);  export {s['export_GBps']:.3f} GB/s")
+    r = s["reload"]
+    print(f"reload at {r['layout']}: {r['max_s']:.3f} s, storage bytes read / bytes needed "
+          f"{r['bytes_read_from_storage'] / max(1, r['bytes_needed']):.2f} (target <= 1.25)")
     if s["busbw"]:
         b = s["busbw"]
         print(f"exchange busbw {b['a2a_busbw_GBps']:.2f} GB/s vs all_gather_into_tensor {b['allgather_busbw_GBps']:.2f} GB/s "

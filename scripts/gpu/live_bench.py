@@ -53,7 +53,9 @@ def main(argv=None) -> int:
               f"raw/export time {s['raw_over_export_time']:.2f}, exchange busbw {b['a2a_busbw_GBps']:.1f} GB/s vs "
               f"all-gather {b['allgather_busbw_GBps']:.1f} GB/s (ratio {b['busbw_ratio']:.2f}), "
               f"peak host RSS growth export {s['phases']['export']['peak_rss_growth_MiB']:.0f} MiB / "
-              f"dcp {s['phases']['dcp']['peak_rss_growth_MiB']:.0f} MiB")
+              f"dcp {s['phases']['dcp']['peak_rss_growth_MiB']:.0f} MiB; reload at {s['reload']['layout']} "
+              f"{s['reload']['max_s']:.2f} s, read/needed "
+              f"{s['reload']['bytes_read_from_storage'] / max(1, s['reload']['bytes_needed']):.2f}")
     return 1 if failed else 0
 
 
