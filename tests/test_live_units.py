@@ -172,3 +172,13 @@ def test_wire_blocks_keep_every_piece_aligned():
     items = _received_items(plan, recv, 1, {"model.a": torch.bfloat16, "params.b": torch.float32})
     assert [(it.name, it.data.dtype) for it in items] == [("params.b", torch.float32), ("model.a", torch.bfloat16)] * 2
     assert items[2].data.view(torch.uint8).reshape(-1).tolist() == list(range(16, 24))  # second block starts at 16
+
+
+@pytest.mark.parametrize("module", ["bridge.live.fp8", "bridge.live.exchange", "bridge.live.holdings", "bridge.live.plan",
+                                    "bridge.live.staging", "bridge.live.reload"])
+def test_doctests(module):
+    import doctest
+    import importlib
+
+    res = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert res.attempted > 0 and res.failed == 0, res

@@ -179,7 +179,11 @@ def check_tiling(catalog: Sequence[ArraySpec], sources: Sequence[Source]) -> Non
 
 
 def _disjoint(boxes: Sequence[Box]) -> bool:
-    """True when no two boxes overlap (sweep along dim 0; boxes are few per array)."""
+    """True when no two boxes overlap (sweep along dim 0; boxes are few per array).
+
+    >>> _disjoint([Box((0, 0), (2, 4)), Box((2, 0), (3, 1))]), _disjoint([Box((0,), (3,)), Box((2,), (4,))])
+    (True, False)
+    """
     if not boxes or boxes[0].ndim == 0:
         return len(boxes) <= 1
     order = sorted(boxes, key=lambda b: b.start)
