@@ -128,11 +128,11 @@ class AdamConfig:
 class LiveRun:
     """Run-level facts shared by every `LocalParam` of one rank.
 
-    `group` is the process group spanning the layout's ranks (None = the default world group);
-    `rank` is this process's rank in it, and `layout.coords(rank)`-style lookups go through the
-    layout engine. `step` is the number of completed optimizer steps (optax `count`).
-    `device` is where collectives run: a CUDA device with NCCL, `cpu` with gloo (None = the
-    device of the weights, falling back to cpu).
+    `group` is the process group spanning the layout's ranks (None = the default world group; the
+    store's commit barrier uses the world group, so pass None or the world); `rank` is this
+    process's rank in it. `step` is the number of completed optimizer steps (optax `count`).
+    `device` is informational: collectives run where the group's backend needs them (NCCL: the
+    current CUDA device; gloo: CPU), tensors stay where the run keeps them.
     """
 
     layout: "ParallelLayout"
