@@ -181,6 +181,10 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     group = run.group
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    if world != dist.get_world_size():
+        # every rank of a subgroup sees this too: all of them raise, none waits in a collective
+        raise BridgeError(f"export_state runs over the whole world ({dist.get_world_size()} ranks), got a group of "
+                          f"{world}; pass LiveRun.group=None (the store's commit barrier spans all ranks)")
     device = collective_device(group)
     t0 = time.perf_counter()
     error = None
