@@ -8,6 +8,7 @@ Variants (all fsync'd, no compression, same N GiB of fp32 in `--arrays` arrays):
   raw_ts 2 processes, each writing its halves as plain zarr3 arrays (file kvstore, one chunk per half)
   orbax  Orbax from JAX, 1 process, arrays sharded over 2 CPU devices (zarr3, OCDBT, no compression)
   dcp    torch.distributed.checkpoint.save from 2 gloo ranks, each holding its half as a DTensor shard
+  store_lean  (diagnostic, --variants store_lean) the store without crc32c, inner chunks and digests
 Reps are interleaved (variant order rotates); medians are reported as GB/s (1e9 B/s) and as ratios.
 Peak RSS is each writer's ru_maxrss; "overhead" subtracts the RSS it had after creating its data.
 """
@@ -65,13 +66,17 @@ def store_worker(rank, world, shapes, out_dir, barrier, q, extra):
 
     catalog = [ArraySpec(("params", f"a{i}"), s, "float32") for i, s in enumerate(shapes)]
     # Writer r owns rows [r*R/2, (r+1)*R/2) of every array: the block it holds.
-    plan = make_write_plan(catalog, world, {a.path: regular_ownership(a.shape, world, 4) for a in catalog})
+    lean = extra.get("lean", {})  # diagnostic: the store minus crc32c, inner chunks and digests
+    plan = make_write_plan(catalog, world, {a.path: regular_ownership(a.shape, world, 4) for a in catalog},
+                           **{k: v for k, v in lean.items() if k != "compute_digest"})
     data = [_half(s, rank, i) for i, s in enumerate(shapes)]
     base = _cur_rss_mib()
     barrier.wait()
     t0 = time.time()
     c0 = _cpu_s()
-    w = CheckpointWriter(tmp_dir_for(out_dir), plan, rank, **{k: v for k, v in extra.items() if k != "donate"})
+    opts = {k: v for k, v in extra.items() if k not in ("donate", "lean")}
+    opts.update({k: v for k, v in lean.items() if k == "compute_digest"})
+    w = CheckpointWriter(tmp_dir_for(out_dir), plan, rank, **opts)
     for i, s in enumerate(shapes):
         r0 = rank * (s[0] // 2)
         w.write(("params", f"a{i}"), Box.of((r0, 0), data[i].shape), data[i], donate=extra.get("donate", True))
@@ -154,8 +159,8 @@ def orbax_worker(rank, world, shapes, out_dir, barrier, q, extra):
     q.put((rank, t0, time.time(), _rss_mib(), base, _cpu_s() - c0))
 
 
-VARIANTS = {"store": (store_worker, 2), "raw_ts": (raw_ts_worker, 2), "orbax": (orbax_worker, 1),
-            "dcp": (dcp_worker, 2)}
+VARIANTS = {"store": (store_worker, 2), "store_lean": (store_worker, 2), "raw_ts": (raw_ts_worker, 2),
+            "orbax": (orbax_worker, 1), "dcp": (dcp_worker, 2)}
 
 
 def run_variant(name, shapes, workdir, rep, store_extra):
@@ -165,11 +170,13 @@ def run_variant(name, shapes, workdir, rep, store_extra):
         shutil.rmtree(p, ignore_errors=True)
     if name == "raw_ts":
         os.makedirs(out)
-    if name == "store":
+    if name.startswith("store"):
         from bridge.store import begin_checkpoint
 
         begin_checkpoint(out)
-    extra = dict(store_extra) if name == "store" else {}
+    extra = dict(store_extra) if name.startswith("store") else {}
+    if name == "store_lean":
+        extra["lean"] = {"checksum": False, "inner_chunk_bytes": None, "compute_digest": False}
     if name == "dcp":
         import socket
 

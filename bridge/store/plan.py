@@ -79,6 +79,7 @@ class WritePlan:
     num_writers: int
     empty_paths: tuple[Path, ...] = ()
     compression: str | None = None
+    checksum: bool = True                             # crc32c per inner chunk
     _fingerprint: list = field(default_factory=list, repr=False)
 
     def lookup(self, path: Sequence[str] | str) -> ArrayPlan:
@@ -90,7 +91,7 @@ class WritePlan:
             raise BridgeError(f"array {name!r} is not in the write plan; add it to the catalog") from None
 
     def to_json(self) -> dict:
-        return {"num_writers": self.num_writers, "compression": self.compression,
+        return {"num_writers": self.num_writers, "compression": self.compression, "checksum": self.checksum,
                 "empty_paths": [list(p) for p in self.empty_paths],
                 "arrays": [a.to_json() for a in self.arrays.values()]}
 
@@ -117,12 +118,14 @@ class WritePlan:
 def make_write_plan(catalog: Sequence[ArraySpec], num_writers: int,
                     ownership: Mapping[Sequence[str] | str, ArrayOwnership] | None = None, *,
                     empty_paths: Sequence[Sequence[str]] = (), compression: str | None = None,
-                    inner_chunk_bytes: int = specs.DEFAULT_INNER_CHUNK_BYTES,
+                    inner_chunk_bytes: int | None = specs.DEFAULT_INNER_CHUNK_BYTES, checksum: bool = True,
                     max_chunk_bytes: int = 1 << 30) -> WritePlan:
     """Validate a catalog and ownership into a WritePlan (pure; raises BridgeError, writes nothing).
 
     Arrays without an entry in `ownership` get `regular_ownership` (leading-axis blocks, small
-    arrays spread round-robin over writers).
+    arrays spread round-robin over writers). `inner_chunk_bytes=None` makes the inner chunk the
+    whole outer chunk (cheapest to write, coarsest to read); `checksum=False` drops the crc32c
+    of each inner chunk (flipped bytes are then found only by `verify`'s digests).
 
     >>> plan = make_write_plan([ArraySpec(("params", "w"), (8, 2), "float32")], num_writers=2)
     >>> plan.lookup(("params", "w")).ownership.owners.ravel().tolist()
@@ -154,6 +157,7 @@ def make_write_plan(catalog: Sequence[ArraySpec], num_writers: int,
             own.validate(num_writers)
         except BridgeError as e:
             raise BridgeError(f"{path_str(a.path)}: {e}") from None
-        inner = specs.choose_inner_chunk(own.chunk_shape, a.itemsize, inner_chunk_bytes)
+        inner = (tuple(max(1, c) for c in own.chunk_shape) if inner_chunk_bytes is None
+                 else specs.choose_inner_chunk(own.chunk_shape, a.itemsize, inner_chunk_bytes))
         arrays[a.name] = ArrayPlan(a, own, inner)
-    return WritePlan(arrays, num_writers, empty, compression)
+    return WritePlan(arrays, num_writers, empty, compression, bool(checksum))

@@ -140,12 +140,12 @@ def zarr3_metadata(shape: Sequence[int], dtype: str, chunk_shape: Sequence[int],
 
 def array_write_spec(root: str, writer: int, name: str, shape: Sequence[int], dtype: str,
                      chunk_shape: Sequence[int], inner_chunk_shape: Sequence[int],
-                     compression: str | None = None) -> dict:
+                     compression: str | None = None, checksum: bool = True) -> dict:
     """Spec for writer `writer` to write array `name` into its own OCDBT database under `root`."""
     return {
         "driver": "zarr3",
         "kvstore": ocdbt_kvstore(writer_db_dir(root, writer), name, write=True),
-        "metadata": zarr3_metadata(shape, dtype, chunk_shape, inner_chunk_shape, compression),
+        "metadata": zarr3_metadata(shape, dtype, chunk_shape, inner_chunk_shape, compression, checksum),
         # Orbax declares store_array_data_equal_to_fill_value: all-zero chunks must still be stored.
         "store_data_equal_to_fill_value": True,
         "recheck_cached_data": False,

@@ -218,7 +218,8 @@ class CheckpointWriter:
         if self._txn is None:
             self._txn = ts.Transaction(atomic=True)
         spec = specs.array_write_spec(self.tmp_dir, self.writer_id, name, ap.spec.shape, ap.spec.dtype,
-                                      ap.ownership.chunk_shape, ap.inner_chunk_shape, self.plan.compression)
+                                      ap.ownership.chunk_shape, ap.inner_chunk_shape, self.plan.compression,
+                                      checksum=self.plan.checksum)
         create = ap.meta_writer == self.writer_id and name not in self._created
         try:
             if create:
