@@ -188,3 +188,12 @@ def test_nested_bytesio_unwrapped():
     outer = io.BytesIO()
     torch.save(inner, outer)  # what DCP does with Megatron's BytesIO objects
     assert safe_torch_load_object(outer.getvalue(), "x") == [{"k": 1}]
+
+
+def test_symlink_escape_refused(tmp_path):
+    dcp.save({"x": torch.arange(4.0)}, checkpoint_id=str(tmp_path / "ck"))
+    outside = tmp_path / "outside.distcp"
+    (tmp_path / "ck" / "__0_0.distcp").rename(outside)
+    (tmp_path / "ck" / "__0_0.distcp").symlink_to(outside)
+    with pytest.raises(BridgeError, match="resolves outside the checkpoint directory"):
+        DcpCheckpoint(tmp_path / "ck")
