@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         ok = s["export_over_dcp_time"] <= 1.0 and s["raw_over_export_time"] >= 0.8 and b["busbw_ratio"] >= 0.7
         failed += not ok
         print(f"{'PASS' if ok else 'FAIL'} TP{tp}xGTP{gtp}: export/dcp time {s['export_over_dcp_time']:.2f}, "
-              f"raw/export time {s['raw_over_export_time']:.2f}, exchange busbw {b['a2a_busbw_GBps']:.1f} GB/s vs "
+              f"raw/export time {s['raw_over_export_time']:.2f}, exchange ({b['source']} splits) busbw {b['a2a_busbw_GBps']:.1f} GB/s vs "
               f"all-gather {b['allgather_busbw_GBps']:.1f} GB/s (ratio {b['busbw_ratio']:.2f}), "
               f"peak host RSS growth export {s['phases']['export']['peak_rss_growth_MiB']:.0f} MiB / "
               f"dcp {s['phases']['dcp']['peak_rss_growth_MiB']:.0f} MiB; reload at {s['reload']['layout']} "
