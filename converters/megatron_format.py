@@ -336,6 +336,9 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
     tp_inf = infer_tp((n, ck.tensors[k], npres[n]) for n, k in names.items())
     world = (max(ck.writer_ranks()) + 1) if ck.writer_ranks() else 1
     layout = _layout_from(args, hints, tp_inf, world, inferred)
+    if layout.gtp == 1 and tp_inf > 1 and tp_inf != layout.tp:
+        raise BridgeError(f"{ck.root}: the run's TP={layout.tp} (from args or --tp) disagrees with the chunk offsets, "
+                          f"which show TP={tp_inf}; pass the right --tp")
     pad = hints.pad_for_alignment
     if pad is None:
         pad = args.get("gtp_remat_pad_for_alignment")

@@ -265,3 +265,12 @@ def test_no_decay_mask_matches_the_runs_param_groups(run, converted):
                 p = fused
         got.add(p)
     assert want and got == want
+
+
+@pytestmark_fixture
+def test_bad_tp_flag_contradicting_chunks(capsys, tmp_path):
+    if "tp2" not in RUNS:
+        pytest.skip("needs tp2")
+    err = _cli_fails(capsys, tmp_path, os.path.join(cref.FIXTURES, "tp2", "fully_reshardable"), "--tp", "1")
+    assert "chunk offsets" in err and "TP=2" in err
+
