@@ -76,7 +76,7 @@ def _export_then_reload(rank, world, dst, src_layout, targets, fp8):
     import torch
 
     from bridge.layout import ParallelLayout
-    from bridge.live.api import AdamConfig, LiveRun
+    from bridge.live.api import AdamConfig, LiveRun, QuantizedWeight
     from bridge.live.export import export_state
     from bridge.live.reload import reload_state
 
@@ -86,8 +86,10 @@ def _export_then_reload(rank, world, dst, src_layout, targets, fp8):
     rep = export_state(dst, run, params, inflight_bytes=4096, target_chunk_bytes=64)
     want = expected_state(MODEL, tp, gtp, dp, a, fp8)
     checked = 0
-    for (tp2, gtp2, dp2, a2) in targets:
-        tgt, raws = local_params(MODEL, tp2, gtp2, dp2, a2, rank, fp8=None, zeros=True)
+    for target in targets:
+        tp2, gtp2, dp2, a2 = target[:4]
+        fp8_target = target[4] if len(target) > 4 else None  # FP8 reload targets: re-quantized on reload
+        tgt, raws = local_params(MODEL, tp2, gtp2, dp2, a2, rank, fp8=fp8_target, zeros=True)
         res = reload_state(dst, LiveRun(ParallelLayout(tp=tp2, gtp=gtp2, dp=dp2), rank, 0), tgt)
         assert res.step == STEP
         for lp, rp in zip(tgt, raws):
@@ -96,8 +98,14 @@ def _export_then_reload(rank, world, dst, src_layout, targets, fp8):
 
             ix = physical_index(p, tp2, gtp2, a2, *coords(rank, tp2, gtp2)[:2])
             w = shard(flat_logical(want["model"], p, rp.index), ix, 0.0)
-            got = lp.weight.float().numpy()
-            assert np.array_equal(got, w), f"{rp.key}{rp.index} weight at {(tp2, gtp2, dp2, a2)}"
+            if isinstance(lp.weight, QuantizedWeight):
+                got = lp.weight.dequantize().float().numpy()
+                tol = 2 ** -4 * np.abs(w) + 2 ** -9 * np.abs(w).max()  # e4m3: 3 mantissa bits, subnormals
+                assert np.all(np.abs(got - w) <= tol), f"{rp.key}{rp.index} FP8 weight at {target}"
+                assert np.all(got[ix < 0] == 0), "FP8 padding rows must reload as zeros"
+            else:
+                got = lp.weight.float().numpy()
+                assert np.array_equal(got, w), f"{rp.key}{rp.index} weight at {(tp2, gtp2, dp2, a2)}"
             f0, f1 = rp.frag
             if lp.optim is None:
                 assert f0 == f1
@@ -146,11 +154,12 @@ def _leaf(tree, name):
 
 @pytest.mark.slow
 def test_export_world4_fp8_reload_other_layouts_and_orbax(tmp_path):
-    """TP1xGTP2xDP2 (padding, FP8, DP cuts rows) -> export; reload at TP2xGTP1xDP2, TP1xGTP4xDP1, TP4xGTP1xDP1;
+    """TP1xGTP2xDP2 (padding, FP8, DP cuts rows) -> export; reload at TP2xGTP1xDP2, TP1xGTP4xDP1, TP4xGTP1xDP1
+    and TP2xGTP2xDP1 with FP8 targets (re-quantized);
     plain Orbax restore equals the state assembled independently from the ranks' raw shards."""
     src = (1, 2, 2, 4)
     dst = str(tmp_path / "ckpt")
-    targets = [(2, 1, 2, 4), (1, 4, 1, 8), (4, 1, 1, 0)]
+    targets = [(2, 1, 2, 4), (1, 4, 1, 8), (4, 1, 1, 0), (2, 2, 1, 4, FP8)]
     # the scenario must contain a DP boundary inside a row of some GTP-sharded shard
     from test_live_sharding import coords as _c  # noqa: F401
 
