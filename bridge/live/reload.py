@@ -25,6 +25,7 @@ from bridge.live.api import AdamConfig, LiveRun, LocalParam, QuantizedWeight, Re
 from bridge.live.fp8 import quantize_into
 from bridge.live.holdings import tree_name
 from bridge.live.staging import np_dtype
+from bridge.progress import progress
 from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.store.tree import name_to_path
 
@@ -158,14 +159,17 @@ def reload_state(src: str, run: LiveRun, params: Sequence[LocalParam], *,
     total = 0
     batch: list[_Job] = []
     used = 0
-    for j in jobs:
-        batch.append(j)
-        used += j.numel * 4
-        if used >= inflight_bytes:
+    with progress(sum(j.numel * 4 for j in jobs), f"reload rank {run.rank}") as bar:
+        for j in jobs:
+            batch.append(j)
+            used += j.numel * 4
+            if used >= inflight_bytes:
+                total += _fill(batch, stores)
+                bar.update(used)
+                batch, used = [], 0
+        if batch:
             total += _fill(batch, stores)
-            batch, used = [], 0
-    if batch:
-        total += _fill(batch, stores)
+            bar.update(used)
     step = _read_step(ck)
     m = ck.manifest
     opt = None
