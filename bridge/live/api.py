@@ -18,8 +18,9 @@ Per rank, a run describes every parameter it holds with one `LocalParam`:
               `exp_avg_sq` of that range), or None when the rank owns none of it;
 - `index`     position of this instance on the geometry's prepended (layer / expert) axes;
 - `main_replica` writer election among ranks that hold identical copies of the same logical data
-              (DP / TP / GTP replicas): True / False as the run decides (Megatron's
-              `replica_id == (0, 0, 0)`), or None to let the exporter elect deterministically.
+              (DP / TP / GTP replicas): False = never use this copy (weight and fragment) as a
+              source (e.g. Megatron's non-main replicas); True / None = usable, and the exporter's
+              ownership planner picks, per chunk, one holder (the owner itself when it holds it).
 
 Run-level facts go in one `LiveRun` (layout, rank, process group, step, optimizer settings).
 For reload the same `LocalParam` list is the *target*: tensors are allocated by the run with the
