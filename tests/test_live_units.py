@@ -182,3 +182,20 @@ def test_doctests(module):
 
     res = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert res.attempted > 0 and res.failed == 0, res
+
+
+def test_staging_batches_fit_the_half_budget_with_aligned_slots():
+    from bridge.live.staging import ALIGN, _batches, _slot
+
+    items = [WriteItem("a", Box((0, 0), (3, 3)), torch.zeros(3, 3, dtype=torch.bfloat16)),   # 18 bytes -> slot 32
+             WriteItem("b", Box((0,), (40,)), torch.zeros(40)),                              # 160 bytes: split
+             WriteItem("c", Box((0,), (1,)), torch.zeros(1, dtype=torch.bfloat16))]
+    half = 64
+    batches = _batches(items, half)
+    assert all(sum(_slot(p) for p in b) <= half for b in batches)
+    assert all(_slot(p) % ALIGN == 0 for b in batches for p in b)
+    got = {}
+    for b in batches:
+        for p in b:
+            got[p.name] = got.get(p.name, 0) + p.box.size
+    assert got == {"a": 9, "b": 40, "c": 1}

@@ -90,14 +90,22 @@ def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.nd
     return _stage_cuda(dev, write, half, on_bytes)
 
 
+ALIGN = 16  # bytes: every staged item starts aligned, whatever dtypes share a pinned buffer
+
+
+def _slot(p: WriteItem) -> int:
+    """Bytes an item occupies in a pinned buffer (rounded up to ALIGN)."""
+    return -(-p.data.numel() * p.data.element_size() // ALIGN) * ALIGN
+
+
 def _batches(items: list[WriteItem], half: int) -> list[list[WriteItem]]:
     out: list[list[WriteItem]] = []
     cur: list[WriteItem] = []
     used = 0
     for it in items:
         es = it.data.element_size()
-        for part in split_rows(it, max(1, half // es)):
-            nb = part.data.numel() * es
+        for part in split_rows(it, max(1, (half - ALIGN) // es)):
+            nb = _slot(part)
             if cur and used + nb > half:
                 out.append(cur)
                 cur, used = [], 0
@@ -121,7 +129,7 @@ def _pinned(size: int, count: int) -> list[torch.Tensor]:
 
 def _stage_cuda(items: list[WriteItem], write, half: int, on_bytes) -> int:
     batches = _batches(items, half)
-    size = max(sum(p.data.numel() * p.data.element_size() for p in b) for b in batches)
+    size = max(sum(_slot(p) for p in b) for b in batches)
     size = min(half, -(-size // (1 << 20)) * (1 << 20)) if size < half else size  # round up: reuse across calls
     bufs = _pinned(size, min(2, len(batches)))
     stream = torch.cuda.Stream()
@@ -135,7 +143,7 @@ def _stage_cuda(items: list[WriteItem], write, half: int, on_bytes) -> int:
             for p in batches[k]:
                 nb = p.data.numel() * p.data.element_size()
                 buf[off:off + nb].copy_(p.data.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
-                off += nb
+                off += _slot(p)
             ev = torch.cuda.Event()
             ev.record(stream)
         events[k % len(bufs)] = ev
@@ -151,7 +159,7 @@ def _stage_cuda(items: list[WriteItem], write, half: int, on_bytes) -> int:
             nb = p.data.numel() * p.data.element_size()
             arr = buf[off:off + nb].numpy().view(np_dtype(p.data.dtype)).reshape(p.box.shape)
             write(p.name, p.box, arr)  # the writer copies before returning: the buffer can be reused
-            off += nb
+            off += _slot(p)
             if on_bytes:
                 on_bytes(nb)
         if len(bufs) == 1 and k + 1 < len(batches):
