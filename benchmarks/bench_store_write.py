@@ -8,7 +8,8 @@ Variants (all fsync'd, no compression, same N GiB of fp32 in `--arrays` arrays):
   raw_ts 2 processes, each writing its halves as plain zarr3 arrays (file kvstore, one chunk per half)
   orbax  Orbax from JAX, 1 process, arrays sharded over 2 CPU devices (zarr3, OCDBT, no compression)
   dcp    torch.distributed.checkpoint.save from 2 gloo ranks, each holding its half as a DTensor shard
-  store_lean  (diagnostic, --variants store_lean) the store without crc32c, inner chunks and digests
+  diagnostics (--variants): store_nocrc (no crc32c per inner chunk), store_outer (inner chunk = outer
+         chunk), store_nodigest (no digests), store_lean (none of the three)
 Reps are interleaved (variant order rotates); medians are reported as GB/s (1e9 B/s) and as ratios.
 Peak RSS is each writer's ru_maxrss; "overhead" subtracts the RSS it had after creating its data.
 """
@@ -159,8 +160,17 @@ def orbax_worker(rank, world, shapes, out_dir, barrier, q, extra):
     q.put((rank, t0, time.time(), _rss_mib(), base, _cpu_s() - c0))
 
 
-VARIANTS = {"store": (store_worker, 2), "store_lean": (store_worker, 2), "raw_ts": (raw_ts_worker, 2),
-            "orbax": (orbax_worker, 1), "dcp": (dcp_worker, 2)}
+VARIANTS = {"store": (store_worker, 2), "raw_ts": (raw_ts_worker, 2), "orbax": (orbax_worker, 1),
+            "dcp": (dcp_worker, 2)}
+# Diagnostic store variants: which of the store's extras cost what.
+STORE_DIAGNOSTICS = {
+    "store_nocrc": {"checksum": False},
+    "store_outer": {"inner_chunk_bytes": None},
+    "store_nodigest": {"compute_digest": False},
+    "store_lean": {"checksum": False, "inner_chunk_bytes": None, "compute_digest": False},
+}
+for _name in STORE_DIAGNOSTICS:
+    VARIANTS[_name] = (store_worker, 2)
 
 
 def run_variant(name, shapes, workdir, rep, store_extra):
@@ -175,8 +185,8 @@ def run_variant(name, shapes, workdir, rep, store_extra):
 
         begin_checkpoint(out)
     extra = dict(store_extra) if name.startswith("store") else {}
-    if name == "store_lean":
-        extra["lean"] = {"checksum": False, "inner_chunk_bytes": None, "compute_digest": False}
+    if name in STORE_DIAGNOSTICS:
+        extra["lean"] = STORE_DIAGNOSTICS[name]
     if name == "dcp":
         import socket
 
