@@ -189,6 +189,7 @@ class RefModel:
     params: tuple[RefParam, ...]
     layers: dict  # key -> number of stacked layers (absent: not stacked)
     seed: int = 0
+    specials: tuple[str, ...] = ()  # keys whose params / mu / model get NaN, +-Inf, -0.0, a subnormal
 
     def instances(self) -> list[tuple[RefParam, tuple[int, ...]]]:
         out = []
@@ -211,6 +212,10 @@ class RefModel:
                 out["params"][name] = master
                 out["mu"][name] = (rng.standard_normal(full) * 1e-3).astype(np.float32)
                 out["nu"][name] = (rng.random(full) * 1e-6).astype(np.float32)
+                if p.key in self.specials:
+                    vals = np.array([np.nan, np.inf, -np.inf, -0.0, 1e-40], np.float32)
+                    master.reshape(-1)[:5] = vals
+                    out["mu"][name].reshape(-1)[:5] = vals
                 out["model"][name] = master.astype(ml_dtypes.bfloat16)
         return out
 
