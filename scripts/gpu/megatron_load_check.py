@@ -5,7 +5,7 @@ GPU machine, under torch.distributed.run (world = the *target* layout's GPUs), f
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/megatron_core-0.19.2-*.whl
     export PYTHONPATH=$PWD:/tmp/site CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/gpu/megatron_load_check.py \\
-        --run dp2 --tp 2 --format fully_reshardable --work /tmp/loadcheck
+        --fixture dp2 --tp 2 --format fully_reshardable --work /tmp/loadcheck
 
 What it does:
  1. rank 0 (unless --megatron-ckpt is given): `convert` the committed fixture
@@ -50,10 +50,10 @@ def prepare(a: argparse.Namespace, world: int) -> str:
     from converters.megatron_write import Target, to_megatron
 
     os.makedirs(a.work, exist_ok=True)
-    logical = os.path.join(a.work, f"{a.run}_logical")
-    out = os.path.join(a.work, f"{a.run}_to_tp{a.tp}_gtp{a.gtp}_ep{a.ep}_{a.format}")
+    logical = os.path.join(a.work, f"{a.fixture}_logical")
+    out = os.path.join(a.work, f"{a.fixture}_to_tp{a.tp}_gtp{a.gtp}_ep{a.ep}_{a.format}")
     if not os.path.isdir(logical):
-        convert(os.path.join(FIXTURES, a.run, a.source_format), logical, ConvertOptions(workers=1))
+        convert(os.path.join(FIXTURES, a.fixture, a.source_format), logical, ConvertOptions(workers=1))
     if not os.path.isdir(out):
         dp = world // (a.tp * a.gtp)
         to_megatron(logical, out, Target(tp=a.tp, gtp=a.gtp, dp=dp, ep=a.ep, fmt=a.format,
@@ -63,7 +63,7 @@ def prepare(a: argparse.Namespace, world: int) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", default="dp2", help="source fixture run (tests/fixtures/megatron/<run>)")
+    ap.add_argument("--fixture", default="dp2", help="source fixture run (tests/fixtures/megatron/<run>)")
     ap.add_argument("--source-format", default="dp_reshardable", choices=["dp_reshardable", "fully_reshardable"])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--gtp", type=int, default=1)
@@ -80,7 +80,7 @@ def main() -> int:
 
     import tinygpt
 
-    src_run = json.load(open(os.path.join(FIXTURES, a.run, "run.json")))
+    src_run = json.load(open(os.path.join(FIXTURES, a.fixture, "run.json")))
     src_layout = src_run.get("layout", {})
     run = dict(tp=a.tp, gtp=a.gtp, ep=a.ep, moe=bool(src_layout.get("moe")), te=bool(src_layout.get("te")),
                overlap=a.format == "dp_reshardable" and a.bucket_size is not None, bucket_size=a.bucket_size)
