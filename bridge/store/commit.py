@@ -27,7 +27,6 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from bridge.errors import BridgeError
-from bridge.layout.boxes import Box
 from bridge.progress import progress
 from bridge.store import digest as dg
 from bridge.store import specs
