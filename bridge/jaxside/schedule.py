@@ -1,0 +1,199 @@
+"""Megatron's learning-rate (and weight-decay) schedule as optax schedules of optax's `count`.
+
+Megatron's `OptimizerParamScheduler` counts *samples*: after each successful update it adds the
+global batch size to `num_steps`, and the next update uses `get_lr(num_steps)`. The converter records
+the scheduler state at the checkpoint (`extra.megatron.scheduler`, see `SchedulerRecord`) together
+with `at_count`, the optax/Adam count the restored state carries. An optax schedule is called with
+the count *before* the update it scales, so
+
+    samples(count) = num_steps + (count - at_count) * increment
+
+and `schedule(count) == get_lr(samples(count))`; for an unbroken run `num_steps = at_count *
+increment`, i.e. samples = count * increment. Branch boundaries (`<=` warmup, `>` decay end, WSD
+anneal start) are decided exactly in integer count space; the ratios use the default float dtype
+(float32, float64 under `jax_enable_x64`), so values agree with Megatron's double-precision
+`get_lr` to a few ulp of that dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from fractions import Fraction
+from typing import Any, Callable, Mapping
+
+from bridge.errors import BridgeError
+
+RECORD_VERSION = 1
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+WD_STYLES = ("constant", "linear", "cosine")
+_I32 = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class SchedulerRecord:
+    """Megatron `OptimizerParamScheduler` state (all step quantities in samples) as the manifest keeps it.
+
+    `init_lr`, `wsd_decay_steps`, `lr_wsd_decay_style` are not in Megatron's scheduler state_dict;
+    the converter takes them from the run's args (`lr_warmup_init`, `lr_wsd_decay_iters` x
+    `global_batch_size` or `lr_wsd_decay_samples`, `lr_wsd_decay_style`).
+    """
+
+    max_lr: float
+    min_lr: float
+    lr_warmup_steps: float
+    lr_decay_steps: float
+    lr_decay_style: str
+    num_steps: int
+    increment: int
+    at_count: int
+    init_lr: float = 0.0
+    wsd_decay_steps: float | None = None
+    lr_wsd_decay_style: str | None = None
+    start_wd: float | None = None
+    end_wd: float | None = None
+    wd_incr_steps: float | None = None
+    wd_incr_style: str | None = None
+    version: int = RECORD_VERSION
+
+    def to_json(self) -> dict:
+        """JSON-ready dict."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "SchedulerRecord":
+        """Parse and validate (Megatron's own constructor assertions); BridgeError when malformed."""
+        if not isinstance(d, Mapping):
+            raise BridgeError("manifest scheduler record is not a JSON object; re-convert the checkpoint")
+        if int(d.get("version", RECORD_VERSION)) > RECORD_VERSION:
+            raise BridgeError(f"manifest scheduler record version {d.get('version')} is newer than this gtp-bridge "
+                              f"supports ({RECORD_VERSION}); upgrade gtp-bridge")
+        names = {f.name for f in fields(cls)}
+        try:
+            rec = cls(**{k: v for k, v in d.items() if k in names})
+        except TypeError as e:
+            raise BridgeError(f"manifest scheduler record is incomplete ({e}); re-convert the checkpoint") from None
+        rec.validate()
+        return rec
+
+    def validate(self) -> None:
+        """Refuse what Megatron's scheduler would refuse, with one line naming the field."""
+        bad = None
+        if self.lr_decay_style not in DECAY_STYLES:
+            bad = f"lr_decay_style {self.lr_decay_style!r} is not one of {DECAY_STYLES}"
+        elif not (0.0 <= self.min_lr <= self.max_lr) or self.init_lr > self.max_lr:
+            bad = f"lrs must satisfy 0 <= min_lr <= max_lr and init_lr <= max_lr (got {self.min_lr}, {self.max_lr}, {self.init_lr})"
+        elif not (self.lr_decay_steps > 0 and self.lr_warmup_steps < self.lr_decay_steps):
+            bad = f"need 0 < lr_decay_steps and lr_warmup_steps < lr_decay_steps (got {self.lr_warmup_steps}, {self.lr_decay_steps})"
+        elif int(self.increment) <= 0:
+            bad = f"increment (global batch size) must be positive, got {self.increment}"
+        elif self.lr_decay_style == "WSD" and (self.wsd_decay_steps is None or self.wsd_decay_steps <= 0
+                                               or self.lr_wsd_decay_style not in WSD_STYLES):
+            bad = f"WSD needs wsd_decay_steps > 0 and lr_wsd_decay_style in {WSD_STYLES}"
+        elif self.wd_incr_style is not None and self.wd_incr_style not in WD_STYLES:
+            bad = f"wd_incr_style {self.wd_incr_style!r} is not one of {WD_STYLES}"
+        if bad:
+            raise BridgeError(f"manifest scheduler record: {bad}; fix the record or pass learning_rate= yourself")
+
+
+def _last_count_at_or_below(rec: SchedulerRecord, threshold: float) -> int:
+    """Largest count c with samples(c) <= threshold, exact (thresholds may be fractional), int32-clipped.
+
+    >>> r = SchedulerRecord(1.0, 0.0, 16, 80, "linear", num_steps=24, increment=8, at_count=3)
+    >>> _last_count_at_or_below(r, 16), _last_count_at_or_below(r, 16.5), _last_count_at_or_below(r, 15)
+    (2, 2, 1)
+    """
+    k = math.floor((Fraction(threshold) - int(rec.num_steps)) / int(rec.increment))
+    return max(-_I32, min(_I32, k + int(rec.at_count)))
+
+
+def megatron_lr_schedule(rec: SchedulerRecord | Mapping, max_lr: float | None = None,
+                         min_lr: float | None = None) -> Callable[[Any], Any]:
+    """optax schedule `count -> lr` equal to Megatron's `get_lr` at samples(count).
+
+    `max_lr`/`min_lr` override the scheduler's (Megatron param groups' own `max_lr`/`min_lr`).
+
+    >>> r = SchedulerRecord(1.0, 0.0, 16, 80, "linear", num_steps=24, increment=8, at_count=3)
+    >>> [round(float(megatron_lr_schedule(r)(c)), 6) for c in (0, 1, 2, 3, 6, 10, 11)]
+    [0.0, 0.5, 1.0, 0.875, 0.5, 0.0, 0.0]
+    """
+    import jax.numpy as jnp
+
+    rec = rec if isinstance(rec, SchedulerRecord) else SchedulerRecord.from_json(rec)
+    rec.validate()
+    hi = float(rec.max_lr if max_lr is None else max_lr)
+    lo = float(rec.min_lr if min_lr is None else min_lr)
+    init, inc, s0, c0 = float(rec.init_lr), int(rec.increment), int(rec.num_steps), int(rec.at_count)
+    warm, decay = float(rec.lr_warmup_steps), float(rec.lr_decay_steps)
+    warm_last = _last_count_at_or_below(rec, warm)
+    decay_last = _last_count_at_or_below(rec, decay)
+    style = rec.lr_decay_style
+
+    def affine(count, offset: float, scale: float):
+        """(samples(count) - offset) * scale, written as a + k*b so large sample counts stay precise."""
+        k = (jnp.asarray(count) - c0).astype(jnp.result_type(float))
+        return (s0 - offset) * scale + k * (inc * scale)
+
+    def schedule(count):
+        count = jnp.asarray(count)
+        if style == "constant":
+            lr = jnp.full_like(affine(count, 0.0, 0.0), hi)
+        elif style == "inverse-square-root":
+            samples = jnp.maximum(affine(count, 0.0, 1.0), 1.0)
+            lr = jnp.maximum(lo, (hi * math.sqrt(max(warm, 1.0))) / jnp.sqrt(samples))
+            lr = jnp.where(count > decay_last, lo, lr)
+        else:
+            ratio = affine(count, warm, 1.0 / (decay - warm))
+            if style == "linear":
+                coeff = 1.0 - ratio
+            elif style == "cosine":
+                coeff = 0.5 * (jnp.cos(math.pi * ratio) + 1.0)
+            else:  # WSD: constant until lr_decay_steps - wsd_decay_steps, then anneal
+                anneal = decay - float(rec.wsd_decay_steps)
+                r = affine(count, anneal, 1.0 / float(rec.wsd_decay_steps))
+                coeff = {"linear": lambda: 1.0 - r,
+                         "cosine": lambda: 0.5 * (jnp.cos(math.pi * r) + 1.0),
+                         "exponential": lambda: 2.0 * jnp.power(0.5, r) - 1.0,
+                         "minus_sqrt": lambda: 1.0 - jnp.sqrt(jnp.maximum(r, 0.0))}[rec.lr_wsd_decay_style]()
+                coeff = jnp.where(count <= _last_count_at_or_below(rec, anneal), 1.0, coeff)
+            lr = lo + coeff * (hi - lo)
+            lr = jnp.where(count > decay_last, lo, lr)
+        if warm > 0:
+            wr = affine(count, 0.0, 1.0 / warm)
+            lr = jnp.where(count <= warm_last, init + (hi - init) * wr, lr)
+        return lr
+
+    return schedule
+
+
+def megatron_wd_schedule(rec: SchedulerRecord | Mapping) -> Callable[[Any], Any] | float | None:
+    """Megatron's `get_wd` at samples(count): a float when constant, None when the record has no wd state.
+
+    >>> r = SchedulerRecord(1.0, 0.0, 0, 80, "constant", num_steps=0, increment=8, at_count=0,
+    ...                     start_wd=0.0, end_wd=0.1, wd_incr_steps=80, wd_incr_style="linear")
+    >>> [round(float(megatron_wd_schedule(r)(c)), 6) for c in (0, 5, 10, 11)]
+    [0.0, 0.05, 0.1, 0.1]
+    """
+    import jax.numpy as jnp
+
+    rec = rec if isinstance(rec, SchedulerRecord) else SchedulerRecord.from_json(rec)
+    if rec.wd_incr_style is None or rec.end_wd is None:
+        return None
+    end = float(rec.end_wd)
+    if rec.wd_incr_style == "constant":
+        return end
+    start, steps = float(rec.start_wd), float(rec.wd_incr_steps)
+    if steps <= 0:
+        raise BridgeError(f"manifest scheduler record: wd_incr_steps must be positive for {rec.wd_incr_style!r}")
+    inc, s0, c0 = int(rec.increment), int(rec.num_steps), int(rec.at_count)
+    last = _last_count_at_or_below(rec, steps)
+
+    def schedule(count):
+        count = jnp.asarray(count)
+        k = (count - c0).astype(jnp.result_type(float))
+        ratio = s0 / steps + k * (inc / steps)
+        coeff = ratio if rec.wd_incr_style == "linear" else 0.5 * (jnp.cos(math.pi * (1.0 - ratio)) + 1.0)
+        return jnp.where(count > last, end, start + coeff * (end - start))
+
+    return schedule
