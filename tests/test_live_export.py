@@ -121,28 +121,11 @@ def _export_then_reload(rank, world, dst, src_layout, targets, fp8):
 
 
 def _orbax_restore(path, want, with_model=True):
-    import jax
-    import jax.numpy as jnp
-    import optax
     import orbax.checkpoint as ocp
 
-    from bridge.store.tree import megatron_key_to_path
+    from bridge.live.scenario import abstract_tree
 
-    def nest(flat: dict, dtype):
-        tree: dict = {}
-        for name, arr in flat.items():
-            node = tree
-            parts = megatron_key_to_path(name)
-            for c in parts[:-1]:
-                node = node.setdefault(c, {})
-            node[parts[-1]] = jax.ShapeDtypeStruct(arr.shape, dtype)
-        return tree
-
-    params = nest(want["params"], jnp.float32)
-    abstract = {"params": params, "opt_state": jax.eval_shape(optax.adamw(1e-3).init, params),
-                "step": jax.ShapeDtypeStruct((), jnp.int32)}
-    if with_model:
-        abstract["model"] = nest(want["model"], jnp.bfloat16)
+    abstract = abstract_tree({"master": want["params"], "weight": want.get("model")}, with_model=with_model)
     return ocp.StandardCheckpointer().restore(path, abstract)
 
 

@@ -99,6 +99,18 @@ class OptimFragment:
         """The three state tensors by logical tree root (`params`, `mu`, `nu`)."""
         return {"params": self.master, "mu": self.exp_avg, "nu": self.exp_avg_sq}
 
+    def check(self, where: str, shard_numel: int) -> None:
+        """Refuse a range outside the physical shard or state tensors of the wrong length."""
+        from bridge.errors import BridgeError
+
+        if not 0 <= self.f0 <= self.f1 <= shard_numel:
+            raise BridgeError(f"{where}: optimizer range [{self.f0}, {self.f1}) is outside the physical shard "
+                              f"of {shard_numel} elements")
+        for root, tensor in self.tensors().items():
+            if tensor.numel() != self.numel:
+                raise BridgeError(f"{where}: optimizer {root} has {tensor.numel()} elements, range "
+                                  f"[{self.f0}, {self.f1}) has {self.numel}")
+
 
 @dataclass(eq=False)
 class LocalParam:

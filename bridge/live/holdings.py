@@ -110,13 +110,9 @@ def param_holdings(p: LocalParam, run_layout, rank: int) -> list[Holding]:
                            geom.shard_pieces(tp, gtp, t, g, index), p.main_replica))
     o = p.optim
     if o is not None:
-        if not 0 <= o.f0 <= o.f1 <= numel:
-            raise BridgeError(f"{where}: optimizer range [{o.f0}, {o.f1}) is outside the physical shard of {numel} elements")
+        o.check(where, numel)
         pieces = geom.fragment_pieces(tp, gtp, t, g, o.f0, o.f1, index)
         for root, tensor in o.tensors().items():
-            if tensor.numel() != o.numel:
-                raise BridgeError(f"{where}: optimizer {root} has {tensor.numel()} elements, range [{o.f0}, {o.f1}) "
-                                  f"has {o.numel}")
             dtype_name(tensor.dtype, where)
             out.append(Holding(root, p.key, _flat(tensor, f"{where} {root}"), pieces, p.main_replica))
     return out

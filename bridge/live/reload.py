@@ -57,12 +57,9 @@ def _jobs(p: LocalParam, run: LiveRun, have_model: bool) -> list[_Job]:
                         p.weight))
     o = p.optim
     if o is not None:
-        if not 0 <= o.f0 <= o.f1 <= numel:
-            raise BridgeError(f"{where}: optimizer range [{o.f0}, {o.f1}) is outside the physical shard of {numel} elements")
+        o.check(where, numel)
         pieces = geom.fragment_pieces(tp, gtp, t, g, o.f0, o.f1, index)
         for root, tensor in o.tensors().items():
-            if tensor.numel() != o.numel:
-                raise BridgeError(f"{where}: optimizer {root} target has {tensor.numel()} elements, range has {o.numel}")
             out.append(_Job(p, root, pieces, o.numel, tensor))
     return out
 

@@ -123,8 +123,11 @@ def leaf(tree, name: str):
     return np.asarray(tree)
 
 
-def abstract_tree(held: Mapping, sharding=None):
-    """The abstract tree plain Orbax restores (params, optax.adamw state, bf16 model, step)."""
+def abstract_tree(held: Mapping, sharding=None, with_model: bool = True):
+    """The abstract tree plain Orbax restores (params, optax.adamw state, bf16 model, step).
+
+    `held` maps "master" (and "weight" when `with_model`) to {Megatron key: array}.
+    """
     import jax
     import jax.numpy as jnp
     import optax
@@ -143,7 +146,9 @@ def abstract_tree(held: Mapping, sharding=None):
 
     params = nest(held["master"], jnp.float32)
     tree = {"params": params, "opt_state": jax.eval_shape(optax.adamw(1e-3).init, params),
-            "model": nest(held["weight"], jnp.bfloat16), "step": jax.ShapeDtypeStruct((), jnp.int32)}
+            "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    if with_model:
+        tree["model"] = nest(held["weight"], jnp.bfloat16)
     if sharding is not None:
         tree = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding(s)), tree)
     return tree
