@@ -426,7 +426,46 @@ def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | Non
         "iteration": _plain(src.common.get("iteration")),
         "checkpoint_version": _plain(src.common.get("checkpoint_version")),
     }}
+    sched = scheduler_record(src.common, src.args, step or 0)
+    if sched is not None:
+        extra["megatron"]["scheduler"] = sched
     return Manifest(source=source, optimizer=opt, fused=fused, extra=extra)
+
+
+def _first(d: dict, *names: str) -> Any:
+    """The first of `names` present in `d` (Megatron renamed scheduler keys over versions)."""
+    return next((_plain(d[n]) for n in names if n in d), None)
+
+
+def scheduler_record(common: dict, args: dict, at_count: int) -> dict | None:
+    """Megatron's `OptimizerParamScheduler` state (+ the args it needs) as JSON, or None when absent.
+
+    Fields are `bridge.jaxside.schedule.SchedulerRecord`'s; old key names are read the way
+    `OptimizerParamScheduler.load_state_dict` reads them. Step quantities are in samples;
+    `increment` (samples per iteration) is `global_batch_size`; `at_count` is the Adam count written
+    to `opt_state/0/count`.
+    """
+    sd = common.get("opt_param_scheduler", common.get("lr_scheduler"))
+    if not isinstance(sd, dict):
+        return None
+    a = lambda name, default=None: _plain(args.get(name, default))  # noqa: E731
+    gbs = a("global_batch_size")
+    if a("train_iters"):
+        wsd = a("lr_wsd_decay_iters") * gbs if a("lr_wsd_decay_iters") is not None and gbs else None
+    else:
+        wsd = a("lr_wsd_decay_samples")
+    ramp = a("rampup_batch_size")
+    return {"version": 1, "max_lr": _first(sd, "start_lr", "max_lr"), "min_lr": _first(sd, "min_lr"),
+            "lr_warmup_steps": _first(sd, "warmup_iter", "warmup_steps", "lr_warmup_steps"),
+            "lr_decay_steps": _first(sd, "end_iter", "decay_steps", "lr_decay_steps"),
+            "lr_decay_style": _first(sd, "decay_style", "lr_decay_style"),
+            "num_steps": _first(sd, "num_iters", "num_steps"),
+            "start_wd": _first(sd, "start_wd"), "end_wd": _first(sd, "end_wd"),
+            "wd_incr_steps": _first(sd, "wd_incr_steps"), "wd_incr_style": _first(sd, "wd_incr_style"),
+            "init_lr": float(a("lr_warmup_init", 0.0) or 0.0), "wsd_decay_steps": wsd,
+            "lr_wsd_decay_style": a("lr_wsd_decay_style"), "increment": int(gbs) if gbs else None,
+            "rampup_samples": int(ramp[2]) if isinstance(ramp, list) and len(ramp) == 3 else None,
+            "at_count": int(at_count)}
 
 
 # ---------------------------------------------------------------------------------------------

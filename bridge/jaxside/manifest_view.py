@@ -123,40 +123,70 @@ def plan_shape(plan: Plan, source: Path) -> tuple[int, ...]:
     raise KeyError(source)
 
 
+def scheduler_of(manifest: Manifest | Mapping | None):
+    """The Megatron scheduler record (`extra.megatron.scheduler`) as a SchedulerRecord, or None."""
+    from bridge.jaxside.schedule import SchedulerRecord
+
+    m = as_manifest(manifest)
+    rec = (m.extra.get("megatron") or {}).get("scheduler") if m is not None else None
+    return None if rec is None else SchedulerRecord.from_json(rec)
+
+
 def optimizer_from_manifest(manifest: Manifest | Mapping, learning_rate: Any = None, plan: Plan | None = None):
     """A ready `optax.adamw` with the checkpoint's hyper-parameters and no-decay mask.
 
-    `learning_rate` (a float or an optax schedule) overrides the manifest's lr; one of them is needed.
-    Param groups with an lr multiplier (and their `params` list) become `optax.multi_transform`
-    groups of adamw with the scaled learning rate.
+    The learning rate is, in order: `learning_rate` (a float or an optax schedule), Megatron's
+    recorded `OptimizerParamScheduler` (an optax schedule of the Adam count that continues the run's
+    warmup/decay exactly, `bridge.jaxside.schedule`; its weight-decay increment too), else the
+    manifest's constant lr. Param groups with an lr multiplier or, under the recorded schedule, their
+    own `max_lr`/`min_lr` (and a `params` list) become `optax.multi_transform` groups of adamw.
     """
     import optax
 
+    from bridge.jaxside.schedule import megatron_lr_schedule, megatron_wd_schedule
+
     h = adam_hparams(manifest)
-    lr = learning_rate if learning_rate is not None else h.lr
+    rec = scheduler_of(manifest) if learning_rate is None else None
+    lr = learning_rate if learning_rate is not None else (megatron_lr_schedule(rec) if rec is not None else h.lr)
     if lr is None:
         raise BridgeError("manifest records no learning rate; pass learning_rate= (a float or an optax schedule)")
-    groups = [g for g in as_manifest(manifest).optimizer.groups if float(g.get("lr_mult", 1.0)) != 1.0]
+    wd = megatron_wd_schedule(rec) if rec is not None else None
+    wd = h.weight_decay if wd is None or not callable(wd) else wd
+
+    def own_range(g: dict) -> bool:  # a group on its own max_lr/min_lr under the recorded schedule
+        return rec is not None and any(k in g and g[k] is not None and float(g[k]) != float(getattr(rec, k))
+                                       for k in ("max_lr", "min_lr"))
+
+    groups = [g for g in as_manifest(manifest).optimizer.groups
+              if float(g.get("lr_mult", 1.0)) != 1.0 or own_range(g)]
     if not groups:
-        return optax.adamw(lr, b1=h.b1, b2=h.b2, eps=h.eps, weight_decay=h.weight_decay,
-                           mask=decay_mask(manifest, plan))
-    return _grouped_adamw(manifest, lr, groups, plan)
+        return optax.adamw(lr, b1=h.b1, b2=h.b2, eps=h.eps, weight_decay=wd, mask=decay_mask(manifest, plan))
+
+    def group_lr(g: dict):
+        m = float(g.get("lr_mult", 1.0))
+        base = megatron_lr_schedule(rec, g.get("max_lr"), g.get("min_lr")) if own_range(g) else lr
+        if m == 1.0:
+            return base
+        return (lambda step: base(step) * m) if callable(base) else base * m
+
+    return _grouped_adamw(manifest, lr, groups, plan, group_lr, wd)
 
 
-def _grouped_adamw(manifest: Manifest | Mapping, lr: Any, groups: list[dict], plan: Plan | None):
-    """Megatron param groups with lr multipliers -> optax.multi_transform of adamw per multiplier."""
+def _grouped_adamw(manifest: Manifest | Mapping, lr: Any, groups: list[dict], plan: Plan | None,
+                   group_lr: Callable[[dict], Any], wd: Any):
+    """Megatron param groups with their own lr -> optax.multi_transform of adamw per group."""
     import jax
     import optax
 
     h = adam_hparams(manifest)
     label_of: dict[Path, str] = {}
-    mults: dict[str, float] = {"default": 1.0}
+    lrs: dict[str, Any] = {"default": lr}
     for i, g in enumerate(groups):
         if not g.get("params"):
-            raise BridgeError(f"manifest param group with lr_mult {g.get('lr_mult')} lists no params; build the "
-                              f"optimizer yourself with optax.multi_transform")
+            raise BridgeError(f"manifest param group {i} with its own lr (lr_mult {g.get('lr_mult')}, max_lr "
+                              f"{g.get('max_lr')}) lists no params; build the optimizer yourself with optax.multi_transform")
         label = f"group{i}"
-        mults[label] = float(g["lr_mult"])
+        lrs[label] = group_lr(g)
         for key in g["params"]:
             label_of[_split(key)] = label
     sources: dict[Path, tuple[Path, ...]] = {}
@@ -169,9 +199,6 @@ def _grouped_adamw(manifest: Manifest | Mapping, lr: Any, groups: list[dict], pl
             return label_of.get(logical[0], "default")
         return jax.tree_util.tree_map_with_path(one, params)
 
-    def scaled(m: float):
-        return (lambda step: lr(step) * m) if callable(lr) else lr * m
-
-    txs = {label: optax.adamw(scaled(m), b1=h.b1, b2=h.b2, eps=h.eps, weight_decay=h.weight_decay,
-                              mask=decay_mask(manifest, plan)) for label, m in mults.items()}
+    txs = {label: optax.adamw(glr, b1=h.b1, b2=h.b2, eps=h.eps, weight_decay=wd, mask=decay_mask(manifest, plan))
+           for label, glr in lrs.items()}
     return optax.multi_transform(txs, labels)

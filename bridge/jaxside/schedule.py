@@ -55,6 +55,7 @@ class SchedulerRecord:
     end_wd: float | None = None
     wd_incr_steps: float | None = None
     wd_incr_style: str | None = None
+    rampup_samples: int | None = None
     version: int = RECORD_VERSION
 
     def to_json(self) -> dict:
@@ -86,8 +87,11 @@ class SchedulerRecord:
             bad = f"lrs must satisfy 0 <= min_lr <= max_lr and init_lr <= max_lr (got {self.min_lr}, {self.max_lr}, {self.init_lr})"
         elif not (self.lr_decay_steps > 0 and self.lr_warmup_steps < self.lr_decay_steps):
             bad = f"need 0 < lr_decay_steps and lr_warmup_steps < lr_decay_steps (got {self.lr_warmup_steps}, {self.lr_decay_steps})"
-        elif int(self.increment) <= 0:
-            bad = f"increment (global batch size) must be positive, got {self.increment}"
+        elif self.increment is None or int(self.increment) <= 0:
+            bad = f"increment (global batch size) must be a positive int, got {self.increment}"
+        elif self.rampup_samples is not None and self.num_steps < self.rampup_samples:
+            bad = (f"batch-size ramp-up was still running at the checkpoint ({self.num_steps} of "
+                   f"{self.rampup_samples} samples), so later increments are not the global batch size")
         elif self.lr_decay_style == "WSD" and (self.wsd_decay_steps is None or self.wsd_decay_steps <= 0
                                                or self.lr_wsd_decay_style not in WSD_STYLES):
             bad = f"WSD needs wsd_decay_steps > 0 and lr_wsd_decay_style in {WSD_STYLES}"
