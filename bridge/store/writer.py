@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -26,6 +27,8 @@ from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan  
 from bridge.store.tree import path_str
 
 REPORT_DIR = "_gtp_bridge_writers"
+# Donated boxes at least this large are digested on a side thread (small ones: thread hand-off costs more).
+_ASYNC_DIGEST_BYTES = 1 << 20
 
 
 def report_path(tmp_dir: str, writer: int) -> str:
@@ -52,6 +55,13 @@ class _ArrayState:
         self.stops = np.zeros((0, nd), dtype=np.int64)
         self.covered = np.zeros(plan.ownership.grid_shape, dtype=np.int64)
         self.digest = 0
+        self.pending: list[Future] = []   # digests of donated boxes, computed in the background
+
+    def settle(self) -> None:
+        """Fold the background digests into `digest`."""
+        if self.pending:
+            self.digest = dg.combine([self.digest] + [f.result() for f in self.pending])
+            self.pending.clear()
 
     def record(self, box: Box) -> None:
         if len(self.starts):
@@ -97,8 +107,10 @@ class CheckpointWriter:
         self.context = ts.Context(specs.context_spec())
         self._state: dict[str, _ArrayState] = {}
         self._created: set[str] = set()
-        self._open: dict[str, object] = {}
+        self._base: dict[str, object] = {}   # opened once per array, not bound to a transaction
+        self._open: dict[str, object] = {}   # the same, bound to the current transaction
         self._txn = None
+        self._digester: ThreadPoolExecutor | None = None
         self._futures: list = []
         self._commits: list = []
         self._pending = 0
@@ -133,13 +145,20 @@ class CheckpointWriter:
         self._check_owner(ap, box, where)
         state = self._state.get(spec.name) or self._state.setdefault(spec.name, _ArrayState(ap))
         state.record(box)
-        if self.compute_digest:
-            state.digest = dg.combine([state.digest, dg.digest_box(spec.shape, box, data)])
         store = self._store(ap)
         try:
             self._futures.append(store[box.slices].write(data, can_reference_source_data_indefinitely=donate))
         except Exception as e:  # TensorStore raises ValueError etc.; name the array
             raise BridgeError(f"{where}: writing box {box} failed: {' '.join(str(e).split())}") from e
+        # The digest runs after the write is issued, so it overlaps TensorStore's encoding and I/O.
+        # Donated data stays untouched until the next flush: digest it on a side thread then.
+        if self.compute_digest:
+            if donate and data.nbytes >= _ASYNC_DIGEST_BYTES:
+                if self._digester is None:
+                    self._digester = ThreadPoolExecutor(1, thread_name_prefix=f"digest-w{self.writer_id}")
+                state.pending.append(self._digester.submit(dg.digest_box, spec.shape, box, data))
+            else:
+                state.digest = dg.combine([state.digest, dg.digest_box(spec.shape, box, data)])
         self._pending += data.nbytes
         self.bytes_written += data.nbytes
         if self._pending >= self.inflight_bytes:
@@ -156,6 +175,8 @@ class CheckpointWriter:
             for f in self._futures:
                 f.result()
             self._futures.clear()
+            for st in self._state.values():  # donated buffers may be reused after flush
+                st.settle()
             for f in self._commits:  # the previous batch must land before the next one starts
                 f.result()
             self._commits.clear()
@@ -182,6 +203,9 @@ class CheckpointWriter:
             if ap.meta_writer == self.writer_id and ap.spec.name not in self._created:
                 self._store(ap)
         self.flush()
+        if self._digester is not None:
+            self._digester.shutdown()
+            self._digester = None
         report = {
             "writer": self.writer_id,
             "plan": self.plan.fingerprint(),
@@ -210,6 +234,11 @@ class CheckpointWriter:
                               f"{int(owners[rel])}; send that data to its owner")
 
     def _store(self, ap: ArrayPlan):
+        """The array bound to the current transaction.
+
+        Each array is opened once per writer (``ts.open`` costs milliseconds); later transactions
+        rebind that handle, which is cheap. Only the array's creation runs inside a transaction.
+        """
         name = ap.spec.name
         st = self._open.get(name)
         if st is not None:
@@ -217,19 +246,24 @@ class CheckpointWriter:
         ts = self._ts
         if self._txn is None:
             self._txn = ts.Transaction(atomic=True)
-        spec = specs.array_write_spec(self.tmp_dir, self.writer_id, name, ap.spec.shape, ap.spec.dtype,
-                                      ap.ownership.chunk_shape, ap.inner_chunk_shape, self.plan.compression,
-                                      checksum=self.plan.checksum)
         create = ap.meta_writer == self.writer_id and name not in self._created
         try:
             if create:
-                st = ts.open(spec, create=True, context=self.context, transaction=self._txn).result()
+                st = ts.open(self._spec(ap), create=True, context=self.context, transaction=self._txn).result()
                 self._created.add(name)
             else:
-                st = ts.open(spec, open=True, assume_metadata=True, context=self.context,
-                             transaction=self._txn).result()
+                base = self._base.get(name)
+                if base is None:  # assume_metadata: no I/O, the plan fixes the metadata
+                    base = self._base[name] = ts.open(self._spec(ap), open=True, assume_metadata=True,
+                                                      context=self.context).result()
+                st = base.with_transaction(self._txn)
         except Exception as e:
             raise BridgeError(f"writer {self.writer_id}: {path_str(ap.spec.path)}: opening for write failed: "
                               f"{' '.join(str(e).split())}") from e
         self._open[name] = st
         return st
+
+    def _spec(self, ap: ArrayPlan) -> dict:
+        return specs.array_write_spec(self.tmp_dir, self.writer_id, ap.spec.name, ap.spec.shape, ap.spec.dtype,
+                                      ap.ownership.chunk_shape, ap.inner_chunk_shape, self.plan.compression,
+                                      checksum=self.plan.checksum)
