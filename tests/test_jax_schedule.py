@@ -27,7 +27,7 @@ import pytest
 from bridge.errors import BridgeError
 from bridge.jaxside import optimizer_from_manifest
 from bridge.jaxside.manifest_view import scheduler_of
-from bridge.jaxside.schedule import SchedulerRecord, megatron_lr_schedule, megatron_wd_schedule
+from bridge.jaxside.schedule import SchedulerRecord, megatron_lr_schedule, megatron_wd_schedule, samples_at
 from converters.megatron_convert import scheduler_record
 
 
@@ -263,6 +263,11 @@ def test_transcription_equals_real_megatron_scheduler(name, case, monkeypatch):
 # --- the converter records it; optimizer_from_manifest uses it --------------------------------------
 
 
+def _at_count(state, c):
+    """Every optax count (Adam's, the schedule's) set to c, as restore fills them from the checkpoint."""
+    return jax.tree_util.tree_map(lambda x: jnp.full_like(x, c) if x.dtype == jnp.int32 and x.ndim == 0 else x, state)
+
+
 def _common_state(sched_sd: dict, step: int, lr: float) -> dict:
     import convert_synth as synth
 
@@ -331,15 +336,11 @@ def test_optimizer_from_manifest_applies_megatron_lr_at_the_restored_count(conve
     params = {"w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)}
     grads = {"w": jnp.cos(jnp.arange(12, dtype=jnp.float32)).reshape(3, 4)}
 
-    def at_count(state, c):   # every optax count (Adam's, the schedule's) as restore fills them
-        return jax.tree_util.tree_map(lambda x: jnp.full_like(x, c) if x.dtype == jnp.int32 and x.ndim == 0 else x,
-                                      state)
-
     for i, lr in enumerate(_reference_lrs(kw, step * GBS, 8)):
         # a plain adamw with Megatron's lr for this update as a constant, from the same state
         ref = optax.adamw(float(np.float32(lr)), b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
-        want, _ = ref.update(grads, at_count(ref.init(params), step + i), params)
-        got, _ = tx.update(grads, at_count(tx.init(params), step + i), params)
+        want, _ = ref.update(grads, _at_count(ref.init(params), step + i), params)
+        got, _ = tx.update(grads, _at_count(tx.init(params), step + i), params)
         np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]), rtol=2e-6, atol=0)
     # and a caller's learning_rate still wins over the recorded schedule
     const = optimizer_from_manifest(manifest, learning_rate=0.5)
@@ -358,3 +359,41 @@ def test_scheduler_record_reads_old_key_names():
     assert (rec.max_lr, rec.lr_warmup_steps, rec.lr_decay_steps, rec.lr_decay_style, rec.num_steps, rec.at_count) == \
         (1e-3, 80, 800, "cosine", 240, 30)
     assert scheduler_record({"iteration": 3}, args, 3) is None
+
+
+def test_groups_with_their_own_max_min_lr_follow_their_own_schedule():
+    """Megatron param groups carry max_lr/min_lr (decoupled lr, muP); get_lr reads them per group."""
+    from bridge.store.manifest import Manifest, OptimizerConfig
+
+    kw = _kwargs(dict(lr_decay_style="cosine"))
+    rec = _record(kw, 9 * GBS, 9).to_json()
+    own = {"max_lr": 1e-2, "min_lr": 1e-3}
+    groups = [{"max_lr": kw["max_lr"], "min_lr": kw["min_lr"], "wd_mult": 1.0, "lr_mult": 1.0},
+              {**own, "wd_mult": 1.0, "lr_mult": 1.0, "params": ["emb"]}]
+    m = Manifest(optimizer=OptimizerConfig(lr=kw["max_lr"], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                                           step=9, groups=groups), extra={"megatron": {"scheduler": rec}})
+    tx = optimizer_from_manifest(m)
+    params = {"emb": jnp.ones((4, 2), jnp.float32), "w": jnp.full((2, 3), -0.5, jnp.float32)}
+    grads = jax.tree_util.tree_map(lambda p: jnp.sin(jnp.arange(p.size, dtype=jnp.float32)).reshape(p.shape) + 0.1,
+                                   params)
+    for i in range(0, 40, 3):   # warmup end, decay, past decay end
+        s = MegatronScheduler(**kw)
+        s.step((9 + i) * GBS)
+        got, _ = tx.update(grads, _at_count(tx.init(params), 9 + i), params)
+        for name, lr in (("emb", s.get_lr(own)), ("w", s.get_lr())):
+            ref = optax.adamw(float(np.float32(lr)), b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0)
+            want, _ = ref.update(grads, _at_count(ref.init(params), 9 + i), params)
+            np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), rtol=2e-6, err_msg=f"{name} {i}")
+    with pytest.raises(BridgeError, match="lists no params"):
+        optimizer_from_manifest(Manifest(optimizer=OptimizerConfig(groups=[{**own}]),
+                                         extra={"megatron": {"scheduler": rec}}))
+
+
+def test_samples_at_matches_megatron_num_steps_after_updates():
+    kw = _kwargs(dict(lr_decay_style="linear"))
+    s = MegatronScheduler(**kw)
+    s.step(13 * GBS + 4)
+    rec = _record(kw, s.num_steps, 11)
+    for _ in range(7):
+        s.step(GBS)
+    assert samples_at(rec, 18) == s.num_steps

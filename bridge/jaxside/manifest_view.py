@@ -1,7 +1,8 @@
 """What the JAX side needs from a checkpoint's manifest: section orders and AdamW hyper-parameters.
 
 `optimizer_from_manifest(manifest)` returns a ready `optax.adamw` with Megatron's betas, eps,
-weight decay, learning rate and its no-decay parameter group as the weight-decay mask. The
+weight decay, learning rate (Megatron's recorded lr schedule when the converter found one, see
+`bridge.jaxside.schedule`) and its no-decay parameter group as the weight-decay mask. The
 no-decay set is, in order of preference: the manifest's `no_decay` list, the params of groups with
 `wd_mult == 0`, else Megatron's default rule (`get_standard_config_overrides`: biases and
 parameters whose own shape is 1-D, i.e. ignoring stacked-layer and expert axes).

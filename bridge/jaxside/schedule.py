@@ -112,6 +112,18 @@ def _last_count_at_or_below(rec: SchedulerRecord, threshold: float) -> int:
     return max(-_I32, min(_I32, k + int(rec.at_count)))
 
 
+def samples_at(rec: SchedulerRecord | Mapping, count: int) -> int:
+    """Megatron's `num_steps` (samples consumed by successful updates) when optax's count is `count`.
+
+    This is what a checkpoint written back at `count` must store as the scheduler's `num_steps`.
+
+    >>> samples_at(SchedulerRecord(1.0, 0.0, 16, 80, "linear", num_steps=28, increment=8, at_count=3), 5)
+    44
+    """
+    rec = rec if isinstance(rec, SchedulerRecord) else SchedulerRecord.from_json(rec)
+    return int(rec.num_steps) + (int(count) - int(rec.at_count)) * int(rec.increment)
+
+
 def megatron_lr_schedule(rec: SchedulerRecord | Mapping, max_lr: float | None = None,
                          min_lr: float | None = None) -> Callable[[Any], Any]:
     """optax schedule `count -> lr` equal to Megatron's `get_lr` at samples(count).
