@@ -238,7 +238,10 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     writer = CheckpointWriter(tmp, wplan, rank, inflight_bytes=inflight_bytes, compute_digest=digest)
     total = sum(it.box.size * plan.itemsize[it.name] for it in items)
     with progress(total, f"export rank {rank}") as bar:
-        peak = stage_and_write(items, writer.write, inflight_bytes, bar.update)
+        # CPU items (views of `recv` and of the holdings) stay alive until writer.finish() returns,
+        # so the writer may reference them instead of copying (donate).
+        peak = stage_and_write(items, writer.write, inflight_bytes, bar.update,
+                               write_cpu=lambda n, b, a: writer.write(n, b, a, donate=True))
     if rank == 0:
         writer.write(STEP_PATH, Box((), ()), np.asarray(run.step, dtype=np.int32))
         if run.optimizer is not None:

@@ -73,8 +73,14 @@ def split_rows(item: WriteItem, max_elems: int) -> Iterator[WriteItem]:
 
 
 def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.ndarray], None],
-                    budget_bytes: int, on_bytes: Callable[[int], None] | None = None) -> int:
-    """Feed every item to `write(name, box, ndarray)`; returns the peak staging bytes used."""
+                    budget_bytes: int, on_bytes: Callable[[int], None] | None = None,
+                    write_cpu: Callable[[str, Box, np.ndarray], None] | None = None) -> int:
+    """Feed every item to `write(name, box, ndarray)`; returns the peak staging bytes used.
+
+    CPU items go to `write_cpu` when given: a writer that may keep referencing the numpy view
+    (no copy) because the caller keeps the items alive until the writer has finished. CUDA items
+    always go to `write`, which must copy before returning (the pinned buffers are reused).
+    """
     budget_bytes = max(2, int(budget_bytes))
     half = budget_bytes // 2
     cpu: list[WriteItem] = []
@@ -82,7 +88,7 @@ def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.nd
     for it in items:
         (dev if it.data.is_cuda else cpu).append(it)
     for it in cpu:
-        write(it.name, it.box, to_numpy(it.data.contiguous()))
+        (write_cpu or write)(it.name, it.box, to_numpy(it.data.contiguous()))
         if on_bytes:
             on_bytes(it.data.numel() * it.data.element_size())
     if not dev:
