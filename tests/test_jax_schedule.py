@@ -10,7 +10,6 @@ fixtures carry no scheduler state) and converts it with the real converter.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import math
@@ -27,7 +26,8 @@ import pytest
 from bridge.errors import BridgeError
 from bridge.jaxside import optimizer_from_manifest
 from bridge.jaxside.manifest_view import scheduler_of
-from bridge.jaxside.schedule import SchedulerRecord, megatron_lr_schedule, megatron_wd_schedule, samples_at
+from bridge.jaxside.schedule import (SchedulerRecord, megatron_lr_schedule, megatron_wd_schedule, samples_at,
+                                    scheduler_state_dict)
 from converters.megatron_convert import scheduler_record
 
 
@@ -234,12 +234,8 @@ def test_bad_records_are_refused():
 MC_SRC = os.path.join(os.environ.get("MEGATRON_CORE_SRC", "/tmp/mc"), "megatron", "core", "optimizer_param_scheduler.py")
 
 
-@pytest.mark.skipif(not os.path.exists(MC_SRC), reason="megatron-core 0.19.2 source not unpacked (set MEGATRON_CORE_SRC)")
-@pytest.mark.parametrize("name,case", CASES, ids=[c[0] for c in CASES])
-def test_transcription_equals_real_megatron_scheduler(name, case, monkeypatch):
-    """Load the real file alone (its only megatron import is a logging helper) and drive a torch optimizer."""
-    import torch
-
+def _real_megatron_module(monkeypatch):
+    """The real file, loaded alone (its only megatron import is a logging helper, replaced by a no-op)."""
     utils = types.ModuleType("megatron.core.utils")
     utils.log_single_rank = lambda *a, **k: None
     for mod in ("megatron", "megatron.core"):
@@ -248,6 +244,20 @@ def test_transcription_equals_real_megatron_scheduler(name, case, monkeypatch):
     spec = importlib.util.spec_from_file_location("mc_optimizer_param_scheduler", MC_SRC)
     real = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(real)
+    return real
+
+
+needs_mc = pytest.mark.skipif(not os.path.exists(MC_SRC),
+                              reason="megatron-core 0.19.2 source not unpacked (set MEGATRON_CORE_SRC)")
+
+
+@needs_mc
+@pytest.mark.parametrize("name,case", CASES, ids=[c[0] for c in CASES])
+def test_transcription_equals_real_megatron_scheduler(name, case, monkeypatch):
+    """The real class driving a real torch optimizer gives the transcription's lrs bit for bit."""
+    import torch
+
+    real = _real_megatron_module(monkeypatch)
     kw = _kwargs(case)
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.0)
     s = real.OptimizerParamScheduler(opt, start_wd=0.1, end_wd=0.1, wd_incr_steps=ITERS * GBS, wd_incr_style="constant",
@@ -397,3 +407,22 @@ def test_samples_at_matches_megatron_num_steps_after_updates():
     for _ in range(7):
         s.step(GBS)
     assert samples_at(rec, 18) == s.num_steps
+
+
+@needs_mc
+@pytest.mark.parametrize("name,case", CASES[1:5], ids=[c[0] for c in CASES[1:5]])
+def test_written_back_state_dict_resumes_real_megatron_at_the_schedule(name, case, monkeypatch):
+    """scheduler_state_dict(rec, count) loaded by the real OptimizerParamScheduler sets schedule(count)."""
+    import torch
+
+    real = _real_megatron_module(monkeypatch)
+    kw = _kwargs(case)
+    rec = _record(kw, 13 * GBS, 13, wd=dict(start_wd=0.1, end_wd=0.1, wd_incr_steps=ITERS * GBS,
+                                             wd_incr_style="constant"))
+    sched = megatron_lr_schedule(rec)
+    for count in (13, 21, 44):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.0)
+        s = real.OptimizerParamScheduler(opt, start_wd=0.1, end_wd=0.1, wd_incr_steps=ITERS * GBS,
+                                         wd_incr_style="constant", **kw)
+        s.load_state_dict(scheduler_state_dict(rec, count))
+        assert abs(opt.param_groups[0]["lr"] - float(sched(count))) <= _tol(kw), (name, count)

@@ -124,6 +124,23 @@ def samples_at(rec: SchedulerRecord | Mapping, count: int) -> int:
     return int(rec.num_steps) + (int(count) - int(rec.at_count)) * int(rec.increment)
 
 
+def scheduler_state_dict(rec: SchedulerRecord | Mapping, count: int) -> dict:
+    """What Megatron's `OptimizerParamScheduler.state_dict()` holds once optax's count is `count`
+    (for writing a checkpoint back: `common_state["opt_param_scheduler"]`).
+
+    >>> r = SchedulerRecord(1.0, 0.0, 16, 80, "linear", num_steps=24, increment=8, at_count=3)
+    >>> scheduler_state_dict(r, 5)["num_steps"]
+    40
+    """
+    rec = rec if isinstance(rec, SchedulerRecord) else SchedulerRecord.from_json(rec)
+    out = {"max_lr": rec.max_lr, "lr_warmup_steps": rec.lr_warmup_steps, "num_steps": samples_at(rec, count),
+           "lr_decay_style": rec.lr_decay_style, "lr_decay_steps": rec.lr_decay_steps, "min_lr": rec.min_lr}
+    if rec.wd_incr_style is not None:
+        out.update(start_wd=rec.start_wd, end_wd=rec.end_wd, wd_incr_style=rec.wd_incr_style,
+                   wd_incr_steps=rec.wd_incr_steps)
+    return out
+
+
 def megatron_lr_schedule(rec: SchedulerRecord | Mapping, max_lr: float | None = None,
                          min_lr: float | None = None) -> Callable[[Any], Any]:
     """optax schedule `count -> lr` equal to Megatron's `get_lr` at samples(count).
