@@ -288,6 +288,9 @@ def _save_rank(rank: int, world: int, port: int, path: str, entries: dict, shape
     from torch.distributed.checkpoint import save
 
     save(sd, checkpoint_id=path)
+    # Every rank leaves DCP's last collective before any tears gloo down: an early destroy while a
+    # peer is still inside it aborts that peer ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -300,10 +303,6 @@ def save(path: str, entries: dict, objects: dict, common: dict, world: int) -> N
             end = tuple(a + b for a, b in zip(o, d.shape))
             shape = end if shape is None else tuple(max(a, b) for a, b in zip(shape, end))
         shapes[key] = shape
-    # keys must be known to every rank with consistent global shape
-    for key in entries:
-        if key.startswith("optimizer.distributed"):
-            pass
     mp.start_processes(_save_rank, args=(world, _free_port(), path, entries, shapes, objects, common),
                        nprocs=world, start_method="spawn")
 

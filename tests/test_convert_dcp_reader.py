@@ -48,6 +48,7 @@ def _save_worker(rank: int, world: int, port: int, path: str) -> None:
                      "iteration": 7}], buf)
         sd["common_state"] = buf
     dcp.save(sd, checkpoint_id=path)
+    dist.barrier()  # no rank tears gloo down while a peer is still in DCP's last collective
     dist.destroy_process_group()
 
 
