@@ -112,6 +112,21 @@ def _last_count_at_or_below(rec: SchedulerRecord, threshold: float) -> int:
     return max(-_I32, min(_I32, k + int(rec.at_count)))
 
 
+def _affine(rec: SchedulerRecord, count: Any, offset: float, scale: float) -> Any:
+    """(samples(count) - offset) * scale in the default float dtype, without cancellation.
+
+    Written as a + k*b around the anchor count r = last count with samples <= offset: k = count - r is
+    an exact integer, a = (samples(r) - offset) * scale (exact in double, |a| < increment * scale),
+    so ratios near a phase start are not the small difference of two large rounded numbers.
+    """
+    import jax.numpy as jnp
+
+    r = _last_count_at_or_below(rec, offset)
+    a = float((Fraction(samples_at(rec, r)) - Fraction(offset)) * Fraction(scale))
+    k = (jnp.asarray(count) - r).astype(jnp.result_type(float))
+    return a + k * (int(rec.increment) * scale)
+
+
 def samples_at(rec: SchedulerRecord | Mapping, count: int) -> int:
     """Megatron's `num_steps` (samples consumed by successful updates) when optax's count is `count`.
 
@@ -157,16 +172,14 @@ def megatron_lr_schedule(rec: SchedulerRecord | Mapping, max_lr: float | None = 
     rec.validate()
     hi = float(rec.max_lr if max_lr is None else max_lr)
     lo = float(rec.min_lr if min_lr is None else min_lr)
-    init, inc, s0, c0 = float(rec.init_lr), int(rec.increment), int(rec.num_steps), int(rec.at_count)
+    init = float(rec.init_lr)
     warm, decay = float(rec.lr_warmup_steps), float(rec.lr_decay_steps)
     warm_last = _last_count_at_or_below(rec, warm)
     decay_last = _last_count_at_or_below(rec, decay)
     style = rec.lr_decay_style
 
     def affine(count, offset: float, scale: float):
-        """(samples(count) - offset) * scale, written as a + k*b so large sample counts stay precise."""
-        k = (jnp.asarray(count) - c0).astype(jnp.result_type(float))
-        return (s0 - offset) * scale + k * (inc * scale)
+        return _affine(rec, count, offset, scale)
 
     def schedule(count):
         count = jnp.asarray(count)
@@ -219,13 +232,11 @@ def megatron_wd_schedule(rec: SchedulerRecord | Mapping) -> Callable[[Any], Any]
     start, steps = float(rec.start_wd), float(rec.wd_incr_steps)
     if steps <= 0:
         raise BridgeError(f"manifest scheduler record: wd_incr_steps must be positive for {rec.wd_incr_style!r}")
-    inc, s0, c0 = int(rec.increment), int(rec.num_steps), int(rec.at_count)
     last = _last_count_at_or_below(rec, steps)
 
     def schedule(count):
         count = jnp.asarray(count)
-        k = (count - c0).astype(jnp.result_type(float))
-        ratio = s0 / steps + k * (inc / steps)
+        ratio = _affine(rec, count, 0.0, 1.0 / steps)
         coeff = ratio if rec.wd_incr_style == "linear" else 0.5 * (jnp.cos(math.pi * (1.0 - ratio)) + 1.0)
         return jnp.where(count > last, end, start + coeff * (end - start))
 
