@@ -300,7 +300,7 @@ def converted_with_scheduler(tmp_path_factory):
     import convert_synth as synth
     from converters.megatron_convert import ConvertOptions, convert
 
-    step = 23   # in the WSD anneal: warmup 5, decay 40, anneal from 28 ... use 23 to see the rest of it
+    step = 31   # inside the WSD anneal (warmup 5 iterations, decay ends at 40, anneal starts at 28)
     kw = _kwargs(dict(lr_decay_style="WSD", wsd_decay_steps=12 * GBS, lr_wsd_decay_style="cosine"))
     sd = {"max_lr": kw["max_lr"], "lr_warmup_steps": kw["lr_warmup_steps"], "num_steps": step * GBS,
           "lr_decay_style": "WSD", "lr_decay_steps": kw["lr_decay_steps"], "min_lr": kw["min_lr"],
@@ -426,3 +426,38 @@ def test_written_back_state_dict_resumes_real_megatron_at_the_schedule(name, cas
                                          wd_incr_style="constant", **kw)
         s.load_state_dict(scheduler_state_dict(rec, count))
         assert abs(opt.param_groups[0]["lr"] - float(sched(count))) <= _tol(kw), (name, count)
+
+
+def test_restored_state_continues_megatron_schedule(converted_with_scheduler):
+    """Real restore (8 devices, 2x4 mesh) into the manifest's optimizer: every count, the schedule's
+    too, is the checkpoint's step, and the next update uses the lr Megatron would use next."""
+    from jax.sharding import Mesh
+
+    from bridge.jaxside import restore
+    from bridge.jaxside.abstract import PARAMS, stored_arrays
+    from bridge.jaxside.keypaths import nested_from_paths
+
+    dst, kw, step = converted_with_scheduler
+    stored = stored_arrays(dst)
+    abstract = nested_from_paths({p: jax.ShapeDtypeStruct(a.shape, jnp.float32)
+                                  for p, a in stored.section(PARAMS).items()})
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tp"))
+    tx = optimizer_from_manifest(stored.custom_metadata["gtp_bridge"])
+    r = restore(dst, mesh=mesh, optimizer=jax.eval_shape(tx.init, abstract))
+    is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    sched_states = [x for x in jax.tree_util.tree_leaves(r.opt_state, is_leaf=is_sched) if is_sched(x)]
+    assert sched_states and all(int(s.count) == step for s in sched_states)
+    # the same restored state under a constant lr equal to Megatron's next lr gives the same update
+    lr = float(np.float32(_reference_lrs(kw, step * GBS, 1)[0]))
+    const = optimizer_from_manifest(r.manifest, learning_rate=lr)
+    rc = restore(dst, mesh=mesh, optimizer=jax.eval_shape(const.init, abstract), items=("params", "opt_state"))
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3) + 1e-4 * x, r.params)
+    got, _ = jax.jit(tx.update)(grads, r.opt_state, r.params)
+    want, _ = jax.jit(const.update)(grads, rc.opt_state, rc.params)
+    for (p, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=1e-6 * lr, err_msg=jax.tree_util.keystr(p))
+    # one step late (the schedule read at step + 1) is visibly different
+    late = optimizer_from_manifest(r.manifest, learning_rate=float(_reference_lrs(kw, (step + 1) * GBS, 1)[0]))
+    off, _ = late.update(grads, rc.opt_state, rc.params)
+    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree_util.tree_leaves(off),
+                                                               jax.tree_util.tree_leaves(want))) > 1e-3 * lr
