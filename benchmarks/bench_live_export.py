@@ -236,6 +236,7 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     res = {"export": [], "dcp": [], "raw_ts": []}
     mem = {"export": [], "dcp": [], "raw_ts": []}
     written = 0
+    phases: list[list[float]] = []  # export's own plan / exchange / write / commit seconds per rep
     for rep in range(-1, args["reps"]):  # rep -1: untimed warm-up (imports, first allocations, DCP set-up)
         order = ["export", "dcp", "raw_ts"]
         order = order[rep % 3:] + order[:rep % 3]
@@ -246,6 +247,8 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
                                                           target_chunk_bytes=args["chunk"],
                                                           inner_chunk_bytes=args["inner"]), device)
                 written = rep_.bytes_written
+                if rep >= 0:
+                    phases.append([rep_.plan_s, rep_.exchange_s, rep_.write_s, rep_.commit_s])
             elif name == "dcp":
                 t, m, _ = _timed(lambda: dcp.save(dcp_sd, checkpoint_id=path), device)
             else:
@@ -272,7 +275,8 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     busbw = _exchange_busbw(params, run, args["reps"], device) if args["busbw"] else None
     reload_fig = _reload_figures(os.path.join(root, "reload_src"), run, params, args, device)
     # slowest rank per repetition, peak memory over ranks
-    mine = {"t": res, "mem": mem, "written": written, "state_bytes": state_bytes, "reload": reload_fig}
+    mine = {"t": res, "mem": mem, "written": written, "state_bytes": state_bytes, "reload": reload_fig,
+            "phases": phases}
     from bridge.live.exchange import all_gather_json
 
     allr = all_gather_json(mine)
@@ -282,6 +286,10 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
             per_rep = [max(r["t"][name][i] for r in allr) for i in range(args["reps"])]
             out[name] = {"median_s": statistics.median(per_rep), "reps_s": per_rep,
                          "peak_rss_growth_MiB": max(max(r["mem"][name]) for r in allr) / 2 ** 20}
+        # per phase: the slowest rank in each rep, then the median over reps
+        split = {k: statistics.median(max(r["phases"][i][j] for r in allr) for i in range(args["reps"]))
+                 for j, k in enumerate(("plan", "exchange", "write", "commit"))}
+        out["export"]["split_s"] = split
         total_written = sum(r["written"] for r in allr)
         summary = {"args": args, "world": world, "logical_bytes_written": total_written,
                    "rank_state_bytes": sum(r["state_bytes"] for r in allr), "phases": out,
@@ -340,6 +348,8 @@ def main(argv=None) -> int:
     print(f"{'phase':8} {'median s':>9} {'peak RSS +MiB':>14}")
     for name in ("export", "dcp", "raw_ts"):
         print(f"{name:8} {ph[name]['median_s']:9.3f} {ph[name]['peak_rss_growth_MiB']:14.1f}")
+    sp = ph["export"]["split_s"]
+    print("export phases (slowest rank, median s): " + ", ".join(f"{k} {v:.3f}" for k, v in sp.items()))
     print(f"export / dcp time: {s['export_over_dcp_time']:.2f} (target <= 1.0);  "
           f"raw_ts / export time: {s['raw_over_export_time']:.2f} (target >= 0.8);  export {s['export_GBps']:.3f} GB/s")
     r = s["reload"]
