@@ -2,7 +2,7 @@
 
 The reference is `MegatronScheduler` below, transcribed line by line from megatron-core 0.19.2
 `megatron/core/optimizer_param_scheduler.py` (get_lr, get_wd, step) in Python doubles; where that
-source file is available (MEGATRON_CORE_SRC, default /tmp/mc), the real class driving a real
+source file is available (vendored in tests/fixtures/megatron_core_src, or MEGATRON_CORE_SRC), the real class driving a real
 torch optimizer is checked against the transcription. The converter part writes a synthetic
 common_state with scheduler state through real `torch.distributed.checkpoint.save` (the real
 fixtures carry no scheduler state) and converts it with the real converter.
@@ -231,7 +231,8 @@ def test_bad_records_are_refused():
 
 # --- the real megatron-core source, when available ------------------------------------------------
 
-MC_SRC = os.path.join(os.environ.get("MEGATRON_CORE_SRC", "/tmp/mc"), "megatron", "core", "optimizer_param_scheduler.py")
+_VENDORED = os.path.join(os.path.dirname(__file__), "fixtures", "megatron_core_src")
+MC_SRC = os.path.join(os.environ.get("MEGATRON_CORE_SRC", _VENDORED), "megatron", "core", "optimizer_param_scheduler.py")
 
 
 def _real_megatron_module(monkeypatch):
