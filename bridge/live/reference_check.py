@@ -318,6 +318,19 @@ def fill_from_logical(trainer, arrays: Mapping[str, Mapping[str, np.ndarray]]) -
 
 # --- spawned workers --------------------------------------------------------------------------------------------
 
+
+def _init_worker(rank: int, world: int, init_method: str, backend: str) -> "torch.device":
+    """Join the process group of a spawned worker; one GPU per rank under NCCL."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    return device
+
 def run_scenarios(rank: int, world: int, init_method: str, scenarios: Sequence[dict], outdir: str,
                   backend: str = "gloo") -> None:
     """Worker body: for each scenario train (or reload + continue) and dump `<name>.rank<r>.pt` to `outdir`.
@@ -331,12 +344,7 @@ def run_scenarios(rank: int, world: int, init_method: str, scenarios: Sequence[d
     from bridge.live.reference_collectives import RankGroups
     from bridge.live.reference_trainer import ReferenceTrainer, TrainerConfig, step
 
-    torch.set_num_threads(1)
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    device = _init_worker(rank, world, init_method, backend)
     try:
         for sc in scenarios:
             layout = ParallelLayout(**sc["layout"])
@@ -375,12 +383,7 @@ def run_export_reload(rank: int, world: int, init_method: str, outdir: str, weig
     from bridge.live.reference_trainer import ReferenceTrainer, TrainerConfig, step, train
     from bridge.live.reload import reload_state
 
-    torch.set_num_threads(1)
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    device = _init_worker(rank, world, init_method, backend)
     try:
         cfg = TrainerConfig(weights=weights)
         src_layout, dst_layout = ParallelLayout(**source), ParallelLayout(**target)
