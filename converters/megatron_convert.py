@@ -440,7 +440,7 @@ def _first(d: dict, *names: str) -> Any:
 def scheduler_record(common: dict, args: dict, at_count: int) -> dict | None:
     """Megatron's `OptimizerParamScheduler` state (+ the args it needs) as JSON, or None when absent.
 
-    Fields are `bridge.jaxside.schedule.SchedulerRecord`'s; old key names are read the way
+    Fields are `bridge.lr_schedule.SchedulerRecord`'s; old key names are read the way
     `OptimizerParamScheduler.load_state_dict` reads them. Step quantities are in samples;
     `increment` (samples per iteration) is `global_batch_size`; `at_count` is the Adam count written
     to `opt_state/0/count`.

@@ -564,4 +564,8 @@ def _write_objects(w: DcpWriter, man: Manifest, params: Sequence[ParamInfo], lay
                      {i: {"param_state_sharding_type": target.fmt} for i in range(len(domains))})
     common = {"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": step,
               "optimizer": optimizer, "content_metadata": content}
+    if meg.get("scheduler"):  # Megatron resumes its lr / wd schedule from this (else it restarts warmup)
+        from bridge.lr_schedule import scheduler_state_dict
+
+        common["opt_param_scheduler"] = scheduler_state_dict(meg["scheduler"], step)
     w.obj("common_state/shard_0_1", common)

@@ -26,7 +26,7 @@ import pytest
 from bridge.errors import BridgeError
 from bridge.jaxside import optimizer_from_manifest
 from bridge.jaxside.manifest_view import scheduler_of
-from bridge.jaxside.schedule import (SchedulerRecord, megatron_lr_schedule, megatron_wd_schedule, samples_at,
+from bridge.lr_schedule import (SchedulerRecord, megatron_lr_schedule, megatron_wd_schedule, samples_at,
                                     scheduler_state_dict)
 from converters.megatron_convert import scheduler_record
 
@@ -335,6 +335,21 @@ def test_converted_manifest_carries_the_schedule(converted_with_scheduler):
     got = _schedule_values(sched, counts)
     assert np.max(np.abs(got - want)) <= _tol(kw)
     assert np.max(np.abs(_schedule_values(sched, counts + 1) - want)) > 50 * _tol(kw)
+
+
+def test_to_megatron_writes_megatrons_scheduler_state_back(converted_with_scheduler, tmp_path):
+    """convert -> to-megatron gives back the scheduler state_dict Megatron saved (same count)."""
+    from converters.dcp_reader import DcpCheckpoint
+    from converters.megatron_write import Target, to_megatron
+
+    dst, kw, step = converted_with_scheduler
+    out = str(tmp_path / "megatron")
+    to_megatron(dst, out, Target(tp=1))
+    got = DcpCheckpoint(out).common_state()["opt_param_scheduler"]
+    # What the source checkpoint held (the fixture's Megatron state_dict), field by field.
+    assert got == {"max_lr": kw["max_lr"], "lr_warmup_steps": kw["lr_warmup_steps"], "num_steps": step * GBS,
+                   "lr_decay_style": "WSD", "lr_decay_steps": kw["lr_decay_steps"], "min_lr": kw["min_lr"],
+                   "start_wd": 0.1, "end_wd": 0.1, "wd_incr_style": "constant", "wd_incr_steps": 40 * GBS}
 
 
 def test_optimizer_from_manifest_applies_megatron_lr_at_the_restored_count(converted_with_scheduler):

@@ -2,7 +2,7 @@
 
 `optimizer_from_manifest(manifest)` returns a ready `optax.adamw` with Megatron's betas, eps,
 weight decay, learning rate (Megatron's recorded lr schedule when the converter found one, see
-`bridge.jaxside.schedule`) and its no-decay parameter group as the weight-decay mask. The
+`bridge.lr_schedule`) and its no-decay parameter group as the weight-decay mask. The
 no-decay set is, in order of preference: the manifest's `no_decay` list, the params of groups with
 `wd_mult == 0`, else Megatron's default rule (`get_standard_config_overrides`: biases and
 parameters whose own shape is 1-D, i.e. ignoring stacked-layer and expert axes).
@@ -126,7 +126,7 @@ def plan_shape(plan: Plan, source: Path) -> tuple[int, ...]:
 
 def scheduler_of(manifest: Manifest | Mapping | None):
     """The Megatron scheduler record (`extra.megatron.scheduler`) as a SchedulerRecord, or None."""
-    from bridge.jaxside.schedule import SchedulerRecord
+    from bridge.lr_schedule import SchedulerRecord
 
     m = as_manifest(manifest)
     rec = (m.extra.get("megatron") or {}).get("scheduler") if m is not None else None
@@ -138,13 +138,13 @@ def optimizer_from_manifest(manifest: Manifest | Mapping, learning_rate: Any = N
 
     The learning rate is, in order: `learning_rate` (a float or an optax schedule), Megatron's
     recorded `OptimizerParamScheduler` (an optax schedule of the Adam count that continues the run's
-    warmup/decay exactly, `bridge.jaxside.schedule`; its weight-decay increment too), else the
+    warmup/decay exactly, `bridge.lr_schedule`; its weight-decay increment too), else the
     manifest's constant lr. Param groups with an lr multiplier or, under the recorded schedule, their
     own `max_lr`/`min_lr` (and a `params` list) become `optax.multi_transform` groups of adamw.
     """
     import optax
 
-    from bridge.jaxside.schedule import megatron_lr_schedule, megatron_wd_schedule
+    from bridge.lr_schedule import megatron_lr_schedule, megatron_wd_schedule
 
     h = adam_hparams(manifest)
     rec = scheduler_of(manifest) if learning_rate is None else None
