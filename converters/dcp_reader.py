@@ -316,9 +316,9 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     """The directory holding `.metadata`: SRC itself, or SRC's latest `iter_*` (Megatron save dir)."""
     root = Path(path)
     if not root.exists():
-        raise BridgeError(f"{root}: no such directory; give the torch_dist checkpoint directory (iter_XXXXXXX)")
+        raise BridgeError(f"{root}: no such directory; give the torch_dist checkpoint directory (iter_<N>)")
     if not root.is_dir():
-        raise BridgeError(f"{root}: not a directory; give the torch_dist checkpoint directory (iter_XXXXXXX)")
+        raise BridgeError(f"{root}: not a directory; give the torch_dist checkpoint directory (iter_<N>)")
     if (root / ".metadata").is_file():
         return root
     tracker = root / "latest_checkpointed_iteration.txt"
@@ -334,7 +334,7 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
         raise BridgeError(f"{root}: this is a legacy 'torch' format checkpoint (mp_rank_*/common.pt), "
                           f"not torch_dist; re-save it with --ckpt-format torch_dist")
     raise BridgeError(f"{root}: not a torch_dist checkpoint (no .metadata file); point SRC at the "
-                      f"iter_XXXXXXX directory that Megatron-Core wrote")
+                      f"iter_<N> directory that Megatron-Core wrote")
 
 
 class DcpCheckpoint:

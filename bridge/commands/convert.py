@@ -59,7 +59,7 @@ def add_parser(sub) -> None:
                                    "dp_reshardable, legacy padded GTP, chained dense+expert; auto-detected) "
                                    "into a logical Orbax/TensorStore checkpoint.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", metavar="SRC", help="torch_dist checkpoint directory (iter_XXXXXXX or its parent)")
+    p.add_argument("src", metavar="SRC", help="torch_dist checkpoint directory (iter_<N> or its parent)")
     p.add_argument("dst", metavar="DST", help="new logical checkpoint directory (must not exist)")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                    help="writer processes (each owns whole arrays); default min(4, cores)")
