@@ -30,6 +30,7 @@ from bridge.progress import progress
 from bridge.store.commit import begin_checkpoint, commit_checkpoint
 from bridge.store.manifest import Manifest, OptimizerConfig, SourceLayout
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
+from bridge.store.specs import numpy_dtype
 from bridge.store.tree import adamw_empty_paths, megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
 from converters.dcp_reader import DcpCheckpoint, to_numpy
@@ -52,9 +53,6 @@ def np_dtype_name(torch_dtype: Any) -> str:
         raise BridgeError(f"unsupported tensor dtype {s} in the checkpoint")
     return TORCH_TO_NP[s]
 
-
-def np_dtype(name: str):
-    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
 @dataclass
@@ -331,7 +329,7 @@ def run_units(src_root: str, units: Sequence[Unit], plan: WritePlan, tmp: str, w
             for role, copies in sub.copies.items():
                 for arr, shape in unit.arrays.items():
                     bshape = ((hi - lo),) + tuple(shape[1:]) if shape else ()
-                    bufs[(role, arr)] = np.empty(bshape, dtype=np_dtype(unit.dtypes[role]))
+                    bufs[(role, arr)] = np.empty(bshape, dtype=numpy_dtype(unit.dtypes[role]))
                     filled[(role, arr)] = 0
                 for c in copies:
                     data = _take(cache, c)

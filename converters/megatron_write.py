@@ -31,6 +31,7 @@ from bridge.layout.params import ParamGeometry
 from bridge.progress import progress
 from bridge.store.manifest import MANIFEST_KEY, Manifest
 from bridge.store.reader import open_checkpoint
+from bridge.store.specs import numpy_dtype
 from bridge.store.tree import megatron_key_to_path, path_str
 from converters.megatron_format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
@@ -398,7 +399,7 @@ def _write_model_space(w: DcpWriter, cache: ArrayCache, params: Sequence[ParamIn
                     from converters.dcp_reader import ChunkInfo, StorageRef
 
                     ch = ChunkInfo(chunk_box.start, chunk_box.shape, StorageRef("", 0, 0))
-                    data = np.zeros(chunk_box.shape, dtype=_np_dtype(dt))  # GTP pad rows stay zero
+                    data = np.zeros(chunk_box.shape, dtype=numpy_dtype(dt))  # GTP pad rows stay zero
                     if legacy:  # the 0.19.2 padded grid (scrambled SwiGLU halves), via bridge.layout.legacy
                         for m in legacy_box_map(g, tp, gtp, chunk_box, scrambled_swiglu=scrambled):
                             data[m.src.slices] = cache.read(role_path(role, m.array), m.logical)
@@ -407,12 +408,6 @@ def _write_model_space(w: DcpWriter, cache: ArrayCache, params: Sequence[ParamIn
                             data[tuple(slice(a, b) for a, b in c.src)] = cache.read(role_path(role, c.array), c.dst)
                     w.tensor_chunk(fqn, chunk_box.start, _torch_from_numpy(data))
                     bar.update(data.nbytes)
-
-
-def _np_dtype(name: str):
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
 def _dp_coords(lay: ParallelLayout, expert: bool) -> dict[int, tuple[int, int, int]]:

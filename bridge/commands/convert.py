@@ -4,28 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 
-from bridge.errors import BridgeError
 
 EPILOG = """examples:
   gtp-bridge convert runs/gpt/iter_0001000 ckpt/logical
   gtp-bridge convert runs/gpt ckpt/logical --workers 4 --budget 2G     # latest iteration
   gtp-bridge convert lib_ckpt out --kv-channels 128                      # no args saved: head dim
 """
-
-
-def parse_size(text: str) -> int:
-    """'512M', '2G', '1048576' -> bytes.
-
-    >>> parse_size("2G"), parse_size("512k")
-    (2147483648, 524288)
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(text))
-    if not m:
-        raise BridgeError(f"cannot read size {text!r}; use a number of bytes or e.g. 512M, 2G")
-    mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    return int(float(m.group(1)) * mult)
 
 
 def add_hint_flags(p: argparse.ArgumentParser) -> None:
@@ -71,6 +56,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bridge.inspect_format import parse_size
     from converters.megatron_convert import ConvertOptions, convert
 
     res = convert(args.src, args.dst, ConvertOptions(workers=args.workers, budget=parse_size(args.budget),

@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bridge.commands.convert import parse_size
+    from bridge.inspect_format import parse_size
     from converters.megatron_write import Target, to_megatron
 
     res = to_megatron(args.src, args.dst, Target(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, fmt=args.fmt,

@@ -22,6 +22,7 @@ from bridge.layout.boxes import Box
 from bridge.store import specs
 from bridge.store.commit import CHECKSUM_KEY, TMP_SUFFIX
 from bridge.store.manifest import MANIFEST_KEY, Manifest
+from bridge.store.specs import numpy_dtype
 from bridge.store.tree import Path, parse_tree_metadata, path_str
 
 # Orbax item sub-directories (v1 `state/`, CheckpointManager `default/`) when given the step dir.
@@ -40,13 +41,7 @@ class ArrayInfo:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(_np_dtype(self.dtype)).itemsize
-
-
-def _np_dtype(name: str):
-    import ml_dtypes  # noqa: F401 (registers bfloat16 with numpy)
-
-    return np.dtype(name) if name != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
+        return int(np.prod(self.shape, dtype=np.int64)) * numpy_dtype(self.dtype).itemsize
 
 
 def find_checkpoint_root(path: str) -> str:

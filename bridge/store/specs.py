@@ -12,6 +12,8 @@ from __future__ import annotations
 from math import prod
 from typing import Sequence
 
+import numpy as np
+
 from bridge.errors import BridgeError
 
 SUPPORTED_DTYPES = ("float64", "float32", "bfloat16", "float16", "int64", "int32", "int16", "int8",
@@ -28,6 +30,17 @@ OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_00
 # being encoded, instead of one file written by one thread after all encoding (2 GiB, Orbax's value).
 # A writer-side knob only: readers follow the B-tree, whatever the file sizes.
 TARGET_DATA_FILE_SIZE = 64 << 20
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a stored dtype name (bfloat16 through ml_dtypes).
+
+    >>> numpy_dtype("bfloat16").name, numpy_dtype("float32").name
+    ('bfloat16', 'float32')
+    """
+    import ml_dtypes  # registers bfloat16 with numpy
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
 def check_dtype(dtype: str, name: str = "array") -> str:
