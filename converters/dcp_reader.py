@@ -22,8 +22,6 @@ from math import prod
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
-
 from bridge.errors import BridgeError
 
 # ---------------------------------------------------------------------------------------------
@@ -523,14 +521,3 @@ class DcpCheckpoint:
     @property
     def total_bytes(self) -> int:
         return sum(r.length for r in self.all_refs())
-
-
-def to_numpy(t: "Any") -> np.ndarray:
-    """A torch tensor as numpy, bf16 as `ml_dtypes.bfloat16` (bit-exact)."""
-    import torch
-
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.contiguous().numpy()

@@ -33,7 +33,8 @@ from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.store.specs import numpy_dtype
 from bridge.store.tree import adamw_empty_paths, megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
-from converters.dcp_reader import DcpCheckpoint, to_numpy
+from bridge.torch_numpy import to_numpy
+from converters.dcp_reader import DcpCheckpoint
 from converters.megatron_format import (Hints, SourceCheckpoint, _plain, describe, optimizer_groups,
                                         parse_groups_hyper, step_of)
 from converters.megatron_plan import (ROLES, Copy, Unit, contributes, flat_copies, literal,

@@ -32,6 +32,7 @@ from bridge.progress import progress
 from bridge.store.manifest import MANIFEST_KEY, Manifest
 from bridge.store.reader import open_checkpoint
 from bridge.store.specs import numpy_dtype
+from bridge.torch_numpy import from_numpy
 from bridge.store.tree import megatron_key_to_path, path_str
 from converters.megatron_format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
@@ -269,15 +270,6 @@ class DcpWriter:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
 
 
-def _torch_from_numpy(a: np.ndarray):
-    import ml_dtypes
-    import torch
-
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a))
-
-
 def _torch_dtype(name: str):
     import torch
 
@@ -406,7 +398,7 @@ def _write_model_space(w: DcpWriter, cache: ArrayCache, params: Sequence[ParamIn
                     else:
                         for c in box_copies(fqn, 0, ch, runs, npre):
                             data[tuple(slice(a, b) for a, b in c.src)] = cache.read(role_path(role, c.array), c.dst)
-                    w.tensor_chunk(fqn, chunk_box.start, _torch_from_numpy(data))
+                    w.tensor_chunk(fqn, chunk_box.start, from_numpy(data))
                     bar.update(data.nbytes)
 
 

@@ -24,7 +24,7 @@ from bridge.layout.rectangles import Piece
 from bridge.live.api import AdamConfig, LiveRun, LocalParam, QuantizedWeight, ReloadResult
 from bridge.live.fp8 import quantize_into
 from bridge.live.holdings import tree_name
-from bridge.live.staging import np_dtype
+from bridge.torch_numpy import from_numpy
 from bridge.progress import progress
 from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.store.tree import name_to_path
@@ -131,8 +131,7 @@ def _fill(jobs: Sequence[_Job], stores: dict) -> int:
 
 def _copy_into(j: _Job, flat: np.ndarray) -> None:
     target = j.target
-    src = torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16) if flat.dtype == np_dtype(torch.bfloat16) \
-        else torch.from_numpy(flat)
+    src = from_numpy(flat)
     if isinstance(target, QuantizedWeight):
         quantize_into(target, src.reshape(target.shape).to(torch.float32))
         return

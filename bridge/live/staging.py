@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from bridge.layout.boxes import Box
+from bridge.torch_numpy import numpy_dtype_of, to_numpy
 
 
 @dataclass(frozen=True)
@@ -27,22 +28,6 @@ class WriteItem:
     name: str
     box: Box
     data: torch.Tensor
-
-
-def np_dtype(t: torch.dtype) -> np.dtype:
-    """numpy dtype for a torch dtype (bf16 via ml_dtypes)."""
-    if t == torch.bfloat16:
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return torch.empty(0, dtype=t).numpy().dtype
-
-
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """Zero-copy numpy view of a contiguous CPU tensor (bf16 included)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np_dtype(t.dtype))
-    return t.numpy()
 
 
 def split_rows(item: WriteItem, max_elems: int) -> Iterator[WriteItem]:
@@ -163,7 +148,7 @@ def _stage_cuda(items: list[WriteItem], write, half: int, on_bytes) -> int:
         off = 0
         for p in batches[k]:
             nb = p.data.numel() * p.data.element_size()
-            arr = buf[off:off + nb].numpy().view(np_dtype(p.data.dtype)).reshape(p.box.shape)
+            arr = buf[off:off + nb].numpy().view(numpy_dtype_of(p.data.dtype)).reshape(p.box.shape)
             write(p.name, p.box, arr)  # the writer copies before returning: the buffer can be reused
             off += _slot(p)
             if on_bytes:
