@@ -396,7 +396,7 @@ def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | Non
     no_decay = wd_mult_zero if zero_groups and all(float(g.get("weight_decay") or 0.0) == 0.0 for g in zero_groups) else []
     opt = OptimizerConfig(name="adamw", lr=hyper.get("lr"), betas=hyper.get("betas"), eps=hyper.get("eps"),
                           weight_decay=hyper.get("weight_decay"), step=step, groups=hyper.get("groups", []),
-                          no_decay=no_decay)
+                          no_decay=no_decay, clip_grad=_clip_grad(src.args))
     fused = {path_str(megatron_key_to_path(m.name)): m.geom.fused.to_json()
              for m in src.models.values() if m.geom.fused is not None}
     params = []
@@ -434,6 +434,12 @@ def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | Non
 def _first(d: dict, *names: str) -> Any:
     """The first of `names` present in `d` (Megatron renamed scheduler keys over versions)."""
     return next((_plain(d[n]) for n in names if n in d), None)
+
+
+def _clip_grad(args: dict) -> float | None:
+    """Megatron's `clip_grad` from the saved args (None when the save carries no args)."""
+    v = _plain(args.get("clip_grad")) if args else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def scheduler_record(common: dict, args: dict, at_count: int) -> dict | None:

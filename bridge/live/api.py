@@ -134,6 +134,7 @@ class AdamConfig:
     weight_decay: float = 0.0
     no_decay: tuple[str, ...] = ()  # logical keys with weight-decay multiplier 0
     lr_mult: Mapping[str, float] = field(default_factory=dict)  # per-key lr multipliers (default 1)
+    clip_grad: float | None = None  # global-norm gradient clipping the run applies before Adam (None/0 = off)
     extra: Mapping[str, Any] = field(default_factory=dict)  # scheduler, grad scaler, ... (JSON values)
 
 

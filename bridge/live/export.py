@@ -89,7 +89,8 @@ def _manifest(run: LiveRun, summaries: Sequence[dict]) -> Manifest:
                               weight_decay=float(a.weight_decay), step=int(run.step),
                               groups=[{"params": [path_str(megatron_key_to_path(k))], "lr_mult": float(v)}
                                       for k, v in sorted(a.lr_mult.items())],
-                              no_decay=[path_str(megatron_key_to_path(k)) for k in a.no_decay])
+                              no_decay=[path_str(megatron_key_to_path(k)) for k in a.no_decay],
+                              clip_grad=None if a.clip_grad is None else float(a.clip_grad))
     extra = dict(run.extra)
     if run.optimizer is not None and run.optimizer.extra:
         extra["optimizer_extra"] = dict(run.optimizer.extra)

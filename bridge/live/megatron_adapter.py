@@ -34,7 +34,7 @@ own save keeps the main copy. DP replicas are identical; the exporter elects amo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from bridge.errors import BridgeError
@@ -418,6 +418,15 @@ def _unwrap(model: Any) -> Any:
     return m
 
 
+def _clip_grad(optimizer: Any) -> float | None:
+    """The run's global-norm clipping threshold (OptimizerConfig.clip_grad), None if it has none."""
+    for opt in _optimizers(optimizer):
+        v = getattr(getattr(opt, "config", None), "clip_grad", None)
+        if isinstance(v, (int, float)):
+            return float(v)
+    return None
+
+
 def _optimizers(optimizer: Any) -> list[Any]:
     opts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
     for o in opts:
@@ -586,8 +595,8 @@ def local_params(model: Any, optimizer: Any, *, metadata: Mapping[str, Any] | No
     if for_export:
         out = [lp for lp, m in zip(out, mappings) if m.model_parallel_main]
     step = common_step([int(s) for s in steps], f"rank {rank} optimizer")
-    run = LiveRun(layout=layout, rank=rank, step=step,
-                  optimizer=adam_config_from_groups(groups, group_keys), group=group,
+    adam = replace(adam_config_from_groups(groups, group_keys), clip_grad=_clip_grad(optimizer))
+    run = LiveRun(layout=layout, rank=rank, step=step, optimizer=adam, group=group,
                   device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None,
                   extra={"megatron_adapter": {"pad_for_alignment": pad}, **dict(extra or {})})
     return out, run

@@ -46,6 +46,7 @@ class OptimizerConfig:
     step: int | None = None
     groups: list[dict] = field(default_factory=list)     # per-group {"params": [...], "lr_mult":, "wd_mult":, ...}
     no_decay: list[str] = field(default_factory=list)    # param paths ("/"-joined) without weight decay
+    clip_grad: float | None = None                       # global-norm gradient clipping (Megatron clip_grad; 0/None = off)
 
 
 @dataclass
