@@ -61,6 +61,51 @@ def prepare(a: argparse.Namespace, world: int) -> str:
     return out
 
 
+def log(rank: int, msg: str) -> None:
+    print(f"[rank {rank}] {msg}", flush=True)
+
+
+def megatron_load(gpt, optimizer, ckpt: str, fmt: str) -> dict:
+    """Load `ckpt` into model + optimizer exactly as Megatron-LM's training loop does."""
+    import tinygpt
+    from megatron.core import dist_checkpointing
+
+    md = tinygpt.sharded_metadata(fmt)
+    sd = {"model": gpt.sharded_state_dict(metadata=md)}
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=md)
+    loaded = dist_checkpointing.load(sd, ckpt)
+    gpt.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    return loaded
+
+
+def state_differences(opt_a, opt_b) -> int:
+    """Elements of fp32 masters / exp_avg / exp_avg_sq that differ between two same-layout optimizers."""
+    import tinygpt
+
+    bad = 0
+    for oa, ob in zip(tinygpt.optimizer_list(opt_a), tinygpt.optimizer_list(opt_b)):
+        for pa, pb in zip(oa.model_param_gbuf_map, ob.model_param_gbuf_map):
+            sa, sb = oa._get_main_param_and_optimizer_states(pa), ob._get_main_param_and_optimizer_states(pb)
+            for k in ("param", "exp_avg", "exp_avg_sq"):
+                bad += int((sa[k].view(-1).float() != sb[k].view(-1).float()).sum().item())
+    return all_sum(bad)
+
+
+def weight_differences(gpt_a, gpt_b) -> int:
+    bad = sum(int((x.detach() != y.detach()).sum().item()) for x, y in zip(gpt_a.parameters(), gpt_b.parameters()))
+    return all_sum(bad)
+
+
+def all_sum(n: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([n], device="cuda")
+    dist.all_reduce(t)
+    return int(t.item())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixture", default="dp2", help="source fixture run (tests/fixtures/megatron/<run>)")
@@ -73,7 +118,12 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/gtp_load_check")
     ap.add_argument("--megatron-ckpt", default=None, help="use this to-megatron output instead of making one")
     ap.add_argument("--rtol", type=float, default=2e-3, help="relative tolerance on the next-step losses")
+    ap.add_argument("--hang-report", type=float, default=75.0,
+                    help="print every thread's stack after this many seconds (diagnoses a hang)")
     a = ap.parse_args()
+    import faulthandler
+
+    faulthandler.dump_traceback_later(a.hang_report, exit=False)
 
     import torch
     import torch.distributed as dist
@@ -103,21 +153,17 @@ def main() -> int:
             return 1
         ckpt = err[1]
 
+    log(rank, f"checkpoint {ckpt}; building the model")
     model, gpt, optimizer, _config = tinygpt.build(run)
     try:
-        from megatron.core import dist_checkpointing
-
-        md = tinygpt.sharded_metadata(a.format)
-        sd = {"model": gpt.sharded_state_dict(metadata=md)}
-        sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=md)
-        loaded = dist_checkpointing.load(sd, ckpt)
-        gpt.load_state_dict(loaded["model"])
-        optimizer.load_state_dict(loaded["optimizer"])
+        log(rank, "dist_checkpointing.load")
+        loaded = megatron_load(gpt, optimizer, ckpt, a.format)
         results.append(("load", True, f"{ckpt} at TP={a.tp} GTP={a.gtp} EP={a.ep} world {world}"))
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         results.append(("load", False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
         loaded = None
+    log(rank, "loaded")
 
     if loaded is not None:
         it = loaded.get("iteration")
@@ -132,10 +178,23 @@ def main() -> int:
         t = torch.tensor([bad], device="cuda")
         dist.all_reduce(t)
         results.append(("masters", int(t.item()) == 0, f"{int(t.item())} elements where bf16(master) != weight"))
+        # Baseline: Megatron's own load of the source run's fully_reshardable save at this layout.
+        own_dir = os.path.join(FIXTURES, a.fixture, "fully_reshardable")
+        own = None
+        if a.gtp == 1 and os.path.isdir(own_dir):
+            log(rank, "Megatron's own load of the source's fully_reshardable save")
+            model_b, gpt_b, optimizer_b, _ = tinygpt.build(run)
+            megatron_load(gpt_b, optimizer_b, own_dir, "fully_reshardable")
+            diff = state_differences(optimizer, optimizer_b) + weight_differences(gpt, gpt_b)
+            results.append(("same as Megatron's own load", diff == 0,
+                            f"{diff} elements of weights / masters / moments differ from loading {own_dir}"))
+            own = [tinygpt.train_step(model_b, optimizer_b, s) for s in (3, 4)]
         want = src_run.get("next_losses", [])
         got = [tinygpt.train_step(model, optimizer, s) for s in (3, 4)]
         ok = len(want) == 2 and all(abs(g - w) <= a.rtol * abs(w) for g, w in zip(got, want))
         results.append(("next loss", ok, f"steps 3, 4: got {got}, source run {want} (rtol {a.rtol})"))
+        if own is not None:
+            results.append(("next loss == own load", got == own, f"steps 3, 4: ours {got}, Megatron's own load {own}"))
 
     if rank == 0:
         for name, ok, msg in results:

@@ -113,6 +113,53 @@ def check_export_against_live(path: str, params, run) -> list[str]:
     return bad
 
 
+def export_grads(model, optimizer, path: str) -> None:
+    """Export the live state with the fp32 masters replaced by the main grads the last Adam step
+    consumed (Megatron keeps them on the shard main params after the step, already clipped)."""
+    from dataclasses import replace
+
+    from bridge.live.export import export_state
+    from bridge.live.megatron_adapter import local_params
+
+    params, run = local_params(model, optimizer, for_export=True)
+    out = []
+    for lp in params:
+        if lp.optim is not None:
+            g = lp.optim.master.grad
+            if g is None:
+                raise RuntimeError(f"rank {run.rank}: {lp.key}: no main grad after the step")
+            lp = replace(lp, optim=replace(lp.optim, master=g.detach().reshape(-1)))
+        out.append(lp)
+    export_state(path, run, out)
+
+
+def megatron_own_load(run_cfg: dict, ckpt: str):
+    """A fresh model + optimizer at this layout filled by Megatron's own `dist_checkpointing.load`."""
+    import tinygpt
+    from megatron.core import dist_checkpointing
+
+    model, gpt, optimizer, _ = tinygpt.build(run_cfg)
+    md = tinygpt.sharded_metadata("fully_reshardable")
+    sd = {"model": gpt.sharded_state_dict(metadata=md)}
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=md)
+    loaded = dist_checkpointing.load(sd, ckpt)
+    gpt.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    return model, optimizer
+
+
+def step_and_record(model, optimizer, d: str, res: dict, prefix: str = "") -> None:
+    """Steps 3 and 4; after step 3 export `<prefix>live_after` and `<prefix>live_grads`."""
+    import tinygpt
+    from bridge.live.megatron_adapter import export_megatron
+
+    res[prefix + "next_losses"] = [tinygpt.train_step(model, optimizer, STEPS)]
+    res[prefix + "step3"] = dict(tinygpt.LAST_STEP)
+    export_megatron(model, optimizer, os.path.join(d, prefix + "live_after"))
+    export_grads(model, optimizer, os.path.join(d, prefix + "live_grads"))
+    res[prefix + "next_losses"].append(tinygpt.train_step(model, optimizer, STEPS + 1))
+
+
 def _sync():
     import torch
 
@@ -174,9 +221,7 @@ def main() -> None:
         warm = {k: statistics.median(v[1:]) for k, v in times.items()}
         res["warm_median_seconds"] = warm
         res["ratio_live_over_dcp"] = {f: warm["live_export"] / warm[f] for f in ("dp_reshardable", "fully_reshardable")}
-        res["next_losses"] = [tinygpt.train_step(model, optimizer, STEPS)]
-        export_megatron(model, optimizer, os.path.join(d, "live_after"))
-        res["next_losses"].append(tinygpt.train_step(model, optimizer, STEPS + 1))
+        step_and_record(model, optimizer, d, res)
     else:
         src = a.src
         d = os.path.join(a.out, f"load_{a.layout}")
@@ -187,9 +232,24 @@ def main() -> None:
         if rank == 0:
             res["reexport_vs_source"] = compare_checkpoints(os.path.join(src, "live"), os.path.join(d, "reexport"),
                                                             exact=True)
-        res["next_losses"] = [tinygpt.train_step(model, optimizer, STEPS)]
-        export_megatron(model, optimizer, os.path.join(d, "live_after"))
-        res["next_losses"].append(tinygpt.train_step(model, optimizer, STEPS + 1))
+        step_and_record(model, optimizer, d, res)
+        # Baseline: Megatron's own load of the source's fully_reshardable save at this layout.
+        # Our load must leave exactly the state Megatron's does, and the next step must agree.
+        try:
+            model_b, optimizer_b = megatron_own_load(run_cfg, os.path.join(src, "fully_reshardable"))
+            export_megatron(model_b, optimizer_b, os.path.join(d, "own_reexport"))
+            step_and_record(model_b, optimizer_b, d, res, prefix="own_")
+        except Exception as e:  # noqa: BLE001 - e.g. a save this layout cannot load; reported, not fatal
+            import traceback
+
+            traceback.print_exc()
+            res["own_error"] = f"{type(e).__name__}: {e}"[:500]
+        if rank == 0 and "own_error" not in res:
+            res["own_load_vs_ours"] = compare_checkpoints(os.path.join(d, "own_reexport"),
+                                                          os.path.join(d, "reexport"), exact=True)
+            res["own_after_vs_ours"] = compare_checkpoints(os.path.join(d, "own_live_after"),
+                                                           os.path.join(d, "live_after"), exact=True)
+            res["own_loss_diff"] = [x - y for x, y in zip(res["next_losses"], res["own_next_losses"])]
         if rank == 0:
             res["after_vs_source_after"] = compare_checkpoints(os.path.join(src, "live_after"),
                                                                os.path.join(d, "live_after"), exact=False)

@@ -34,9 +34,9 @@ for d in ("tp2", "dp2", "load_dp2", "load_tp2", "gtp2", "load_gtp2", "from_gtp2/
         print(d, "missing"); continue
     r = json.load(open(p))
     keep = ("losses", "next_losses", "source_next_losses", "loss_diff", "warm_median_seconds", "ratio_live_over_dcp",
-            "readback_mismatches", "loaded_step", "step")
+            "readback_mismatches", "loaded_step", "step", "step3", "own_next_losses", "own_loss_diff", "own_error")
     print(d, json.dumps({k: r[k] for k in keep if k in r}))
-    for k in ("reexport_vs_source", "after_vs_source_after"):
+    for k in ("reexport_vs_source", "after_vs_source_after", "own_load_vs_ours", "own_after_vs_ours"):
         if k in r:
             c = r[k]; print("  ", k, "ok" if c["ok"] else "MISMATCH", c["arrays"], "arrays, max_abs", c["max_abs"], c["mismatch"][:3])
 PY
