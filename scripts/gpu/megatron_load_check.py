@@ -65,20 +65,6 @@ def log(rank: int, msg: str) -> None:
     print(f"[rank {rank}] {msg}", flush=True)
 
 
-def megatron_load(gpt, optimizer, ckpt: str, fmt: str) -> dict:
-    """Load `ckpt` into model + optimizer exactly as Megatron-LM's training loop does."""
-    import tinygpt
-    from megatron.core import dist_checkpointing
-
-    md = tinygpt.sharded_metadata(fmt)
-    sd = {"model": gpt.sharded_state_dict(metadata=md)}
-    sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=md)
-    loaded = dist_checkpointing.load(sd, ckpt)
-    gpt.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
-    return loaded
-
-
 def state_differences(opt_a, opt_b) -> int:
     """Elements of fp32 masters / exp_avg / exp_avg_sq that differ between two same-layout optimizers."""
     import tinygpt
@@ -157,7 +143,7 @@ def main() -> int:
     model, gpt, optimizer, _config = tinygpt.build(run)
     try:
         log(rank, "dist_checkpointing.load")
-        loaded = megatron_load(gpt, optimizer, ckpt, a.format)
+        loaded = tinygpt.megatron_load(gpt, optimizer, ckpt, a.format)
         results.append(("load", True, f"{ckpt} at TP={a.tp} GTP={a.gtp} EP={a.ep} world {world}"))
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
@@ -184,7 +170,7 @@ def main() -> int:
         if a.gtp == 1 and os.path.isdir(own_dir):
             log(rank, "Megatron's own load of the source's fully_reshardable save")
             model_b, gpt_b, optimizer_b, _ = tinygpt.build(run)
-            megatron_load(gpt_b, optimizer_b, own_dir, "fully_reshardable")
+            tinygpt.megatron_load(gpt_b, optimizer_b, own_dir, "fully_reshardable")
             diff = state_differences(optimizer, optimizer_b) + weight_differences(gpt, gpt_b)
             results.append(("same as Megatron's own load", diff == 0,
                             f"{diff} elements of weights / masters / moments differ from loading {own_dir}"))

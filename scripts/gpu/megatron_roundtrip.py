@@ -136,15 +136,9 @@ def export_grads(model, optimizer, path: str) -> None:
 def megatron_own_load(run_cfg: dict, ckpt: str):
     """A fresh model + optimizer at this layout filled by Megatron's own `dist_checkpointing.load`."""
     import tinygpt
-    from megatron.core import dist_checkpointing
 
     model, gpt, optimizer, _ = tinygpt.build(run_cfg)
-    md = tinygpt.sharded_metadata("fully_reshardable")
-    sd = {"model": gpt.sharded_state_dict(metadata=md)}
-    sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=md)
-    loaded = dist_checkpointing.load(sd, ckpt)
-    gpt.load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    tinygpt.megatron_load(gpt, optimizer, ckpt, "fully_reshardable")
     return model, optimizer
 
 

@@ -21,12 +21,8 @@ fi
 if [ "${SKIP_ROUNDTRIP:-0}" != 1 ]; then
   run roundtrip 400 bash scripts/gpu/megatron_roundtrip.sh /tmp/mrt
   cp /tmp/mrt/summary.txt "$out/roundtrip_summary.txt" 2>/dev/null
-  for L in dp2 tp2 load_tp2 load_dp2; do  # results + the small logical checkpoints for the JAX-step test
-    mkdir -p "$out/megatron_live/$L"
-    cp /tmp/mrt/$L/result.json "$out/megatron_live/$L/" 2>/dev/null
-    for c in live live_after live_grads own_live_after own_live_grads; do
-      [ -d /tmp/mrt/$L/$c ] && (cd /tmp/mrt/$L && tar cf "$out/megatron_live/$L/$c.tar" $c)
-    done
-  done
-  cp /tmp/mrt/*.log "$out/" 2>/dev/null
+  # One tar (at most 8 files come back): results, logs and the small logical checkpoints the
+  # JAX-step test uses; Megatron's own saves and repeated exports stay behind.
+  (cd /tmp/mrt && tar cf "$out/megatron_live.tar" *.log */result.json \
+     $(ls -d */live */live_after */live_grads */own_live_after */own_live_grads 2>/dev/null))
 fi
