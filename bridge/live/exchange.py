@@ -38,17 +38,30 @@ def pack(segments: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor
     return torch.cat(views)
 
 
+def start_all_to_all_bytes(send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                           group: Any = None) -> tuple[torch.Tensor, Any]:
+    """Start one `all_to_all_single` of a flat uint8 buffer; returns (receive buffer, work handle).
+
+    The caller may do other work (e.g. write what it already holds) and must call `work.wait()`
+    before reading the receive buffer or releasing `send`. `send_splits[r]` bytes go to group
+    rank r; `recv_splits[r]` bytes come from it.
+    """
+    if send.numel() != sum(send_splits):
+        raise BridgeError(f"exchange send buffer has {send.numel()} bytes but the plan's splits sum to {sum(send_splits)}")
+    recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
+    work = dist.all_to_all_single(recv, send, output_split_sizes=list(map(int, recv_splits)),
+                                  input_split_sizes=list(map(int, send_splits)), group=group, async_op=True)
+    return recv, work
+
+
 def all_to_all_bytes(send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                      group: Any = None) -> torch.Tensor:
     """One `all_to_all_single` of a flat uint8 buffer; returns the receive buffer (same device).
 
     `send_splits[r]` bytes go to group rank r; `recv_splits[r]` bytes come from it.
     """
-    if send.numel() != sum(send_splits):
-        raise BridgeError(f"exchange send buffer has {send.numel()} bytes but the plan's splits sum to {sum(send_splits)}")
-    recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
-    dist.all_to_all_single(recv, send, output_split_sizes=list(map(int, recv_splits)),
-                           input_split_sizes=list(map(int, send_splits)), group=group)
+    recv, work = start_all_to_all_bytes(send, send_splits, recv_splits, group)
+    work.wait()
     return recv
 
 

@@ -18,6 +18,8 @@ directory, and the others fail in the next collective or the commit barrier.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import os
 import time
 from contextlib import contextmanager
@@ -32,14 +34,14 @@ from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
 from bridge.live.api import LiveRun, LocalParam
-from bridge.live.exchange import all_gather_json, all_to_all_bytes, collective_device, pack
-from bridge.live.holdings import Holding, rank_holdings, tree_name
-from bridge.live.plan import ExportPlan, Transfer, build_plan
+from bridge.live.exchange import all_gather_json, collective_device, pack, start_all_to_all_bytes
+from bridge.live.holdings import Holding, holdings_signature, rank_holdings, refresh_holdings, tree_name
+from bridge.live.plan import ExportPlan, PlanCache, Transfer, build_plan, plan_key
 from bridge.live.staging import WriteItem, stage_and_write
 from bridge.progress import progress
 from bridge.store.commit import begin_checkpoint, finalize
 from bridge.store.manifest import Manifest, OptimizerConfig, SourceLayout
-from bridge.store.plan import ArraySpec, make_write_plan
+from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.store.tree import adamw_empty_paths, megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
 
@@ -63,6 +65,62 @@ class ExportReport:
     staging_peak_bytes: int
     arrays: int
     sent_by_group: dict = field(default_factory=dict)  # payload bytes to GTP peers / DistOpt (DP) peers / others
+    plan_cached: bool = False  # the plan of an earlier export with the same layout was reused
+    timings: dict = field(default_factory=dict)  # seconds per step (see TIMING_STEPS), this rank
+    write_calls: int = 0  # CheckpointWriter.write calls this rank made
+
+
+# Steps of `ExportReport.timings`, in order. plan_s = holdings..begin, exchange_s = pack + exchange_wait,
+# write_s = write_local..finish, commit_s = barrier + commit. write_local overlaps the exchange on CPU.
+TIMING_STEPS = ("holdings", "gather", "plan", "begin", "pack", "write_local", "exchange_wait", "write_recv",
+                "finish", "barrier", "commit")
+
+
+class _Clock:
+    """Seconds spent per named step (consecutive marks)."""
+
+    def __init__(self) -> None:
+        self.t0 = self.t = time.perf_counter()
+        self.steps = dict.fromkeys(TIMING_STEPS, 0.0)
+
+    def mark(self, step: str) -> None:
+        now = time.perf_counter()
+        self.steps[step] += now - self.t
+        self.t = now
+
+    def total(self, *steps: str) -> float:
+        return sum(self.steps[k] for k in steps)
+
+
+@dataclass
+class _Planned:
+    """Everything an export derives from the ranks' summaries alone (cached across exports)."""
+
+    plan: ExportPlan
+    wplan: WritePlan
+    fused: dict
+    pads: list
+
+
+@dataclass
+class _Local:
+    """This rank's holdings template (pieces, no data) and summary for one holdings signature."""
+
+    holdings: list[Holding]
+    summary: dict
+    key: str  # digest of the signature, exchanged instead of the summary when every rank has a plan
+
+
+# A run exports every N steps with the same layout: plan once, reuse while nothing but values changed.
+# Keys: the holdings signature (a hashable tuple, compared exactly) and the global plan key.
+_LOCAL_CACHE = PlanCache(size=2)
+_PLAN_CACHE = PlanCache(size=2)
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan (the next export plans from scratch)."""
+    _LOCAL_CACHE.clear()
+    _PLAN_CACHE.clear()
 
 
 def _summary(params: Sequence[LocalParam], run: LiveRun, rank: int) -> tuple[list[Holding], dict]:
@@ -73,12 +131,22 @@ def _summary(params: Sequence[LocalParam], run: LiveRun, rank: int) -> tuple[lis
     return holdings, {"catalog": catalog, "holdings": [h.describe() for h in holdings], "fused": fused, "pads": pads}
 
 
-def _manifest(run: LiveRun, summaries: Sequence[dict]) -> Manifest:
+def _local(params: Sequence[LocalParam], run: LiveRun, rank: int) -> tuple[list[Holding], _Local]:
+    """This rank's holdings (current tensors) and its summary, reusing the pieces of an equal signature."""
+    sig = holdings_signature(params, run.layout, rank, run.optimizer is not None)
+    cached = _LOCAL_CACHE.get(sig)
+    if cached is not None:
+        return refresh_holdings(cached.holdings, params), cached
+    holdings, summary = _summary(params, run, rank)
+    template = [Holding(h.root, h.param, torch.empty(0, dtype=h.data.dtype), h.pieces, h.main_replica, h.slot)
+                for h in holdings]  # no reference to the tensors: the cache must not keep them alive
+    entry = _Local(template, summary, hashlib.sha256(repr(sig).encode()).hexdigest())
+    _LOCAL_CACHE.put(sig, entry)
+    return holdings, entry
+
+
+def _manifest(run: LiveRun, fused: dict, pads: list) -> Manifest:
     lay = run.layout
-    pads = sorted({p for s in summaries for p in s["pads"]})
-    fused: dict = {}
-    for s in summaries:
-        fused.update(s["fused"])
     src = SourceLayout(framework="torch-live", tp=lay.tp, gtp=lay.gtp, dp=lay.dp, ep=lay.ep, etp=lay.etp,
                        egtp=lay.egtp, pp=lay.pp, cp=lay.cp, pad_for_alignment=pads[-1] if pads else 0,
                        optimizer_format="distributed_optimizer", world_size=lay.world)
@@ -166,46 +234,18 @@ _STORE_TO_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float1
                    "float64": torch.float64}
 
 
-def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflight_bytes: int = 256 << 20,
-                 target_chunk_bytes: int = 4 << 20, compression: str | None = None, timeout: float = 600.0,
-                 digest: bool = True, inner_chunk_bytes: int = 256 << 10,
-                 on_stage: Callable[[str], None] | None = None) -> ExportReport:
-    """Write this run's full training state to the logical checkpoint `dst` (collective call).
-
-    Every rank of `run.group` calls it with the same `dst` and its own `params`. `inflight_bytes`
-    bounds host memory for staging and for each writer's pending TensorStore transaction.
-    `inner_chunk_bytes` sizes the zarr3 inner (read) chunks: small enough that a reader at another
-    TP / GTP split reads little beyond its boxes. `digest=False` skips the per-array integrity digests (faster; `gtp-bridge verify` can then only
-    check structure). `on_stage(name)` is called after "planned", "exchanged", "written".
-    Returns this rank's `ExportReport`; raises BridgeError on every rank if any rank's input is bad.
-    """
-    group = run.group
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    if world != dist.get_world_size():
-        # every rank of a subgroup sees this too: all of them raise, none waits in a collective
-        raise BridgeError(f"export_state runs over the whole world ({dist.get_world_size()} ranks), got a group of "
-                          f"{world}; pass LiveRun.group=None (the store's commit barrier spans all ranks)")
-    device = collective_device(group)
-    t0 = time.perf_counter()
-    error = None
-    holdings: list[Holding] = []
-    summary: dict = {}
+def _flush_no_wait(writer: CheckpointWriter) -> Callable[[], None] | None:
+    """`writer.flush(wait=False)` (commit in the background, at most one commit outstanding), if offered."""
     try:
-        if rank != run.rank:
-            raise BridgeError(f"LiveRun.rank is {run.rank} but this process is rank {rank} of the export group")
-        if run.layout.world != world:
-            raise BridgeError(f"layout world size {run.layout.world} != process group size {world}; "
-                              "pass the group the layout describes")
-        holdings, summary = _summary(params, run, rank)
-    except BridgeError as e:
-        error = str(e)
-    with _collective("planning", rank, dst):
-        summaries = all_gather_json({"error": error, **summary}, group, device)
-    bad = [(r, s["error"]) for r, s in enumerate(summaries) if s["error"]]
-    if bad:
-        r, e = bad[0]
-        raise BridgeError(e if r == rank else f"export aborted: rank {r} reported: {e}")
+        params = inspect.signature(writer.flush).parameters
+    except (TypeError, ValueError):
+        return None
+    return (lambda: writer.flush(wait=False)) if "wait" in params else None
+
+
+def _plan(summaries: Sequence[dict], run: LiveRun, world: int, target_chunk_bytes: int, compression: str | None,
+          inner_chunk_bytes: int | None) -> _Planned:
+    """The global plan and the store's write plan from every rank's summary (pure; identical on every rank)."""
     plan = build_plan(summaries, tree_name, target_chunk_bytes)
     catalog = list(plan.catalog)
     ownership: dict[str, ArrayOwnership] = dict(plan.ownership)
@@ -217,45 +257,145 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     wplan = make_write_plan(catalog + scalars, world, ownership,
                             empty_paths=adamw_empty_paths() if run.optimizer is not None else (),
                             compression=compression, inner_chunk_bytes=inner_chunk_bytes)
-    manifest = _manifest(run, summaries)
+    fused: dict = {}
+    for s in summaries:
+        fused.update(s["fused"])
+    pads = sorted({p for s in summaries for p in s["pads"]})
+    return _Planned(plan, wplan, fused, pads)
+
+
+def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflight_bytes: int = 256 << 20,
+                 target_chunk_bytes: int = 4 << 20, compression: str | None = None, timeout: float = 600.0,
+                 digest: bool = True, inner_chunk_bytes: int = 256 << 10,
+                 on_stage: Callable[[str], None] | None = None) -> ExportReport:
+    """Write this run's full training state to the logical checkpoint `dst` (collective call).
+
+    Every rank of `run.group` calls it with the same `dst` and its own `params`. `inflight_bytes`
+    bounds host memory for staging and for each writer's pending TensorStore transaction.
+    `inner_chunk_bytes` sizes the zarr3 inner (read) chunks: small enough that a reader at another
+    TP / GTP split reads little beyond its boxes. `digest=False` skips the per-array integrity digests (faster; `gtp-bridge verify` can then only
+    check structure). `on_stage(name)` is called after "planned", "exchanged", "written".
+    The plan is cached: a later export whose ranks hold parameters of the same geometry, shapes,
+    dtypes and optimizer ranges (values may differ) with the same options reuses it.
+    Returns this rank's `ExportReport`; raises BridgeError on every rank if any rank's input is bad.
+    """
+    group = run.group
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if world != dist.get_world_size():
+        # every rank of a subgroup sees this too: all of them raise, none waits in a collective
+        raise BridgeError(f"export_state runs over the whole world ({dist.get_world_size()} ranks), got a group of "
+                          f"{world}; pass LiveRun.group=None (the store's commit barrier spans all ranks)")
+    device = collective_device(group)
+    clock = _Clock()
+    error = None
+    holdings: list[Holding] = []
+    local: _Local | None = None
+    try:
+        if rank != run.rank:
+            raise BridgeError(f"LiveRun.rank is {run.rank} but this process is rank {rank} of the export group")
+        if run.layout.world != world:
+            raise BridgeError(f"layout world size {run.layout.world} != process group size {world}; "
+                              "pass the group the layout describes")
+        holdings, local = _local(params, run, rank)
+    except BridgeError as e:
+        error = str(e)
+    clock.mark("holdings")
+    # Round 1: errors and signature digests only. Round 2 (full summaries) only when some rank lacks the plan.
+    with _collective("planning", rank, dst):
+        keys = all_gather_json({"error": error, "key": local.key if local else None, "cached": _PLAN_CACHE.keys()},
+                               group, device)
+    bad = [(r, s["error"]) for r, s in enumerate(keys) if s["error"]]
+    if bad:
+        r, e = bad[0]
+        raise BridgeError(e if r == rank else f"export aborted: rank {r} reported: {e}")
+    gkey = plan_key([s["key"] for s in keys], world=world, chunk=target_chunk_bytes, compression=compression,
+                    inner=inner_chunk_bytes, optim=run.optimizer is not None)
+    cached = all(gkey in s["cached"] for s in keys)
+    planned = _PLAN_CACHE.get(gkey) if cached else None
+    hit = planned is not None
+    if not hit:
+        with _collective("planning", rank, dst):
+            summaries = all_gather_json(local.summary, group, device)
+        clock.mark("gather")
+        planned = _plan(summaries, run, world, target_chunk_bytes, compression, inner_chunk_bytes)
+        _PLAN_CACHE.put(gkey, planned)
+        del summaries
+    else:
+        clock.mark("gather")
+    plan, wplan = planned.plan, planned.wplan
+    manifest = _manifest(run, planned.fused, planned.pads)
+    clock.mark("plan")
     with _collective("the start", rank, dst):
         tmp = begin_checkpoint(dst)  # collective: rank 0 prepares, every rank gets the path or the error
-    t_plan = time.perf_counter()
+    clock.mark("begin")
     if on_stage:
         on_stage("planned")
 
     send = _send_buffer(plan, holdings, rank, device)
+    clock.mark("pack")
     with _collective("the exchange", rank, dst):
-        recv = all_to_all_bytes(send, plan.send_splits(rank), plan.recv_splits(rank), group)
+        recv, work = start_all_to_all_bytes(send, plan.send_splits(rank), plan.recv_splits(rank), group)
     bytes_sent = send.numel()
-    del send
-    t_x = time.perf_counter()
-    if on_stage:
-        on_stage("exchanged")
-
-    dtypes = {a.name: _STORE_TO_TORCH[a.dtype] for a in catalog}
-    items = [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t)) for t in plan.sends(rank, rank)]
-    items += _received_items(plan, recv, rank, dtypes)
+    dtypes = {a.name: _STORE_TO_TORCH[a.dtype] for a in plan.catalog}
+    local_items = [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t)) for t in plan.sends(rank, rank)]
     writer = CheckpointWriter(tmp, wplan, rank, inflight_bytes=inflight_bytes, compute_digest=digest)
-    total = sum(it.box.size * plan.itemsize[it.name] for it in items)
+    calls = [0]
+
+    def write_copy(n, b, a):
+        calls[0] += 1
+        writer.write(n, b, a)
+
+    def write_donated(n, b, a):
+        calls[0] += 1
+        writer.write(n, b, a, donate=True)
+
+    flush = _flush_no_wait(writer)
+    total = plan.written_bytes(rank)
+    peak = 0
     with progress(total, f"export rank {rank}") as bar:
-        # CPU items (views of `recv` and of the holdings) stay alive until writer.finish() returns,
-        # so the writer may reference them instead of copying (donate).
-        peak = stage_and_write(items, writer.write, inflight_bytes, bar.update,
-                               write_cpu=lambda n, b, a: writer.write(n, b, a, donate=True))
-    if rank == 0:
-        writer.write(STEP_PATH, Box((), ()), np.asarray(run.step, dtype=np.int32))
-        if run.optimizer is not None:
-            writer.write(COUNT_PATH, Box((), ()), np.asarray(run.step, dtype=np.int32))
-    writer.finish()
-    del recv, items
-    t_w = time.perf_counter()
+        # CPU items (views of the holdings and of `recv`) stay alive until writer.finish() returns, so
+        # the writer references them instead of copying (donate). CUDA items are staged through host
+        # buffers, donated as well when the writer can commit in the background (see staging).
+        def write_all(items: list[WriteItem]) -> None:
+            nonlocal peak
+            peak = max(peak, stage_and_write(items, write_copy, inflight_bytes, bar.update,
+                                             write_cpu=write_donated, flush=flush))
+
+        on_host = not any(it.data.is_cuda for it in local_items)
+        if on_host:
+            write_all(local_items)  # overlaps the exchange (gloo runs it on its own thread)
+        clock.mark("write_local")
+        with _collective("the exchange", rank, dst):
+            work.wait()
+        del send
+        clock.mark("exchange_wait")
+        if on_stage:
+            on_stage("exchanged")
+        recv_items = _received_items(plan, recv, rank, dtypes)
+        write_all(recv_items if on_host else local_items + recv_items)
+        if rank == 0:
+            write_copy(STEP_PATH, Box((), ()), np.asarray(run.step, dtype=np.int32))
+            if run.optimizer is not None:
+                write_copy(COUNT_PATH, Box((), ()), np.asarray(run.step, dtype=np.int32))
+        clock.mark("write_recv")
+        writer.finish()
+    del recv, local_items, recv_items
+    clock.mark("finish")
     if on_stage:
         on_stage("written")
     with _collective("the commit", rank, dst):
+        dist.barrier(group)  # timed apart from the commit: how long the slowest rank kept this one waiting
+        clock.mark("barrier")
         path = finalize(dst, wplan, rank, manifest, timeout=timeout)
-    t_c = time.perf_counter()
+    clock.mark("commit")
+    st = clock.steps
     return ExportReport(path=path or os.path.abspath(dst), rank=rank, bytes_written=writer.bytes_written,
-                        bytes_sent=bytes_sent, bytes_received=sum(plan.recv_splits(rank)), plan_s=t_plan - t0,
-                        exchange_s=t_x - t_plan, write_s=t_w - t_x, commit_s=t_c - t_w, staging_peak_bytes=peak,
-                        arrays=len(catalog), sent_by_group=_sent_by_group(plan, run.layout, rank))
+                        bytes_sent=bytes_sent, bytes_received=sum(plan.recv_splits(rank)),
+                        plan_s=clock.total("holdings", "gather", "plan", "begin"),
+                        exchange_s=clock.total("pack", "exchange_wait"),
+                        write_s=clock.total("write_local", "write_recv", "finish"),
+                        commit_s=clock.total("barrier", "commit"), staging_peak_bytes=peak,
+                        arrays=len(plan.catalog), sent_by_group=_sent_by_group(plan, run.layout, rank),
+                        plan_cached=hit, timings=dict(st),
+                        write_calls=calls[0])

@@ -62,6 +62,7 @@ class Holding:
     data: torch.Tensor  # 1-D contiguous, the dtype that is stored
     pieces: list[Piece]
     main_replica: bool | None
+    slot: int = -1  # position of its LocalParam in the list passed to export (for refreshing data)
 
     @property
     def dtype(self) -> str:
@@ -129,7 +130,7 @@ def rank_holdings(params: Sequence[LocalParam], run_layout, rank: int,
     seen: set[tuple[str, tuple[int, ...]]] = set()
     out: list[Holding] = []
     catalog: dict[str, list] = {}
-    for p in params:
+    for i, p in enumerate(params):
         ident = (p.key, tuple(p.index) or p.geometry.index)
         if ident in seen:
             raise BridgeError(f"rank {rank}: parameter {p.key} (index {tuple(p.index)}) is listed twice; pass each once")
@@ -137,6 +138,8 @@ def rank_holdings(params: Sequence[LocalParam], run_layout, rank: int,
         if p.geometry.name != p.key:
             raise BridgeError(f"rank {rank}: LocalParam key {p.key!r} differs from its geometry name {p.geometry.name!r}")
         mine = param_holdings(p, run_layout, rank)
+        for h in mine:
+            h.slot = i
         if mine and not with_optim and any(h.root != "model" for h in mine):
             raise BridgeError(f"rank {rank}: {p.key} carries optimizer state but the run has no optimizer config; "
                               "set LiveRun.optimizer (AdamConfig)")
@@ -151,3 +154,51 @@ def rank_holdings(params: Sequence[LocalParam], run_layout, rank: int,
                     if root in dtypes:
                         catalog[tree_name(root, array)][1] = dtypes[root]
     return out, catalog
+
+
+def _tensor_signature(t) -> tuple:
+    return (tuple(t.shape), t.dtype, t.is_contiguous())
+
+
+def param_signature(p: LocalParam) -> tuple:
+    """Everything about a LocalParam that shapes its pieces and checks, none of its values.
+
+    Two parameter lists with equal signatures (at the same layout and rank) cut into the same
+    pieces and pass the same checks, so a plan made for one serves the other. Hashable.
+    """
+    w = p.weight
+    if w is None:
+        ws = None
+    elif isinstance(w, QuantizedWeight):
+        ws = ("fp8", _tensor_signature(w.data), _tensor_signature(w.scale_inv),
+              None if w.block is None else tuple(w.block))
+    else:
+        ws = _tensor_signature(w)
+    o = p.optim
+    os_ = None if o is None else (int(o.f0), int(o.f1)) + tuple(_tensor_signature(t) for t in o.tensors().values())
+    return (p.key, p.geometry, tuple(p.index), ws, os_, p.main_replica)
+
+
+def holdings_signature(params: Sequence[LocalParam], run_layout, rank: int, with_optim: bool) -> tuple:
+    """Hashable key of `rank_holdings(params, run_layout, rank, with_optim)`'s pieces and catalog."""
+    return (run_layout, int(rank), bool(with_optim), tuple(param_signature(p) for p in params))
+
+
+def refresh_holdings(template: Sequence[Holding], params: Sequence[LocalParam]) -> list[Holding]:
+    """Holdings with `template`'s pieces and the current tensors of `params` (same signature).
+
+    Used when the parameter list has the signature the template was cut for: the pieces are
+    reused, the data (and FP8 dequantization) is taken afresh, so new values are exported.
+    """
+    weights: dict[int, torch.Tensor] = {}
+    out = []
+    for h in template:
+        p = params[h.slot]
+        if h.root == "model":
+            if h.slot not in weights:
+                weights[h.slot] = _flat(weight_tensor(p), f"{p.key} weight")
+            data = weights[h.slot]
+        else:
+            data = _flat(p.optim.tensors()[h.root], f"{p.key} {h.root}")
+        out.append(Holding(h.root, h.param, data, h.pieces, h.main_replica, h.slot))
+    return out

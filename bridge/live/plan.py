@@ -15,6 +15,9 @@ Steps (no torch, no I/O):
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from math import prod
 from typing import Sequence
@@ -251,5 +254,51 @@ def build_plan(summaries: Sequence[dict], tree_name, target_chunk_bytes: int = 4
     return ExportPlan(world, catalog, ownership, transfers, itemsize)
 
 
+def plan_key(local_keys: Sequence[str], **options) -> str:
+    """Key of a global plan: every rank's holdings signature digest (rank order) and the options.
+
+    >>> plan_key(["a", "b"], chunk=4) == plan_key(["a", "b"], chunk=4), plan_key(["a", "b"]) == plan_key(["b", "a"])
+    (True, False)
+    """
+    blob = json.dumps({"ranks": list(local_keys), "options": options}, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+class PlanCache:
+    """A few finished plans by key, least recently used dropped first.
+
+    A run exports every N steps with the same layout: the plan (catalog merge, tiling check, chunk
+    owners, transfers, write plan) is made once and reused while every rank's holdings signature
+    and the export options are unchanged. Values are opaque to the cache.
+
+    >>> c = PlanCache(size=2); c.put("a", 1); c.put("b", 2); c.get("a"); c.put("c", 3); c.keys()
+    1
+    ['a', 'c']
+    """
+
+    def __init__(self, size: int = 2) -> None:
+        self.size = max(0, int(size))
+        self._items: OrderedDict[str, object] = OrderedDict()
+
+    def get(self, key: str):
+        """The value stored under `key` (None when absent); marks it recently used."""
+        if key not in self._items:
+            return None
+        self._items.move_to_end(key)
+        return self._items[key]
+
+    def put(self, key: str, value) -> None:
+        self._items[key] = value
+        self._items.move_to_end(key)
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def keys(self) -> list[str]:
+        return list(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+
 __all__ = ["Source", "Transfer", "ExportPlan", "build_plan", "merge_catalogs", "collect_sources", "check_tiling",
-           "route"]
+           "route", "plan_key", "PlanCache"]

@@ -59,26 +59,36 @@ def split_rows(item: WriteItem, max_elems: int) -> Iterator[WriteItem]:
 
 def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.ndarray], None],
                     budget_bytes: int, on_bytes: Callable[[int], None] | None = None,
-                    write_cpu: Callable[[str, Box, np.ndarray], None] | None = None) -> int:
+                    write_cpu: Callable[[str, Box, np.ndarray], None] | None = None,
+                    flush: Callable[[], None] | None = None, stage_cpu: bool = False) -> int:
     """Feed every item to `write(name, box, ndarray)`; returns the peak staging bytes used.
 
     CPU items go to `write_cpu` when given: a writer that may keep referencing the numpy view
-    (no copy) because the caller keeps the items alive until the writer has finished. CUDA items
-    always go to `write`, which must copy before returning (the pinned buffers are reused).
+    (no copy) because the caller keeps the items alive until the writer has finished.
+    CUDA items are copied to host buffers first. Without `flush` they go to `write`, which must
+    copy before returning (two pinned buffers of half the budget, reused at once). With `flush`
+    and `write_cpu` the staged arrays are donated too (no second copy on the host): three pinned
+    buffers of a third of the budget each, `flush()` after each buffer's writes, and a buffer is
+    refilled only after the flush that follows the next buffer's writes has returned. `flush`
+    must guarantee that when it returns every earlier flush's data has been committed (the store
+    writer's `flush(wait=False)`: at most one commit outstanding); one more `flush()` at the end
+    leaves no staged buffer referenced when this returns. `stage_cpu=True` sends CPU items
+    through the same buffers (tests of the staging pipeline on machines without a GPU).
     """
-    budget_bytes = max(2, int(budget_bytes))
-    half = budget_bytes // 2
+    budget_bytes = max(3, int(budget_bytes))
     cpu: list[WriteItem] = []
     dev: list[WriteItem] = []
     for it in items:
-        (dev if it.data.is_cuda else cpu).append(it)
+        (dev if it.data.is_cuda or stage_cpu else cpu).append(it)
     for it in cpu:
         (write_cpu or write)(it.name, it.box, to_numpy(it.data.contiguous()))
         if on_bytes:
             on_bytes(it.data.numel() * it.data.element_size())
     if not dev:
         return 0
-    return _stage_cuda(dev, write, half, on_bytes)
+    if flush is not None and write_cpu is not None:
+        return _stage(dev, write_cpu, budget_bytes // 3, 3, on_bytes, flush)
+    return _stage(dev, write, budget_bytes // 2, 2, on_bytes, None)
 
 
 ALIGN = 16  # bytes: every staged item starts aligned, whatever dtypes share a pinned buffer
@@ -107,52 +117,96 @@ def _batches(items: list[WriteItem], half: int) -> list[list[WriteItem]]:
     return out
 
 
-_PINNED: dict[int, list[torch.Tensor]] = {}  # reused across exports: pinning host memory is slow
+_PINNED: list[torch.Tensor] = []  # one set, reused across exports: pinning host memory is slow
 
 
-def _pinned(size: int, count: int) -> list[torch.Tensor]:
-    bufs = _PINNED.get(size)
-    if bufs is None or len(bufs) < count:
-        _PINNED.clear()  # keep at most one size: the budget bounds pinned memory too
-        bufs = _PINNED[size] = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
-    return bufs[:count]
+def _host_buffers(need: int, limit: int, count: int, use: int, pinned: bool) -> list[torch.Tensor]:
+    """`use` host buffers of at least `need` bytes (reused when the kept set fits `limit`, else `count` new)."""
+    ok = (len(_PINNED) >= use and need <= _PINNED[0].numel() <= limit and _PINNED[0].is_pinned() == pinned)
+    if not ok:
+        _PINNED.clear()  # keep at most one set: the budget bounds pinned memory too
+        _PINNED.extend(torch.empty(need, dtype=torch.uint8, pin_memory=pinned) for _ in range(max(count, use)))
+    return _PINNED[:use]
 
 
-def _stage_cuda(items: list[WriteItem], write, half: int, on_bytes) -> int:
-    batches = _batches(items, half)
+class _Copier:
+    """Device -> host copies of one batch into one host buffer; async on a side stream for CUDA."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.stream = torch.cuda.Stream() if cuda else None
+
+    def start(self, buf: torch.Tensor, batch: list[WriteItem]):
+        """Launch the copies of `batch` into `buf` (slots aligned); returns what `wait` needs."""
+        if self.stream is None:
+            self._copy(buf, batch, False)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self._copy(buf, batch, True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+    @staticmethod
+    def _copy(buf: torch.Tensor, batch: list[WriteItem], non_blocking: bool) -> None:
+        off = 0
+        for p in batch:
+            nb = p.data.numel() * p.data.element_size()
+            buf[off:off + nb].copy_(p.data.contiguous().reshape(-1).view(torch.uint8), non_blocking=non_blocking)
+            off += _slot(p)
+
+    @staticmethod
+    def wait(ev) -> None:
+        if ev is not None:
+            ev.synchronize()
+
+
+def _stage(items: list[WriteItem], write, part: int, nbuf: int, on_bytes, flush) -> int:
+    """Copy batches of at most `part` bytes through `nbuf` reused host buffers into `write`.
+
+    Without `flush`, `write` copies before returning, so a buffer is free again as soon as its
+    batch is written: batch k+1's copy overlaps batch k's writes. With `flush` (donated buffers),
+    the buffer of batch k-1 is free once the flush after batch k returned (its commit is done),
+    so with three buffers batch k+1's copy still overlaps batch k's writes.
+    """
+    batches = _batches(items, part)
     size = max(sum(_slot(p) for p in b) for b in batches)
-    size = min(half, -(-size // (1 << 20)) * (1 << 20)) if size < half else size  # round up: reuse across calls
-    bufs = _pinned(size, min(2, len(batches)))
-    stream = torch.cuda.Stream()
-    events: list[torch.cuda.Event | None] = [None] * len(bufs)
+    size = min(part, -(-size // (1 << 20)) * (1 << 20)) if size < part else size  # round up: reuse across calls
+    cuda = any(p.data.is_cuda for b in batches for p in b)
+    bufs = _host_buffers(size, max(size, part), nbuf, min(nbuf, len(batches)), pinned=cuda)
+    n = len(bufs)
+    size = bufs[0].numel()
+    copier = _Copier(cuda)
+    pending: dict[int, object] = {}
 
     def launch(k: int) -> None:
-        buf = bufs[k % len(bufs)]
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            off = 0
-            for p in batches[k]:
-                nb = p.data.numel() * p.data.element_size()
-                buf[off:off + nb].copy_(p.data.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
-                off += _slot(p)
-            ev = torch.cuda.Event()
-            ev.record(stream)
-        events[k % len(bufs)] = ev
+        if k < len(batches):
+            pending[k] = copier.start(bufs[k % n], batches[k])
 
-    launch(0)
+    if flush is None:
+        launch(0)
+    else:  # donated: every buffer starts free
+        for k in range(n):
+            launch(k)
     for k in range(len(batches)):
-        if k + 1 < len(batches) and len(bufs) > 1:
-            launch(k + 1)  # next copy overlaps with this batch's writes
-        events[k % len(bufs)].synchronize()
-        buf = bufs[k % len(bufs)]
+        if flush is None and n > 1:
+            launch(k + 1)  # into the buffer of batch k+1-n <= k-1, already written (the writer copied it)
+        copier.wait(pending.pop(k))
+        buf = bufs[k % n]
         off = 0
         for p in batches[k]:
             nb = p.data.numel() * p.data.element_size()
             arr = buf[off:off + nb].numpy().view(numpy_dtype_of(p.data.dtype)).reshape(p.box.shape)
-            write(p.name, p.box, arr)  # the writer copies before returning: the buffer can be reused
+            write(p.name, p.box, arr)
             off += _slot(p)
             if on_bytes:
                 on_bytes(nb)
-        if len(bufs) == 1 and k + 1 < len(batches):
+        if flush is not None:
+            flush()  # batch k-1's commit is done: its buffer may be refilled
+            if k >= 1:
+                launch(k - 1 + n)
+        elif n == 1:
             launch(k + 1)
-    return size * len(bufs)
+    if flush is not None:
+        flush()  # the last batch's commit is done too: the buffers are free when this returns
+    return size * n
