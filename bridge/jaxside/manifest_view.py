@@ -6,6 +6,8 @@ weight decay, learning rate (Megatron's recorded lr schedule when the converter 
 no-decay set is, in order of preference: the manifest's `no_decay` list, the params of groups with
 `wd_mult == 0`, else Megatron's default rule (`get_standard_config_overrides`: biases and
 parameters whose own shape is 1-D, i.e. ignoring stacked-layer and expert axes).
+With `clip_grad=True` (opt-in: it changes the optax state's tree) the manifest's recorded
+`clip_grad` is applied first, with Megatron's formula (`megatron_clip_by_global_norm`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class AdamHParams:
     eps: float
     weight_decay: float
     no_decay: frozenset[Path] | None
+    clip_grad: float | None = None  # Megatron's global-norm clipping threshold (None / 0 = off)
 
 
 def adam_hparams(manifest: Manifest | Mapping) -> AdamHParams:
@@ -75,7 +78,8 @@ def adam_hparams(manifest: Manifest | Mapping) -> AdamHParams:
         no_decay = {_split(k) for g in o.groups if g.get("wd_mult", 1.0) == 0.0 for k in g.get("params", [])}
     return AdamHParams(lr=o.lr, b1=float(b1), b2=float(b2), eps=float(o.eps if o.eps is not None else 1e-8),
                        weight_decay=float(o.weight_decay if o.weight_decay is not None else 0.01),
-                       no_decay=frozenset(no_decay) if no_decay is not None else None)
+                       no_decay=frozenset(no_decay) if no_decay is not None else None,
+                       clip_grad=float(o.clip_grad) if getattr(o, "clip_grad", None) else None)
 
 
 def megatron_default_no_decay(path: Path, shape: tuple[int, ...]) -> bool:
@@ -133,8 +137,41 @@ def scheduler_of(manifest: Manifest | Mapping | None):
     return None if rec is None else SchedulerRecord.from_json(rec)
 
 
-def optimizer_from_manifest(manifest: Manifest | Mapping, learning_rate: Any = None, plan: Plan | None = None):
+def megatron_clip_by_global_norm(max_norm: float):
+    """Megatron's gradient clipping (`clip_grad_by_total_norm_fp32`) as an optax transformation.
+
+    `coeff = max_norm / (||g||_2 + 1e-6)`; the grads are multiplied by `coeff` when it is below 1.
+    (optax.clip_by_global_norm divides by the norm without the 1e-6 and clips at `norm >= max_norm`.)
+    Its state is `optax.EmptyState()`, so templates and saved states keep their Adam leaves only.
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    if not max_norm > 0:
+        raise BridgeError(f"clip_grad must be > 0 (got {max_norm}); pass clip_grad=False for no clipping")
+
+    def init(params: Any) -> Any:
+        del params
+        return optax.EmptyState()
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        del params
+        coeff = jnp.float32(max_norm) / (optax.global_norm(updates).astype(jnp.float32) + jnp.float32(1e-6))
+        scaled = jax.tree.map(lambda g: jnp.where(coeff < 1.0, g * coeff.astype(g.dtype), g), updates)
+        return scaled, state
+
+    return optax.GradientTransformation(init, update)
+
+
+def optimizer_from_manifest(manifest: Manifest | Mapping, learning_rate: Any = None, plan: Plan | None = None,
+                            clip_grad: bool | float = False):
     """A ready `optax.adamw` with the checkpoint's hyper-parameters and no-decay mask.
+
+    `clip_grad=True` chains Megatron's global-norm clipping (`megatron_clip_by_global_norm`) at the
+    manifest's recorded threshold before Adam (BridgeError when the manifest records none: never
+    silently unclipped); a float clips at that threshold. The optimizer state is then
+    `(EmptyState(), <adamw state>)`: build restore templates from this same optimizer.
 
     The learning rate is, in order: `learning_rate` (a float or an optax schedule), Megatron's
     recorded `OptimizerParamScheduler` (an optax schedule of the Adam count that continues the run's
@@ -142,6 +179,23 @@ def optimizer_from_manifest(manifest: Manifest | Mapping, learning_rate: Any = N
     manifest's constant lr. Param groups with an lr multiplier or, under the recorded schedule, their
     own `max_lr`/`min_lr` (and a `params` list) become `optax.multi_transform` groups of adamw.
     """
+    import optax
+
+    tx = _adamw_from_manifest(manifest, learning_rate, plan)
+    if clip_grad is False or clip_grad is None:
+        return tx
+    if clip_grad is True:
+        threshold = adam_hparams(manifest).clip_grad
+        if threshold is None:
+            raise BridgeError("manifest records no clip_grad (the run did not clip, or the writer predates the "
+                              "record); pass clip_grad=<threshold> or clip_grad=False")
+    else:
+        threshold = float(clip_grad)
+    return optax.chain(megatron_clip_by_global_norm(threshold), tx)
+
+
+def _adamw_from_manifest(manifest: Manifest | Mapping, learning_rate: Any, plan: Plan | None):
+    """optimizer_from_manifest without clipping."""
     import optax
 
     from bridge.lr_schedule import megatron_lr_schedule, megatron_wd_schedule
