@@ -4,20 +4,27 @@
                                            [--backend gloo|nccl] [--json OUT]
 
 Every rank builds the state of a GTP run with the layout engine (padded physical bf16 shards of
-per-layer SwiGLU fc1 / row-parallel fc2 / qkv weights and norms, fp32 DistOpt fragments of its
-buffer) and, interleaved over `--reps` repetitions:
-  export  `bridge.live.export_state` (plan, one all_to_all to chunk owners, owned-chunk writes,
-          OCDBT merge, _METADATA, fsync, atomic rename);
-  dcp     `torch.distributed.checkpoint.save` of the same tensors (each rank's weight shards and
-          optimizer fragments under rank-unique keys, as local tensors), fsync'd by DCP;
-  raw_ts  each rank writes exactly the bytes its export wrote as one zarr3 uint8 array (file
-          kvstore, 4 MiB chunks), then fsyncs: the anchor for pure write speed.
-After one untimed warm-up round. Reported: median wall seconds (slowest rank, between barriers), throughput of logical bytes,
-ratios export/dcp time and raw/export time (>= 0.8 is the target), peak host RSS growth per phase
-(VmHWM after resetting it; max over ranks), a reload at the swapped TP/GTP split (time; bytes
-TensorStore read from storage / bytes needed, target <= 1.25), and with `--busbw` the exchange's bus bandwidth vs a
-plain `all_gather_into_tensor` producing the same per-rank bytes (nccl-tests formula:
-busbw = S/t * (n-1)/n, S = per-rank buffer bytes).
+per-layer SwiGLU fc1 / row-parallel fc2 / qkv weights and norms, identical on DP replicas; fp32
+DistOpt fragments of its buffer) and, interleaved over `--reps` repetitions (order rotated):
+  export         `bridge.live.export_state` (holdings, plan, one all_to_all to chunk owners,
+                 owned-chunk writes, OCDBT merge, _METADATA, fsync, atomic rename); the plan is
+                 reused from the earlier export (a run exports every N steps with one layout);
+  export_replan  the same after `clear_plan_cache()` (what a first export costs);
+  store          the store alone: `CheckpointWriter` writes of the same boxes from host memory with
+                 the same write plan + `finalize` (export minus everything live: shows our overhead);
+  dcp            `torch.distributed.checkpoint.save` of the same tensors (weight shards keyed by
+                 shard coordinates, so DP replicas are saved once as the export writes them once;
+                 optimizer fragments keyed by rank), fsync'd by DCP;
+  raw_ts         each rank writes exactly as many bytes as its export wrote, as one zarr3 uint8
+                 array (file kvstore, 4 MiB chunks, from host memory), then fsyncs: pure write speed.
+After one untimed warm-up round. Reported: median wall seconds (slowest rank, between barriers),
+throughput of logical bytes, ratios export/dcp time (target <= 1) and raw/export time (target
+>= 0.8), the export's per-step split (`ExportReport.timings`: slowest rank per rep, median), peak
+host RSS growth per variant (VmHWM after resetting it; max over ranks), a reload at the swapped
+TP/GTP split (time; bytes TensorStore read from storage / bytes needed, target <= 1.25), and with
+`--busbw` the exchange's bus bandwidth vs a plain `all_gather_into_tensor` producing the same
+per-rank bytes (nccl-tests formula: busbw = S/t * (n-1)/n, S = per-rank buffer bytes). The last
+line, `SUMMARY {json}`, is the machine-readable result.
 """
 
 from __future__ import annotations
@@ -65,7 +72,11 @@ def model_geometries(hidden: int, layers: int, pad: int):
 
 
 def build_state(layout, rank: int, hidden: int, layers: int, pad: int, device):
-    """This rank's LocalParams: random bf16 shards, fp32 fragments of a Megatron-style buffer."""
+    """This rank's LocalParams: random bf16 shards, fp32 fragments of a Megatron-style buffer.
+
+    Weights are seeded by their shard coordinates, so DP replicas hold identical shards (as in a
+    real run); optimizer fragments by rank.
+    """
     from bridge.layout.distopt import BufferParam, buffer_layout, owned_ranges
     from bridge.live.api import LocalParam, OptimFragment
 
@@ -76,14 +87,29 @@ def build_state(layout, rank: int, hidden: int, layers: int, pad: int, device):
     ranges = {o.name: o.param for o in owned_ranges(blay, layout.distopt_rank(rank))}
     gen = torch.Generator().manual_seed(1234 + rank)
     params = []
-    for g, n, s in zip(geoms, names, shapes):
-        w = torch.randn(s, generator=gen).to(torch.bfloat16).to(device)
+    for i, (g, n, s) in enumerate(zip(geoms, names, shapes)):
+        _, _, t, gg = g.placement(layout, rank)
+        wgen = torch.Generator().manual_seed(10_000 * i + 100 * t + gg)
+        w = torch.randn(s, generator=wgen).to(torch.bfloat16).to(device)
         frag = None
         if n in ranges:
             f0, f1 = ranges[n]
             frag = OptimFragment(f0, f1, *(torch.randn(f1 - f0, generator=gen).to(device) for _ in range(3)))
         params.append(LocalParam(g.name, g, w, frag, index=g.index))
     return params
+
+
+def dcp_state_dict(params, layout, rank: int) -> dict:
+    """The same tensors for torch DCP: weight shards keyed by shard coordinates (DP replicas share a
+    key, so DCP's planner saves one copy, as the export writes one), fragments keyed by rank."""
+    sd = {}
+    for i, p in enumerate(params):
+        _, _, t, g = p.geometry.placement(layout, rank)
+        sd[f"w{i}.t{t}.g{g}"] = p.weight
+        if p.optim is not None:
+            for k, v in p.optim.tensors().items():
+                sd[f"r{rank}.{i}.{k}"] = v
+    return sd
 
 
 def _hwm_reset() -> None:
@@ -206,6 +232,49 @@ def _reload_figures(path: str, run, params, args: dict, device) -> dict:
             "read": read_bytes() - b0}
 
 
+def _store_only(run, params, args: dict, rank: int):
+    """The store alone on the same boxes: this rank's export write plan and owned boxes, data from host memory.
+
+    Returns a function that writes them with `CheckpointWriter` (donated, digests on, same chunking and
+    in-flight budget as the export) and commits with `finalize`: what the export costs without the
+    live part (holdings, plan, exchange, staging).
+    """
+    from bridge.live.exchange import all_gather_json
+    from bridge.live.export import COUNT_PATH, STEP_PATH, _plan, _summary
+    from bridge.store.commit import begin_checkpoint, finalize
+    from bridge.store.manifest import Manifest
+    from bridge.store.specs import numpy_dtype
+    from bridge.store.writer import CheckpointWriter
+    from bridge.layout.boxes import Box
+
+    world = dist.get_world_size()
+    _, summary = _summary(params, run, rank)
+    planned = _plan(all_gather_json(summary), run, world, args["chunk"], None, args["inner"])
+    rng = np.random.default_rng(rank)
+    data = []
+    for t in planned.plan.transfers:
+        if t.dst == rank:
+            dt = numpy_dtype(planned.plan.catalog[[a.name for a in planned.plan.catalog].index(t.array)].dtype)
+            raw = rng.integers(0, 255, size=t.box.size * dt.itemsize, dtype=np.uint8)
+            data.append((t.array, t.box, raw.view(dt).reshape(t.box.shape)))
+
+    def write(path: str) -> None:
+        tmp = begin_checkpoint(path)
+        w = CheckpointWriter(tmp, planned.wplan, rank, inflight_bytes=args["inflight"], compute_digest=True)
+        for name, box, arr in data:
+            w.write(name, box, arr, donate=True)
+        if rank == 0:
+            for p in (STEP_PATH, COUNT_PATH):
+                w.write(p, Box((), ()), np.asarray(10, dtype=np.int32))
+        w.finish()
+        finalize(path, planned.wplan, rank, Manifest())
+
+    return write
+
+
+VARIANTS = ("export", "export_replan", "store", "dcp", "raw_ts")
+
+
 def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -213,7 +282,7 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
 
     from bridge.layout import ParallelLayout
     from bridge.live.api import AdamConfig, LiveRun
-    from bridge.live.export import export_state
+    from bridge.live.export import clear_plan_cache, export_state
 
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -226,29 +295,39 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     params = build_state(layout, rank, args["hidden"], args["layers"], args["pad"], device)
     run = LiveRun(layout, rank, 10, AdamConfig(lr=1e-4))
     state_bytes = sum(p.weight.numel() * 2 + (3 * 4 * p.optim.numel if p.optim else 0) for p in params)
-    dcp_sd = {}
-    for i, p in enumerate(params):
-        dcp_sd[f"r{rank}.{i}.weight"] = p.weight
-        if p.optim is not None:
-            for k, t in p.optim.tensors().items():
-                dcp_sd[f"r{rank}.{i}.{k}"] = t
+    dcp_sd = dcp_state_dict(params, layout, rank)
+    store_write = _store_only(run, params, args, rank)
     root = args["dir"]
-    res = {"export": [], "dcp": [], "raw_ts": []}
-    mem = {"export": [], "dcp": [], "raw_ts": []}
+    res: dict[str, list] = {k: [] for k in VARIANTS}
+    mem: dict[str, list] = {k: [] for k in VARIANTS}
     written = 0
-    phases: list[list[float]] = []  # export's own plan / exchange / write / commit seconds per rep
+    steps: list[dict] = []  # export's per-step seconds per rep (plan reused)
+    steps_replan: list[dict] = []  # the same with the plan cache cleared first
+    cached: list[bool] = []
+    extra = {}
     for rep in range(-1, args["reps"]):  # rep -1: untimed warm-up (imports, first allocations, DCP set-up)
-        order = ["export", "dcp", "raw_ts"]
-        order = order[rep % 3:] + order[:rep % 3]
+        order = list(VARIANTS)
+        order = order[rep % len(order):] + order[:rep % len(order)]
         for name in order:
             path = os.path.join(root, f"{name}_{rep + 1}")
-            if name == "export":
-                t, m, rep_ = _timed(lambda: export_state(path, run, params, inflight_bytes=args["inflight"],
-                                                          target_chunk_bytes=args["chunk"],
-                                                          inner_chunk_bytes=args["inner"]), device)
+            if name in ("export", "export_replan"):
+                if name == "export_replan":
+                    clear_plan_cache()
+
+                def go():
+                    return export_state(path, run, params, inflight_bytes=args["inflight"],
+                                        target_chunk_bytes=args["chunk"], inner_chunk_bytes=args["inner"])
+
+                t, m, rep_ = _timed(go, device)
                 written = rep_.bytes_written
                 if rep >= 0:
-                    phases.append([rep_.plan_s, rep_.exchange_s, rep_.write_s, rep_.commit_s])
+                    (steps if name == "export" else steps_replan).append(rep_.timings)
+                    if name == "export":
+                        cached.append(rep_.plan_cached)
+                        extra = {"write_calls": rep_.write_calls, "staging_peak_bytes": rep_.staging_peak_bytes,
+                                 "bytes_sent": rep_.bytes_sent}
+            elif name == "store":
+                t, m, _ = _timed(lambda: store_write(path), device)
             elif name == "dcp":
                 t, m, _ = _timed(lambda: dcp.save(dcp_sd, checkpoint_id=path), device)
             else:
@@ -272,12 +351,14 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
                 shutil.rmtree(path + ".orbax-checkpoint-tmp", ignore_errors=True)
             dist.barrier()
+    dcp_bytes = _dcp_bytes(dcp_sd, root, rank)
     busbw = _exchange_busbw(params, run, args["reps"], device) if args["busbw"] else None
     reload_fig = _reload_figures(os.path.join(root, "reload_src"), run, params, args, device)
     # slowest rank per repetition, peak memory over ranks
     mine = {"t": res, "mem": mem, "written": written, "state_bytes": state_bytes, "reload": reload_fig,
-            "phases": phases}
+            "steps": steps, "steps_replan": steps_replan, "cached": cached, "extra": extra, "dcp_bytes": dcp_bytes}
     from bridge.live.exchange import all_gather_json
+    from bridge.live.export import TIMING_STEPS
 
     allr = all_gather_json(mine)
     if rank == 0:
@@ -286,15 +367,23 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
             per_rep = [max(r["t"][name][i] for r in allr) for i in range(args["reps"])]
             out[name] = {"median_s": statistics.median(per_rep), "reps_s": per_rep,
                          "peak_rss_growth_MiB": max(max(r["mem"][name]) for r in allr) / 2 ** 20}
-        # per phase: the slowest rank in each rep, then the median over reps
-        split = {k: statistics.median(max(r["phases"][i][j] for r in allr) for i in range(args["reps"]))
-                 for j, k in enumerate(("plan", "exchange", "write", "commit"))}
-        out["export"]["split_s"] = split
+
+        def split(key):  # per step: the slowest rank in each rep, then the median over reps
+            return {k: statistics.median(max(r[key][i][k] for r in allr) for i in range(args["reps"]))
+                    for k in TIMING_STEPS}
+
+        out["export"]["steps_s"] = split("steps")
+        out["export_replan"]["steps_s"] = split("steps_replan")
         total_written = sum(r["written"] for r in allr)
         summary = {"args": args, "world": world, "logical_bytes_written": total_written,
-                   "rank_state_bytes": sum(r["state_bytes"] for r in allr), "phases": out,
+                   "rank_state_bytes": sum(r["state_bytes"] for r in allr),
+                   "dcp_bytes_written": sum(r["dcp_bytes"] for r in allr), "phases": out,
+                   "plan_cached": all(all(r["cached"]) for r in allr),
+                   "per_rank": [r["extra"] for r in allr],
                    "export_over_dcp_time": out["export"]["median_s"] / out["dcp"]["median_s"],
+                   "export_replan_over_dcp_time": out["export_replan"]["median_s"] / out["dcp"]["median_s"],
                    "raw_over_export_time": out["raw_ts"]["median_s"] / out["export"]["median_s"],
+                   "store_over_export_time": out["store"]["median_s"] / out["export"]["median_s"],
                    "export_GBps": total_written / out["export"]["median_s"] / 1e9, "busbw": busbw,
                    "reload": {"layout": allr[0]["reload"]["layout"],
                               "max_s": max(r["reload"]["s"] for r in allr),
@@ -306,11 +395,78 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     dist.destroy_process_group()
 
 
+def _dcp_bytes(sd: dict, root: str, rank: int) -> int:
+    """Bytes DCP writes for this rank's state dict (one more untimed save, then the file sizes)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(root, "dcp_size")
+    dcp.save(sd, checkpoint_id=path)
+    dist.barrier()
+    n = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.startswith(f"__{rank}_"))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    return n
+
+
 def hidden_for(mib: float, layers: int) -> int:
     """Hidden size whose per-layer state (~ (8+4+3+1) h^2 bf16 + fp32 masters/moments) totals `mib`."""
     per_h2 = 12 * (2 + 12)  # h^2 elements per layer (fc1 8, fc2 4... see model_geometries) x bytes per element
     h = int((mib * 2 ** 20 / layers / per_h2) ** 0.5)
     return max(64, h - h % 64)
+
+
+STEP_NOTES = {"holdings": "cut/refresh pieces (FP8 dequant)", "gather": "all-gather keys (+ summaries)",
+              "plan": "global + write plan", "begin": "begin_checkpoint (collective)", "pack": "send buffer",
+              "write_local": "local writes (overlap exchange)", "exchange_wait": "all_to_all wait",
+              "write_recv": "writes (received / staged D2H)", "finish": "writer.finish (last commit)",
+              "barrier": "wait for slowest rank", "commit": "rank 0 merge + _METADATA + fsync + rename"}
+
+
+def format_summary(s: dict, world: int, tp: int, gtp: int, backend: str) -> str:
+    """Human-readable summary: anchors, ratios, the export's per-step split, memory, reload, exchange."""
+    ph = s["phases"]
+    lines = [f"world {world} TP{tp}xGTP{gtp}xDP{world // (tp * gtp)} {backend}, hidden {s['args']['hidden']}, "
+             f"{s['args']['layers']} layers: {s['logical_bytes_written'] / 2**20:.1f} MiB logical written "
+             f"(ranks hold {s['rank_state_bytes'] / 2**20:.1f} MiB incl. replicas and padding; DCP writes "
+             f"{s['dcp_bytes_written'] / 2**20:.1f} MiB)",
+             f"{'variant':14} {'median s':>9} {'peak RSS +MiB':>14}"]
+    notes = {"export": "plan reused (exports every N steps)" if s["plan_cached"] else "plan NOT reused",
+             "export_replan": "plan cache cleared first", "store": "CheckpointWriter alone, same boxes, host data",
+             "dcp": "torch DCP save, same tensors (replicas deduped)", "raw_ts": "zarr3 uint8, same byte count"}
+    for name in ("export", "export_replan", "store", "dcp", "raw_ts"):
+        lines.append(f"{name:14} {ph[name]['median_s']:9.3f} {ph[name]['peak_rss_growth_MiB']:14.1f}   {notes[name]}")
+    lines.append("export steps (slowest rank per rep, median s; plan reused | replanned):")
+    st, st2 = ph["export"]["steps_s"], ph["export_replan"]["steps_s"]
+    for k in st:
+        lines.append(f"  {k:14} {st[k]:7.3f} | {st2[k]:7.3f}   {STEP_NOTES.get(k, '')}")
+    pr = s["per_rank"]
+    lines.append(f"write calls per rank {[r.get('write_calls') for r in pr]}, staging buffers "
+                 f"{max(r.get('staging_peak_bytes', 0) for r in pr) / 2**20:.0f} MiB, bytes sent per rank "
+                 f"{[r.get('bytes_sent') for r in pr]}")
+    lines.append(f"export / dcp time: {s['export_over_dcp_time']:.2f} (target <= 1.0; replanned "
+                 f"{s['export_replan_over_dcp_time']:.2f});  raw_ts / export time: {s['raw_over_export_time']:.2f} "
+                 f"(target >= 0.8);  store-only / export time: {s['store_over_export_time']:.2f};  "
+                 f"export {s['export_GBps']:.3f} GB/s")
+    r = s["reload"]
+    lines.append(f"reload at {r['layout']}: {r['max_s']:.3f} s, storage bytes read / bytes needed "
+                 f"{r['bytes_read_from_storage'] / max(1, r['bytes_needed']):.2f} (target <= 1.25)")
+    if s["busbw"]:
+        b = s["busbw"]
+        lines.append(f"exchange ({b['source']} splits) busbw {b['a2a_busbw_GBps']:.2f} GB/s vs all_gather_into_tensor "
+                     f"{b['allgather_busbw_GBps']:.2f} GB/s at {b['bytes_per_rank'] / 2**20:.1f} MiB/rank: ratio "
+                     f"{b['busbw_ratio']:.2f} (target >= 0.7)")
+    lines.append("SUMMARY " + json.dumps({
+        "layout": f"TP{tp}xGTP{gtp}xDP{world // (tp * gtp)}", "backend": backend,
+        "export_s": round(ph["export"]["median_s"], 4), "dcp_s": round(ph["dcp"]["median_s"], 4),
+        "raw_s": round(ph["raw_ts"]["median_s"], 4), "store_s": round(ph["store"]["median_s"], 4),
+        "export_over_dcp": round(s["export_over_dcp_time"], 3), "raw_over_export": round(s["raw_over_export_time"], 3),
+        "store_over_export": round(s["store_over_export_time"], 3),
+        "export_replan_over_dcp": round(s["export_replan_over_dcp_time"], 3),
+        "busbw_ratio": round(s["busbw"]["busbw_ratio"], 3) if s["busbw"] else None,
+        "peak_rss_MiB": round(ph["export"]["peak_rss_growth_MiB"], 1),
+        "steps_s": {k: round(v, 4) for k, v in st.items()}}, separators=(",", ":")))
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -327,6 +483,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inner-kib", type=float, default=256, help="export inner (read) chunk size, KiB")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--busbw", action="store_true", help="also time the exchange vs all_gather_into_tensor")
+    ap.add_argument("--phases", action="store_true", help="(always on) print the export's per-step split")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the summary JSON here")
     a = ap.parse_args(argv)
@@ -341,25 +498,7 @@ def main(argv=None) -> int:
     mp.spawn(worker, args=(a.world, init, args, out_json), nprocs=a.world, join=True)
     with open(out_json) as f:
         s = json.load(f)
-    ph = s["phases"]
-    print(f"world {a.world} TP{a.tp}xGTP{a.gtp}xDP{a.world // (a.tp * a.gtp)} {a.backend}, hidden {args['hidden']}, "
-          f"{a.layers} layers: {s['logical_bytes_written'] / 2**20:.1f} MiB logical written "
-          f"(ranks hold {s['rank_state_bytes'] / 2**20:.1f} MiB incl. replicas and padding)")
-    print(f"{'phase':8} {'median s':>9} {'peak RSS +MiB':>14}")
-    for name in ("export", "dcp", "raw_ts"):
-        print(f"{name:8} {ph[name]['median_s']:9.3f} {ph[name]['peak_rss_growth_MiB']:14.1f}")
-    sp = ph["export"]["split_s"]
-    print("export phases (slowest rank, median s): " + ", ".join(f"{k} {v:.3f}" for k, v in sp.items()))
-    print(f"export / dcp time: {s['export_over_dcp_time']:.2f} (target <= 1.0);  "
-          f"raw_ts / export time: {s['raw_over_export_time']:.2f} (target >= 0.8);  export {s['export_GBps']:.3f} GB/s")
-    r = s["reload"]
-    print(f"reload at {r['layout']}: {r['max_s']:.3f} s, storage bytes read / bytes needed "
-          f"{r['bytes_read_from_storage'] / max(1, r['bytes_needed']):.2f} (target <= 1.25)")
-    if s["busbw"]:
-        b = s["busbw"]
-        print(f"exchange ({b['source']} splits) busbw {b['a2a_busbw_GBps']:.2f} GB/s vs all_gather_into_tensor "
-              f"{b['allgather_busbw_GBps']:.2f} GB/s at {b['bytes_per_rank'] / 2**20:.1f} MiB/rank: ratio "
-              f"{b['busbw_ratio']:.2f} (target >= 0.7)")
+    print(format_summary(s, a.world, a.tp, a.gtp, a.backend))
     if not a.dir:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
