@@ -84,10 +84,15 @@ def tinygpt_batch(step: int, global_batch: int = SIZES["global_batch"], seq: int
 
 
 def weights_from_tree(tree: Mapping, cast_bf16: bool = False) -> dict:
-    """Nested dict of float32 jax arrays from a logical (sub)tree; `cast_bf16` rounds fp32 masters to
-    the bf16 weights Megatron's forward uses (`bf16(master) == model`, checked by the converter)."""
+    """Nested dict of float32 jax arrays on one device from a logical (sub)tree (e.g. restored onto a
+    mesh); `cast_bf16` rounds fp32 masters to the bf16 weights Megatron's forward uses
+    (`bf16(master) == model`, checked by the converter).
+
+    One device on purpose: the model is tiny, and SPMD collectives over 8 virtual CPU devices can
+    stall past XLA's rendezvous timeout on a loaded 2-core machine.
+    """
     def one(x):
-        x = jnp.asarray(x)
+        x = jnp.asarray(np.asarray(x))
         return (x.astype(jnp.bfloat16) if cast_bf16 else x).astype(jnp.float32)
 
     return jax.tree.map(one, dict(tree))
@@ -117,6 +122,7 @@ def _sections(w: Mapping, module: tuple[str, ...], names: tuple[str, ...], what:
     return [(weight[n], None if bias is None else bias[n]) for n in names]
 
 
+@functools.partial(jax.jit, static_argnums=(3, 4))
 def per_token_loss(w: Mapping, inputs: Any, labels: Any, dims: GPTDims, activations: str = "fp32") -> jax.Array:
     """Cross entropy of every token [batch, seq] (float32), Megatron's GPTModel forward on `w`."""
     if activations not in ("fp32", "bf16"):
@@ -183,7 +189,6 @@ def per_token_loss(w: Mapping, inputs: Any, labels: Any, dims: GPTDims, activati
     return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4))
 def mean_loss(w: Mapping, inputs: Any, labels: Any, dims: GPTDims, activations: str = "fp32") -> jax.Array:
     """The loss `tinygpt.train_step` reports: the token mean (every DP rank holds equal batch slices)."""
     return jnp.mean(per_token_loss(w, inputs, labels, dims, activations))
