@@ -230,6 +230,10 @@ def _sent_by_group(plan: ExportPlan, layout, rank: int) -> dict:
     return out
 
 
+# Tests only: send CPU pieces through the staging buffers and one pass after the exchange, as CUDA
+# pieces go on a GPU machine (exercises that path on gloo).
+_STAGE_ALL = False
+
 _STORE_TO_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                    "float64": torch.float64}
 
@@ -351,6 +355,7 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
         writer.write(n, b, a, donate=True)
 
     flush = _flush_no_wait(writer)
+    order = {a.name: i for i, a in enumerate(plan.catalog)}
     total = plan.written_bytes(rank)
     peak = 0
     with progress(total, f"export rank {rank}") as bar:
@@ -359,10 +364,11 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
         # buffers, donated as well when the writer can commit in the background (see staging).
         def write_all(items: list[WriteItem]) -> None:
             nonlocal peak
+            items = sorted(items, key=lambda it: (order[it.name], it.box.start))  # a chunk's pieces together
             peak = max(peak, stage_and_write(items, write_copy, inflight_bytes, bar.update,
-                                             write_cpu=write_donated, flush=flush))
+                                             write_cpu=write_donated, flush=flush, stage_cpu=_STAGE_ALL))
 
-        on_host = not any(it.data.is_cuda for it in local_items)
+        on_host = not _STAGE_ALL and not any(it.data.is_cuda for it in local_items)
         if on_host:
             write_all(local_items)  # overlaps the exchange (gloo runs it on its own thread)
         clock.mark("write_local")
