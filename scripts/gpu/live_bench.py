@@ -7,10 +7,12 @@ Run from the repository root on the GPU machine:
     python scripts/gpu/live_bench.py --mib 4096 --reps 3
 
 For each layout it runs `benchmarks/bench_live_export.py --backend nccl --busbw` (same ranks, same
-state: export_state vs torch.distributed.checkpoint.save vs a raw TensorStore write of the bytes
-the export wrote; then the export's all_to_all alone vs a plain all_gather_into_tensor with the
-same per-rank bytes) and prints one figure line per layout plus PASS/FAIL against the targets
-(export <= DCP time, raw/export >= 0.8, exchange busbw >= 0.7 x all-gather busbw).
+state: export_state (plan reused, and replanned) vs the store alone on the same boxes vs
+torch.distributed.checkpoint.save vs a raw TensorStore write of as many bytes as the export wrote;
+then the export's all_to_all alone vs a plain all_gather_into_tensor with the same per-rank bytes)
+and prints one figure line per layout plus PASS/FAIL against the targets (export <= DCP time,
+raw/export >= 0.8, exchange busbw >= 0.7 x all-gather busbw), then a table, the export's per-step
+split, and one parseable line `LIVE_BENCH [json per layout]`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def main(argv=None) -> int:
     import bench_live_export as bench
 
     failed = 0
+    rows = []
     for tp, gtp in LAYOUTS[a.world]:
         out = tempfile.mktemp(suffix=".json")
         argv_b = ["--world", str(a.world), "--tp", str(tp), "--gtp", str(gtp), "--mib", str(a.mib), "--reps",
@@ -47,15 +50,33 @@ def main(argv=None) -> int:
         bench.main(argv_b)
         s = json.load(open(out))
         b = s["busbw"]
+        ph = s["phases"]
         ok = s["export_over_dcp_time"] <= 1.0 and s["raw_over_export_time"] >= 0.8 and b["busbw_ratio"] >= 0.7
         failed += not ok
         print(f"{'PASS' if ok else 'FAIL'} TP{tp}xGTP{gtp}: export/dcp time {s['export_over_dcp_time']:.2f}, "
-              f"raw/export time {s['raw_over_export_time']:.2f}, exchange ({b['source']} splits) busbw {b['a2a_busbw_GBps']:.1f} GB/s vs "
+              f"raw/export time {s['raw_over_export_time']:.2f}, store-only/export {s['store_over_export_time']:.2f}, "
+              f"exchange ({b['source']} splits) busbw {b['a2a_busbw_GBps']:.1f} GB/s vs "
               f"all-gather {b['allgather_busbw_GBps']:.1f} GB/s (ratio {b['busbw_ratio']:.2f}), "
-              f"peak host RSS growth export {s['phases']['export']['peak_rss_growth_MiB']:.0f} MiB / "
-              f"dcp {s['phases']['dcp']['peak_rss_growth_MiB']:.0f} MiB; reload at {s['reload']['layout']} "
+              f"peak host RSS growth export {ph['export']['peak_rss_growth_MiB']:.0f} MiB / "
+              f"dcp {ph['dcp']['peak_rss_growth_MiB']:.0f} MiB; reload at {s['reload']['layout']} "
               f"{s['reload']['max_s']:.2f} s, read/needed "
-              f"{s['reload']['bytes_read_from_storage'] / max(1, s['reload']['bytes_needed']):.2f}")
+              f"{s['reload']['bytes_read_from_storage'] / max(1, s['reload']['bytes_needed']):.2f}", flush=True)
+        rows.append({"layout": f"TP{tp}xGTP{gtp}", "ok": ok,
+                     **{k: round(ph[k]["median_s"], 4) for k in ("export", "export_replan", "store", "dcp", "raw_ts")},
+                     "export_over_dcp": round(s["export_over_dcp_time"], 3),
+                     "raw_over_export": round(s["raw_over_export_time"], 3),
+                     "store_over_export": round(s["store_over_export_time"], 3),
+                     "busbw_ratio": round(b["busbw_ratio"], 3),
+                     "peak_rss_MiB": round(ph["export"]["peak_rss_growth_MiB"], 1),
+                     "steps_s": {k: round(v, 4) for k, v in ph["export"]["steps_s"].items()}})
+    print("\nlayout     export  replan   store     dcp     raw  exp/dcp raw/exp store/exp busbw  RSS+MiB")
+    for r in rows:
+        print(f"{r['layout']:9} {r['export']:7.3f} {r['export_replan']:7.3f} {r['store']:7.3f} {r['dcp']:7.3f} "
+              f"{r['raw_ts']:7.3f} {r['export_over_dcp']:7.2f} {r['raw_over_export']:7.2f} {r['store_over_export']:9.2f} "
+              f"{r['busbw_ratio']:5.2f} {r['peak_rss_MiB']:8.0f}")
+    for r in rows:
+        print(f"{r['layout']} export steps (s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["steps_s"].items()))
+    print("LIVE_BENCH " + json.dumps(rows, separators=(",", ":")), flush=True)
     return 1 if failed else 0
 
 
