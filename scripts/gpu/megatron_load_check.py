@@ -50,10 +50,11 @@ def prepare(a: argparse.Namespace, world: int) -> str:
     from converters.megatron_write import Target, to_megatron
 
     os.makedirs(a.work, exist_ok=True)
-    logical = os.path.join(a.work, f"{a.fixture}_logical")
-    out = os.path.join(a.work, f"{a.fixture}_to_tp{a.tp}_gtp{a.gtp}_ep{a.ep}_{a.format}")
+    name = os.path.basename(os.path.normpath(a.source))
+    logical = os.path.join(a.work, f"{name}_logical")
+    out = os.path.join(a.work, f"{name}_to_tp{a.tp}_gtp{a.gtp}_ep{a.ep}_{a.format}")
     if not os.path.isdir(logical):
-        convert(os.path.join(FIXTURES, a.fixture, a.source_format), logical, ConvertOptions(workers=1))
+        convert(os.path.join(a.source, a.source_format), logical, ConvertOptions(workers=1))
     if not os.path.isdir(out):
         dp = world // (a.tp * a.gtp)
         to_megatron(logical, out, Target(tp=a.tp, gtp=a.gtp, dp=dp, ep=a.ep, fmt=a.format,
@@ -95,6 +96,9 @@ def all_sum(n: int) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixture", default="dp2", help="source fixture run (tests/fixtures/megatron/<run>)")
+    ap.add_argument("--source", default=None,
+                    help="a Megatron run directory with dp_reshardable/, fully_reshardable/ and run.json or "
+                         "result.json (default: the fixture's)")
     ap.add_argument("--source-format", default="dp_reshardable", choices=["dp_reshardable", "fully_reshardable"])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--gtp", type=int, default=1)
@@ -116,8 +120,11 @@ def main() -> int:
 
     import tinygpt
 
-    src_run = json.load(open(os.path.join(FIXTURES, a.fixture, "run.json")))
-    src_layout = src_run.get("layout", {})
+    a.source = a.source or os.path.join(FIXTURES, a.fixture)
+    rec = next(os.path.join(a.source, f) for f in ("run.json", "result.json") if os.path.exists(os.path.join(a.source, f)))
+    src_run = json.load(open(rec))
+    src_layout = src_run.get("layout") if isinstance(src_run.get("layout"), dict) else {}
+    src_steps = src_run.get("steps", src_run.get("step", 3))
     run = dict(tp=a.tp, gtp=a.gtp, ep=a.ep, moe=bool(src_layout.get("moe")), te=bool(src_layout.get("te")),
                overlap=a.format == "dp_reshardable" and a.bucket_size is not None, bucket_size=a.bucket_size)
     tinygpt.setup_parallel(a.tp, a.ep, a.gtp)
@@ -153,7 +160,7 @@ def main() -> int:
 
     if loaded is not None:
         it = loaded.get("iteration")
-        results.append(("iteration", it == src_run.get("steps", 3), f"iteration {it}"))
+        results.append(("iteration", it == src_steps, f"iteration {it}"))
         bad = 0
         for opt in tinygpt.optimizer_list(optimizer):
             for p in opt.model_param_gbuf_map:
@@ -165,7 +172,7 @@ def main() -> int:
         dist.all_reduce(t)
         results.append(("masters", int(t.item()) == 0, f"{int(t.item())} elements where bf16(master) != weight"))
         # Baseline: Megatron's own load of the source run's fully_reshardable save at this layout.
-        own_dir = os.path.join(FIXTURES, a.fixture, "fully_reshardable")
+        own_dir = os.path.join(a.source, "fully_reshardable")
         own = None
         if a.gtp == 1 and os.path.isdir(own_dir):
             log(rank, "Megatron's own load of the source's fully_reshardable save")

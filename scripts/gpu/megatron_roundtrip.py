@@ -233,7 +233,9 @@ def main() -> None:
             model_b, optimizer_b = megatron_own_load(run_cfg, os.path.join(src, "fully_reshardable"))
             export_megatron(model_b, optimizer_b, os.path.join(d, "own_reexport"))
             step_and_record(model_b, optimizer_b, d, res, prefix="own_")
-        except Exception as e:  # noqa: BLE001 - e.g. a save this layout cannot load; reported, not fatal
+        except (Exception, BaseException) as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
             import traceback
 
             traceback.print_exc()
