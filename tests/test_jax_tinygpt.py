@@ -24,11 +24,9 @@ import pytest
 from jax.sharding import Mesh
 
 from bridge.jaxside.restore import restore
-from jax_tinygpt import (FIXTURES, GPTDims, converted_fixture, fixture_run, mean_loss, per_token_loss, rank_param,
+from jax_tinygpt import (BF16_RTOL, FIXTURES, FP32_RTOL, GPTDims, converted_fixture, fixture_run, mean_loss, per_token_loss, rank_param,
                          tinygpt_batch, weights_from_tree)
 
-BF16_RTOL = 1e-6
-FP32_RTOL = 3e-5
 # Runs whose every rank used the checkpoint's weights for its batch slice. In the GTP runs, GTP rank 1
 # (batch rows 2:4) used its own, independently initialised position embeddings (0.19.2 replica drift,
 # tests/fixtures/megatron/README.md); the checkpoint holds GTP rank 0's copy.

@@ -51,6 +51,20 @@ def section_orders(manifest: Manifest | Mapping | None) -> dict[Path, list[str]]
     return out
 
 
+def param_paths(key: str, orders: Mapping[Path, list[str]]) -> list[Path]:
+    """Logical parameter paths a manifest key names: a fused parameter's key (as the live adapter
+    writes it) stands for all its sections (as the converter writes them).
+
+    >>> orders = {("a", "qkv", "bias"): ["query", "key", "value"]}
+    >>> param_paths("a/qkv/bias", orders)
+    [('a', 'qkv', 'bias', 'query'), ('a', 'qkv', 'bias', 'key'), ('a', 'qkv', 'bias', 'value')]
+    >>> param_paths("a.qkv.bias.key", orders), param_paths("a/ln/weight", orders)
+    ([('a', 'qkv', 'bias', 'key')], [('a', 'ln', 'weight')])
+    """
+    path = _split(key)
+    return [path + (name,) for name in orders[path]] if path in orders else [path]
+
+
 @dataclass(frozen=True)
 class AdamHParams:
     """AdamW hyper-parameters as optax names them; `no_decay` holds logical parameter paths."""
@@ -72,10 +86,12 @@ def adam_hparams(manifest: Manifest | Mapping) -> AdamHParams:
         raise BridgeError(f"checkpoint optimizer is {o.name!r}, not Adam/AdamW; build the optax optimizer yourself")
     b1, b2 = o.betas if o.betas is not None else (0.9, 0.999)  # Megatron --adam-beta1/2 defaults
     no_decay: set[Path] | None = None
+    orders = section_orders(m)
     if o.no_decay:
-        no_decay = {_split(k) for k in o.no_decay}
+        no_decay = {p for k in o.no_decay for p in param_paths(k, orders)}
     elif any("wd_mult" in g and g.get("params") for g in o.groups):
-        no_decay = {_split(k) for g in o.groups if g.get("wd_mult", 1.0) == 0.0 for k in g.get("params", [])}
+        no_decay = {p for g in o.groups if g.get("wd_mult", 1.0) == 0.0 for k in g.get("params", [])
+                    for p in param_paths(k, orders)}
     return AdamHParams(lr=o.lr, b1=float(b1), b2=float(b2), eps=float(o.eps if o.eps is not None else 1e-8),
                        weight_decay=float(o.weight_decay if o.weight_decay is not None else 0.01),
                        no_decay=frozenset(no_decay) if no_decay is not None else None,
@@ -243,7 +259,8 @@ def _grouped_adamw(manifest: Manifest | Mapping, lr: Any, groups: list[dict], pl
         label = f"group{i}"
         lrs[label] = group_lr(g)
         for key in g["params"]:
-            label_of[_split(key)] = label
+            for p in param_paths(key, section_orders(manifest)):
+                label_of[p] = label
     sources: dict[Path, tuple[Path, ...]] = {}
     if plan is not None:
         sources = {o: g.sources for g in plan.groups for o in g.outputs}
