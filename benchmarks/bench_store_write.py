@@ -67,16 +67,16 @@ def store_worker(rank, world, shapes, out_dir, barrier, q, extra):
 
     catalog = [ArraySpec(("params", f"a{i}"), s, "float32") for i, s in enumerate(shapes)]
     # Writer r owns rows [r*R/2, (r+1)*R/2) of every array: the block it holds.
-    lean = extra.get("lean", {})  # diagnostic: the store minus crc32c, inner chunks and digests
+    diag = extra.get("diag", {})  # diagnostic variants: plan / writer options changed
     plan = make_write_plan(catalog, world, {a.path: regular_ownership(a.shape, world, 4) for a in catalog},
-                           **{k: v for k, v in lean.items() if k != "compute_digest"})
+                           **diag.get("plan", {}))
     data = [_half(s, rank, i) for i, s in enumerate(shapes)]
     base = _cur_rss_mib()
     barrier.wait()
     t0 = time.time()
     c0 = _cpu_s()
-    opts = {k: v for k, v in extra.items() if k not in ("donate", "lean")}
-    opts.update({k: v for k, v in lean.items() if k == "compute_digest"})
+    opts = {k: v for k, v in extra.items() if k not in ("donate", "diag")}
+    opts.update(diag.get("writer", {}))
     w = CheckpointWriter(tmp_dir_for(out_dir), plan, rank, **opts)
     for i, s in enumerate(shapes):
         r0 = rank * (s[0] // 2)
@@ -164,20 +164,32 @@ VARIANTS = {"store": (store_worker, 2), "raw_ts": (raw_ts_worker, 2), "orbax": (
             "dcp": (dcp_worker, 2)}
 # Diagnostic store variants: which of the store's extras cost what.
 STORE_DIAGNOSTICS = {
-    "store_nocrc": {"checksum": False},
-    "store_outer": {"inner_chunk_bytes": None},
-    "store_nodigest": {"compute_digest": False},
-    "store_lean": {"checksum": False, "inner_chunk_bytes": None, "compute_digest": False},
+    "store_nocrc": {"plan": {"checksum": False}},
+    "store_outer": {"plan": {"inner_chunk_bytes": None}},
+    "store_nodigest": {"writer": {"compute_digest": False}},
+    "store_lean": {"plan": {"checksum": False, "inner_chunk_bytes": None}, "writer": {"compute_digest": False}},
+    "store_nostage": {"writer": {"staging": False}},
+    "store_nodrop": {"writer": {"drop_behind": False}},
+    "store_old": {"writer": {"staging": False, "drop_behind": False, "inflight_bytes": 256 << 20, "commit_depth": 1}},
+    "store_if256": {"writer": {"inflight_bytes": 256 << 20, "commit_depth": 1}},
+    "store_if64": {"writer": {"inflight_bytes": 64 << 20, "commit_depth": 1}},
+    "store_if32d2": {"writer": {"inflight_bytes": 32 << 20, "commit_depth": 2}},
+    "store_if32d3": {"writer": {"inflight_bytes": 32 << 20, "commit_depth": 3}},
 }
 for _name in STORE_DIAGNOSTICS:
     VARIANTS[_name] = (store_worker, 2)
 
 
-def run_variant(name, shapes, workdir, rep, store_extra):
+def run_variant(name, shapes, workdir, rep, store_extra, settle=0.0):
     fn, nproc = VARIANTS[name]
     out = os.path.join(workdir, f"{name}_{rep}")
     for p in (out, out + ".orbax-checkpoint-tmp"):
         shutil.rmtree(p, ignore_errors=True)
+    # Same starting state for every variant: the previous variant's files are gone and written
+    # back, and (on VMs that hand freed guest memory back to the host) its freed page cache has
+    # been returned, so no variant writes into pages another one just warmed.
+    os.sync()
+    time.sleep(settle)
     if name == "raw_ts":
         os.makedirs(out)
     if name.startswith("store"):
@@ -186,7 +198,7 @@ def run_variant(name, shapes, workdir, rep, store_extra):
         begin_checkpoint(out)
     extra = dict(store_extra) if name.startswith("store") else {}
     if name in STORE_DIAGNOSTICS:
-        extra["lean"] = STORE_DIAGNOSTICS[name]
+        extra["diag"] = STORE_DIAGNOSTICS[name]
     if name == "dcp":
         import socket
 
@@ -233,6 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--inflight-mib", type=int, default=None, help="store writer in-flight budget")
     ap.add_argument("--no-digest", action="store_true", help="store without digests (diagnostic only)")
     ap.add_argument("--copy", action="store_true", help="store copies data (write(donate=False))")
+    ap.add_argument("--settle", type=float, default=3.0,
+                    help="seconds to idle before each variant after removing the previous output (default 3)")
     ap.add_argument("--json", help="also write results here")
     args = ap.parse_args(argv)
     shapes = _shapes(args.gib, args.arrays)
@@ -249,7 +263,7 @@ def main(argv=None) -> int:
     for rep in range(args.reps):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
         for v in order:
-            r = run_variant(v, shapes, args.workdir, rep, store_extra)
+            r = run_variant(v, shapes, args.workdir, rep, store_extra, args.settle)
             runs[v].append(r)
             print(f"rep {rep} {v:7s} {r['gbps']:.2f} GB/s  {r['seconds']:.2f} s  CPU {r['cpu_s']:.2f} s  "
                   f"peak RSS {r['peak_rss_mib']:.0f} MiB",

@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = ["bridge.layout.chunks", "bridge.store.tree", "bridge.store.specs", "bridge.store.plan",
-           "bridge.store.digest", "bridge.store.verify", "bridge.store.commit"]
+           "bridge.store.digest", "bridge.store.verify", "bridge.store.commit",
+           "bridge.store.staging"]
 
 
 @pytest.mark.parametrize("name", MODULES)

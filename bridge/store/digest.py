@@ -10,6 +10,7 @@ commit adds the partial sums, whatever the chunking or the writer count.
 
 from __future__ import annotations
 
+import threading
 from math import prod
 from typing import Sequence
 
@@ -82,9 +83,7 @@ def _mix_sum(rows: np.ndarray, row_base, lane: int) -> int:
         rb = np.asarray(row_base, dtype=np.int64)
         rb = (rb & mask) if mask is not None else rb
         row_key = rb.astype(dt) * k_index
-        cb = min(ncols, _BLOCK)
-        buf = np.empty(max(_BLOCK, cb), dtype=dt)
-        tmp = np.empty_like(buf)
+        buf, tmp = _scratch(dt)
         if ncols >= _BLOCK:
             for c0 in range(0, ncols, _BLOCK):
                 c1 = min(ncols, c0 + _BLOCK)
@@ -103,6 +102,23 @@ def _mix_sum(rows: np.ndarray, row_base, lane: int) -> int:
                 np.add(row_key[r0:r1, None], col_key[None, :], out=y)
                 total += _finish(y, rows[r0:r1], k_mul, shift, tmp[:n].reshape(r1 - r0, ncols))
     return total & _MASK
+
+
+_LOCAL = threading.local()
+
+
+def _scratch(dt) -> tuple[np.ndarray, np.ndarray]:
+    """Two _BLOCK-element work buffers of dtype `dt`, reused per thread.
+
+    Fresh 256 KiB buffers per call would come from mmap and be page-faulted in every time.
+    """
+    key = np.dtype(dt).char
+    bufs = getattr(_LOCAL, "bufs", None)
+    if bufs is None:
+        bufs = _LOCAL.bufs = {}
+    if key not in bufs:
+        bufs[key] = (np.empty(_BLOCK, dtype=dt), np.empty(_BLOCK, dtype=dt))
+    return bufs[key]
 
 
 def _finish(y: np.ndarray, bits: np.ndarray, k_mul, shift, tmp: np.ndarray) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -24,11 +24,20 @@ from bridge.layout.boxes import Box
 from bridge.store import digest as dg
 from bridge.store import specs
 from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan  # noqa: F401 (re-export)
+from bridge.store.staging import SlabPool, grid_cells, num_grid_cells
 from bridge.store.tree import path_str
 
 REPORT_DIR = "_gtp_bridge_writers"
 # Donated boxes at least this large are digested on a side thread (small ones: thread hand-off costs more).
 _ASYNC_DIGEST_BYTES = 1 << 20
+# Boxes whose inner-chunk cells average less than this are left to TensorStore to copy: per cell,
+# staging costs a TensorStore write call (~50 us), which only pays off for cells of this size.
+_MIN_STAGED_CELL_BYTES = 128 << 10
+
+
+def _digest_cells(shape: Sequence[int], cells: Sequence[tuple[Box, np.ndarray]]) -> int:
+    """Digest of staged cells (each a box of the array and its data)."""
+    return dg.combine([dg.digest_box(shape, cell, buf) for cell, buf in cells])
 
 
 def report_path(tmp_dir: str, writer: int) -> str:
@@ -55,13 +64,6 @@ class _ArrayState:
         self.stops = np.zeros((0, nd), dtype=np.int64)
         self.covered = np.zeros(plan.ownership.grid_shape, dtype=np.int64)
         self.digest = 0
-        self.pending: list[Future] = []   # digests of donated boxes, computed in the background
-
-    def settle(self) -> None:
-        """Fold the background digests into `digest`."""
-        if self.pending:
-            self.digest = dg.combine([self.digest] + [f.result() for f in self.pending])
-            self.pending.clear()
 
     def record(self, box: Box) -> None:
         if len(self.starts):
@@ -90,8 +92,9 @@ class _ArrayState:
 class CheckpointWriter:
     """Writes the chunks `writer_id` owns into ``<tmp_dir>/ocdbt.process_<writer_id>/``."""
 
-    def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int = 256 << 20,
-                 compute_digest: bool = True) -> None:
+    def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int = 64 << 20,
+                 compute_digest: bool = True, digest_threads: int | None = None, staging: bool = True,
+                 drop_behind: bool = True, commit_depth: int = 1) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
         if not os.path.isdir(tmp_dir):
@@ -111,11 +114,21 @@ class CheckpointWriter:
         self._open: dict[str, object] = {}   # the same, bound to the current transaction
         self._txn = None
         self._digester: ThreadPoolExecutor | None = None
+        self.digest_threads = max(1, int(digest_threads if digest_threads is not None
+                                         else min(4, (os.cpu_count() or 2) // 4)))
+        self.staging = staging
+        self.commit_depth = max(1, int(commit_depth))
+        self.drop_behind = drop_behind and hasattr(os, "posix_fadvise")
+        self._dropped: set[str] = set()
+        # Staging holds the batch being filled plus the one committing (see flush).
+        self._slabs = SlabPool(keep_bytes=(self.commit_depth + 1) * self.inflight_bytes)
         self._futures: list = []
-        self._commits: list = []
+        self._commits: list = []   # (commit future, staging slabs it references, its digests)
+        self._digests: list = []   # (array state, digest future) of the batch being staged
         self._pending = 0
         self._finished = False
         self.bytes_written = 0
+        self.bytes_staged = 0      # of bytes_written, how many went through the staging slabs
 
     # -- public -------------------------------------------------------------------------------
     def write(self, path: Sequence[str] | str, box: Box, data: np.ndarray, *, donate: bool = False) -> None:
@@ -147,16 +160,17 @@ class CheckpointWriter:
         state.record(box)
         store = self._store(ap)
         try:
-            self._futures.append(store[box.slices].write(data, can_reference_source_data_indefinitely=donate))
+            staged = self._issue(store, ap, box, data, donate)
         except Exception as e:  # TensorStore raises ValueError etc.; name the array
             raise BridgeError(f"{where}: writing box {box} failed: {' '.join(str(e).split())}") from e
         # The digest runs after the write is issued, so it overlaps TensorStore's encoding and I/O.
-        # Donated data stays untouched until the next flush: digest it on a side thread then.
+        # Staged copies and donated data stay untouched while their batch commits: digest them on
+        # the digest threads, folded in when the batch lands; small copied boxes are digested here.
         if self.compute_digest:
-            if donate and data.nbytes >= _ASYNC_DIGEST_BYTES:
-                if self._digester is None:
-                    self._digester = ThreadPoolExecutor(1, thread_name_prefix=f"digest-w{self.writer_id}")
-                state.pending.append(self._digester.submit(dg.digest_box, spec.shape, box, data))
+            if staged:
+                self._digests.append((state, self._digest_pool().submit(_digest_cells, spec.shape, staged)))
+            elif donate and data.nbytes >= _ASYNC_DIGEST_BYTES:
+                self._digests.append((state, self._digest_pool().submit(dg.digest_box, spec.shape, box, data)))
             else:
                 state.digest = dg.combine([state.digest, dg.digest_box(spec.shape, box, data)])
         self._pending += data.nbytes
@@ -167,28 +181,26 @@ class CheckpointWriter:
     def flush(self, wait: bool = True) -> None:
         """Commit the staged writes as one OCDBT version.
 
-        With ``wait=False`` (used when the in-flight budget fills) the commit runs in the
-        background while the next batch is staged; at most one commit is outstanding, so host
-        memory stays below about twice `inflight_bytes`.
+        With ``wait=False`` (used when the in-flight budget fills) the commit and the batch's
+        digests run in the background while the next batch is staged; at most `commit_depth`
+        commits are outstanding, so host memory stays below about (commit_depth + 1) x
+        `inflight_bytes`. After ``flush()`` (wait=True) donated buffers are free again.
         """
         try:
             for f in self._futures:
                 f.result()
             self._futures.clear()
-            for st in self._state.values():  # donated buffers may be reused after flush
-                st.settle()
-            for f in self._commits:  # the previous batch must land before the next one starts
-                f.result()
-            self._commits.clear()
+            self._await_commits(keep=self.commit_depth - 1)  # bound the batches in flight
             if self._txn is not None:
-                self._commits.append(self._txn.commit_async())
+                self._commits.append((self._txn.commit_async(), self._slabs.seal(), self._digests))
+            elif self._digests:  # cannot happen (digests come with writes), but never lose one
+                self._commits.append((None, [], self._digests))
+            self._digests = []
             self._txn = None
             self._open.clear()
             self._pending = 0
             if wait:
-                for f in self._commits:
-                    f.result()
-                self._commits.clear()
+                self._await_commits()
         except BridgeError:
             raise
         except Exception as e:
@@ -206,6 +218,7 @@ class CheckpointWriter:
         if self._digester is not None:
             self._digester.shutdown()
             self._digester = None
+        self._slabs = SlabPool(keep_bytes=0)   # the writer is done: let its staging memory go
         report = {
             "writer": self.writer_id,
             "plan": self.plan.fingerprint(),
@@ -222,6 +235,79 @@ class CheckpointWriter:
         return report
 
     # -- internals ------------------------------------------------------------------------------
+    def _issue(self, store, ap: ArrayPlan, box: Box, data: np.ndarray, donate: bool) -> list | None:
+        """Issue TensorStore writes for one box; returns the staged [(cell box, buffer)] or None.
+
+        Inner chunks that are contiguous in donated data are referenced as they are (no copy).
+        Otherwise, when the box spans inner chunks of useful size, each inner-chunk cell is copied
+        into a reused staging slab and written from there (TensorStore references it), instead of
+        TensorStore copying it into fresh memory. Small or odd boxes are handed to TensorStore as is.
+        """
+        inner = ap.inner_chunk_shape
+        ncell = num_grid_cells(box, inner) if box.ndim else 1
+        contiguous = data.flags.c_contiguous and (box.ndim < 2 or num_grid_cells(
+            Box(box.start[1:], box.stop[1:]), inner[1:]) == 1)
+        if (donate and contiguous) or not self.staging or data.nbytes < ncell * _MIN_STAGED_CELL_BYTES:
+            fut = store[box.slices].write(data, can_reference_source_data_indefinitely=donate)
+            if not donate:  # TensorStore copies the source asynchronously; the caller may reuse it on return
+                fut.copy.result()
+            self._futures.append(fut)
+            return None
+        staged = []
+        for cell in grid_cells(box, inner):
+            buf = self._slabs.take(cell.shape, data.dtype)
+            np.copyto(buf, data[cell.relative_to(box).slices])
+            self._futures.append(store[cell.slices].write(buf, can_reference_source_data_indefinitely=True))
+            staged.append((cell, buf))
+        self.bytes_staged += data.nbytes
+        return staged
+
+    def _digest_pool(self) -> ThreadPoolExecutor:
+        if self._digester is None:
+            self._digester = ThreadPoolExecutor(self.digest_threads, thread_name_prefix=f"digest-w{self.writer_id}")
+        return self._digester
+
+    def _await_commits(self, keep: int = 0) -> None:
+        """Wait until at most `keep` commits are outstanding; their staging slabs are then reused."""
+        if len(self._commits) <= keep:
+            return
+        while len(self._commits) > keep:
+            fut, slabs, digests = self._commits.pop(0)
+            if fut is not None:
+                fut.result()
+            for st, d in digests:
+                st.digest = dg.combine([st.digest, d.result()])
+            self._slabs.recycle(slabs)
+        if self.drop_behind:
+            self._drop_written_pages()
+
+    def _drop_written_pages(self) -> None:
+        """Drop the page cache of data files whose commit landed (TensorStore fsync'd them).
+
+        The checkpoint is not read back by this process, so its pages only crowd out other cached
+        data; freeing them lets the next batch's writes reuse those pages, which on VMs that return
+        freed guest memory to the host is several times cheaper than touching fresh memory.
+        No commit is in flight here, so every file listed is complete.
+        """
+        d = os.path.join(specs.writer_db_dir(self.tmp_dir, self.writer_id), "d")
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name in self._dropped:
+                continue
+            if not self._commits:  # nothing in flight: every file is complete, never touch it again
+                self._dropped.add(name)
+            try:
+                fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
     def _check_owner(self, ap: ArrayPlan, box: Box, where: str) -> None:
         own = ap.ownership
         sl = own.chunks_touching(box)
