@@ -239,12 +239,31 @@ _STORE_TO_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float1
 
 
 def _flush_no_wait(writer: CheckpointWriter) -> Callable[[], None] | None:
-    """`writer.flush(wait=False)` (commit in the background, at most one commit outstanding), if offered."""
+    """`writer.flush(wait=False)` when it guarantees that every earlier batch has committed on return.
+
+    That holds for a writer that keeps at most one commit outstanding (`commit_depth` 1, the
+    store's default); the donated staging pipeline relies on it to refill its buffers. Otherwise
+    None: staging then uses copying writes.
+    """
     try:
         params = inspect.signature(writer.flush).parameters
     except (TypeError, ValueError):
         return None
-    return (lambda: writer.flush(wait=False)) if "wait" in params else None
+    if "wait" not in params or getattr(writer, "commit_depth", 1) != 1:
+        return None
+    return lambda: writer.flush(wait=False)
+
+
+def writer_batch_bytes(inflight_bytes: int) -> int:
+    """Bytes per writer transaction (and per staging buffer) for an export budget.
+
+    A quarter of the budget: the writer holds the batch being filled plus the one committing, and
+    GPU staging three buffers of one batch each, so host memory stays near 1.25x the budget.
+
+    >>> writer_batch_bytes(256 << 20) >> 20
+    64
+    """
+    return max(1, int(inflight_bytes) // 4)
 
 
 def _plan(summaries: Sequence[dict], run: LiveRun, world: int, target_chunk_bytes: int, compression: str | None,
@@ -275,7 +294,8 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     """Write this run's full training state to the logical checkpoint `dst` (collective call).
 
     Every rank of `run.group` calls it with the same `dst` and its own `params`. `inflight_bytes`
-    bounds host memory for staging and for each writer's pending TensorStore transaction.
+    bounds host memory (about 1.25x): writer transactions of a quarter of it (one filling, one
+    committing) and, for CUDA tensors, three pinned staging buffers of one transaction each.
     `inner_chunk_bytes` sizes the zarr3 inner (read) chunks: small enough that a reader at another
     TP / GTP split reads little beyond its boxes. `digest=False` skips the per-array integrity digests (faster; `gtp-bridge verify` can then only
     check structure). `on_stage(name)` is called after "planned", "exchanged", "written".
@@ -343,7 +363,8 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     bytes_sent = send.numel()
     dtypes = {a.name: _STORE_TO_TORCH[a.dtype] for a in plan.catalog}
     local_items = [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t)) for t in plan.sends(rank, rank)]
-    writer = CheckpointWriter(tmp, wplan, rank, inflight_bytes=inflight_bytes, compute_digest=digest)
+    batch = writer_batch_bytes(inflight_bytes)
+    writer = CheckpointWriter(tmp, wplan, rank, inflight_bytes=batch, compute_digest=digest)
     calls = [0]
 
     def write_copy(n, b, a):
@@ -365,7 +386,7 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
         def write_all(items: list[WriteItem]) -> None:
             nonlocal peak
             items = sorted(items, key=lambda it: (order[it.name], it.box.start))  # a chunk's pieces together
-            peak = max(peak, stage_and_write(items, write_copy, inflight_bytes, bar.update,
+            peak = max(peak, stage_and_write(items, write_copy, 3 * batch, bar.update,
                                              write_cpu=write_donated, flush=flush, stage_cpu=_STAGE_ALL))
 
         on_host = not _STAGE_ALL and not any(it.data.is_cuda for it in local_items)
