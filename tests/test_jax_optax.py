@@ -231,3 +231,63 @@ def test_template_shardings_place_the_moments(ckpt, mesh):
     assert leaves_by_path(w.mu)[p].sharding == leaves_by_path(r.params)[p].sharding
     assert not leaves_by_path(r.params)[p].sharding.is_fully_replicated
     assert np.array_equal(bits(leaves_by_path(w.nu)[p]), bits(arrays[("opt_state", "0", "nu") + p]))
+
+
+def test_clip_grad_is_megatrons_and_opt_in(ckpt, mesh):
+    """optimizer_from_manifest(clip_grad=True) clips with Megatron's formula at the recorded threshold,
+    restores into its (EmptyState, adamw state) template, and refuses when nothing is recorded."""
+    d, arrays = ckpt
+    m = tiny_manifest(STEP)
+    with pytest.raises(BridgeError, match="no clip_grad"):
+        optimizer_from_manifest(m, clip_grad=True)
+    m.optimizer.clip_grad = 0.05
+    tx = optimizer_from_manifest(m, clip_grad=True)
+    r = restore(d, mesh=mesh, optimizer=jax.eval_shape(tx.init, _abstract_params()))
+    assert int(r.opt_state[1][0].count) == STEP
+    rng = np.random.default_rng(0)
+    g = {p: (rng.standard_normal(a.shape) * 0.01).astype(np.float32) for p, a in tiny_params(0).items()}
+    norm = np.sqrt(sum(np.sum(np.square(a, dtype=np.float64)) for a in g.values()))
+    assert norm > 0.05
+    coeff = 0.05 / (norm + 1e-6)  # megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32
+    grads = nested_from_paths({p: jnp.asarray(a) for p, a in g.items()})
+    # on one device: the global norm is a reduction, and XLA's CPU collectives over 8 virtual devices
+    # can stall on a loaded 2-core machine
+    local = lambda t: jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), t)  # noqa: E731
+    params, state = local(r.params), local(r.opt_state)
+    upd, _ = jax.jit(tx.update)(grads, state, params)
+    new = leaves_by_path(optax.apply_updates(params, upd))
+    no_decay = {tuple(k.split("/")) for k in m.optimizer.no_decay}
+    for p in tiny_params(0):
+        ref = _numpy_adamw_step(arrays[("params",) + p].astype(np.float64), g[p] * coeff,
+                                arrays[("opt_state", "0", "mu") + p].astype(np.float64),
+                                arrays[("opt_state", "0", "nu") + p].astype(np.float64), STEP,
+                                3e-3, 0.9, 0.95, 1e-8, 0.0 if p in no_decay else 0.1)
+        np.testing.assert_allclose(np.asarray(new[p]), ref, rtol=2e-6, atol=1e-7, err_msg=path_str(p))
+    # below the threshold nothing is scaled; an explicit float overrides the record
+    from bridge.jaxside.manifest_view import megatron_clip_by_global_norm
+
+    small = jax.tree.map(lambda x: x * 1e-3, grads)
+
+    out, _ = megatron_clip_by_global_norm(0.05).update(small, optax.EmptyState())
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(small)))
+    out, _ = megatron_clip_by_global_norm(1e-4).update(small, optax.EmptyState())
+    scale = 1e-4 / (norm * 1e-3 + 1e-6)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(small)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b) * scale, rtol=1e-5)
+    assert optimizer_from_manifest(m, clip_grad=False).init(_abstract_params()) is not None
+
+
+def test_fused_parameter_keys_cover_their_sections(mesh):
+    """The live adapter lists no-decay params by fused key (`.../linear_qkv/bias`), the converter by section
+    (`.../linear_qkv/bias/query`): both mean the same parameters (found on real Megatron live data)."""
+    from bridge.jaxside.manifest_view import decay_mask
+
+    m = tiny_manifest(STEP)
+    fused = [k for k in m.fused if k.endswith("linear_fc1/weight")]
+    assert fused
+    by_section = decay_mask(m)(nested_from_paths(tiny_params(0)))
+    m.optimizer.no_decay = [k for k in m.optimizer.no_decay if not k.startswith(fused[0] + "/")] + fused
+    by_key = leaves_by_path(decay_mask(m)(nested_from_paths(tiny_params(0))))
+    for p, decayed in leaves_by_path(by_section).items():
+        want = False if "/".join(p).startswith(fused[0] + "/") else decayed
+        assert by_key[p] == want, p

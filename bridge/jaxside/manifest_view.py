@@ -173,7 +173,8 @@ def megatron_clip_by_global_norm(max_norm: float):
 
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         del params
-        coeff = jnp.float32(max_norm) / (optax.global_norm(updates).astype(jnp.float32) + jnp.float32(1e-6))
+        norm = optax.tree.norm(updates) if hasattr(optax, "tree") else optax.global_norm(updates)
+        coeff = jnp.float32(max_norm) / (norm.astype(jnp.float32) + jnp.float32(1e-6))
         scaled = jax.tree.map(lambda g: jnp.where(coeff < 1.0, g * coeff.astype(g.dtype), g), updates)
         return scaled, state
 
