@@ -304,9 +304,11 @@ def check_grads(live: LiveStep) -> dict[str, Any]:
 
 def sign_noise(before: Adam, grads: dict[Path, np.ndarray], p: Path) -> np.ndarray:
     """Elements whose update is decided by rounding noise: no Adam history yet (mu = nu = 0, so the
-    update is lr * sign(g) * const) and a gradient below bf16 resolution of the array's RMS."""
-    rms = np.sqrt(np.mean(np.square(grads[p], dtype=np.float64)))
-    return (before.mu[p] == 0) & (before.nu[p] == 0) & (np.abs(grads[p]) <= BF16_RESOLUTION * rms)
+    update is lr * sign(g) * const) and a nonzero gradient below bf16 resolution of the array's RMS.
+    (Exactly zero gradients, e.g. embedding rows of tokens not in the batch, are deterministic: kept.)"""
+    g = grads[p]
+    rms = np.sqrt(np.mean(np.square(g, dtype=np.float64)))
+    return (before.mu[p] == 0) & (before.nu[p] == 0) & (g != 0) & (np.abs(g) <= BF16_RESOLUTION * rms)
 
 
 def update_errors(new: Adam, before: Adam, after: Adam, grads: dict[Path, np.ndarray]) -> dict[str, float]:
@@ -330,7 +332,7 @@ def check_full_step(live: LiveStep, activations: str = "bf16") -> dict[str, floa
     grads = read_section(live.grads, ("params",))
     noise = sum(int(sign_noise(before, grads, p).sum()) for p in grads)
     total = sum(a.size for a in grads.values())
-    assert noise <= 0.01 * total, (noise, total)
+    assert noise <= 1e-3 * total, (noise, total)
     _, g = jax_loss_and_grads(s, activations, live.tp)
     err = update_errors(optax_step(s, g), before, after, grads)
     worst = max(err, key=err.get)
