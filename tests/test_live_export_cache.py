@@ -76,3 +76,30 @@ def test_plan_cache_reuses_plans_writes_new_values_and_replans_on_layout_change(
                 got = ck.read(roots[root] + megatron_key_to_path(name)).astype(np.float32)
                 assert np.array_equal(got.view(np.uint32), arr.view(np.uint32)), f"export {tag}: {root}/{name}"
         assert int(ck.read(("step",))) == STEP
+
+
+def test_plan_cache_and_export_doctests():
+    import doctest
+
+    import bridge.live.export as ex
+    import bridge.live.plan as pl
+
+    for mod in (ex, pl):
+        res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+        assert res.attempted > 0 and res.failed == 0, (mod.__name__, res)
+
+
+def test_plan_key_separates_options_and_rank_order():
+    from bridge.live.plan import PlanCache, plan_key
+
+    base = plan_key(["x", "y"], world=2, chunk=64, compression=None, inner=1024, optim=True)
+    variants = [plan_key(["y", "x"], world=2, chunk=64, compression=None, inner=1024, optim=True),
+                plan_key(["x", "y"], world=2, chunk=128, compression=None, inner=1024, optim=True),
+                plan_key(["x", "y"], world=2, chunk=64, compression="zstd", inner=1024, optim=True),
+                plan_key(["x", "y"], world=2, chunk=64, compression=None, inner=None, optim=True),
+                plan_key(["x", "y"], world=2, chunk=64, compression=None, inner=1024, optim=False)]
+    assert base not in variants and len(set(variants)) == len(variants)
+    cache = PlanCache(size=1)
+    cache.put(base, "plan")
+    cache.put(variants[0], "other")
+    assert cache.get(base) is None and cache.get(variants[0]) == "other"
