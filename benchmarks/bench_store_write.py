@@ -9,9 +9,16 @@ Variants (all fsync'd, no compression, same N GiB of fp32 in `--arrays` arrays):
   orbax  Orbax from JAX, 1 process, arrays sharded over 2 CPU devices (zarr3, OCDBT, no compression)
   dcp    torch.distributed.checkpoint.save from 2 gloo ranks, each holding its half as a DTensor shard
   diagnostics (--variants): store_nocrc (no crc32c per inner chunk), store_outer (inner chunk = outer
-         chunk), store_nodigest (no digests), store_lean (none of the three)
-Reps are interleaved (variant order rotates); medians are reported as GB/s (1e9 B/s) and as ratios.
-Peak RSS is each writer's ru_maxrss; "overhead" subtracts the RSS it had after creating its data.
+         chunk), store_nodigest (no digests), store_lean (none of the three), store_nostage (TensorStore
+         copies inner chunks itself), store_nodrop (no drop-behind), store_old (both, 256 MiB batches),
+         store_if<N>[d<D>] (N MiB batches, D commits in flight)
+Reps are interleaved (variant order rotates); every worker idles --settle seconds after set-up;
+medians are reported as GB/s (1e9 B/s) and as ratios. Peak RSS is each writer's ru_maxrss;
+"overhead" subtracts the RSS it had after creating its data. The last line, "SUMMARY {json}", has
+the medians and the ratios store / anchor for scripts.
+
+Needs only numpy, tensorstore, orbax-checkpoint + jax (orbax variant), torch (dcp variant); the
+repository root is put on sys.path, so it runs from a checkout without installing the project.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ import sys
 import time
 
 import numpy as np
+
+# Run from a checkout without installing: spawned workers inherit sys.path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 COLS = 4096
 
@@ -58,6 +68,17 @@ def _cur_rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
 
 
+def _settle(extra) -> None:
+    """Idle after set-up, before the timed region (same for every variant).
+
+    Set-up may free memory (the orbax variant drops its numpy sources after device_put); on VMs
+    whose freed guest memory is handed back to the host (virtio-balloon free page reporting, a
+    few seconds), the next writes into those pages are several times cheaper than into fresh
+    ones. Waiting here gives every variant the same, settled start.
+    """
+    time.sleep(extra.get("settle", 0.0))
+
+
 # -- variants: each runs in a spawned process and returns (t_start, t_end, peak_rss, base_rss) ------
 def store_worker(rank, world, shapes, out_dir, barrier, q, extra):
     import tensorstore  # noqa: F401 (imported at start-up in any real program, as in raw_ts)
@@ -72,10 +93,11 @@ def store_worker(rank, world, shapes, out_dir, barrier, q, extra):
                            **diag.get("plan", {}))
     data = [_half(s, rank, i) for i, s in enumerate(shapes)]
     base = _cur_rss_mib()
+    _settle(extra)
     barrier.wait()
     t0 = time.time()
     c0 = _cpu_s()
-    opts = {k: v for k, v in extra.items() if k not in ("donate", "diag")}
+    opts = {k: v for k, v in extra.items() if k not in ("donate", "diag", "settle")}
     opts.update(diag.get("writer", {}))
     w = CheckpointWriter(tmp_dir_for(out_dir), plan, rank, **opts)
     for i, s in enumerate(shapes):
@@ -98,6 +120,7 @@ def raw_ts_worker(rank, world, shapes, out_dir, barrier, q, extra):
     data = [_half(s, rank, i) for i, s in enumerate(shapes)]
     base = _cur_rss_mib()
     ctx = ts.Context({"file_io_concurrency": {"limit": 64}})
+    _settle(extra)
     barrier.wait()
     t0 = time.time()
     c0 = _cpu_s()
@@ -127,6 +150,7 @@ def dcp_worker(rank, world, shapes, out_dir, barrier, q, extra):
     sd = {f"params.a{i}": DTensor.from_local(torch.from_numpy(d), mesh, [Shard(0)], run_check=False)
           for i, d in enumerate(data)}
     base = _cur_rss_mib()
+    _settle(extra)
     barrier.wait()
     t0 = time.time()
     c0 = _cpu_s()
@@ -153,6 +177,7 @@ def orbax_worker(rank, world, shapes, out_dir, barrier, q, extra):
         del halves
     base = _cur_rss_mib()
     ck = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True, use_compression=False))
+    _settle(extra)
     barrier.wait()
     t0 = time.time()
     c0 = _cpu_s()
@@ -185,11 +210,7 @@ def run_variant(name, shapes, workdir, rep, store_extra, settle=0.0):
     out = os.path.join(workdir, f"{name}_{rep}")
     for p in (out, out + ".orbax-checkpoint-tmp"):
         shutil.rmtree(p, ignore_errors=True)
-    # Same starting state for every variant: the previous variant's files are gone and written
-    # back, and (on VMs that hand freed guest memory back to the host) its freed page cache has
-    # been returned, so no variant writes into pages another one just warmed.
-    os.sync()
-    time.sleep(settle)
+    os.sync()  # the previous variant's files are gone and written back
     if name == "raw_ts":
         os.makedirs(out)
     if name.startswith("store"):
@@ -197,6 +218,7 @@ def run_variant(name, shapes, workdir, rep, store_extra, settle=0.0):
 
         begin_checkpoint(out)
     extra = dict(store_extra) if name.startswith("store") else {}
+    extra["settle"] = settle
     if name in STORE_DIAGNOSTICS:
         extra["diag"] = STORE_DIAGNOSTICS[name]
     if name == "dcp":
@@ -245,8 +267,8 @@ def main(argv=None) -> int:
     ap.add_argument("--inflight-mib", type=int, default=None, help="store writer in-flight budget")
     ap.add_argument("--no-digest", action="store_true", help="store without digests (diagnostic only)")
     ap.add_argument("--copy", action="store_true", help="store copies data (write(donate=False))")
-    ap.add_argument("--settle", type=float, default=3.0,
-                    help="seconds to idle before each variant after removing the previous output (default 3)")
+    ap.add_argument("--settle", type=float, default=5.0,
+                    help="seconds every worker idles between its set-up and the timed region (default 5)")
     ap.add_argument("--json", help="also write results here")
     args = ap.parse_args(argv)
     shapes = _shapes(args.gib, args.arrays)
@@ -280,9 +302,14 @@ def main(argv=None) -> int:
         print(f"| {v} | {med[v]:.2f} | {', '.join(format(r['gbps'], '.2f') for r in rs)} | {ratio:.2f} | "
               f"{statistics.median(r['cpu_s'] for r in rs):.2f} | "
               f"{max(r['peak_rss_mib'] for r in rs):.0f} | {max(r['rss_overhead_mib'] for r in rs):.0f} |")
+    summary = {"gib": round(gib, 3), "reps": args.reps, "cpus": os.cpu_count(),
+               "median_gbps": {v: round(g, 3) for v, g in med.items()}}
+    if "store" in med:
+        summary["store_over"] = {v: round(med["store"] / g, 3) for v, g in med.items() if v != "store"}
+    print("SUMMARY " + json.dumps(summary, sort_keys=True))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"median_gbps": med, "runs": runs}, f, indent=1)
+            json.dump({"median_gbps": med, "runs": runs, "summary": summary}, f, indent=1)
     return 0
 
 

@@ -93,8 +93,8 @@ def _pieces(box: Box, parts: int):
             for a, b in zip(cuts[:-1], cuts[1:])]
 
 
-@pytest.mark.parametrize("donate", [False, True])
-def test_staged_writes_store_exact_bytes_across_many_batches(tmp_path, donate):
+@pytest.mark.parametrize("donate,threads", [(False, 1), (True, 1), (False, 3)])
+def test_staged_writes_store_exact_bytes_across_many_batches(tmp_path, donate, threads):
     plan = _plan()
     ref = _reference()
     inner = {ap.spec.path: ap.inner_chunk_shape for ap in plan.arrays.values()}
@@ -104,7 +104,7 @@ def test_staged_writes_store_exact_bytes_across_many_batches(tmp_path, donate):
     tmp = begin_checkpoint(dst)
     for w in range(plan.num_writers):
         # Tiny budget + two commits in flight: slabs are recycled while other batches still commit.
-        writer = CheckpointWriter(tmp, plan, w, inflight_bytes=1 << 20, commit_depth=2)
+        writer = CheckpointWriter(tmp, plan, w, inflight_bytes=1 << 20, commit_depth=2, threads=threads)
         for ap in plan.arrays.values():
             for owned in ap.ownership.boxes_owned_by(w):
                 for box in _pieces(owned, 3):

@@ -93,7 +93,7 @@ class CheckpointWriter:
     """Writes the chunks `writer_id` owns into ``<tmp_dir>/ocdbt.process_<writer_id>/``."""
 
     def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int = 64 << 20,
-                 compute_digest: bool = True, digest_threads: int | None = None, staging: bool = True,
+                 compute_digest: bool = True, threads: int | None = None, staging: bool = True,
                  drop_behind: bool = True, commit_depth: int = 1) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
@@ -114,8 +114,9 @@ class CheckpointWriter:
         self._open: dict[str, object] = {}   # the same, bound to the current transaction
         self._txn = None
         self._digester: ThreadPoolExecutor | None = None
-        self.digest_threads = max(1, int(digest_threads if digest_threads is not None
-                                         else min(4, (os.cpu_count() or 2) // 4)))
+        # Threads for digests and for staging copies (each); TensorStore has its own pool.
+        self.threads = max(1, int(threads if threads is not None else min(4, (os.cpu_count() or 2) // 4)))
+        self._copier: ThreadPoolExecutor | None = None
         self.staging = staging
         self.commit_depth = max(1, int(commit_depth))
         self.drop_behind = drop_behind and hasattr(os, "posix_fadvise")
@@ -215,9 +216,10 @@ class CheckpointWriter:
             if ap.meta_writer == self.writer_id and ap.spec.name not in self._created:
                 self._store(ap)
         self.flush()
-        if self._digester is not None:
-            self._digester.shutdown()
-            self._digester = None
+        for pool in (self._digester, self._copier):
+            if pool is not None:
+                pool.shutdown()
+        self._digester = self._copier = None
         self._slabs = SlabPool(keep_bytes=0)   # the writer is done: let its staging memory go
         report = {
             "writer": self.writer_id,
@@ -253,19 +255,35 @@ class CheckpointWriter:
                 fut.copy.result()
             self._futures.append(fut)
             return None
-        staged = []
-        for cell in grid_cells(box, inner):
-            buf = self._slabs.take(cell.shape, data.dtype)
-            np.copyto(buf, data[cell.relative_to(box).slices])
-            self._futures.append(store[cell.slices].write(buf, can_reference_source_data_indefinitely=True))
-            staged.append((cell, buf))
+        staged = [(cell, self._slabs.take(cell.shape, data.dtype)) for cell in grid_cells(box, inner)]
+
+        def copy_and_write(part: Sequence[tuple[Box, np.ndarray]]) -> list:
+            out = []
+            for cell, buf in part:
+                np.copyto(buf, data[cell.relative_to(box).slices])   # releases the GIL
+                out.append(store[cell.slices].write(buf, can_reference_source_data_indefinitely=True))
+            return out
+
+        n = min(self.threads, len(staged))
+        if n <= 1:
+            self._futures.extend(copy_and_write(staged))
+        else:  # copies in parallel, all done before write() returns (the caller may then reuse data)
+            parts = [staged[i::n] for i in range(n)]
+            for f in [self._pool().submit(copy_and_write, part) for part in parts]:
+                self._futures.extend(f.result())
         self.bytes_staged += data.nbytes
         return staged
 
     def _digest_pool(self) -> ThreadPoolExecutor:
         if self._digester is None:
-            self._digester = ThreadPoolExecutor(self.digest_threads, thread_name_prefix=f"digest-w{self.writer_id}")
+            self._digester = ThreadPoolExecutor(self.threads, thread_name_prefix=f"digest-w{self.writer_id}")
         return self._digester
+
+    def _pool(self) -> ThreadPoolExecutor:
+        """Threads for staging copies (separate from the digests, which may queue up behind them)."""
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(self.threads, thread_name_prefix=f"stage-w{self.writer_id}")
+        return self._copier
 
     def _await_commits(self, keep: int = 0) -> None:
         """Wait until at most `keep` commits are outstanding; their staging slabs are then reused."""
