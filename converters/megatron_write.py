@@ -484,7 +484,9 @@ def _param_groups(man: Manifest, step: int) -> list[dict]:
     for g in flat:
         g = {k: (tuple(v) if k == "betas" and isinstance(v, list) else v) for k, v in g.items()
              if k not in ("params", "num_params", "optimizer")}
-        g["step"] = float(step)
+        # An int: TransformerEngine's FusedAdam passes the group step to its kernel, which refuses a
+        # float (seen with TE 2.20 after loading a float step); torch Adam's load path takes either.
+        g["step"] = int(step)
         out.append(g)
     return out
 

@@ -88,6 +88,20 @@ def test_same_layout_reproduces_megatrons_own_save(run, fmt, target, logical, tm
     cs = ours.common_state()
     assert cs["iteration"] == 3 and cs["args"].tensor_model_parallel_size == target.tp
     assert cs["content_metadata"]["distrib_optim_sharding_type"] == target.fmt
+    # TE's FusedAdam kernel refuses a float group step after a load (found on the GPU): write ints.
+    holders = [cs.get("optimizer")] + [ours.read_object(n) for n in ours.object_names() if n.endswith(".optimizer")]
+    steps = [g["step"] for g in _param_groups(holders)]
+    assert steps and all(type(s) is int and s == 3 for s in steps), steps
+
+
+def _param_groups(x) -> list:
+    """Every optimizer param-group dict in a (possibly chained / nested) optimizer common state."""
+    if isinstance(x, dict):
+        found = [g for g in x.get("param_groups", []) if isinstance(g, dict)]
+        return found + [g for k, v in x.items() if k != "param_groups" for g in _param_groups(v)]
+    if isinstance(x, (list, tuple)):
+        return [g for v in x for g in _param_groups(v)]
+    return []
 
 
 def test_bad_target_layouts_fail_cleanly(logical, tmp_path, capsys):
