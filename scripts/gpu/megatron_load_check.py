@@ -62,6 +62,14 @@ def prepare(a: argparse.Namespace, world: int) -> str:
     return out
 
 
+def record(results: list, rank: int, item: tuple) -> None:
+    """Keep a (name, ok, message) check and print it at once on rank 0 (a later crash loses nothing)."""
+    results.append(item)
+    if rank == 0:
+        name, ok, msg = item
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {msg}", flush=True)
+
+
 def log(rank: int, msg: str) -> None:
     print(f"[rank {rank}] {msg}", flush=True)
 
@@ -151,16 +159,16 @@ def main() -> int:
     try:
         log(rank, "dist_checkpointing.load")
         loaded = tinygpt.megatron_load(gpt, optimizer, ckpt, a.format)
-        results.append(("load", True, f"{ckpt} at TP={a.tp} GTP={a.gtp} EP={a.ep} world {world}"))
+        record(results, rank, ("load", True, f"{ckpt} at TP={a.tp} GTP={a.gtp} EP={a.ep} world {world}"))
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
-        results.append(("load", False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+        record(results, rank, ("load", False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
         loaded = None
     log(rank, "loaded")
 
     if loaded is not None:
         it = loaded.get("iteration")
-        results.append(("iteration", it == src_steps, f"iteration {it}"))
+        record(results, rank, ("iteration", it == src_steps, f"iteration {it}"))
         bad = 0
         for opt in tinygpt.optimizer_list(optimizer):
             for p in opt.model_param_gbuf_map:
@@ -170,7 +178,7 @@ def main() -> int:
                 bad += int((master.to(live.dtype) != live).sum().item())
         t = torch.tensor([bad], device="cuda")
         dist.all_reduce(t)
-        results.append(("masters", int(t.item()) == 0, f"{int(t.item())} elements where bf16(master) != weight"))
+        record(results, rank, ("masters", int(t.item()) == 0, f"{int(t.item())} elements where bf16(master) != weight"))
         # Baseline: Megatron's own load of the source run's fully_reshardable save at this layout.
         own_dir = os.path.join(a.source, "fully_reshardable")
         own = None
@@ -179,19 +187,17 @@ def main() -> int:
             model_b, gpt_b, optimizer_b, _ = tinygpt.build(run)
             tinygpt.megatron_load(gpt_b, optimizer_b, own_dir, "fully_reshardable")
             diff = state_differences(optimizer, optimizer_b) + weight_differences(gpt, gpt_b)
-            results.append(("same as Megatron's own load", diff == 0,
+            record(results, rank, ("same as Megatron's own load", diff == 0,
                             f"{diff} elements of weights / masters / moments differ from loading {own_dir}"))
             own = [tinygpt.train_step(model_b, optimizer_b, s) for s in (3, 4)]
         want = src_run.get("next_losses", [])
         got = [tinygpt.train_step(model, optimizer, s) for s in (3, 4)]
         ok = len(want) == 2 and all(abs(g - w) <= a.rtol * abs(w) for g, w in zip(got, want))
-        results.append(("next loss", ok, f"steps 3, 4: got {got}, source run {want} (rtol {a.rtol})"))
+        record(results, rank, ("next loss", ok, f"steps 3, 4: got {got}, source run {want} (rtol {a.rtol})"))
         if own is not None:
-            results.append(("next loss == own load", got == own, f"steps 3, 4: ours {got}, Megatron's own load {own}"))
+            record(results, rank, ("next loss == own load", got == own, f"steps 3, 4: ours {got}, Megatron's own load {own}"))
 
     if rank == 0:
-        for name, ok, msg in results:
-            print(f"{'PASS' if ok else 'FAIL'} {name}: {msg}", flush=True)
         print("PASS all" if all(ok for _, ok, _ in results) else "FAIL some checks", flush=True)
     dist.barrier()
     return 0 if all(ok for _, ok, _ in results) else 1
