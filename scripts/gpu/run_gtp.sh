@@ -15,8 +15,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD:/tmp/site
 R="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
 run() { local name=$1 t=$2; shift 2; local t0=$(date +%s)
-  timeout "$t" "$@" > "/tmp/gtplogs/$name.log" 2>&1; echo "=== $name rc=$? $(( $(date +%s) - t0 ))s"
-  grep -E "PASS|FAIL|Error|^\[rank 0\]" "/tmp/gtplogs/$name.log" | tail -14; }
+  timeout "$t" "$@" > "$logs/$name.log" 2>&1; echo "=== $name rc=$? $(( $(date +%s) - t0 ))s"
+  grep -E "PASS|FAIL|Error|^\[rank 0\]" "$logs/$name.log" | tail -14; }
+# Logs straight into $OUT in LOAD_CHECKS_ONLY mode (at most 8 files come back; a timeout keeps them).
+logs=/tmp/gtplogs; [ "${LOAD_CHECKS_ONLY:-0}" = 1 ] && logs=$out
 rm -rf /tmp/gtplogs /tmp/mrt /tmp/lc; mkdir -p /tmp/gtplogs /tmp/lc
 # 1. Live round trip with a real GTP=2 run (TP2 source, GTP2 load, DP2 load of the GTP2 export);
 #    LOAD_CHECKS_ONLY=1: only train the TP2 source the load checks below start from.
@@ -29,13 +31,13 @@ fi
 # 2. to-megatron output of the TP2 run's save (made in this environment) loaded by Megatron-Core at
 #    DP2 and GTP2; the DP2 loads are compared with Megatron's own load of the run's fully_reshardable save.
 G="python3 -m bridge.cli"
-$G convert /tmp/mrt/tp2/dp_reshardable /tmp/lc/logical > /tmp/gtplogs/lc_convert.log 2>&1 || echo "convert FAILED"
+$G convert /tmp/mrt/tp2/dp_reshardable /tmp/lc/logical > $logs/lc_convert.log 2>&1 || echo "convert FAILED"
 L=scripts/gpu/megatron_load_check.py
 for f in fully_reshardable dp_reshardable; do
-  $G to-megatron /tmp/lc/logical /tmp/lc/dp2_$f --tp 1 --dp 2 --format $f >> /tmp/gtplogs/lc_convert.log 2>&1 || echo "to-megatron dp2 $f FAILED"
+  $G to-megatron /tmp/lc/logical /tmp/lc/dp2_$f --tp 1 --dp 2 --format $f >> $logs/lc_convert.log 2>&1 || echo "to-megatron dp2 $f FAILED"
   run load_check_dp2_$f 50 $R $L --source /tmp/mrt/tp2 --tp 1 --format $f --megatron-ckpt /tmp/lc/dp2_$f --hang-report 40
-  $G to-megatron /tmp/lc/logical /tmp/lc/gtp2_$f --tp 1 --gtp 2 --dp 1 --format $f >> /tmp/gtplogs/lc_convert.log 2>&1 || echo "to-megatron gtp2 $f FAILED"
+  $G to-megatron /tmp/lc/logical /tmp/lc/gtp2_$f --tp 1 --gtp 2 --dp 1 --format $f >> $logs/lc_convert.log 2>&1 || echo "to-megatron gtp2 $f FAILED"
   run load_check_gtp2_$f 50 $R $L --source /tmp/mrt/tp2 --tp 1 --gtp 2 --format $f --megatron-ckpt /tmp/lc/gtp2_$f --hang-report 40
 done
-(cd /tmp/mrt && tar cf "$out/gtp_results.tar" *.log */result.json from_gtp2/*/result.json) 2>/dev/null
-(cd /tmp/gtplogs && tar cf "$out/gtp_logs.tar" *.log)
+[ "$logs" = "$out" ] || (cd /tmp/mrt && tar cf "$out/gtp_results.tar" *.log */result.json from_gtp2/*/result.json) 2>/dev/null
+[ "$logs" = "$out" ] || (cd /tmp/gtplogs && tar cf "$out/gtp_logs.tar" *.log)
