@@ -14,7 +14,8 @@ DistOpt fragments of its buffer) and, interleaved over `--reps` repetitions (ord
                  the same write plan + `finalize` (export minus everything live: shows our overhead);
   dcp            `torch.distributed.checkpoint.save` of the same tensors (weight shards keyed by
                  shard coordinates, so DP replicas are saved once as the export writes them once;
-                 optimizer fragments keyed by rank), fsync'd by DCP;
+                 optimizer fragments keyed by rank), fsync'd by DCP, with DCP's own plan cache
+                 (`DefaultSavePlanner(enable_plan_caching=True)`) as the export reuses its plan;
   raw_ts         each rank writes exactly as many bytes as its export wrote, as one zarr3 uint8
                  array (file kvstore, 4 MiB chunks, from host memory), then fsyncs: pure write speed.
 After one untimed warm-up round. Reported: median wall seconds (slowest rank, between barriers),
@@ -329,7 +330,7 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
             elif name == "store":
                 t, m, _ = _timed(lambda: store_write(path), device)
             elif name == "dcp":
-                t, m, _ = _timed(lambda: dcp.save(dcp_sd, checkpoint_id=path), device)
+                t, m, _ = _timed(lambda: dcp.save(dcp_sd, checkpoint_id=path, planner=_dcp_planner()), device)
             else:
                 n = written if written else state_bytes
                 data, spec = _raw_write(path, n, rank)
@@ -393,6 +394,16 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
             json.dump(summary, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _dcp_planner():
+    """DCP's default planner with its own plan cache where torch has one (the export reuses its plan too)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    try:
+        return DefaultSavePlanner(enable_plan_caching=True)
+    except TypeError:  # older torch: no plan caching
+        return DefaultSavePlanner()
 
 
 def _dcp_bytes(sd: dict, root: str, rank: int) -> int:
