@@ -1,8 +1,9 @@
 """The JAX side's training step from a logical checkpoint of a real Megatron-Core run reproduces Megatron's step.
 
-Data (issue #7), from the coordinator's GPU run of megatron-core 0.19.2 (`scripts/gpu/megatron_roundtrip.py`),
-under tests/fixtures/megatron_live/<run>/ (or that directory itself), one run per directory holding:
-- `live` (or `reexport` for a run loaded at another layout): the live-exported state at step 3, before the step;
+Data (issue #7), from the coordinator's GPU run of megatron-core 0.19.2 (`scripts/gpu/megatron_roundtrip.py`,
+tests/fixtures/megatron_live/README.md), one run per directory under tests/fixtures/megatron_live/:
+- `live`: the live-exported state at step 3, before the step (a run loaded from another run's `live` -- `load_tp2`
+  -- starts from that one, which its `result.json` records as bit-identical to its own re-export);
 - `live_grads`: the same tree with the fp32 masters replaced by Megatron's fp32 main grads of step 3 after
   clipping (exactly what Adam consumed); its moments / weights are those after the step;
 - `live_after`: the state after step 3;
@@ -10,13 +11,16 @@ under tests/fixtures/megatron_live/<run>/ (or that directory itself), one run pe
 
 Checks, each on every run found (skipped with the reason when the data is absent):
 1. `test_adam_step_matches_megatron`: restore `live` with bridge.jaxside (restore + optimizer_from_manifest),
-   one optax update with Megatron's recorded grads == live_after's masters / mu / nu / count to a few float32
-   ulp (betas, eps, weight decay and its no-decay mask, lr at that step, bias correction, step count).
-2. `test_jax_grads_match_megatron`: tests/jax_tinygpt.py forward + jax.grad on batch 3 from the restored state:
-   Megatron's loss (the part-A tolerance) and its pre-clip grads (recorded grads / clip factor): per-array
-   cosine > 0.99 and global norm within 1% of Megatron's recorded grad_norm.
+   one optax update with Megatron's recorded grads == live_after's masters / mu / nu / count within ADAM_ULP_TOL
+   float32 ulp (betas, eps, weight decay and its no-decay mask, lr at that step, bias correction, step count).
+2. `test_jax_grads_match_megatron`: tests/jax_tinygpt.py forward + jax.grad on batch 3 from the restored state
+   (bf16 emulation at the run's TP size, and float32): Megatron's loss (jax_tinygpt's BF16_RTOL / FP32_RTOL) and
+   its pre-clip grads (recorded grads / clip factor): per-array cosine > GRAD_COSINE and global norm within
+   GRAD_NORM_RTOL of Megatron's recorded grad_norm; the attention key bias, whose exact gradient is zero, must be
+   rounding noise (< ZERO_GRAD_RTOL of the global norm) on both sides.
 3. `test_full_jax_step_matches_megatron`: own grads -> Megatron's clip (optimizer_from_manifest(clip_grad=True))
-   -> adamw: the update (after - before) of every array within UPDATE_RTOL of Megatron's update.
+   -> adamw: the update (after - before) of every array within UPDATE_RTOL of Megatron's update, except the key
+   bias and elements whose update sign is rounding noise (`sign_noise`); an Adam count off by one must miss.
 
 Without GPU data the same checks run on synthetic "Megatron" data made from a committed fixture
 (`test_step_checks_on_synthetic_megatron_data`: converted dp2 as `live`, noisy grads, torch.optim.AdamW
@@ -42,7 +46,7 @@ from jax.sharding import Mesh
 
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.manifest_view import adam_hparams, as_manifest, optimizer_from_manifest, scheduler_of
-from bridge.jaxside.optax_state import extract_adam
+from bridge.jaxside.optax_state import classify, extract_adam
 from bridge.jaxside.restore import restore
 from bridge.store.reader import open_checkpoint
 from jax_tinygpt import (BF16_RTOL, FP32_RTOL, GPTDims, converted_fixture, fixture_run, loss_and_grads, mean_loss,
@@ -52,14 +56,15 @@ from test_jax_crossframework import MOMENT_ULP_TOL, _max_ulp, _torch_adamw
 LIVE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "megatron_live")
 STEP = 3                 # the step Megatron took from the exported state (tinygpt.batch(3))
 # (1) optax vs Megatron's torch AdamW (GPU) from the same grads: observed max 4.0 (dp2) / 4.5 (load_tp2) ulp of the
-# masters, 1.5 / 0 ulp of mu / nu; a wrong count misses by thousands of ulp (a missed no-decay mask: 16751).
+# masters, 1.5 / 0 ulp of mu / nu; a count off by one misses by ~1e6 ulp, a missed no-decay mask by 16751.
 ADAM_ULP_TOL = 8
 # (2) observed: min cosine > 0.9999 in both activation variants; global norm within 5e-5 (bf16) / 4e-4 (fp32).
 GRAD_COSINE = 0.999      # per-array cosine of JAX grads vs Megatron's pre-clip grads
 GRAD_NORM_RTOL = 2e-3    # global grad norm vs Megatron's recorded grad_norm
 ZERO_GRAD_RTOL = 1e-5    # ||g|| / global norm of an array whose exact gradient is zero (rounding noise only)
 # (3) observed per-array update error <= 7.9e-3 (bf16 emulation) / 9.9e-3 (fp32); Megatron's own DP2 and TP2
-# steps from the same state differ by up to 1.0e-2 from each other; an Adam count off by one: ~1e-1.
+# steps from the same state differ by up to 1.0e-2 from each other; an Adam count off by one: >= 7.2e-2 on
+# every array, lr +10%: ~1e-1.
 UPDATE_RTOL = 2e-2       # ||dJAX - dMegatron|| / ||dMegatron|| per array, d = after - before, on the elements below
 BF16_RESOLUTION = 2.0 ** -8  # grads below this fraction of their array's RMS are rounding noise in a bf16 backward
 MEGATRON_CLIP_EPS = 1e-6  # clip_grad_by_total_norm_fp32: coeff = clip / (norm + 1e-6)
@@ -227,6 +232,12 @@ def jax_loss_and_grads(s: JaxState, activations: str, tp: int = 1) -> tuple[floa
     return _GRADS[key]
 
 
+def _bump_count(opt_state: Any, by: int) -> Any:
+    """The optax state with every count (Adam's, the schedule's) shifted by `by`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, x: x + by if (classify(kp) is not None and classify(kp).kind == "count") else x, opt_state)
+
+
 def clip_coeff(norm: float, clip: float | None) -> float:
     """Megatron's clip factor (1 when it does not clip)."""
     if not clip:
@@ -342,6 +353,17 @@ def check_full_step(live: LiveStep, activations: str = "bf16") -> dict[str, floa
     return err
 
 
+def check_count_matters(live: LiveStep) -> None:
+    """(3) is sharp: the same JAX step with the Adam count off by one misses every array by > 2 x UPDATE_RTOL."""
+    s = restore_jax(live.before, clip=True)
+    before, after = read_adam(live.before), read_adam(live.after)
+    _, g = jax_loss_and_grads(s, "bf16", live.tp)
+    for by in (-1, 1):
+        bad = JaxState(s.tx, s.params, _bump_count(s.opt_state, by), s.model, s.manifest, s.path)
+        err = update_errors(optax_step(bad, g), before, after, read_section(live.grads, ("params",)))
+        assert min(err.values()) > 2 * UPDATE_RTOL, (by, min(err, key=err.get), min(err.values()))
+
+
 # ------------------------------------------------------------------ real Megatron data (GPU run)
 
 
@@ -359,6 +381,8 @@ def test_jax_grads_match_megatron(live):
 @pytest.mark.parametrize("activations", ["bf16", "fp32"])
 def test_full_jax_step_matches_megatron(live, activations):
     check_full_step(live, activations)
+    if activations == "bf16":
+        check_count_matters(live)
 
 
 # ------------------------------------------------------------------ without GPU data: committed fixtures
@@ -431,13 +455,6 @@ def make_synthetic_live(root: str, run: str = "dp2", clip: float = 0.5, noise: f
     with open(os.path.join(root, "result.json"), "w") as f:
         json.dump(result, f)
     return LiveStep(f"synthetic_{run}", live, grads_dir, after_dir, result)
-
-
-def _bump_count(opt_state: Any, by: int) -> Any:
-    from bridge.jaxside.optax_state import classify
-
-    return jax.tree_util.tree_map_with_path(
-        lambda kp, x: x + by if (classify(kp) is not None and classify(kp).kind == "count") else x, opt_state)
 
 
 @pytest.mark.skipif(not FIXTURE_RUNS, reason="Megatron fixtures not present")
