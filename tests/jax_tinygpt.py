@@ -200,7 +200,8 @@ def per_token_loss(w: Mapping, inputs: Any, labels: Any, dims: GPTDims, activati
         a = r(r(jax.nn.silu(gate)) * up)
         h = r(h + row_linear(a, *at(fc2, i)))
 
-    h = layer_norm(h, _get(w, ("decoder", "final_layernorm", "weight")), _get(w, ("decoder", "final_layernorm", "bias")))
+    final = ("decoder", "final_layernorm")
+    h = layer_norm(h, _get(w, final + ("weight",)), _get(w, final + ("bias",)))
     out = _get(w, ("output_layer", "weight"), word)  # share_embeddings_and_output_weights -> word embeddings
     logits = r(mm(h, out))
     return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
