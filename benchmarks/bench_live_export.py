@@ -326,7 +326,8 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
                     if name == "export":
                         cached.append(rep_.plan_cached)
                         extra = {"write_calls": rep_.write_calls, "staging_peak_bytes": rep_.staging_peak_bytes,
-                                 "bytes_sent": rep_.bytes_sent}
+                                 "bytes_sent": rep_.bytes_sent, "staged_bytes": rep_.staged_bytes,
+                                 "donated_staging": rep_.donated_staging}
             elif name == "store":
                 t, m, _ = _timed(lambda: store_write(path), device)
             elif name == "dcp":
@@ -370,8 +371,8 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
                          "peak_rss_growth_MiB": max(max(r["mem"][name]) for r in allr) / 2 ** 20}
 
         def split(key):  # per step: the slowest rank in each rep, then the median over reps
-            return {k: statistics.median(max(r[key][i][k] for r in allr) for i in range(args["reps"]))
-                    for k in TIMING_STEPS}
+            return {k: statistics.median(max(r[key][i].get(k, 0.0) for r in allr) for i in range(args["reps"]))
+                    for k in TIMING_STEPS + ("d2h_wait",)}
 
         out["export"]["steps_s"] = split("steps")
         out["export_replan"]["steps_s"] = split("steps_replan")
@@ -431,7 +432,8 @@ STEP_NOTES = {"holdings": "cut/refresh pieces (FP8 dequant)", "gather": "all-gat
               "plan": "global + write plan", "begin": "begin_checkpoint (collective)", "pack": "send buffer",
               "write_local": "local writes (overlap exchange)", "exchange_wait": "all_to_all wait",
               "write_recv": "writes (received / staged D2H)", "finish": "writer.finish (last commit)",
-              "barrier": "wait for slowest rank", "commit": "rank 0 merge + _METADATA + fsync + rename"}
+              "barrier": "wait for slowest rank", "commit": "rank 0 merge + _METADATA + fsync + rename",
+              "d2h_wait": "(inside writes) blocked on device->host copies"}
 
 
 def format_summary(s: dict, world: int, tp: int, gtp: int, backend: str) -> str:
@@ -453,7 +455,9 @@ def format_summary(s: dict, world: int, tp: int, gtp: int, backend: str) -> str:
         lines.append(f"  {k:14} {st[k]:7.3f} | {st2[k]:7.3f}   {STEP_NOTES.get(k, '')}")
     pr = s["per_rank"]
     lines.append(f"write calls per rank {[r.get('write_calls') for r in pr]}, staging buffers "
-                 f"{max(r.get('staging_peak_bytes', 0) for r in pr) / 2**20:.0f} MiB, bytes sent per rank "
+                 f"{max(r.get('staging_peak_bytes', 0) for r in pr) / 2**20:.0f} MiB "
+                 f"({'donated' if any(r.get('donated_staging') for r in pr) else 'copied'}; staged "
+                 f"{sum(r.get('staged_bytes', 0) for r in pr) / 2**20:.0f} MiB), bytes sent per rank "
                  f"{[r.get('bytes_sent') for r in pr]}")
     lines.append(f"export / dcp time: {s['export_over_dcp_time']:.2f} (target <= 1.0; replanned "
                  f"{s['export_replan_over_dcp_time']:.2f});  raw_ts / export time: {s['raw_over_export_time']:.2f} "

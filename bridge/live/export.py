@@ -68,10 +68,13 @@ class ExportReport:
     plan_cached: bool = False  # the plan of an earlier export with the same layout was reused
     timings: dict = field(default_factory=dict)  # seconds per step (see TIMING_STEPS), this rank
     write_calls: int = 0  # CheckpointWriter.write calls this rank made
+    staged_bytes: int = 0  # bytes copied device -> host through the staging buffers
+    donated_staging: bool = False  # staging buffers were donated to the writer (no copy in the writer)
 
 
 # Steps of `ExportReport.timings`, in order. plan_s = holdings..begin, exchange_s = pack + exchange_wait,
 # write_s = write_local..finish, commit_s = barrier + commit. write_local overlaps the exchange on CPU.
+# `timings["d2h_wait"]` (not a step: part of write_local / write_recv) = time blocked on device -> host copies.
 TIMING_STEPS = ("holdings", "gather", "plan", "begin", "pack", "write_local", "exchange_wait", "write_recv",
                 "finish", "barrier", "commit")
 
@@ -376,6 +379,7 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
         writer.write(n, b, a, donate=True)
 
     flush = _flush_no_wait(writer)
+    staged: dict = {}
     order = {a.name: i for i, a in enumerate(plan.catalog)}
     total = plan.written_bytes(rank)
     peak = 0
@@ -387,7 +391,8 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
             nonlocal peak
             items = sorted(items, key=lambda it: (order[it.name], it.box.start))  # a chunk's pieces together
             peak = max(peak, stage_and_write(items, write_copy, 3 * batch, bar.update,
-                                             write_cpu=write_donated, flush=flush, stage_cpu=_STAGE_ALL))
+                                             write_cpu=write_donated, flush=flush, stage_cpu=_STAGE_ALL,
+                                             stats=staged))
 
         on_host = not _STAGE_ALL and not any(it.data.is_cuda for it in local_items)
         if on_host:
@@ -424,5 +429,6 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
                         write_s=clock.total("write_local", "write_recv", "finish"),
                         commit_s=clock.total("barrier", "commit"), staging_peak_bytes=peak,
                         arrays=len(plan.catalog), sent_by_group=_sent_by_group(plan, run.layout, rank),
-                        plan_cached=hit, timings=dict(st),
-                        write_calls=calls[0])
+                        plan_cached=hit, timings={**st, "d2h_wait": staged.get("d2h_wait_s", 0.0)},
+                        write_calls=calls[0], staged_bytes=staged.get("staged_bytes", 0),
+                        donated_staging=flush is not None)

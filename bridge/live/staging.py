@@ -10,6 +10,7 @@ host memory for staging never exceeds the budget whatever the model size.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from math import prod
 from typing import Callable, Iterable, Iterator
@@ -60,7 +61,8 @@ def split_rows(item: WriteItem, max_elems: int) -> Iterator[WriteItem]:
 def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.ndarray], None],
                     budget_bytes: int, on_bytes: Callable[[int], None] | None = None,
                     write_cpu: Callable[[str, Box, np.ndarray], None] | None = None,
-                    flush: Callable[[], None] | None = None, stage_cpu: bool = False) -> int:
+                    flush: Callable[[], None] | None = None, stage_cpu: bool = False,
+                    stats: dict | None = None) -> int:
     """Feed every item to `write(name, box, ndarray)`; returns the peak staging bytes used.
 
     CPU items go to `write_cpu` when given: a writer that may keep referencing the numpy view
@@ -74,6 +76,7 @@ def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.nd
     writer's `flush(wait=False)`: at most one commit outstanding); one more `flush()` at the end
     leaves no staged buffer referenced when this returns. `stage_cpu=True` sends CPU items
     through the same buffers (tests of the staging pipeline on machines without a GPU).
+    `stats` (optional) accumulates "d2h_wait_s" (time blocked on copies) and "staged_bytes".
     """
     budget_bytes = max(3, int(budget_bytes))
     cpu: list[WriteItem] = []
@@ -86,9 +89,10 @@ def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.nd
             on_bytes(it.data.numel() * it.data.element_size())
     if not dev:
         return 0
+    stats = stats if stats is not None else {}
     if flush is not None and write_cpu is not None:
-        return _stage(dev, write_cpu, budget_bytes // 3, 3, on_bytes, flush)
-    return _stage(dev, write, budget_bytes // 2, 2, on_bytes, None)
+        return _stage(dev, write_cpu, budget_bytes // 3, 3, on_bytes, flush, stats)
+    return _stage(dev, write, budget_bytes // 2, 2, on_bytes, None, stats)
 
 
 ALIGN = 16  # bytes: every staged item starts aligned, whatever dtypes share a pinned buffer
@@ -161,7 +165,7 @@ class _Copier:
             ev.synchronize()
 
 
-def _stage(items: list[WriteItem], write, part: int, nbuf: int, on_bytes, flush) -> int:
+def _stage(items: list[WriteItem], write, part: int, nbuf: int, on_bytes, flush, stats: dict) -> int:
     """Copy batches of at most `part` bytes through `nbuf` reused host buffers into `write`.
 
     Without `flush`, `write` copies before returning, so a buffer is free again as soon as its
@@ -191,7 +195,9 @@ def _stage(items: list[WriteItem], write, part: int, nbuf: int, on_bytes, flush)
     for k in range(len(batches)):
         if flush is None and n > 1:
             launch(k + 1)  # into the buffer of batch k+1-n <= k-1, already written (the writer copied it)
+        t0 = time.perf_counter()
         copier.wait(pending.pop(k))
+        stats["d2h_wait_s"] = stats.get("d2h_wait_s", 0.0) + time.perf_counter() - t0
         buf = bufs[k % n]
         off = 0
         for p in batches[k]:
@@ -199,6 +205,7 @@ def _stage(items: list[WriteItem], write, part: int, nbuf: int, on_bytes, flush)
             arr = buf[off:off + nb].numpy().view(numpy_dtype_of(p.data.dtype)).reshape(p.box.shape)
             write(p.name, p.box, arr)
             off += _slot(p)
+            stats["staged_bytes"] = stats.get("staged_bytes", 0) + nb
             if on_bytes:
                 on_bytes(nb)
         if flush is not None:
