@@ -104,7 +104,8 @@ def test_staged_writes_store_exact_bytes_across_many_batches(tmp_path, donate, t
     tmp = begin_checkpoint(dst)
     for w in range(plan.num_writers):
         # Tiny budget + two commits in flight: slabs are recycled while other batches still commit.
-        writer = CheckpointWriter(tmp, plan, w, inflight_bytes=1 << 20, commit_depth=2, threads=threads)
+        writer = CheckpointWriter(tmp, plan, w, inflight_bytes=1 << 20, commit_depth=2, threads=threads,
+                                  staging=True)
         for ap in plan.arrays.values():
             for owned in ap.ownership.boxes_owned_by(w):
                 for box in _pieces(owned, 3):

@@ -1,12 +1,14 @@
 """Staging of writes into inner-chunk-contiguous host buffers that are reused across batches.
 
-Why: an inner chunk (e.g. 512x512 of a 4096-column block) is not contiguous in the caller's
-row-major data, so it must be copied once before it is encoded. Left to TensorStore, that copy
-goes into a fresh allocation per inner chunk and the whole batch's worth of fresh pages is
-faulted in again for every batch (the dominant write cost on small VMs, ~1 page fault per 4 KiB).
-Here the copy goes into slabs that are recycled once the batch that referenced them committed,
-and TensorStore references each staged inner chunk without copying it again
-(``can_reference_source_data_indefinitely``).
+An inner chunk (e.g. 512x512 of a 4096-column block) is not contiguous in the caller's row-major
+data, so it is copied once before it is encoded. TensorStore copies it into a fresh allocation per
+inner chunk (~1 page fault per 4 KiB written); with ``CheckpointWriter(staging=True)`` the writer
+copies it instead into slabs recycled once the batch that referenced them committed, and
+TensorStore references each staged cell without copying it again
+(``can_reference_source_data_indefinitely``). Opt-in: with 64 MiB batches and drop-behind the
+faults of TensorStore's own copies turned out cheap on the 2-core VM, where staging measured
+0.88x (more CPU in the calling thread); `benchmarks/bench_store_write.py --variants store,store_stage`
+compares the two on other hosts.
 
 `grid_cells` is pure index math; `SlabPool` holds memory only (no I/O).
 """

@@ -93,7 +93,7 @@ class CheckpointWriter:
     """Writes the chunks `writer_id` owns into ``<tmp_dir>/ocdbt.process_<writer_id>/``."""
 
     def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int = 64 << 20,
-                 compute_digest: bool = True, threads: int | None = None, staging: bool = True,
+                 compute_digest: bool = True, threads: int | None = None, staging: bool = False,
                  drop_behind: bool = True, commit_depth: int = 1) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
@@ -240,10 +240,10 @@ class CheckpointWriter:
     def _issue(self, store, ap: ArrayPlan, box: Box, data: np.ndarray, donate: bool) -> list | None:
         """Issue TensorStore writes for one box; returns the staged [(cell box, buffer)] or None.
 
-        Inner chunks that are contiguous in donated data are referenced as they are (no copy).
-        Otherwise, when the box spans inner chunks of useful size, each inner-chunk cell is copied
-        into a reused staging slab and written from there (TensorStore references it), instead of
-        TensorStore copying it into fresh memory. Small or odd boxes are handed to TensorStore as is.
+        Donated data is referenced where TensorStore can (inner chunks contiguous in it), else
+        TensorStore copies it; non-donated data is copied before this returns. With `staging`,
+        a box spanning inner chunks of useful size is instead copied cell by cell into reused
+        slabs that TensorStore references (see bridge/store/staging.py).
         """
         inner = ap.inner_chunk_shape
         ncell = num_grid_cells(box, inner) if box.ndim else 1
