@@ -106,6 +106,11 @@ def test_manifest_records_source_and_hyperparameters(converted):
     fc1 = "decoder/layers/mlp/experts/experts/linear_fc1/weight" if run == "moe_ep1" else "decoder/layers/mlp/linear_fc1/weight"
     assert [s[0] for s in m.fused[fc1]["sections"]] == ["gate", "up"]
     assert len(m.optimizer.groups) == 2 and {g["wd_mult"] for g in m.optimizer.groups} == {0.0, 1.0}
+    # clip_grad: what the run's saved args say (tinygpt.build trains with clip_grad=1.0)
+    from converters.dcp_reader import DcpCheckpoint
+
+    args = DcpCheckpoint(os.path.join(cref.FIXTURES, run, "dp_reshardable")).common_state()["args"]
+    assert args.clip_grad == 1.0 and m.optimizer.clip_grad == args.clip_grad
 
 
 # --- synthetic multi-rank saves (real gloo ranks + dcp.save), built independently -----------------
