@@ -241,7 +241,7 @@ def _store_only(run, params, args: dict, rank: int):
     live part (holdings, plan, exchange, staging).
     """
     from bridge.live.exchange import all_gather_json
-    from bridge.live.export import COUNT_PATH, STEP_PATH, _plan, _summary
+    from bridge.live.export import COUNT_PATH, STEP_PATH, _plan, _summary, writer_batch_bytes
     from bridge.store.commit import begin_checkpoint, finalize
     from bridge.store.manifest import Manifest
     from bridge.store.specs import numpy_dtype
@@ -261,7 +261,8 @@ def _store_only(run, params, args: dict, rank: int):
 
     def write(path: str) -> None:
         tmp = begin_checkpoint(path)
-        w = CheckpointWriter(tmp, planned.wplan, rank, inflight_bytes=args["inflight"], compute_digest=True)
+        w = CheckpointWriter(tmp, planned.wplan, rank, inflight_bytes=writer_batch_bytes(args["inflight"]),
+                             compute_digest=True)
         for name, box, arr in data:
             w.write(name, box, arr, donate=True)
         if rank == 0:
@@ -327,7 +328,7 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
                         cached.append(rep_.plan_cached)
                         extra = {"write_calls": rep_.write_calls, "staging_peak_bytes": rep_.staging_peak_bytes,
                                  "bytes_sent": rep_.bytes_sent, "staged_bytes": rep_.staged_bytes,
-                                 "donated_staging": rep_.donated_staging}
+                                 "donated_staging": rep_.donated_staging, "inner": rep_.inner_chunk_bytes}
             elif name == "store":
                 t, m, _ = _timed(lambda: store_write(path), device)
             elif name == "dcp":
@@ -454,6 +455,8 @@ def format_summary(s: dict, world: int, tp: int, gtp: int, backend: str) -> str:
     for k in st:
         lines.append(f"  {k:14} {st[k]:7.3f} | {st2[k]:7.3f}   {STEP_NOTES.get(k, '')}")
     pr = s["per_rank"]
+    inner = pr[0].get("inner")
+    lines.append(f"inner (read) chunks {s['args']['inner']} -> {'whole outer chunk' if inner is None else f'{inner >> 10} KiB'}")
     lines.append(f"write calls per rank {[r.get('write_calls') for r in pr]}, staging buffers "
                  f"{max(r.get('staging_peak_bytes', 0) for r in pr) / 2**20:.0f} MiB "
                  f"({'donated' if any(r.get('donated_staging') for r in pr) else 'copied'}; staged "
@@ -479,7 +482,8 @@ def format_summary(s: dict, world: int, tp: int, gtp: int, backend: str) -> str:
         "store_over_export": round(s["store_over_export_time"], 3),
         "export_replan_over_dcp": round(s["export_replan_over_dcp_time"], 3),
         "busbw_ratio": round(s["busbw"]["busbw_ratio"], 3) if s["busbw"] else None,
-        "peak_rss_MiB": round(ph["export"]["peak_rss_growth_MiB"], 1),
+        "peak_rss_MiB": round(ph["export"]["peak_rss_growth_MiB"], 1), "inner_KiB": (inner or 0) >> 10,
+        "reload_read_over_needed": round(r["bytes_read_from_storage"] / max(1, r["bytes_needed"]), 3),
         "steps_s": {k: round(v, 4) for k, v in st.items()}}, separators=(",", ":")))
     return "\n".join(lines)
 
@@ -495,7 +499,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--inflight", type=int, default=256 << 20, help="export in-flight budget, bytes")
     ap.add_argument("--chunk-mib", type=float, default=4, help="export target outer chunk size, MiB")
-    ap.add_argument("--inner-kib", type=float, default=256, help="export inner (read) chunk size, KiB")
+    ap.add_argument("--inner-kib", type=float, default=None,
+                    help="export inner (read) chunk size, KiB (default: the export's 'auto' choice)")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--busbw", action="store_true", help="also time the exchange vs all_gather_into_tensor")
     ap.add_argument("--phases", action="store_true", help="(always on) print the export's per-step split")
@@ -507,7 +512,7 @@ def main(argv=None) -> int:
     scratch = a.dir or tempfile.mkdtemp(prefix="bench_live_")
     os.makedirs(scratch, exist_ok=True)
     args = {"tp": a.tp, "gtp": a.gtp, "hidden": hidden_for(a.mib, a.layers), "layers": a.layers, "pad": a.pad,
-            "reps": a.reps, "inflight": a.inflight, "chunk": int(a.chunk_mib * 2 ** 20), "inner": int(a.inner_kib * 2 ** 10), "backend": a.backend, "busbw": a.busbw, "dir": scratch}
+            "reps": a.reps, "inflight": a.inflight, "chunk": int(a.chunk_mib * 2 ** 20), "inner": "auto" if a.inner_kib is None else int(a.inner_kib * 2 ** 10), "backend": a.backend, "busbw": a.busbw, "dir": scratch}
     out_json = a.json or os.path.join(scratch, "summary.json")
     init = f"file://{os.path.join(scratch, 'pg_init')}"
     mp.spawn(worker, args=(a.world, init, args, out_json), nprocs=a.world, join=True)
