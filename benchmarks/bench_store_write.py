@@ -12,8 +12,9 @@ Variants (all fsync'd, no compression, same N GiB of fp32 in `--arrays` arrays):
          chunk), store_nodigest (no digests), store_lean (none of the three), store_stage (the writer
          stages inner chunks in reused slabs instead of TensorStore copying them), store_nodrop (no drop-behind), store_old (both, 256 MiB batches),
          store_if<N>[d<D>] (N MiB batches, D commits in flight)
-Reps are interleaved (variant order rotates); every worker idles --settle seconds after set-up;
-medians are reported as GB/s (1e9 B/s) and as ratios. Peak RSS is each writer's ru_maxrss;
+Reps are interleaved (variant order rotates); every worker starts from the same free-memory state
+(--memory warm|cold, see _settle);
+medians are reported as GB/s (1e9 B/s) and as ratios. Peak RSS is each writer's VmHWM;
 "overhead" subtracts the RSS it had after creating its data. The last line, "SUMMARY {json}", has
 the medians and the ratios store / anchor for scripts.
 
@@ -60,6 +61,14 @@ def _cpu_s() -> float:
 
 
 def _rss_mib() -> float:
+    """Peak RSS since _settle reset it (VmHWM), else since start (ru_maxrss)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -69,13 +78,25 @@ def _cur_rss_mib() -> float:
 
 
 def _settle(extra) -> None:
-    """Idle after set-up, before the timed region (same for every variant).
+    """Bring free memory to the same state for every variant, after set-up, before timing.
 
-    Set-up may free memory (the orbax variant drops its numpy sources after device_put); on VMs
-    whose freed guest memory is handed back to the host (virtio-balloon free page reporting, a
-    few seconds), the next writes into those pages are several times cheaper than into fresh
-    ones. Waiting here gives every variant the same, settled start.
+    On VMs that hand freed guest memory back to the host (virtio-balloon free page reporting;
+    measured here: freed pages stay cheap for >10 s, are expensive again by ~20 s), writing into
+    recently freed pages costs several times less than into fresh ones, and which variant gets
+    which depends on what ran or was freed just before (the orbax variant frees its numpy sources
+    after device_put; a previous variant's exit frees GiBs). Two neutral states:
+    --memory warm: each worker touches and frees `warm_bytes` (about its share of the output) so
+    every variant writes into recycled pages (steady state of a long-running host);
+    --memory cold: each worker idles `settle` seconds so freed memory has been handed back.
     """
+    if extra.get("warm_bytes"):
+        buf = np.ones(int(extra["warm_bytes"]), dtype=np.uint8)
+        del buf
+        try:  # the touch above is not the variant's memory: reset the peak-RSS mark (Linux >= 4.0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
     time.sleep(extra.get("settle", 0.0))
 
 
@@ -97,7 +118,7 @@ def store_worker(rank, world, shapes, out_dir, barrier, q, extra):
     barrier.wait()
     t0 = time.time()
     c0 = _cpu_s()
-    opts = {k: v for k, v in extra.items() if k not in ("donate", "diag", "settle")}
+    opts = {k: v for k, v in extra.items() if k not in ("donate", "diag", "settle", "warm_bytes")}
     opts.update(diag.get("writer", {}))
     w = CheckpointWriter(tmp_dir_for(out_dir), plan, rank, **opts)
     for i, s in enumerate(shapes):
@@ -207,7 +228,7 @@ for _name in STORE_DIAGNOSTICS:
     VARIANTS[_name] = (store_worker, 2)
 
 
-def run_variant(name, shapes, workdir, rep, store_extra, settle=0.0):
+def run_variant(name, shapes, workdir, rep, store_extra, memory="warm", settle=25.0):
     fn, nproc = VARIANTS[name]
     out = os.path.join(workdir, f"{name}_{rep}")
     for p in (out, out + ".orbax-checkpoint-tmp"):
@@ -220,7 +241,11 @@ def run_variant(name, shapes, workdir, rep, store_extra, settle=0.0):
 
         begin_checkpoint(out)
     extra = dict(store_extra) if name.startswith("store") else {}
-    extra["settle"] = settle
+    nbytes = sum(int(np.prod(s)) * 4 for s in shapes)
+    if memory == "warm":
+        extra["warm_bytes"] = nbytes // nproc + (256 << 20)
+    else:
+        extra["settle"] = settle
     if name in STORE_DIAGNOSTICS:
         extra["diag"] = STORE_DIAGNOSTICS[name]
     if name == "dcp":
@@ -251,7 +276,6 @@ def run_variant(name, shapes, workdir, rep, store_extra, settle=0.0):
             raise RuntimeError(f"{name} worker exited with {p.exitcode}")
     t0 = min(r[1] for r in results)
     t1 = max(r[2] for r in results)
-    nbytes = sum(int(np.prod(s)) * 4 for s in shapes)
     shutil.rmtree(out, ignore_errors=True)
     return {"gbps": nbytes / (t1 - t0) / 1e9, "seconds": t1 - t0,
             "peak_rss_mib": max(r[3] for r in results),
@@ -269,8 +293,10 @@ def main(argv=None) -> int:
     ap.add_argument("--inflight-mib", type=int, default=None, help="store writer in-flight budget")
     ap.add_argument("--no-digest", action="store_true", help="store without digests (diagnostic only)")
     ap.add_argument("--copy", action="store_true", help="store copies data (write(donate=False))")
-    ap.add_argument("--settle", type=float, default=5.0,
-                    help="seconds every worker idles between its set-up and the timed region (default 5)")
+    ap.add_argument("--memory", choices=("warm", "cold"), default="warm",
+                    help="free-memory state every variant starts from (see _settle; default warm)")
+    ap.add_argument("--settle", type=float, default=25.0,
+                    help="--memory cold: seconds every worker idles after set-up (default 25)")
     ap.add_argument("--json", help="also write results here")
     args = ap.parse_args(argv)
     shapes = _shapes(args.gib, args.arrays)
@@ -287,7 +313,7 @@ def main(argv=None) -> int:
     for rep in range(args.reps):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
         for v in order:
-            r = run_variant(v, shapes, args.workdir, rep, store_extra, args.settle)
+            r = run_variant(v, shapes, args.workdir, rep, store_extra, args.memory, args.settle)
             runs[v].append(r)
             print(f"rep {rep} {v:7s} {r['gbps']:.2f} GB/s  {r['seconds']:.2f} s  CPU {r['cpu_s']:.2f} s  "
                   f"peak RSS {r['peak_rss_mib']:.0f} MiB",
@@ -295,7 +321,7 @@ def main(argv=None) -> int:
     med = {v: statistics.median(r["gbps"] for r in rs) for v, rs in runs.items()}
     gib = sum(int(np.prod(s)) * 4 for s in shapes) / (1 << 30)
     print(f"\n{gib:.2f} GiB fp32 in {len(shapes)} arrays, {args.reps} interleaved reps, median GB/s; "
-          f"{os.cpu_count()} CPUs")
+          f"{os.cpu_count()} CPUs; memory {args.memory}")
     print("| variant | GB/s (median) | runs | store / variant | writer CPU s (median) | peak RSS per writer (MiB) "
           "| RSS over data (MiB) |")
     print("|---|---|---|---|---|---|---|")
@@ -304,7 +330,7 @@ def main(argv=None) -> int:
         print(f"| {v} | {med[v]:.2f} | {', '.join(format(r['gbps'], '.2f') for r in rs)} | {ratio:.2f} | "
               f"{statistics.median(r['cpu_s'] for r in rs):.2f} | "
               f"{max(r['peak_rss_mib'] for r in rs):.0f} | {max(r['rss_overhead_mib'] for r in rs):.0f} |")
-    summary = {"gib": round(gib, 3), "reps": args.reps, "cpus": os.cpu_count(),
+    summary = {"gib": round(gib, 3), "reps": args.reps, "cpus": os.cpu_count(), "memory": args.memory,
                "median_gbps": {v: round(g, 3) for v, g in med.items()}}
     if "store" in med:
         summary["store_over"] = {v: round(med["store"] / g, 3) for v, g in med.items() if v != "store"}
