@@ -68,12 +68,17 @@ def main(argv=None) -> int:
                      "store_over_export": round(s["store_over_export_time"], 3),
                      "busbw_ratio": round(b["busbw_ratio"], 3),
                      "peak_rss_MiB": round(ph["export"]["peak_rss_growth_MiB"], 1),
+                     "inner_KiB": (s["per_rank"][0].get("inner") or 0) >> 10,
+                     "reload_read_over_needed": round(s["reload"]["bytes_read_from_storage"]
+                                                      / max(1, s["reload"]["bytes_needed"]), 3),
+                     "staged_MiB": round(sum(r.get("staged_bytes", 0) for r in s["per_rank"]) / 2 ** 20, 1),
+                     "donated_staging": any(r.get("donated_staging") for r in s["per_rank"]),
                      "steps_s": {k: round(v, 4) for k, v in ph["export"]["steps_s"].items()}})
-    print("\nlayout     export  replan   store     dcp     raw  exp/dcp raw/exp store/exp busbw  RSS+MiB")
+    print("\nlayout     export  replan   store     dcp     raw  exp/dcp raw/exp store/exp busbw  RSS+MiB inner read/need")
     for r in rows:
         print(f"{r['layout']:9} {r['export']:7.3f} {r['export_replan']:7.3f} {r['store']:7.3f} {r['dcp']:7.3f} "
               f"{r['raw_ts']:7.3f} {r['export_over_dcp']:7.2f} {r['raw_over_export']:7.2f} {r['store_over_export']:9.2f} "
-              f"{r['busbw_ratio']:5.2f} {r['peak_rss_MiB']:8.0f}")
+              f"{r['busbw_ratio']:5.2f} {r['peak_rss_MiB']:8.0f} {r['inner_KiB']:4d}K {r['reload_read_over_needed']:9.2f}")
     for r in rows:
         print(f"{r['layout']} export steps (s): " + ", ".join(f"{k} {v:.3f}" for k, v in r["steps_s"].items()))
     print("LIVE_BENCH " + json.dumps(rows, separators=(",", ":")), flush=True)
