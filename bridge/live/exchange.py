@@ -82,17 +82,28 @@ def collective_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_json(obj: Any, group: Any = None, device: torch.device | None = None) -> list[Any]:
-    """Every rank's JSON-serialisable `obj`, in group-rank order (two small collectives).
+def all_gather_json(obj: Any, group: Any = None, device: torch.device | None = None,
+                    inline_bytes: int = 1024) -> list[Any]:
+    """Every rank's JSON-serialisable `obj`, in group-rank order.
 
-    JSON, not pickle: the payload is plan metadata and must never execute code on a peer.
+    One all-gather of fixed `inline_bytes + 8`-byte slots (length header + payload) when every
+    rank's JSON fits, else a second all-gather sized to the largest (every rank learns that from
+    the headers, so all ranks take the same path). JSON, not pickle: the payload is plan metadata
+    and must never execute code on a peer.
     """
     device = device or collective_device(group)
     data = json.dumps(obj, separators=(",", ":")).encode()
-    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = all_gather_flat(n, group).tolist()
-    buf = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-    if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    allb = all_gather_flat(buf, group).cpu().numpy().reshape(len(sizes), -1)
-    return [json.loads(allb[r, : sizes[r]].tobytes().decode()) for r in range(len(sizes))]
+    slot = torch.zeros(8 + inline_bytes, dtype=torch.uint8)
+    slot[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if len(data) <= inline_bytes and data:
+        slot[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    first = all_gather_flat(slot.to(device), group).cpu().reshape(-1, 8 + inline_bytes)
+    sizes = first[:, :8].contiguous().view(torch.int64).reshape(-1).tolist()
+    if max(sizes) <= inline_bytes:
+        rows = first[:, 8:].numpy()
+    else:
+        buf = torch.zeros(max(sizes), dtype=torch.uint8)
+        if data:
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        rows = all_gather_flat(buf.to(device), group).cpu().numpy().reshape(len(sizes), -1)
+    return [json.loads(rows[r, : sizes[r]].tobytes().decode()) for r in range(len(sizes))]

@@ -105,6 +105,7 @@ class _Planned:
     fused: dict
     pads: list
     inner_chunk_bytes: int | None = None  # what "auto" chose (or what was passed)
+    moved: bool = True  # some rank sends bytes to another (else the exchange is skipped)
 
 
 @dataclass
@@ -235,6 +236,13 @@ def _sent_by_group(plan: ExportPlan, layout, rank: int) -> dict:
     return out
 
 
+class _NoWork:
+    """Stands in for the exchange's work handle when no bytes move."""
+
+    def wait(self) -> None:
+        return None
+
+
 # Tests only: send CPU pieces through the staging buffers and one pass after the exchange, as CUDA
 # pieces go on a GPU machine (exercises that path on gloo).
 _STAGE_ALL = False
@@ -293,7 +301,7 @@ def _plan(summaries: Sequence[dict], run: LiveRun, world: int, target_chunk_byte
     for s in summaries:
         fused.update(s["fused"])
     pads = sorted({p for s in summaries for p in s["pads"]})
-    return _Planned(plan, wplan, fused, pads, inner_chunk_bytes)
+    return _Planned(plan, wplan, fused, pads, inner_chunk_bytes, plan.moved_bytes() > 0)
 
 
 def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflight_bytes: int = 256 << 20,
@@ -371,7 +379,10 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     send = _send_buffer(plan, holdings, rank, device)
     clock.mark("pack")
     with _collective("the exchange", rank, dst):
-        recv, work = start_all_to_all_bytes(send, plan.send_splits(rank), plan.recv_splits(rank), group)
+        if planned.moved:
+            recv, work = start_all_to_all_bytes(send, plan.send_splits(rank), plan.recv_splits(rank), group)
+        else:  # every owner holds all it writes (same on every rank): no collective
+            recv, work = send, _NoWork()
     bytes_sent = send.numel()
     dtypes = {a.name: _STORE_TO_TORCH[a.dtype] for a in plan.catalog}
     local_items = [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t)) for t in plan.sends(rank, rank)]
