@@ -39,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
@@ -72,11 +73,17 @@ def model_geometries(hidden: int, layers: int, pad: int):
     return out
 
 
+def _region_seed(i: int, pieces) -> int:
+    """Seed from the logical region a tensor holds: replicas (DP, or a replicated param's TP / GTP
+    copies) hold the same region and get the same values, as in a real run."""
+    return zlib.crc32(repr((i, [(p.array, p.logical) for p in pieces])).encode())
+
+
 def build_state(layout, rank: int, hidden: int, layers: int, pad: int, device):
     """This rank's LocalParams: random bf16 shards, fp32 fragments of a Megatron-style buffer.
 
-    Weights are seeded by their shard coordinates, so DP replicas hold identical shards (as in a
-    real run); optimizer fragments by rank.
+    Values are seeded by the logical region each tensor holds, so every replica of a region (DP
+    copies, TP / GTP copies of replicated params, optimizer fragments of those) is identical.
     """
     from bridge.layout.distopt import BufferParam, buffer_layout, owned_ranges
     from bridge.live.api import LocalParam, OptimFragment
@@ -86,27 +93,27 @@ def build_state(layout, rank: int, hidden: int, layers: int, pad: int, device):
     shapes = [g.physical_shape(*g.sizes(layout)) for g in geoms]
     blay = buffer_layout([BufferParam(n, int(np.prod(s))) for n, s in zip(names, shapes)], None, layout.distopt_size)
     ranges = {o.name: o.param for o in owned_ranges(blay, layout.distopt_rank(rank))}
-    gen = torch.Generator().manual_seed(1234 + rank)
     params = []
     for i, (g, n, s) in enumerate(zip(geoms, names, shapes)):
-        _, _, t, gg = g.placement(layout, rank)
-        wgen = torch.Generator().manual_seed(10_000 * i + 100 * t + gg)
+        tp, gtp, t, gg = g.placement(layout, rank)
+        wgen = torch.Generator().manual_seed(_region_seed(i, g.shard_pieces(tp, gtp, t, gg)))
         w = torch.randn(s, generator=wgen).to(torch.bfloat16).to(device)
         frag = None
         if n in ranges:
             f0, f1 = ranges[n]
+            gen = torch.Generator().manual_seed(_region_seed(i, g.fragment_pieces(tp, gtp, t, gg, f0, f1)))
             frag = OptimFragment(f0, f1, *(torch.randn(f1 - f0, generator=gen).to(device) for _ in range(3)))
         params.append(LocalParam(g.name, g, w, frag, index=g.index))
     return params
 
 
 def dcp_state_dict(params, layout, rank: int) -> dict:
-    """The same tensors for torch DCP: weight shards keyed by shard coordinates (DP replicas share a
-    key, so DCP's planner saves one copy, as the export writes one), fragments keyed by rank."""
+    """The same tensors for torch DCP: weight shards keyed by the logical region they hold (replicas
+    share a key, so DCP's planner saves one copy, as the export writes one), fragments by rank."""
     sd = {}
     for i, p in enumerate(params):
-        _, _, t, g = p.geometry.placement(layout, rank)
-        sd[f"w{i}.t{t}.g{g}"] = p.weight
+        tp, gtp, t, g = p.geometry.placement(layout, rank)
+        sd[f"w{i}.{_region_seed(i, p.geometry.shard_pieces(tp, gtp, t, g)):08x}"] = p.weight
         if p.optim is not None:
             for k, v in p.optim.tensors().items():
                 sd[f"r{rank}.{i}.{k}"] = v
@@ -229,8 +236,37 @@ def _reload_figures(path: str, run, params, args: dict, device) -> dict:
 
     b0 = read_bytes()
     t, _, res = _timed(lambda: reload_state(path, LiveRun(target, rank, 0), tgt), device)
-    return {"layout": f"TP{target.tp}xGTP{target.gtp}xDP{target.dp}", "s": t, "needed": res.bytes_read,
-            "read": read_bytes() - b0}
+    out = {"layout": f"TP{target.tp}xGTP{target.gtp}xDP{target.dp}", "s": t, "needed": res.bytes_read,
+           "read": read_bytes() - b0}
+    if args.get("verify"):
+        out["mismatches"], out["checked_bytes"] = _verify(path, run, params)
+    return out
+
+
+def _verify(path: str, run, params) -> tuple[list[str], int]:
+    """Read back every piece this rank holds from the exported checkpoint and compare the bytes.
+
+    The reference is the rank's own tensors (copied to the host), the read path the store reader
+    (plain TensorStore): a wrong exchange, staging or write shows as a mismatch naming the array.
+    """
+    from bridge.live.export import _summary
+    from bridge.live.holdings import tree_name
+    from bridge.store.reader import open_checkpoint
+    from bridge.store.tree import name_to_path
+    from bridge.torch_numpy import to_numpy
+
+    holdings, _ = _summary(params, run, dist.get_rank())
+    ck = open_checkpoint(path)
+    bad, n = [], 0
+    for h in holdings:
+        host = to_numpy(h.data.cpu())
+        for p in h.pieces:
+            want = host[p.local_start:p.local_start + p.logical.size].reshape(p.logical.shape)
+            got = ck.read(name_to_path(tree_name(h.root, p.array)), p.logical)
+            n += want.nbytes
+            if got.shape != want.shape or got.tobytes() != want.tobytes():
+                bad.append(f"{h.root}/{p.array} {p.logical}")
+    return bad[:5], n
 
 
 def _store_only(run, params, args: dict, rank: int):
@@ -388,6 +424,9 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
                    "raw_over_export_time": out["raw_ts"]["median_s"] / out["export"]["median_s"],
                    "store_over_export_time": out["store"]["median_s"] / out["export"]["median_s"],
                    "export_GBps": total_written / out["export"]["median_s"] / 1e9, "busbw": busbw,
+                   "verify": None if not args.get("verify") else {
+                       "checked_bytes": sum(r["reload"]["checked_bytes"] for r in allr),
+                       "mismatches": [m for r in allr for m in r["reload"]["mismatches"]]},
                    "reload": {"layout": allr[0]["reload"]["layout"],
                               "max_s": max(r["reload"]["s"] for r in allr),
                               "bytes_needed": sum(r["reload"]["needed"] for r in allr),
@@ -469,6 +508,10 @@ def format_summary(s: dict, world: int, tp: int, gtp: int, backend: str) -> str:
     r = s["reload"]
     lines.append(f"reload at {r['layout']}: {r['max_s']:.3f} s, storage bytes read / bytes needed "
                  f"{r['bytes_read_from_storage'] / max(1, r['bytes_needed']):.2f} (target <= 1.25)")
+    if s.get("verify"):
+        v = s["verify"]
+        lines.append(f"verify: {v['checked_bytes'] / 2**20:.1f} MiB of the ranks' pieces read back, "
+                     + ("all bytes equal" if not v["mismatches"] else f"MISMATCH {v['mismatches']}"))
     if s["busbw"]:
         b = s["busbw"]
         lines.append(f"exchange ({b['source']} splits) busbw {b['a2a_busbw_GBps']:.2f} GB/s vs all_gather_into_tensor "
@@ -483,6 +526,7 @@ def format_summary(s: dict, world: int, tp: int, gtp: int, backend: str) -> str:
         "export_replan_over_dcp": round(s["export_replan_over_dcp_time"], 3),
         "busbw_ratio": round(s["busbw"]["busbw_ratio"], 3) if s["busbw"] else None,
         "peak_rss_MiB": round(ph["export"]["peak_rss_growth_MiB"], 1), "inner_KiB": (inner or 0) >> 10,
+        "verified": None if not s.get("verify") else not s["verify"]["mismatches"],
         "reload_read_over_needed": round(r["bytes_read_from_storage"] / max(1, r["bytes_needed"]), 3),
         "steps_s": {k: round(v, 4) for k, v in st.items()}}, separators=(",", ":")))
     return "\n".join(lines)
@@ -504,6 +548,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--busbw", action="store_true", help="also time the exchange vs all_gather_into_tensor")
     ap.add_argument("--phases", action="store_true", help="(always on) print the export's per-step split")
+    ap.add_argument("--verify", action="store_true",
+                    help="read every piece each rank holds back from an exported checkpoint and compare bytes")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the summary JSON here")
     a = ap.parse_args(argv)
@@ -512,7 +558,8 @@ def main(argv=None) -> int:
     scratch = a.dir or tempfile.mkdtemp(prefix="bench_live_")
     os.makedirs(scratch, exist_ok=True)
     args = {"tp": a.tp, "gtp": a.gtp, "hidden": hidden_for(a.mib, a.layers), "layers": a.layers, "pad": a.pad,
-            "reps": a.reps, "inflight": a.inflight, "chunk": int(a.chunk_mib * 2 ** 20), "inner": "auto" if a.inner_kib is None else int(a.inner_kib * 2 ** 10), "backend": a.backend, "busbw": a.busbw, "dir": scratch}
+            "reps": a.reps, "inflight": a.inflight, "chunk": int(a.chunk_mib * 2 ** 20), "inner": "auto" if a.inner_kib is None else int(a.inner_kib * 2 ** 10), "backend": a.backend, "busbw": a.busbw, "dir": scratch,
+            "verify": a.verify}
     out_json = a.json or os.path.join(scratch, "summary.json")
     init = f"file://{os.path.join(scratch, 'pg_init')}"
     mp.spawn(worker, args=(a.world, init, args, out_json), nprocs=a.world, join=True)

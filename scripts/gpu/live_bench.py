@@ -11,7 +11,8 @@ state: export_state (plan reused, and replanned) vs the store alone on the same 
 torch.distributed.checkpoint.save vs a raw TensorStore write of as many bytes as the export wrote;
 then the export's all_to_all alone vs a plain all_gather_into_tensor with the same per-rank bytes)
 and prints one figure line per layout plus PASS/FAIL against the targets (export <= DCP time,
-raw/export >= 0.8, exchange busbw >= 0.7 x all-gather busbw), then a table, the export's per-step
+raw/export >= 0.8, exchange busbw >= 0.7 x all-gather busbw; every rank's pieces read back from an
+exported checkpoint bit-exactly, `--verify`), then a table, the export's per-step
 split, and one parseable line `LIVE_BENCH [json per layout]`.
 """
 
@@ -44,16 +45,19 @@ def main(argv=None) -> int:
     for tp, gtp in LAYOUTS[a.world]:
         out = tempfile.mktemp(suffix=".json")
         argv_b = ["--world", str(a.world), "--tp", str(tp), "--gtp", str(gtp), "--mib", str(a.mib), "--reps",
-                  str(a.reps), "--backend", a.backend, "--busbw", "--json", out]
+                  str(a.reps), "--backend", a.backend, "--busbw", "--verify", "--json", out]
         if a.dir:
             argv_b += ["--dir", os.path.join(a.dir, f"tp{tp}_gtp{gtp}")]
         bench.main(argv_b)
         s = json.load(open(out))
         b = s["busbw"]
         ph = s["phases"]
-        ok = s["export_over_dcp_time"] <= 1.0 and s["raw_over_export_time"] >= 0.8 and b["busbw_ratio"] >= 0.7
+        verified = not s["verify"]["mismatches"]  # every rank's pieces read back bit-exactly
+        ok = (verified and s["export_over_dcp_time"] <= 1.0 and s["raw_over_export_time"] >= 0.8
+              and b["busbw_ratio"] >= 0.7)
         failed += not ok
-        print(f"{'PASS' if ok else 'FAIL'} TP{tp}xGTP{gtp}: export/dcp time {s['export_over_dcp_time']:.2f}, "
+        print(f"{'PASS' if ok else 'FAIL'} TP{tp}xGTP{gtp}: "
+              f"{'read-back exact' if verified else 'READ-BACK MISMATCH ' + str(s['verify']['mismatches'])}, export/dcp time {s['export_over_dcp_time']:.2f}, "
               f"raw/export time {s['raw_over_export_time']:.2f}, store-only/export {s['store_over_export_time']:.2f}, "
               f"exchange ({b['source']} splits) busbw {b['a2a_busbw_GBps']:.1f} GB/s vs "
               f"all-gather {b['allgather_busbw_GBps']:.1f} GB/s (ratio {b['busbw_ratio']:.2f}), "
@@ -61,7 +65,7 @@ def main(argv=None) -> int:
               f"dcp {ph['dcp']['peak_rss_growth_MiB']:.0f} MiB; reload at {s['reload']['layout']} "
               f"{s['reload']['max_s']:.2f} s, read/needed "
               f"{s['reload']['bytes_read_from_storage'] / max(1, s['reload']['bytes_needed']):.2f}", flush=True)
-        rows.append({"layout": f"TP{tp}xGTP{gtp}", "ok": ok,
+        rows.append({"layout": f"TP{tp}xGTP{gtp}", "ok": ok, "verified": verified,
                      **{k: round(ph[k]["median_s"], 4) for k in ("export", "export_replan", "store", "dcp", "raw_ts")},
                      "export_over_dcp": round(s["export_over_dcp_time"], 3),
                      "raw_over_export": round(s["raw_over_export_time"], 3),
