@@ -9,8 +9,8 @@ Variants (all fsync'd, no compression, same N GiB of fp32 in `--arrays` arrays):
   orbax  Orbax from JAX, 1 process, arrays sharded over 2 CPU devices (zarr3, OCDBT, no compression)
   dcp    torch.distributed.checkpoint.save from 2 gloo ranks, each holding its half as a DTensor shard
   diagnostics (--variants): store_nocrc (no crc32c per inner chunk), store_outer (inner chunk = outer
-         chunk), store_nodigest (no digests), store_lean (none of the three), store_stage (the writer
-         stages inner chunks in reused slabs instead of TensorStore copying them), store_nodrop (no drop-behind), store_old (both, 256 MiB batches),
+         chunk), store_nodigest (no digests), store_lean (none of the three), store_nostage (TensorStore
+         copies inner chunks itself instead of the writer staging them in reused slabs), store_nodrop (no drop-behind), store_old (both, 256 MiB batches),
          store_if<N>[d<D>] (N MiB batches, D commits in flight)
 Reps are interleaved (variant order rotates); every worker starts from the same free-memory state
 (--memory warm|cold, see _settle);
@@ -214,7 +214,7 @@ STORE_DIAGNOSTICS = {
     "store_outer": {"plan": {"inner_chunk_bytes": None}},
     "store_nodigest": {"writer": {"compute_digest": False}},
     "store_lean": {"plan": {"checksum": False, "inner_chunk_bytes": None}, "writer": {"compute_digest": False}},
-    "store_stage": {"writer": {"staging": True}},
+    "store_nostage": {"writer": {"staging": False}},
     "store_nodrop": {"writer": {"drop_behind": False}},
     "store_old": {"writer": {"staging": False, "drop_behind": False, "inflight_bytes": 256 << 20, "commit_depth": 1}},
     "store_if256": {"writer": {"inflight_bytes": 256 << 20, "commit_depth": 1}},
