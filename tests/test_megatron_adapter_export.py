@@ -94,3 +94,8 @@ def test_replayed_export_equals_reference_and_converter(name, tmp_path):
     assert set(other) == set(got)
     for n, v in other.items():
         assert v.dtype == got[n].dtype and v.tobytes() == got[n].tobytes(), n
+    # Both record the run's no-decay set the same way: logical array paths (fused sections split).
+    live_opt, conv_opt = open_checkpoint(dst).manifest.optimizer, open_checkpoint(conv).manifest.optimizer
+    assert live_opt.no_decay and sorted(live_opt.no_decay) == sorted(conv_opt.no_decay)
+    assert all(("params", *p.split("/")) in set(map(tuple, open_checkpoint(dst).paths())) for p in live_opt.no_decay)
+    assert live_opt.clip_grad is None  # the replayed LiveRun records none (the converter: the saved args')

@@ -151,6 +151,21 @@ def _local(params: Sequence[LocalParam], run: LiveRun, rank: int) -> tuple[list[
     return holdings, entry
 
 
+def _array_paths(key: str, fused: dict) -> list[str]:
+    """The logical arrays of parameter `key` as the manifest names them ("/"-joined, the same as
+    `convert` writes): one per section of a fused parameter, else the parameter's own path.
+
+    >>> _array_paths("decoder.layers.mlp.linear_fc1.bias", {"decoder/layers/mlp/linear_fc1/bias":
+    ...     {"sections": [["gate", 40], ["up", 40]]}})
+    ['decoder/layers/mlp/linear_fc1/bias/gate', 'decoder/layers/mlp/linear_fc1/bias/up']
+    >>> _array_paths("module.decoder.final_layernorm.weight", {})
+    ['decoder/final_layernorm/weight']
+    """
+    p = path_str(megatron_key_to_path(key))
+    spec = fused.get(p)
+    return [f"{p}/{name}" for name, _rows in spec["sections"]] if spec else [p]
+
+
 def _manifest(run: LiveRun, fused: dict, pads: list) -> Manifest:
     lay = run.layout
     src = SourceLayout(framework="torch-live", tp=lay.tp, gtp=lay.gtp, dp=lay.dp, ep=lay.ep, etp=lay.etp,
@@ -161,9 +176,9 @@ def _manifest(run: LiveRun, fused: dict, pads: list) -> Manifest:
         a = run.optimizer
         opt = OptimizerConfig(name="adamw", lr=float(a.lr), betas=tuple(float(b) for b in a.betas), eps=float(a.eps),
                               weight_decay=float(a.weight_decay), step=int(run.step),
-                              groups=[{"params": [path_str(megatron_key_to_path(k))], "lr_mult": float(v)}
+                              groups=[{"params": _array_paths(k, fused), "lr_mult": float(v)}
                                       for k, v in sorted(a.lr_mult.items())],
-                              no_decay=[path_str(megatron_key_to_path(k)) for k in a.no_decay],
+                              no_decay=[p for k in a.no_decay for p in _array_paths(k, fused)],
                               clip_grad=None if a.clip_grad is None else float(a.clip_grad))
     extra = dict(run.extra)
     if run.optimizer is not None and run.optimizer.extra:
