@@ -6,8 +6,12 @@ Usage (every writer w of W, after `begin_checkpoint(dst)` created the tmp dir)::
     w.write(("params", "w"), Box.of((0, 0), block.shape), block)   # only boxes inside owned chunks
     w.finish()                                                      # flush + report for the commit
 
-Writes are batched into TensorStore transactions of at most `inflight_bytes`, each committed as
-one OCDBT version, so host memory is bounded by that budget, not by the model size.
+Writes are batched into TensorStore transactions of about `inflight_bytes`, each committed as
+one OCDBT version while the next batch is staged, so host memory is bounded by that budget, not by
+the model size. Costs per byte that are kept down (bench_store_write): inner chunks not contiguous
+in the caller's data are copied once, into reused staging slabs (bridge/store/staging.py); digests
+run on side threads; the page cache of committed data files is dropped (drop-behind), so later
+batches write into recycled pages.
 """
 
 from __future__ import annotations
