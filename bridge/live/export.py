@@ -269,8 +269,8 @@ _STORE_TO_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float1
 def _flush_no_wait(writer: CheckpointWriter) -> Callable[[], None] | None:
     """`writer.flush(wait=False)` when it guarantees that every earlier batch has committed on return.
 
-    That holds for a writer that keeps at most one commit outstanding (`commit_depth` 1, the
-    store's default); the donated staging pipeline relies on it to refill its buffers. Otherwise
+    That holds for a writer that keeps at most one commit outstanding (`commit_depth` 1, as
+    `export_state` makes it); the donated staging pipeline relies on it to refill its buffers. Otherwise
     None: staging then uses copying writes.
     """
     try:
@@ -402,7 +402,8 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     dtypes = {a.name: _STORE_TO_TORCH[a.dtype] for a in plan.catalog}
     local_items = [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t)) for t in plan.sends(rank, rank)]
     batch = writer_batch_bytes(inflight_bytes)
-    writer = CheckpointWriter(tmp, wplan, rank, inflight_bytes=batch, compute_digest=digest)
+    # commit_depth 1: the donated staging pipeline refills a buffer once flush(wait=False) returns.
+    writer = CheckpointWriter(tmp, wplan, rank, inflight_bytes=batch, compute_digest=digest, commit_depth=1)
     calls = [0]
 
     def write_copy(n, b, a):

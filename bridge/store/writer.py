@@ -98,7 +98,7 @@ class CheckpointWriter:
 
     def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int = 64 << 20,
                  compute_digest: bool = True, threads: int | None = None, staging: bool = True,
-                 drop_behind: bool = True, commit_depth: int = 1) -> None:
+                 drop_behind: bool = True, commit_depth: int = 2) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
         if not os.path.isdir(tmp_dir):
