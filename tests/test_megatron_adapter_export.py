@@ -84,8 +84,6 @@ def test_replayed_export_equals_reference_and_converter(name, tmp_path):
         assert np.array_equal(g.astype(np.float32), v), n
     assert int(got["step"]) == run.info["steps"] and int(got["opt_state.0.count"]) == run.info["steps"]
 
-    if run.info["layout"].get("gtp", 1) > 1:
-        return  # the converter's dp_reshardable GTP path is checked in its own tests
     conv = str(tmp_path / "converted")
     res = subprocess.run([sys.executable, "-m", "bridge.cli", "convert", str(run.dir / "dp_reshardable"), conv],
                          capture_output=True, text=True, timeout=300)
