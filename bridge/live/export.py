@@ -402,8 +402,11 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     dtypes = {a.name: _STORE_TO_TORCH[a.dtype] for a in plan.catalog}
     local_items = [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t)) for t in plan.sends(rank, rank)]
     batch = writer_batch_bytes(inflight_bytes)
-    # commit_depth 1: the donated staging pipeline refills a buffer once flush(wait=False) returns.
-    writer = CheckpointWriter(tmp, wplan, rank, inflight_bytes=batch, compute_digest=digest, commit_depth=1)
+    # Device data goes through the donated staging pipeline, which refills a buffer once
+    # flush(wait=False) returns: one commit in flight. Host data is donated as is: two.
+    staging = _STAGE_ALL or recv.is_cuda or any(it.data.is_cuda for it in local_items)
+    writer = CheckpointWriter(tmp, wplan, rank, inflight_bytes=batch, compute_digest=digest,
+                              commit_depth=1 if staging else 2)
     calls = [0]
 
     def write_copy(n, b, a):
