@@ -26,6 +26,21 @@ RENAMES = [(".input_layernorm.", ".self_attention.linear_qkv.layer_norm_"),
            (".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_")]
 
 
+def bits(a: np.ndarray) -> np.ndarray:
+    """The raw bytes of `a` (bitwise comparison: NaN payloads, -0.0)."""
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def assert_same_checkpoint(a: str, b: str) -> None:
+    """Two logical checkpoints hold the same arrays, bit for bit."""
+    from bridge.store.reader import open_checkpoint
+
+    ca, cb = open_checkpoint(a), open_checkpoint(b)
+    assert set(ca.arrays()) == set(cb.arrays())
+    for p in ca.arrays():
+        assert np.array_equal(bits(ca.read(p)), bits(cb.read(p))), p
+
+
 def _np(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)

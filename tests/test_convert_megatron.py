@@ -24,10 +24,6 @@ LIBRARY_STYLE = {"tp1": Hints(kv_channels=6)}          # saved without args: the
 MULTI_BUCKET = {"tp1_buckets", "dp2_buckets"}           # 0.19.2 fully_reshardable defect applies
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).view(np.uint8)
-
-
 def assert_matches(dst: str, ref: dict, step: int) -> None:
     ck = open_checkpoint(dst)
     n = 0
@@ -35,18 +31,11 @@ def assert_matches(dst: str, ref: dict, step: int) -> None:
         for name, want in arrays.items():
             got = ck.read(role_path(role, name))
             assert got.dtype == want.dtype and got.shape == want.shape, (role, name, got.dtype, got.shape)
-            assert np.array_equal(_bits(got), _bits(want)), f"{role} {name} differs from the reference"
+            assert np.array_equal(cref.bits(got), cref.bits(want)), f"{role} {name} differs from the reference"
             n += 1
     assert n and int(ck.read(("step",))) == step and int(ck.read(("opt_state", "0", "count"))) == step
     # nothing beyond the reference + count + step
     assert len(ck.arrays()) == n + 2
-
-
-def assert_same_checkpoint(a: str, b: str) -> None:
-    ca, cb = open_checkpoint(a), open_checkpoint(b)
-    assert set(ca.arrays()) == set(cb.arrays())
-    for p in ca.arrays():
-        assert np.array_equal(_bits(ca.read(p)), _bits(cb.read(p))), p
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +62,7 @@ def test_fixture_converts_bit_exact_to_reference(run, converted):
 
 @pytest.mark.parametrize("run", [r for r in RUNS if r not in MULTI_BUCKET])
 def test_both_formats_convert_identically(run, converted):
-    assert_same_checkpoint(converted[(run, "dp_reshardable")], converted[(run, "fully_reshardable")])
+    cref.assert_same_checkpoint(converted[(run, "dp_reshardable")], converted[(run, "fully_reshardable")])
 
 
 @pytest.mark.parametrize("run", [r for r in RUNS if r in MULTI_BUCKET])
@@ -86,10 +75,10 @@ def test_multi_bucket_fully_reshardable_defect_refused(run, tmp_path, converted)
     convert(src, str(tmp_path / "forced"), ConvertOptions(force=True))
     ref, _ = cref.load_reference(run)
     ck = open_checkpoint(str(tmp_path / "forced"))
-    corrupt = [n for n, a in ref["params"].items() if not np.array_equal(_bits(ck.read(role_path("params", n))), _bits(a))]
+    corrupt = [n for n, a in ref["params"].items() if not np.array_equal(cref.bits(ck.read(role_path("params", n))), cref.bits(a))]
     assert corrupt
     for n, a in ref["model"].items():  # the model weights themselves are intact
-        assert np.array_equal(_bits(ck.read(role_path("model", n))), _bits(a))
+        assert np.array_equal(cref.bits(ck.read(role_path("model", n))), cref.bits(a))
 
 
 def test_manifest_records_source_and_hyperparameters(converted):
@@ -134,7 +123,7 @@ def test_synthetic_tp2_dp2_multibucket_dp_reshardable(synth_tp2_dp2, tmp_path):
     convert(str(d / "dp"), str(tmp_path / "a"), ConvertOptions(workers=2, min_worker_bytes=1))  # 2 processes
     assert_matches(str(tmp_path / "a"), _synth_ref(st), 3)
     convert(str(d / "fr"), str(tmp_path / "b"))
-    assert_same_checkpoint(str(tmp_path / "a"), str(tmp_path / "b"))
+    cref.assert_same_checkpoint(str(tmp_path / "a"), str(tmp_path / "b"))
 
 
 @pytest.mark.skipif("tp2" not in RUNS, reason="needs the tp2 fixture")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -13,24 +12,11 @@ import convert_reference as cref
 from bridge.cli import main
 from converters.dcp_reader import DcpCheckpoint
 from converters.megatron_convert import ConvertOptions, convert
-from converters.megatron_format import Hints, is_gtp_weight
+from converters.megatron_format import is_gtp_weight
 from converters.megatron_write import Target, to_megatron
 
 RUNS = cref.available_runs()
 pytestmark = pytest.mark.skipif(not {"tp2", "gtp2_local", "moe_ep2"} <= set(RUNS), reason="needs the real fixtures")
-
-
-def _bits(a):
-    return np.ascontiguousarray(a).view(np.uint8)
-
-
-def _same(a: str, b: str) -> None:
-    from bridge.store.reader import open_checkpoint
-
-    ca, cb = open_checkpoint(a), open_checkpoint(b)
-    assert set(ca.arrays()) == set(cb.arrays())
-    for p in ca.arrays():
-        assert np.array_equal(_bits(ca.read(p)), _bits(cb.read(p))), p
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +40,7 @@ def logical(tmp_path_factory):
 def test_round_trip_other_layout_is_identical(run, target, logical, tmp_path):
     to_megatron(logical[run], str(tmp_path / "mc"), target)
     convert(str(tmp_path / "mc"), str(tmp_path / "back"), ConvertOptions(workers=1))
-    _same(logical[run], str(tmp_path / "back"))
+    cref.assert_same_checkpoint(logical[run], str(tmp_path / "back"))
 
 
 @pytest.mark.parametrize("run,fmt,target", [
