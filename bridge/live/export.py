@@ -19,7 +19,6 @@ directory, and the others fail in the next collective or the commit barrier.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import os
 import time
 from contextlib import contextmanager
@@ -84,7 +83,7 @@ class _Clock:
     """Seconds spent per named step (consecutive marks)."""
 
     def __init__(self) -> None:
-        self.t0 = self.t = time.perf_counter()
+        self.t = time.perf_counter()
         self.steps = dict.fromkeys(TIMING_STEPS, 0.0)
 
     def mark(self, step: str) -> None:
@@ -266,21 +265,6 @@ _STORE_TO_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float1
                    "float64": torch.float64}
 
 
-def _flush_no_wait(writer: CheckpointWriter) -> Callable[[], None] | None:
-    """`writer.flush(wait=False)` when it guarantees that every earlier batch has committed on return.
-
-    That holds for a writer that keeps at most one commit outstanding (`commit_depth` 1, as
-    `export_state` makes it); the donated staging pipeline relies on it to refill its buffers. Otherwise
-    None: staging then uses copying writes.
-    """
-    try:
-        params = inspect.signature(writer.flush).parameters
-    except (TypeError, ValueError):
-        return None
-    if "wait" not in params or getattr(writer, "commit_depth", 1) != 1:
-        return None
-    return lambda: writer.flush(wait=False)
-
 
 def writer_batch_bytes(inflight_bytes: int) -> int:
     """Bytes per writer transaction (and per staging buffer) for an export budget.
@@ -403,8 +387,9 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     local_items = [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t)) for t in plan.sends(rank, rank)]
     batch = writer_batch_bytes(inflight_bytes)
     # Device data goes through the donated staging pipeline, which refills a buffer once
-    # flush(wait=False) returns: one commit in flight. Host data is donated as is: two.
-    staging = _STAGE_ALL or recv.is_cuda or any(it.data.is_cuda for it in local_items)
+    # flush(wait=False) returns: that holds with one commit in flight. Host data is donated as is: two.
+    on_host = not _STAGE_ALL and not any(it.data.is_cuda for it in local_items)
+    staging = not on_host or recv.is_cuda
     writer = CheckpointWriter(tmp, wplan, rank, inflight_bytes=batch, compute_digest=digest,
                               commit_depth=1 if staging else 2)
     calls = [0]
@@ -417,7 +402,7 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
         calls[0] += 1
         writer.write(n, b, a, donate=True)
 
-    flush = _flush_no_wait(writer)
+    flush = (lambda: writer.flush(wait=False)) if staging else None
     staged: dict = {}
     order = {a.name: i for i, a in enumerate(plan.catalog)}
     total = plan.written_bytes(rank)
@@ -433,7 +418,6 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
                                              write_cpu=write_donated, flush=flush, stage_cpu=_STAGE_ALL,
                                              stats=staged))
 
-        on_host = not _STAGE_ALL and not any(it.data.is_cuda for it in local_items)
         if on_host:
             write_all(local_items)  # overlaps the exchange (gloo runs it on its own thread)
         clock.mark("write_local")
