@@ -1,28 +1,22 @@
 """Real Megatron-Core 0.19.2 loads `gtp-bridge to-megatron` output at a new layout and continues identically.
 
-GPU machine, under torch.distributed.run (world = the *target* layout's GPUs), from the repo root:
+GPU machine, under torch.distributed.run (world = the *target* layout's GPUs), from the repo root,
+after `gtp-bridge convert` of a run's save and `gtp-bridge to-megatron` at the target layout (the
+driver `scripts/gpu/run_gtp.sh` does all of it, TransformerEngine installed):
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/megatron_core-0.19.2-*.whl
-    export PYTHONPATH=$PWD:/tmp/site CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/gpu/megatron_load_check.py \\
-        --fixture dp2 --tp 2 --format fully_reshardable --work /tmp/loadcheck
+        --source /tmp/mrt/tp2 --tp 1 --format fully_reshardable --megatron-ckpt /tmp/lc/dp2_fully_reshardable
 
-What it does:
- 1. rank 0 (unless --megatron-ckpt is given): `convert` the committed fixture
-    tests/fixtures/megatron/<run>/dp_reshardable to a logical checkpoint, then `to-megatron` it at the
-    target layout (TP x GTP x DP x EP of this world) and format. (Both steps need only numpy,
-    tensorstore, ml_dtypes and torch; pass --megatron-ckpt DIR to use one made on a CPU machine.)
- 2. every rank: build the fixture's tiny GPT (tests/fixtures/megatron/tinygpt.py) at the target layout
-    with a fresh distributed optimizer, `dist_checkpointing.load` the written checkpoint exactly as
-    Megatron-LM's training loop does (model + optimizer sharded state dicts, is_loading=True), load it
-    into the model and the optimizer;
- 3. checks, each printed as one PASS/FAIL line on rank 0:
-    - load:       dist_checkpointing.load and the model / optimizer load_state_dict raised nothing;
-    - iteration:  common_state carries the source step (3);
-    - masters:    every rank's fp32 masters equal its bf16 weights rounded (bf16(master) == weight);
-    - next loss:  training steps 3 and 4 reproduce the source run's recorded `next_losses`
-                  (run.json) to --rtol (step 3 depends on the weights, step 4 also on the
-                  optimizer state: masters, moments and step count).
+Every rank builds the tiny GPT (tests/fixtures/megatron/tinygpt.py) at the target layout with a fresh
+distributed optimizer and loads the checkpoint as Megatron-LM's training loop does
+(`tinygpt.megatron_load`). Checks, each printed as one PASS/FAIL line on rank 0 as it is made:
+ - load:       dist_checkpointing.load and the model / optimizer load_state_dict raised nothing;
+ - iteration:  common_state carries the source step;
+ - masters:    every rank's fp32 masters equal its bf16 weights rounded (bf16(master) == weight);
+ - same as Megatron's own load (GTP=1 targets): weights, masters and moments equal those of a second
+   fresh run filled by Megatron's own load of the source's `fully_reshardable` save;
+ - next loss:  training steps 3 and 4 reproduce the source run's recorded `next_losses` to --rtol,
+   and (GTP=1) equal the losses of the run Megatron loaded itself.
 Exit code 0 when every check passes, 1 otherwise.
 
 Pick a source run whose replicas agree (dp2, gtp2_local, moe_ep2 — TP runs of 0.19.2 initialise
@@ -42,24 +36,6 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "megatron")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, FIXTURES)
-
-
-def prepare(a: argparse.Namespace, world: int) -> str:
-    """convert + to-megatron on rank 0; returns the torch_dist directory to load."""
-    from converters.megatron_convert import ConvertOptions, convert
-    from converters.megatron_write import Target, to_megatron
-
-    os.makedirs(a.work, exist_ok=True)
-    name = os.path.basename(os.path.normpath(a.source))
-    logical = os.path.join(a.work, f"{name}_logical")
-    out = os.path.join(a.work, f"{name}_to_tp{a.tp}_gtp{a.gtp}_ep{a.ep}_{a.format}")
-    if not os.path.isdir(logical):
-        convert(os.path.join(a.source, a.source_format), logical, ConvertOptions(workers=1))
-    if not os.path.isdir(out):
-        dp = world // (a.tp * a.gtp)
-        to_megatron(logical, out, Target(tp=a.tp, gtp=a.gtp, dp=dp, ep=a.ep, fmt=a.format,
-                                         bucket_size=a.bucket_size))
-    return out
 
 
 def record(results: list, rank: int, item: tuple) -> None:
@@ -107,14 +83,12 @@ def main() -> int:
     ap.add_argument("--source", default=None,
                     help="a Megatron run directory with dp_reshardable/, fully_reshardable/ and run.json or "
                          "result.json (default: the fixture's)")
-    ap.add_argument("--source-format", default="dp_reshardable", choices=["dp_reshardable", "fully_reshardable"])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--gtp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--format", default="fully_reshardable", choices=["fully_reshardable", "dp_reshardable"])
     ap.add_argument("--bucket-size", type=int, default=None, help="target DDP bucket size (dp_reshardable)")
-    ap.add_argument("--work", default="/tmp/gtp_load_check")
-    ap.add_argument("--megatron-ckpt", default=None, help="use this to-megatron output instead of making one")
+    ap.add_argument("--megatron-ckpt", required=True, help="the `gtp-bridge to-megatron` output to load")
     ap.add_argument("--rtol", type=float, default=2e-3, help="relative tolerance on the next-step losses")
     ap.add_argument("--hang-report", type=float, default=75.0,
                     help="print every thread's stack after this many seconds (diagnoses a hang)")
@@ -140,20 +114,6 @@ def main() -> int:
     results: list[tuple[str, bool, str]] = []
 
     ckpt = a.megatron_ckpt
-    err = [None, None]
-    if ckpt is None:
-        if rank == 0:
-            try:
-                err[1] = prepare(a, world)
-            except Exception as e:  # noqa: BLE001 - reported as a FAIL line
-                err[0] = f"{type(e).__name__}: {e}"
-        dist.broadcast_object_list(err, src=0)
-        if err[0] is not None:
-            if rank == 0:
-                print(f"FAIL prepare: {err[0]}", flush=True)
-            return 1
-        ckpt = err[1]
-
     log(rank, f"checkpoint {ckpt}; building the model")
     model, gpt, optimizer, _config = tinygpt.build(run)
     try:

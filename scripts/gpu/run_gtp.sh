@@ -10,13 +10,7 @@ mkdir -p /tmp/te && cp .gpu/s6/* /tmp/te/
 ls /tmp/te | tr '\n' ' '; echo
 t0=$(date +%s); bash /tmp/te/te-build-on-device.sh > "$out/te_build.log" 2>&1; echo "=== te build $(( $(date +%s) - t0 ))s"
 tail -1 "$out/te_build.log"
-export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=$PWD:/tmp/site
-R="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
-run() { local name=$1 t=$2; shift 2; local t0=$(date +%s)
-  timeout "$t" "$@" > "$logs/$name.log" 2>&1; echo "=== $name rc=$? $(( $(date +%s) - t0 ))s"
-  grep -E "PASS|FAIL|Error|^\[rank 0\]" "$logs/$name.log" | tail -14; }
+source scripts/gpu/common.sh
 # Logs straight into $OUT in LOAD_CHECKS_ONLY mode (at most 8 files come back; a timeout keeps them).
 logs=/tmp/gtplogs; [ "${LOAD_CHECKS_ONLY:-0}" = 1 ] && logs=$out
 rm -rf /tmp/gtplogs /tmp/mrt /tmp/lc; mkdir -p /tmp/gtplogs /tmp/lc
