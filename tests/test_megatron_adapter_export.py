@@ -16,7 +16,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from bridge.live.holdings import tree_name
 from bridge.store.reader import open_checkpoint
