@@ -122,27 +122,17 @@ class Unit:
 # Model-space entries (model weights, fully_reshardable state)
 
 
-def stored_row_runs(geom: ParamGeometry, legacy: bool, tp: int, gtp: int) -> list[RowRun]:
-    """Rows of the stored per-instance tensor that hold data -> logical arrays (stacked index 0).
+def logical_row_runs(geom: ParamGeometry) -> list[RowRun]:
+    """Rows of a per-instance tensor stored in the logical layout -> logical arrays (stacked index 0):
+    the TP=1 row runs, fused sections split. (The 0.19.2 padded GTP grid goes through
+    `bridge.layout.legacy.legacy_box_map` instead.)
 
-    Logical storage: the TP=1 row runs (fused sections split). Padded GTP grid (§2.5 A):
-    column/vocab keys store TP blocks of P = G·S padded TP-local rows; row-parallel keys store
-    G·S rows of which the first O are data.
-
-    >>> from bridge.layout.params import ParamGeometry
-    >>> g = ParamGeometry("w", (10, 6), "column", gtp=True, pad_for_alignment=4)
-    >>> [(r.row, r.rows, r.offset) for r in stored_row_runs(g, True, 2, 2)]
-    [(0, 5, (0, 0)), (8, 5, (5, 0))]
+    >>> from bridge.layout.fused import FusedSpec
+    >>> g = ParamGeometry("f", (12, 4), "column", fused=FusedSpec.swiglu(6))
+    >>> [(r.row, r.rows, r.array) for r in logical_row_runs(g)]
+    [(0, 6, 'f.gate'), (6, 6, 'f.up')]
     """
-    zeros = (0,) * len(geom.prepend)
-    if not legacy or geom.tp_kind not in ("column", "vocab"):
-        return geom.row_runs(1, 0, zeros)
-    P = geom.split(tp, gtp).shard_rows * gtp
-    out = []
-    for t in range(tp):
-        for r in geom.row_runs(tp, t, zeros):
-            out.append(RowRun(t * P + r.row, r.rows, r.array, r.offset))
-    return out
+    return geom.row_runs(1, 0, (0,) * len(geom.prepend))
 
 
 def box_copies(key: str, index: int, chunk: ChunkInfo, runs: Sequence[RowRun], npre: int) -> list[Copy]:
@@ -187,7 +177,7 @@ def model_space_copies(key: str, info: TensorInfo, geom: ParamGeometry, npre: in
             for m in legacy_box_map(geom, tp, gtp, Box.of(ch.offsets, ch.sizes), scrambled_swiglu=scrambled):
                 out.append(Copy(key, i, m.array, m.logical, tuple(zip(m.src.start, m.src.stop))))
         return out
-    runs = stored_row_runs(geom, False, tp, gtp)
+    runs = logical_row_runs(geom)
     for i, ch in enumerate(info.chunks):
         out += box_copies(key, i, ch, runs, npre)
     return out

@@ -38,7 +38,7 @@ from converters.megatron_format import (is_gtp_weight, is_routed_expert, num_pre
                                         tp_kind_by_name)
 from bridge.layout.legacy import legacy_box_map, legacy_shape
 from converters.megatron_plan import (box_copies, is_scrambled_swiglu, local_instances, role_path,
-                                      stored_row_runs)
+                                      logical_row_runs)
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
 STATE_NAMES = {"params": "param", "mu": "exp_avg", "nu": "exp_avg_sq"}
@@ -375,7 +375,7 @@ def _write_model_space(w: DcpWriter, cache: ArrayCache, params: Sequence[ParamIn
         g = p.geom
         tp, gtp = lay.tp_gtp_sizes(g.expert)
         npre = len(g.prepend)
-        runs = stored_row_runs(g, False, tp, gtp)
+        runs = logical_row_runs(g)
         legacy = g.gtp_active(gtp) and bool(g.shape)
         scrambled = is_scrambled_swiglu(g, gtp)
         shape = stored_shape(g, tp, gtp)
