@@ -22,12 +22,13 @@ def _ready() -> bool:
         import torch
 
         import megatron.core  # noqa: F401
+        import transformer_engine  # noqa: F401  (0.19.2 loads fully_reshardable into TE's Adam only)
     except Exception:  # noqa: BLE001
         return False
     return torch.cuda.device_count() >= 2
 
 
-@pytest.mark.skipif(not _ready(), reason="needs 2 CUDA devices and megatron-core")
+@pytest.mark.skipif(not _ready(), reason="needs 2 CUDA devices, megatron-core and TransformerEngine")
 def test_live_export_and_load_round_trip(tmp_path):
     out = str(tmp_path / "rt")
     res = subprocess.run(["bash", "scripts/gpu/megatron_roundtrip.sh", out], cwd=REPO, capture_output=True,
@@ -40,8 +41,10 @@ def test_live_export_and_load_round_trip(tmp_path):
         r = json.load(open(os.path.join(out, load, "result.json")))
         assert r["reexport_vs_source"]["ok"], r["reexport_vs_source"]["mismatch"][:5]
         assert r["loaded_step"] == 3
-        assert all(abs(d) < 1e-4 for d in r["loss_diff"]), r["loss_diff"]
-        assert r["after_vs_source_after"]["max_rel"] < 1e-3
+        # Our load leaves exactly what Megatron's own load of the source's save leaves, before and
+        # after the next step (the source's own continuation differs by bf16 arithmetic of its layout).
+        assert r["own_load_vs_ours"]["ok"] and r["own_after_vs_ours"]["ok"], r.get("own_error")
+        assert r["own_loss_diff"] == [0.0, 0.0]
     for layout in ("tp2", "dp2"):
         log = open(os.path.join(out, f"compare_{layout}.log")).read()
         assert '"ok": true' in log, log[-2000:]
