@@ -34,7 +34,8 @@ from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
 from bridge.live.api import LiveRun, LocalParam
 from bridge.live.exchange import all_gather_json, collective_device, pack, start_all_to_all_bytes
-from bridge.live.holdings import Holding, holdings_signature, rank_holdings, refresh_holdings, tree_name
+from bridge.live.holdings import (TORCH_DTYPES, Holding, holdings_signature, rank_holdings, refresh_holdings,
+                                  tree_name)
 from bridge.live.plan import ExportPlan, PlanCache, Transfer, build_plan, choose_inner_bytes, plan_key
 from bridge.live.staging import WriteItem, stage_and_write
 from bridge.progress import progress
@@ -261,9 +262,6 @@ class _NoWork:
 # pieces go on a GPU machine (exercises that path on gloo).
 _STAGE_ALL = False
 
-_STORE_TO_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                   "float64": torch.float64}
-
 
 
 def writer_batch_bytes(inflight_bytes: int) -> int:
@@ -383,7 +381,7 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
         else:  # every owner holds all it writes (same on every rank): no collective
             recv, work = send, _NoWork()
     bytes_sent = send.numel()
-    dtypes = {a.name: _STORE_TO_TORCH[a.dtype] for a in plan.catalog}
+    dtypes = {a.name: TORCH_DTYPES[a.dtype] for a in plan.catalog}
     local_items = [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t)) for t in plan.sends(rank, rank)]
     batch = writer_batch_bytes(inflight_bytes)
     # Device data goes through the donated staging pipeline, which refills a buffer once

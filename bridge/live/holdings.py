@@ -33,6 +33,7 @@ ROOTS = tuple(ROOT_PATHS)
 
 _TORCH_TO_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                   torch.float64: "float64"}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: t for t, name in _TORCH_TO_NAME.items()}  # store name -> torch
 
 
 @lru_cache(maxsize=None)
