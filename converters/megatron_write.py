@@ -29,11 +29,12 @@ from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
 from bridge.progress import progress
-from bridge.store.manifest import MANIFEST_KEY, Manifest
-from bridge.store.reader import open_checkpoint
+from bridge.store.manifest import Manifest
+from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.store.specs import numpy_dtype
 from bridge.torch_numpy import from_numpy
 from bridge.store.tree import megatron_key_to_path, path_str
+from converters.dcp_reader import ChunkInfo, StorageRef
 from converters.megatron_format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
 from bridge.layout.legacy import legacy_box_map, legacy_shape
@@ -42,7 +43,6 @@ from converters.megatron_plan import (box_copies, is_scrambled_swiglu, local_ins
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
 STATE_NAMES = {"params": "param", "mu": "exp_avg", "nu": "exp_avg_sq"}
-TORCH_DTYPE = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
 
 
 @dataclass
@@ -74,12 +74,15 @@ class ParamInfo:
 
 def read_manifest(root: str) -> Manifest:
     """The gtp_bridge manifest of a logical checkpoint (BridgeError when absent)."""
-    try:
-        meta = json.load(open(os.path.join(root, "_METADATA")))
-        return Manifest.from_json(meta["custom_metadata"][MANIFEST_KEY])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise BridgeError(f"{root}: no gtp_bridge manifest in _METADATA; to-megatron needs a checkpoint written "
-                          f"by gtp-bridge (convert, live export or the JAX save)") from None
+    return manifest_of(open_checkpoint(root))
+
+
+def manifest_of(ck: Checkpoint) -> Manifest:
+    """The manifest the opened checkpoint carries (parsed by `open_checkpoint`); BridgeError when absent."""
+    if ck.manifest is None:
+        raise BridgeError(f"{ck.root}: no gtp_bridge manifest in _METADATA; to-megatron needs a checkpoint written "
+                          f"by gtp-bridge (convert, live export or the JAX save)")
+    return ck.manifest
 
 
 def params_from_manifest(man: Manifest, arrays: dict, pad: int, gtp: int) -> list[ParamInfo]:
@@ -318,7 +321,7 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int = 1 << 30, sh
     if target.fmt not in FORMATS:
         raise BridgeError(f"unknown --format {target.fmt!r}; use one of {list(FORMATS)}")
     ck = open_checkpoint(src)
-    man = read_manifest(ck.root)
+    man = manifest_of(ck)
     arrays = ck.arrays()
     pad = target.pad_for_alignment if target.pad_for_alignment is not None else (man.source.pad_for_alignment or 16)
     params = params_from_manifest(man, arrays, pad, target.gtp)
@@ -334,19 +337,18 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int = 1 << 30, sh
         raise BridgeError(f"target layout: {e}") from None
     check_target(params, lay)
     for p in params:
-        for arr in p.geom.logical_arrays():
+        for arr, want in p.geom.logical_arrays().items():
             for role in ("model",) + (("params", "mu", "nu") if p.optimized else ()):
                 path = role_path(role, arr)
-                want = p.geom.logical_arrays()[arr]
                 if path not in arrays:
                     raise BridgeError(f"{src}: array {path_str(path)} is missing; the checkpoint is incomplete")
                 if tuple(arrays[path].shape) != tuple(want):
                     raise BridgeError(f"{path_str(path)}: shape {arrays[path].shape} differs from the recorded "
                                       f"parameter shape {want}; the manifest and the arrays disagree")
     step = int(ck.read(("step",))) if ("step",) in arrays else int(man.optimizer.step or 0)
-    if ("opt_state", "0", "count") in arrays and int(ck.read(("opt_state", "0", "count"))) != step:
-        raise BridgeError(f"{src}: step {step} and opt_state/0/count "
-                          f"{int(ck.read(('opt_state', '0', 'count')))} differ; the checkpoint is inconsistent")
+    count = int(ck.read(("opt_state", "0", "count"))) if ("opt_state", "0", "count") in arrays else step
+    if count != step:
+        raise BridgeError(f"{src}: step {step} and opt_state/0/count {count} differ; the checkpoint is inconsistent")
     tmp = f"{dst}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -388,14 +390,12 @@ def _write_model_space(w: DcpWriter, cache: ArrayCache, params: Sequence[ParamIn
             for index in np.ndindex(*g.prepend) if g.prepend else [()]:
                 for box in boxes:
                     chunk_box = Box.of(tuple(index) + box.start, (1,) * npre + box.shape)
-                    from converters.dcp_reader import ChunkInfo, StorageRef
-
-                    ch = ChunkInfo(chunk_box.start, chunk_box.shape, StorageRef("", 0, 0))
                     data = np.zeros(chunk_box.shape, dtype=numpy_dtype(dt))  # GTP pad rows stay zero
                     if legacy:  # the 0.19.2 padded grid (scrambled SwiGLU halves), via bridge.layout.legacy
                         for m in legacy_box_map(g, tp, gtp, chunk_box, scrambled_swiglu=scrambled):
                             data[m.src.slices] = cache.read(role_path(role, m.array), m.logical)
                     else:
+                        ch = ChunkInfo(chunk_box.start, chunk_box.shape, StorageRef("", 0, 0))
                         for c in box_copies(fqn, 0, ch, runs, npre):
                             data[tuple(slice(a, b) for a, b in c.src)] = cache.read(role_path(role, c.array), c.dst)
                     w.tensor_chunk(fqn, chunk_box.start, from_numpy(data))
@@ -433,10 +433,10 @@ def _write_dp_buckets(w: DcpWriter, cache: ArrayCache, params: Sequence[ParamInf
         prefix = f"chained_{ci}." if chained else ""
         dp_size = lay.edp if expert else lay.distopt_size
         geoms = [p.geom for p in plist]
+        gmap = {gm.name: gm for gm in geoms}
+        sizes = {n: lay.tp_gtp_sizes(gm.expert) for n, gm in gmap.items()}
         for k, (t, g, e) in sorted(_dp_coords(lay, expert).items()):
             insts = local_instances(geoms, lay, e)
-            gmap = {p.geom.name: p.geom for p in plist}
-            sizes = {n: lay.tp_gtp_sizes(gm.expert) for n, gm in gmap.items()}
             bparams = [BufferParam(i.label, gmap[i.name].physical_numel(*sizes[i.name])) for i in insts]
             blay = buffer_layout(bparams, target.bucket_size, dp_size)
             key_dt = "(torch.bfloat16, torch.float32)"
