@@ -124,7 +124,9 @@ class CheckpointWriter:
         self.staging = staging
         self.commit_depth = max(1, int(commit_depth))
         self.drop_behind = drop_behind and hasattr(os, "posix_fadvise")
-        self._dropped: set[str] = set()
+        self._dropped: set[str] = set()     # data files complete and dropped: never touched again
+        self._seen: dict[str, int] = {}      # data file -> commits issued when first listed
+        self._issued = 0                     # commits issued so far
         # Staging holds the batch being filled plus the one committing (see flush).
         self._slabs = SlabPool(keep_bytes=(self.commit_depth + 1) * self.inflight_bytes)
         self._futures: list = []
@@ -198,8 +200,10 @@ class CheckpointWriter:
             self._await_commits(keep=self.commit_depth - 1)  # bound the batches in flight
             if self._txn is not None:
                 self._commits.append((self._txn.commit_async(), self._slabs.seal(), self._digests))
+                self._issued += 1
             elif self._digests:  # cannot happen (digests come with writes), but never lose one
                 self._commits.append((None, [], self._digests))
+                self._issued += 1
             self._digests = []
             self._txn = None
             self._open.clear()
@@ -309,18 +313,22 @@ class CheckpointWriter:
         The checkpoint is not read back by this process, so its pages only crowd out other cached
         data; freeing them lets the next batch's writes reuse those pages, which on VMs that return
         freed guest memory to the host is several times cheaper than touching fresh memory.
-        No commit is in flight here, so every file listed is complete.
+        A file listed may belong to a commit still in flight, but at most to the last one issued
+        when it was first listed: once that commit landed the file is complete, is dropped one last
+        time and then skipped (else every batch would re-drop every file written so far).
         """
         d = os.path.join(specs.writer_db_dir(self.tmp_dir, self.writer_id), "d")
         try:
             names = os.listdir(d)
         except FileNotFoundError:
             return
+        landed = self._issued - len(self._commits)
         for name in names:
             if name in self._dropped:
                 continue
-            if not self._commits:  # nothing in flight: every file is complete, never touch it again
+            if landed >= self._seen.setdefault(name, self._issued):
                 self._dropped.add(name)
+                del self._seen[name]
             try:
                 fd = os.open(os.path.join(d, name), os.O_RDONLY)
             except OSError:
