@@ -118,11 +118,7 @@ def decay_mask(manifest: Manifest | Mapping, plan: Plan | None = None) -> Callab
     import jax
 
     h = adam_hparams(manifest)
-    sources: dict[Path, tuple[Path, ...]] = {}
-    if plan is not None:
-        for g in plan.groups:
-            for o in g.outputs:
-                sources[o] = g.sources
+    sources = plan_sources(plan)
 
     def no_decay(path: Path, shape: tuple[int, ...]) -> bool:
         logical = sources.get(path, (path,))
@@ -134,6 +130,11 @@ def decay_mask(manifest: Manifest | Mapping, plan: Plan | None = None) -> Callab
         return jax.tree_util.tree_map_with_path(lambda kp, x: not no_decay(to_path(kp), tuple(x.shape)), params)
 
     return mask
+
+
+def plan_sources(plan: Plan | None) -> dict[Path, tuple[Path, ...]]:
+    """Presented path -> the logical source paths it is built from (empty without a plan)."""
+    return {o: g.sources for g in plan.groups for o in g.outputs} if plan is not None else {}
 
 
 def plan_shape(plan: Plan, source: Path) -> tuple[int, ...]:
@@ -241,16 +242,16 @@ def _adamw_from_manifest(manifest: Manifest | Mapping, learning_rate: Any, plan:
             return base
         return (lambda step: base(step) * m) if callable(base) else base * m
 
-    return _grouped_adamw(manifest, lr, groups, plan, group_lr, wd)
+    return _grouped_adamw(manifest, h, lr, groups, plan, group_lr, wd)
 
 
-def _grouped_adamw(manifest: Manifest | Mapping, lr: Any, groups: list[dict], plan: Plan | None,
+def _grouped_adamw(manifest: Manifest | Mapping, h: AdamHParams, lr: Any, groups: list[dict], plan: Plan | None,
                    group_lr: Callable[[dict], Any], wd: Any):
     """Megatron param groups with their own lr -> optax.multi_transform of adamw per group."""
     import jax
     import optax
 
-    h = adam_hparams(manifest)
+    orders = section_orders(manifest)
     label_of: dict[Path, str] = {}
     lrs: dict[str, Any] = {"default": lr}
     for i, g in enumerate(groups):
@@ -260,11 +261,9 @@ def _grouped_adamw(manifest: Manifest | Mapping, lr: Any, groups: list[dict], pl
         label = f"group{i}"
         lrs[label] = group_lr(g)
         for key in g["params"]:
-            for p in param_paths(key, section_orders(manifest)):
+            for p in param_paths(key, orders):
                 label_of[p] = label
-    sources: dict[Path, tuple[Path, ...]] = {}
-    if plan is not None:
-        sources = {o: g.sources for g in plan.groups for o in g.outputs}
+    sources = plan_sources(plan)
 
     def labels(params: Any) -> Any:
         def one(kp, _):
@@ -272,6 +271,7 @@ def _grouped_adamw(manifest: Manifest | Mapping, lr: Any, groups: list[dict], pl
             return label_of.get(logical[0], "default")
         return jax.tree_util.tree_map_with_path(one, params)
 
-    txs = {label: optax.adamw(glr, b1=h.b1, b2=h.b2, eps=h.eps, weight_decay=wd, mask=decay_mask(manifest, plan))
+    mask = decay_mask(manifest, plan)
+    txs = {label: optax.adamw(glr, b1=h.b1, b2=h.b2, eps=h.eps, weight_decay=wd, mask=mask)
            for label, glr in lrs.items()}
     return optax.multi_transform(txs, labels)
