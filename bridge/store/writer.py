@@ -198,11 +198,8 @@ class CheckpointWriter:
                 f.result()
             self._futures.clear()
             self._await_commits(keep=self.commit_depth - 1)  # bound the batches in flight
-            if self._txn is not None:
+            if self._txn is not None:  # every write (hence every digest) opened the transaction
                 self._commits.append((self._txn.commit_async(), self._slabs.seal(), self._digests))
-                self._issued += 1
-            elif self._digests:  # cannot happen (digests come with writes), but never lose one
-                self._commits.append((None, [], self._digests))
                 self._issued += 1
             self._digests = []
             self._txn = None
@@ -254,7 +251,7 @@ class CheckpointWriter:
         slabs that TensorStore references (see bridge/store/staging.py).
         """
         inner = ap.inner_chunk_shape
-        ncell = num_grid_cells(box, inner) if box.ndim else 1
+        ncell = num_grid_cells(box, inner)
         contiguous = data.flags.c_contiguous and (box.ndim < 2 or num_grid_cells(
             Box(box.start[1:], box.stop[1:]), inner[1:]) == 1)
         if (donate and contiguous) or not self.staging or data.nbytes < ncell * _MIN_STAGED_CELL_BYTES:
@@ -299,8 +296,7 @@ class CheckpointWriter:
             return
         while len(self._commits) > keep:
             fut, slabs, digests = self._commits.pop(0)
-            if fut is not None:
-                fut.result()
+            fut.result()
             for st, d in digests:
                 st.digest = dg.combine([st.digest, d.result()])
             self._slabs.recycle(slabs)
