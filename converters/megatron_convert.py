@@ -502,11 +502,10 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     owners = assign_writers(units, workers)
     plan = make_plan(units, owners, workers)
     manifest = build_manifest(src, units, step, groups)
-    total = total_bytes
     tmp = begin_checkpoint(dst)
     warnings: list[str] = []
     try:
-        with progress(total, f"convert {os.path.basename(dst)}", enabled=opts.show_progress) as bar:
+        with progress(total_bytes, f"convert {os.path.basename(dst)}", enabled=opts.show_progress) as bar:
             per = [[u for u, w in zip(units, owners) if w == i] for i in range(workers)]
             if workers == 1:
                 warns, _ = run_units(str(ck.root), per[0], plan, tmp, 0, opts.budget, opts.force, src.fmt,
