@@ -132,17 +132,11 @@ def abstract_tree(held: Mapping, sharding=None, with_model: bool = True):
     import jax.numpy as jnp
     import optax
 
+    from bridge.jaxside.keypaths import nested_from_paths
     from bridge.store.tree import megatron_key_to_path
 
     def nest(flat, dtype):
-        tree: dict = {}
-        for name, arr in flat.items():
-            node = tree
-            parts = megatron_key_to_path(name)
-            for c in parts[:-1]:
-                node = node.setdefault(c, {})
-            node[parts[-1]] = jax.ShapeDtypeStruct(arr.shape, dtype)
-        return tree
+        return nested_from_paths({megatron_key_to_path(n): jax.ShapeDtypeStruct(a.shape, dtype) for n, a in flat.items()})
 
     params = nest(held["master"], jnp.float32)
     tree = {"params": params, "opt_state": jax.eval_shape(optax.adamw(1e-3).init, params),
