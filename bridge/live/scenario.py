@@ -53,21 +53,24 @@ def run_scenario(rank: int, out: str, dst: str, src: Mapping, targets: Mapping[s
     losses = step(trainer, 1)  # the source layout's next step
     _save({**dump_rank(trainer), "losses": losses}, out, "src_next", rank)
     facts: dict = {"export": {k: v for k, v in vars(rep).items() if isinstance(v, (int, float, str, dict))}}
-    for name, kw in targets.items():
+
+    def reload(path: str, kw: Mapping, name: str):
+        """A fresh trainer at layout `kw` loaded from `path`; its facts go under `name`."""
         lay = ParallelLayout(**kw)
         tr = ReferenceTrainer(lay, config, init=False, device=device, groups=RankGroups.build(lay, backend))
-        res = reload_state(dst, tr.live_run(), tr.local_params())
+        res = reload_state(path, tr.live_run(), tr.local_params())
+        facts[name] = {"step": res.step, "bytes_read": res.bytes_read}
+        return tr, res
+
+    for name, kw in targets.items():
+        tr, res = reload(dst, kw, name)
         tr.resume(res.step)
         _save(dump_rank(tr), out, f"{name}_reloaded", rank)
         losses = step(tr, 1)
         _save({**dump_rank(tr), "losses": losses}, out, f"{name}_next", rank)
-        facts[name] = {"step": res.step, "bytes_read": res.bytes_read}
     for name, (path, kw) in (extra_reloads or {}).items():
-        lay = ParallelLayout(**kw)
-        tr = ReferenceTrainer(lay, config, init=False, device=device, groups=RankGroups.build(lay, backend))
-        res = reload_state(path, tr.live_run(), tr.local_params())
+        tr, _ = reload(path, kw, name)
         _save(dump_rank(tr), out, name, rank)
-        facts[name] = {"step": res.step, "bytes_read": res.bytes_read}
     return facts
 
 
