@@ -157,7 +157,6 @@ def make_write_plan(catalog: Sequence[ArraySpec], num_writers: int,
             own.validate(num_writers)
         except BridgeError as e:
             raise BridgeError(f"{path_str(a.path)}: {e}") from None
-        inner = (tuple(max(1, c) for c in own.chunk_shape) if inner_chunk_bytes is None
-                 else specs.choose_inner_chunk(own.chunk_shape, a.itemsize, inner_chunk_bytes))
+        inner = specs.choose_inner_chunk(own.chunk_shape, a.itemsize, inner_chunk_bytes)
         arrays[a.name] = ArrayPlan(a, own, inner)
     return WritePlan(arrays, num_writers, empty, compression, bool(checksum))

@@ -100,8 +100,9 @@ def divisors(n: int) -> list[int]:
 
 
 def choose_inner_chunk(chunk_shape: Sequence[int], itemsize: int,
-                       target_bytes: int = DEFAULT_INNER_CHUNK_BYTES) -> tuple[int, ...]:
-    """Inner (read) chunk: divides the outer chunk, at most `target_bytes` where possible.
+                       target_bytes: int | None = DEFAULT_INNER_CHUNK_BYTES) -> tuple[int, ...]:
+    """Inner (read) chunk: divides the outer chunk, at most `target_bytes` where possible
+    (``None``: the whole outer chunk).
 
     Repeatedly shrinks the currently largest dimension to its next smaller divisor, so inner
     chunks stay roughly square (good for both row and column shards of a later reader).
@@ -110,12 +111,14 @@ def choose_inner_chunk(chunk_shape: Sequence[int], itemsize: int,
     (512, 512)
     >>> choose_inner_chunk((), 4)
     ()
+    >>> choose_inner_chunk((1024, 0), 4, None)
+    (1024, 1)
     """
     inner = [int(c) for c in chunk_shape]
     if not inner:
         return ()
     divs = [divisors(max(1, c)) for c in inner]
-    while prod(inner) * itemsize > target_bytes:
+    while target_bytes is not None and prod(inner) * itemsize > target_bytes:
         k = max(range(len(inner)), key=lambda i: inner[i])
         if inner[k] <= 1:
             break
