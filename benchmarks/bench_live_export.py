@@ -164,8 +164,6 @@ def _timed(fn, device):
 
 
 def _raw_write(path: str, nbytes: int, rank: int) -> tuple[np.ndarray, dict]:
-    import tensorstore as ts
-
     data = np.frombuffer(np.random.default_rng(rank).bytes(nbytes), dtype=np.uint8) if nbytes else np.zeros(0, np.uint8)
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{path}/rank{rank}/"},
             "metadata": {"shape": [nbytes], "data_type": "uint8", "chunk_grid": {"name": "regular",
@@ -288,10 +286,11 @@ def _store_only(run, params, args: dict, rank: int):
     _, summary = _summary(params, run, rank)
     planned = _plan(all_gather_json(summary), run, world, args["chunk"], None, args["inner"])
     rng = np.random.default_rng(rank)
+    dtypes = {a.name: numpy_dtype(a.dtype) for a in planned.plan.catalog}
     data = []
     for t in planned.plan.transfers:
         if t.dst == rank:
-            dt = numpy_dtype(planned.plan.catalog[[a.name for a in planned.plan.catalog].index(t.array)].dtype)
+            dt = dtypes[t.array]
             raw = rng.integers(0, 255, size=t.box.size * dt.itemsize, dtype=np.uint8)
             data.append((t.array, t.box, raw.view(dt).reshape(t.box.shape)))
 
@@ -547,7 +546,6 @@ def main(argv=None) -> int:
                     help="export inner (read) chunk size, KiB (default: the export's 'auto' choice)")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--busbw", action="store_true", help="also time the exchange vs all_gather_into_tensor")
-    ap.add_argument("--phases", action="store_true", help="(always on) print the export's per-step split")
     ap.add_argument("--verify", action="store_true",
                     help="read every piece each rank holds back from an exported checkpoint and compare bytes")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
