@@ -51,7 +51,9 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from bridge.errors import BridgeError
+    from bridge.jaxside.keypaths import nested_from_paths
     from bridge.store.reader import open_checkpoint
+    from bridge.store.specs import numpy_dtype
 
     devs = jax.devices()
     if len(devs) < DEVICES:
@@ -69,14 +71,9 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
             spec[0] = "data"              # and the leading (layer / row) dim 2 ways
         return NamedSharding(mesh, P(*spec))
 
-    nested: dict = {}
-    for p, info in arrays.items():
-        leaf = jax.ShapeDtypeStruct(tuple(info.shape), np.dtype(info.dtype) if str(info.dtype) != "bfloat16"
-                                    else jax.numpy.bfloat16, sharding=sharding(tuple(info.shape)))
-        node = nested
-        for k in p[:-1]:
-            node = node.setdefault(k, {})
-        node[p[-1]] = leaf
+    nested = nested_from_paths({p: jax.ShapeDtypeStruct(tuple(info.shape), numpy_dtype(info.dtype),
+                                                        sharding=sharding(tuple(info.shape)))
+                                for p, info in arrays.items()})
     opt = nested.pop("opt_state")
     nested["opt_state"] = [opt["0"], None, None]   # optax.adamw(...).init(params): (ScaleByAdamState, Empty, Empty)
     restored = ocp.StandardCheckpointer().restore(os.path.abspath(path), nested)
