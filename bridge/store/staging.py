@@ -5,7 +5,7 @@ data, so it is copied once before it is encoded. TensorStore copies it into a fr
 inner chunk (~1 page fault per 4 KiB written); the writer (``staging=True``, the default) copies
 it instead into slabs recycled once the batch that referenced them committed, and TensorStore
 references each staged cell without copying it again (``can_reference_source_data_indefinitely``).
-Measured on the 2-core VM (bench_store_write, store_stage vs store with staging=False): 1.09x
+Measured on the 2-core VM (bench_store_write, store vs store_nostage): 1.09x
 with warm and 1.11x with cold free memory, 5% less peak RSS, ~10% more writer CPU.
 
 `grid_cells` is pure index math; `SlabPool` holds memory only (no I/O).
@@ -48,7 +48,7 @@ def num_grid_cells(box: Box, cell_shape: Sequence[int]) -> int:
     n = 1
     for a, b, c in zip(box.start, box.stop, cell_shape):
         c = max(1, int(c))
-        n *= max(1, (b - 1) // c - a // c + 1) if b > a else 0
+        n *= (b - 1) // c - a // c + 1 if b > a else 0
     return n
 
 
@@ -73,7 +73,7 @@ class SlabPool:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         need = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         if need > self.slab_bytes:  # larger than a slab: its own buffer, not pooled
-            buf = np.empty(max(need, 1), dtype=np.uint8)
+            buf = np.empty(need, dtype=np.uint8)
             return buf[:nbytes].view(dtype).reshape(shape)
         if self._cur is None or self._off + need > self._cur.size:
             self._cur = self._free.pop() if self._free else np.empty(self.slab_bytes, dtype=np.uint8)
