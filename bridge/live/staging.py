@@ -87,7 +87,7 @@ def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.nd
     for it in items:
         (dev if it.data.is_cuda or stage_cpu else cpu).append(it)
     for it in cpu:
-        (write_cpu or write)(it.name, it.box, to_numpy(it.data.contiguous()))
+        (write_cpu or write)(it.name, it.box, to_numpy(it.data))  # to_numpy makes it contiguous
         if on_bytes:
             on_bytes(it.data.numel() * it.data.element_size())
     if not dev:
