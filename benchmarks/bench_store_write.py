@@ -10,8 +10,9 @@ Variants (all fsync'd, no compression, same N GiB of fp32 in `--arrays` arrays):
   dcp    torch.distributed.checkpoint.save from 2 gloo ranks, each holding its half as a DTensor shard
   diagnostics (--variants): store_nocrc (no crc32c per inner chunk), store_outer (inner chunk = outer
          chunk), store_nodigest (no digests), store_lean (none of the three), store_nostage (TensorStore
-         copies inner chunks itself instead of the writer staging them in reused slabs), store_nodrop (no drop-behind), store_old (both, 256 MiB batches),
-         store_if<N>[d<D>] (N MiB batches, D commits in flight)
+         copies inner chunks itself instead of the writer staging them in reused slabs), store_nodrop
+         (no drop-behind), store_old (neither staging nor drop-behind, 256 MiB batches, one commit),
+         store_if<N>[d<D>] (N MiB batches, D commits in flight; the store defaults are 64 MiB, 2)
 Reps are interleaved (variant order rotates); every worker starts from the same free-memory state
 (--memory warm|cold, see _settle);
 medians are reported as GB/s (1e9 B/s) and as ratios. Peak RSS is each writer's VmHWM;
@@ -221,7 +222,6 @@ STORE_DIAGNOSTICS = {
     "store_if64": {"writer": {"inflight_bytes": 64 << 20, "commit_depth": 1}},
     "store_if32d2": {"writer": {"inflight_bytes": 32 << 20, "commit_depth": 2}},
     "store_if32d3": {"writer": {"inflight_bytes": 32 << 20, "commit_depth": 3}},
-    "store_if64d2": {"writer": {"inflight_bytes": 64 << 20, "commit_depth": 2}},
     "store_if128": {"writer": {"inflight_bytes": 128 << 20, "commit_depth": 1}},
 }
 for _name in STORE_DIAGNOSTICS:
@@ -291,7 +291,6 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="/tmp/bench_store_write")
     ap.add_argument("--variants", default="store,raw_ts,orbax,dcp")
     ap.add_argument("--inflight-mib", type=int, default=None, help="store writer in-flight budget")
-    ap.add_argument("--no-digest", action="store_true", help="store without digests (diagnostic only)")
     ap.add_argument("--copy", action="store_true", help="store copies data (write(donate=False))")
     ap.add_argument("--memory", choices=("warm", "cold"), default="warm",
                     help="free-memory state every variant starts from (see _settle; default warm)")
@@ -306,8 +305,6 @@ def main(argv=None) -> int:
         store_extra["inflight_bytes"] = args.inflight_mib << 20
     if args.copy:
         store_extra["donate"] = False
-    if args.no_digest:
-        store_extra["compute_digest"] = False
     os.makedirs(args.workdir, exist_ok=True)
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for rep in range(args.reps):
