@@ -15,7 +15,6 @@ import os
 import shutil
 import sys
 import traceback
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -34,6 +33,7 @@ from bridge.store.specs import numpy_dtype
 from bridge.store.tree import adamw_empty_paths, megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
 from bridge.torch_numpy import to_numpy
+from converters.megatron_cache import ArrayLRU
 from converters.dcp_reader import DcpCheckpoint
 from converters.megatron_format import (Hints, SourceCheckpoint, _plain, describe, optimizer_groups,
                                         parse_groups_hyper, step_of)
@@ -253,25 +253,16 @@ class ChunkCache:
 
     def __init__(self, ck: DcpCheckpoint, max_bytes: int) -> None:
         self.ck = ck
-        self.max_bytes = max(1, max_bytes)
-        self._d: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
-        self._bytes = 0
+        self._lru = ArrayLRU(max(1, max_bytes))
         self.bytes_read = 0
 
     def get(self, key: str, index: int) -> np.ndarray:
-        k = (key, index)
-        a = self._d.get(k)
-        if a is not None:
-            self._d.move_to_end(k)
-            return a
-        info = self.ck.tensors[key]
-        a = to_numpy(self.ck.read_chunk(key, info.chunks[index]))
-        self.bytes_read += info.chunks[index].storage.length
-        self._d[k] = a
-        self._bytes += a.nbytes
-        while self._bytes > self.max_bytes and len(self._d) > 1:
-            _, old = self._d.popitem(last=False)
-            self._bytes -= old.nbytes
+        a = self._lru.get((key, index))
+        if a is None:
+            info = self.ck.tensors[key]
+            a = to_numpy(self.ck.read_chunk(key, info.chunks[index]))
+            self.bytes_read += info.chunks[index].storage.length
+            self._lru.put((key, index), a)
         return a
 
 

@@ -34,6 +34,7 @@ from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.store.specs import numpy_dtype
 from bridge.torch_numpy import from_numpy
 from bridge.store.tree import megatron_key_to_path, path_str
+from converters.megatron_cache import ArrayLRU
 from converters.dcp_reader import ChunkInfo, StorageRef
 from converters.megatron_format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
@@ -285,27 +286,15 @@ class ArrayCache:
     def __init__(self, ck, max_bytes: int) -> None:
         self.ck = ck
         self.max_bytes = max_bytes
-        self._d: OrderedDict[tuple, np.ndarray] = OrderedDict()
-        self._bytes = 0
-        self.bytes_read = 0
+        self._lru = ArrayLRU(max_bytes)
 
     def read(self, path: tuple, box: Box) -> np.ndarray:
-        a = self._d.get(path)
+        a = self._lru.get(path)
         if a is None:
-            info = self.ck.info(path)
-            if info.nbytes > self.max_bytes:  # too big to keep: read just the box
-                out = self.ck.read(path, box)
-                self.bytes_read += out.nbytes
-                return out
+            if self.ck.info(path).nbytes > self.max_bytes:  # too big to keep: read just the box
+                return self.ck.read(path, box)
             a = self.ck.read(path)
-            self.bytes_read += a.nbytes
-            self._d[path] = a
-            self._bytes += a.nbytes
-            while self._bytes > self.max_bytes and len(self._d) > 1:
-                _, old = self._d.popitem(last=False)
-                self._bytes -= old.nbytes
-        else:
-            self._d.move_to_end(path)
+            self._lru.put(path, a)
         return a[box.slices]
 
 
