@@ -25,6 +25,7 @@ from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, regular_ownership
 from bridge.layout.parallel import ParallelLayout
+from bridge.lr_schedule import RECORD_VERSION
 from bridge.progress import progress
 from bridge.store.commit import begin_checkpoint, commit_checkpoint
 from bridge.store.manifest import Manifest, OptimizerConfig, SourceLayout
@@ -33,8 +34,8 @@ from bridge.store.specs import numpy_dtype
 from bridge.store.tree import adamw_empty_paths, megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
 from bridge.torch_numpy import to_numpy
-from converters.megatron_cache import ArrayLRU
 from converters.dcp_reader import DcpCheckpoint
+from converters.megatron_cache import ArrayLRU
 from converters.megatron_format import (Hints, SourceCheckpoint, _plain, describe, optimizer_groups,
                                         parse_groups_hyper, step_of)
 from converters.megatron_plan import (ROLES, Copy, Unit, contributes, flat_copies, literal,
@@ -451,7 +452,7 @@ def scheduler_record(common: dict, args: dict, at_count: int) -> dict | None:
     else:
         wsd = a("lr_wsd_decay_samples")
     ramp = a("rampup_batch_size")
-    return {"version": 1, "max_lr": _first(sd, "start_lr", "max_lr"), "min_lr": _first(sd, "min_lr"),
+    return {"version": RECORD_VERSION, "max_lr": _first(sd, "start_lr", "max_lr"), "min_lr": _first(sd, "min_lr"),
             "lr_warmup_steps": _first(sd, "warmup_iter", "warmup_steps", "lr_warmup_steps"),
             "lr_decay_steps": _first(sd, "end_iter", "decay_steps", "lr_decay_steps"),
             "lr_decay_style": _first(sd, "decay_style", "lr_decay_style"),

@@ -34,8 +34,8 @@ from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.store.specs import numpy_dtype
 from bridge.torch_numpy import from_numpy
 from bridge.store.tree import megatron_key_to_path, path_str
-from converters.megatron_cache import ArrayLRU
 from converters.dcp_reader import ChunkInfo, StorageRef
+from converters.megatron_cache import ArrayLRU
 from converters.megatron_format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
 from bridge.layout.legacy import legacy_box_map, legacy_shape
