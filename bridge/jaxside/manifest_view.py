@@ -199,6 +199,7 @@ def optimizer_from_manifest(manifest: Manifest | Mapping, learning_rate: Any = N
     """
     import optax
 
+    manifest = as_manifest(manifest)  # parse a JSON dict once, not in every helper below
     tx = _adamw_from_manifest(manifest, learning_rate, plan)
     if clip_grad is False or clip_grad is None:
         return tx
