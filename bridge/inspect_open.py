@@ -65,9 +65,6 @@ class CheckpointInfo:
 def open_for_inspection(directory: str | os.PathLike) -> CheckpointInfo:
     """Open `directory` lazily (no array data is read): every array's view, shape, dtype and chunking."""
     directory = os.fspath(directory)
-    if os.path.isfile(os.path.join(directory, ".metadata")) and not os.path.isfile(os.path.join(directory, "_METADATA")):
-        raise BridgeError(f"{directory} is a torch_dist (Megatron/DCP) checkpoint, not a logical one; "
-                          f"convert it first: gtp-bridge convert {directory} OUT")
     ck = open_checkpoint(directory)
     arrays = []
     for path in ck.paths():

@@ -56,6 +56,9 @@ def find_checkpoint_root(path: str) -> str:
     for item in ITEM_DIRS:
         if os.path.isfile(os.path.join(path, item, "_METADATA")):
             return os.path.join(path, item)
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        raise BridgeError(f"{path} is a torch_dist (Megatron/DCP) checkpoint, not a logical one; "
+                          f"convert it first: gtp-bridge convert {path} OUT")
     raise BridgeError(f"{path} has no _METADATA: not a committed Orbax checkpoint")
 
 
