@@ -297,7 +297,7 @@ def _store_only(run, params, args: dict, rank: int):
     def write(path: str) -> None:
         tmp = begin_checkpoint(path)
         w = CheckpointWriter(tmp, planned.wplan, rank, inflight_bytes=writer_batch_bytes(args["inflight"]),
-                             compute_digest=True)
+                             compute_digest=args["digest"])
         for name, box, arr in data:
             w.write(name, box, arr, donate=True)
         if rank == 0:
@@ -353,7 +353,8 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
 
                 def go():
                     return export_state(path, run, params, inflight_bytes=args["inflight"],
-                                        target_chunk_bytes=args["chunk"], inner_chunk_bytes=args["inner"])
+                                        target_chunk_bytes=args["chunk"], inner_chunk_bytes=args["inner"],
+                                        digest=args["digest"])
 
                 t, m, rep_ = _timed(go, device)
                 written = rep_.bytes_written
@@ -548,6 +549,7 @@ def main(argv=None) -> int:
     ap.add_argument("--busbw", action="store_true", help="also time the exchange vs all_gather_into_tensor")
     ap.add_argument("--verify", action="store_true",
                     help="read every piece each rank holds back from an exported checkpoint and compare bytes")
+    ap.add_argument("--no-digest", action="store_true", help="diagnostic: export and store without digests")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the summary JSON here")
     a = ap.parse_args(argv)
@@ -557,7 +559,7 @@ def main(argv=None) -> int:
     os.makedirs(scratch, exist_ok=True)
     args = {"tp": a.tp, "gtp": a.gtp, "hidden": hidden_for(a.mib, a.layers), "layers": a.layers, "pad": a.pad,
             "reps": a.reps, "inflight": a.inflight, "chunk": int(a.chunk_mib * 2 ** 20), "inner": "auto" if a.inner_kib is None else int(a.inner_kib * 2 ** 10), "backend": a.backend, "busbw": a.busbw, "dir": scratch,
-            "verify": a.verify}
+            "verify": a.verify, "digest": not a.no_digest}
     out_json = a.json or os.path.join(scratch, "summary.json")
     init = f"file://{os.path.join(scratch, 'pg_init')}"
     mp.spawn(worker, args=(a.world, init, args, out_json), nprocs=a.world, join=True)

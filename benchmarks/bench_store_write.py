@@ -222,6 +222,8 @@ STORE_DIAGNOSTICS = {
     "store_if64": {"writer": {"inflight_bytes": 64 << 20, "commit_depth": 1}},
     "store_if32d2": {"writer": {"inflight_bytes": 32 << 20, "commit_depth": 2}},
     "store_if32d3": {"writer": {"inflight_bytes": 32 << 20, "commit_depth": 3}},
+    "store_if16d2": {"writer": {"inflight_bytes": 16 << 20, "commit_depth": 2}},
+    "store_if16d3": {"writer": {"inflight_bytes": 16 << 20, "commit_depth": 3}},
     "store_if128": {"writer": {"inflight_bytes": 128 << 20, "commit_depth": 1}},
 }
 for _name in STORE_DIAGNOSTICS:

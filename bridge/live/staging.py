@@ -16,12 +16,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from math import prod
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from bridge.layout.boxes import Box
+from bridge.store.staging import grid_cells, num_grid_cells
 from bridge.torch_numpy import numpy_dtype_of, to_numpy
 
 
@@ -96,6 +97,22 @@ def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.nd
     if flush is not None and write_cpu is not None:
         return _stage(dev, write_cpu, budget_bytes // 3, 3, on_bytes, flush, stats)
     return _stage(dev, write, budget_bytes // 2, 2, on_bytes, None, stats)
+
+
+def split_cells(item: WriteItem, cell_shape: Sequence[int]) -> list[WriteItem]:
+    """`item` cut along the store's inner-chunk grid (views, no copy), or `[item]` when it needs no cut.
+
+    Staged cell by cell, every host slab holds whole inner chunks contiguously, so the store writer
+    references them instead of copying them again; the rearrangement is done by the device copy.
+
+    >>> it = WriteItem("a", Box((0, 0), (2, 4)), torch.arange(8.).reshape(2, 4))
+    >>> [(str(c.box), c.data.tolist()) for c in split_cells(it, (2, 2))]
+    [('[0:2, 0:2]', [[0.0, 1.0], [4.0, 5.0]]), ('[0:2, 2:4]', [[2.0, 3.0], [6.0, 7.0]])]
+    """
+    box = item.box
+    if box.ndim < 2 or num_grid_cells(Box(box.start[1:], box.stop[1:]), cell_shape[1:]) == 1:
+        return [item]  # each cell is a run of whole rows of the item: contiguous already
+    return [WriteItem(item.name, cell, item.data[cell.relative_to(box).slices]) for cell in grid_cells(box, cell_shape)]
 
 
 ALIGN = 16  # bytes: every staged item starts aligned, whatever dtypes share a pinned buffer

@@ -33,7 +33,7 @@ from bridge.store.tree import path_str
 
 REPORT_DIR = "_gtp_bridge_writers"
 # Donated boxes at least this large are digested on a side thread (small ones: thread hand-off costs more).
-_ASYNC_DIGEST_BYTES = 1 << 20
+_ASYNC_DIGEST_BYTES = 256 << 10
 # Boxes whose inner-chunk cells average less than this are left to TensorStore to copy: per cell,
 # staging costs a TensorStore write call (~50 us), which only pays off for cells of this size.
 _MIN_STAGED_CELL_BYTES = 128 << 10
