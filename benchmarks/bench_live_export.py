@@ -296,7 +296,8 @@ def _store_only(run, params, args: dict, rank: int):
 
     def write(path: str) -> None:
         tmp = begin_checkpoint(path)
-        w = CheckpointWriter(tmp, planned.wplan, rank, inflight_bytes=writer_batch_bytes(args["inflight"]),
+        batch = writer_batch_bytes(args["inflight"]) if args["inflight"] else None  # None: the export's default
+        w = CheckpointWriter(tmp, planned.wplan, rank, inflight_bytes=batch,
                              compute_digest=args["digest"])
         for name, box, arr in data:
             w.write(name, box, arr, donate=True)
@@ -541,7 +542,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--pad", type=int, default=16, help="pad_for_alignment")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--inflight", type=int, default=256 << 20, help="export in-flight budget, bytes")
+    ap.add_argument("--inflight", type=int, default=None,
+                    help="export in-flight budget, bytes (default: export_state's, which depends on the CPU count)")
     ap.add_argument("--chunk-mib", type=float, default=4, help="export target outer chunk size, MiB")
     ap.add_argument("--inner-kib", type=float, default=None,
                     help="export inner (read) chunk size, KiB (default: the export's 'auto' choice)")

@@ -12,7 +12,7 @@ Variants (all fsync'd, no compression, same N GiB of fp32 in `--arrays` arrays):
          chunk), store_nodigest (no digests), store_lean (none of the three), store_nostage (TensorStore
          copies inner chunks itself instead of the writer staging them in reused slabs), store_nodrop
          (no drop-behind), store_old (neither staging nor drop-behind, 256 MiB batches, one commit),
-         store_if<N>[d<D>] (N MiB batches, D commits in flight; the store defaults are 64 MiB, 2)
+         store_if<N>[d<D>] (N MiB batches, D commits in flight; defaults 64 MiB (128 with >= 16 CPUs), 2)
 Reps are interleaved (variant order rotates); every worker starts from the same free-memory state
 (--memory warm|cold, see _settle);
 medians are reported as GB/s (1e9 B/s) and as ratios. Peak RSS is each writer's VmHWM;
@@ -121,6 +121,9 @@ def store_worker(rank, world, shapes, out_dir, barrier, q, extra):
     c0 = _cpu_s()
     opts = {k: v for k, v in extra.items() if k not in ("donate", "diag", "settle", "warm_bytes")}
     opts.update(diag.get("writer", {}))
+    if "target_file" in diag:  # OCDBT data file size: how many files a commit writes in parallel
+        from bridge.store import specs
+        specs.TARGET_DATA_FILE_SIZE = diag["target_file"]
     w = CheckpointWriter(tmp_dir_for(out_dir), plan, rank, **opts)
     for i, s in enumerate(shapes):
         r0 = rank * (s[0] // 2)
@@ -223,6 +226,10 @@ STORE_DIAGNOSTICS = {
     "store_if32d2": {"writer": {"inflight_bytes": 32 << 20, "commit_depth": 2}},
     "store_if32d3": {"writer": {"inflight_bytes": 32 << 20, "commit_depth": 3}},
     "store_if16d2": {"writer": {"inflight_bytes": 16 << 20, "commit_depth": 2}},
+    "store_if128d2": {"writer": {"inflight_bytes": 128 << 20, "commit_depth": 2}},
+    "store_tf16": {"target_file": 16 << 20},
+    "store_if256tf16": {"writer": {"inflight_bytes": 256 << 20, "commit_depth": 1}, "target_file": 16 << 20},
+    "store_if128d2tf16": {"writer": {"inflight_bytes": 128 << 20, "commit_depth": 2}, "target_file": 16 << 20},
     "store_if16d3": {"writer": {"inflight_bytes": 16 << 20, "commit_depth": 3}},
     "store_if128": {"writer": {"inflight_bytes": 128 << 20, "commit_depth": 1}},
 }

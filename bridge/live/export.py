@@ -43,7 +43,7 @@ from bridge.store.commit import begin_checkpoint, finalize
 from bridge.store.manifest import Manifest, OptimizerConfig, SourceLayout
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.store.tree import adamw_empty_paths, megatron_key_to_path, path_str
-from bridge.store.writer import CheckpointWriter
+from bridge.store.writer import CheckpointWriter, default_batch_bytes
 
 COUNT_PATH = ("opt_state", "0", "count")
 STEP_PATH = ("step",)
@@ -301,7 +301,7 @@ def _plan(summaries: Sequence[dict], run: LiveRun, world: int, target_chunk_byte
     return _Planned(plan, wplan, fused, pads, inner_chunk_bytes, plan.moved_bytes() > 0)
 
 
-def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflight_bytes: int = 256 << 20,
+def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflight_bytes: int | None = None,
                  target_chunk_bytes: int = 4 << 20, compression: str | None = None, timeout: float = 600.0,
                  digest: bool = True, inner_chunk_bytes: int | str | None = "auto",
                  on_stage: Callable[[str], None] | None = None) -> ExportReport:
@@ -309,7 +309,8 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
 
     Every rank of `run.group` calls it with the same `dst` and its own `params`. `inflight_bytes`
     bounds host memory (about 1.25x): writer transactions of a quarter of it (one filling, one
-    committing) and, for CUDA tensors, three pinned staging buffers of one transaction each.
+    committing) and, for CUDA tensors, three pinned staging buffers of one transaction each; the
+    default is four of the store's `default_batch_bytes()` (256 MiB, 512 MiB with >= 16 CPUs).
     `inner_chunk_bytes` sizes the zarr3 inner (read) chunks: small enough that a reader at another
     TP / GTP split reads little beyond its boxes, large enough to write fast; "auto" takes the
     largest of 1 MiB / 512 KiB / 256 KiB whose estimated read amplification is <= 1.2
@@ -383,7 +384,7 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     bytes_sent = send.numel()
     dtypes = {a.name: TORCH_DTYPES[a.dtype] for a in plan.catalog}
     local_items = [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t)) for t in plan.sends(rank, rank)]
-    batch = writer_batch_bytes(inflight_bytes)
+    batch = writer_batch_bytes(inflight_bytes) if inflight_bytes else default_batch_bytes()
     # Device data goes through the donated staging pipeline, which refills a buffer once
     # flush(wait=False) returns: that holds with one commit in flight. Host data is donated as is: two.
     on_host = not _STAGE_ALL and not any(it.data.is_cuda for it in local_items)
