@@ -323,6 +323,12 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     from bridge.live.export import clear_plan_cache, export_state
 
     torch.set_num_threads(1)
+    if args.get("target_file"):  # diagnostic: OCDBT data file size (how many files a commit writes at once)
+        from bridge.store import specs
+        specs.TARGET_DATA_FILE_SIZE = args["target_file"]
+    if args.get("device_commits"):  # diagnostic: writer commits in flight while device data is staged
+        from bridge.live import export as ex
+        ex._DEVICE_COMMITS = args["device_commits"]
     device = torch.device("cpu")
     if args["backend"] == "nccl":
         device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -552,6 +558,9 @@ def main(argv=None) -> int:
     ap.add_argument("--verify", action="store_true",
                     help="read every piece each rank holds back from an exported checkpoint and compare bytes")
     ap.add_argument("--no-digest", action="store_true", help="diagnostic: export and store without digests")
+    ap.add_argument("--target-file-mib", type=float, default=None, help="diagnostic: OCDBT target data file size")
+    ap.add_argument("--device-commits", type=int, default=None,
+                    help="diagnostic: writer commits in flight while device data is staged")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write the summary JSON here")
     a = ap.parse_args(argv)
@@ -561,7 +570,9 @@ def main(argv=None) -> int:
     os.makedirs(scratch, exist_ok=True)
     args = {"tp": a.tp, "gtp": a.gtp, "hidden": hidden_for(a.mib, a.layers), "layers": a.layers, "pad": a.pad,
             "reps": a.reps, "inflight": a.inflight, "chunk": int(a.chunk_mib * 2 ** 20), "inner": "auto" if a.inner_kib is None else int(a.inner_kib * 2 ** 10), "backend": a.backend, "busbw": a.busbw, "dir": scratch,
-            "verify": a.verify, "digest": not a.no_digest}
+            "verify": a.verify, "digest": not a.no_digest,
+            "target_file": int(a.target_file_mib * 2 ** 20) if a.target_file_mib else None,
+            "device_commits": a.device_commits}
     out_json = a.json or os.path.join(scratch, "summary.json")
     init = f"file://{os.path.join(scratch, 'pg_init')}"
     mp.spawn(worker, args=(a.world, init, args, out_json), nprocs=a.world, join=True)

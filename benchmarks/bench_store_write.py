@@ -228,6 +228,7 @@ STORE_DIAGNOSTICS = {
     "store_if16d2": {"writer": {"inflight_bytes": 16 << 20, "commit_depth": 2}},
     "store_if128d2": {"writer": {"inflight_bytes": 128 << 20, "commit_depth": 2}},
     "store_tf16": {"target_file": 16 << 20},
+    "store_tf32": {"target_file": 32 << 20},
     "store_if256tf16": {"writer": {"inflight_bytes": 256 << 20, "commit_depth": 1}, "target_file": 16 << 20},
     "store_if128d2tf16": {"writer": {"inflight_bytes": 128 << 20, "commit_depth": 2}, "target_file": 16 << 20},
     "store_if16d3": {"writer": {"inflight_bytes": 16 << 20, "commit_depth": 3}},

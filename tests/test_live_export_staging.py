@@ -49,14 +49,14 @@ def _items(src) -> list[WriteItem]:
     return items
 
 
-def _export(dst: str, flush_commits: bool):
+def _export(dst: str, flush_commits: bool, depth: int = 1):
     src = _sources()
     own = {p: ArrayOwnership(a.shape, (8, a.shape[1]), np.zeros((a.shape[0] // 8, 1), np.int32))
            for p, a in src.items()}
     plan = make_write_plan([ArraySpec(p, a.shape, a.dtype.name) for p, a in src.items()], 1, own,
                            inner_chunk_bytes=512)
     tmp = begin_checkpoint(dst)
-    writer = CheckpointWriter(tmp, plan, 0, inflight_bytes=1 << 20)
+    writer = CheckpointWriter(tmp, plan, 0, inflight_bytes=1 << 20, commit_depth=depth)
     flushes = []
 
     def flush():
@@ -64,9 +64,10 @@ def _export(dst: str, flush_commits: bool):
         if flush_commits:
             writer.flush(wait=False)
 
-    peak = stage_and_write(_items(src), lambda n, b, a: writer.write(n, b, a), budget_bytes=3 * 2048,
+    peak = stage_and_write(_items(src), lambda n, b, a: writer.write(n, b, a), budget_bytes=(depth + 2) * 2048,
                            write_cpu=lambda n, b, a: writer.write(n, b, a, donate=True), flush=flush,
-                           stage_cpu=True)
+                           stage_cpu=True, commits_in_flight=depth,
+                           drain=writer.flush if flush_commits else flush)
     writer.finish()
     commit_checkpoint(dst, plan)
     ck = open_checkpoint(dst)
@@ -77,10 +78,12 @@ def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
     return x.shape == y.shape and np.array_equal(x.view(np.uint8), y.view(np.uint8))
 
 
-def test_donated_staging_buffers_are_reused_only_after_commit(tmp_path):
-    src, got, flushes, peak = _export(str(tmp_path / "ck"), flush_commits=True)
-    assert flushes > 6, "the budget must force many batches through three buffers"
-    assert 0 < peak <= 3 * 2048
+@pytest.mark.parametrize("depth", [1, 2])
+def test_donated_staging_buffers_are_reused_only_after_commit(tmp_path, depth):
+    """With `depth` writer commits in flight, depth + 2 buffers: none refilled before its commit landed."""
+    src, got, flushes, peak = _export(str(tmp_path / "ck"), flush_commits=True, depth=depth)
+    assert flushes > 6, "the budget must force many batches through the buffers"
+    assert 0 < peak <= (depth + 2) * 2048
     for p in src:
         assert _same_bits(got[p], src[p]), p
 
@@ -110,7 +113,7 @@ def test_copying_staging_path_round_trips(tmp_path, budget):
         assert _same_bits(out[".".join(p)], a), p
 
 
-def _export_staged(rank, world, dst):
+def _export_staged(rank, world, dst, commits=1):
     """Export with every piece staged through the donated host buffers (the CUDA flow) on gloo."""
     from test_live_export import FP8, MODEL, STEP, local_params
 
@@ -119,13 +122,15 @@ def _export_staged(rank, world, dst):
     from bridge.live.api import AdamConfig, LiveRun
 
     ex._STAGE_ALL = True
+    ex._DEVICE_COMMITS = commits
     params, _ = local_params(MODEL, 1, 2, 2, 4, rank, FP8)
     run = LiveRun(ParallelLayout(tp=1, gtp=2, dp=2), rank, STEP, AdamConfig(lr=1e-3))
     rep = ex.export_state(dst, run, params, inflight_bytes=3 * 1024, target_chunk_bytes=64)
     return {"peak": rep.staging_peak_bytes, "calls": rep.write_calls}
 
 
-def test_export_through_donated_staging_matches_reference(tmp_path):
+@pytest.mark.parametrize("commits", [1, 2])
+def test_export_through_donated_staging_matches_reference(tmp_path, commits):
     """World 4, TP1xGTP2xDP2 with FP8 and padding: the staged (GPU-shaped) flow writes exactly the
     state assembled independently from the ranks' raw shards."""
     from test_live_export import FP8, MODEL, expected_state
@@ -135,8 +140,8 @@ def test_export_through_donated_staging_matches_reference(tmp_path):
     from bridge.store.tree import megatron_key_to_path
 
     dst = str(tmp_path / "ck")
-    results, _ = spawn(4, _export_staged, (dst,), tmp_path, timeout_s=240)
-    assert all(0 < r["peak"] <= 3 * 1024 for r in results)
+    results, _ = spawn(4, _export_staged, (dst, commits), tmp_path, timeout_s=240)
+    assert all(0 < r["peak"] <= (commits + 2) * 1024 for r in results)
     want = expected_state(MODEL, 1, 2, 2, 4, FP8)
     roots = {"model": ("model",), "params": ("params",), "mu": ("opt_state", "0", "mu"), "nu": ("opt_state", "0", "nu")}
     ck = open_checkpoint(dst)

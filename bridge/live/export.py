@@ -261,6 +261,8 @@ class _NoWork:
 # Tests only: send CPU pieces through the staging buffers and one pass after the exchange, as CUDA
 # pieces go on a GPU machine (exercises that path on gloo).
 _STAGE_ALL = False
+# Writer commits in flight while device data is staged (each costs one more pinned buffer of a batch).
+_DEVICE_COMMITS = 1
 
 
 
@@ -385,12 +387,12 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     dtypes = {a.name: TORCH_DTYPES[a.dtype] for a in plan.catalog}
     local_items = [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t)) for t in plan.sends(rank, rank)]
     batch = writer_batch_bytes(inflight_bytes) if inflight_bytes else default_batch_bytes()
-    # Device data goes through the donated staging pipeline, which refills a buffer once
-    # flush(wait=False) returns: that holds with one commit in flight. Host data is donated as is: two.
+    # Device data goes through the donated staging pipeline (_DEVICE_COMMITS + 2 pinned buffers of
+    # one batch, each refilled once its commit landed). Host data is donated as is: two in flight.
     on_host = not _STAGE_ALL and not any(it.data.is_cuda for it in local_items)
     staging = not on_host or recv.is_cuda
-    writer = CheckpointWriter(tmp, wplan, rank, inflight_bytes=batch, compute_digest=digest,
-                              commit_depth=1 if staging else 2)
+    depth = _DEVICE_COMMITS if staging else 2
+    writer = CheckpointWriter(tmp, wplan, rank, inflight_bytes=batch, compute_digest=digest, commit_depth=depth)
     calls = [0]
 
     def write_copy(n, b, a):
@@ -416,9 +418,9 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
             if staging:  # device data: cut into inner chunks so the staged host copy is already write-ready
                 items = [c for it in items for c in (split_cells(it, wplan.lookup(it.name).inner_chunk_shape)
                                                      if it.data.is_cuda or _STAGE_ALL else [it])]
-            peak = max(peak, stage_and_write(items, write_copy, 3 * batch, bar.update,
+            peak = max(peak, stage_and_write(items, write_copy, (depth + 2) * batch, bar.update,
                                              write_cpu=write_donated, flush=flush, stage_cpu=_STAGE_ALL,
-                                             stats=staged))
+                                             stats=staged, commits_in_flight=depth, drain=writer.flush))
 
         if on_host:
             write_all(local_items)  # overlaps the exchange (gloo runs it on its own thread)

@@ -66,19 +66,21 @@ def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.nd
                     budget_bytes: int, on_bytes: Callable[[int], None] | None = None,
                     write_cpu: Callable[[str, Box, np.ndarray], None] | None = None,
                     flush: Callable[[], None] | None = None, stage_cpu: bool = False,
-                    stats: dict | None = None) -> int:
+                    stats: dict | None = None, commits_in_flight: int = 1,
+                    drain: Callable[[], None] | None = None) -> int:
     """Feed every item to `write(name, box, ndarray)`; returns the peak staging bytes used.
 
     CPU items go to `write_cpu` when given: a writer that may keep referencing the numpy view
     (no copy) because the caller keeps the items alive until the writer has finished.
     CUDA items are copied to host buffers first. Without `flush` they go to `write`, which must
     copy before returning (two pinned buffers of half the budget, reused at once). With `flush`
-    and `write_cpu` the staged arrays are donated too (no second copy on the host): three pinned
-    buffers of a third of the budget each, `flush()` after each buffer's writes, and a buffer is
-    refilled only after the flush that follows the next buffer's writes has returned. `flush`
-    must guarantee that when it returns every earlier flush's data has been committed (the store
-    writer's `flush(wait=False)`: at most one commit outstanding); one more `flush()` at the end
-    leaves no staged buffer referenced when this returns. `stage_cpu=True` sends CPU items
+    and `write_cpu` the staged arrays are donated too (no second copy on the host): with
+    d = `commits_in_flight`, d + 2 pinned buffers sharing the budget, `flush()` after each buffer's
+    writes, and a buffer is refilled only after the d-th flush after its own has returned. `flush`
+    must guarantee that when it returns all but the last d - 1 earlier flushes' data has been
+    committed (the store writer's `flush(wait=False)` with ``commit_depth=d``); `drain()` (default
+    `flush`) at the end must commit everything, so no staged buffer is referenced when this
+    returns. `stage_cpu=True` sends CPU items
     through the same buffers (tests of the staging pipeline on machines without a GPU).
     `stats` (optional) accumulates "d2h_wait_s" (time blocked on copies) and "staged_bytes".
     """
@@ -95,7 +97,8 @@ def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.nd
         return 0
     stats = stats if stats is not None else {}
     if flush is not None and write_cpu is not None:
-        return _stage(dev, write_cpu, budget_bytes // 3, 3, on_bytes, flush, stats)
+        n = max(1, int(commits_in_flight)) + 2
+        return _stage(dev, write_cpu, budget_bytes // n, n, on_bytes, flush, stats, n - 2, drain or flush)
     return _stage(dev, write, budget_bytes // 2, 2, on_bytes, None, stats)
 
 
@@ -185,13 +188,15 @@ class _Copier:
             ev.synchronize()
 
 
-def _stage(items: list[WriteItem], write, part: int, nbuf: int, on_bytes, flush, stats: dict) -> int:
+def _stage(items: list[WriteItem], write, part: int, nbuf: int, on_bytes, flush, stats: dict,
+           lag: int = 1, drain=None) -> int:
     """Copy batches of at most `part` bytes through `nbuf` reused host buffers into `write`.
 
     Without `flush`, `write` copies before returning, so a buffer is free again as soon as its
-    batch is written: batch k+1's copy overlaps batch k's writes. With `flush` (donated buffers),
-    the buffer of batch k-1 is free once the flush after batch k returned (its commit is done),
-    so with three buffers batch k+1's copy still overlaps batch k's writes.
+    batch is written: batch k+1's copy overlaps batch k's writes. With `flush` (donated buffers,
+    `lag` commits left in flight), the buffer of batch k-lag is free once the flush after batch k
+    returned (its commit is done), so with lag + 2 buffers batch k+1's copy still overlaps batch
+    k's writes.
     """
     batches = _batches(items, part)
     size = max(sum(_slot(p) for p in b) for b in batches)
@@ -229,11 +234,11 @@ def _stage(items: list[WriteItem], write, part: int, nbuf: int, on_bytes, flush,
             if on_bytes:
                 on_bytes(nb)
         if flush is not None:
-            flush()  # batch k-1's commit is done: its buffer may be refilled
-            if k >= 1:
-                launch(k - 1 + n)
+            flush()  # batch k-lag's commit is done: its buffer may be refilled
+            if k >= lag:
+                launch(k - lag + n)
         elif n == 1:
             launch(k + 1)
     if flush is not None:
-        flush()  # the last batch's commit is done too: the buffers are free when this returns
+        drain()  # every batch's commit is done: the buffers are free when this returns
     return size * n
