@@ -3,9 +3,10 @@
 Each write item is a contiguous tensor holding one box of one array. CPU tensors are handed to
 the writer as numpy views (no copy). CUDA tensors are copied on a side stream into pinned host
 buffers that are kept across exports, while the writer consumes the previous buffer:
-- donated (a writer whose `flush(wait=False)` commits in the background with at most one commit
-  outstanding): three buffers of `budget // 3`, handed to the writer without a copy, a flush
-  after each, and a buffer refilled only once the commit that references it has landed;
+- donated (a writer whose `flush(wait=False)` commits in the background with at most d commits
+  outstanding): d + 2 buffers sharing the budget, each cut into whole inner chunks of the store
+  (`split_cells`) and handed to the writer without a copy, a flush after each, and a buffer
+  refilled only once the commit that references it has landed;
 - copying (any other writer): two buffers of `budget // 2`, reused as soon as `write` returns.
 Items larger than one buffer are split into row slabs first, so host memory for staging never
 exceeds the budget whatever the model size.
