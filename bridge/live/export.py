@@ -37,7 +37,7 @@ from bridge.live.exchange import all_gather_json, collective_device, pack, start
 from bridge.live.holdings import (TORCH_DTYPES, Holding, holdings_signature, rank_holdings, refresh_holdings,
                                   tree_name)
 from bridge.live.plan import ExportPlan, PlanCache, Transfer, build_plan, choose_inner_bytes, plan_key
-from bridge.live.staging import WriteItem, split_cells, stage_and_write
+from bridge.live.staging import WriteItem, stage_and_write
 from bridge.progress import progress
 from bridge.store.commit import begin_checkpoint, finalize
 from bridge.store.manifest import Manifest, OptimizerConfig, SourceLayout
@@ -418,12 +418,10 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
         def write_all(items: list[WriteItem]) -> None:
             nonlocal peak
             items = sorted(items, key=lambda it: (order[it.name], it.box.start))  # a chunk's pieces together
-            if staging:  # device data: cut into inner chunks so the staged host copy is already write-ready
-                items = [c for it in items for c in (split_cells(it, wplan.lookup(it.name).inner_chunk_shape)
-                                                     if it.data.is_cuda or _STAGE_ALL else [it])]
             peak = max(peak, stage_and_write(items, write_copy, (depth + 2) * batch, bar.update,
                                              write_cpu=write_donated, flush=flush, stage_cpu=_STAGE_ALL,
-                                             stats=staged, commits_in_flight=depth, drain=writer.flush))
+                                             stats=staged, commits_in_flight=depth, drain=writer.flush,
+                                             cell_shape=lambda name: wplan.lookup(name).inner_chunk_shape))
 
         if on_host:
             write_all(local_items)  # overlaps the exchange (gloo runs it on its own thread)

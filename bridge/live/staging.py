@@ -68,7 +68,8 @@ def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.nd
                     write_cpu: Callable[[str, Box, np.ndarray], None] | None = None,
                     flush: Callable[[], None] | None = None, stage_cpu: bool = False,
                     stats: dict | None = None, commits_in_flight: int = 1,
-                    drain: Callable[[], None] | None = None) -> int:
+                    drain: Callable[[], None] | None = None,
+                    cell_shape: Callable[[str], Sequence[int]] | None = None) -> int:
     """Feed every item to `write(name, box, ndarray)`; returns the peak staging bytes used.
 
     CPU items go to `write_cpu` when given: a writer that may keep referencing the numpy view
@@ -81,9 +82,10 @@ def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.nd
     must guarantee that when it returns all but the last d - 1 earlier flushes' data has been
     committed (the store writer's `flush(wait=False)` with ``commit_depth=d``); `drain()` (default
     `flush`) at the end must commit everything, so no staged buffer is referenced when this
-    returns. `stage_cpu=True` sends CPU items
-    through the same buffers (tests of the staging pipeline on machines without a GPU).
-    `stats` (optional) accumulates "d2h_wait_s" (time blocked on copies) and "staged_bytes".
+    returns. `cell_shape(name)` (the store's inner chunk of array `name`) cuts staged items into
+    inner chunks first (`split_cells`). `stage_cpu=True` sends CPU items through the same buffers
+    (tests of the staging pipeline on machines without a GPU). `stats` (optional) accumulates
+    "d2h_wait_s" (time blocked on copies) and "staged_bytes".
     """
     budget_bytes = max(3, int(budget_bytes))
     cpu: list[WriteItem] = []
@@ -96,17 +98,19 @@ def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.nd
             on_bytes(it.data.numel() * it.data.element_size())
     if not dev:
         return 0
+    if cell_shape is not None:
+        dev = [c for it in dev for c in split_cells(it, cell_shape(it.name))]
     stats = stats if stats is not None else {}
     if flush is not None and write_cpu is not None:
         n = max(1, int(commits_in_flight)) + 2
-        return _stage(dev, write_cpu, budget_bytes // n, n, on_bytes, flush, stats, n - 2, drain or flush)
+        return _stage(dev, write_cpu, budget_bytes // n, n, on_bytes, flush, stats, n - 2, drain)
     return _stage(dev, write, budget_bytes // 2, 2, on_bytes, None, stats)
 
 
 def split_cells(item: WriteItem, cell_shape: Sequence[int]) -> list[WriteItem]:
     """`item` cut along the store's inner-chunk grid (views, no copy), or `[item]` when it needs no cut.
 
-    Staged cell by cell, every host slab holds whole inner chunks contiguously, so the store writer
+    Staged cell by cell, every host buffer holds whole inner chunks contiguously, so the store writer
     references them instead of copying them again; the rearrangement is done by the device copy.
 
     >>> it = WriteItem("a", Box((0, 0), (2, 4)), torch.arange(8.).reshape(2, 4))
@@ -199,6 +203,7 @@ def _stage(items: list[WriteItem], write, part: int, nbuf: int, on_bytes, flush,
     returned (its commit is done), so with lag + 2 buffers batch k+1's copy still overlaps batch
     k's writes.
     """
+    drain = drain or flush
     batches = _batches(items, part)
     size = max(sum(_slot(p) for p in b) for b in batches)
     size = min(part, -(-size // (1 << 20)) * (1 << 20)) if size < part else size  # round up: reuse across calls
