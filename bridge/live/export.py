@@ -266,7 +266,6 @@ _STAGE_ALL = False
 _DEVICE_COMMITS = 2
 
 
-
 def writer_batch_bytes(inflight_bytes: int) -> int:
     """Bytes per writer transaction (and per staging buffer) for an export budget.
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from bridge.layout.boxes import Box
-from bridge.store.staging import grid_cells, num_grid_cells
+from bridge.store.staging import cells_are_row_runs, grid_cells
 from bridge.torch_numpy import numpy_dtype_of, to_numpy
 
 
@@ -118,8 +118,8 @@ def split_cells(item: WriteItem, cell_shape: Sequence[int]) -> list[WriteItem]:
     [('[0:2, 0:2]', [[0.0, 1.0], [4.0, 5.0]]), ('[0:2, 2:4]', [[2.0, 3.0], [6.0, 7.0]])]
     """
     box = item.box
-    if box.ndim < 2 or num_grid_cells(Box(box.start[1:], box.stop[1:]), cell_shape[1:]) == 1:
-        return [item]  # each cell is a run of whole rows of the item: contiguous already
+    if cells_are_row_runs(box, cell_shape):
+        return [item]  # contiguous already
     return [WriteItem(item.name, cell, item.data[cell.relative_to(box).slices]) for cell in grid_cells(box, cell_shape)]
 
 

@@ -52,6 +52,16 @@ def num_grid_cells(box: Box, cell_shape: Sequence[int]) -> int:
     return n
 
 
+def cells_are_row_runs(box: Box, cell_shape: Sequence[int]) -> bool:
+    """Whether every grid cell of `box` is a run of whole rows of it (so contiguous in its
+    row-major data): the box spans one cell along every dimension but the first.
+
+    >>> cells_are_row_runs(Box((0, 0), (8, 4)), (2, 4)), cells_are_row_runs(Box((0, 0), (8, 8)), (2, 4))
+    (True, False)
+    """
+    return box.ndim < 2 or num_grid_cells(Box(box.start[1:], box.stop[1:]), cell_shape[1:]) == 1
+
+
 class SlabPool:
     """Bump allocator over reusable byte slabs; slabs of a sealed batch return via `recycle`.
 

@@ -28,7 +28,7 @@ from bridge.layout.boxes import Box
 from bridge.store import digest as dg
 from bridge.store import specs
 from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan  # noqa: F401 (re-export)
-from bridge.store.staging import SlabPool, grid_cells, num_grid_cells
+from bridge.store.staging import SlabPool, cells_are_row_runs, grid_cells, num_grid_cells
 from bridge.store.tree import path_str
 
 REPORT_DIR = "_gtp_bridge_writers"
@@ -262,8 +262,7 @@ class CheckpointWriter:
         """
         inner = ap.inner_chunk_shape
         ncell = num_grid_cells(box, inner)
-        contiguous = data.flags.c_contiguous and (box.ndim < 2 or num_grid_cells(
-            Box(box.start[1:], box.stop[1:]), inner[1:]) == 1)
+        contiguous = data.flags.c_contiguous and cells_are_row_runs(box, inner)
         if (donate and contiguous) or not self.staging or data.nbytes < ncell * _MIN_STAGED_CELL_BYTES:
             fut = store[box.slices].write(data, can_reference_source_data_indefinitely=donate)
             if not donate:  # TensorStore copies the source asynchronously; the caller may reuse it on return
