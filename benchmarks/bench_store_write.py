@@ -12,7 +12,8 @@ Variants (all fsync'd, no compression, same N GiB of fp32 in `--arrays` arrays):
          chunk), store_nodigest (no digests), store_lean (none of the three), store_nostage (TensorStore
          copies inner chunks itself instead of the writer staging them in reused slabs), store_nodrop
          (no drop-behind), store_old (neither staging nor drop-behind, 256 MiB batches, one commit),
-         store_if<N>[d<D>] (N MiB batches, D commits in flight; defaults 64 MiB (128 with >= 16 CPUs), 2)
+         store_if<N>[d<D>][tf<F>] and store_tf<F> (N MiB batches, D commits in flight (1 when not given),
+         OCDBT data files of F MiB; the defaults are 64 MiB (128 with >= 16 CPUs), 2 and 64 MiB)
 Reps are interleaved (variant order rotates); every worker starts from the same free-memory state
 (--memory warm|cold, see _settle);
 medians are reported as GB/s (1e9 B/s) and as ratios. Peak RSS is each writer's VmHWM;
@@ -29,6 +30,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -212,7 +214,7 @@ def orbax_worker(rank, world, shapes, out_dir, barrier, q, extra):
 
 VARIANTS = {"store": (store_worker, 2), "raw_ts": (raw_ts_worker, 2), "orbax": (orbax_worker, 1),
             "dcp": (dcp_worker, 2)}
-# Diagnostic store variants: which of the store's extras cost what.
+# Named diagnostic store variants: which of the store's extras cost what.
 STORE_DIAGNOSTICS = {
     "store_nocrc": {"plan": {"checksum": False}},
     "store_outer": {"plan": {"inner_chunk_bytes": None}},
@@ -221,25 +223,41 @@ STORE_DIAGNOSTICS = {
     "store_nostage": {"writer": {"staging": False}},
     "store_nodrop": {"writer": {"drop_behind": False}},
     "store_old": {"writer": {"staging": False, "drop_behind": False, "inflight_bytes": 256 << 20, "commit_depth": 1}},
-    "store_if256": {"writer": {"inflight_bytes": 256 << 20, "commit_depth": 1}},
-    "store_if64": {"writer": {"inflight_bytes": 64 << 20, "commit_depth": 1}},
-    "store_if32d2": {"writer": {"inflight_bytes": 32 << 20, "commit_depth": 2}},
-    "store_if32d3": {"writer": {"inflight_bytes": 32 << 20, "commit_depth": 3}},
-    "store_if16d2": {"writer": {"inflight_bytes": 16 << 20, "commit_depth": 2}},
-    "store_if128d2": {"writer": {"inflight_bytes": 128 << 20, "commit_depth": 2}},
-    "store_tf16": {"target_file": 16 << 20},
-    "store_tf32": {"target_file": 32 << 20},
-    "store_if256tf16": {"writer": {"inflight_bytes": 256 << 20, "commit_depth": 1}, "target_file": 16 << 20},
-    "store_if128d2tf16": {"writer": {"inflight_bytes": 128 << 20, "commit_depth": 2}, "target_file": 16 << 20},
-    "store_if16d3": {"writer": {"inflight_bytes": 16 << 20, "commit_depth": 3}},
-    "store_if128": {"writer": {"inflight_bytes": 128 << 20, "commit_depth": 1}},
 }
-for _name in STORE_DIAGNOSTICS:
-    VARIANTS[_name] = (store_worker, 2)
+
+
+def store_diagnostic(name: str) -> dict | None:
+    """Options of diagnostic store variant `name` (a named one, or store_if<N>[d<D>][tf<F>] / store_tf<F>).
+
+    >>> store_diagnostic("store_if128d2tf16")
+    {'writer': {'inflight_bytes': 134217728, 'commit_depth': 2}, 'target_file': 16777216}
+    >>> store_diagnostic("store_tf32"), store_diagnostic("store")
+    ({'target_file': 33554432}, None)
+    """
+    if name in STORE_DIAGNOSTICS:
+        return STORE_DIAGNOSTICS[name]
+    m = re.fullmatch(r"store_(?:if(\d+)(?:d(\d+))?)?(?:tf(\d+))?", name)
+    if m is None or not (m.group(1) or m.group(3)):
+        return None
+    diag: dict = {}
+    if m.group(1):
+        diag["writer"] = {"inflight_bytes": int(m.group(1)) << 20, "commit_depth": int(m.group(2) or 1)}
+    if m.group(3):
+        diag["target_file"] = int(m.group(3)) << 20
+    return diag
+
+
+def variant(name: str):
+    """(worker function, process count) of a variant name."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    if store_diagnostic(name) is not None:
+        return store_worker, 2
+    raise SystemExit(f"unknown variant {name!r}: use {', '.join(VARIANTS)} or a store diagnostic (see --help)")
 
 
 def run_variant(name, shapes, workdir, rep, store_extra, memory="warm", settle=25.0):
-    fn, nproc = VARIANTS[name]
+    fn, nproc = variant(name)
     out = os.path.join(workdir, f"{name}_{rep}")
     for p in (out, out + ".orbax-checkpoint-tmp"):
         shutil.rmtree(p, ignore_errors=True)
@@ -256,8 +274,9 @@ def run_variant(name, shapes, workdir, rep, store_extra, memory="warm", settle=2
         extra["warm_bytes"] = nbytes // nproc + (256 << 20)
     else:
         extra["settle"] = settle
-    if name in STORE_DIAGNOSTICS:
-        extra["diag"] = STORE_DIAGNOSTICS[name]
+    diag = store_diagnostic(name)
+    if diag is not None:
+        extra["diag"] = diag
     if name == "dcp":
         import socket
 
@@ -310,6 +329,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     shapes = _shapes(args.gib, args.arrays)
     variants = args.variants.split(",")
+    for v in variants:
+        variant(v)  # refuse an unknown name before anything runs
     store_extra = {}
     if args.inflight_mib:
         store_extra["inflight_bytes"] = args.inflight_mib << 20
