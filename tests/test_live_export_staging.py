@@ -49,12 +49,18 @@ def _items(src) -> list[WriteItem]:
     return items
 
 
+def _plan(src: dict, inner_chunk_bytes: int, chunk_rows: int | None = None):
+    """A one-writer plan for `src`: chunks of `chunk_rows` whole rows (default: the whole array)."""
+    own = {p: ArrayOwnership(a.shape, (chunk_rows or a.shape[0], a.shape[1]),
+                             np.zeros((a.shape[0] // (chunk_rows or a.shape[0]), 1), np.int32))
+           for p, a in src.items()}
+    return make_write_plan([ArraySpec(p, a.shape, a.dtype.name) for p, a in src.items()], 1, own,
+                           inner_chunk_bytes=inner_chunk_bytes)
+
+
 def _export(dst: str, flush_commits: bool, depth: int = 1):
     src = _sources()
-    own = {p: ArrayOwnership(a.shape, (8, a.shape[1]), np.zeros((a.shape[0] // 8, 1), np.int32))
-           for p, a in src.items()}
-    plan = make_write_plan([ArraySpec(p, a.shape, a.dtype.name) for p, a in src.items()], 1, own,
-                           inner_chunk_bytes=512)
+    plan = _plan(src, 512, chunk_rows=8)
     tmp = begin_checkpoint(dst)
     writer = CheckpointWriter(tmp, plan, 0, inflight_bytes=1 << 20, commit_depth=depth)
     flushes = []
@@ -158,9 +164,7 @@ def test_cells_cut_before_staging_are_written_without_a_second_copy(tmp_path):
     rng = np.random.default_rng(11)
     src = {A: rng.standard_normal((1024, 768)).astype(np.float32),
            B: to_numpy(torch.from_numpy(rng.standard_normal((512, 1024)).astype(np.float32)).to(torch.bfloat16))}
-    own = {p: ArrayOwnership(a.shape, a.shape, np.zeros((1, 1), np.int32)) for p, a in src.items()}
-    plan = make_write_plan([ArraySpec(p, a.shape, a.dtype.name) for p, a in src.items()], 1, own,
-                           inner_chunk_bytes=256 << 10)
+    plan = _plan(src, 256 << 10)
     inner = {".".join(p): plan.lookup(p).inner_chunk_shape for p in src}
 
     def export(dst, cut):
