@@ -78,17 +78,6 @@ def test_plan_cache_reuses_plans_writes_new_values_and_replans_on_layout_change(
         assert int(ck.read(("step",))) == STEP
 
 
-def test_plan_cache_and_export_doctests():
-    import doctest
-
-    import bridge.live.export as ex
-    import bridge.live.plan as pl
-
-    for mod in (ex, pl):
-        res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
-        assert res.attempted > 0 and res.failed == 0, (mod.__name__, res)
-
-
 def test_plan_key_separates_options_and_rank_order():
     from bridge.live.plan import PlanCache, plan_key
 
