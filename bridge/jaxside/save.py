@@ -33,8 +33,9 @@ from bridge.jaxside.optax_state import extract_adam
 from bridge.layout.boxes import Box
 from bridge.progress import progress
 from bridge.store import digest as store_digest
-from bridge.store.commit import CHECKSUM_KEY, TMP_SUFFIX, fsync_dir, metadata_checksum
-from bridge.store.writer import write_json_atomic
+from bridge.store.commit import CHECKSUM_KEY, TMP_SUFFIX, metadata_checksum
+from bridge.store.durable import fsync_path
+from bridge.store.durable import write_json_atomic
 from bridge.store.manifest import MANIFEST_KEY, ArrayRecord, Manifest, SourceLayout
 from bridge.store.tree import check_tree_paths, path_to_name
 from converters.jax_naming import Plan, jax_backend
@@ -111,7 +112,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     if jax.process_index() == 0:
         seal_metadata(staging)
         os.rename(staging, d)
-        fsync_dir(os.path.dirname(os.path.abspath(d)))
+        fsync_path(os.path.dirname(os.path.abspath(d)))
     _barrier("gtpb-save-done")
     return out
 

@@ -33,7 +33,8 @@ from bridge.store import specs
 from bridge.store.manifest import MANIFEST_KEY, ArrayRecord, Manifest
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.store.tree import path_str, tree_metadata
-from bridge.store.writer import REPORT_DIR, CheckpointWriter, report_path, write_json_atomic
+from bridge.store.durable import fsync_path, fsync_tree, write_json_atomic
+from bridge.store.writer import REPORT_DIR, CheckpointWriter, report_path
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 CHECKSUM_KEY = "gtp_bridge_checksum"
@@ -181,26 +182,6 @@ def merge_writer_databases(tmp_dir: str, writers: Sequence[int]) -> None:
     txn.commit_async().result()
 
 
-def fsync_tree(root: str) -> None:
-    """fsync every file and directory under root (TensorStore syncs its files; this covers ours)."""
-    for dirpath, _dirs, files in os.walk(root):
-        for fn in files:
-            fd = os.open(os.path.join(dirpath, fn), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(dirpath)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = None, *, timeout: float = 600.0) -> str:
     """Wait for all writers, check coverage, merge, write metadata, fsync, rename tmp -> dst."""
     dst = os.path.abspath(dst)
@@ -226,7 +207,7 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
     if os.path.lexists(dst):
         raise BridgeError(f"destination {dst} appeared while saving; the new checkpoint is left in {tmp}")
     os.rename(tmp, dst)
-    fsync_dir(os.path.dirname(dst))
+    fsync_path(os.path.dirname(dst))
     return dst
 
 

@@ -5,6 +5,8 @@ Run from the repository root on the GPU machine:
     python scripts/gpu/live_bench.py                 # 2 GPUs: TP2xGTP1 and TP1xGTP2
     python scripts/gpu/live_bench.py --world 4       # 4 GPUs: TP2xGTP2
     python scripts/gpu/live_bench.py --mib 4096 --reps 3
+    python scripts/gpu/live_bench.py --layout gtp2 --writer-nosync   # one layout; other flags go to
+                                                                     # bench_live_export (diagnostics)
 
 For each layout it runs `benchmarks/bench_live_export.py --backend nccl --busbw` (same ranks, same
 state: export_state (plan reused, and replanned) vs the store alone on the same boxes vs
@@ -37,15 +39,18 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     ap.add_argument("--dir", default=None, help="scratch directory on a real disk (default: a temp dir)")
-    a = ap.parse_args(argv)
+    ap.add_argument("--layout", choices=("tp2", "gtp2"), default=None, help="only this layout (world 2)")
+    a, extra = ap.parse_known_args(argv)  # the rest goes to bench_live_export (its diagnostics)
     import bench_live_export as bench
 
     failed = 0
     rows = []
     for tp, gtp in LAYOUTS[a.world]:
+        if a.layout and a.layout != ("tp2" if tp == 2 else "gtp2"):
+            continue
         out = tempfile.mktemp(suffix=".json")
         argv_b = ["--world", str(a.world), "--tp", str(tp), "--gtp", str(gtp), "--mib", str(a.mib), "--reps",
-                  str(a.reps), "--backend", a.backend, "--busbw", "--verify", "--json", out]
+                  str(a.reps), "--backend", a.backend, "--busbw", "--verify", "--json", out, *extra]
         if a.dir:
             argv_b += ["--dir", os.path.join(a.dir, f"tp{tp}_gtp{gtp}")]
         bench.main(argv_b)
