@@ -147,6 +147,31 @@ def _fsync_tree(root: str) -> None:
             os.close(fd)
 
 
+# --writer-timeline: wall seconds inside these CheckpointWriter methods (inclusive; flush includes
+# _await_commits, finish includes flush), summed per rep, for the export and the store alone.
+TIMELINE_METHODS = ("_store", "_issue", "flush", "_await_commits", "_drop_written_pages", "finish")
+_TIMELINE: dict[str, float] = {}
+
+
+def _trace_writer_methods() -> None:
+    import functools
+
+    from bridge.store.writer import CheckpointWriter
+
+    def wrap(name, fn):
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                _TIMELINE[name] = _TIMELINE.get(name, 0.0) + time.perf_counter() - t0
+        return timed
+
+    for name in TIMELINE_METHODS:
+        setattr(CheckpointWriter, name, wrap(name, getattr(CheckpointWriter, name)))
+
+
 def _timed(fn, device):
     dist.barrier()
     if device.type == "cuda":
@@ -323,6 +348,9 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     from bridge.live.export import clear_plan_cache, export_state
 
     torch.set_num_threads(1)
+    if args.get("writer_timeline"):
+        _trace_writer_methods()
+    timeline: dict[str, list] = {"export": [], "store": []}
     if args.get("target_file"):  # diagnostic: OCDBT data file size (how many files a commit writes at once)
         from bridge.store import specs
         specs.TARGET_DATA_FILE_SIZE = args["target_file"]
@@ -364,6 +392,7 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
         order = order[rep % len(order):] + order[:rep % len(order)]
         for name in order:
             path = os.path.join(root, f"{name}_{rep + 1}")
+            _TIMELINE.clear()
             if name in ("export", "export_replan"):
                 if name == "export_replan":
                     clear_plan_cache()
@@ -402,6 +431,8 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
             if rep >= 0:
                 res[name].append(t)
                 mem[name].append(m)
+                if name in timeline and _TIMELINE:
+                    timeline[name].append({**_TIMELINE, "total": t})
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
@@ -412,7 +443,8 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     reload_fig = _reload_figures(os.path.join(root, "reload_src"), run, params, args, device)
     # slowest rank per repetition, peak memory over ranks
     mine = {"t": res, "mem": mem, "written": written, "state_bytes": state_bytes, "reload": reload_fig,
-            "steps": steps, "steps_replan": steps_replan, "cached": cached, "extra": extra, "dcp_bytes": dcp_bytes}
+            "steps": steps, "steps_replan": steps_replan, "cached": cached, "extra": extra, "dcp_bytes": dcp_bytes,
+            "timeline": timeline}
     from bridge.live.exchange import all_gather_json
     from bridge.live.export import TIMING_STEPS
 
@@ -436,6 +468,9 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
                    "dcp_bytes_written": sum(r["dcp_bytes"] for r in allr), "phases": out,
                    "plan_cached": all(all(r["cached"]) for r in allr),
                    "per_rank": [r["extra"] for r in allr],
+                   "writer_timeline": {ph: [{k: round(statistics.median(t[k] for t in r["timeline"][ph]), 4)
+                                             for k in r["timeline"][ph][0]} for r in allr]
+                                       for ph in ("export", "store") if allr[0]["timeline"][ph]},
                    "export_over_dcp_time": out["export"]["median_s"] / out["dcp"]["median_s"],
                    "export_replan_over_dcp_time": out["export_replan"]["median_s"] / out["dcp"]["median_s"],
                    "raw_over_export_time": out["raw_ts"]["median_s"] / out["export"]["median_s"],
@@ -529,6 +564,10 @@ def format_summary(s: dict, world: int, tp: int, gtp: int, backend: str) -> str:
         v = s["verify"]
         lines.append(f"verify: {v['checked_bytes'] / 2**20:.1f} MiB of the ranks' pieces read back, "
                      + ("all bytes equal" if not v["mismatches"] else f"MISMATCH {v['mismatches']}"))
+    for ph_name, ranks in (s.get("writer_timeline") or {}).items():
+        lines.append(f"writer timeline, {ph_name} (median s per rank, inclusive): "
+                     + "; ".join(f"rank {i} " + " ".join(f"{k}={v:.3f}" for k, v in t.items())
+                                 for i, t in enumerate(ranks)))
     if s["busbw"]:
         b = s["busbw"]
         lines.append(f"exchange ({b['source']} splits) busbw {b['a2a_busbw_GBps']:.2f} GB/s vs all_gather_into_tensor "
@@ -573,6 +612,8 @@ def main(argv=None) -> int:
                     help="diagnostic: the store writer lets TensorStore copy inner chunks (no staging slabs)")
     ap.add_argument("--writer-nosync", action="store_true",
                     help="diagnostic: TensorStore does not fsync each file; the writer fsyncs its database at the end")
+    ap.add_argument("--writer-timeline", action="store_true",
+                    help="diagnostic: wall seconds inside the store writer's methods (export and store alone)")
     ap.add_argument("--device-commits", type=int, default=None,
                     help="diagnostic: writer commits in flight while device data is staged")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
@@ -587,7 +628,7 @@ def main(argv=None) -> int:
             "verify": a.verify, "digest": not a.no_digest,
             "target_file": int(a.target_file_mib * 2 ** 20) if a.target_file_mib else None,
             "device_commits": a.device_commits, "writer_nostage": a.writer_nostage,
-            "writer_nosync": a.writer_nosync}
+            "writer_nosync": a.writer_nosync, "writer_timeline": a.writer_timeline}
     out_json = a.json or os.path.join(scratch, "summary.json")
     init = f"file://{os.path.join(scratch, 'pg_init')}"
     mp.spawn(worker, args=(a.world, init, args, out_json), nprocs=a.world, join=True)

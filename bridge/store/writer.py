@@ -118,6 +118,7 @@ class CheckpointWriter:
         self._base: dict[str, object] = {}   # opened once per array, not bound to a transaction
         self._open: dict[str, object] = {}   # the same, bound to the current transaction
         self._txn = None
+        self._transactions = 0               # transactions begun so far
         self._digester: ThreadPoolExecutor | None = None
         # Threads for digests and for staging copies (each); TensorStore has its own pool.
         self.threads = max(1, int(threads if threads is not None else min(4, (os.cpu_count() or 2) // 4)))
@@ -348,18 +349,35 @@ class CheckpointWriter:
                               f"{int(owners[rel])}; send that data to its owner")
 
     def _store(self, ap: ArrayPlan):
-        """The array bound to the current transaction.
+        """The array bound to the current transaction (opening the transaction if none is)."""
+        st = self._open.get(ap.spec.name)
+        if st is None:
+            if self._txn is None:
+                self._begin_transaction()
+            st = self._open.get(ap.spec.name) or self._bind(ap)
+        return st
+
+    def _begin_transaction(self) -> None:
+        """Start the next transaction; the first one also binds every array this writer touches.
+
+        Opening (or creating) an array waits on TensorStore's threads: once a batch is encoding
+        and writing, each open queues behind that work (measured 0.26 s of a 1 s export on 2
+        cores), so all opens happen before any data is in flight.
+        """
+        self._txn = self._ts.Transaction(atomic=True)
+        if self._transactions == 0:
+            for ap in self.plan.arrays.values():
+                if ap.meta_writer == self.writer_id or (ap.ownership.owners == self.writer_id).any():
+                    self._bind(ap)
+        self._transactions += 1
+
+    def _bind(self, ap: ArrayPlan):
+        """Open array `ap` in the current transaction (creating its metadata if this writer owns it).
 
         Each array is opened once per writer (``ts.open`` costs milliseconds); later transactions
         rebind that handle, which is cheap. Only the array's creation runs inside a transaction.
         """
-        name = ap.spec.name
-        st = self._open.get(name)
-        if st is not None:
-            return st
-        ts = self._ts
-        if self._txn is None:
-            self._txn = ts.Transaction(atomic=True)
+        ts, name = self._ts, ap.spec.name
         create = ap.meta_writer == self.writer_id and name not in self._created
         try:
             if create:
