@@ -149,7 +149,7 @@ def _fsync_tree(root: str) -> None:
 
 # --writer-timeline: wall seconds inside these CheckpointWriter methods (inclusive; flush includes
 # _await_commits, finish includes flush), summed per rep, for the export and the store alone.
-TIMELINE_METHODS = ("write", "_store", "_issue", "flush", "_await_commits", "_drop_written_pages", "finish")
+TIMELINE_METHODS = ("_store", "_issue", "flush", "_await_commits", "_drop_written_pages", "finish")
 _TIMELINE: dict[str, float] = {}
 
 
@@ -355,11 +355,9 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
         from bridge.store import specs
         specs.TARGET_DATA_FILE_SIZE = args["target_file"]
     # diagnostics for the export and the store alone: TensorStore copies inner chunks itself
-    # (nostage); TensorStore does not fsync each file, the writer fsyncs its database at the end (nosync);
-    # whole-chunk writes go into the batch's transaction too (nostream)
+    # (nostage); TensorStore does not fsync each file, the writer fsyncs its database at the end (nosync)
     writer_opts = {**({"staging": False} if args.get("writer_nostage") else {}),
-                   **({"sync_each_file": False} if args.get("writer_nosync") else {}),
-                   **({"stream_whole_chunks": False} if args.get("writer_nostream") else {})}
+                   **({"sync_each_file": False} if args.get("writer_nosync") else {})}
     if writer_opts:
         import functools
 
@@ -614,8 +612,6 @@ def main(argv=None) -> int:
                     help="diagnostic: the store writer lets TensorStore copy inner chunks (no staging slabs)")
     ap.add_argument("--writer-nosync", action="store_true",
                     help="diagnostic: TensorStore does not fsync each file; the writer fsyncs its database at the end")
-    ap.add_argument("--writer-nostream", action="store_true",
-                    help="diagnostic: whole-chunk writes go into the writer's batch transaction too")
     ap.add_argument("--writer-timeline", action="store_true",
                     help="diagnostic: wall seconds inside the store writer's methods (export and store alone)")
     ap.add_argument("--device-commits", type=int, default=None,
@@ -632,8 +628,7 @@ def main(argv=None) -> int:
             "verify": a.verify, "digest": not a.no_digest,
             "target_file": int(a.target_file_mib * 2 ** 20) if a.target_file_mib else None,
             "device_commits": a.device_commits, "writer_nostage": a.writer_nostage,
-            "writer_nosync": a.writer_nosync, "writer_nostream": a.writer_nostream,
-            "writer_timeline": a.writer_timeline}
+            "writer_nosync": a.writer_nosync, "writer_timeline": a.writer_timeline}
     out_json = a.json or os.path.join(scratch, "summary.json")
     init = f"file://{os.path.join(scratch, 'pg_init')}"
     mp.spawn(worker, args=(a.world, init, args, out_json), nprocs=a.world, join=True)

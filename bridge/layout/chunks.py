@@ -90,16 +90,6 @@ class ArrayOwnership:
         """Regions of the chunks `writer` owns, in C order."""
         return [self.chunk_box(idx) for idx in self.chunks_owned_by(writer)]
 
-    def covers_whole_chunks(self, box: Box) -> bool:
-        """True when `box` is a union of whole chunks (each clipped to the array): no chunk partly.
-
-        >>> own = ArrayOwnership((10, 8), (4, 8), np.zeros((3, 1), np.int32))
-        >>> own.covers_whole_chunks(Box((4, 0), (10, 8))), own.covers_whole_chunks(Box((0, 0), (2, 8)))
-        (True, False)
-        """
-        return all(a % c == 0 and (b % c == 0 or b == s)
-                   for a, b, c, s in zip(box.start, box.stop, self.chunk_shape, self.shape))
-
     def chunks_touching(self, box: Box) -> tuple[slice, ...]:
         """Grid slices of the chunks that `box` overlaps."""
         return tuple(slice(a // c, -(-b // c)) for a, b, c in zip(box.start, box.stop, self.chunk_shape))

@@ -98,8 +98,7 @@ class CheckpointWriter:
 
     def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int | None = None,
                  compute_digest: bool = True, threads: int | None = None, staging: bool = True,
-                 drop_behind: bool = True, commit_depth: int = 2, sync_each_file: bool = True,
-                 stream_whole_chunks: bool = True) -> None:
+                 drop_behind: bool = True, commit_depth: int = 2, sync_each_file: bool = True) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
         if not os.path.isdir(tmp_dir):
@@ -133,9 +132,7 @@ class CheckpointWriter:
         # Staging holds the batch being filled plus the one committing (see flush).
         self._slabs = SlabPool(keep_bytes=(self.commit_depth + 1) * self.inflight_bytes)
         self._futures: list = []
-        self.stream_whole_chunks = stream_whole_chunks
-        self._streamed: list = []  # (array name, box, write futures) of whole-chunk writes this batch
-        self._commits: list = []   # (commit future or None, streamed writes, staging slabs, digests)
+        self._commits: list = []   # (commit future, staging slabs it references, its digests)
         self._digests: list = []   # (array state, digest future) of the batch being staged
         self._pending = 0
         self._finished = False
@@ -203,12 +200,10 @@ class CheckpointWriter:
                 f.result()
             self._futures.clear()
             self._await_commits(keep=self.commit_depth - 1)  # bound the batches in flight
-            if self._txn is not None or self._streamed:  # every write opened one or streamed
-                commit = self._txn.commit_async() if self._txn is not None else None
-                self._commits.append((commit, self._streamed, self._slabs.seal(), self._digests))
+            if self._txn is not None:  # every write (hence every digest) opened the transaction
+                self._commits.append((self._txn.commit_async(), self._slabs.seal(), self._digests))
                 self._issued += 1
             self._digests = []
-            self._streamed = []
             self._txn = None
             self._open.clear()
             self._pending = 0
@@ -259,17 +254,6 @@ class CheckpointWriter:
         a box spanning inner chunks of useful size is instead copied cell by cell into reused
         slabs that TensorStore references (see bridge/store/staging.py).
         """
-        if self.stream_whole_chunks and ap.ownership.covers_whole_chunks(box):
-            # Whole outer chunks (shards) need no read-modify-write, so they are written outside the
-            # batch's transaction: OCDBT commits them as they arrive instead of all at the batch's
-            # commit (1 GiB on the 32-CPU GPU host: 0.88 s with 128 MiB transactions x 2 in flight,
-            # raw TensorStore 0.72 s, streamed 0.63-0.88 s by bytes in flight; ocdbt_modes.py).
-            # TensorStore copies inner chunks that are not contiguous in `data` on its own threads.
-            fut = self._base_handle(ap)[box.slices].write(data, can_reference_source_data_indefinitely=donate)
-            if not donate:
-                fut.copy.result()
-            self._streamed.append((path_str(ap.spec.path), box, fut))
-            return None
         inner = ap.inner_chunk_shape
         ncell = num_grid_cells(box, inner)
         contiguous = data.flags.c_contiguous and cells_are_row_runs(box, inner)
@@ -314,15 +298,8 @@ class CheckpointWriter:
         if len(self._commits) <= keep:
             return
         while len(self._commits) > keep:
-            fut, streamed, slabs, digests = self._commits.pop(0)
-            if fut is not None:
-                fut.result()
-            for name, box, f in streamed:
-                try:
-                    f.result()
-                except Exception as e:
-                    raise BridgeError(f"writer {self.writer_id}: {name}: writing box {box} failed: "
-                                      f"{' '.join(str(e).split())}") from e
+            fut, slabs, digests = self._commits.pop(0)
+            fut.result()
             for st, d in digests:
                 st.digest = dg.combine([st.digest, d.result()])
             self._slabs.recycle(slabs)
@@ -407,26 +384,16 @@ class CheckpointWriter:
                 st = ts.open(self._spec(ap), create=True, context=self.context, transaction=self._txn).result()
                 self._created.add(name)
             else:
-                st = self._base_handle(ap).with_transaction(self._txn)
-        except BridgeError:
-            raise
+                base = self._base.get(name)
+                if base is None:  # assume_metadata: no I/O, the plan fixes the metadata
+                    base = self._base[name] = ts.open(self._spec(ap), open=True, assume_metadata=True,
+                                                      context=self.context).result()
+                st = base.with_transaction(self._txn)
         except Exception as e:
             raise BridgeError(f"writer {self.writer_id}: {path_str(ap.spec.path)}: opening for write failed: "
                               f"{' '.join(str(e).split())}") from e
         self._open[name] = st
         return st
-
-    def _base_handle(self, ap: ArrayPlan):
-        """Array `ap` opened outside any transaction, once (assume_metadata: no I/O, the plan fixes it)."""
-        base = self._base.get(ap.spec.name)
-        if base is None:
-            try:
-                base = self._base[ap.spec.name] = self._ts.open(self._spec(ap), open=True, assume_metadata=True,
-                                                                context=self.context).result()
-            except Exception as e:
-                raise BridgeError(f"writer {self.writer_id}: {path_str(ap.spec.path)}: opening for write failed: "
-                                  f"{' '.join(str(e).split())}") from e
-        return base
 
     def _spec(self, ap: ArrayPlan) -> dict:
         return specs.array_write_spec(self.tmp_dir, self.writer_id, ap.spec.name, ap.spec.shape, ap.spec.dtype,
