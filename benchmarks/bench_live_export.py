@@ -149,7 +149,7 @@ def _fsync_tree(root: str) -> None:
 
 # --writer-timeline: wall seconds inside these CheckpointWriter methods (inclusive; flush includes
 # _await_commits, finish includes flush), summed per rep, for the export and the store alone.
-TIMELINE_METHODS = ("_store", "_issue", "flush", "_await_commits", "_drop_written_pages", "finish")
+TIMELINE_METHODS = ("write", "_store", "_issue", "flush", "_await_commits", "_drop_written_pages", "finish")
 _TIMELINE: dict[str, float] = {}
 
 
@@ -354,16 +354,12 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     if args.get("target_file"):  # diagnostic: OCDBT data file size (how many files a commit writes at once)
         from bridge.store import specs
         specs.TARGET_DATA_FILE_SIZE = args["target_file"]
-    # diagnostics for the export and the store alone: TensorStore copies inner chunks itself
-    # (nostage); TensorStore does not fsync each file, the writer fsyncs its database at the end (nosync)
-    writer_opts = {**({"staging": False} if args.get("writer_nostage") else {}),
-                   **({"sync_each_file": False} if args.get("writer_nosync") else {})}
-    if writer_opts:
+    if args.get("writer_nostage"):  # diagnostic: TensorStore copies inner chunks itself (export and store alone)
         import functools
 
         from bridge.live import export as ex
         from bridge.store import writer as wr
-        ex.CheckpointWriter = wr.CheckpointWriter = functools.partial(wr.CheckpointWriter, **writer_opts)
+        ex.CheckpointWriter = wr.CheckpointWriter = functools.partial(wr.CheckpointWriter, staging=False)
     if args.get("device_commits"):  # diagnostic: writer commits in flight while device data is staged
         from bridge.live import export as ex
         ex._DEVICE_COMMITS = args["device_commits"]
@@ -610,8 +606,6 @@ def main(argv=None) -> int:
     ap.add_argument("--target-file-mib", type=float, default=None, help="diagnostic: OCDBT target data file size")
     ap.add_argument("--writer-nostage", action="store_true",
                     help="diagnostic: the store writer lets TensorStore copy inner chunks (no staging slabs)")
-    ap.add_argument("--writer-nosync", action="store_true",
-                    help="diagnostic: TensorStore does not fsync each file; the writer fsyncs its database at the end")
     ap.add_argument("--writer-timeline", action="store_true",
                     help="diagnostic: wall seconds inside the store writer's methods (export and store alone)")
     ap.add_argument("--device-commits", type=int, default=None,
@@ -628,7 +622,7 @@ def main(argv=None) -> int:
             "verify": a.verify, "digest": not a.no_digest,
             "target_file": int(a.target_file_mib * 2 ** 20) if a.target_file_mib else None,
             "device_commits": a.device_commits, "writer_nostage": a.writer_nostage,
-            "writer_nosync": a.writer_nosync, "writer_timeline": a.writer_timeline}
+            "writer_timeline": a.writer_timeline}
     out_json = a.json or os.path.join(scratch, "summary.json")
     init = f"file://{os.path.join(scratch, 'pg_init')}"
     mp.spawn(worker, args=(a.world, init, args, out_json), nprocs=a.world, join=True)

@@ -11,9 +11,7 @@ Variants (all fsync'd, no compression, same N GiB of fp32 in `--arrays` arrays):
   diagnostics (--variants): store_nocrc (no crc32c per inner chunk), store_outer (inner chunk = outer
          chunk), store_nodigest (no digests), store_lean (none of the three), store_nostage (TensorStore
          copies inner chunks itself instead of the writer staging them in reused slabs), store_nodrop
-         (no drop-behind), store_nosync (TensorStore does not fsync each file; the writer fsyncs its
-         database on 16 threads at the end), store_old (neither staging nor drop-behind, 256 MiB
-         batches, one commit),
+         (no drop-behind), store_old (neither staging nor drop-behind, 256 MiB batches, one commit),
          store_if<N>[d<D>][tf<F>] and store_tf<F> (N MiB batches, D commits in flight (1 when not given),
          OCDBT data files of F MiB; the defaults are 64 MiB (128 with >= 16 CPUs), 2 and 64 MiB)
 Reps are interleaved (variant order rotates); every worker starts from the same free-memory state
@@ -224,7 +222,6 @@ STORE_DIAGNOSTICS = {
     "store_lean": {"plan": {"checksum": False, "inner_chunk_bytes": None}, "writer": {"compute_digest": False}},
     "store_nostage": {"writer": {"staging": False}},
     "store_nodrop": {"writer": {"drop_behind": False}},
-    "store_nosync": {"writer": {"sync_each_file": False}},
     "store_old": {"writer": {"staging": False, "drop_behind": False, "inflight_bytes": 256 << 20, "commit_depth": 1}},
 }
 

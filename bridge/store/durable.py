@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 
 def write_json_atomic(path: str, obj) -> None:
@@ -17,20 +16,12 @@ def write_json_atomic(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
-def fsync_tree(root: str, threads: int = 1) -> None:
-    """fsync every file and directory under root, on `threads` threads (files before their dirs)."""
-    files, dirs = [], []
+def fsync_tree(root: str) -> None:
+    """fsync every file and directory under root (TensorStore syncs its files; this covers ours)."""
     for dirpath, _dirs, names in os.walk(root):
-        files += [os.path.join(dirpath, fn) for fn in names]
-        dirs.append(dirpath)
-    if threads > 1 and len(files) > 1:
-        with ThreadPoolExecutor(min(threads, len(files))) as pool:
-            list(pool.map(fsync_path, files))
-    else:
-        for f in files:
-            fsync_path(f)
-    for d in dirs:
-        fsync_path(d)
+        for fn in names:
+            fsync_path(os.path.join(dirpath, fn))
+        fsync_path(dirpath)
 
 
 def fsync_path(path: str) -> None:

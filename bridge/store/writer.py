@@ -27,7 +27,7 @@ from bridge.layout.boxes import Box
 from bridge.store import digest as dg
 from bridge.store import specs
 from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan  # noqa: F401 (re-export)
-from bridge.store.durable import fsync_tree, write_json_atomic
+from bridge.store.durable import write_json_atomic
 from bridge.store.staging import SlabPool, cells_are_row_runs, grid_cells, num_grid_cells
 from bridge.store.tree import path_str
 
@@ -98,7 +98,7 @@ class CheckpointWriter:
 
     def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int | None = None,
                  compute_digest: bool = True, threads: int | None = None, staging: bool = True,
-                 drop_behind: bool = True, commit_depth: int = 2, sync_each_file: bool = True) -> None:
+                 drop_behind: bool = True, commit_depth: int = 2) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
         if not os.path.isdir(tmp_dir):
@@ -111,8 +111,7 @@ class CheckpointWriter:
         self.writer_id = writer_id
         self.inflight_bytes = max(1, int(inflight_bytes or default_batch_bytes()))
         self.compute_digest = compute_digest
-        self.sync_each_file = sync_each_file
-        self.context = ts.Context(specs.context_spec(sync_each_file=sync_each_file))
+        self.context = ts.Context(specs.context_spec())
         self._state: dict[str, _ArrayState] = {}
         self._created: set[str] = set()
         self._base: dict[str, object] = {}   # opened once per array, not bound to a transaction
@@ -223,8 +222,6 @@ class CheckpointWriter:
             if ap.meta_writer == self.writer_id and ap.spec.name not in self._created:
                 self._store(ap)
         self.flush()
-        if not self.sync_each_file:
-            fsync_tree(specs.writer_db_dir(self.tmp_dir, self.writer_id), threads=16)
         for pool in (self._digester, self._copier):
             if pool is not None:
                 pool.shutdown()

@@ -5,7 +5,7 @@ Run from the repository root on the GPU machine:
     python scripts/gpu/live_bench.py                 # 2 GPUs: TP2xGTP1 and TP1xGTP2
     python scripts/gpu/live_bench.py --world 4       # 4 GPUs: TP2xGTP2
     python scripts/gpu/live_bench.py --mib 4096 --reps 3
-    python scripts/gpu/live_bench.py --layout gtp2 --writer-nosync   # one layout; other flags go to
+    python scripts/gpu/live_bench.py --layout gtp2 --writer-timeline   # one layout; other flags go to
                                                                      # bench_live_export (diagnostics)
 
 For each layout it runs `benchmarks/bench_live_export.py --backend nccl --busbw` (same ranks, same
