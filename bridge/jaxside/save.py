@@ -34,8 +34,7 @@ from bridge.layout.boxes import Box
 from bridge.progress import progress
 from bridge.store import digest as store_digest
 from bridge.store.commit import CHECKSUM_KEY, TMP_SUFFIX, metadata_checksum
-from bridge.store.durable import fsync_path
-from bridge.store.durable import write_json_atomic
+from bridge.store.durable import fsync_path, write_json_atomic
 from bridge.store.manifest import MANIFEST_KEY, ArrayRecord, Manifest, SourceLayout
 from bridge.store.tree import check_tree_paths, path_to_name
 from converters.jax_naming import Plan, jax_backend

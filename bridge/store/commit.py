@@ -30,10 +30,10 @@ from bridge.errors import BridgeError
 from bridge.progress import progress
 from bridge.store import digest as dg
 from bridge.store import specs
+from bridge.store.durable import fsync_path, fsync_tree, write_json_atomic
 from bridge.store.manifest import MANIFEST_KEY, ArrayRecord, Manifest
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.store.tree import path_str, tree_metadata
-from bridge.store.durable import fsync_path, fsync_tree, write_json_atomic
 from bridge.store.writer import REPORT_DIR, CheckpointWriter, report_path
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"

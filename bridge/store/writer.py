@@ -26,8 +26,8 @@ from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
 from bridge.store import digest as dg
 from bridge.store import specs
-from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan  # noqa: F401 (re-export)
 from bridge.store.durable import write_json_atomic
+from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan  # noqa: F401 (re-export)
 from bridge.store.staging import SlabPool, cells_are_row_runs, grid_cells, num_grid_cells
 from bridge.store.tree import path_str
 
