@@ -454,7 +454,7 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
 
         def split(key):  # per step: the slowest rank in each rep, then the median over reps
             return {k: statistics.median(max(r[key][i].get(k, 0.0) for r in allr) for i in range(args["reps"]))
-                    for k in TIMING_STEPS + ("d2h_wait",)}
+                    for k in TIMING_STEPS + ("d2h_wait", "commit_wait")}
 
         out["export"]["steps_s"] = split("steps")
         out["export_replan"]["steps_s"] = split("steps_replan")
@@ -521,7 +521,8 @@ STEP_NOTES = {"holdings": "cut/refresh pieces (FP8 dequant)", "gather": "all-gat
               "write_local": "local writes (overlap exchange)", "exchange_wait": "all_to_all wait",
               "write_recv": "writes (received / staged D2H)", "finish": "writer.finish (last commit)",
               "barrier": "wait for slowest rank", "commit": "rank 0 merge + _METADATA + fsync + rename",
-              "d2h_wait": "(inside writes) blocked on device->host copies"}
+              "d2h_wait": "(inside writes) blocked on device->host copies",
+              "commit_wait": "(inside writes and finish) blocked on store commits"}
 
 
 def format_summary(s: dict, world: int, tp: int, gtp: int, backend: str) -> str:

@@ -6,6 +6,8 @@ and check every byte against the original arrays, the digests against an indepen
 whole-array digest, and that a caller may reuse a non-donated buffer as soon as write returns.
 """
 
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -104,6 +106,7 @@ def test_staged_writes_store_exact_bytes_across_many_batches(tmp_path, donate, t
     tmp = begin_checkpoint(dst)
     for w in range(plan.num_writers):
         # Tiny budget + two commits in flight: slabs are recycled while other batches still commit.
+        t0 = time.perf_counter()
         writer = CheckpointWriter(tmp, plan, w, inflight_bytes=1 << 20, commit_depth=2, threads=threads,
                                   staging=True)
         for ap in plan.arrays.values():
@@ -118,6 +121,8 @@ def test_staged_writes_store_exact_bytes_across_many_batches(tmp_path, donate, t
                         buf[...] = 0                        # the caller reuses its buffer at once
         writer.finish()
         assert writer.bytes_staged > 0
+        # finish() waits for the last commit at least; the waits are part of this writer's wall time
+        assert 0 < writer.commit_wait_s <= time.perf_counter() - t0
     commit_checkpoint(dst, plan, timeout=10)
     ck = open_checkpoint(dst)
     for path, a in ref.items():

@@ -75,7 +75,8 @@ class ExportReport:
 
 # Steps of `ExportReport.timings`, in order. plan_s = holdings..begin, exchange_s = pack + exchange_wait,
 # write_s = write_local..finish, commit_s = barrier + commit. write_local overlaps the exchange on CPU.
-# `timings["d2h_wait"]` (not a step: part of write_local / write_recv) = time blocked on device -> host copies.
+# Not steps but parts of write_local / write_recv / finish: `timings["d2h_wait"]` = time blocked on
+# device -> host copies, `timings["commit_wait"]` = time blocked on the store writer's commits.
 TIMING_STEPS = ("holdings", "gather", "plan", "begin", "pack", "write_local", "exchange_wait", "write_recv",
                 "finish", "barrier", "commit")
 
@@ -456,6 +457,7 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
                         write_s=clock.total("write_local", "write_recv", "finish"),
                         commit_s=clock.total("barrier", "commit"), staging_peak_bytes=peak,
                         arrays=len(plan.catalog), sent_by_group=_sent_by_group(plan, run.layout, rank),
-                        plan_cached=hit, timings={**st, "d2h_wait": staged.get("d2h_wait_s", 0.0)},
+                        plan_cached=hit, timings={**st, "d2h_wait": staged.get("d2h_wait_s", 0.0),
+                                                      "commit_wait": writer.commit_wait_s},
                         write_calls=calls[0], staged_bytes=staged.get("staged_bytes", 0),
                         donated_staging=flush is not None, inner_chunk_bytes=planned.inner_chunk_bytes)

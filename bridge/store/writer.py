@@ -17,6 +17,7 @@ batches write into recycled pages.
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -137,6 +138,7 @@ class CheckpointWriter:
         self._finished = False
         self.bytes_written = 0
         self.bytes_staged = 0      # of bytes_written, how many went through the staging slabs
+        self.commit_wait_s = 0.0   # seconds the caller was blocked waiting for commits to land
 
     # -- public -------------------------------------------------------------------------------
     def write(self, path: Sequence[str] | str, box: Box, data: np.ndarray, *, donate: bool = False) -> None:
@@ -294,12 +296,14 @@ class CheckpointWriter:
         """Wait until at most `keep` commits are outstanding; their staging slabs are then reused."""
         if len(self._commits) <= keep:
             return
+        t0 = time.perf_counter()
         while len(self._commits) > keep:
             fut, slabs, digests = self._commits.pop(0)
             fut.result()
             for st, d in digests:
                 st.digest = dg.combine([st.digest, d.result()])
             self._slabs.recycle(slabs)
+        self.commit_wait_s += time.perf_counter() - t0
         if self.drop_behind:
             self._drop_written_pages()
 
