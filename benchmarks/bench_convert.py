@@ -116,8 +116,8 @@ def main() -> None:
     anchor = t_load + t_raw
     print(f"checkpoint: hidden {a.hidden}, layers {a.layers}, vocab {a.vocab}: {mib:.0f} MiB of tensors "
           f"({raw_bytes / 2**20:.0f} MiB logical), {os.cpu_count()} cores")
-    print(f"| step | seconds | MiB/s | ratio to dcp.load + raw write |")
-    print(f"|---|---|---|---|")
+    print("| step | seconds | MiB/s | ratio to dcp.load + raw write |")
+    print("|---|---|---|---|")
     print(f"| convert, in-process | {t_conv1:.2f} | {mib / t_conv1:.0f} | {t_conv1 / anchor:.2f} |")
     if t_convn is not None:
         print(f"| convert, {a.workers} worker processes | {t_convn:.2f} | {mib / t_convn:.0f} | {t_convn / anchor:.2f} |")

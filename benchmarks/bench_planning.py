@@ -89,7 +89,7 @@ def plan(n: int) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     with paused_gc():   # what a bulk planner (converter, exporter) does around this loop
         holdings, pieces = all_holdings(lay, geoms)
-    t1, c1 = time.perf_counter(), time.process_time()
+    c1 = time.process_time()
     shapes = {a: s for g in geoms for a, s in g.logical_arrays().items()}
     plans = plan_ownership_many({a: (shapes[a], h, 4) for a, h in holdings.items()})
     t2, c2 = time.perf_counter(), time.process_time()

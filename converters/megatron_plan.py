@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 from math import prod
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from bridge.errors import BridgeError
 from bridge.layout.boxes import Box

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from test_live_sharding import RefModel, RefParam, assemble, coords, distopt_ranges, physical_index, rank_raw_state, shard, spawn
+from test_live_sharding import RefModel, RefParam, assemble, coords, physical_index, rank_raw_state, shard, spawn
 
 MODEL = RefModel(
     params=(
@@ -146,8 +146,6 @@ def test_export_world4_fp8_reload_other_layouts_and_orbax(tmp_path):
     dst = str(tmp_path / "ckpt")
     targets = [(2, 1, 2, 4), (1, 4, 1, 8), (4, 1, 1, 0), (2, 2, 1, 4, FP8)]
     # the scenario must contain a DP boundary inside a row of some GTP-sharded shard
-    from test_live_sharding import coords as _c  # noqa: F401
-
     cut = False
     for r in range(4):
         raws, _ = rank_raw_state(MODEL, *src[:3], src[3], r, FP8)

@@ -17,7 +17,6 @@ from typing import Sequence
 import torch
 
 from bridge.errors import BridgeError
-from bridge.layout.params import ParamGeometry
 from bridge.layout.rectangles import Piece
 from bridge.live.api import LocalParam, QuantizedWeight
 from bridge.store.tree import megatron_key_to_path, path_to_name

@@ -34,7 +34,7 @@ own save keeps the main copy. DP replicas are identical; the exporter elects amo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from bridge.errors import BridgeError
@@ -44,8 +44,6 @@ from bridge.layout.params import ParamGeometry
 from bridge.store.tree import megatron_key_to_path
 
 if TYPE_CHECKING:
-    import torch
-
     from bridge.live.api import AdamConfig, LiveRun, LocalParam, ReloadResult
 
 __all__ = [
