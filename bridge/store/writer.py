@@ -118,7 +118,6 @@ class CheckpointWriter:
         self._base: dict[str, object] = {}   # opened once per array, not bound to a transaction
         self._open: dict[str, object] = {}   # the same, bound to the current transaction
         self._txn = None
-        self._transactions = 0               # transactions begun so far
         self._digester: ThreadPoolExecutor | None = None
         # Threads for digests and for staging copies (each); TensorStore has its own pool.
         self.threads = max(1, int(threads if threads is not None else min(4, (os.cpu_count() or 2) // 4)))
@@ -129,7 +128,7 @@ class CheckpointWriter:
         self._dropped: set[str] = set()     # data files complete and dropped: never touched again
         self._seen: dict[str, int] = {}      # data file -> commits issued when first listed
         self._issued = 0                     # commits issued so far
-        # Staging holds the batch being filled plus the one committing (see flush).
+        # Staging holds the batch being filled plus the `commit_depth` committing (see flush).
         self._slabs = SlabPool(keep_bytes=(self.commit_depth + 1) * self.inflight_bytes)
         self._futures: list = []
         self._commits: list = []   # (commit future, staging slabs it references, its digests)
@@ -366,11 +365,10 @@ class CheckpointWriter:
         cores), so all opens happen before any data is in flight.
         """
         self._txn = self._ts.Transaction(atomic=True)
-        if self._transactions == 0:
+        if self._issued == 0:  # every transaction begun before was committed (flush), so this is the first
             for ap in self.plan.arrays.values():
                 if ap.meta_writer == self.writer_id or (ap.ownership.owners == self.writer_id).any():
                     self._bind(ap)
-        self._transactions += 1
 
     def _bind(self, ap: ArrayPlan):
         """Open array `ap` in the current transaction (creating its metadata if this writer owns it).
