@@ -73,11 +73,6 @@ class ParamInfo:
 # Reading the logical side
 
 
-def read_manifest(root: str) -> Manifest:
-    """The gtp_bridge manifest of a logical checkpoint (BridgeError when absent)."""
-    return manifest_of(open_checkpoint(root))
-
-
 def manifest_of(ck: Checkpoint) -> Manifest:
     """The manifest the opened checkpoint carries (parsed by `open_checkpoint`); BridgeError when absent."""
     if ck.manifest is None:

@@ -110,10 +110,10 @@ def test_geometry_derived_from_tree_matches_recorded(run, logical):
     import dataclasses
 
     from bridge.store.reader import open_checkpoint
-    from converters.megatron_write import params_from_manifest, read_manifest
+    from converters.megatron_write import manifest_of, params_from_manifest
 
     ck = open_checkpoint(logical[run])
-    man = read_manifest(ck.root)
+    man = manifest_of(ck)
     recorded = {p.name: p for p in params_from_manifest(man, ck.arrays(), 16, 2)}
     bare = dataclasses.replace(man, extra={})
     derived = {p.name: p for p in params_from_manifest(bare, ck.arrays(), 16, 2)}
