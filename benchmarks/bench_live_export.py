@@ -48,6 +48,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from bridge.store.durable import fsync_tree  # noqa: E402
+
 
 def model_geometries(hidden: int, layers: int, pad: int):
     """Per-layer geometries of a GPT-like block stack (fused SwiGLU fc1, row fc2, GQA qkv, row proj, norm)."""
@@ -137,14 +139,6 @@ def _mem() -> tuple[int, int]:
                 k, v = line.split(":")
                 vals[k] = int(v.split()[0]) * 1024
     return vals["VmRSS"], vals["VmHWM"]
-
-
-def _fsync_tree(root: str) -> None:
-    for d, _, files in os.walk(root):
-        for fn in files:
-            fd = os.open(os.path.join(d, fn), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
 
 
 # --writer-timeline: wall seconds inside these CheckpointWriter methods (inclusive; flush includes
@@ -418,7 +412,7 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
                 def raw():
                     st = ts.open(spec, create=True).result()
                     st.write(data).result()
-                    _fsync_tree(os.path.join(path, f"rank{rank}"))
+                    fsync_tree(os.path.join(path, f"rank{rank}"))
 
                 if rank == 0:
                     os.makedirs(path, exist_ok=True)

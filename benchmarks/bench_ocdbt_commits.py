@@ -28,6 +28,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
+from bridge.store.durable import fsync_tree  # noqa: E402
+
 SHARD = (1024, 1024)   # 4 MiB of fp32
 INNER = (256, 1024)    # 1 MiB
 
@@ -114,11 +116,7 @@ class Bench:
                      create=True).result()
         for f in [st[self._rows(i)].write(self.data[i]) for i in range(self.n)]:
             f.result()
-        for d, _, fs in os.walk(self.root):
-            for name in fs:
-                fd = os.open(os.path.join(d, name), os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
+        fsync_tree(self.root)
 
     def run(self, mode: str) -> None:
         """Run one mode by name.
