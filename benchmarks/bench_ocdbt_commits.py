@@ -10,7 +10,11 @@ as CheckpointWriter writes them) are written in one of these ways, reps interlea
   cells<W>    the same, but each shard as 4 inner-chunk writes (partial shards: TensorStore then
               reads, modifies and rewrites the shard, and OCDBT keeps every version; see bytes on disk)
   shardtxn<W> one small transaction per shard, W shards in flight
+  lanes<K>    txn128d2, each batch dealt round-robin by shard to K databases (a transaction each)
   raw         plain zarr3 on the file kvstore, 4 MiB chunks, one write call, fsync'd
+A suffix f<M> (e.g. txn128d2f4) sets OCDBT's target data file size to M MiB for that mode (default:
+the store's): OCDBT writes a data file as soon as it holds that much, several at once, while the
+rest of a commit's data waits for the commit and for every data file in flight.
 Session-4 figures (README "Performance") came from this script on the GPU host and on the VM.
 """
 
@@ -41,20 +45,28 @@ def _du(root: str) -> int:
 class Bench:
     def __init__(self, mib: int, root: str) -> None:
         self.n = max(1, mib // 4)
+        self.target_file = None   # OCDBT target data file size of the mode being run (None: the store's)
         self.root = root
         self.shape = (self.n * SHARD[0], SHARD[1])
         rng = np.random.default_rng(0)
         self.data = [rng.integers(0, 2 ** 31, SHARD, dtype=np.int32).view(np.float32) for _ in range(self.n)]
 
-    def _fresh(self):
+    def _fresh(self, dbs: int = 1):
+        """The array, created empty; with `dbs` > 1 a list of it in that many OCDBT databases."""
         import tensorstore as ts
 
         from bridge.store import specs
 
         shutil.rmtree(self.root, ignore_errors=True)
         os.makedirs(self.root)
-        sp = specs.array_write_spec(self.root, 0, "a", self.shape, "float32", SHARD, INNER)
-        return ts.open(sp, create=True, context=ts.Context(specs.context_spec())).result()
+        ctx = ts.Context(specs.context_spec())
+        out = []
+        for db in range(dbs):
+            sp = specs.array_write_spec(self.root, db, "a", self.shape, "float32", SHARD, INNER)
+            if self.target_file:
+                sp["kvstore"]["target_data_file_size"] = self.target_file
+            out.append(ts.open(sp, create=True, context=ctx).result())
+        return out[0] if dbs == 1 else out
 
     def _rows(self, i: int, c: int | None = None) -> slice:
         if c is None:
@@ -76,6 +88,26 @@ class Bench:
             commits.append(txn.commit_async())
         for c in commits:
             c.result()
+
+    def lanes(self, dbs: int, batch_mib: int = 128, depth: int = 2) -> None:
+        """txn<batch_mib>d<depth>, but each batch's shards dealt round-robin to `dbs` databases,
+        each with its own transaction, committed together (OCDBT serializes commits per database)."""
+        import tensorstore as ts
+
+        stores, per, rounds = self._fresh(dbs), max(1, batch_mib // 4), []
+        for b in range(0, self.n, per):
+            while len(rounds) >= depth:
+                for c in rounds.pop(0):
+                    c.result()
+            txns = [ts.Transaction(atomic=True) for _ in stores]
+            bound = [st.with_transaction(t) for st, t in zip(stores, txns)]
+            for f in [bound[i % dbs][self._rows(i)].write(self.data[i], can_reference_source_data_indefinitely=True)
+                      for i in range(b, min(self.n, b + per))]:
+                f.result()
+            rounds.append([t.commit_async() for t in txns])
+        for r in rounds:
+            for c in r:
+                c.result()
 
     def stream(self, window_mib: int, cells: bool = False) -> None:
         st, futs = self._fresh(), []
@@ -121,21 +153,24 @@ class Bench:
     def run(self, mode: str) -> None:
         """Run one mode by name.
 
-        >>> [parse_mode(m) for m in ("txn128d2", "stream256", "raw")]
-        [('txn', '128', '2'), ('stream', '256', None), ('raw', '', '')]
+        >>> [parse_mode(m) for m in ("txn128d2", "stream256f4", "raw")]
+        [('txn', '128', '2', None), ('stream', '256', None, '4'), ('raw', '', '', None)]
         """
-        kind, a, b = parse_mode(mode)
+        kind, a, b, f = parse_mode(mode)
+        self.target_file = int(f) << 20 if f else None
         if kind == "txn":
             self.txn(int(a), int(b or 1))
         elif kind in ("stream", "cells"):
             self.stream(int(a), cells=kind == "cells")
         elif kind == "shardtxn":
             self.shardtxn(int(a))
+        elif kind == "lanes":
+            self.lanes(int(a))
         else:
             self.raw()
 
 
-MODE = re.compile(r"(txn|stream|cells|shardtxn)(\d+)(?:d(\d+))?|(raw)()()")
+MODE = re.compile(r"(?:(txn|stream|cells|shardtxn|lanes)(\d+)(?:d(\d+))?|(raw)()())(?:f(\d+))?")
 
 
 def parse_mode(mode: str) -> tuple:
@@ -143,7 +178,7 @@ def parse_mode(mode: str) -> tuple:
     if m is None:
         raise SystemExit(f"unknown mode {mode!r}; see --help")
     g = m.groups()
-    return g[:3] if g[0] else g[3:]
+    return (g[:3] if g[0] else g[3:6]) + (g[6],)
 
 
 def main(argv=None) -> int:
