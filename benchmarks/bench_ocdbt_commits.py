@@ -15,7 +15,7 @@ as CheckpointWriter writes them) are written in one of these ways, reps interlea
 A suffix f<M> (e.g. txn128d2f4) sets OCDBT's target data file size to M MiB for that mode (default:
 the store's): OCDBT writes a data file as soon as it holds that much, several at once, while the
 rest of a commit's data waits for the commit and for every data file in flight.
-Session-4 figures (README "Performance") came from this script on the GPU host and on the VM.
+Session-4 and -5 figures (README "Performance") came from this script on the GPU host and on the VM.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class Bench:
         rng = np.random.default_rng(0)
         self.data = [rng.integers(0, 2 ** 31, SHARD, dtype=np.int32).view(np.float32) for _ in range(self.n)]
 
-    def _fresh(self, dbs: int = 1):
-        """The array, created empty; with `dbs` > 1 a list of it in that many OCDBT databases."""
+    def _fresh(self, dbs: int = 1) -> list:
+        """The array created empty in each of `dbs` OCDBT databases (one per writer id)."""
         import tensorstore as ts
 
         from bridge.store import specs
@@ -66,7 +66,7 @@ class Bench:
             if self.target_file:
                 sp["kvstore"]["target_data_file_size"] = self.target_file
             out.append(ts.open(sp, create=True, context=ctx).result())
-        return out[0] if dbs == 1 else out
+        return out
 
     def _rows(self, i: int, c: int | None = None) -> slice:
         if c is None:
@@ -76,7 +76,7 @@ class Bench:
     def txn(self, batch_mib: int, depth: int) -> None:
         import tensorstore as ts
 
-        st, per, commits = self._fresh(), max(1, batch_mib // 4), []
+        st, per, commits = self._fresh()[0], max(1, batch_mib // 4), []
         for b in range(0, self.n, per):
             while len(commits) >= depth:
                 commits.pop(0).result()
@@ -110,7 +110,7 @@ class Bench:
                 c.result()
 
     def stream(self, window_mib: int, cells: bool = False) -> None:
-        st, futs = self._fresh(), []
+        st, futs = self._fresh()[0], []
         window = max(1, window_mib if cells else window_mib // 4)   # writes in flight
         for i in range(self.n):
             for c in (range(SHARD[0] // INNER[0]) if cells else [None]):
@@ -124,7 +124,7 @@ class Bench:
     def shardtxn(self, window: int) -> None:
         import tensorstore as ts
 
-        st, commits = self._fresh(), []
+        st, commits = self._fresh()[0], []
         for i in range(self.n):
             if len(commits) >= window:
                 commits.pop(0).result()

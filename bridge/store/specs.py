@@ -30,7 +30,8 @@ OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_00
 # one thread after all encoding). What is left when the transaction commits is written only after
 # every data file in flight has landed, so smaller files shorten each commit's serial tail: 16 vs
 # 64 MiB on the 32-CPU GPU host, 1 GiB in 128 MiB transactions 1.00 vs 1.30 s (raw TensorStore
-# 0.96 s, bench_ocdbt_commits), store 1.48 vs 1.42 GB/s; 4 MiB files make the store 11% slower.
+# 0.96 s, bench_ocdbt_commits), store 1.48 vs 1.42 GB/s at 2 GiB and 1.58 vs 1.59 at 4 GiB
+# (bench_store_write); 4 MiB files make the store 11% slower.
 # A writer-side knob only: readers follow the B-tree, whatever the file sizes.
 TARGET_DATA_FILE_SIZE = 16 << 20
 
