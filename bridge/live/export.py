@@ -305,50 +305,16 @@ def _plan(summaries: Sequence[dict], run: LiveRun, world: int, target_chunk_byte
     return _Planned(plan, wplan, fused, pads, inner_chunk_bytes, plan.moved_bytes() > 0)
 
 
-def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflight_bytes: int | None = None,
-                 target_chunk_bytes: int = 4 << 20, compression: str | None = None, timeout: float = 600.0,
-                 digest: bool = True, inner_chunk_bytes: int | str | None = "auto",
-                 on_stage: Callable[[str], None] | None = None) -> ExportReport:
-    """Write this run's full training state to the logical checkpoint `dst` (collective call).
+def _agree_plan(local: _Local | None, error: str | None, run: LiveRun, dst: str, device, clock: _Clock, *,
+                target_chunk_bytes: int, compression: str | None,
+                inner_chunk_bytes: int | str | None) -> tuple[_Planned, bool]:
+    """The plan every rank computes alike, and whether it came from the cache (collective).
 
-    Every rank of `run.group` calls it with the same `dst` and its own `params`. `inflight_bytes`
-    bounds host memory: writer transactions of a quarter of it (host data: one filling, two
-    committing) and, for CUDA tensors, four pinned staging buffers of one transaction each (one
-    being copied into, one being written, two committing); the default is four of the store's
-    `default_batch_bytes()` (256 MiB, 512 MiB with >= 16 CPUs).
-    `inner_chunk_bytes` sizes the zarr3 inner (read) chunks: small enough that a reader at another
-    TP / GTP split reads little beyond its boxes, large enough to write fast; "auto" takes the
-    largest of 1 MiB / 512 KiB / 256 KiB whose estimated read amplification is <= 1.2
-    (`bridge.live.plan.choose_inner_bytes`), None makes the inner chunk the whole outer chunk.
-    `digest=False` skips the per-array integrity digests (faster; `gtp-bridge verify` can then
-    only check structure). `on_stage(name)` is called after "planned", "exchanged", "written".
-    The plan is cached: a later export whose ranks hold parameters of the same geometry, shapes,
-    dtypes and optimizer ranges (values may differ) with the same options reuses it.
-    Returns this rank's `ExportReport`; raises BridgeError on every rank if any rank's input is bad.
+    Round 1 gathers errors and signature digests only; round 2 (full summaries) runs only when
+    some rank lacks the plan. Any rank's error is raised on every rank, before anything is written.
     """
     group = run.group
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    if world != dist.get_world_size():
-        # every rank of a subgroup sees this too: all of them raise, none waits in a collective
-        raise BridgeError(f"export_state runs over the whole world ({dist.get_world_size()} ranks), got a group of "
-                          f"{world}; pass LiveRun.group=None (the store's commit barrier spans all ranks)")
-    device = collective_device(group)
-    clock = _Clock()
-    error = None
-    holdings: list[Holding] = []
-    local: _Local | None = None
-    try:
-        if rank != run.rank:
-            raise BridgeError(f"LiveRun.rank is {run.rank} but this process is rank {rank} of the export group")
-        if run.layout.world != world:
-            raise BridgeError(f"layout world size {run.layout.world} != process group size {world}; "
-                              "pass the group the layout describes")
-        holdings, local = _local(params, run, rank)
-    except BridgeError as e:
-        error = str(e)
-    clock.mark("holdings")
-    # Round 1: errors and signature digests only. Round 2 (full summaries) only when some rank lacks the plan.
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     with _collective("planning", rank, dst):
         keys = all_gather_json({"error": error, "key": local.key if local else None, "cached": _PLAN_CACHE.keys()},
                                group, device)
@@ -358,27 +324,42 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
         raise BridgeError(e if r == rank else f"export aborted: rank {r} reported: {e}")
     gkey = plan_key([s["key"] for s in keys], world=world, chunk=target_chunk_bytes, compression=compression,
                     inner=inner_chunk_bytes, optim=run.optimizer is not None)
-    cached = all(gkey in s["cached"] for s in keys)
-    planned = _PLAN_CACHE.get(gkey) if cached else None
-    hit = planned is not None
-    if not hit:
-        with _collective("planning", rank, dst):
-            summaries = all_gather_json(local.summary, group, device)
+    planned = _PLAN_CACHE.get(gkey) if all(gkey in s["cached"] for s in keys) else None
+    if planned is not None:
         clock.mark("gather")
-        planned = _plan(summaries, run, world, target_chunk_bytes, compression, inner_chunk_bytes)
-        _PLAN_CACHE.put(gkey, planned)
-        del summaries
-    else:
-        clock.mark("gather")
-    plan, wplan = planned.plan, planned.wplan
-    manifest = _manifest(run, planned.fused, planned.pads)
-    clock.mark("plan")
-    with _collective("the start", rank, dst):
-        tmp = begin_checkpoint(dst)  # collective: rank 0 prepares, every rank gets the path or the error
-    clock.mark("begin")
-    if on_stage:
-        on_stage("planned")
+        return planned, True
+    with _collective("planning", rank, dst):
+        summaries = all_gather_json(local.summary, group, device)
+    clock.mark("gather")
+    planned = _plan(summaries, run, world, target_chunk_bytes, compression, inner_chunk_bytes)
+    _PLAN_CACHE.put(gkey, planned)
+    return planned, False
 
+
+@dataclass
+class _Written:
+    """What `_exchange_and_write` did on this rank (for the report)."""
+
+    bytes_written: int
+    bytes_sent: int
+    calls: int             # CheckpointWriter.write calls
+    peak: int              # staging buffer bytes used
+    staged_bytes: int      # bytes copied device -> host
+    d2h_wait_s: float      # blocked on device -> host copies
+    commit_wait_s: float   # blocked on the writer's commits
+    donated: bool          # staging buffers were donated to the writer
+
+
+def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun, tmp: str, dst: str, device,
+                        clock: _Clock, on_stage: Callable[[str], None] | None, *, inflight_bytes: int | None,
+                        digest: bool) -> _Written:
+    """Move every piece to its chunk owner and write the chunks this rank owns (steps pack..finish).
+
+    The exchange is one all_to_all over flat byte buffers; on CPU this rank's own pieces are
+    written while it runs. When this returns the writer has finished (its report is published).
+    """
+    plan, wplan, group = planned.plan, planned.wplan, run.group
+    rank = dist.get_rank(group)
     send = _send_buffer(plan, holdings, rank, device)
     clock.mark("pack")
     with _collective("the exchange", rank, dst):
@@ -444,20 +425,80 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     clock.mark("finish")
     if on_stage:
         on_stage("written")
+    return _Written(bytes_written=writer.bytes_written, bytes_sent=bytes_sent, calls=calls[0], peak=peak,
+                    staged_bytes=staged.get("staged_bytes", 0), d2h_wait_s=staged.get("d2h_wait_s", 0.0),
+                    commit_wait_s=writer.commit_wait_s, donated=flush is not None)
+
+
+def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflight_bytes: int | None = None,
+                 target_chunk_bytes: int = 4 << 20, compression: str | None = None, timeout: float = 600.0,
+                 digest: bool = True, inner_chunk_bytes: int | str | None = "auto",
+                 on_stage: Callable[[str], None] | None = None) -> ExportReport:
+    """Write this run's full training state to the logical checkpoint `dst` (collective call).
+
+    Every rank of `run.group` calls it with the same `dst` and its own `params`. `inflight_bytes`
+    bounds host memory: writer transactions of a quarter of it (host data: one filling, two
+    committing) and, for CUDA tensors, four pinned staging buffers of one transaction each (one
+    being copied into, one being written, two committing); the default is four of the store's
+    `default_batch_bytes()` (256 MiB, 512 MiB with >= 16 CPUs).
+    `inner_chunk_bytes` sizes the zarr3 inner (read) chunks: small enough that a reader at another
+    TP / GTP split reads little beyond its boxes, large enough to write fast; "auto" takes the
+    largest of 1 MiB / 512 KiB / 256 KiB whose estimated read amplification is <= 1.2
+    (`bridge.live.plan.choose_inner_bytes`), None makes the inner chunk the whole outer chunk.
+    `digest=False` skips the per-array integrity digests (faster; `gtp-bridge verify` can then
+    only check structure). `on_stage(name)` is called after "planned", "exchanged", "written".
+    The plan is cached: a later export whose ranks hold parameters of the same geometry, shapes,
+    dtypes and optimizer ranges (values may differ) with the same options reuses it.
+    Returns this rank's `ExportReport`; raises BridgeError on every rank if any rank's input is bad.
+    """
+    group = run.group
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if world != dist.get_world_size():
+        # every rank of a subgroup sees this too: all of them raise, none waits in a collective
+        raise BridgeError(f"export_state runs over the whole world ({dist.get_world_size()} ranks), got a group of "
+                          f"{world}; pass LiveRun.group=None (the store's commit barrier spans all ranks)")
+    device = collective_device(group)
+    clock = _Clock()
+    error = None
+    holdings: list[Holding] = []
+    local: _Local | None = None
+    try:
+        if rank != run.rank:
+            raise BridgeError(f"LiveRun.rank is {run.rank} but this process is rank {rank} of the export group")
+        if run.layout.world != world:
+            raise BridgeError(f"layout world size {run.layout.world} != process group size {world}; "
+                              "pass the group the layout describes")
+        holdings, local = _local(params, run, rank)
+    except BridgeError as e:
+        error = str(e)
+    clock.mark("holdings")
+    planned, hit = _agree_plan(local, error, run, dst, device, clock, target_chunk_bytes=target_chunk_bytes,
+                               compression=compression, inner_chunk_bytes=inner_chunk_bytes)
+    plan, wplan = planned.plan, planned.wplan
+    manifest = _manifest(run, planned.fused, planned.pads)
+    clock.mark("plan")
+    with _collective("the start", rank, dst):
+        tmp = begin_checkpoint(dst)  # collective: rank 0 prepares, every rank gets the path or the error
+    clock.mark("begin")
+    if on_stage:
+        on_stage("planned")
+    written = _exchange_and_write(planned, holdings, run, tmp, dst, device, clock, on_stage,
+                                  inflight_bytes=inflight_bytes, digest=digest)
     with _collective("the commit", rank, dst):
         dist.barrier(group)  # timed apart from the commit: how long the slowest rank kept this one waiting
         clock.mark("barrier")
         path = finalize(dst, wplan, rank, manifest, timeout=timeout)
     clock.mark("commit")
     st = clock.steps
-    return ExportReport(path=path or os.path.abspath(dst), rank=rank, bytes_written=writer.bytes_written,
-                        bytes_sent=bytes_sent, bytes_received=sum(plan.recv_splits(rank)),
+    return ExportReport(path=path or os.path.abspath(dst), rank=rank, bytes_written=written.bytes_written,
+                        bytes_sent=written.bytes_sent, bytes_received=sum(plan.recv_splits(rank)),
                         plan_s=clock.total("holdings", "gather", "plan", "begin"),
                         exchange_s=clock.total("pack", "exchange_wait"),
                         write_s=clock.total("write_local", "write_recv", "finish"),
-                        commit_s=clock.total("barrier", "commit"), staging_peak_bytes=peak,
+                        commit_s=clock.total("barrier", "commit"), staging_peak_bytes=written.peak,
                         arrays=len(plan.catalog), sent_by_group=_sent_by_group(plan, run.layout, rank),
-                        plan_cached=hit, timings={**st, "d2h_wait": staged.get("d2h_wait_s", 0.0),
-                                                      "commit_wait": writer.commit_wait_s},
-                        write_calls=calls[0], staged_bytes=staged.get("staged_bytes", 0),
-                        donated_staging=flush is not None, inner_chunk_bytes=planned.inner_chunk_bytes)
+                        plan_cached=hit, timings={**st, "d2h_wait": written.d2h_wait_s,
+                                                      "commit_wait": written.commit_wait_s},
+                        write_calls=written.calls, staged_bytes=written.staged_bytes,
+                        donated_staging=written.donated, inner_chunk_bytes=planned.inner_chunk_bytes)
