@@ -206,25 +206,7 @@ def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
         _choose_chunk(shape, [(st, sp) for _, st, sp, _ in hold], itemsize, target_chunk_bytes)
     grid = tuple(-(-s // c) for s, c in zip(shape, chunk))
     nchunks = prod(grid)
-    # parts of each holding per chunk (most holdings fall in one chunk)
-    parts: dict[tuple[int, ...], list[tuple[int, tuple, tuple, int]]] = {}
-    ones = (1,) * nd
-    cm1 = tuple(c - 1 for c in chunk)
-    for h in hold:
-        r, st, sp, v = h
-        lo = tuple(map(floordiv, st, chunk))
-        hi = tuple(map(floordiv, map(add, sp, cm1), chunk))
-        if lo == tuple(map(sub, hi, ones)):
-            lst = parts.get(lo)
-            if lst is None:
-                parts[lo] = [h]
-            else:
-                lst.append(h)
-            continue
-        for key in product(*(range(x, y) for x, y in zip(lo, hi))):
-            s0 = tuple(max(x, k * c) for x, k, c in zip(st, key, chunk))
-            s1 = tuple(min(y, (k + 1) * c) for y, k, c in zip(sp, key, chunk))
-            parts.setdefault(key, []).append((r, s0, s1, _vol(s0, s1)))
+    parts = _parts_by_chunk(hold, chunk)
     if len(parts) != nchunks and 0 not in shape:
         missing = next(k for k in np.ndindex(*grid) if k not in parts)
         raise BridgeError(f"{name}: no rank holds region {_chunk_box(missing, chunk, shape)}; pass every rank's "
@@ -247,31 +229,74 @@ def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
                         key=lambda r: (load.get(r, 0), -held[r], r))
         owners[key] = owner
         load[owner] = load.get(owner, 0) + csize
-        if held[owner] == csize:  # the owner already holds the whole chunk
-            continue
-        if sum(held.values()) == csize and _disjoint(plist):  # parts tile the chunk: send them as they are
-            transfers.extend(Transfer(trusted_box(st, sp), r, owner) for r, st, sp, _ in plist if r != owner)
-            continue
-        needed = [(c0, c1)]
-        for r, st, sp, _ in plist:
-            if r == owner:
-                needed = [x for n0, n1 in needed for x in _diff(n0, n1, st, sp)]
-        for r, st, sp, _ in sorted(plist, key=lambda h: (load.get(h[0], 0), h[0])):
-            if r == owner or not needed:
-                continue
-            rest = []
-            for n0, n1 in needed:
-                inter = _isect(n0, n1, st, sp)
-                if inter is None:
-                    rest.append((n0, n1))
-                    continue
-                transfers.append(Transfer(trusted_box(*inter), r, owner))
-                rest.extend(_diff(n0, n1, st, sp))
-            needed = rest
-        if needed:
-            raise BridgeError(f"{name}: no rank holds region {trusted_box(*needed[0])} (chunk {trusted_box(c0, c1)}); "
-                              f"pass every rank's holdings (pieces must cover the array)")
+        if held[owner] != csize:  # else the owner already holds the whole chunk
+            transfers.extend(_chunk_transfers(plist, owner, sum(held.values()) == csize, c0, c1, load, name))
     return OwnershipPlan(ArrayOwnership(shape, chunk, owners), transfers)
+
+
+def _parts_by_chunk(hold: list[tuple[int, tuple, tuple, int]],
+                    chunk: tuple[int, ...]) -> dict[tuple[int, ...], list[tuple[int, tuple, tuple, int]]]:
+    """The (rank, start, stop, volume) holdings cut along the chunk grid, keyed by chunk index.
+
+    >>> _parts_by_chunk([(0, (0,), (6,), 6)], (4,))
+    {(0,): [(0, (0,), (4,), 4)], (1,): [(0, (4,), (6,), 2)]}
+    """
+    parts: dict[tuple[int, ...], list[tuple[int, tuple, tuple, int]]] = {}
+    ones = (1,) * len(chunk)
+    cm1 = tuple(c - 1 for c in chunk)
+    for h in hold:
+        r, st, sp, v = h
+        lo = tuple(map(floordiv, st, chunk))
+        hi = tuple(map(floordiv, map(add, sp, cm1), chunk))
+        if lo == tuple(map(sub, hi, ones)):  # most holdings fall in one chunk: no cutting
+            lst = parts.get(lo)
+            if lst is None:
+                parts[lo] = [h]
+            else:
+                lst.append(h)
+            continue
+        for key in product(*(range(x, y) for x, y in zip(lo, hi))):
+            s0 = tuple(max(x, k * c) for x, k, c in zip(st, key, chunk))
+            s1 = tuple(min(y, (k + 1) * c) for y, k, c in zip(sp, key, chunk))
+            parts.setdefault(key, []).append((r, s0, s1, _vol(s0, s1)))
+    return parts
+
+
+def _chunk_transfers(plist: list[tuple[int, tuple, tuple, int]], owner: int, exact_cover: bool, c0: tuple,
+                     c1: tuple, load: dict[int, int], name: str) -> list[Transfer]:
+    """Transfers that bring the owner of chunk [c0, c1) what it lacks, from the least-loaded holders.
+
+    `exact_cover`: the parts' volumes add up to the chunk's, so disjoint parts tile it and are
+    sent as they are; otherwise the owner's own parts are cut away and each remaining region is
+    taken from the first holder (by load) that has it.
+
+    >>> [(str(t.box), t.src, t.dst) for t in _chunk_transfers(
+    ...     [(0, (0,), (4,), 4), (1, (2,), (8,), 6)], 0, False, (0,), (8,), {}, "a")]
+    [('[4:8]', 1, 0)]
+    """
+    if exact_cover and _disjoint(plist):
+        return [Transfer(trusted_box(st, sp), r, owner) for r, st, sp, _ in plist if r != owner]
+    out = []
+    needed = [(c0, c1)]
+    for r, st, sp, _ in plist:
+        if r == owner:
+            needed = [x for n0, n1 in needed for x in _diff(n0, n1, st, sp)]
+    for r, st, sp, _ in sorted(plist, key=lambda h: (load.get(h[0], 0), h[0])):
+        if r == owner or not needed:
+            continue
+        rest = []
+        for n0, n1 in needed:
+            inter = _isect(n0, n1, st, sp)
+            if inter is None:
+                rest.append((n0, n1))
+                continue
+            out.append(Transfer(trusted_box(*inter), r, owner))
+            rest.extend(_diff(n0, n1, st, sp))
+        needed = rest
+    if needed:
+        raise BridgeError(f"{name}: no rank holds region {trusted_box(*needed[0])} (chunk {trusted_box(c0, c1)}); "
+                          f"pass every rank's holdings (pieces must cover the array)")
+    return out
 
 
 def _disjoint(plist: list[tuple[int, tuple, tuple, int]]) -> bool:
