@@ -7,7 +7,7 @@ import pytest
 
 MODULES = ["bridge.layout.chunks", "bridge.store.tree", "bridge.store.specs", "bridge.store.plan",
            "bridge.store.digest", "bridge.store.verify", "bridge.store.commit",
-           "bridge.store.staging"]
+           "bridge.store.staging", "bridge.store.writer"]
 
 
 @pytest.mark.parametrize("name", MODULES)

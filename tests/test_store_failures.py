@@ -171,3 +171,25 @@ def test_bad_input_writes_nothing(tmp_path):
     with pytest.raises(BridgeError, match="is a leaf and also the parent"):
         save_checkpoint(str(tmp_path / "c2"), {("a",): np.zeros(1, np.float32), ("a", "b"): np.zeros(1, np.float32)})
     assert not (tmp_path / "c2").exists() and not os.path.exists(tmp_dir_for(str(tmp_path / "c2")))
+
+
+def test_overlapping_writes_are_refused_and_the_rest_commits(tmp_path):
+    # Chunks of 2 rows. A box over chunks 0 and 1, then overlaps in its second chunk and in its
+    # first: both refused, naming both boxes; the disjoint rest is written and reads back exactly.
+    dst = str(tmp_path / "ck")
+    path = ("params", "w")
+    a = np.random.default_rng(5).standard_normal((8, 4)).astype(np.float32)
+    plan = make_write_plan([ArraySpec(path, (8, 4), "float32")], 1,
+                           {path: ArrayOwnership((8, 4), (2, 4), np.zeros((4, 1), np.int32))})
+    w = CheckpointWriter(begin_checkpoint(dst), plan, 0)
+    w.write(path, Box((0, 0), (3, 2)), a[0:3, 0:2])
+    with pytest.raises(BridgeError, match=r"params/w: box \[2:4, 1:2\] overlaps box \[0:3, 0:2\] written before"):
+        w.write(path, Box((2, 1), (4, 2)), a[2:4, 1:2])
+    with pytest.raises(BridgeError, match=r"box \[0:1, 1:3\] overlaps box \[0:3, 0:2\]"):
+        w.write(path, Box((0, 1), (1, 3)), a[0:1, 1:3])
+    w.write(path, Box((3, 0), (8, 2)), a[3:8, 0:2])
+    for r in range(8):  # one box per row: the boxes of a chunk add up
+        w.write(path, Box((r, 2), (r + 1, 4)), a[r:r + 1, 2:4])
+    w.finish()
+    commit_checkpoint(dst, plan, timeout=5)
+    np.testing.assert_array_equal(open_checkpoint(dst).read(path), a)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from itertools import product
 from typing import Sequence
 
 import numpy as np
@@ -64,26 +65,38 @@ class _ArrayState:
 
     def __init__(self, plan: ArrayPlan) -> None:
         self.plan = plan
-        nd = len(plan.spec.shape)
-        self.starts = np.zeros((0, nd), dtype=np.int64)
-        self.stops = np.zeros((0, nd), dtype=np.int64)
+        # Boxes written, listed under every chunk they touch: a new box is checked against those of
+        # its own chunks only (a few cells each), not against every box of the array.
+        self.boxes: dict[tuple[int, ...], list[Box]] = {}
         self.covered = np.zeros(plan.ownership.grid_shape, dtype=np.int64)
         self.digest = 0
 
     def record(self, box: Box) -> None:
-        if len(self.starts):
-            lo = np.maximum(self.starts, np.asarray(box.start, dtype=np.int64))
-            hi = np.minimum(self.stops, np.asarray(box.stop, dtype=np.int64))
-            hit = np.all(hi > lo, axis=1) if box.ndim else np.ones(len(self.starts), dtype=bool)
-            if hit.any():
-                k = int(np.argmax(hit))
-                prev = Box(tuple(int(x) for x in self.starts[k]), tuple(int(x) for x in self.stops[k]))
-                raise BridgeError(f"{path_str(self.plan.spec.path)}: box {box} overlaps box {prev} written before; "
-                                  "every element must be written exactly once")
-        self.starts = np.vstack([self.starts, np.asarray([box.start], dtype=np.int64).reshape(1, -1)])
-        self.stops = np.vstack([self.stops, np.asarray([box.stop], dtype=np.int64).reshape(1, -1)])
+        """Add `box` to the coverage; BridgeError if it overlaps a box written before.
+
+        >>> from bridge.layout.chunks import ArrayOwnership
+        >>> own = ArrayOwnership((4, 4), (2, 4), np.zeros((2, 1), dtype=np.int32))
+        >>> st = _ArrayState(ArrayPlan(ArraySpec("a", (4, 4), "float32"), own, (2, 4)))
+        >>> st.record(Box((0, 0), (3, 2))); st.record(Box((0, 2), (4, 4))); st.covered.ravel().tolist()
+        [8, 6]
+        >>> st.record(Box((2, 1), (4, 2)))
+        Traceback (most recent call last):
+        ...
+        bridge.errors.BridgeError: a: box [2:4, 1:2] overlaps box [0:3, 0:2] written before; every element must be written exactly once
+        """
         own = self.plan.ownership
         sl = own.chunks_touching(box)
+        keys = list(product(*(range(s.start, s.stop) for s in sl)))
+        for key in keys:
+            for prev in self.boxes.get(key, ()):
+                if prev.intersect(box) is not None:
+                    raise BridgeError(f"{path_str(self.plan.spec.path)}: box {box} overlaps box {prev} written "
+                                      "before; every element must be written exactly once")
+        for key in keys:
+            self.boxes.setdefault(key, []).append(box)
+        if len(keys) == 1:  # the common case: a box inside one chunk
+            self.covered[keys[0]] += box.size
+            return
         # Elements of `box` inside each touched chunk = product over dims of per-dim overlap lengths.
         counts = np.ones((), dtype=np.int64)
         for d, s in enumerate(sl):
