@@ -5,11 +5,13 @@ torch is imported by the callers that have tensors; this module only needs it at
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 
+@lru_cache(maxsize=None)  # called per staged item: a dtype lookup, not a tensor allocation
 def numpy_dtype_of(torch_dtype: Any) -> np.dtype:
     """numpy dtype for a torch dtype (bf16 via ml_dtypes).
 

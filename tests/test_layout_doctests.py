@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-MODULES = ["parallel", "params", "fused", "distopt", "rectangles", "assemble", "legacy", "ownership", "bulk"]
+MODULES = ["boxes", "parallel", "params", "fused", "distopt", "rectangles", "assemble", "legacy", "ownership", "bulk"]
 
 
 @pytest.mark.parametrize("name", MODULES)

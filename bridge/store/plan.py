@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping, Sequence
 
 from bridge.errors import BridgeError
@@ -36,7 +37,7 @@ class ArraySpec:
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", specs.check_dtype(str(self.dtype), path_str(self.path)))
 
-    @property
+    @cached_property  # looked up on every write: computed (and the path validated) once
     def name(self) -> str:
         """Orbax parameter name ("a.b.c")."""
         return path_to_name(self.path)

@@ -89,7 +89,7 @@ class _ArrayState:
         keys = list(product(*(range(s.start, s.stop) for s in sl)))
         for key in keys:
             for prev in self.boxes.get(key, ()):
-                if prev.intersect(box) is not None:
+                if prev.overlaps(box):
                     raise BridgeError(f"{path_str(self.plan.spec.path)}: box {box} overlaps box {prev} written "
                                       "before; every element must be written exactly once")
         for key in keys:
