@@ -68,6 +68,8 @@ def _check_arrays(ck: Checkpoint, jobs: Sequence[_Job]) -> dict[str, object]:
     """Open every array the jobs need once; shapes must match the geometry (BridgeError naming it)."""
     stores: dict[str, object] = {}
     available = set(ck.paths())
+    needed = dict.fromkeys(name_to_path(tree_name(j.root, a)) for j in jobs for a in j.param.geometry.logical_arrays())
+    ck.open_many([p for p in needed if p in available])  # all at once; checked one by one below
     for j in jobs:
         for array, shape in j.param.geometry.logical_arrays().items():
             name = tree_name(j.root, array)
