@@ -67,8 +67,7 @@ def open_for_inspection(directory: str | os.PathLike) -> CheckpointInfo:
     directory = os.fspath(directory)
     ck = open_checkpoint(directory)
     arrays = []
-    for path in ck.paths():
-        info = ck.info(path)
+    for path, info in ck.arrays().items():  # opens them all at once
         arrays.append(ArrayEntry(
             path=tuple(path), shape=tuple(info.shape), dtype=info.dtype, nbytes=int(info.nbytes),
             chunk=tuple(info.chunk_shape) if info.shape else None,

@@ -132,6 +132,7 @@ class Checkpoint:
 
     def arrays(self) -> dict[Path, ArrayInfo]:
         """path -> ArrayInfo for every array."""
+        self.open_many(list(self.paths()))
         return {p: self.info(p) for p in self.paths()}
 
     def read(self, path: Sequence[str] | str, box: Box | None = None) -> np.ndarray:
