@@ -153,9 +153,10 @@ def test_staging_off_and_on_write_identical_checkpoint_contents(tmp_path):
     assert results[0] == results[1]
 
 
-def test_caller_may_reuse_a_non_donated_buffer_as_soon_as_write_returns(tmp_path):
-    """Also on the path TensorStore copies itself (tiny inner chunks): write waits for that copy."""
-    shape = (2048, 1024)
+@pytest.mark.parametrize("shape", [(2048, 1024), (64, 256)])
+def test_caller_may_reuse_a_non_donated_buffer_as_soon_as_write_returns(tmp_path, shape):
+    """Also on the paths that do not stage (tiny inner chunks): an 8 MiB box TensorStore copies
+    itself (write waits for that copy) and a 64 KiB one the writer copies before referencing it."""
     plan = make_write_plan([ArraySpec(("params", "w"), shape, "float32")], 1, inner_chunk_bytes=16 << 10)
     assert plan.lookup(("params", "w")).inner_chunk_shape == (64, 64)   # 16 KiB cells: not staged
     ref = np.random.default_rng(2).standard_normal(shape).astype(np.float32)

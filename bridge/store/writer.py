@@ -39,6 +39,9 @@ _ASYNC_DIGEST_BYTES = 256 << 10
 # Boxes whose inner-chunk cells average less than this are left to TensorStore to copy: per cell,
 # staging costs a TensorStore write call (~50 us), which only pays off for cells of this size.
 _MIN_STAGED_CELL_BYTES = 128 << 10
+# Boxes to be copied that are at most this large are copied here and referenced: waiting for
+# TensorStore's own copy is a hand-off to its threads and back, which costs more than the copy.
+_COPY_HERE_BYTES = 256 << 10
 
 
 def default_batch_bytes() -> int:
@@ -269,6 +272,8 @@ class CheckpointWriter:
         ncell = num_grid_cells(box, inner)
         contiguous = data.flags.c_contiguous and cells_are_row_runs(box, inner)
         if (donate and contiguous) or not self.staging or data.nbytes < ncell * _MIN_STAGED_CELL_BYTES:
+            if not donate and data.nbytes <= _COPY_HERE_BYTES:
+                data, donate = np.array(data, order="C"), True   # our copy, referenced: no wait below
             fut = store[box.slices].write(data, can_reference_source_data_indefinitely=donate)
             if not donate:  # TensorStore copies the source asynchronously; the caller may reuse it on return
                 fut.copy.result()
