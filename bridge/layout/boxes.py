@@ -65,15 +65,6 @@ class Box:
             return None
         return Box(lo, hi)
 
-    def overlaps(self, other: "Box") -> bool:
-        """Whether the boxes share an element (`intersect` without building the overlap).
-
-        >>> Box((0, 0), (2, 2)).overlaps(Box((1, 1), (3, 3))), Box((0,), (2,)).overlaps(Box((2,), (4,)))
-        (True, False)
-        """
-        return all(a < b and c < d and a < d and c < b
-                   for a, b, c, d in zip(self.start, self.stop, other.start, other.stop))
-
     def contains(self, other: "Box") -> bool:
         return all(a <= c and d <= b for a, b, c, d in zip(self.start, self.stop, other.start, other.stop))
 

@@ -63,14 +63,46 @@ def report_path(tmp_dir: str, writer: int) -> str:
     return os.path.join(tmp_dir, REPORT_DIR, f"writer_{writer}.json")
 
 
+class _BoxList:
+    """Boxes as rows of int64 starts / stops: amortized appends, one vectorized overlap test.
+
+    >>> bl = _BoxList(2); bl.append(Box((0, 0), (2, 2))); bl.append(Box((2, 0), (4, 2)))
+    >>> str(bl.first_overlap(Box((1, 1), (3, 2)))), bl.first_overlap(Box((0, 2), (4, 3)))
+    ('[0:2, 0:2]', None)
+    """
+
+    def __init__(self, ndim: int) -> None:
+        self.n = 0
+        self.lo = np.empty((4, ndim), dtype=np.int64)
+        self.hi = np.empty((4, ndim), dtype=np.int64)
+
+    def append(self, box: Box) -> None:
+        if self.n == len(self.lo):
+            self.lo = np.concatenate([self.lo, np.empty_like(self.lo)])
+            self.hi = np.concatenate([self.hi, np.empty_like(self.hi)])
+        self.lo[self.n] = box.start
+        self.hi[self.n] = box.stop
+        self.n += 1
+
+    def first_overlap(self, box: Box) -> Box | None:
+        """The first listed box sharing an element with non-empty `box` (0-d boxes always do)."""
+        lo = np.maximum(self.lo[:self.n], box.start)
+        hi = np.minimum(self.hi[:self.n], box.stop)
+        hit = (hi > lo).all(axis=1)
+        k = int(hit.argmax()) if self.n else 0
+        if not self.n or not hit[k]:
+            return None
+        return Box(tuple(int(x) for x in self.lo[k]), tuple(int(x) for x in self.hi[k]))
+
+
 class _ArrayState:
     """What one writer has written of one array: boxes (for overlap checks), coverage, digest."""
 
     def __init__(self, plan: ArrayPlan) -> None:
         self.plan = plan
         # Boxes written, listed under every chunk they touch: a new box is checked against those of
-        # its own chunks only (a few cells each), not against every box of the array.
-        self.boxes: dict[tuple[int, ...], list[Box]] = {}
+        # its own chunks only, not against every box of the array.
+        self.boxes: dict[tuple[int, ...], _BoxList] = {}
         self.covered = np.zeros(plan.ownership.grid_shape, dtype=np.int64)
         self.digest = 0
 
@@ -91,12 +123,15 @@ class _ArrayState:
         sl = own.chunks_touching(box)
         keys = list(product(*(range(s.start, s.stop) for s in sl)))
         for key in keys:
-            for prev in self.boxes.get(key, ()):
-                if prev.overlaps(box):
-                    raise BridgeError(f"{path_str(self.plan.spec.path)}: box {box} overlaps box {prev} written "
-                                      "before; every element must be written exactly once")
+            prev = self.boxes[key].first_overlap(box) if key in self.boxes else None
+            if prev is not None:
+                raise BridgeError(f"{path_str(self.plan.spec.path)}: box {box} overlaps box {prev} written "
+                                  "before; every element must be written exactly once")
         for key in keys:
-            self.boxes.setdefault(key, []).append(box)
+            lst = self.boxes.get(key)
+            if lst is None:
+                lst = self.boxes[key] = _BoxList(box.ndim)
+            lst.append(box)
         if len(keys) == 1:  # the common case: a box inside one chunk
             self.covered[keys[0]] += box.size
             return
