@@ -199,3 +199,25 @@ def test_staging_batches_fit_the_half_budget_with_aligned_slots():
         for p in b:
             got[p.name] = got.get(p.name, 0) + p.box.size
     assert got == {"a": 9, "b": 40, "c": 1}
+
+
+def test_reload_names_a_missing_array_and_a_wrong_shape(tmp_path):
+    """Before reading anything, reload checks that every array it needs exists with its shape."""
+    from bridge.live.reference_trainer import ReferenceTrainer
+    from bridge.live.reload import _jobs, reload_state
+    from bridge.store import save_checkpoint
+    from bridge.store.tree import name_to_path
+
+    tr = ReferenceTrainer(ParallelLayout(), init=False)
+    run, params = tr.live_run(), tr.local_params()
+    shapes = {tree_name(j.root, a): tuple(s) for p in params for j in _jobs(p, run, False)
+              for a, s in j.param.geometry.logical_arrays().items()}
+    arrays = {name_to_path(n): np.zeros(s, np.float32) for n, s in shapes.items()}
+    gone, odd = list(arrays)[:2]
+    save_checkpoint(str(tmp_path / "missing"), {p: a for p, a in arrays.items() if p != gone})
+    with pytest.raises(BridgeError, match=f"has no array {'/'.join(gone)} needed by"):
+        reload_state(str(tmp_path / "missing"), run, params)
+    arrays[odd] = np.zeros((arrays[odd].shape[0] + 1,) + arrays[odd].shape[1:], np.float32)
+    save_checkpoint(str(tmp_path / "shape"), arrays)
+    with pytest.raises(BridgeError, match=f"{'/'.join(odd)}: checkpoint shape .* expected by"):
+        reload_state(str(tmp_path / "shape"), run, params)

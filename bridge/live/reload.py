@@ -27,7 +27,7 @@ from bridge.live.holdings import tree_name
 from bridge.torch_numpy import from_numpy
 from bridge.progress import progress
 from bridge.store.reader import Checkpoint, open_checkpoint
-from bridge.store.tree import name_to_path
+from bridge.store.tree import name_to_path, path_str
 
 
 @dataclass
@@ -66,24 +66,23 @@ def _jobs(p: LocalParam, run: LiveRun, have_model: bool) -> list[_Job]:
 
 def _check_arrays(ck: Checkpoint, jobs: Sequence[_Job]) -> dict[str, object]:
     """Open every array the jobs need once; shapes must match the geometry (BridgeError naming it)."""
-    stores: dict[str, object] = {}
-    available = set(ck.paths())
-    needed = dict.fromkeys(name_to_path(tree_name(j.root, a)) for j in jobs for a in j.param.geometry.logical_arrays())
-    ck.open_many([p for p in needed if p in available])  # all at once; checked one by one below
+    wanted: dict[str, tuple] = {}  # name -> (path, expected shape, the parameter needing it)
     for j in jobs:
         for array, shape in j.param.geometry.logical_arrays().items():
             name = tree_name(j.root, array)
-            if name in stores:
-                continue
-            path = name_to_path(name)
-            if path not in available:
-                raise BridgeError(f"checkpoint {ck.root} has no array {'/'.join(path)} needed by {j.param.key}; "
-                                  "it was written for another model (or without optimizer state)")
-            info = ck.info(path)
-            if tuple(info.shape) != tuple(shape):
-                raise BridgeError(f"{'/'.join(path)}: checkpoint shape {list(info.shape)} != {list(shape)} expected by "
-                                  f"{j.param.key}'s geometry; reload with the model the checkpoint was written for")
-            stores[name] = ck.open(path)
+            if name not in wanted:
+                wanted[name] = (name_to_path(name), tuple(shape), j.param.key)
+    available = set(ck.paths())
+    for path, _shape, key in wanted.values():
+        if path not in available:
+            raise BridgeError(f"checkpoint {ck.root} has no array {path_str(path)} needed by {key}; "
+                              "it was written for another model (or without optimizer state)")
+    stores = dict(zip(wanted, ck.open_many([path for path, _, _ in wanted.values()])))  # all at once
+    for path, shape, key in wanted.values():
+        info = ck.info(path)
+        if tuple(info.shape) != shape:
+            raise BridgeError(f"{path_str(path)}: checkpoint shape {list(info.shape)} != {list(shape)} expected by "
+                              f"{key}'s geometry; reload with the model the checkpoint was written for")
     return stores
 
 
