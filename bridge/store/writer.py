@@ -86,12 +86,10 @@ class _BoxList:
 
     def first_overlap(self, box: Box) -> Box | None:
         """The first listed box sharing an element with non-empty `box` (0-d boxes always do)."""
-        lo = np.maximum(self.lo[:self.n], box.start)
-        hi = np.minimum(self.hi[:self.n], box.stop)
-        hit = (hi > lo).all(axis=1)
-        k = int(hit.argmax()) if self.n else 0
-        if not self.n or not hit[k]:
+        hit = (np.minimum(self.hi[:self.n], box.stop) > np.maximum(self.lo[:self.n], box.start)).all(axis=1)
+        if not hit.any():
             return None
+        k = int(hit.argmax())
         return Box(tuple(int(x) for x in self.lo[k]), tuple(int(x) for x in self.hi[k]))
 
 
