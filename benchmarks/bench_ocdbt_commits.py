@@ -73,25 +73,10 @@ class Bench:
             return slice(i * SHARD[0], (i + 1) * SHARD[0])
         return slice(i * SHARD[0] + c * INNER[0], i * SHARD[0] + (c + 1) * INNER[0])
 
-    def txn(self, batch_mib: int, depth: int) -> None:
-        import tensorstore as ts
-
-        st, per, commits = self._fresh()[0], max(1, batch_mib // 4), []
-        for b in range(0, self.n, per):
-            while len(commits) >= depth:
-                commits.pop(0).result()
-            txn = ts.Transaction(atomic=True)
-            bound = st.with_transaction(txn)
-            for f in [bound[self._rows(i)].write(self.data[i], can_reference_source_data_indefinitely=True)
-                      for i in range(b, min(self.n, b + per))]:
-                f.result()
-            commits.append(txn.commit_async())
-        for c in commits:
-            c.result()
-
-    def lanes(self, dbs: int, batch_mib: int = 128, depth: int = 2) -> None:
-        """txn<batch_mib>d<depth>, but each batch's shards dealt round-robin to `dbs` databases,
-        each with its own transaction, committed together (OCDBT serializes commits per database)."""
+    def txn(self, batch_mib: int, depth: int, dbs: int = 1) -> None:
+        """Transactions of `batch_mib`, `depth` in flight; with `dbs` > 1 each batch's shards are dealt
+        round-robin to that many databases, a transaction each, committed together (OCDBT serializes
+        commits per database)."""
         import tensorstore as ts
 
         stores, per, rounds = self._fresh(dbs), max(1, batch_mib // 4), []
@@ -165,7 +150,7 @@ class Bench:
         elif kind == "shardtxn":
             self.shardtxn(int(a))
         elif kind == "lanes":
-            self.lanes(int(a))
+            self.txn(128, 2, dbs=int(a))
         else:
             self.raw()
 
