@@ -45,7 +45,7 @@ def _items(src) -> list[WriteItem]:
             box = Box((r, 0), (r1, arr.shape[1]))
             items.append(WriteItem(".".join(name), box, from_numpy(np.ascontiguousarray(arr[r:r1]))))
             r, k = r1, k + 1
-    items.sort(key=lambda it: (it.box.start[0], it.name))
+    items.sort(key=lambda it: (it.box.start[0] // 8, it.name, it.box.start[0]))   # chunk by chunk (8 rows)
     return items
 
 
@@ -58,7 +58,15 @@ def _plan(src: dict, inner_chunk_bytes: int, chunk_rows: int | None = None):
                            inner_chunk_bytes=inner_chunk_bytes)
 
 
-def _export(dst: str, flush_commits: bool, depth: int = 1):
+def _chunks(plan):
+    """The store's outer chunks a box touches (what the live export passes as `chunks`)."""
+    def chunks(name, box):
+        sl = plan.lookup(name).ownership.chunks_touching(box)
+        return [(name, i) for i in range(sl[0].start, sl[0].stop)]   # row-block chunks
+    return chunks
+
+
+def _export(dst: str, flush_commits: bool, depth: int = 1, part: int = 2048):
     src = _sources()
     plan = _plan(src, 512, chunk_rows=8)
     tmp = begin_checkpoint(dst)
@@ -70,14 +78,20 @@ def _export(dst: str, flush_commits: bool, depth: int = 1):
         if flush_commits:
             writer.flush(wait=False)
 
-    peak = stage_and_write(_items(src), lambda n, b, a: writer.write(n, b, a), budget_bytes=(depth + 2) * 2048,
+    copied = []
+
+    def write_copy(n, b, a):
+        copied.append(n)
+        writer.write(n, b, a)
+
+    peak = stage_and_write(_items(src), write_copy, budget_bytes=(depth + 2) * part,
                            write_cpu=lambda n, b, a: writer.write(n, b, a, donate=True), flush=flush,
                            stage_cpu=True, commits_in_flight=depth,
-                           drain=writer.flush if flush_commits else flush)
+                           drain=writer.flush if flush_commits else flush, chunks=_chunks(plan))
     writer.finish()
     commit_checkpoint(dst, plan)
     ck = open_checkpoint(dst)
-    return src, {p: ck.read(p) for p in src}, len(flushes), peak
+    return src, {p: ck.read(p) for p in src}, len(flushes), peak, copied
 
 
 def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
@@ -87,9 +101,20 @@ def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
 @pytest.mark.parametrize("depth", [1, 2])
 def test_donated_staging_buffers_are_reused_only_after_commit(tmp_path, depth):
     """With `depth` writer commits in flight, depth + 2 buffers: none refilled before its commit landed."""
-    src, got, flushes, peak = _export(str(tmp_path / "ck"), flush_commits=True, depth=depth)
+    src, got, flushes, peak, copied = _export(str(tmp_path / "ck"), flush_commits=True, depth=depth)
+    assert not copied   # every chunk fits a buffer: all donated
     assert flushes > 6, "the budget must force many batches through the buffers"
     assert 0 < peak <= (depth + 2) * 2048
+    for p in src:
+        assert _same_bits(got[p], src[p]), p
+
+
+def test_chunks_larger_than_a_staging_buffer_are_copied_and_written_in_one_transaction(tmp_path):
+    """Buffers of 1 KiB, chunks of 8 rows of `a` (1536 bytes): `a`'s chunks cannot be donated
+    whole, so they take the copying path and the writer commits each chunk in one transaction
+    (it refuses a chunk rewritten across transactions); every element reads back exactly."""
+    src, got, flushes, _, copied = _export(str(tmp_path / "ck"), flush_commits=True, depth=1, part=1024)
+    assert ".".join(A) in copied and flushes >= 1   # `a` copied, some of `b` donated
     for p in src:
         assert _same_bits(got[p], src[p]), p
 
@@ -97,7 +122,7 @@ def test_donated_staging_buffers_are_reused_only_after_commit(tmp_path, depth):
 def test_control_reusing_donated_buffers_before_commit_corrupts(tmp_path):
     """Without commits between batches the buffers are refilled while the writer still references
     them: the read-back differs, so the test above would notice a pipeline that reuses too early."""
-    src, got, flushes, _ = _export(str(tmp_path / "ck"), flush_commits=False)
+    src, got, flushes, _, _ = _export(str(tmp_path / "ck"), flush_commits=False)
     assert flushes > 6
     assert not _same_bits(got[A], src[A])
 
@@ -164,7 +189,7 @@ def test_cells_cut_before_staging_are_written_without_a_second_copy(tmp_path):
     rng = np.random.default_rng(11)
     src = {A: rng.standard_normal((1024, 768)).astype(np.float32),
            B: to_numpy(torch.from_numpy(rng.standard_normal((512, 1024)).astype(np.float32)).to(torch.bfloat16))}
-    plan = _plan(src, 256 << 10)
+    plan = _plan(src, 256 << 10, chunk_rows=256)   # chunks of 512-768 KiB: whole in a 1 MiB buffer
     inner = {".".join(p): plan.lookup(p).inner_chunk_shape for p in src}
 
     def export(dst, cut):
@@ -179,7 +204,7 @@ def test_cells_cut_before_staging_are_written_without_a_second_copy(tmp_path):
                  for p, a in src.items() for r in range(0, a.shape[0], 256)]
         stage_and_write(items, None, budget_bytes=4 << 20, write_cpu=write_donated,
                         flush=lambda: writer.flush(wait=False), stage_cpu=True, commits_in_flight=2,
-                        drain=writer.flush, cell_shape=inner.__getitem__ if cut else None)
+                        drain=writer.flush, cell_shape=inner.__getitem__ if cut else None, chunks=_chunks(plan))
         writer.finish()
         commit_checkpoint(dst, plan)
         return writer.bytes_staged, boxes

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from itertools import product
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -373,8 +374,10 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
     batch = writer_batch_bytes(inflight_bytes) if inflight_bytes else default_batch_bytes()
     # Device data goes through the donated staging pipeline (_DEVICE_COMMITS + 2 pinned buffers of
     # one batch, each refilled once its commit landed). Host data is donated as is: two in flight.
-    on_host = not _STAGE_ALL and not any(it.data.is_cuda for it in local_items)
-    staging = not on_host or recv.is_cuda
+    # CPU holdings with a device exchange (NCCL) stage everything after the exchange, so that no
+    # flush of the staging pipeline falls between a chunk's local and received pieces.
+    on_host = not _STAGE_ALL and not recv.is_cuda and not any(it.data.is_cuda for it in local_items)
+    staging = not on_host
     depth = _DEVICE_COMMITS if staging else 2
     writer = CheckpointWriter(tmp, wplan, rank, inflight_bytes=batch, compute_digest=digest, commit_depth=depth)
     calls = [0]
@@ -398,11 +401,13 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
         # buffers, donated as well when the writer can commit in the background (see staging).
         def write_all(items: list[WriteItem]) -> None:
             nonlocal peak
-            items = sorted(items, key=lambda it: (order[it.name], it.box.start))  # a chunk's pieces together
+            # A chunk's pieces together, chunk after chunk: the writer writes each chunk in one transaction.
+            items = sorted(items, key=lambda it: (order[it.name], _first_chunk(wplan, it), it.box.start))
             peak = max(peak, stage_and_write(items, write_copy, (depth + 2) * batch, bar.update,
                                              write_cpu=write_donated, flush=flush, stage_cpu=_STAGE_ALL,
                                              stats=staged, commits_in_flight=depth, drain=writer.flush,
-                                             cell_shape=lambda name: wplan.lookup(name).inner_chunk_shape))
+                                             cell_shape=lambda name: wplan.lookup(name).inner_chunk_shape,
+                                             chunks=lambda name, box: _chunks_touching(wplan, name, box)))
 
         if on_host:
             write_all(local_items)  # overlaps the exchange (gloo runs it on its own thread)
@@ -428,6 +433,18 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
     return _Written(bytes_written=writer.bytes_written, bytes_sent=bytes_sent, calls=calls[0], peak=peak,
                     staged_bytes=staged.get("staged_bytes", 0), d2h_wait_s=staged.get("d2h_wait_s", 0.0),
                     commit_wait_s=writer.commit_wait_s, donated=flush is not None)
+
+
+def _first_chunk(wplan: WritePlan, item: WriteItem) -> tuple[int, ...]:
+    """Grid index of the outer chunk holding the first element of `item`'s box."""
+    own = wplan.lookup(item.name).ownership
+    return tuple(s // max(1, c) for s, c in zip(item.box.start, own.chunk_shape))
+
+
+def _chunks_touching(wplan: WritePlan, name: str, box: Box) -> list[tuple[str, tuple[int, ...]]]:
+    """The outer chunks (array name, grid index) `box` of array `name` touches."""
+    sl = wplan.lookup(name).ownership.chunks_touching(box)
+    return [(name, idx) for idx in product(*(range(s.start, s.stop) for s in sl))]
 
 
 def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflight_bytes: int | None = None,

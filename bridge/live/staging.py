@@ -6,7 +6,9 @@ buffers that are kept across exports, while the writer consumes the previous buf
 - donated (a writer whose `flush(wait=False)` commits in the background with at most d commits
   outstanding): d + 2 buffers sharing the budget, each cut into whole inner chunks of the store
   (`split_cells`) and handed to the writer without a copy, a flush after each, and a buffer
-  refilled only once the commit that references it has landed;
+  refilled only once the commit that references it has landed (and the writer saw TensorStore
+  let go of it). A buffer holds whole outer chunks only (`chunk_groups`): the store writes each
+  chunk within one transaction; a chunk larger than a buffer takes the copying path;
 - copying (any other writer): two buffers of `budget // 2`, reused as soon as `write` returns.
 Items larger than one buffer are split into row slabs first, so host memory for staging never
 exceeds the budget whatever the model size.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from math import prod
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -69,7 +71,8 @@ def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.nd
                     flush: Callable[[], None] | None = None, stage_cpu: bool = False,
                     stats: dict | None = None, commits_in_flight: int = 1,
                     drain: Callable[[], None] | None = None,
-                    cell_shape: Callable[[str], Sequence[int]] | None = None) -> int:
+                    cell_shape: Callable[[str], Sequence[int]] | None = None,
+                    chunks: Callable[[str, Box], Iterable[Hashable]] | None = None) -> int:
     """Feed every item to `write(name, box, ndarray)`; returns the peak staging bytes used.
 
     CPU items go to `write_cpu` when given: a writer that may keep referencing the numpy view
@@ -83,11 +86,18 @@ def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.nd
     committed (the store writer's `flush(wait=False)` with ``commit_depth=d``); `drain()` (default
     `flush`) at the end must commit everything, so no staged buffer is referenced when this
     returns. `cell_shape(name)` (the store's inner chunk of array `name`) cuts staged items into
-    inner chunks first (`split_cells`). `stage_cpu=True` sends CPU items through the same buffers
-    (tests of the staging pipeline on machines without a GPU). `stats` (optional) accumulates
-    "d2h_wait_s" (time blocked on copies) and "staged_bytes".
+    inner chunks first (`split_cells`). `chunks(name, box)` (the store's outer chunks a box
+    touches) keeps each chunk's pieces in one donated buffer, hence one writer transaction
+    (`chunk_groups`); pieces of chunks larger than a buffer go through `write` (which copies)
+    with no flush between them. With `flush`, CPU items are staged as well when any item is on
+    the device, so no flush splits a chunk between them. `stage_cpu=True` sends CPU items
+    through the same buffers (tests of the staging pipeline on machines without a GPU). `stats`
+    (optional) accumulates "d2h_wait_s" (time blocked on copies) and "staged_bytes".
     """
     budget_bytes = max(3, int(budget_bytes))
+    items = list(items)
+    if flush is not None and write_cpu is not None and any(it.data.is_cuda for it in items):
+        stage_cpu = True
     cpu: list[WriteItem] = []
     dev: list[WriteItem] = []
     for it in items:
@@ -103,8 +113,71 @@ def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.nd
     stats = stats if stats is not None else {}
     if flush is not None and write_cpu is not None:
         n = max(1, int(commits_in_flight)) + 2
-        return _stage(dev, write_cpu, budget_bytes // n, n, on_bytes, flush, stats, n - 2, drain)
-    return _stage(dev, write, budget_bytes // 2, 2, on_bytes, None, stats)
+        part = budget_bytes // n
+        if chunks is None:
+            return _stage(_batches(dev, part), write_cpu, part, n, on_bytes, flush, stats, n - 2, drain)
+        fit: list[list[WriteItem]] = []
+        big: list[WriteItem] = []
+        for g in chunk_groups(dev, chunks):
+            if sum(_slot(it) for it in g) <= part:
+                fit.append(g)
+            else:
+                big.extend(g)
+        peak = 0
+        if big:  # copied by the writer, which flushes only between complete chunks
+            peak = _stage(_batches(big, budget_bytes // 2), write, budget_bytes // 2, 2, on_bytes, None, stats)
+        if fit:
+            peak = max(peak, _stage(_grouped_batches(fit, part), write_cpu, part, n, on_bytes, flush, stats,
+                                    n - 2, drain))
+        return peak
+    return _stage(_batches(dev, budget_bytes // 2), write, budget_bytes // 2, 2, on_bytes, None, stats)
+
+
+def chunk_groups(items: Sequence[WriteItem], chunks: Callable[[str, Box], Iterable[Hashable]]) -> list[list[WriteItem]]:
+    """`items` grouped so that every outer chunk's pieces are in one group (items touching a common
+    chunk, directly or through other items, share a group); groups and the items in each keep
+    the order of `items`.
+
+    >>> its = [WriteItem("a", Box((r,), (r + 2,)), torch.zeros(2)) for r in (0, 4, 2, 6)]
+    >>> [[str(i.box) for i in g] for g in chunk_groups(its, lambda n, b: {b.start[0] // 4})]
+    [['[0:2]', '[2:4]'], ['[4:6]', '[6:8]']]
+    """
+    parent = list(range(len(items)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict = {}
+    for i, it in enumerate(items):
+        for key in chunks(it.name, it.box):
+            j = owner.setdefault(key, i)
+            a, b = root(i), root(j)
+            if a != b:
+                parent[max(a, b)] = min(a, b)   # the root is the group's first item
+    groups: dict[int, list[WriteItem]] = {}
+    for i, it in enumerate(items):
+        groups.setdefault(root(i), []).append(it)
+    return list(groups.values())
+
+
+def _grouped_batches(groups: list[list[WriteItem]], part: int) -> list[list[WriteItem]]:
+    """Batches of at most `part` bytes of whole groups (each group fits in `part`)."""
+    out: list[list[WriteItem]] = []
+    cur: list[WriteItem] = []
+    used = 0
+    for g in groups:
+        nb = sum(_slot(it) for it in g)
+        if cur and used + nb > part:
+            out.append(cur)
+            cur, used = [], 0
+        cur.extend(g)
+        used += nb
+    if cur:
+        out.append(cur)
+    return out
 
 
 def split_cells(item: WriteItem, cell_shape: Sequence[int]) -> list[WriteItem]:
@@ -193,9 +266,9 @@ class _Copier:
             ev.synchronize()
 
 
-def _stage(items: list[WriteItem], write, part: int, nbuf: int, on_bytes, flush, stats: dict,
+def _stage(batches: list[list[WriteItem]], write, part: int, nbuf: int, on_bytes, flush, stats: dict,
            lag: int = 1, drain=None) -> int:
-    """Copy batches of at most `part` bytes through `nbuf` reused host buffers into `write`.
+    """Copy `batches` (each at most `part` bytes) through `nbuf` reused host buffers into `write`.
 
     Without `flush`, `write` copies before returning, so a buffer is free again as soon as its
     batch is written: batch k+1's copy overlaps batch k's writes. With `flush` (donated buffers,
@@ -204,7 +277,6 @@ def _stage(items: list[WriteItem], write, part: int, nbuf: int, on_bytes, flush,
     k's writes.
     """
     drain = drain or flush
-    batches = _batches(items, part)
     size = max(sum(_slot(p) for p in b) for b in batches)
     size = min(part, -(-size // (1 << 20)) * (1 << 20)) if size < part else size  # round up: reuse across calls
     cuda = any(p.data.is_cuda for b in batches for p in b)
