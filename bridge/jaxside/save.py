@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge.errors import BridgeError
-from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
+from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str, to_path
 from bridge.jaxside.manifest_view import as_manifest
 from bridge.jaxside.optax_state import extract_adam
 from bridge.layout.boxes import Box
@@ -36,6 +36,7 @@ from bridge.store import digest as store_digest
 from bridge.store.commit import CHECKSUM_KEY, TMP_SUFFIX, metadata_checksum
 from bridge.store.durable import fsync_path, write_json_atomic
 from bridge.store.manifest import MANIFEST_KEY, ArrayRecord, Manifest, SourceLayout
+from bridge.store.specs import orbax_chunk_args
 from bridge.store.tree import check_tree_paths, path_to_name
 from converters.jax_naming import Plan, jax_backend
 
@@ -92,9 +93,10 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     check_tree_paths(leaves_by_path(tree))  # no '.' or '/' in names: Orbax joins names with '.'
 
     out = _manifest_for(tree, as_manifest(manifest), hyperparams, int(jax.device_get(count)))
-    save_args = None
-    if chunk_byte_size is not None:
-        save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=int(chunk_byte_size)), tree)
+    # The store's inner-chunk policy (one layer / expert per inner chunk), as Orbax SaveArgs.
+    save_args = jax.tree_util.tree_map_with_path(
+        lambda kp, x: ocp.SaveArgs(**orbax_chunk_args(to_path(kp), np.ndim(x),
+                                                      None if chunk_byte_size is None else int(chunk_byte_size))), tree)
     # Orbax commits (tmp + rename) into a staging name; we then seal _METADATA with the store's
     # checksum and rename to `d`, so `d` only ever appears complete and sealed.
     staging = os.path.abspath(d).rstrip("/") + STAGING_SUFFIX
