@@ -30,7 +30,7 @@ from bridge.layout.chunks import ArrayOwnership
 from bridge.layout.ownership import plan_ownership_many
 from bridge.live.holdings import ROOT_PATHS
 from bridge.store.plan import ArraySpec
-from bridge.store.specs import ITEMSIZE, choose_inner_chunk
+from bridge.store.specs import ITEMSIZE, inner_chunk_shape
 from bridge.store.tree import name_to_path
 
 
@@ -278,7 +278,7 @@ def choose_inner_bytes(plan: "ExportPlan", max_amplification: float = 1.2,
     ones keep resharded reads close to the bytes needed. The estimate reads every source piece of
     this layout cut in half along each dimension (a reader at a twice finer split, e.g. swapped
     TP / GTP), byte-weighted over all arrays, with the inner chunks the store derives from each
-    array's outer chunk (`bridge.store.specs.choose_inner_chunk`). Pure; identical on every rank.
+    array's outer chunk (`bridge.store.specs.inner_chunk_shape`, as the write plan). Pure; identical on every rank.
     The estimate is pessimistic (it cuts every dimension): where it gave 1.19 / 1.34 / 1.70, the
     swapped-split reload of the live benchmark read 1.14 / 1.07 / 1.26 bytes per byte needed.
     """
@@ -305,7 +305,7 @@ def choose_inner_bytes(plan: "ExportPlan", max_amplification: float = 1.2,
         for name, (st, sp) in probes.items():
             a, own = spec[name], plan.ownership[name]
             n = float(np.prod(sp - st, axis=1).sum()) * a.itemsize
-            read += n * read_amplification(a.shape, choose_inner_chunk(own.chunk_shape, a.itemsize, c), st, sp)
+            read += n * read_amplification(a.shape, inner_chunk_shape(a.path, own.chunk_shape, a.itemsize, c), st, sp)
             need += n
         if not need or read / need <= max_amplification:
             return c

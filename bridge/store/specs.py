@@ -140,8 +140,10 @@ def stacked_axes(path: Sequence[str], ndim: int | None = None) -> int:
     1
     >>> stacked_axes(("opt_state", "0", "mu", "decoder", "layers", "mlp", "experts", "linear_fc1", "weight"))
     2
-    >>> stacked_axes(("params", "decoder", "layers", "3", "mixer", "in_proj", "weight")), stacked_axes(("params", "layers", "b"), 0)
-    (0, 0)
+    >>> stacked_axes(("params", "decoder", "layers", "3", "mixer", "in_proj", "weight"))
+    0
+    >>> stacked_axes(("params", "decoder", "layers", "norm", "weight"), ndim=0)
+    0
     """
     parts = tuple(path)[:-1]
     n = 0

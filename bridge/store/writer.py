@@ -153,7 +153,8 @@ class _ArrayState:
             idx = tuple(s.start + r for s, r in zip(sl, rel))
             raise BridgeError(f"{where}: box {box} touches chunk {own.chunk_box(idx)}, written in transaction "
                               f"{int(seen[rel])}, which is already committed; write each chunk whole within one "
-                              "transaction (a chunk rewritten in a later transaction makes OCDBT keep every version of it)")
+                              "transaction (a chunk rewritten in a later transaction makes OCDBT keep every "
+                              "version of it)")
         self.txn[sl] = txn
         return list(product(*(range(s.start, s.stop) for s in sl)))
 
