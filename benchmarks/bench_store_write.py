@@ -13,7 +13,7 @@ Variants (all fsync'd, no compression, same N GiB of fp32 in `--arrays` arrays):
          copies inner chunks itself instead of the writer staging them in reused slabs), store_nodrop
          (no drop-behind), store_old (neither staging nor drop-behind, 256 MiB batches, one commit),
          store_if<N>[d<D>][tf<F>] and store_tf<F> (N MiB batches, D commits in flight (1 when not given),
-         OCDBT data files of F MiB; the defaults are 64 MiB (128 with >= 16 CPUs), 2 and 16 MiB)
+         OCDBT data files of F MiB; the defaults are 64 MiB (128 with >= 16 CPUs), 1 and 16 MiB)
 Reps are interleaved (variant order rotates); every worker starts from the same free-memory state
 (--memory warm|cold, see _settle);
 medians are reported as GB/s (1e9 B/s) and as ratios. Peak RSS is each writer's VmHWM;
