@@ -452,6 +452,9 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
     return rules
 
 
+_IMMUTABLE = (tuple, frozenset)
+
+
 class SafeUnpickler(pickle._Unpickler):
     """A pickle reader that can only build what DCP metadata and Megatron objects hold.
 
@@ -498,15 +501,13 @@ class SafeUnpickler(pickle._Unpickler):
         # once a dtype describes data, a later BUILD must not change what that data means
         self._open_dtypes.pop(id(d), None)
 
-    def nesting(self, x: Any) -> int:
-        if type(x) in (tuple, frozenset):
-            rec = self._depth.get(id(x))
-            return rec[1] if rec is not None and rec[0] is x else 1
-        return 0
-
     def note_immutable(self, obj: Any, items: Any) -> None:
         """Record a tuple/frozenset's nesting; deep ones are refused (hashing them recurses in C)."""
-        d = 1 + max((self.nesting(i) for i in items), default=0)
+        d = 1
+        for i in items:
+            if type(i) in _IMMUTABLE:
+                rec = self._depth.get(id(i))
+                d = max(d, 1 + (rec[1] if rec is not None and rec[0] is i else 1))
         if d > MAX_NESTING:
             self.refuse(f"tuples nested more than {MAX_NESTING} deep")
         if d > 1:
@@ -784,50 +785,58 @@ for _op, _fn in ((pickle.REDUCE, SafeUnpickler.load_reduce), (pickle.NEWOBJ, Saf
 # INST reads "module\nname\n" then calls _instantiate (checked above); READONLY_BUFFER/BYTEARRAY8 etc. are inert.
 
 
+def _children(x: Any) -> Any:
+    """The objects a container of an unpickled graph refers to (none for leaves)."""
+    t = type(x)
+    if t is list or t is tuple or t is set or t is frozenset:
+        return x
+    if isinstance(x, dict):
+        return [*x.keys(), *x.values()]
+    if isinstance(x, InertStub):
+        return [x.stub_args, x.stub_kwargs, x.stub_state, x.stub_items, x.stub_list]
+    if t is argparse.Namespace or t is types.SimpleNamespace:
+        return list(vars(x).values())
+    return ()
+
+
+_LEAVES = {str, int, float, bool, bytes, type(None)}
+
+
 def check_graph(obj: Any, what: str) -> None:
-    """Refuse cycles and nesting deeper than MAX_NESTING in an unpickled object (iterative walk)."""
+    """Refuse cycles and nesting deeper than MAX_NESTING in an unpickled object (iterative walk).
+
+    Later code walks these objects recursively; a cycle or a 10^6-deep list must stop here.
+    """
     depth: dict[int, int] = {}
     on_path: set[int] = set()
     todo: list[tuple[Any, bool]] = [(obj, False)]
     keep: list[Any] = []  # ids stay unique while the walk holds the objects
-
-    def children(x: Any) -> Any:
-        if isinstance(x, dict):
-            return list(x.keys()) + list(x.values())
-        if type(x) in (list, tuple, set, frozenset) or isinstance(x, (list, tuple)):
-            return x
-        if isinstance(x, InertStub):
-            return [x.stub_args, x.stub_kwargs, x.stub_state, x.stub_items, x.stub_list]
-        d = getattr(x, "__dict__", None) if type(x).__module__ in ("argparse", "types") else None
-        return list(d.values()) if isinstance(d, dict) else ()
-
     while todo:
         x, done = todo.pop()
         i = id(x)
         if done:
             on_path.discard(i)
-            d = 1 + max((depth.get(id(c), 0) for c in children(x)), default=0)
-            if d > MAX_NESTING:
+            d = 0
+            for c in _children(x):
+                if type(c) not in _LEAVES:
+                    d = max(d, depth.get(id(c), 0))
+            if d >= MAX_NESTING:
                 raise BridgeError(f"{what}: objects nested more than {MAX_NESTING} deep; the file is damaged or hostile")
-            depth[i] = d
+            depth[i] = d + 1
             continue
         if i in depth:
             continue
         if i in on_path:
             raise BridgeError(f"{what}: an object that contains itself; the file is damaged or hostile")
-        kids = children(x)
-        if not kids:
-            depth[i] = 0
-            continue
+        kids = [c for c in _children(x) if type(c) not in _LEAVES and id(c) not in depth]
         keep.append(x)
         on_path.add(i)
         todo.append((x, True))
-        for c in kids:
-            if id(c) not in depth:
-                todo.append((c, False))
+        todo.extend((c, False) for c in kids)
 
 
-def safe_loads(data: bytes | memoryview, what: str, records: dict[str, memoryview] | None = None) -> Any:
+def safe_loads(data: bytes | memoryview, what: str, records: dict[str, memoryview] | None = None,
+               check: bool = True) -> Any:
     """Unpickle untrusted bytes with the allow-list and limits of `SafeUnpickler`.
 
     >>> safe_loads(pickle.dumps({"a": [1, 2]}), "test")
@@ -835,7 +844,8 @@ def safe_loads(data: bytes | memoryview, what: str, records: dict[str, memoryvie
     """
     try:
         obj = SafeUnpickler(io.BytesIO(data), what, len(data), records).load()
-        check_graph(obj, what)
+        if check:
+            check_graph(obj, what)
         return obj
     except BridgeError:
         raise
@@ -898,6 +908,12 @@ def zip_records(buf: bytes | bytearray | memoryview, what: str) -> dict[str, mem
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError, struct.error) as e:
         raise BridgeError(f"cannot read {what}: not a valid torch.save zip archive ({str(e)[:120]}); "
                           f"the file is damaged") from None
+    tail = bytes(mv[-(1 << 16) - 22:])
+    e = tail.rfind(b"PK\x05\x06")
+    if e < 0 or len(tail) < e + 22 or struct.unpack("<HHHH", tail[e + 4:e + 12]) not in \
+            ((0, 0, len(infos), len(infos)), (0, 0, 0xFFFF, 0xFFFF)):
+        raise BridgeError(f"cannot read {what}: the zip archive claims several disks or a different member count "
+                          f"(torch.save writes one); the file is damaged")
     out: dict[str, memoryview] = {}
     for info in infos:
         h = info.header_offset
@@ -1018,6 +1034,89 @@ def _get(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default)
 
 
+def _record(obj: Any, kind: str, what: str) -> InertStub:
+    """`obj` must be the DCP record class `kind` (read as an InertStub)."""
+    if not isinstance(obj, InertStub) or obj.stub_name.rsplit(".", 1)[-1] != kind:
+        raise BridgeError(f"{what}: expected a DCP {kind}, found {_short(obj)}; the file is damaged "
+                          f"or not a torch_dist checkpoint")
+    return obj
+
+
+def _index_tuple(x: Any, what: str) -> tuple[int, ...]:
+    """A chunk offset / size / shape: a torch.Size or tuple of non-negative ints."""
+    return _int_tuple(x, what)
+
+
+def _interpret_metadata(md: Any, root: Path, what: str) -> tuple[dict[str, "TensorInfo"], dict[str, "ObjectInfo"]]:
+    """Tensors and byte objects of an unpickled DCP `Metadata`, every field type- and range-checked.
+
+    Chunks must lie inside their tensor and each have a storage entry; every storage entry must
+    name a file inside `root` and a non-negative byte range.
+    """
+    import torch
+
+    md = _record(md, "Metadata", what)
+    sdm, storage = md.get("state_dict_metadata"), md.get("storage_data")
+    if type(sdm) is not dict or type(storage) is not dict:
+        raise BridgeError(f"{what}: not a DCP Metadata object (unknown format); is this a torch_dist checkpoint?")
+    by_key: dict[tuple[str, tuple[int, ...]], StorageRef] = {}
+    by_fqn: dict[str, list[tuple[tuple[int, ...], StorageRef]]] = {}
+    for idx, info in storage.items():
+        idx = _record(idx, "MetadataIndex", f"{what}: storage_data key")
+        fqn = idx.get("fqn")
+        if type(fqn) is not str:
+            raise BridgeError(f"{what}: a storage entry without a string fqn ({_short(fqn)})")
+        off = idx.get("offset")
+        off = () if off is None else _index_tuple(off, f"{what}: storage entry {fqn} offset")
+        info = _record(info, "_StorageInfo", f"{what}: storage entry {fqn}")
+        rel, o, n = info.get("relative_path"), info.get("offset"), info.get("length")
+        if info.get("transform_descriptors"):
+            raise BridgeError(f"{what}: entry {fqn} uses storage transforms (compression?), which are not supported")
+        if type(o) is not int or type(n) is not int or o < 0 or n < 0:
+            raise BridgeError(f"{what}: entry {fqn} has an invalid byte range ({_short(o)}, {_short(n)})")
+        check_relative_path(root, rel, what)
+        if (fqn, off) in by_key:
+            raise BridgeError(f"{what}: entry {fqn} at {off} is stored twice; the file is damaged")
+        ref = by_key[(fqn, off)] = StorageRef(rel, o, n)
+        by_fqn.setdefault(fqn, []).append((off, ref))
+    tensors: dict[str, TensorInfo] = {}
+    objects: dict[str, ObjectInfo] = {}
+    for fqn, entry in sdm.items():
+        if type(fqn) is not str:
+            raise BridgeError(f"{what}: an entry name that is not a string ({_short(fqn)})")
+        if isinstance(entry, InertStub) and entry.stub_name.endswith(".BytesStorageMetadata"):
+            items = by_fqn.get(fqn, [])
+            if not items:
+                raise BridgeError(f"{what}: object {fqn} has no stored bytes (incomplete checkpoint)")
+            objects[fqn] = ObjectInfo(fqn, list(items))
+            continue
+        entry = _record(entry, "TensorStorageMetadata", f"{what}: entry {fqn}")
+        props = entry.get("properties")
+        dtype = _get(props, "dtype") if isinstance(props, InertStub) else None
+        if not isinstance(dtype, torch.dtype):
+            raise BridgeError(f"{what}: tensor {fqn} has no valid dtype")
+        shape = _index_tuple(entry.get("size"), f"{what}: tensor {fqn} size")
+        chunks = entry.get("chunks")
+        if type(chunks) is not list:
+            raise BridgeError(f"{what}: tensor {fqn} has no chunk list (found {_short(chunks)})")
+        ti = TensorInfo(fqn, dtype, shape)
+        for ch in chunks:
+            ch = _record(ch, "ChunkStorageMetadata", f"{what}: tensor {fqn} chunk")
+            offs = _index_tuple(ch.get("offsets"), f"{what}: tensor {fqn} chunk offsets")
+            sizes = _index_tuple(ch.get("sizes"), f"{what}: tensor {fqn} chunk sizes")
+            if len(offs) != len(shape) or len(sizes) != len(shape) or \
+                    any(o + n > s for o, n, s in zip(offs, sizes, shape)):
+                raise BridgeError(f"{what}: tensor {fqn} of shape {shape} has a chunk at {offs} of size {sizes} "
+                                  f"outside it; the file is damaged")
+            ref = by_key.get((fqn, offs))
+            if ref is None:
+                raise BridgeError(f"{what}: tensor {fqn} chunk at {offs} has no storage entry "
+                                  f"(incomplete checkpoint)")
+            ti.chunks.append(ChunkInfo(offs, sizes, ref))
+        tensors[fqn] = ti
+    return tensors, objects
+
+
 def check_relative_path(root: Path, rel: str, what: str) -> Path:
     """Resolve `rel` inside `root`, refusing absolute paths, `..` and symlink escapes.
 
@@ -1025,7 +1124,7 @@ def check_relative_path(root: Path, rel: str, what: str) -> Path:
     '__0_0.distcp'
     """
     if not isinstance(rel, str) or not rel or "\x00" in rel:
-        raise BridgeError(f"{what}: invalid file name {rel!r} in .metadata")
+        raise BridgeError(f"{what}: invalid file name {_short(rel)} in .metadata")
     p = Path(rel)
     if p.is_absolute() or ".." in p.parts or rel.startswith(("/", "\\")):
         raise BridgeError(f"{what}: file name {rel!r} escapes the checkpoint directory; refusing")
@@ -1075,53 +1174,17 @@ class DcpCheckpoint:
     def __init__(self, path: str | os.PathLike) -> None:
         self.root = resolve_checkpoint_dir(path)
         meta_path = self.root / ".metadata"
-        self.metadata = safe_loads(meta_path.read_bytes(), f"{meta_path}")
+        # the walk for cycles/deep nesting is skipped: every field used below is type-checked instead
+        self.metadata = safe_loads(meta_path.read_bytes(), f"{meta_path}", check=False)
         self.backend = self._read_backend()
-        sdm = _get(self.metadata, "state_dict_metadata")
-        storage = _get(self.metadata, "storage_data")
-        if not isinstance(sdm, dict) or not isinstance(storage, dict):
-            raise BridgeError(f"{meta_path}: not a DCP Metadata object (unknown format); "
-                              f"is this a torch_dist checkpoint?")
-        by_key: dict[tuple[str, tuple[int, ...]], StorageRef] = {}
-        for idx, info in storage.items():
-            fqn, off = _get(idx, "fqn"), _get(idx, "offset")
-            rel, o, n = _get(info, "relative_path"), _get(info, "offset"), _get(info, "length")
-            if _get(info, "transform_descriptors"):
-                raise BridgeError(f"{meta_path}: entry {fqn} uses storage transforms "
-                                  f"{_get(info, 'transform_descriptors')} (compression?), which are not supported")
-            if not isinstance(o, int) or not isinstance(n, int) or o < 0 or n < 0:
-                raise BridgeError(f"{meta_path}: entry {fqn} has an invalid byte range")
-            check_relative_path(self.root, rel, str(meta_path))
-            by_key[(str(fqn), tuple(int(x) for x in off) if off is not None else ())] = StorageRef(rel, o, n)
-        self.tensors: dict[str, TensorInfo] = {}
-        self.objects: dict[str, ObjectInfo] = {}
-        import torch
-
-        for fqn, md in sdm.items():
-            chunks = _get(md, "chunks")
-            if chunks is None:  # BytesStorageMetadata
-                obj = ObjectInfo(fqn)
-                for (f, off), ref in by_key.items():
-                    if f == fqn:
-                        obj.items.append((off, ref))
-                if not obj.items:
-                    raise BridgeError(f"{meta_path}: object {fqn} has no stored bytes (incomplete checkpoint)")
-                self.objects[fqn] = obj
-                continue
-            props = _get(md, "properties")
-            dtype = _get(props, "dtype")
-            if not isinstance(dtype, torch.dtype):
-                raise BridgeError(f"{meta_path}: tensor {fqn} has no valid dtype")
-            ti = TensorInfo(fqn, dtype, tuple(int(s) for s in _get(md, "size")))
-            for ch in chunks:
-                offs = tuple(int(x) for x in _get(ch, "offsets"))
-                sizes = tuple(int(x) for x in _get(ch, "sizes"))
-                ref = by_key.get((fqn, offs))
-                if ref is None:
-                    raise BridgeError(f"{meta_path}: tensor {fqn} chunk at {offs} has no storage entry "
-                                      f"(incomplete checkpoint)")
-                ti.chunks.append(ChunkInfo(offs, sizes, ref))
-            self.tensors[fqn] = ti
+        try:
+            self.tensors, self.objects = _interpret_metadata(self.metadata, self.root, str(meta_path))
+        except BridgeError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, RecursionError) as e:
+            # a structure the checks above did not foresee: still one line naming the file
+            raise BridgeError(f"{meta_path}: malformed DCP metadata ({type(e).__name__}: {str(e)[:160]}); "
+                              f"the file is damaged or not written by torch.distributed.checkpoint") from None
         self._check_files()
 
     # -- validation ----------------------------------------------------------------------------
