@@ -222,3 +222,90 @@ def test_bad_common_state_zip_refused_naming_file(tmp_path, damage):
     replace_object(src, "common_state", bad)
     r = run_convert(src, tmp_path / "dst")
     assert_clean_refusal(r, "common_state", ref.relative_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# item 6: incomplete optimizer state (fails at e9efc35: converted, exit 0)
+
+
+def drop_entries(src: Path, keep) -> None:
+    """Remove the .metadata entries (and their storage) whose fqn `keep` rejects (ours: trusted pickle)."""
+    md = pickle.loads((src / ".metadata").read_bytes())
+    md.state_dict_metadata = {k: v for k, v in md.state_dict_metadata.items() if keep(k)}
+    md.storage_data = {k: v for k, v in md.storage_data.items() if keep(k.fqn)}
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def test_missing_exp_avg_entry_fails_convert(tmp_path):
+    src = copy_base(tmp_path, CRC_BASE)
+    key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc2.weight"
+    drop_entries(src, lambda k: k != key)
+    r = run_convert(src, tmp_path / "dst")
+    assert_clean_refusal(r, "decoder.layers.mlp.linear_fc2.weight", "exp_avg", "incomplete")
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("key,what", [
+    ("optimizer.state.param.decoder.final_layernorm.weight", "fp32 master"),
+    ("optimizer.state.exp_avg_sq.embedding.word_embeddings.weight", "exp_avg_sq"),
+])
+def test_missing_fully_reshardable_role_refused(tmp_path, key, what):
+    from converters.dcp_reader import DcpCheckpoint
+    from converters.megatron_format import describe
+    from bridge.errors import BridgeError
+
+    src = copy_base(tmp_path, CRC_BASE)
+    drop_entries(src, lambda k: k != key)
+    with pytest.raises(BridgeError, match=rf"{key.split('.', 3)[3]} has no {what}.*incomplete"):
+        describe(DcpCheckpoint(src))
+
+
+def test_missing_dp_reshardable_bucket_state_refused(tmp_path):
+    from converters.dcp_reader import DcpCheckpoint
+    from converters.megatron_format import describe
+    from bridge.errors import BridgeError
+
+    src = copy_base(tmp_path, FIXTURES / "tp2" / "dp_reshardable")
+    drop_entries(src, lambda k: not (k.startswith("optimizer.distributed.dp_group_idx_1.") and k.endswith(".exp_avg")))
+    with pytest.raises(BridgeError, match=r"bucket 0 .*dp_group_idx 1.* has no exp_avg entry.*incomplete"):
+        describe(DcpCheckpoint(src))
+
+
+def test_missing_step_refused(tmp_path):
+    from converters.dcp_reader import DcpCheckpoint
+    from converters.megatron_format import describe
+    from bridge.errors import BridgeError
+    import io
+    import torch
+
+    src = copy_base(tmp_path, CRC_BASE)
+    cs = DcpCheckpoint(src).common_state()
+    for g in cs["optimizer"]["optimizer"]["param_groups"]:
+        del g["step"]
+    buf = io.BytesIO()
+    torch.save([cs], buf)
+    replace_object(src, "common_state", buf.getvalue())
+    with pytest.raises(BridgeError, match=r"param group 0 of optimizer 0 has no 'step'"):
+        describe(DcpCheckpoint(src))
+
+
+def test_model_only_is_reported_and_hidden_optimizer_refused(tmp_path):
+    from converters.dcp_reader import DcpCheckpoint
+    from converters.megatron_format import describe
+    from bridge.errors import BridgeError
+
+    src = copy_base(tmp_path, CRC_BASE)
+    drop_entries(src, lambda k: not k.startswith("optimizer."))
+    # the optimizer tensors are gone but common_state still carries the optimizer's param groups
+    with pytest.raises(BridgeError, match=r"holds optimizer state \(common_state\['optimizer'\]\).*refusing"):
+        describe(DcpCheckpoint(src))
+    import io
+    import torch
+
+    cs = DcpCheckpoint(src).common_state()
+    del cs["optimizer"]
+    buf = io.BytesIO()
+    torch.save([cs], buf)
+    replace_object(src, "common_state", buf.getvalue())
+    got = describe(DcpCheckpoint(src))
+    assert got.fmt == "model_only" and any("model_only" in s for s in got.inferred)
