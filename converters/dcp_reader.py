@@ -905,8 +905,8 @@ def zip_records(buf: bytes | bytearray | memoryview, what: str) -> dict[str, mem
     try:
         zf = zipfile.ZipFile(_MemFile(mv))
         infos = zf.infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError, struct.error) as e:
-        raise BridgeError(f"cannot read {what}: not a valid torch.save zip archive ({str(e)[:120]}); "
+    except Exception as e:  # zipfile raises BadZipFile, NotImplementedError, ValueError, struct.error...
+        raise BridgeError(f"cannot read {what}: not a valid torch.save zip archive ({type(e).__name__}: {str(e)[:120]}); "
                           f"the file is damaged") from None
     tail = bytes(mv[-(1 << 16) - 22:])
     e = tail.rfind(b"PK\x05\x06")

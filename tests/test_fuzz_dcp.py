@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -309,3 +310,219 @@ def test_model_only_is_reported_and_hidden_optimizer_refused(tmp_path):
     replace_object(src, "common_state", buf.getvalue())
     got = describe(DcpCheckpoint(src))
     assert got.fmt == "model_only" and any("model_only" in s for s in got.inferred)
+
+
+# ---------------------------------------------------------------------------------------------
+# fuzzing: mutated real .metadata / common_state / tensor records and the seeds above, in a
+# subprocess with an address-space limit; every input must parse or raise BridgeError
+
+
+def _fuzz_inputs(tmp: Path) -> dict[str, list[bytes]]:
+    """Seed corpus per target: real files of every fixture run plus the hostile seeds."""
+    import io
+    import zipfile
+
+    from converters.dcp_reader import DcpCheckpoint
+
+    meta = [p.read_bytes() for p in sorted(FIXTURES.glob("*/*/.metadata"))]
+    meta += [p.read_bytes() for p in sorted(SEEDS.glob("*.metadata"))]
+    objects, tensors = [(SEEDS / "forged_args_array.common_state").read_bytes()], []
+    for run in ("tp2", "moe_ep2", "gtp2_te"):
+        for fmt in ("fully_reshardable", "dp_reshardable"):
+            ck = DcpCheckpoint(FIXTURES / run / fmt)
+            names = [ck.object_key("common_state")] + [k for k in ck.objects if "optimizer" in k or "extra" in k][:3]
+            objects += [bytes(ck.read_bytes(ck.objects[k].items[0][1])) for k in names if k]
+            key = sorted(ck.tensors)[0]
+            tensors.append(bytes(ck.read_bytes(ck.tensors[key].chunks[0].storage)))
+    pickles = []  # the data.pkl of the object archives: mutated inside a re-zipped archive (valid CRCs)
+    for blob in objects:
+        z = zipfile.ZipFile(io.BytesIO(blob))
+        pickles += [(blob, n) for n in z.namelist() if n.endswith("data.pkl")]
+    return {"metadata": meta, "object": objects, "tensor": tensors, "pickle_in_zip": pickles}
+
+
+INTERESTING = [0, 1, 0x7F, 0x80, 0xFF, 0xFE] + list(b"(.0NRTXbcehijqrsu}\x80\x81\x85\x86\x87\x88\x89\x8a\x8c\x93\x94\x95")
+
+
+def mutate(rng, data: bytes, corpus: list[bytes]) -> bytes:
+    """1-8 random edits: bit flips, interesting bytes (pickle opcodes among them), inserts, deletes, splices."""
+    b = bytearray(data)
+    for _ in range(rng.randint(1, 8)):
+        op = rng.randrange(7)
+        i = rng.randrange(len(b) + 1)
+        if op == 0 and b:
+            b[min(i, len(b) - 1)] ^= 1 << rng.randrange(8)
+        elif op == 1 and b:
+            b[min(i, len(b) - 1)] = rng.choice(INTERESTING)
+        elif op == 2:
+            b[i:i] = bytes([rng.choice(INTERESTING)]) * rng.randint(1, 4)
+        elif op == 3:
+            del b[i:i + rng.randint(1, 16)]
+        elif op == 4 and b:
+            j = rng.randrange(len(b))
+            b[i:i] = b[j:j + rng.randint(1, 64)]
+        elif op == 5:
+            other = rng.choice(corpus)
+            j = rng.randrange(len(other) + 1)
+            b[i:] = other[j:j + rng.randint(1, 4096)]
+        elif op == 6 and len(b) > 4:
+            k = rng.randrange(len(b) - 4)
+            b[k:k + 4] = rng.choice([b"\xff\xff\xff\x7f", b"\x00\x00\x00\x80", b"\x00\xc2\xeb\x0b", b"\x01\x00\x00\x00"])
+    return bytes(b)
+
+
+def mutate_structure(rng, md_bytes: bytes) -> bytes:
+    """Re-pickle a real DCP Metadata (ours: trusted) with 1-3 fields of its records set to odd values."""
+    import torch
+
+    md = pickle.loads(md_bytes)
+    odd = [None, -1, 0, 2 ** 70, "x", "../x", [], [None], (), torch.Size([1, 2, 3]), float("nan"), {}, {"a": 1},
+           torch.float32, b"\x00", True]
+    for _ in range(rng.randint(1, 3)):
+        where = rng.randrange(4)
+        if where == 0:
+            md.state_dict_metadata[rng.choice(list(md.state_dict_metadata))] = rng.choice(odd)
+        elif where == 1:
+            entry = md.state_dict_metadata[rng.choice(list(md.state_dict_metadata))]
+            if hasattr(entry, "chunks") and entry.chunks and rng.random() < 0.7:
+                ch = rng.choice(entry.chunks)
+                setattr(ch, rng.choice(["offsets", "sizes"]), rng.choice(odd))
+            else:
+                for f in ("properties", "size", "chunks"):
+                    if hasattr(entry, f) and rng.random() < 0.5:
+                        setattr(entry, f, rng.choice(odd))
+        elif where == 2:
+            info = md.storage_data[rng.choice(list(md.storage_data))]
+            setattr(info, rng.choice(["relative_path", "offset", "length", "transform_descriptors"]), rng.choice(odd))
+        else:
+            k = rng.choice(list(md.storage_data))
+            md.storage_data[rng.choice([-1, 0, 2 ** 70, "x", None, ()]) if rng.random() < 0.3 else k] = rng.choice([md.storage_data[k]] + odd)
+    return pickle.dumps(md)
+
+
+def _rezip(blob: bytes, member: str, payload: bytes) -> bytes:
+    import io
+    import zipfile
+
+    src = zipfile.ZipFile(io.BytesIO(blob))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for n in src.namelist():
+            z.writestr(n, payload if n == member else src.read(n))
+    return out.getvalue()
+
+
+def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs in the fuzz subprocess
+    import json
+    import random
+    import resource
+    import tempfile
+    import time
+    import traceback
+
+    import numpy  # noqa: F401  (imported, with torch's thread pool started, before the memory limit)
+    import torch
+    import torch.distributed.checkpoint  # noqa: F401  (to re-pickle real Metadata in mutate_structure)
+
+    import converters.dcp_reader as R
+    from bridge.errors import BridgeError
+    from converters.megatron_format import describe
+
+    torch.ones(4096).sum()
+    R._globals()
+    out = Path(outdir)
+    with tempfile.TemporaryDirectory() as tmpd:
+        tmp = Path(tmpd)
+        inputs = _fuzz_inputs(tmp)
+        full = copy_base(tmp, CRC_BASE)  # a real directory for whole-checkpoint runs
+        real_meta = (full / ".metadata").read_bytes()
+        vsz = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        limit = vsz + (1 << 30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        rng = random.Random(int(os.environ.get("GTP_FUZZ_SEED", "17")))
+        stats = {"executions": 0, "parsed": 0, "refused": 0, "failures": [], "by_target": {},
+                 "address_space_limit_mib": limit >> 20}
+
+        reasons: dict[str, int] = {}
+
+        def run(target: str, data: bytes) -> None:
+            (out / "current.bin").write_bytes(data)
+            (out / "current.target").write_text(target)
+            stats["executions"] += 1
+            stats["by_target"][target] = stats["by_target"].get(target, 0) + 1
+            try:
+                if target == "metadata":
+                    obj = R.safe_loads(data, "fuzz .metadata", check=False)
+                    R._interpret_metadata(obj, full, "fuzz .metadata")
+                elif target == "checkpoint":
+                    (full / ".metadata").write_bytes(data)
+                    describe(R.DcpCheckpoint(full))
+                elif target == "tensor":
+                    R.safe_torch_load_tensor(bytearray(data), "fuzz tensor")
+                else:
+                    R.safe_torch_load_object(bytearray(data), "fuzz object")
+                stats["parsed"] += 1
+            except BridgeError as e:
+                if "\n" in str(e):
+                    raise AssertionError(f"multi-line BridgeError: {str(e)[:300]!r}") from None
+                stats["refused"] += 1
+                why = re.sub(r"[0-9]+|'[^']*'|/\S*", "#", str(e).split(": ", 1)[-1])[:60]
+                reasons[why] = reasons.get(why, 0) + 1
+            except BaseException as e:  # noqa: BLE001 - anything else is a finding
+                n = len(stats["failures"])
+                (out / f"failure_{n}.bin").write_bytes(data)
+                stats["failures"].append({"target": target, "error": f"{type(e).__name__}: {str(e)[:200]}",
+                                          "where": traceback.format_exc().splitlines()[-3][:200]})
+
+        for data in inputs["metadata"]:  # the seeds themselves first
+            run("metadata", data)
+        for data in inputs["object"]:
+            run("object", data)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            kind = rng.choices(["metadata", "object", "tensor", "pickle_in_zip", "checkpoint", "structure"],
+                               [5, 2, 1, 4, 1, 2])[0]
+            if kind == "structure":
+                data = mutate_structure(rng, rng.choice(inputs["metadata"][:18]))
+                run("checkpoint" if rng.random() < 0.3 else "metadata", data)
+            elif kind == "pickle_in_zip":
+                blob, member = rng.choice(inputs["pickle_in_zip"])
+                import io
+                import zipfile
+
+                pkl = zipfile.ZipFile(io.BytesIO(blob)).read(member)
+                run("object", _rezip(blob, member, mutate(rng, pkl, [pkl])))
+            elif kind == "checkpoint":
+                run("checkpoint", mutate(rng, real_meta, inputs["metadata"]))
+            else:
+                corpus = inputs[kind]
+                run(kind, mutate(rng, rng.choice(corpus), corpus))
+        (full / ".metadata").write_bytes(real_meta)
+        stats["top_refusals"] = sorted(reasons.items(), key=lambda kv: -kv[1])[:25]
+    (out / "current.bin").unlink(missing_ok=True)
+    (out / "stats.json").write_text(json.dumps(stats, indent=1))
+    print(json.dumps({k: v for k, v in stats.items() if k not in ("failures", "top_refusals")}
+                     | {"failures": len(stats["failures"])}))
+
+
+@pytest.mark.slow
+def test_fuzz_parse_path(tmp_path):
+    """A bounded fuzz run (GTP_FUZZ_SECONDS, default 30): no crash, no other exception, memory bounded."""
+    import json
+
+    seconds = float(os.environ.get("GTP_FUZZ_SECONDS", "30"))
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--fuzz", str(seconds), str(tmp_path)],
+                       env=_env(), capture_output=True, text=True, timeout=seconds + 600, cwd=str(CODE))
+    current = tmp_path / "current.bin"
+    assert r.returncode == 0, (f"fuzz worker died (rc {r.returncode}) on the input kept in {current} "
+                               f"({(tmp_path / 'current.target').read_text() if current.exists() else '?'}):"
+                               f" {r.stderr[-3000:]}")
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    print(r.stdout)
+    assert not stats["failures"], stats["failures"][:5]
+    assert stats["executions"] > len(_fuzz_inputs(tmp_path)["metadata"]) and stats["refused"] > 0 and stats["parsed"] > 0
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--fuzz":
+    sys.path.insert(0, str(ROOT))
+    fuzz_main(float(sys.argv[2]), sys.argv[3])
