@@ -469,8 +469,9 @@ class SafeUnpickler(pickle._Unpickler):
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
-    def __init__(self, file: Any, what: str, size: int, records: dict[str, memoryview] | None = None) -> None:
+    def __init__(self, file: io.BytesIO, what: str, size: int, records: dict[str, memoryview] | None = None) -> None:
         super().__init__(file)
+        self._file = file
         self.what = what
         self.size = size
         self.budget = ALLOC_PER_INPUT_BYTE * size + ALLOC_SLACK
@@ -479,6 +480,37 @@ class SafeUnpickler(pickle._Unpickler):
         self._open_arrays: dict[int, Any] = {}   # id -> array from _reconstruct awaiting its one BUILD
         self._open_dtypes: dict[int, Any] = {}   # id -> dtype copy that one BUILD may still adjust
         self._depth: dict[int, tuple[Any, int]] = {}  # id -> (tuple/frozenset, nesting), kept alive
+
+    def load(self) -> Any:  # noqa: D102 - pickle API
+        # The input is one in-memory buffer, so frames need no unframer: reading opcodes straight from
+        # the BytesIO (C calls) instead of through pickle._Unframer makes the loop ~2x faster.
+        f = self._file
+        self.read, self.readline, self.readinto = f.read, f.readline, f.readinto
+        self.metastack = []
+        self.stack = []
+        self.append = self.stack.append
+        self.proto = 0
+        read, dispatch = f.read, self.dispatch
+        try:
+            while True:
+                key = read(1)
+                if not key:
+                    raise EOFError
+                dispatch[key[0]](self)
+        except pickle._Stop as stop:
+            return stop.value
+
+    def load_frame(self) -> None:
+        self.read(8)  # a frame only announces how many of the following bytes belong together
+
+    def load_bytearray8(self) -> None:
+        n = int.from_bytes(self.read(8), "little")
+        if n > self.size:  # pickle._Unpickler would allocate n bytes before reading them
+            self.refuse(f"a {n}-byte bytearray in a {self.size}-byte file")
+        data = self.read(n)
+        if len(data) != n:
+            raise EOFError
+        self.append(bytearray(data))
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
@@ -779,6 +811,7 @@ for _op, _fn in ((pickle.REDUCE, SafeUnpickler.load_reduce), (pickle.NEWOBJ, Saf
                  (pickle.TUPLE3, SafeUnpickler.load_tuple3), (pickle.DICT, SafeUnpickler.load_dict),
                  (pickle.NEXT_BUFFER, SafeUnpickler.load_next_buffer), (pickle.EXT1, SafeUnpickler.load_ext),
                  (pickle.EXT2, SafeUnpickler.load_ext), (pickle.EXT4, SafeUnpickler.load_ext),
+                 (pickle.FRAME, SafeUnpickler.load_frame), (pickle.BYTEARRAY8, SafeUnpickler.load_bytearray8),
                  (pickle.PUT, SafeUnpickler.load_put), (pickle.BINPUT, SafeUnpickler.load_binput),
                  (pickle.LONG_BINPUT, SafeUnpickler.load_long_binput)):
     SafeUnpickler.dispatch[_op[0]] = _fn

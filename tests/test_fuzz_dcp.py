@@ -117,7 +117,8 @@ print("GROWTH_MB", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
 
 @pytest.mark.parametrize("seed,reason", [("memo_index.metadata", "memo index"),
                                          ("list_range.metadata", "builtins.range"),
-                                         ("bytearray.metadata", "bytearray()")])
+                                         ("bytearray.metadata", "bytearray()"),
+                                         ("bytearray8.metadata", "-byte bytearray in a 20-byte file")])
 def test_tiny_pickle_cannot_allocate_gigabytes(tmp_path, seed, reason):
     ck = tmp_path / "ck"
     ck.mkdir()
@@ -341,7 +342,7 @@ def _fuzz_inputs(tmp: Path) -> dict[str, list[bytes]]:
     return {"metadata": meta, "object": objects, "tensor": tensors, "pickle_in_zip": pickles}
 
 
-INTERESTING = [0, 1, 0x7F, 0x80, 0xFF, 0xFE] + list(b"(.0NRTXbcehijqrsu}\x80\x81\x85\x86\x87\x88\x89\x8a\x8c\x93\x94\x95")
+INTERESTING = [0, 1, 0x7F, 0x80, 0xFF, 0xFE] + list(b"(.0NRTXbcehijqrsu}\x80\x81\x85\x86\x87\x88\x89\x8a\x8c\x8d\x8e\x93\x94\x95\x96\x97")
 
 
 def mutate(rng, data: bytes, corpus: list[bytes]) -> bytes:
@@ -368,6 +369,8 @@ def mutate(rng, data: bytes, corpus: list[bytes]) -> bytes:
         elif op == 6 and len(b) > 4:
             k = rng.randrange(len(b) - 4)
             b[k:k + 4] = rng.choice([b"\xff\xff\xff\x7f", b"\x00\x00\x00\x80", b"\x00\xc2\xeb\x0b", b"\x01\x00\x00\x00"])
+            if rng.random() < 0.3:  # an 8-byte length operand (FRAME, BINBYTES8, BYTEARRAY8, ...)
+                b[k:k] = rng.choice([b"\x96", b"\x8e", b"\x8d", b"\x95"]) + (rng.choice([3 * 10 ** 9, 2 ** 62, 2 ** 40])).to_bytes(8, "little")
     return bytes(b)
 
 
