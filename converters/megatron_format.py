@@ -120,6 +120,34 @@ def _as_dict(obj: Any) -> dict:
     return dict(vars(obj)) if hasattr(obj, "__dict__") else {}
 
 
+#: args that size the layout: each must be a plain non-negative int when present
+INT_ARGS = ("tensor_model_parallel_size", "gtp_weight_remat_size", "tensor_parallel_num_weight_shards",
+            "expert_model_parallel_size", "expert_tensor_parallel_size", "data_parallel_size",
+            "pipeline_model_parallel_size", "context_parallel_size", "world_size", "hidden_size",
+            "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size", "moe_ffn_hidden_size",
+            "padded_vocab_size", "gtp_remat_pad_for_alignment", "iteration", "num_layers", "global_batch_size",
+            "train_iters", "lr_wsd_decay_iters")
+BOOL_ARGS = ("swiglu", "gated_linear_unit", "group_query_attention")
+FLOAT_ARGS = ("clip_grad", "lr_warmup_init", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
+
+
+def checked_args(args: dict, root: Any) -> dict:
+    """`args` with every layout size checked to be a plain int (a damaged or hostile file says otherwise).
+
+    >>> checked_args({"hidden_size": 64, "lr": 0.1}, "ck")["hidden_size"]
+    64
+    """
+    for names, ok, what in ((INT_ARGS, lambda v: type(v) is int and 0 <= v < 1 << 40, "a size"),
+                            (BOOL_ARGS, lambda v: type(v) is bool, "a bool"),
+                            (FLOAT_ARGS, lambda v: type(v) in (int, float), "a number")):
+        for name in names:
+            v = args.get(name)
+            if v is not None and not ok(v):
+                raise BridgeError(f"{root}: common_state args.{name} is {type(v).__name__} {str(v)[:40]!r}, not "
+                                  f"{what}; the checkpoint is damaged (or pass the value as a flag)")
+    return args
+
+
 @dataclass
 class ModelEntry:
     """One model tensor key of the checkpoint and its geometry."""
@@ -316,7 +344,11 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
         raise BridgeError(f"{ck.root}: a DCP checkpoint without metadata.json, so not written by Megatron-Core "
                           f"dist_checkpointing (unknown format); convert reads torch_dist saves only")
     common = ck.common_state()
-    args = _as_dict(common.get("args"))
+    args = checked_args(_as_dict(common.get("args")), ck.root)
+    it = common.get("iteration")
+    if it is not None and (type(it) is not int or it < 0):
+        raise BridgeError(f"{ck.root}: common_state iteration is {type(it).__name__} {str(it)[:40]}, not a step count; "
+                          f"the checkpoint is damaged")
     model_keys, opt, dp, _other = classify_keys(ck)
     if not model_keys and not opt and not dp:
         raise BridgeError(f"{ck.root}: a DCP checkpoint without Megatron model or optimizer entries "
@@ -438,9 +470,13 @@ def check_complete(src: SourceCheckpoint) -> None:
                           f"common_state or the dp_group_idx objects): incomplete checkpoint")
     for ci, gs in enumerate(groups):
         for gi, g in enumerate(gs):
-            if _plain(g.get("step")) is None:
+            if not isinstance(g, dict) or _plain(g.get("step")) is None:
                 raise BridgeError(f"{root}: param group {gi} of optimizer {ci} has no 'step' (the Adam bias-correction "
                                   f"count): incomplete checkpoint")
+            step = _plain(g["step"])
+            if type(step) not in (int, float) or not 0 <= step < 1 << 53 or step != int(step):
+                raise BridgeError(f"{root}: param group {gi} of optimizer {ci} has step {str(step)[:40]!r}, not a "
+                                  f"step count; the checkpoint is damaged")
 
 
 def optimizer_evidence(src: SourceCheckpoint) -> str:

@@ -416,9 +416,12 @@ def _rezip(blob: bytes, member: str, payload: bytes) -> bytes:
 
 
 def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs in the fuzz subprocess
+    import copy
+    import io
     import json
     import random
     import resource
+    import zipfile
     import tempfile
     import time
     import traceback
@@ -459,7 +462,13 @@ def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs i
                     R._interpret_metadata(obj, full, "fuzz .metadata")
                 elif target == "checkpoint":
                     (full / ".metadata").write_bytes(data)
-                    describe(R.DcpCheckpoint(full))
+                    try:
+                        describe(R.DcpCheckpoint(full))
+                    finally:
+                        (full / ".metadata").write_bytes(real_meta)
+                elif target == "common_state":
+                    base_ck.blob = data
+                    describe(base_ck)
                 elif target == "tensor":
                     R.safe_torch_load_tensor(bytearray(data), "fuzz tensor")
                 else:
@@ -477,22 +486,58 @@ def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs i
                 stats["failures"].append({"target": target, "error": f"{type(e).__name__}: {str(e)[:200]}",
                                           "where": traceback.format_exc().splitlines()[-3][:200]})
 
+        class _Patched(R.DcpCheckpoint):
+            """The real checkpoint, its common_state bytes replaced by the input under test."""
+
+            blob = b""
+
+            def read_bytes(self, ref):
+                return bytearray(self.blob) if ref == cs_ref else super().read_bytes(ref)
+
+        base_ck = _Patched(full)
+        cs_ref = base_ck.objects[base_ck.object_key("common_state")].items[0][1]
+        cs_blob = bytes(R.DcpCheckpoint(full).read_bytes(cs_ref))
+        cs_member = next(n for n in zipfile.ZipFile(io.BytesIO(cs_blob)).namelist() if n.endswith("data.pkl"))
+        cs_pkl = zipfile.ZipFile(io.BytesIO(cs_blob)).read(cs_member)
+        cs_odd = [None, -1, 2 ** 70, "x", [], 1.5, True, {}, torch.float32, numpy.float64(2.0), numpy.arange(3)]
+
+        cs0 = R.DcpCheckpoint(full).common_state()
+
+        def odd_common_state() -> bytes:
+            cs = copy.deepcopy(cs0)
+            for _ in range(rng.randint(1, 3)):
+                r = rng.random()
+                if r < 0.5 and hasattr(cs.get("args"), "__dict__"):
+                    setattr(cs["args"], rng.choice(sorted(vars(cs["args"]))), rng.choice(cs_odd))
+                elif r < 0.8:
+                    try:
+                        g = rng.choice(cs["optimizer"]["optimizer"]["param_groups"])
+                        g[rng.choice(sorted(g))] = rng.choice(cs_odd)
+                    except (KeyError, TypeError, IndexError):  # an earlier edit replaced the optimizer
+                        pass
+                else:
+                    cs[rng.choice(sorted(cs))] = rng.choice(cs_odd)
+            buf = io.BytesIO()
+            torch.save([cs], buf)
+            return buf.getvalue()
+
         for data in inputs["metadata"]:  # the seeds themselves first
             run("metadata", data)
         for data in inputs["object"]:
             run("object", data)
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            kind = rng.choices(["metadata", "object", "tensor", "pickle_in_zip", "checkpoint", "structure"],
-                               [5, 2, 1, 4, 1, 2])[0]
-            if kind == "structure":
+            kind = rng.choices(["metadata", "object", "tensor", "pickle_in_zip", "checkpoint", "structure",
+                                "common_state", "odd_common_state"], [5, 2, 1, 4, 1, 2, 2, 1])[0]
+            if kind == "common_state":
+                run("common_state", _rezip(cs_blob, cs_member, mutate(rng, cs_pkl, [cs_pkl])))
+            elif kind == "odd_common_state":
+                run("common_state", odd_common_state())
+            elif kind == "structure":
                 data = mutate_structure(rng, rng.choice(inputs["metadata"][:18]))
                 run("checkpoint" if rng.random() < 0.3 else "metadata", data)
             elif kind == "pickle_in_zip":
                 blob, member = rng.choice(inputs["pickle_in_zip"])
-                import io
-                import zipfile
-
                 pkl = zipfile.ZipFile(io.BytesIO(blob)).read(member)
                 run("object", _rezip(blob, member, mutate(rng, pkl, [pkl])))
             elif kind == "checkpoint":
