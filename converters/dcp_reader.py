@@ -3,12 +3,19 @@
 Checkpoints are untrusted input. Three things in a `torch_dist` directory are pickles:
 `.metadata` (a plain pickle of `torch.distributed.checkpoint.metadata.Metadata`), and the byte
 objects (`common_state`, `_extra_state`, optimizer param groups), each a `torch.save` zip of
-`[obj]`. All of them go through `SafeUnpickler`: an allow-list of torch / builtin / collections
-classes, inert stubs for `megatron.*`, `transformer_engine.*`, `nvidia_resiliency_ext.*`, and a
-`BridgeError` for anything else, raised before the name is resolved, so nothing runs.
-Tensor chunks are `torch.save` blobs read with `torch.load(weights_only=True)` from the byte range
-`.metadata` names. Relative paths are checked not to escape the directory, files are checked to
-exist and to be long enough before any data is read.
+`[obj]`. All of them go through `SafeUnpickler` (pure-Python pickle with every opcode that calls,
+creates or mutates an object checked): an allow-list of torch / builtin / collections classes,
+each callable's arguments validated, numpy only as plain numeric arrays and scalars (no object or
+structured dtypes: a forged pointer cannot be built), inert stubs for `megatron.*`,
+`transformer_engine.*`, `nvidia_resiliency_ext.*`, memory bounded by a constant times the input
+size, and a one-line `BridgeError` naming the file for anything else, raised before it is built.
+
+Integrity: DCP itself stores no checksum. Each `.distcp` record is a `torch.save` zip whose members
+carry a CRC-32 (torch.load ignores it); every member of every record read is CRC-checked
+(`zip_records`), so a flipped bit in any tensor or object record is refused naming the key and
+file. `.metadata` and `metadata.json` carry no checksum: they are checked structurally (types,
+ranges, chunks inside tensors, byte ranges inside files, paths inside the directory).
+Tensor records are unpickled by the same reader (not `torch.load`), sharing the read buffer.
 """
 
 from __future__ import annotations
@@ -931,8 +938,9 @@ def zip_records(buf: bytes | bytearray | memoryview, what: str) -> dict[str, mem
     """The members of a torch.save archive, each CRC-32-checked, as views into `buf` (no copies).
 
     torch.save writes every member stored (uncompressed) with its CRC-32 in the zip directory;
-    torch.load does not check it, so a flipped bit would pass silently. Keys drop the archive's
-    top folder (`data.pkl`, `data/0`, `byteorder`, ...).
+    torch.load does not check it, so a flipped bit would pass silently. (A save made with
+    `torch.serialization.set_crc32_options(False)` has 0 for every member and cannot be checked.)
+    Keys drop the archive's top folder (`data.pkl`, `data/0`, `byteorder`, ...).
     """
     mv = memoryview(buf).cast("B")
     try:
@@ -947,6 +955,8 @@ def zip_records(buf: bytes | bytearray | memoryview, what: str) -> dict[str, mem
             ((0, 0, len(infos), len(infos)), (0, 0, 0xFFFF, 0xFFFF)):
         raise BridgeError(f"cannot read {what}: the zip archive claims several disks or a different member count "
                           f"(torch.save writes one); the file is damaged")
+    # torch.serialization.set_crc32_options(False) writes 0 for every member: nothing to check then
+    crc_recorded = any(info.CRC for info in infos)
     out: dict[str, memoryview] = {}
     for info in infos:
         h = info.header_offset
@@ -964,7 +974,7 @@ def zip_records(buf: bytes | bytearray | memoryview, what: str) -> dict[str, mem
         if start + info.file_size > len(mv):
             raise BridgeError(f"cannot read {what}: zip member {info.filename[:80]!r} runs past the end; truncated")
         data = mv[start:start + info.file_size]
-        if zlib.crc32(data) != info.CRC:
+        if crc_recorded and zlib.crc32(data) != info.CRC:
             raise BridgeError(f"{what}: CRC-32 mismatch in zip member {info.filename[:80]!r} "
                               f"(stored {info.CRC:08x}, computed {zlib.crc32(data):08x}): the bytes are damaged")
         key = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
