@@ -106,7 +106,7 @@ class InertStub:
         return default
 
     def __repr__(self) -> str:
-        return f"<stub {self.stub_name}>"
+        return f"<stub {self.stub_name}{repr(self.stub_args)[:200]}>"
 
 
 _STUB_CACHE: dict[str, type] = {}
