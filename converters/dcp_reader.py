@@ -221,7 +221,13 @@ def _plain_numeric_dtype(d: Any) -> bool:
 
 
 def _int_tuple(x: Any, what: str, max_len: int = MAX_DIMS) -> tuple[int, ...]:
-    if not isinstance(x, (tuple, list)) or len(x) > max_len or not all(type(v) is int and v >= 0 for v in x):
+    ok = isinstance(x, (tuple, list)) and len(x) <= max_len
+    if ok:
+        for v in x:  # a plain loop: this runs for every chunk offset of a large .metadata
+            if type(v) is not int or v < 0:
+                ok = False
+                break
+    if not ok:
         raise BridgeError(f"{what}: expected at most {max_len} non-negative integers, found {_short(x)}")
     return tuple(x)
 
@@ -720,13 +726,16 @@ class SafeUnpickler(pickle._Unpickler):
 
     def load_setitems(self) -> None:
         items = self.pop_mark()
-        self._setitems(self.stack[-1], list(zip(items[::2], items[1::2])))
+        self._setitems(self.stack[-1], zip(items[::2], items[1::2]))
 
-    def _setitems(self, target: Any, pairs: list) -> None:
-        if not isinstance(target, (dict, InertStub)):
+    def _setitems(self, target: Any, pairs: Any) -> None:
+        if type(target) is dict:
+            target.update(pairs)
+        elif isinstance(target, (dict, InertStub)):  # OrderedDict, Counter...: their own __setitem__
+            for k, v in pairs:
+                target[k] = v
+        else:
             self.refuse(f"setting items of a {type(target).__name__}")
-        for k, v in pairs:
-            target[k] = v
 
     def load_append(self) -> None:
         value = self.stack.pop()
