@@ -995,6 +995,8 @@ def zip_records(buf: bytes | bytearray | memoryview, what: str) -> dict[str, mem
 
 def load_torch_archive(buf: bytes | bytearray | memoryview, what: str) -> Any:
     """Unpickle a torch.save archive with SafeUnpickler; tensors share `buf`'s memory."""
+    if isinstance(buf, bytes):  # tensors need a writable buffer to share (DcpCheckpoint reads bytearrays)
+        buf = bytearray(buf)
     recs = zip_records(buf, what)
     if "data.pkl" not in recs:
         raise BridgeError(f"cannot read {what}: the zip archive has no data.pkl (not a torch.save archive)")
