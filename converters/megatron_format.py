@@ -120,6 +120,34 @@ def _as_dict(obj: Any) -> dict:
     return dict(vars(obj)) if hasattr(obj, "__dict__") else {}
 
 
+#: args that size the layout: each must be a plain non-negative int when present
+INT_ARGS = ("tensor_model_parallel_size", "gtp_weight_remat_size", "tensor_parallel_num_weight_shards",
+            "expert_model_parallel_size", "expert_tensor_parallel_size", "data_parallel_size",
+            "pipeline_model_parallel_size", "context_parallel_size", "world_size", "hidden_size",
+            "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size", "moe_ffn_hidden_size",
+            "padded_vocab_size", "gtp_remat_pad_for_alignment", "iteration", "num_layers", "global_batch_size",
+            "train_iters", "lr_wsd_decay_iters")
+BOOL_ARGS = ("swiglu", "gated_linear_unit", "group_query_attention")
+FLOAT_ARGS = ("clip_grad", "lr_warmup_init", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
+
+
+def checked_args(args: dict, root: Any) -> dict:
+    """`args` with every layout size checked to be a plain int (a damaged or hostile file says otherwise).
+
+    >>> checked_args({"hidden_size": 64, "lr": 0.1}, "ck")["hidden_size"]
+    64
+    """
+    for names, ok, what in ((INT_ARGS, lambda v: type(v) is int and 0 <= v < 1 << 40, "a size"),
+                            (BOOL_ARGS, lambda v: type(v) is bool, "a bool"),
+                            (FLOAT_ARGS, lambda v: type(v) in (int, float), "a number")):
+        for name in names:
+            v = args.get(name)
+            if v is not None and not ok(v):
+                raise BridgeError(f"{root}: common_state args.{name} is {type(v).__name__} {str(v)[:40]!r}, not "
+                                  f"{what}; the checkpoint is damaged (or pass the value as a flag)")
+    return args
+
+
 @dataclass
 class ModelEntry:
     """One model tensor key of the checkpoint and its geometry."""
@@ -316,7 +344,11 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
         raise BridgeError(f"{ck.root}: a DCP checkpoint without metadata.json, so not written by Megatron-Core "
                           f"dist_checkpointing (unknown format); convert reads torch_dist saves only")
     common = ck.common_state()
-    args = _as_dict(common.get("args"))
+    args = checked_args(_as_dict(common.get("args")), ck.root)
+    it = common.get("iteration")
+    if it is not None and (type(it) is not int or it < 0):
+        raise BridgeError(f"{ck.root}: common_state iteration is {type(it).__name__} {str(it)[:40]}, not a step count; "
+                          f"the checkpoint is damaged")
     model_keys, opt, dp, _other = classify_keys(ck)
     if not model_keys and not opt and not dp:
         raise BridgeError(f"{ck.root}: a DCP checkpoint without Megatron model or optimizer entries "
@@ -382,7 +414,80 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
     missing = sorted({n for (_r, n) in opt} - set(models))
     if missing:
         raise BridgeError(f"{ck.root}: optimizer state for {missing[0]} has no model entry; unknown format")
+    check_complete(src)
     return src
+
+
+FULLY_ROLES = (("params", "fp32 master (optimizer.state.param)"), ("mu", "exp_avg"), ("nu", "exp_avg_sq"))
+DP_STATES = ("param", "exp_avg", "exp_avg_sq")
+
+
+def check_complete(src: SourceCheckpoint) -> None:
+    """Refuse a source whose optimizer state is partial; say so when there is none at all.
+
+    Every parameter needs its fp32 master and both Adam moments (fully_reshardable: one entry per
+    role and parameter; dp_reshardable: every bucket holds all three states and the buckets of each
+    buffer are numbered without gaps), and every param group its `step`. A save with no optimizer
+    tensors is `model_only` only if nothing else shows an optimizer was saved.
+    """
+    root = src.ck.root
+    if src.fmt == "model_only":
+        evidence = optimizer_evidence(src)
+        if evidence:
+            raise BridgeError(f"{root}: holds optimizer state ({evidence}) but none of the optimizer tensors that "
+                              f"convert reads (fully_reshardable / dp_reshardable); unknown optimizer format, "
+                              f"refusing rather than converting without it")
+        src.inferred.append("model_only (no optimizer state in the checkpoint)")
+        return
+    if src.fmt == "fully_reshardable":
+        for name in src.models:
+            absent = [label for role, label in FULLY_ROLES if (role, name) not in src.opt_keys]
+            if absent:
+                raise BridgeError(f"{root}: parameter {name} has no {' / '.join(absent)} entry in .metadata while "
+                                  f"other parameters have optimizer state: incomplete checkpoint; copy the complete "
+                                  f"save (or re-save it)")
+    else:
+        buckets: dict[tuple, set[str]] = {}
+        for d in src.dp_keys:
+            buckets.setdefault((d.chain, d.dp_group_idx, d.gbuf, d.dtype, d.bucket), set()).add(d.state)
+        for (chain, dpg, gbuf, dtype, bucket), states in sorted(buckets.items()):
+            absent = [s for s in DP_STATES if s not in states]
+            if absent:
+                raise BridgeError(f"{root}: dp_reshardable bucket {bucket} of buffer {gbuf} {dtype} (dp_group_idx "
+                                  f"{dpg}, optimizer {chain}) has no {' / '.join(absent)} entry in .metadata: "
+                                  f"incomplete checkpoint; copy the complete save")
+        per_buffer: dict[tuple, set[int]] = {}
+        for chain, dpg, gbuf, dtype, bucket in buckets:
+            per_buffer.setdefault((chain, dpg, gbuf, dtype), set()).add(bucket)
+        for (chain, dpg, gbuf, dtype), have in sorted(per_buffer.items()):
+            gap = sorted(set(range(max(have) + 1)) - have)
+            if gap:
+                raise BridgeError(f"{root}: dp_reshardable buffer {gbuf} {dtype} (dp_group_idx {dpg}, optimizer "
+                                  f"{chain}) has no bucket {gap[0]} in .metadata: incomplete checkpoint")
+    groups = optimizer_groups(src)
+    if not groups:
+        raise BridgeError(f"{root}: optimizer tensors without param_groups (no Adam step or hyper-parameters in "
+                          f"common_state or the dp_group_idx objects): incomplete checkpoint")
+    for ci, gs in enumerate(groups):
+        for gi, g in enumerate(gs):
+            if not isinstance(g, dict) or _plain(g.get("step")) is None:
+                raise BridgeError(f"{root}: param group {gi} of optimizer {ci} has no 'step' (the Adam bias-correction "
+                                  f"count): incomplete checkpoint")
+            step = _plain(g["step"])
+            if type(step) not in (int, float) or not 0 <= step < 1 << 53 or step != int(step):
+                raise BridgeError(f"{root}: param group {gi} of optimizer {ci} has step {str(step)[:40]!r}, not a "
+                                  f"step count; the checkpoint is damaged")
+
+
+def optimizer_evidence(src: SourceCheckpoint) -> str:
+    """What shows that an optimizer was saved (tensor or object keys, common_state's `optimizer`), or ''."""
+    keys = [k for k in src.ck.tensors if k.startswith(("optimizer.", "chained_"))]
+    keys += [k for k in src.ck.object_names() if k.startswith(("optimizer.", "chained_")) or DP_OBJECT_RE.match(k)]
+    if keys:
+        return f"entry {keys[0]}"
+    if src.common.get("optimizer") is not None:
+        return "common_state['optimizer']"
+    return ""
 
 
 def logical_shape(name: str, stored: tuple[int, ...], args: dict, layout: ParallelLayout, expert: bool) -> tuple[int, ...]:
@@ -469,11 +574,11 @@ def optimizer_groups(src: SourceCheckpoint) -> list[list[dict]]:
     return groups
 
 
-def _plain(v: Any) -> Any:
+def _plain(v: Any, depth: int = 0) -> Any:
     if isinstance(v, (bool, int, float, str)) or v is None:
         return v
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
+    if isinstance(v, (list, tuple)) and depth < 8:
+        return [_plain(x, depth + 1) for x in v]
     if hasattr(v, "item") and getattr(v, "numel", lambda: 2)() == 1:
         return v.item()
     return repr(v)

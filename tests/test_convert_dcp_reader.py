@@ -198,3 +198,25 @@ def test_symlink_escape_refused(tmp_path):
     (tmp_path / "ck" / "__0_0.distcp").symlink_to(outside)
     with pytest.raises(BridgeError, match="resolves outside the checkpoint directory"):
         DcpCheckpoint(tmp_path / "ck")
+
+
+def test_record_crc_checked_unless_the_writer_recorded_none():
+    from converters.dcp_reader import safe_torch_load_tensor
+
+    t = torch.arange(10.0)
+    for compute_crc in (True, False):
+        torch.serialization.set_crc32_options(compute_crc)
+        try:
+            buf = io.BytesIO()
+            torch.save(t, buf)
+        finally:
+            torch.serialization.set_crc32_options(True)
+        data = bytearray(buf.getvalue())
+        assert torch.equal(safe_torch_load_tensor(bytearray(data), "x"), t)
+        i = data.index(t.numpy().tobytes())
+        data[i + 4] ^= 0x01  # one bit of element 1
+        if compute_crc:
+            with pytest.raises(BridgeError, match=r"x: CRC-32 mismatch in zip member 'archive/data/0'"):
+                safe_torch_load_tensor(data, "x")
+        else:  # nothing recorded to check against: read as written (documented limit)
+            assert safe_torch_load_tensor(data, "x")[1] != 1.0
