@@ -236,7 +236,7 @@ def test_failure_midway_leaves_the_run_dir_as_it_was(logical, tmp_path, monkeypa
     def boom(*a, **k):
         raise BridgeError("disk full (simulated after the tensors were written)")
 
-    monkeypatch.setattr(megatron_write, "_write_objects", boom)
+    monkeypatch.setattr(megatron_write, "_objects", boom)
     with pytest.raises(BridgeError):
         to_megatron(logical, str(run), Target(tp=1))
     assert sorted(os.listdir(run)) == ["iter_0000001", TRACKER] and (run / TRACKER).read_text() == "1"
@@ -254,11 +254,13 @@ def test_signal_midway_leaves_no_temp_dir(logical, tmp_path, sig):
         "import os, signal, sys, torch.distributed.checkpoint\n"
         "import converters.megatron_write as mw\n"
         "from bridge.cli import main\n"
-        "orig = mw.DcpWriter.tensor_chunk\n"
+        # the class / method that writes a tensor blob (DcpWriter.tensor_chunk before the threaded writer)
+        "cls, meth = (mw.DcpFile, 'tensor') if hasattr(mw, 'DcpFile') else (mw.DcpWriter, 'tensor_chunk')\n"
+        "orig = getattr(cls, meth)\n"
         "def chunk(self, *a, **k):\n"
         f"    os.kill(os.getpid(), {int(sig)})\n"
         "    return orig(self, *a, **k)\n"
-        "mw.DcpWriter.tensor_chunk = chunk\n"
+        "setattr(cls, meth, chunk)\n"
         f"sys.exit(main(['to-megatron', {logical!r}, {str(run)!r}, '--tp', '1']))\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
