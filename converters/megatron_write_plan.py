@@ -233,8 +233,9 @@ def _items(p: ParamSpec, lay: ParallelLayout, fmt: str, derive: bool, limit: int
     for index in np.ndindex(*g.prepend) if g.prepend else [()]:
         for box in instance_boxes(g, tp, gtp):
             chunk_box = Box.of(tuple(index) + box.start, (1,) * npre + box.shape)
-            parts = -(-chunk_box.size * per_element // max(1, limit))
-            for sub in split_rows(chunk_box, npre, parts):
+            rows = chunk_box.shape[npre] if chunk_box.ndim > npre else 1
+            rows_per = max(1, limit // max(1, chunk_box.size // rows * per_element))
+            for sub in split_rows(chunk_box, npre, -(-rows // rows_per)):
                 item = Group(p.name)
                 for role, fqn, dt in roles:
                     src = "params" if (role == "model" and derive) else role
