@@ -150,6 +150,49 @@ def test_stale_temp_of_a_killed_run_is_recognised_and_removed(tmp_path, capfd):
     assert np.array_equal(open_checkpoint(dst).read(("params", "w")), _data(6)[("params", "w")])
 
 
+ORPHAN_SCRIPT = textwrap.dedent("""
+    import subprocess, sys, time
+    from bridge.store import begin_checkpoint
+    tmp = begin_checkpoint(sys.argv[1])
+    child = "from bridge.store.claim import hold_claim; import sys, time; h = hold_claim(sys.argv[1]); " \\
+            "open(sys.argv[2], 'w').close(); time.sleep(600)"
+    subprocess.Popen([sys.executable, "-c", child, tmp, sys.argv[2]])
+    time.sleep(600)
+""")
+
+
+def test_a_temp_still_held_by_an_orphaned_writer_is_not_taken_for_stale(tmp_path):
+    """The claimant is SIGKILLed but a writer process of its run lives on: refused until it is gone."""
+    dst, ready = str(tmp_path / "ck"), str(tmp_path / "ready")
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    main = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT, dst, ready], env=env)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.path.exists(ready)
+    main.kill()
+    main.wait(30)
+    orphan = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).endswith(ready))
+    try:
+        with pytest.raises(BridgeError, match="writer processes still hold its claim"):
+            save_checkpoint(dst, _data(1))
+        assert os.path.isdir(dst + TMP)
+    finally:
+        os.kill(orphan, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{orphan}") and _cmdline(str(orphan)).endswith(ready) and time.monotonic() < deadline:
+        time.sleep(0.05)  # reaped by init once its parent is gone
+    save_checkpoint(dst, _data(1))
+    assert verify_checkpoint(dst).ok
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ").strip()
+    except OSError:
+        return ""
+
+
 def test_a_users_files_in_the_temp_name_are_never_deleted(tmp_path):
     dst = str(tmp_path / "ck")
     os.makedirs(dst + TMP)

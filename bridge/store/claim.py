@@ -16,7 +16,10 @@ refused and never touched. On an exception, SIGINT or SIGTERM the run removes wh
 rename never replaces a DST that appeared meanwhile (renameat2 RENAME_NOREPLACE).
 
 Claims are made under an flock of DST's parent directory, so two processes on one host never
-inspect, take over or create the temp directory at the same time.
+inspect, take over or create the temp directory at the same time. Every process of the run (the
+claimant, and each writer process that calls `hold_claim(tmp)`) keeps a shared flock on the claim
+file while it lives; the kernel drops it when the process dies, so a temp directory that some
+process of a killed run (an orphaned worker) still writes into is never taken for stale.
 """
 
 from __future__ import annotations
@@ -95,13 +98,14 @@ class ClaimInfo:
     def describe(self) -> str:
         return f"pid {self.pid} on host {self.host}, started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.created))}"
 
-    def dead_here(self) -> bool:
-        """True only when the claiming process provably no longer exists (same host, same boot or a reboot)."""
+    def dead_here(self, tmp: str) -> bool:
+        """True only when the claiming process provably no longer exists (same host, same boot or a
+        reboot) and no process holds the claim file's lock (see `hold_claim`)."""
         if self.host != socket.gethostname():
             return False
         if self.boot_id and self.boot_id != _boot_id():
             return True  # the machine rebooted since: every process of that boot is gone
-        return not _alive(self.pid, self.pid_start)
+        return not _alive(self.pid, self.pid_start) and not _lock_held(os.path.join(tmp, CLAIM_FILE))
 
 
 def _boot_id() -> str:
@@ -139,6 +143,51 @@ def _alive(pid: int, start: str) -> bool:
     if st[0] == "Z":
         return False  # killed, waiting to be reaped
     return not start or st[19] == start  # a different start time: the pid was reused
+
+
+def _lock_held(path: str) -> bool:
+    """True when some process holds a flock on `path` (a process of the run that claimed it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+class ClaimHold:
+    """A shared lock on a claim file, held by one process of the run until `close()` (or its death)."""
+
+    def __init__(self, tmp: str) -> None:
+        path = os.path.join(tmp, CLAIM_FILE)
+        try:
+            self._fd: int | None = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise BridgeError(f"{tmp} holds no gtp-bridge claim; create it with begin_checkpoint(dst) or "
+                              f"claim_destination(dst) before starting writers") from None
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "ClaimHold":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def hold_claim(tmp: str) -> ClaimHold:
+    """For a writer process of a multi-process run: mark `tmp`'s claim as in use while this process
+    lives, so a later run never removes it as stale while this process may still write into it."""
+    return ClaimHold(tmp)
 
 
 # -- sources vs destination -------------------------------------------------------------------
@@ -223,6 +272,7 @@ class DestinationClaim:
         self.info = info
         self.published = False
         self.released = False
+        self._hold: ClaimHold | None = None
 
     @property
     def run_id(self) -> str:
@@ -255,6 +305,7 @@ class DestinationClaim:
                 raise BridgeError(f"publish: {payload} is not inside this run's temporary directory {self.tmp}")
             if fsync:
                 fsync_tree(src)
+            self._drop_hold()
             try:
                 rename_noreplace(src, self.dst)
             except FileExistsError:
@@ -275,12 +326,18 @@ class DestinationClaim:
             self.release(published=True)
         return self.dst
 
+    def _drop_hold(self) -> None:
+        if self._hold is not None:
+            self._hold.close()
+            self._hold = None
+
     def release(self, reason: str = "", *, published: bool = False) -> None:
         """Remove the temp directory if it still holds this run's claim (never anyone else's files)."""
         if self.released:
             return
         self.released = True
         _forget(self)
+        self._drop_hold()
         if os.getpid() != self.info.pid:
             return  # a forked child never cleans its parent's claim
         if not os.path.isdir(self.tmp) or not self.owned():
@@ -365,10 +422,12 @@ def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
                 f.flush()
                 os.fsync(f.fileno())
             fsync_path(os.path.dirname(tmp))
+            hold = hold_claim(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     claim = DestinationClaim(dst, info)
+    claim._hold = hold
     with _HELD_LOCK:
         _HELD[claim.tmp] = claim
     _install_signal_handlers()
@@ -389,8 +448,13 @@ def _take_over_stale(dst: str, tmp: str) -> None:
     if mine is not None and mine.run_id == info.run_id:
         raise BridgeError(f"destination {dst} is already being written by this process (run {info.run_id[:8]}); "
                           f"finish or release that run first")
-    if not info.dead_here():
-        where = "another host" if info.host != socket.gethostname() else "a live process"
+    if not info.dead_here(tmp):
+        if info.host != socket.gethostname():
+            where = "a run on another host"
+        elif _alive(info.pid, info.pid_start):
+            where = "a live run"
+        else:
+            where = "a run whose main process died but whose writer processes still hold its claim"
         raise BridgeError(f"destination {dst} is being written by {where} ({info.describe()}; {tmp}); "
                           f"wait for it, or if that run is dead remove {tmp} yourself")
     try:
