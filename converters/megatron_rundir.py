@@ -183,7 +183,8 @@ def plan_run_dir(dst: str, iteration: int) -> RunDirTarget:
             raise BridgeError(f"{run_dir} exists and is not a directory; give a new or a Megatron run directory")
         if is_checkpoint_dir(run_dir):
             raise BridgeError(f"{run_dir} is itself a checkpoint; give a new run directory, or its parent run directory")
-        entries = os.listdir(run_dir)
+        # a temp dir of an earlier killed run is not the user's: the claim decides about it
+        entries = [n for n in os.listdir(run_dir) if not n.endswith(".orbax-checkpoint-tmp")]
         if entries and named is None and TRACKER_NAME not in entries and \
                 not any(parse_iteration_dir_name(n) is not None for n in entries):
             raise BridgeError(f"{run_dir} exists and is not a Megatron run directory (no {TRACKER_NAME}, no iter_* "

@@ -19,13 +19,11 @@ bf16(its fp32 master) on the way; without `model` arrays the weights are derived
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
 import os
 import queue
 import shutil
-import signal
 import threading
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -42,6 +40,7 @@ from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
 from bridge.progress import progress
+from bridge.store.claim import claim_destination
 from bridge.store.durable import fsync_path
 from bridge.store.manifest import Manifest
 from bridge.store.reader import Checkpoint, open_checkpoint
@@ -330,47 +329,46 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
     dp_jobs, dp_objects = (_plan_dp(params, lay, target, man, step, limit) if target.fmt == "dp_reshardable"
                            else ([], []))
     created_run = not os.path.lexists(where.run_dir)
-    tmp = f"{where.iter_dir}.tmp-{os.getpid()}"
-    renamed = False
     stats = Stats()
-    with terminate_as_exit():
-        try:
-            os.makedirs(tmp)
-            files = [DcpFile(tmp, f"__{i}_0.distcp") for i in range(workers)]
-            index = DcpIndex()
-            for g in groups:
-                for c in g.chunks:
-                    index.declare(c.fqn, c.dtype, c.global_shape)
-            for j in dp_jobs:
-                index.declare(j.fqn, "float32", (j.numel,))
-            total = sum(c.nbytes for g in groups for c in g.chunks) + sum(j.nbytes for j in dp_jobs)
-            with progress(total, f"to-megatron {where.iter_dir}", enabled=show_progress) as bar:
-                jobs = [(_run_group, g, sum(c.nbytes for c in g.chunks)) for g in groups] + \
-                       [(_run_dp_job, j, j.nbytes) for j in dp_jobs]
-                for written, st in _run_pool(jobs, ck, files, bar):
-                    index.written += written
-                    stats.add(st)
-            for fqn, value in dp_objects:
-                index.written.append(files[0].obj(fqn, value))
-            for fqn, value in _objects(man, params, lay, target, step):
-                index.written.append(files[0].obj(fqn, value))
-            nbytes = sum(f.bytes for f in files)
-            for f in files:
-                f.close()
-            index.write(tmp)
-            if os.path.lexists(where.iter_dir):  # another run created it meanwhile: never replace it
-                raise BridgeError(f"{where.iter_dir} appeared while writing; another run writes there")
-            os.rename(tmp, where.iter_dir)
-            renamed = True
-            fsync_path(where.run_dir)
-            write_tracker(where.run_dir, step)
-        except BaseException:
-            for f in locals().get("files", []):
-                f.f.close()
-            shutil.rmtree(where.iter_dir if renamed else tmp, ignore_errors=True)
-            if created_run:
-                _remove_if_empty(where.run_dir)
-            raise
+    os.makedirs(where.run_dir, exist_ok=True)
+    published = False
+    try:
+        # The claim: exclusive temp dir next to the iteration dir, removed on any error / SIGINT /
+        # SIGTERM, no-replace rename when complete (bridge.store.claim).
+        with claim_destination(where.iter_dir, sources=[src]) as claim:
+            files = [DcpFile(claim.tmp, f"__{i}_0.distcp") for i in range(workers)]
+            try:
+                index = DcpIndex()
+                for g in groups:
+                    for c in g.chunks:
+                        index.declare(c.fqn, c.dtype, c.global_shape)
+                for j in dp_jobs:
+                    index.declare(j.fqn, "float32", (j.numel,))
+                total = sum(c.nbytes for g in groups for c in g.chunks) + sum(j.nbytes for j in dp_jobs)
+                with progress(total, f"to-megatron {where.iter_dir}", enabled=show_progress) as bar:
+                    jobs = [(_run_group, g, sum(c.nbytes for c in g.chunks)) for g in groups] + \
+                           [(_run_dp_job, j, j.nbytes) for j in dp_jobs]
+                    for written, st in _run_pool(jobs, ck, files, bar):
+                        index.written += written
+                        stats.add(st)
+                for fqn, value in dp_objects:
+                    index.written.append(files[0].obj(fqn, value))
+                for fqn, value in _objects(man, params, lay, target, step):
+                    index.written.append(files[0].obj(fqn, value))
+                nbytes = sum(f.bytes for f in files)
+            finally:
+                for f in files:
+                    f.close()
+            index.write(claim.tmp)
+            claim.publish()
+            published = True
+        write_tracker(where.run_dir, step)  # only now: the iteration directory is complete
+    except BaseException:
+        if published:  # the tracker could not be set: take the iteration back out (the command failed)
+            shutil.rmtree(where.iter_dir, ignore_errors=True)
+        if created_run:
+            _remove_if_empty(where.run_dir)
+        raise
     return {"dst": where.iter_dir, "run_dir": where.run_dir, "tracker": where.tracker,
             "tracker_previous": where.previous, "layout": lay.to_json(), "format": target.fmt, "bytes": nbytes,
             "params": len(params), "step": step, "weights_derived": derive, "budget": budget, "workers": workers,
@@ -522,27 +520,6 @@ def _remove_if_empty(path: str) -> None:
         os.rmdir(path)
     except OSError:
         pass
-
-
-@contextlib.contextmanager
-def terminate_as_exit():
-    """SIGTERM raises SystemExit(143) in the main thread, so cleanup in `except BaseException` runs.
-
-    (SIGINT already raises KeyboardInterrupt.) Outside the main thread signals cannot be caught;
-    then nothing changes.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def _dp_coords(lay: ParallelLayout, expert: bool) -> dict[int, tuple[int, int, int]]:

@@ -120,7 +120,9 @@ def logical(tmp_path_factory):
 
 
 def _leftovers(root) -> list[str]:
-    return [os.path.join(dp, n) for dp, ds, fs in os.walk(root) for n in ds + fs if ".tmp-" in n]
+    """Temporary directories / files of a run (old name `DST.tmp-<pid>`, the claim's `.orbax-checkpoint-tmp`)."""
+    return [os.path.join(dp, n) for dp, ds, fs in os.walk(root) for n in ds + fs
+            if ".tmp-" in n or n.endswith("-tmp") or n == ".gtpb-claim.json"]
 
 
 # --- tests ----------------------------------------------------------------------------------------
@@ -268,3 +270,27 @@ def test_signal_midway_leaves_no_temp_dir(logical, tmp_path, sig):
     assert proc.returncode in (130, 143, -int(sig)) and proc.returncode != 0, proc.stderr[-2000:]
     assert not _leftovers(tmp_path), _leftovers(tmp_path)
     assert not run.exists()
+
+
+def test_a_killed_runs_temp_dir_is_removed_by_the_next_run(logical, tmp_path):
+    """SIGKILL cannot be caught: the next run to the same DST recognises the dead run's temp and removes it."""
+    run = tmp_path / "run"
+    code = (
+        "import os, signal, sys\n"
+        "import converters.megatron_write as mw\n"
+        "from bridge.cli import main\n"
+        "cls, meth = (mw.DcpFile, 'tensor') if hasattr(mw, 'DcpFile') else (mw.DcpWriter, 'tensor_chunk')\n"
+        "orig = getattr(cls, meth)\n"
+        "def chunk(self, *a, **k):\n"
+        "    r = orig(self, *a, **k)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "setattr(cls, meth, chunk)\n"
+        f"sys.exit(main(['to-megatron', {logical!r}, {str(run)!r}, '--tp', '1']))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    assert _leftovers(tmp_path)  # the killed run's partial files
+    assert main(["to-megatron", logical, str(run), "--tp", "1"]) == 0
+    assert not _leftovers(tmp_path), _leftovers(tmp_path)
+    assert megatron_load(str(run))[0] == STEP
