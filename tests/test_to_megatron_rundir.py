@@ -294,3 +294,24 @@ def test_a_killed_runs_temp_dir_is_removed_by_the_next_run(logical, tmp_path):
     assert main(["to-megatron", logical, str(run), "--tp", "1"]) == 0
     assert not _leftovers(tmp_path), _leftovers(tmp_path)
     assert megatron_load(str(run))[0] == STEP
+
+
+def test_edited_manifest_is_refused_before_the_run_dir_is_touched(logical, tmp_path, capsys):
+    """lr=123 written into _METADATA after commit (issue 17 item 7): refused; the run dir stays as it was."""
+    import shutil
+
+    src = str(tmp_path / "edited")
+    shutil.copytree(logical, src)
+    meta_path = os.path.join(src, "_METADATA")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    meta["custom_metadata"]["gtp_bridge"]["optimizer"]["lr"] = 123.0
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    run = tmp_path / "run"
+    (run / "iter_0000001").mkdir(parents=True)
+    (run / TRACKER).write_text("1")
+    assert main(["to-megatron", src, str(run), "--tp", "1"]) != 0
+    err = capsys.readouterr().err
+    assert "checksum" in err and err.strip().count("\n") == 0
+    assert sorted(os.listdir(run)) == ["iter_0000001", TRACKER] and (run / TRACKER).read_text() == "1"
