@@ -165,6 +165,9 @@ def plan_run_dir(dst: str, iteration: int) -> RunDirTarget:
     DST is either the run directory (new, empty, or a Megatron run directory: one with a tracker or
     `iter_*` directories) or an `iter_XXXXXXX` directory in one, whose number must be `iteration`.
     """
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", dst):
+        raise BridgeError(f"DST {dst} is a URL; to-megatron writes a local directory (Megatron-LM's --load reads one): "
+                          f"write locally, then copy it to {dst.split('://', 1)[0]}://")
     dst = os.path.abspath(dst).rstrip("/") or "/"
     name = os.path.basename(dst)
     named = parse_iteration_dir_name(name)

@@ -315,3 +315,12 @@ def test_edited_manifest_is_refused_before_the_run_dir_is_touched(logical, tmp_p
     err = capsys.readouterr().err
     assert "checksum" in err and err.strip().count("\n") == 0
     assert sorted(os.listdir(run)) == ["iter_0000001", TRACKER] and (run / TRACKER).read_text() == "1"
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run", "gs://b/run/iter_0000003"])
+def test_a_url_dst_is_refused_not_made_a_local_dir(logical, tmp_path, monkeypatch, capsys, url):
+    monkeypatch.chdir(tmp_path)
+    assert main(["to-megatron", logical, url, "--tp", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "is a URL" in err
+    assert os.listdir(tmp_path) == []   # no ./s3:/bucket/run
