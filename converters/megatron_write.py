@@ -372,6 +372,7 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
     return {"dst": where.iter_dir, "run_dir": where.run_dir, "tracker": where.tracker,
             "tracker_previous": where.previous, "layout": lay.to_json(), "format": target.fmt, "bytes": nbytes,
             "params": len(params), "step": step, "weights_derived": derive, "budget": budget, "workers": workers,
+            "scheduler": bool(isinstance(man.extra, dict) and (man.extra.get("megatron") or {}).get("scheduler")),
             "elements_read": stats.read, "elements_needed": stats.needed, "bytes_read": stats.read_bytes}
 
 

@@ -59,4 +59,7 @@ def run(args: argparse.Namespace) -> int:
         "stored weights, each checked equal to bf16(its fp32 master)"
     print(f"weights: {how}; budget {human_bytes(res['budget'])}, {res['workers']} workers; read "
           f"{res['elements_read']:,} elements for {res['elements_needed']:,} needed")
+    if not res["scheduler"]:  # load_checkpoint reads state_dict['opt_param_scheduler'] with the optimizer
+        print("note: SRC records no Megatron LR-scheduler state, so none was written; Megatron-LM's --load of it "
+              "needs --no-load-optim (or --finetune)")
     return 0
