@@ -51,8 +51,8 @@ from converters.megatron_format import (is_gtp_weight, is_routed_expert, num_pre
                                         tp_kind_by_name)
 from converters.megatron_plan import is_scrambled_swiglu, local_instances, role_path
 from converters.megatron_rundir import plan_run_dir, write_tracker
-from converters.megatron_write_plan import (STATE_NAMES, DpJob, Group, ParamSpec, instance_boxes,  # noqa: F401
-                                            layout_limits, plan_groups, shard_ranges, stored_shape)
+from converters.megatron_write_plan import (STATE_NAMES, DpJob, Group, ParamSpec, layout_limits, plan_groups,
+                                            shard_ranges)
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
 ParamInfo = ParamSpec  # a parameter of the logical checkpoint as Megatron keys it
