@@ -259,8 +259,11 @@ def test_signal_midway_leaves_no_temp_dir(logical, tmp_path, sig):
         # the class / method that writes a tensor blob (DcpWriter.tensor_chunk before the threaded writer)
         "cls, meth = (mw.DcpFile, 'tensor') if hasattr(mw, 'DcpFile') else (mw.DcpWriter, 'tensor_chunk')\n"
         "orig = getattr(cls, meth)\n"
+        "sent = []\n"
         "def chunk(self, *a, **k):\n"
-        f"    os.kill(os.getpid(), {int(sig)})\n"
+        "    if not sent:  # one signal, as from one Ctrl-C / one kill\n"
+        "        sent.append(1)\n"
+        f"        os.kill(os.getpid(), {int(sig)})\n"
         "    return orig(self, *a, **k)\n"
         "setattr(cls, meth, chunk)\n"
         f"sys.exit(main(['to-megatron', {logical!r}, {str(run)!r}, '--tp', '1']))\n"
