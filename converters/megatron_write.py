@@ -471,8 +471,8 @@ def bound_heap_growth() -> None:
     M_MMAP_THRESHOLD; process-wide, idempotent, no-op without glibc).
 
     Group buffers of a few MiB to tens of MiB come and go; glibc's adaptive threshold otherwise
-    moves them onto heap arenas it keeps, and resident memory grew with the checkpoint's size
-    (1.1 GB at --budget 64M for a 3 GB checkpoint) instead of staying near the budget (0.47 GB).
+    moves them onto heap arenas it keeps, and resident memory grows with the checkpoint's size
+    instead of staying near the budget.
     """
     try:
         import ctypes

@@ -91,7 +91,7 @@ class Group:
     @property
     def nbytes(self) -> int:
         """Host memory while the group is processed: what is read, counted twice (TensorStore holds
-        the stored bytes while it fills the result: measured peak 1.9x a read), plus the chunks."""
+        the stored bytes while it fills the result), plus the chunks."""
         read = sum(b.size * (4 if t[0] != "model" else 2) for t, b in self.reads().items())
         return READ_FACTOR * read + sum(c.nbytes for c in self.chunks)
 
