@@ -4,8 +4,16 @@ Writes what `dist_checkpointing.save` writes (megatron-layout.md §5.3): `.distc
 independent `torch.save` blobs, a `.metadata` pickle of DCP's `Metadata`, ShardedObjects
 (`common_state`, `_extra_state`, dp_reshardable objects) as `torch.save([obj])` byte items,
 and `metadata.json`. Chunks follow the target layout (one per stacked instance and TP shard, or
-per (TP, GTP) shard of the 0.19.2 padded grid for GTP-sharded weights), so Megatron-Core
-reads exactly its own rectangles. Written into `<dst>.tmp-<pid>` and renamed at the end.
+per (TP, GTP) shard of the 0.19.2 padded grid for GTP-sharded weights; split into row slabs when one
+would not fit the budget), so Megatron-Core reads its own rectangles. The output is Megatron-LM's
+run directory layout (`<run>/iter_XXXXXXX/` + `latest_checkpointed_iteration.txt`,
+`converters.megatron_rundir`): the iteration directory is written under a temporary name, renamed
+when complete, then the tracker set.
+
+Streaming: `megatron_write_plan` groups the work so each logical array's boxes are read once and a
+group fits its share of `--budget`; `workers` threads each own one `.distcp` file (TensorStore
+reads, numpy copies and file writes release the GIL). Every bf16 weight is checked against
+bf16(its fp32 master) on the way; without `model` arrays the weights are derived that way.
 """
 
 from __future__ import annotations
@@ -14,12 +22,15 @@ import argparse
 import io
 import json
 import os
+import queue
 import shutil
+import threading
 import uuid
-from collections import OrderedDict
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from bridge.errors import BridgeError
@@ -29,21 +40,22 @@ from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
 from bridge.progress import progress
+from bridge.store.claim import claim_destination
+from bridge.store.durable import fsync_path
 from bridge.store.manifest import Manifest
 from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.store.specs import numpy_dtype
-from bridge.torch_numpy import from_numpy
 from bridge.store.tree import megatron_key_to_path, path_str
-from converters.dcp_reader import ChunkInfo, StorageRef
-from converters.megatron_cache import ArrayLRU
+from bridge.torch_numpy import from_numpy
 from converters.megatron_format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
-from bridge.layout.legacy import legacy_box_map, legacy_shape
-from converters.megatron_plan import (box_copies, is_scrambled_swiglu, local_instances, role_path,
-                                      logical_row_runs)
+from converters.megatron_plan import is_scrambled_swiglu, local_instances, role_path
+from converters.megatron_rundir import plan_run_dir, write_tracker
+from converters.megatron_write_plan import (STATE_NAMES, DpJob, Group, ParamSpec, layout_limits, plan_groups,
+                                            shard_ranges)
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
-STATE_NAMES = {"params": "param", "mu": "exp_avg", "nu": "exp_avg_sq"}
+ParamInfo = ParamSpec  # a parameter of the logical checkpoint as Megatron keys it
 
 
 @dataclass
@@ -59,14 +71,17 @@ class Target:
     bucket_size: int | None = None
 
 
-@dataclass
-class ParamInfo:
-    """A parameter of the logical checkpoint as Megatron keys it."""
+def default_budget() -> int:
+    """A quarter of the memory available now, between 256 MiB and 4 GiB."""
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        avail = 4 << 30
+    return int(min(4 << 30, max(256 << 20, avail // 4)))
 
-    name: str
-    geom: ParamGeometry
-    dtype: str
-    optimized: bool
+
+def default_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +112,9 @@ def params_from_manifest(man: Manifest, arrays: dict, pad: int, gtp: int) -> lis
         return out
     # Derived: every model/* (else params/*) array; fused sections regrouped by the manifest table.
     role = "model" if any(p[0] == "model" for p in arrays) else "params"
+    # Megatron's weights are bf16 (fp16 runs say so in their args); derived from masters when absent.
+    args = (man.extra.get("megatron") or {}).get("args") or {} if isinstance(man.extra, dict) else {}
+    weight_dtype = "float16" if args.get("fp16") else "bfloat16"
     seen: set[str] = set()
     for path, info in arrays.items():
         if path[0] != role:
@@ -113,71 +131,19 @@ def params_from_manifest(man: Manifest, arrays: dict, pad: int, gtp: int) -> lis
             shape = (spec.rows,) + tuple(first.shape[npre + 1:])
             geom = ParamGeometry(parent, shape, "column", gtp=is_gtp_weight(parent), pad_for_alignment=pad,
                                  prepend=tuple(first.shape[:npre]), fused=spec, expert=is_routed_expert(parent))
-            out.append(ParamInfo(parent, geom, "bfloat16", ("params",) + path[1:] in arrays))
+            out.append(ParamInfo(parent, geom, weight_dtype, ("params",) + path[1:] in arrays))
             continue
         npre = num_prepend_axes(name)
         kind = tp_kind_by_name(name) if len(info.shape) > npre else "replicated"
         geom = ParamGeometry(name, tuple(info.shape[npre:]), kind, gtp=is_gtp_weight(name), pad_for_alignment=pad,
                              prepend=tuple(info.shape[:npre]), expert=is_routed_expert(name))
-        out.append(ParamInfo(name, geom, "bfloat16" if role == "model" else "float32",
+        out.append(ParamInfo(name, geom, weight_dtype,
                              ("params",) + path[1:] in arrays))
     return out
 
 
 # ---------------------------------------------------------------------------------------------
-# Target chunk boxes (pure)
-
-
-def stored_shape(geom: ParamGeometry, tp: int, gtp: int) -> tuple[int, ...]:
-    """Per-instance stored global shape: logical, or the 0.19.2 padded grid for GTP weights.
-
-    >>> stored_shape(ParamGeometry("w", (10, 6), "column", gtp=True, pad_for_alignment=4), 2, 2)
-    (16, 6)
-    """
-    if not geom.gtp_active(gtp) or not geom.shape:
-        return geom.shape
-    return legacy_shape(geom, tp, gtp)[len(geom.prepend):]
-
-
-def instance_boxes(geom: ParamGeometry, tp: int, gtp: int) -> list[Box]:
-    """Chunk boxes of one stacked instance (no prepend axes) as a run at (tp, gtp) writes them.
-
-    >>> [str(b) for b in instance_boxes(ParamGeometry("f", (12, 4), "column", fused=FusedSpec.swiglu(6)), 2, 1)]
-    ['[0:3, 0:4]', '[6:9, 0:4]', '[3:6, 0:4]', '[9:12, 0:4]']
-    """
-    shape = stored_shape(geom, tp, gtp)
-    if not shape:
-        return [Box((), ())]
-    rest0, rest = (0,) * (len(shape) - 1), tuple(shape[1:])
-    if geom.gtp_active(gtp):
-        s = geom.split(tp, gtp).shard_rows
-        out = []
-        for t in range(tp):
-            for g in range(gtp):
-                if geom.tp_kind in ("column", "vocab"):
-                    out.append(Box.of(((t * gtp + g) * s,) + rest0, (s,) + rest))
-                else:
-                    k = shape[1] // tp
-                    out.append(Box.of((g * s, t * k) + rest0[1:], (s, k) + rest[1:]))
-        return out
-    if tp == 1 or geom.tp_kind == "replicated":
-        return [Box.full(shape)]
-    if geom.tp_kind == "row":
-        k = shape[1] // tp
-        return [Box.of((0, t * k) + rest0[1:], (shape[0], k) + rest[1:]) for t in range(tp)]
-    spec = geom.fused
-    if spec is not None and spec.kind == "concat":
-        out, starts, acc = [], [], 0
-        for sec in spec.sections:
-            starts.append(acc)
-            acc += sec.rows
-        for t in range(tp):
-            for sec, st in zip(spec.sections, starts):
-                n = sec.rows // tp
-                out.append(Box.of((st + t * n,) + rest0, (n,) + rest))
-        return out
-    n = shape[0] // tp
-    return [Box.of((t * n,) + rest0, (n,) + rest) for t in range(tp)]
+# Target checks
 
 
 def check_target(params: Sequence[ParamInfo], lay: ParallelLayout) -> None:
@@ -196,77 +162,100 @@ def check_target(params: Sequence[ParamInfo], lay: ParallelLayout) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# DCP file writing
+# DCP files
 
 
-class DcpWriter:
-    """Appends independent `torch.save` blobs to one `.distcp` file and records DCP metadata."""
+@dataclass
+class Written:
+    """Where one blob went: (fqn, chunk offsets or None for an object, chunk sizes) -> file range."""
 
-    def __init__(self, root: str, rel: str = "__0_0.distcp") -> None:
+    fqn: str
+    offsets: tuple[int, ...] | None
+    sizes: tuple[int, ...] | None
+    rel: str
+    offset: int
+    length: int
+
+
+class DcpFile:
+    """One `.distcp` file of independent `torch.save` blobs; used by one thread at a time."""
+
+    def __init__(self, root: str, rel: str) -> None:
         import torch
 
         self.torch = torch
-        self.root = root
         self.rel = rel
         self.f = open(os.path.join(root, rel), "wb")
-        self.pos = 0
-        self.tensors: dict[str, tuple[Any, tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]] = OrderedDict()
-        self.objects: list[str] = []
-        self.storage: dict[tuple[str, tuple[int, ...] | None], tuple[int, int]] = {}
         self.bytes = 0
 
-    def _blob(self, obj: Any) -> tuple[int, int]:
+    def tensor(self, fqn: str, offsets: Sequence[int], tensor: Any) -> Written:
+        # Straight into the file, as DCP's own _write_item does (no in-memory copy of the blob).
+        off = self.f.tell()
+        self.torch.save(tensor, self.f)
+        n = self.f.tell() - off
+        self.bytes += n
+        return Written(fqn, tuple(int(o) for o in offsets), tuple(int(s) for s in tensor.shape), self.rel, off, n)
+
+    def obj(self, fqn: str, value: Any) -> Written:
         buf = io.BytesIO()
-        self.torch.save(obj, buf)
-        data = buf.getbuffer()
-        off = self.pos
-        self.f.write(data)
-        self.pos += len(data)
-        self.bytes += len(data)
-        return off, len(data)
+        self.torch.save([value], buf)
+        off = self.f.tell()
+        self.f.write(buf.getbuffer())
+        self.bytes += buf.tell()
+        return Written(fqn, None, None, self.rel, off, buf.tell())
 
-    def declare(self, fqn: str, dtype: Any, shape: Sequence[int]) -> None:
-        self.tensors[fqn] = (dtype, tuple(int(s) for s in shape), [])
+    def close(self) -> None:
+        if not self.f.closed:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
 
-    def tensor_chunk(self, fqn: str, offsets: Sequence[int], tensor: Any) -> None:
-        offsets = tuple(int(o) for o in offsets)
-        self.tensors[fqn][2].append((offsets, tuple(tensor.shape)))
-        self.storage[(fqn, offsets)] = self._blob(tensor.contiguous())
 
-    def obj(self, fqn: str, value: Any) -> None:
-        self.objects.append(fqn)
-        self.storage[(fqn, None)] = self._blob([value])
+class DcpIndex:
+    """The DCP `Metadata` being collected (main thread only)."""
 
-    def finish(self) -> None:
+    def __init__(self) -> None:
+        self.tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self.written: list[Written] = []
+
+    def declare(self, fqn: str, dtype: str, shape: Sequence[int]) -> None:
+        self.tensors.setdefault(fqn, (dtype, tuple(int(s) for s in shape)))
+
+    def write(self, root: str) -> None:
+        import pickle
+
+        import torch
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                            MetadataIndex, StorageMeta, TensorProperties,
                                                            TensorStorageMetadata)
 
-        torch = self.torch
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
+        chunks: dict[str, list[Written]] = {fqn: [] for fqn in self.tensors}
         sdm: dict[str, Any] = {}
-        for fqn, (dtype, shape, chunks) in self.tensors.items():
-            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape),
-                                             [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
-        for fqn in self.objects:
-            sdm[fqn] = BytesStorageMetadata()
         storage = {}
-        for (fqn, off), (o, n) in self.storage.items():
-            idx = MetadataIndex(fqn, torch.Size(off)) if off is not None else MetadataIndex(fqn)
-            storage[idx] = _StorageInfo(self.rel, o, n)
+        for w in self.written:
+            if w.offsets is None:
+                sdm[w.fqn] = BytesStorageMetadata()
+                storage[MetadataIndex(w.fqn)] = _StorageInfo(w.rel, w.offset, w.length)
+            else:
+                chunks[w.fqn].append(w)
+                storage[MetadataIndex(w.fqn, torch.Size(w.offsets))] = _StorageInfo(w.rel, w.offset, w.length)
+        for fqn, (dtype, shape) in self.tensors.items():
+            cs = sorted(chunks[fqn], key=lambda w: w.offsets)
+            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=_torch_dtype(dtype)), torch.Size(shape),
+                                             [ChunkStorageMetadata(torch.Size(w.offsets), torch.Size(w.sizes))
+                                              for w in cs])
         md = Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage,
                       storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4())), version="1.0.0")
-        import pickle
-
-        with open(os.path.join(self.root, ".metadata"), "wb") as f:
+        with open(os.path.join(root, ".metadata"), "wb") as f:
             pickle.dump(md, f)
             f.flush()
             os.fsync(f.fileno())
-        with open(os.path.join(self.root, "metadata.json"), "w") as f:
+        with open(os.path.join(root, "metadata.json"), "w") as f:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(root)
 
 
 def _torch_dtype(name: str):
@@ -275,38 +264,46 @@ def _torch_dtype(name: str):
     return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
 
 
-class ArrayCache:
-    """Whole logical arrays read from the store, least-recently-used out over `max_bytes`."""
-
-    def __init__(self, ck, max_bytes: int) -> None:
-        self.ck = ck
-        self.max_bytes = max_bytes
-        self._lru = ArrayLRU(max_bytes)
-
-    def read(self, path: tuple, box: Box) -> np.ndarray:
-        a = self._lru.get(path)
-        if a is None:
-            if self.ck.info(path).nbytes > self.max_bytes:  # too big to keep: read just the box
-                return self.ck.read(path, box)
-            a = self.ck.read(path)
-            self._lru.put(path, a)
-        return a[box.slices]
-
 
 # ---------------------------------------------------------------------------------------------
 # Entry point
 
 
-def to_megatron(src: str, dst: str, target: Target, *, budget: int = 1 << 30, show_progress: bool | None = None) -> dict:
-    """Write a torch_dist checkpoint of logical checkpoint `src` for `target` at `dst`."""
-    dst = os.path.abspath(dst)
-    if os.path.lexists(dst):
-        raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
+@dataclass
+class Stats:
+    """Elements read from the store vs the elements the output needed (a read-once check)."""
+
+    read: int = 0
+    needed: int = 0
+    read_bytes: int = 0
+
+    def add(self, other: "Stats") -> None:
+        self.read += other.read
+        self.needed += other.needed
+        self.read_bytes += other.read_bytes
+
+
+def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None, workers: int | None = None,
+                weights_from_masters: bool = False, show_progress: bool | None = None) -> dict:
+    """Write step N of logical checkpoint `src` for `target` as Megatron-LM's run directory layout.
+
+    DST is the run directory or its `iter_XXXXXXX` (see `megatron_rundir.plan_run_dir`); the
+    iteration directory is written under a temporary name, renamed when complete, and only then
+    is `latest_checkpointed_iteration.txt` set to N (atomically), so `--load RUN` finds it.
+    Without `model` arrays (or with `weights_from_masters`) the weights are bf16(fp32 masters),
+    rounded to nearest even as Megatron's optimizer does; otherwise each weight is checked to be that.
+    """
+    budget = int(budget or default_budget())
+    workers = int(workers or default_workers())
     if target.fmt not in FORMATS:
         raise BridgeError(f"unknown --format {target.fmt!r}; use one of {list(FORMATS)}")
+    if workers < 1 or budget < 1:
+        raise BridgeError(f"--workers {workers} / --budget {budget}: both must be positive")
     ck = open_checkpoint(src)
     man = manifest_of(ck)
     arrays = ck.arrays()
+    has_model = any(p[0] == "model" for p in arrays)
+    derive = weights_from_masters or not has_model
     pad = target.pad_for_alignment if target.pad_for_alignment is not None else (man.source.pad_for_alignment or 16)
     params = params_from_manifest(man, arrays, pad, target.gtp)
     if target.fmt == "dp_reshardable" and not (man.extra.get("megatron") or {}).get("params"):
@@ -315,85 +312,252 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int = 1 << 30, sh
                           f"--format fully_reshardable")
     if not params:
         raise BridgeError(f"{src}: no model or params arrays; nothing to write")
+    layout_limits(params, target.tp, target.gtp, target.dp, target.ep)
     try:
         lay = ParallelLayout(tp=target.tp, gtp=target.gtp, dp=target.dp, ep=target.ep)
     except BridgeError as e:
         raise BridgeError(f"target layout: {e}") from None
     check_target(params, lay)
-    for p in params:
-        for arr, want in p.geom.logical_arrays().items():
-            for role in ("model",) + (("params", "mu", "nu") if p.optimized else ()):
-                path = role_path(role, arr)
-                if path not in arrays:
-                    raise BridgeError(f"{src}: array {path_str(path)} is missing; the checkpoint is incomplete")
-                if tuple(arrays[path].shape) != tuple(want):
-                    raise BridgeError(f"{path_str(path)}: shape {arrays[path].shape} differs from the recorded "
-                                      f"parameter shape {want}; the manifest and the arrays disagree")
+    _check_arrays(src, params, arrays, derive)
     step = int(ck.read(("step",))) if ("step",) in arrays else int(man.optimizer.step or 0)
     count = int(ck.read(("opt_state", "0", "count"))) if ("opt_state", "0", "count") in arrays else step
     if count != step:
         raise BridgeError(f"{src}: step {step} and opt_state/0/count {count} differ; the checkpoint is inconsistent")
-    tmp = f"{dst}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    where = plan_run_dir(dst, step)
+    bound_heap_growth()
+    limit = max(1, budget // workers)
+    groups = plan_groups(params, lay, target.fmt, derive=derive, limit=limit)
+    dp_jobs, dp_objects = (_plan_dp(params, lay, target, man, step, limit) if target.fmt == "dp_reshardable"
+                           else ([], []))
+    created_run = not os.path.lexists(where.run_dir)
+    stats = Stats()
+    os.makedirs(where.run_dir, exist_ok=True)
+    published = False
     try:
-        w = DcpWriter(tmp)
-        cache = ArrayCache(ck, max(1, budget // 2))
-        total = sum(a.nbytes for p, a in arrays.items() if p[0] in ("model", "params", "opt_state"))
-        with progress(total, f"to-megatron {os.path.basename(dst)}", enabled=show_progress) as bar:
-            _write_model_space(w, cache, params, lay, target.fmt, bar)
-            if target.fmt == "dp_reshardable":
-                _write_dp_buckets(w, cache, params, lay, target, man, step)
-            _write_objects(w, man, params, lay, target, step)
-        w.finish()
-        os.rename(tmp, dst)
+        # The claim: exclusive temp dir next to the iteration dir, removed on any error / SIGINT /
+        # SIGTERM, no-replace rename when complete (bridge.store.claim).
+        with claim_destination(where.iter_dir, sources=[src]) as claim:
+            files = [DcpFile(claim.tmp, f"__{i}_0.distcp") for i in range(workers)]
+            try:
+                index = DcpIndex()
+                for g in groups:
+                    for c in g.chunks:
+                        index.declare(c.fqn, c.dtype, c.global_shape)
+                for j in dp_jobs:
+                    index.declare(j.fqn, "float32", (j.numel,))
+                total = sum(c.nbytes for g in groups for c in g.chunks) + sum(j.nbytes for j in dp_jobs)
+                with progress(total, f"to-megatron {where.iter_dir}", enabled=show_progress) as bar:
+                    jobs = [(_run_group, g, sum(c.nbytes for c in g.chunks)) for g in groups] + \
+                           [(_run_dp_job, j, j.nbytes) for j in dp_jobs]
+                    for written, st in _run_pool(jobs, ck, files, bar):
+                        index.written += written
+                        stats.add(st)
+                for fqn, value in dp_objects:
+                    index.written.append(files[0].obj(fqn, value))
+                for fqn, value in _objects(man, params, lay, target, step):
+                    index.written.append(files[0].obj(fqn, value))
+                nbytes = sum(f.bytes for f in files)
+            finally:
+                for f in files:
+                    f.close()
+            index.write(claim.tmp)
+            claim.publish()
+            published = True
+        write_tracker(where.run_dir, step)  # only now: the iteration directory is complete
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if published:  # the tracker could not be set: take the iteration back out (the command failed)
+            shutil.rmtree(where.iter_dir, ignore_errors=True)
+        if created_run:
+            _remove_if_empty(where.run_dir)
         raise
-    return {"dst": dst, "layout": lay.to_json(), "format": target.fmt, "bytes": w.bytes, "params": len(params),
-            "step": step}
+    return {"dst": where.iter_dir, "run_dir": where.run_dir, "tracker": where.tracker,
+            "tracker_previous": where.previous, "layout": lay.to_json(), "format": target.fmt, "bytes": nbytes,
+            "params": len(params), "step": step, "weights_derived": derive, "budget": budget, "workers": workers,
+            "scheduler": bool(isinstance(man.extra, dict) and (man.extra.get("megatron") or {}).get("scheduler")),
+            "elements_read": stats.read, "elements_needed": stats.needed, "bytes_read": stats.read_bytes}
 
 
-def _write_model_space(w: DcpWriter, cache: ArrayCache, params: Sequence[ParamInfo], lay: ParallelLayout, fmt: str,
-                       bar) -> None:
-    """Model weights (and fully_reshardable optimizer state) as model-space chunks."""
+def _check_arrays(src: str, params: Sequence[ParamInfo], arrays: dict, derive: bool) -> None:
+    """Every array the output takes exists with the recorded shape."""
     for p in params:
-        g = p.geom
-        tp, gtp = lay.tp_gtp_sizes(g.expert)
-        npre = len(g.prepend)
-        runs = logical_row_runs(g)
-        legacy = g.gtp_active(gtp) and bool(g.shape)
-        scrambled = is_scrambled_swiglu(g, gtp)
-        shape = stored_shape(g, tp, gtp)
-        boxes = instance_boxes(g, tp, gtp)
-        roles = [("model", p.name, p.dtype)]
-        if fmt == "fully_reshardable" and p.optimized:
-            roles += [(r, f"optimizer.state.{STATE_NAMES[r]}.{p.name}", "float32") for r in ("params", "mu", "nu")]
-        for role, fqn, dt in roles:
-            w.declare(fqn, _torch_dtype(dt), g.prepend + shape)
-            for index in np.ndindex(*g.prepend) if g.prepend else [()]:
-                for box in boxes:
-                    chunk_box = Box.of(tuple(index) + box.start, (1,) * npre + box.shape)
-                    data = np.zeros(chunk_box.shape, dtype=numpy_dtype(dt))  # GTP pad rows stay zero
-                    if legacy:  # the 0.19.2 padded grid (scrambled SwiGLU halves), via bridge.layout.legacy
-                        for m in legacy_box_map(g, tp, gtp, chunk_box, scrambled_swiglu=scrambled):
-                            data[m.src.slices] = cache.read(role_path(role, m.array), m.logical)
-                    else:
-                        ch = ChunkInfo(chunk_box.start, chunk_box.shape, StorageRef("", 0, 0))
-                        for c in box_copies(fqn, 0, ch, runs, npre):
-                            data[tuple(slice(a, b) for a, b in c.src)] = cache.read(role_path(role, c.array), c.dst)
-                    w.tensor_chunk(fqn, chunk_box.start, from_numpy(data))
-                    bar.update(data.nbytes)
+        for arr, want in p.geom.logical_arrays().items():
+            roles = ("params", "mu", "nu") if p.optimized else ()
+            if not (derive and p.optimized):
+                roles = ("model",) + roles
+            for role in roles:
+                path = role_path(role, arr)
+                if path not in arrays:
+                    how = " (and no fp32 master to derive it from)" if role == "model" else ""
+                    raise BridgeError(f"{src}: array {path_str(path)} is missing{how}; the checkpoint is incomplete")
+                if tuple(arrays[path].shape) != tuple(want):
+                    raise BridgeError(f"{path_str(path)}: shape {arrays[path].shape} differs from the recorded "
+                                      f"parameter shape {want}; the manifest and the arrays disagree")
+
+
+def _run_pool(jobs: list, ck: Checkpoint, files: list[DcpFile], bar):
+    """Run (fn, job, nbytes) on len(files) threads, each job with a file no other thread holds;
+    yield results in completion order. On an error (or a signal in the main thread) no new job
+    starts, running ones finish, and the error propagates."""
+    free: queue.Queue = queue.Queue()
+    for f in files:
+        free.put(f)
+    stop = threading.Event()
+
+    def call(fn, job):
+        if stop.is_set():
+            return [], Stats()
+        f = free.get()
+        try:
+            return fn(job, ck, f, stop)
+        finally:
+            free.put(f)
+
+    pool = ThreadPoolExecutor(max_workers=len(files), thread_name_prefix="to-megatron")
+    try:
+        pending = {pool.submit(call, fn, job): n for fn, job, n in jobs}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_EXCEPTION, timeout=0.5)
+            for fut in done:
+                n = pending.pop(fut)
+                result = fut.result()  # raises the job's error
+                bar.update(n)
+                yield result
+    finally:
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _read_boxes(ck: Checkpoint, reads: dict) -> dict:
+    """Read every (array, box) at once (TensorStore futures) -> array -> (box, numpy data)."""
+    from bridge.errors import IntegrityError
+
+    stores = ck.open_many(list(reads))
+    futs = {a: (box, t[box.slices].read()) for (a, box), t in zip(reads.items(), stores)}
+    out = {}
+    for a, (box, fut) in futs.items():
+        try:
+            out[a] = (box, np.asarray(fut.result()))
+        except Exception as e:
+            raise IntegrityError(f"array {path_str(a)}: read of {box} failed: {' '.join(str(e).split())[:300]}") from e
+    return out
+
+
+def _run_group(g: Group, ck: Checkpoint, f: DcpFile, stop: threading.Event) -> tuple[list[Written], Stats]:
+    """Read the group's boxes once, check weights against masters, assemble and write its chunks."""
+    reads = g.reads()
+    blocks = _read_boxes(ck, reads)
+    st = Stats(read=sum(b.size for b in reads.values()), needed=sum(g.needed().values()),
+               read_bytes=sum(d.nbytes for _, d in blocks.values()))
+    for weights, masters in g.checks:
+        check_weights(weights, blocks[weights], blocks[masters])
+    out = []
+    for c in g.chunks:
+        if stop.is_set():  # the run is being abandoned: stop writing into the temp dir now
+            break
+        covered = sum(t.dst.size for t in c.takes) == int(np.prod(c.shape, dtype=np.int64))
+        # GTP pad rows (not covered by any take) stay zero; a fully covered chunk skips the memset
+        data = (np.empty if covered else np.zeros)(c.shape, dtype=numpy_dtype(c.dtype))
+        for t in c.takes:
+            box, a = blocks[t.array]
+            part = a[t.logical.relative_to(box).slices]
+            # Derived weights: fp32 -> bf16 rounds to nearest even (ml_dtypes), as Megatron's copy_ does.
+            data[t.dst.slices] = part.astype(data.dtype) if c.cast else part
+        out.append(f.tensor(c.fqn, c.start, from_numpy(data)))
+    return out, st
+
+
+def bound_heap_growth() -> None:
+    """Serve allocations of 1 MiB and more from mmap, returned to the OS when freed (glibc mallopt
+    M_MMAP_THRESHOLD; process-wide, idempotent, no-op without glibc).
+
+    Group buffers of a few MiB to tens of MiB come and go; glibc's adaptive threshold otherwise
+    moves them onto heap arenas it keeps, and resident memory grows with the checkpoint's size
+    instead of staying near the budget.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # -3 = M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def check_weights(path: tuple, weights: tuple[Box, np.ndarray], masters: tuple[Box, np.ndarray]) -> None:
+    """bf16 weights must be bf16(fp32 masters) (what Megatron's optimizer step leaves), element by element."""
+    (wbox, w), (mbox, m) = weights, masters
+    if wbox != mbox:
+        raise BridgeError(f"{path_str(path)}: internal plan error: weights box {wbox} != masters box {mbox}")
+    rounded = m.astype(w.dtype)
+    eq = rounded.view(np.uint16) == w.view(np.uint16) if w.dtype.itemsize == 2 else rounded == w
+    if eq.all():
+        return
+    eq |= np.isnan(w.astype(np.float32)) & np.isnan(m)
+    if eq.all():
+        return
+    bad = int(eq.size - eq.sum())
+    first = tuple(int(i) for i in np.argwhere(~eq)[0])
+    at = tuple(s + i for s, i in zip(wbox.start, first))
+    name = "bf16" if w.dtype == ml_dtypes.bfloat16 else str(w.dtype)
+    raise BridgeError(f"{path_str(path)}: {name} weights differ from {name}(params) at {bad} of {eq.size} elements read, "
+                      f"first at index {at} (weight {float(w[first])!r}, {name}(master) {float(rounded[first])!r}): "
+                      f"the weights were not updated after the optimizer step; re-save with model=None to derive them "
+                      f"from the masters, or pass --weights-from-masters")
+
+
+def _run_dp_job(j: DpJob, ck: Checkpoint, f: DcpFile, stop: threading.Event) -> tuple[list[Written], Stats]:
+    """One bucket role: each chunk range filled from the segments it overlaps; a segment running into
+    the next range is kept, so every segment is read once."""
+    import bisect
+
+    starts = [s[0] for s in j.segments]
+    held: dict[int, np.ndarray] = {}
+    st = Stats()
+    out = []
+    for lo, hi in j.ranges:
+        if stop.is_set():
+            break
+        data = np.zeros(hi - lo, dtype=np.float32)
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        keep: dict[int, np.ndarray] = {}
+        while i < len(j.segments) and j.segments[i][0] < hi:
+            s0, arr, box = j.segments[i]
+            s1 = s0 + box.size
+            if s1 > lo:
+                flat = held.get(i)
+                if flat is None:
+                    flat = _read_boxes(ck, {arr: box})[arr][1].reshape(-1)
+                    st.read += flat.size
+                    st.read_bytes += flat.nbytes
+                a, b = max(lo, s0), min(hi, s1)
+                data[a - lo:b - lo] = flat[a - s0:b - s0]
+                st.needed += b - a
+                if s1 > hi:
+                    keep[i] = flat
+            i += 1
+        held = keep
+        out.append(f.tensor(j.fqn, (lo,), from_numpy(data)))
+    return out, st
+
+
+def _remove_if_empty(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 def _dp_coords(lay: ParallelLayout, expert: bool) -> dict[int, tuple[int, int, int]]:
+    """dp_group_idx -> (TP, GTP, EP) coordinates of its DP-rank-0 member (O(TP*GTP*EP), not O(world))."""
     out: dict[int, tuple[int, int, int]] = {}
-    for r in range(lay.world):
-        c = lay.coords(r)
-        if expert and c.ed == 0:
-            out.setdefault(lay.expert_dp_group_idx(r), (c.et, c.eg, c.e))
-        if not expert and c.d == 0 and c.c == 0:
-            out.setdefault(lay.dp_group_idx(r), (c.t, c.g, 0))
+    if expert:
+        for et in range(lay.etp):
+            for e in range(lay.ep):
+                for eg in range(lay.egtp):
+                    out.setdefault(lay.expert_dp_group_idx(lay.expert_rank(et=et, e=e, eg=eg, ed=0, p=0)), (et, eg, e))
+    else:
+        for t in range(lay.tp):
+            for g in range(lay.gtp):
+                out.setdefault(lay.dp_group_idx(lay.rank(t=t, g=g, c=0, d=0, p=0)), (t, g, 0))
     return out
 
 
@@ -405,14 +569,17 @@ def _domains(params: Sequence[ParamInfo], lay: ParallelLayout) -> list[tuple[boo
     return [(False, opt)]
 
 
-def _write_dp_buckets(w: DcpWriter, cache: ArrayCache, params: Sequence[ParamInfo], lay: ParallelLayout,
-                      target: Target, man: Manifest, step: int) -> None:
-    """dp_reshardable bucket tensors and per-dp_group_idx objects (buffer layout from bridge.layout)."""
+def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: Target, man: Manifest, step: int,
+             limit: int) -> tuple[list[DpJob], list[tuple[str, Any]]]:
+    """dp_reshardable bucket jobs and per-dp_group_idx objects (buffer layout from bridge.layout)."""
     import torch
 
+    jobs: list[DpJob] = []
+    objects: list[tuple[str, Any]] = []
     domains = _domains(params, lay)
     chained = len(domains) > 1
     groups = _param_groups(man, step)
+    key_dt = "(torch.bfloat16, torch.float32)"
     for ci, (expert, plist) in enumerate(domains):
         prefix = f"chained_{ci}." if chained else ""
         dp_size = lay.edp if expert else lay.distopt_size
@@ -423,34 +590,27 @@ def _write_dp_buckets(w: DcpWriter, cache: ArrayCache, params: Sequence[ParamInf
             insts = local_instances(geoms, lay, e)
             bparams = [BufferParam(i.label, gmap[i.name].physical_numel(*sizes[i.name])) for i in insts]
             blay = buffer_layout(bparams, target.bucket_size, dp_size)
-            key_dt = "(torch.bfloat16, torch.float32)"
-            for b, (b0, _b1) in enumerate(blay.buckets):
+            segs: dict[int, list[tuple[int, str, Box]]] = {b: [] for b in range(len(blay.buckets))}
+            for inst in insts:
+                p0, _p1, bid = blay.index[inst.label]
+                geom = gmap[inst.name]
+                for piece in geom.shard_pieces(*sizes[inst.name], t, g, inst.index):
+                    segs[bid].append((p0 - blay.buckets[bid][0] + piece.local_start, piece.array, piece.logical))
+            for b in range(len(blay.buckets)):
                 unp = blay.numel_unpadded[b]
-                s = blay.shard_size(b)
+                # a range's fp32 chunk plus the segments read into it (TensorStore's 2x while reading)
+                ranges = shard_ranges(unp, blay.shard_size(b), dp_size, max(1, limit // 12))
+                ordered = sorted(segs[b], key=lambda s: s[0])
                 for role in ("params", "mu", "nu"):
-                    world = np.zeros(unp, dtype=np.float32)
-                    for inst in insts:
-                        p0, _p1, bid = blay.index[inst.label]
-                        if bid != b:
-                            continue
-                        geom = gmap[inst.name]
-                        tp, gtp = sizes[inst.name]
-                        for piece in geom.shard_pieces(tp, gtp, t, g, inst.index):
-                            lo = p0 - b0 + piece.local_start
-                            world[lo:lo + piece.logical.size] = cache.read(role_path(role, piece.array),
-                                                                           piece.logical).reshape(-1)
                     fqn = (f"{prefix}optimizer.distributed.dp_group_idx_{k}.gbuf_idx_0.dtype_{key_dt}"
                            f".bucket_idx_{b}.{STATE_NAMES[role]}")
-                    w.declare(fqn, torch.float32, (unp,))
-                    for r in range(dp_size):
-                        lo, hi = r * s, min((r + 1) * s, unp)
-                        if hi > lo:
-                            w.tensor_chunk(fqn, (lo,), torch.from_numpy(world[lo:hi].copy()))
+                    jobs.append(DpJob(fqn, unp, ranges, [(o, role_path(role, a), box) for o, a, box in ordered]))
             pre = f"{prefix}optimizer.distributed.dp_group_idx_{k}."
             dtk = (torch.bfloat16, torch.float32)
-            w.obj(pre + "per_bucket_numel/shard_0_1", [{dtk: blay.per_bucket_numel()}])
-            w.obj(pre + "per_bucket_numel_unpadded/shard_0_1", [{dtk: list(blay.numel_unpadded)}])
-            w.obj(pre + "optimizer/shard_0_1", {"param_groups": _groups_for(groups, expert, chained)})
+            objects.append((pre + "per_bucket_numel/shard_0_1", [{dtk: blay.per_bucket_numel()}]))
+            objects.append((pre + "per_bucket_numel_unpadded/shard_0_1", [{dtk: list(blay.numel_unpadded)}]))
+            objects.append((pre + "optimizer/shard_0_1", {"param_groups": _groups_for(groups, expert, chained)}))
+    return jobs, objects
 
 
 def _param_groups(man: Manifest, step: int) -> list[dict]:
@@ -487,9 +647,64 @@ def _groups_for(groups: list[dict], expert: bool, chained: bool) -> list[dict]:
     return out
 
 
-def _write_objects(w: DcpWriter, man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, target: Target,
-                   step: int) -> None:
+def megatron_args(meg: dict, params: Sequence[ParamInfo], lay: ParallelLayout, fmt: str, step: int) -> dict:
+    """`common_state["args"]` for the target: the source's args, model dims the geometry shows when
+    the source saved none, and everything Megatron-LM 0.19.2 reads back about the layout set to it.
+
+    `load_checkpoint` compares num_layers / hidden_size / num_attention_heads (no default: they must
+    be present), uses tensor/pipeline sizes, world_size and data_parallel_size to decide whether RNG
+    and rerun state are loaded, and `load_args_from_checkpoint` may take the parallel sizes from here.
+    """
+    args = dict(meg.get("args") or {})
+    for p in params:  # model dims the fused section tables know (a library-style source saved no args)
+        spec = p.geom.fused
+        if spec is None:
+            continue
+        if spec.info.get("name") == "qkv":
+            args.setdefault("num_attention_heads", spec.info["num_heads"])
+            args.setdefault("num_query_groups", spec.info["num_query_groups"])
+            args.setdefault("kv_channels", spec.info["head_dim"])
+            args.setdefault("group_query_attention", spec.info["num_query_groups"] != spec.info["num_heads"])
+        elif spec.info.get("name") == "swiglu" and not p.geom.expert:
+            args.setdefault("swiglu", True)
+            args.setdefault("ffn_hidden_size", spec.info["ffn_hidden"])
+    by_name = {p.name: p.geom for p in params}
+    layers = [g.prepend[0] for n, g in by_name.items() if n.startswith("decoder.layers.") and g.prepend]
+    if layers:
+        args.setdefault("num_layers", max(layers))
+    emb = by_name.get("embedding.word_embeddings.weight")
+    if emb is not None and len(emb.shape) == 2:
+        args.setdefault("padded_vocab_size", emb.shape[0])
+        args.setdefault("hidden_size", emb.shape[1])
+    experts = [g.prepend[1] for g in by_name.values() if g.expert and len(g.prepend) >= 2]
+    if experts:
+        args.setdefault("num_experts", max(experts))
+    recorded_iteration = meg.get("iteration")
+    gbs = args.get("global_batch_size")
+    if recorded_iteration != step and isinstance(gbs, int) and not args.get("rampup_batch_size"):
+        # Trained elsewhere since the source save: the data position follows the step.
+        args["consumed_train_samples"] = step * gbs
+    args.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=1,
+                virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+                context_parallel_size=1, gtp_weight_remat_size=lay.gtp,
+                tensor_parallel_num_weight_shards=lay.tp * lay.gtp, expert_model_parallel_size=lay.ep,
+                expert_tensor_parallel_size=lay.etp, expert_gtp_weight_remat_size=lay.egtp,
+                expert_tensor_parallel_num_weight_shards=lay.etp * lay.egtp, data_parallel_size=lay.dp,
+                world_size=lay.world, iteration=step, ckpt_format="torch_dist", use_dist_ckpt=True,
+                dist_ckpt_optim_fully_reshardable=fmt == "fully_reshardable", use_distributed_optimizer=True,
+                no_save_optim=False,
+                # No RNG state is written (a logical checkpoint has none). With no_save_rng set,
+                # load_checkpoint skips the RNG load at an unchanged TP/PP instead of failing on it.
+                no_save_rng=True)
+    return args
+
+
+def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, target: Target,
+             step: int) -> list[tuple[str, Any]]:
     """_extra_state objects (None, or TE's empty uint8 tensors, as the source saved them) and common_state."""
+    import torch
+
+    out: list[tuple[str, Any]] = []
     meg = man.extra.get("megatron", {}) if isinstance(man.extra, dict) else {}
     extra_keys = list(meg.get("extra_state_keys") or [])
     if not extra_keys:  # synthesise the keys a run would save for its linears (per stacked instance)
@@ -504,28 +719,11 @@ def _write_objects(w: DcpWriter, man: Manifest, params: Sequence[ParamInfo], lay
                     extra_keys.append(f"{mod}._extra_state/shard_{off}_{shp}")
     empty = meg.get("extra_state_payload") == "empty_uint8_tensor"
     for k in extra_keys:
-        w.obj(k, w.torch.empty(0, dtype=w.torch.uint8) if empty else None)
+        out.append((k, torch.empty(0, dtype=torch.uint8) if empty else None))
     domains = _domains(params, lay)
     chained = len(domains) > 1
     groups = _param_groups(man, step)
-    args = dict(meg.get("args") or {})
-    for p in params:  # model dims the fused section tables know (a library-style source saved no args)
-        spec = p.geom.fused
-        if spec is None:
-            continue
-        if spec.info.get("name") == "qkv":
-            args.setdefault("num_attention_heads", spec.info["num_heads"])
-            args.setdefault("num_query_groups", spec.info["num_query_groups"])
-            args.setdefault("kv_channels", spec.info["head_dim"])
-            args.setdefault("group_query_attention", spec.info["num_query_groups"] != spec.info["num_heads"])
-        elif spec.info.get("name") == "swiglu" and not p.geom.expert:
-            args.setdefault("swiglu", True)
-            args.setdefault("ffn_hidden_size", spec.info["ffn_hidden"])
-    args.update(tensor_model_parallel_size=lay.tp, gtp_weight_remat_size=lay.gtp,
-                tensor_parallel_num_weight_shards=lay.tp * lay.gtp, data_parallel_size=lay.dp,
-                expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp, world_size=lay.world,
-                pipeline_model_parallel_size=1, iteration=step, ckpt_format="torch_dist",
-                dist_ckpt_optim_fully_reshardable=target.fmt == "fully_reshardable", use_distributed_optimizer=True)
+    args = megatron_args(meg, params, lay, target.fmt, step)
     content = {"distrib_optim_sharding_type": target.fmt, "singleton_local_shards": False,
                "chained_optim_avoid_prefix": True}
     if target.fmt == "fully_reshardable":
@@ -541,4 +739,5 @@ def _write_objects(w: DcpWriter, man: Manifest, params: Sequence[ParamInfo], lay
         from bridge.lr_schedule import scheduler_state_dict
 
         common["opt_param_scheduler"] = scheduler_state_dict(meg["scheduler"], step)
-    w.obj("common_state/shard_0_1", common)
+    out.append(("common_state/shard_0_1", common))
+    return out

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from bridge.errors import BridgeError
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.sharding_rules import ShardingRules, default_spec
+from bridge.store.reader import check_metadata
 from bridge.store.tree import parse_tree_metadata, validate_path
 from converters.jax_naming import Group
 
@@ -55,10 +56,12 @@ class StoredTree:
         return any(p[:len(prefix)] == prefix for p in self.arrays)
 
 
-def stored_arrays(directory: str | os.PathLike) -> StoredTree:
+def stored_arrays(directory: str | os.PathLike, *, allow_edited_metadata: bool | None = None) -> StoredTree:
     """Read a checkpoint's array metadata through Orbax (no data is read).
 
-    Raises BridgeError for a missing, uncommitted or non-Orbax directory.
+    Raises BridgeError for a missing, uncommitted or non-Orbax directory, and IntegrityError for a
+    bridge checkpoint whose `_METADATA` was edited after commit (unless `allow_edited_metadata`,
+    or GTP_BRIDGE_ALLOW_EDITED_METADATA=1: see `bridge.store.reader.check_metadata`).
     """
     import orbax.checkpoint as ocp
 
@@ -70,6 +73,7 @@ def stored_arrays(directory: str | os.PathLike) -> StoredTree:
     if not os.path.isfile(os.path.join(d, "_METADATA")):
         raise BridgeError(f"{d} has no _METADATA: not a committed Orbax checkpoint; pass a checkpoint directory")
     _check_names(d)
+    check_metadata(d, allow_edited_metadata)
     meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(d).item_metadata
     arrays = {}
     for p, m in leaves_by_path(meta.tree).items():
