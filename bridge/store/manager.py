@@ -24,6 +24,8 @@ import logging
 import os
 import shutil
 import time
+import uuid
+from typing import Callable, TypeVar
 
 from bridge.errors import BridgeError
 from bridge.location import local_path
@@ -35,6 +37,7 @@ PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTre
 STAGING_PREFIX = ".gtpb-staging-"
 
 log = logging.getLogger("bridge")
+R = TypeVar("R")
 
 
 def step_of_name(name: str) -> int | None:
@@ -91,7 +94,13 @@ def staging_item_dir(root: str, tag: str) -> str:
     staging = os.path.join(root, STAGING_PREFIX + tag)
     if os.path.lexists(staging):  # left by a crashed write of the same tag: never a step, safe to drop
         shutil.rmtree(staging)
+    os.makedirs(staging)
     return os.path.join(staging, ITEM)
+
+
+def staging_item_path(root: str, tag: str) -> str:
+    """The path `staging_item_dir` returns, without touching the disk (for the other processes)."""
+    return os.path.join(local_path(root), STAGING_PREFIX + tag, ITEM)
 
 
 def check_step_free(root: str, step: int) -> None:
@@ -125,3 +134,23 @@ def commit_step(item_dir: str, step: int) -> str:
     os.rename(staging, final)
     fsync_path(root)
     return final
+
+
+def write_step(root: str, write: Callable[[str], R], step_of: Callable[[R], int]) -> tuple[R, str]:
+    """Run `write(item_dir)` (a writer that creates a new checkpoint directory) into a staging step of
+    manager root `root`, then commit it as step `step_of(result)`; returns (result, step directory).
+
+    For writers that learn the step while writing, e.g. a conversion:
+        write_step(root, lambda d: convert(src, d), lambda r: r.step)
+    """
+    item = staging_item_dir(root, uuid.uuid4().hex[:12])
+    try:
+        result = write(item)
+        step = step_of(result)
+        if step is None:
+            raise BridgeError("the checkpoint records no step, so it cannot become a step of an Orbax "
+                              "CheckpointManager root; write it to a plain directory instead")
+        return result, commit_step(item, int(step))
+    except BaseException:
+        shutil.rmtree(os.path.dirname(item), ignore_errors=True)
+        raise
