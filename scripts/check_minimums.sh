@@ -10,9 +10,13 @@
 # Not part of `make test` (it downloads and installs a few GB: torch's minimum is a CUDA build).
 # Found by bisecting with this script (older versions fail):
 #   tensorstore 0.1.71 and 0.1.76 fail the demo (file_io_locking mode "non_atomic" is unknown there);
-#   orbax-checkpoint before 0.11.26 has no `use_compression` / StepMetadata.item_metadata that the JAX side
-#   uses, and orbax-checkpoint >= 0.11 needs jax >= 0.4.34 (0.11.26 declares jax >= 0.6.0 but imports
-#   jax.experimental.layout.Format, new in jax 0.6.2).
+#   orbax-checkpoint before 0.11.26 lacks `use_compression` and StepMetadata.item_metadata (used by the JAX
+#   side); 0.11.26-0.11.33 fail tests/test_store_orbax_compat.py or test_jax_saveback.py (None leaves, async
+#   save), 0.11.34 imports flax; 0.11.35 passes. jax 0.7.0 fails the same tests (0.6.x too); 0.7.1 passes.
+#   torch: to-megatron writes DCP `Metadata(version=...)`, a field torch gained in 2.9.0 (2.4.0 fails the
+#   demo with "unexpected keyword argument 'version'"; 2.5-2.8 lack the field as well).
+#   Verified set (Python 3.11): numpy 1.26.0, tensorstore 0.1.77, ml_dtypes 0.5.0, tqdm 4.60.0, torch 2.9.0,
+#   jax 0.7.1, orbax-checkpoint 0.11.35, optax 0.2.3: the demo and these tests pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
