@@ -296,3 +296,35 @@ def test_demo_without_workdir_leaves_nothing_behind(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "all checks passed" in r.stdout
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("module", ["bridge.location", "bridge.store.manager"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("location,message", [
+    ("s3://bucket/x", "remote storage (s3://)"), ("GS://bucket/x", "remote storage (gs://)"),
+    ("hdfs://nn/x", "remote storage (hdfs://)"), ("file://host/x", "file:///path"),
+    (b"/tmp/a\xff", "not valid UTF-8"), ("/tmp/a\udcff", "not valid UTF-8"), ("/tmp/a\x00b", "NUL byte"),
+    ("", "empty"), (3, "must be a path"),
+])
+def test_local_path_refusals(location, message):
+    from bridge.location import local_path
+
+    with pytest.raises(BridgeError) as e:
+        local_path(location)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_local_path_accepts_paths():
+    from bridge.location import local_path
+
+    assert local_path(Path("/tmp/x:y")) == "/tmp/x:y"     # a colon alone is a legal file name
+    assert local_path(b"/tmp/caf\xc3\xa9") == "/tmp/café"
+    assert local_path("file:///tmp/x") == "/tmp/x"
+    assert local_path("c:/data") == "c:/data"              # no "//": not a URL

@@ -37,6 +37,7 @@ PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTre
 STAGING_PREFIX = ".gtpb-staging-"
 
 log = logging.getLogger("bridge")
+_noted: set[str] = set()
 R = TypeVar("R")
 
 
@@ -73,6 +74,9 @@ def resolve(location: str) -> str:
     if not steps:
         return path
     chosen = os.path.join(path, str(steps[-1]))
+    if chosen in _noted:
+        return chosen
+    _noted.add(chosen)  # say it once, though a command may open the checkpoint several times
     log.info(f"{path} is an Orbax CheckpointManager root; using its latest step {steps[-1]} "
              f"({len(steps)} step{'s' if len(steps) > 1 else ''}): {chosen}")
     return chosen
