@@ -96,10 +96,9 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
         "nu": _to_logical(nu, plans.get("params")),
     }
     if with_model:
-        dtype = jnp.dtype(model_dtype) if model_dtype is not None else weight_dtype(as_manifest(manifest))
-        derived = {p: _cast(a, dtype) for p, a in logical["params"].items()}
         if model is None:
-            logical["model"] = derived
+            dtype = jnp.dtype(model_dtype) if model_dtype is not None else weight_dtype(as_manifest(manifest))
+            logical["model"] = {p: _cast(a, dtype) for p, a in logical["params"].items()}
         else:
             logical["model"] = _to_logical(leaves_by_path(model), plans.get("model"))
             if not allow_inconsistent_model:
