@@ -46,7 +46,8 @@ def add_parser(sub) -> None:
                                    "into a logical Orbax/TensorStore checkpoint.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC", help="torch_dist checkpoint directory (iter_<N> or its parent)")
-    p.add_argument("dst", metavar="DST", help="new logical checkpoint directory (must not exist)")
+    p.add_argument("dst", metavar="DST", help="new logical checkpoint directory (must not exist); with --orbax-step-dir "
+                                              "an Orbax CheckpointManager root")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                    help="writer processes (each owns whole arrays); default min(4, cores)")
     p.add_argument("--budget", default="1G", help="in-flight host memory budget, e.g. 512M, 2G (default 1G)")
