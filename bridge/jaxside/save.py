@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge.errors import BridgeError
-from bridge.location import local_path
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.manifest_view import as_manifest
 from bridge.jaxside.optax_state import extract_adam
 from bridge.layout.boxes import Box
+from bridge.location import local_path
 from bridge.progress import progress
 from bridge.store import digest as store_digest
 from bridge.store.commit import CHECKSUM_KEY, TMP_SUFFIX, metadata_checksum
