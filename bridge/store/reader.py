@@ -21,7 +21,6 @@ from bridge.errors import BridgeError, IntegrityError
 from bridge.layout.boxes import Box
 from bridge.store import specs
 from bridge.store.commit import CHECKSUM_KEY, TMP_SUFFIX
-from bridge.store.manager import resolve as resolve_location
 from bridge.store.manifest import MANIFEST_KEY, Manifest
 from bridge.store.specs import numpy_dtype
 from bridge.store.tree import Path, parse_tree_metadata, path_str
@@ -47,7 +46,9 @@ class ArrayInfo:
 
 def find_checkpoint_root(path: str) -> str:
     """The directory holding `_METADATA`: `path` itself or its single Orbax item sub-directory."""
-    path = os.path.abspath(resolve_location(path))  # refuses URLs; an Orbax manager root -> its latest step
+    from bridge.store.manager import resolve
+
+    path = os.path.abspath(resolve(path))  # refuses URLs; an Orbax manager root -> its latest step
     if path.rstrip("/").endswith(TMP_SUFFIX):
         raise BridgeError(f"{path} is an uncommitted (temporary) checkpoint directory; it was never completed")
     if not os.path.isdir(path):
