@@ -66,16 +66,17 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     `chunk_byte_size` asks Orbax for inner chunks of that size (cheaper resharded reads later);
     `concurrent_gb` bounds Orbax's in-flight save bytes (host memory).
     """
+    directory = local_path(directory, "destination")  # a URL is refused, never taken for a local path
+    if orbax_manager:
+        return _save_as_manager_step(directory, int(jax.device_get(step)), params=params, opt_state=opt_state,
+                                     step=step, model=model, manifest=manifest, plans=plans,
+                                     hyperparams=hyperparams, chunk_byte_size=chunk_byte_size,
+                                     concurrent_gb=concurrent_gb, model_dtype=model_dtype, with_model=with_model,
+                                     allow_inconsistent_model=allow_inconsistent_model)
     import optax
     import orbax.checkpoint as ocp
 
-    d = local_path(directory, "destination")
-    if orbax_manager:
-        return _save_as_manager_step(d, int(jax.device_get(step)), params=params, opt_state=opt_state, step=step,
-                                     model=model, manifest=manifest, plans=plans, hyperparams=hyperparams,
-                                     chunk_byte_size=chunk_byte_size, concurrent_gb=concurrent_gb,
-                                     model_dtype=model_dtype, with_model=with_model,
-                                     allow_inconsistent_model=allow_inconsistent_model)
+    d = os.fspath(directory)
     if os.path.exists(d):
         raise BridgeError(f"destination {d} exists; choose a new directory (checkpoints are never overwritten)")
     plans = dict(plans or {})
@@ -145,84 +146,6 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
 
 
 STAGING_SUFFIX = ".gtpb-jax-staging"
-
-
-def _save_as_manager_step(root: str, number: int, **kwargs: Any) -> Manifest:
-    """`save` into a hidden staging step of manager root `root`, then commit it as `root/<number>`."""
-    from bridge.store import manager
-
-    manager.check_step_free(root, number)  # on every process, so that all refuse together
-    if jax.process_index() == 0:
-        item = manager.staging_item_dir(root, str(number))
-    else:
-        item = manager.staging_item_path(root, str(number))
-    _barrier("gtpb-save-manager-staging")
-    out = save(item, **kwargs)
-    if jax.process_index() == 0:
-        manager.commit_step(item, number)
-    _barrier("gtpb-save-manager-done")
-    return out
-
-
-def weight_dtype(base: Manifest | None) -> np.dtype:
-    """The run's weight dtype: the one the base manifest records for its `model` arrays, else bfloat16."""
-    found = {rec.dtype for name, rec in (base.arrays if base is not None else {}).items()
-             if name.split(".")[0] == "model"}
-    return jnp.dtype(found.pop()) if len(found) == 1 else jnp.dtype(jnp.bfloat16)
-
-
-def _cast(x: Any, dtype: Any) -> jax.Array:
-    """`x` cast to `dtype` on its devices, keeping its sharding (XLA's convert rounds to nearest even)."""
-    return jnp.asarray(x).astype(dtype)
-
-
-def check_model_consistent(model: Mapping[Path, Any], params: Mapping[Path, Any]) -> None:
-    """BridgeError unless every weight equals its master cast to the weight's dtype, bit for bit (NaN == NaN).
-
-    Names the first inconsistent array and its first differing index: stale weights (from before an
-    optimizer step) would otherwise be written silently and a Megatron resume would train from them.
-    """
-    if set(model) != set(params):
-        odd = sorted(set(model) ^ set(params))[0]
-        side = "model" if odd in model else "params"
-        raise BridgeError(f"model and params differ in their arrays at {path_str(odd)} (only in {side}); "
-                          f"omit model= to derive the weights from params")
-    for p in sorted(params):
-        w = jnp.asarray(model[p])
-        if tuple(w.shape) != tuple(params[p].shape):
-            raise BridgeError(f"model/{path_str(p)} has shape {tuple(w.shape)}, params/{path_str(p)} "
-                              f"{tuple(params[p].shape)}; omit model= to derive the weights from params")
-        first = _first_difference(w, params[p])
-        if first is not None:
-            idx, got, want = first
-            raise BridgeError(
-                f"model/{path_str(p)} is not params/{path_str(p)} cast to {w.dtype.name}: first difference at index "
-                f"{idx} (weight {got!r}, cast master {want!r}); weights from before the last optimizer step? "
-                f"Omit model= to save the cast masters, or pass allow_inconsistent_model=True to keep them")
-
-
-@jax.jit
-def _differ(w, master):
-    cast = master.astype(w.dtype)
-    uint = jnp.dtype(f"uint{8 * w.dtype.itemsize}")
-    neq = jax.lax.bitcast_convert_type(w, uint) != jax.lax.bitcast_convert_type(cast, uint)
-    if jnp.issubdtype(w.dtype, jnp.floating):
-        neq = neq & ~(jnp.isnan(w) & jnp.isnan(cast))
-    flat = neq.reshape(-1)
-    return jnp.any(flat), jnp.argmax(flat)
-
-
-def _first_difference(w: jax.Array, master: Any) -> tuple[tuple[int, ...], float, float] | None:
-    """(index, weight, cast master) of the first element where `w` != cast(master), or None."""
-    if w.size == 0:
-        return None
-    any_diff, at = _differ(w, jnp.asarray(master))
-    if not bool(jax.device_get(any_diff)):
-        return None
-    idx = tuple(int(i) for i in np.unravel_index(int(jax.device_get(at)), w.shape))
-    pick = jax.jit(lambda a, b: (a[idx], b[idx].astype(a.dtype)))
-    got, want = jax.device_get(pick(w, jnp.asarray(master)))
-    return idx, float(got), float(want)
 
 
 def seal_metadata(directory: str) -> None:
@@ -307,3 +230,81 @@ def _digests(arrays: list[jax.Array]) -> list[int]:
         parts = gathered[..., 0].astype(np.uint64) | (gathered[..., 1].astype(np.uint64) << np.uint64(32))
         return [store_digest.combine(parts[:, i].tolist()) for i in range(len(arrays))]
     return [int(p) for p in partial]
+
+
+def _save_as_manager_step(root: str, number: int, **kwargs: Any) -> Manifest:
+    """`save` into a hidden staging step of manager root `root`, then commit it as `root/<number>`."""
+    from bridge.store import manager
+
+    manager.check_step_free(root, number)  # on every process, so that all refuse together
+    if jax.process_index() == 0:
+        item = manager.staging_item_dir(root, str(number))
+    else:
+        item = manager.staging_item_path(root, str(number))
+    _barrier("gtpb-save-manager-staging")
+    out = save(item, **kwargs)
+    if jax.process_index() == 0:
+        manager.commit_step(item, number)
+    _barrier("gtpb-save-manager-done")
+    return out
+
+
+def weight_dtype(base: Manifest | None) -> np.dtype:
+    """The run's weight dtype: the one the base manifest records for its `model` arrays, else bfloat16."""
+    found = {rec.dtype for name, rec in (base.arrays if base is not None else {}).items()
+             if name.split(".")[0] == "model"}
+    return jnp.dtype(found.pop()) if len(found) == 1 else jnp.dtype(jnp.bfloat16)
+
+
+def _cast(x: Any, dtype: Any) -> jax.Array:
+    """`x` cast to `dtype` on its devices, keeping its sharding (XLA's convert rounds to nearest even)."""
+    return jnp.asarray(x).astype(dtype)
+
+
+def check_model_consistent(model: Mapping[Path, Any], params: Mapping[Path, Any]) -> None:
+    """BridgeError unless every weight equals its master cast to the weight's dtype, bit for bit (NaN == NaN).
+
+    Names the first inconsistent array and its first differing index: stale weights (from before an
+    optimizer step) would otherwise be written silently and a Megatron resume would train from them.
+    """
+    if set(model) != set(params):
+        odd = sorted(set(model) ^ set(params))[0]
+        side = "model" if odd in model else "params"
+        raise BridgeError(f"model and params differ in their arrays at {path_str(odd)} (only in {side}); "
+                          f"omit model= to derive the weights from params")
+    for p in sorted(params):
+        w = jnp.asarray(model[p])
+        if tuple(w.shape) != tuple(params[p].shape):
+            raise BridgeError(f"model/{path_str(p)} has shape {tuple(w.shape)}, params/{path_str(p)} "
+                              f"{tuple(params[p].shape)}; omit model= to derive the weights from params")
+        first = _first_difference(w, params[p])
+        if first is not None:
+            idx, got, want = first
+            raise BridgeError(
+                f"model/{path_str(p)} is not params/{path_str(p)} cast to {w.dtype.name}: first difference at index "
+                f"{idx} (weight {got!r}, cast master {want!r}); weights from before the last optimizer step? "
+                f"Omit model= to save the cast masters, or pass allow_inconsistent_model=True to keep them")
+
+
+@jax.jit
+def _differ(w, master):
+    cast = master.astype(w.dtype)
+    uint = jnp.dtype(f"uint{8 * w.dtype.itemsize}")
+    neq = jax.lax.bitcast_convert_type(w, uint) != jax.lax.bitcast_convert_type(cast, uint)
+    if jnp.issubdtype(w.dtype, jnp.floating):
+        neq = neq & ~(jnp.isnan(w) & jnp.isnan(cast))
+    flat = neq.reshape(-1)
+    return jnp.any(flat), jnp.argmax(flat)
+
+
+def _first_difference(w: jax.Array, master: Any) -> tuple[tuple[int, ...], float, float] | None:
+    """(index, weight, cast master) of the first element where `w` != cast(master), or None."""
+    if w.size == 0:
+        return None
+    any_diff, at = _differ(w, jnp.asarray(master))
+    if not bool(jax.device_get(any_diff)):
+        return None
+    idx = tuple(int(i) for i in np.unravel_index(int(jax.device_get(at)), w.shape))
+    pick = jax.jit(lambda a, b: (a[idx], b[idx].astype(a.dtype)))
+    got, want = jax.device_get(pick(w, jnp.asarray(master)))
+    return idx, float(got), float(want)
