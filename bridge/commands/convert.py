@@ -62,7 +62,11 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from bridge.inspect_format import parse_size
+    from bridge.location import local_path
     from converters.megatron_convert import ConvertOptions, convert
+
+    # before anything looks at them: a URL is refused in one line, never taken for a local path
+    args.src, args.dst = local_path(args.src, "source"), local_path(args.dst, "destination")
 
     opts = ConvertOptions(workers=args.workers, budget=parse_size(args.budget), force=args.force,
                           hints=hints_from(args))
