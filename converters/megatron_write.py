@@ -33,7 +33,8 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
-from bridge.errors import BridgeError
+from bridge.errors import BridgeError, require
+from bridge.location import local_path
 from bridge.layout.boxes import Box
 from bridge.layout.distopt import buffer_layout, BufferParam
 from bridge.layout.fused import FusedSpec
@@ -264,7 +265,6 @@ def _torch_dtype(name: str):
     return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Entry point
 
@@ -293,6 +293,8 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
     Without `model` arrays (or with `weights_from_masters`) the weights are bf16(fp32 masters),
     rounded to nearest even as Megatron's optimizer does; otherwise each weight is checked to be that.
     """
+    src, dst = local_path(src, "source"), local_path(dst, "destination")
+    require("to-megatron", "torch")
     budget = int(budget or default_budget())
     workers = int(workers or default_workers())
     if target.fmt not in FORMATS:

@@ -10,6 +10,7 @@ EPILOG = """examples:
   gtp-bridge convert runs/gpt/iter_0001000 ckpt/logical
   gtp-bridge convert runs/gpt ckpt/logical --workers 4 --budget 2G     # latest iteration
   gtp-bridge convert lib_ckpt out --kv-channels 128                      # no args saved: head dim
+  gtp-bridge convert runs/gpt jax_ckpts --orbax-step-dir                # as step <iter> of an Orbax CheckpointManager
 """
 
 
@@ -45,27 +46,41 @@ def add_parser(sub) -> None:
                                    "into a logical Orbax/TensorStore checkpoint.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC", help="torch_dist checkpoint directory (iter_<N> or its parent)")
-    p.add_argument("dst", metavar="DST", help="new logical checkpoint directory (must not exist)")
+    p.add_argument("dst", metavar="DST", help="new logical checkpoint directory (must not exist); with --orbax-step-dir "
+                                              "an Orbax CheckpointManager root")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                    help="writer processes (each owns whole arrays); default min(4, cores)")
     p.add_argument("--budget", default="1G", help="in-flight host memory budget, e.g. 512M, 2G (default 1G)")
     p.add_argument("--force", action="store_true",
                    help="convert even when fp32 masters disagree with the bf16 weights (corrupt source; loud)")
+    p.add_argument("--orbax-step-dir", "--orbax-manager", dest="orbax_manager", action="store_true",
+                   help="DST is an Orbax CheckpointManager root (created if missing): write the checkpoint as its "
+                        "step <iteration> (DST/<step>/default/), where CheckpointManager.latest_step() finds it")
     add_hint_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from bridge.inspect_format import parse_size
+    from bridge.location import local_path
     from converters.megatron_convert import ConvertOptions, convert
     from converters.megatron_rundir import locate_megatron_dir
 
+    # before anything looks at them: a URL is refused in one line, never taken for a local path
+    args.src, args.dst = local_path(args.src, "source"), local_path(args.dst, "destination")
     found = locate_megatron_dir(args.src)  # a run directory: the iteration its tracker names
     if found.note:
         print(found.note)
     args.src = found.path
-    res = convert(args.src, args.dst, ConvertOptions(workers=args.workers, budget=parse_size(args.budget),
-                                                     force=args.force, hints=hints_from(args)))
+    opts = ConvertOptions(workers=args.workers, budget=parse_size(args.budget), force=args.force,
+                          hints=hints_from(args))
+    if args.orbax_manager:
+        from bridge.store.manager import write_step
+
+        res, step_dir = write_step(args.dst, lambda item: convert(args.src, item, opts), lambda r: r.step)
+        res.dst = step_dir
+    else:
+        res = convert(args.src, args.dst, opts)
     lay = res.layout
     print(f"converted {args.src} ({res.source_format}, TP={lay['tp']} GTP={lay['gtp']} DP={lay['dp']} "
           f"EP={lay['ep']}, step {res.step}) -> {res.dst}: {res.params} params, {res.arrays} arrays, "

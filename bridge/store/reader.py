@@ -49,7 +49,9 @@ class ArrayInfo:
 
 def find_checkpoint_root(path: str) -> str:
     """The directory holding `_METADATA`: `path` itself or its single Orbax item sub-directory."""
-    path = os.path.abspath(path)
+    from bridge.store.manager import resolve
+
+    path = os.path.abspath(resolve(path))  # refuses URLs; an Orbax manager root -> its latest step
     if path.rstrip("/").endswith(TMP_SUFFIX):
         raise BridgeError(f"{path} is an uncommitted (temporary) checkpoint directory; it was never completed")
     if not os.path.isdir(path):
