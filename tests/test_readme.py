@@ -56,3 +56,14 @@ def test_readme_python_blocks_run_as_written(tmp_path):
     # the blocks wrote where they say, relative to the working directory
     for d in ("logical", "megatron_tp2_dp2", "after_jax_step", "megatron_gtp2", "after_jax_step_again"):
         assert (work / d).is_dir(), d
+
+
+def test_readme_paths_exist():
+    """Every repository path the README names (in backticks) exists; globs match something."""
+    import glob
+
+    text = open(README, encoding="utf-8").read()
+    paths = set(re.findall(r"`((?:bridge|converters|docs|scripts|tests|benchmarks|notebooks)/[^`\s]*)`", text))
+    assert len(paths) > 20
+    missing = [p for p in sorted(paths) if not glob.glob(os.path.join(REPO, p.replace("|", "*")))]
+    assert not missing, missing
