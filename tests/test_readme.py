@@ -67,3 +67,22 @@ def test_readme_paths_exist():
     assert len(paths) > 20
     missing = [p for p in sorted(paths) if not glob.glob(os.path.join(REPO, p.replace("|", "*")))]
     assert not missing, missing
+
+
+def test_readme_command_reference_matches_the_parser():
+    """Every subcommand and --flag the README's command reference shows exists in `gtp-bridge`'s parser."""
+    import argparse
+
+    from bridge.cli import build_parser
+
+    text = open(README, encoding="utf-8").read()
+    ref = text[text.index("## Command reference"):]
+    ref = ref[ref.index("```") + 3:]
+    ref = ref[:ref.index("```")]
+    subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    shown = re.findall(r"^gtp-bridge ([a-z-]+)(.*)$", ref, flags=re.M)
+    assert {s for s, _ in shown} == set(subs)  # every command documented, none invented
+    for sub, line in shown:
+        flags = set(re.findall(r"(--[a-z][a-z-]*)", line))
+        known = {o for a in subs[sub]._actions for o in a.option_strings}
+        assert flags <= known, (sub, sorted(flags - known))
