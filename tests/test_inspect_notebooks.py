@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -163,7 +164,9 @@ def m2j(tmp_path_factory):
     run = json.load(open(os.path.join(FIXTURE, "run.json")))
     groups = {n: v["group_index"] for o in ref["optimizers"] for n, v in o["params"].items()}
     assert groups and all(_no_decay(n) == (g == 1) for n, g in groups.items())
-    return res, ref, run, _read_all(res["dst"]), _read_all(res["step1"])
+    before, after = _read_all(res["dst"]), _read_all(res["step1"])
+    shutil.rmtree(os.path.dirname(res["dst"]))  # the notebook's work directory, kept for us to read
+    return res, ref, run, before, after
 
 
 def _adamw_reference(before: dict, name: str, t: int, opt: dict) -> tuple[tuple, tuple]:
