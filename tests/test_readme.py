@@ -28,9 +28,18 @@ def python_blocks(text: str) -> list[str]:
     return re.findall(r"^```python[ \t]*\n(.*?)^```[ \t]*$", text, flags=re.S | re.M)
 
 
-def test_readme_has_no_reference_outside_the_repository():
-    text = open(README, encoding="utf-8").read()
-    assert "../shared" not in text and "/work/" not in text
+def test_repository_stands_alone():
+    """No source, script, doc or notebook points outside the repository (to a sibling `shared` folder)."""
+    outside = ("../" + "shared", "/work/" + "shared")  # split so this file does not match itself
+    hits = []
+    for root, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("fixtures", "__pycache__", "results")]
+        for f in files:
+            if f.endswith((".py", ".md", ".sh", ".ipynb", ".toml", ".txt", ".cfg")) or f == "Makefile":
+                path = os.path.join(root, f)
+                text = open(path, encoding="utf-8", errors="replace").read()
+                hits += [f"{os.path.relpath(path, REPO)}: {o}" for o in outside if o in text]
+    assert not hits, hits
 
 
 @pytest.mark.slow
