@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import re
 import sys
 from typing import NoReturn
 
+from bridge import __version__
 from bridge.errors import BridgeError
 
 # Order is the order shown in --help.
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"gtp-bridge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         try:
@@ -88,6 +91,7 @@ def examples_text(choices: dict[str, argparse.ArgumentParser]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse, run the subcommand, turn errors into one line and an exit code."""
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    _show_notes()
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -116,6 +120,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gtp-bridge: error: unexpected {type(e).__name__}: {_one_line(str(e))} "
               "(rerun with --debug for the traceback)", file=sys.stderr)
         return 2
+
+
+def _show_notes() -> None:
+    """Library notes (logger "bridge", INFO: e.g. which step of an Orbax manager root is read) go to stderr."""
+    log = logging.getLogger("bridge")
+    if not any(isinstance(h, _StderrNotes) for h in log.handlers):
+        log.addHandler(_StderrNotes())
+    log.setLevel(logging.INFO)
+
+
+class _StderrNotes(logging.Handler):
+    """Writes to the current sys.stderr (not the one at set-up: tests and callers swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"gtp-bridge: {record.getMessage()}", file=sys.stderr)
 
 
 def _one_line(text: str) -> str:

@@ -3,7 +3,12 @@
 `BridgeError` is a user-facing error: its message is one line that says what is wrong and how to
 fix it. The CLI prints it and exits 2 (bad usage / bad input) without a traceback.
 `IntegrityError` means stored data is damaged; `verify` maps it to exit code 1.
+`MissingExtra` means an optional dependency is not installed; it names the extra to install.
 """
+
+from __future__ import annotations
+
+import importlib
 
 
 class BridgeError(Exception):
@@ -16,3 +21,34 @@ class IntegrityError(BridgeError):
     """A checkpoint's stored data or metadata is damaged (names the array)."""
 
     exit_code = 1
+
+
+class MissingExtra(BridgeError, ModuleNotFoundError):
+    """An optional dependency is missing. Also a ModuleNotFoundError, so `except ImportError` still works."""
+
+
+# Which extra of pyproject.toml installs each optional top-level module.
+EXTRA_OF = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "orbax": "jax", "optax": "jax"}
+
+
+def require(what: str, *modules: str) -> None:
+    """Import `modules` (e.g. "torch", "orbax.checkpoint"); MissingExtra naming the extra(s) if one is missing.
+
+    `what` is the feature that needs them, e.g. "convert": "convert needs torch: pip install 'gtp-bridge[torch]'".
+    """
+    missing: list[str] = []
+    broken = ""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            top = name.split(".")[0]
+            missing.append(top)
+            if e.name and e.name.split(".")[0] not in EXTRA_OF:  # the module exists but its own import failed
+                broken = f" (import {name} failed: {e})"
+    if missing:
+        extras = sorted({EXTRA_OF.get(m, m) for m in missing})
+        err = MissingExtra(f"{what} needs {' and '.join(dict.fromkeys(missing))}: "
+                           f"pip install 'gtp-bridge[{','.join(extras)}]'{broken}")
+        err.name = missing[0]
+        raise err

@@ -21,7 +21,8 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
-from bridge.errors import BridgeError
+from bridge.errors import BridgeError, require
+from bridge.location import local_path
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, regular_ownership
 from bridge.layout.parallel import ParallelLayout
@@ -471,6 +472,7 @@ def scheduler_record(common: dict, args: dict, at_count: int) -> dict | None:
 
 def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> ConvertResult:
     """Convert a torch_dist checkpoint at `src_dir` into a logical checkpoint at `dst`."""
+    src_dir, dst = local_path(src_dir, "source"), local_path(dst, "destination"); require("convert", "torch")
     opts = opts or ConvertOptions()
     hints = opts.hints or Hints()
     dst = os.path.abspath(dst)

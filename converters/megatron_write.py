@@ -22,7 +22,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from bridge.errors import BridgeError
+from bridge.errors import BridgeError, require
+from bridge.location import local_path
 from bridge.layout.boxes import Box
 from bridge.layout.distopt import buffer_layout, BufferParam
 from bridge.layout.fused import FusedSpec
@@ -299,6 +300,7 @@ class ArrayCache:
 
 def to_megatron(src: str, dst: str, target: Target, *, budget: int = 1 << 30, show_progress: bool | None = None) -> dict:
     """Write a torch_dist checkpoint of logical checkpoint `src` for `target` at `dst`."""
+    src, dst = local_path(src, "source"), local_path(dst, "destination"); require("to-megatron", "torch")
     dst = os.path.abspath(dst)
     if os.path.lexists(dst):
         raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")

@@ -247,5 +247,5 @@ def make_jax_checkpoint(dst: str, params: Mapping[Path, np.ndarray] | None = Non
             expected[("model",) + p] = np.asarray(jax.device_get(leaves_by_path(model)[p]))
     expected[("opt_state", "0", "count")] = np.asarray(jax.device_get(count), np.int32)
     expected[("step",)] = np.array(steps, np.int32)
-    save(dst, params=tree, opt_state=opt_state, step=steps, model=model, manifest=manifest)
+    save(dst, params=tree, opt_state=opt_state, step=steps, model=model, manifest=manifest, with_model=with_model)
     return expected

@@ -10,6 +10,7 @@ EPILOG = """examples:
   gtp-bridge convert runs/gpt/iter_0001000 ckpt/logical
   gtp-bridge convert runs/gpt ckpt/logical --workers 4 --budget 2G     # latest iteration
   gtp-bridge convert lib_ckpt out --kv-channels 128                      # no args saved: head dim
+  gtp-bridge convert runs/gpt jax_ckpts --orbax-step-dir                # as step <iter> of an Orbax CheckpointManager
 """
 
 
@@ -51,6 +52,9 @@ def add_parser(sub) -> None:
     p.add_argument("--budget", default="1G", help="in-flight host memory budget, e.g. 512M, 2G (default 1G)")
     p.add_argument("--force", action="store_true",
                    help="convert even when fp32 masters disagree with the bf16 weights (corrupt source; loud)")
+    p.add_argument("--orbax-step-dir", "--orbax-manager", dest="orbax_manager", action="store_true",
+                   help="DST is an Orbax CheckpointManager root (created if missing): write the checkpoint as its "
+                        "step <iteration> (DST/<step>/default/), where CheckpointManager.latest_step() finds it")
     add_hint_flags(p)
     p.set_defaults(func=run)
 
@@ -59,8 +63,15 @@ def run(args: argparse.Namespace) -> int:
     from bridge.inspect_format import parse_size
     from converters.megatron_convert import ConvertOptions, convert
 
-    res = convert(args.src, args.dst, ConvertOptions(workers=args.workers, budget=parse_size(args.budget),
-                                                     force=args.force, hints=hints_from(args)))
+    opts = ConvertOptions(workers=args.workers, budget=parse_size(args.budget), force=args.force,
+                          hints=hints_from(args))
+    if args.orbax_manager:
+        from bridge.store.manager import write_step
+
+        res, step_dir = write_step(args.dst, lambda item: convert(args.src, item, opts), lambda r: r.step)
+        res.dst = step_dir
+    else:
+        res = convert(args.src, args.dst, opts)
     lay = res.layout
     print(f"converted {args.src} ({res.source_format}, TP={lay['tp']} GTP={lay['gtp']} DP={lay['dp']} "
           f"EP={lay['ep']}, step {res.step}) -> {res.dst}: {res.params} params, {res.arrays} arrays, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -109,14 +110,29 @@ def same_checkpoints(a: str, b: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     _force_host_devices()
+    from bridge.errors import BridgeError, require
+    from bridge.location import local_path
+
+    require("demo", "torch", "jax", "orbax.checkpoint", "optax")
+    if not (DEMO_SRC / ".metadata").is_file():
+        raise BridgeError(f"embedded demo checkpoint missing at {DEMO_SRC}; reinstall gtp-bridge from the repository")
+    if args.workdir is not None:
+        work = Path(local_path(args.workdir, "--workdir"))
+        work.mkdir(parents=True, exist_ok=True)
+        return run_in(work, keep=True)
+    work = Path(tempfile.mkdtemp(prefix="gtp-bridge-demo-"))
+    try:
+        return run_in(work, keep=False)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the outputs were only there to be checked
+
+
+def run_in(work: Path, keep: bool) -> int:
+    """The demo's steps with their outputs under `work` (kept there when `keep`)."""
     from bridge.errors import BridgeError
     from converters.megatron_convert import ConvertOptions, convert
     from converters.megatron_write import Target, to_megatron
 
-    if not (DEMO_SRC / ".metadata").is_file():
-        raise BridgeError(f"embedded demo checkpoint missing at {DEMO_SRC}; reinstall gtp-bridge from the repository")
-    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="gtp-bridge-demo-"))
-    work.mkdir(parents=True, exist_ok=True)
     outs = {k: work / k for k in ("logical", "megatron_tp2_dp2", "logical_again")}
     taken = [str(p) for p in outs.values() if p.exists()]
     if taken:
@@ -144,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
     n_same = same_checkpoints(str(outs["logical"]), str(outs["logical_again"]))
     rows.append(("convert", "Megatron dp_reshardable TP=2 DP=2", "logical", r4.bytes, t4,
                  f"identical to the first conversion ({n_same} arrays, bit for bit)"))
-    print(f"gtp-bridge demo (workdir {work})")
+    print(f"gtp-bridge demo (outputs in {work})" if keep else "gtp-bridge demo (temporary outputs, removed at the end; "
+          "--workdir DIR keeps them)")
     print(f"{'step':<14} {'from':<42} {'to':<44} {'MiB':>6} {'s':>5}  check")
     for step, a, b, nbytes, secs, check in rows:
         print(f"{step:<14} {a:<42} {b:<44} {nbytes / 2**20:>6.2f} {secs:>5.1f}  {check}")

@@ -1,4 +1,7 @@
-"""`gtp-bridge diff A B [--atol X] [--ulp N] [--json]`: compare two checkpoints array by array, streamed.
+"""`gtp-bridge diff A B [--atol X] [--ulp N] [--all] [--json]`: compare two checkpoints array by array, streamed.
+
+The table lists the arrays that differ (with `--all`, every array), then a summary line; `--json`
+always has every array.
 
 Exit 0 when every array is present in both with the same shape and dtype and every element is within
 tolerance; exit 1 otherwise (an array present in one checkpoint only counts as a difference).
@@ -22,6 +25,7 @@ EPILOG = """examples:
   gtp-bridge diff before/ after/                 exact comparison (NaN == NaN; -0.0 vs 0.0 noted)
   gtp-bridge diff torch_rt/ jax_rt/ --ulp 4      allow 4 ulp per element
   gtp-bridge diff a/ b/ --atol 1e-6 --json --only 'params/*'
+  gtp-bridge diff a/ b/ --all                    every array's row, equal ones too
 exit status: 0 within tolerance, 1 beyond it (or arrays missing / shape or dtype differ), 2 bad input
 """
 
@@ -39,6 +43,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--ulp", type=int, default=0, metavar="N",
                    help="an element within N units in the last place is equal (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.add_argument("--all", action="store_true", help="list equal arrays too (default: only the differing ones)")
     p.add_argument("--budget", default=None, metavar="SIZE",
                    help=f"host memory for reads in flight, both sides together (default {DEFAULT_BUDGET >> 20}M)")
     p.add_argument("--only", action="append", metavar="GLOB", help="only arrays matching GLOB (repeatable)")
@@ -55,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(report, sys.stdout, indent=1, allow_nan=False)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(render_text(report))
+        sys.stdout.write(render_text(report, show_equal=args.all))
     return 0 if report["equal"] else 1
 
 
@@ -91,8 +96,11 @@ def diff_report(dir_a: str, dir_b: str, atol: float = 0.0, ulp: int = 0, budget_
             "only_in_a": only_a, "only_in_b": only_b, "arrays": records}
 
 
-def render_text(report: dict[str, Any]) -> str:
-    """Human-readable comparison: one row per common array, then presence differences and a verdict."""
+def render_text(report: dict[str, Any], show_equal: bool = False) -> str:
+    """Human-readable comparison: a row per differing array (all with `show_equal`), presence, summary, verdict.
+
+    An equal array with a note (signed zeros) counts as differing for display: it is worth seeing.
+    """
     rows = []
     for r in report["arrays"]:
         note = {"shape": f"shape {fmt_shape(r['shape'])} vs {fmt_shape(r.get('shape_b'))}",
@@ -101,17 +109,35 @@ def render_text(report: dict[str, Any]) -> str:
             note = (note + "; " if note else "") + f"{r['signed_zero']} signed zeros (-0.0 vs 0.0)"
         if r.get("nan_mismatch"):
             note = (note + "; " if note else "") + f"{r['nan_mismatch']} NaN vs number"
+        if r["status"] == "equal" and not note and not show_equal:
+            continue
         first = r.get("first_index")
         rows.append([r["name"], r["status"], str(r.get("differing", "-")), fmt_num(_num(r.get("max_abs"))),
                      str(r.get("max_ulp", "-")), fmt_shape(first) if first is not None else "-", note])
-    out = [table(["array", "status", "differing", "max abs", "max ulp", "first index", "note"], rows,
-                 [False, False, True, True, True, False, False])]
+    out = []
+    if rows:
+        out.append(table(["array", "status", "differing", "max abs", "max ulp", "first index", "note"], rows,
+                         [False, False, True, True, True, False, False]))
     for side, key in (("A", "only_in_a"), ("B", "only_in_b")):
         for n in report[key]:
             out.append(f"only in {side}: {n}")
+    out.append(summary_line(report))
     verdict = "equal within tolerance" if report["equal"] else "DIFFERENT"
     out.append(f"{verdict} (atol={report['atol']}, ulp={report['ulp']})")
     return "\n".join(out) + "\n"
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """'12 arrays compared: 10 equal, 1 within tolerance, 1 beyond; 1 only in A' (zero counts left out)."""
+    counts: dict[str, int] = {}
+    for r in report["arrays"]:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    labels = [("equal", "equal"), ("within", "within tolerance"), ("beyond", "beyond tolerance"),
+              ("shape", "shape differs"), ("dtype", "dtype differs")]
+    parts = [f"{counts[k]} {label}" for k, label in labels if counts.get(k)]
+    text = f"{len(report['arrays'])} arrays compared: " + (", ".join(parts) or "none")
+    extra = [f"{len(report[k])} only in {side}" for side, k in (("A", "only_in_a"), ("B", "only_in_b")) if report[k]]
+    return text + ("; " + ", ".join(extra) if extra else "")
 
 
 def _num(v: Any) -> Any:

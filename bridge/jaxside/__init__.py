@@ -10,6 +10,10 @@ Everything is read and written by Orbax; this package builds abstract trees, sha
 optax mapping (see docs/ARCHITECTURE.md, "JAX side").
 """
 
+from bridge.errors import require
+
+require("bridge.jaxside (restore / save)", "jax", "orbax.checkpoint", "optax")  # one line naming the extra
+
 from bridge.jaxside.abstract import Target, abstract_tree, stored_arrays
 from bridge.jaxside.manifest_view import adam_hparams, decay_mask, optimizer_from_manifest
 from bridge.jaxside.restore import Restored, restore

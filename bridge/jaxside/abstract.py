@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from bridge.errors import BridgeError
+from bridge.store.manager import ITEM, resolve as resolve_location
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.sharding_rules import ShardingRules, default_spec
 from bridge.store.tree import parse_tree_metadata, validate_path
@@ -62,7 +63,9 @@ def stored_arrays(directory: str | os.PathLike) -> StoredTree:
     """
     import orbax.checkpoint as ocp
 
-    d = os.fspath(directory)
+    d = resolve_location(directory)  # refuses URLs; an Orbax manager root -> its latest step
+    if not os.path.isfile(os.path.join(d, "_METADATA")) and os.path.isfile(os.path.join(d, ITEM, "_METADATA")):
+        d = os.path.join(d, ITEM)  # an Orbax CheckpointManager step directory
     if d.rstrip("/").endswith(".orbax-checkpoint-tmp"):
         raise BridgeError(f"{d} is an uncommitted checkpoint (tmp suffix); use the committed directory")
     if not os.path.isdir(d):

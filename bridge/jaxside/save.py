@@ -1,7 +1,11 @@
 """Save JAX training state back as a logical checkpoint that the PyTorch side can resume from.
 
-    save(path, params=params, opt_state=opt_state, step=step, model=None, manifest=restored.manifest,
-         plans=restored.plans)
+    save(path, params=params, opt_state=opt_state, step=step, manifest=restored.manifest, plans=restored.plans)
+
+The weights (`model/...`) are the masters cast to the run's weight dtype (bf16 unless the base
+manifest records another), round-to-nearest-even as Megatron's `.to(torch.bfloat16)`: weights and
+masters agree by construction. Weights passed as `model=` must equal that cast (else BridgeError naming
+the array and the first differing index), unless `allow_inconsistent_model=True`.
 
 Orbax writes it (`PyTreeCheckpointHandler`, OCDBT + zarr3, no compression, atomic tmp+rename,
 each process writing its own shards): the tree is exactly what Orbax writes for
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge.errors import BridgeError
+from bridge.location import local_path
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.manifest_view import as_manifest
 from bridge.jaxside.optax_state import extract_adam
@@ -43,8 +48,17 @@ from converters.jax_naming import Plan, jax_backend
 def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any, model: Any = None,
          manifest: Manifest | Mapping | None = None, plans: Mapping[str, Plan] | None = None,
          hyperparams: Mapping[str, Any] | None = None, chunk_byte_size: int | None = None,
-         concurrent_gb: int | None = None) -> Manifest:
+         concurrent_gb: int | None = None, model_dtype: Any = None, with_model: bool = True,
+         allow_inconsistent_model: bool = False, orbax_manager: bool = False) -> Manifest:
     """Write a logical checkpoint at `directory` (must not exist); returns the manifest written.
+
+    `model` (the weights) defaults to `params` cast to `model_dtype` (default: the base manifest's
+    weight dtype, else bfloat16). Passed weights must equal that cast of `params` bit for bit (e.g. not
+    the weights from before the last optimizer step); `allow_inconsistent_model=True` writes them
+    anyway. `with_model=False` writes no weights (a reload then casts the masters itself).
+    `orbax_manager=True`: `directory` is an Orbax `CheckpointManager` root (created if missing); the
+    checkpoint becomes its step `step` (`directory/<step>/default/` + the step metadata), which
+    `CheckpointManager(directory).latest_step()` finds and `restore` reads.
 
     `opt_state` is any optax state holding Adam moments (adamw, chain, multi_transform...).
     `manifest` is the base manifest (e.g. `restored.manifest`) whose section tables and
@@ -55,7 +69,13 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     import optax
     import orbax.checkpoint as ocp
 
-    d = os.fspath(directory)
+    d = local_path(directory, "destination")
+    if orbax_manager:
+        return _save_as_manager_step(d, int(jax.device_get(step)), params=params, opt_state=opt_state, step=step,
+                                     model=model, manifest=manifest, plans=plans, hyperparams=hyperparams,
+                                     chunk_byte_size=chunk_byte_size, concurrent_gb=concurrent_gb,
+                                     model_dtype=model_dtype, with_model=with_model,
+                                     allow_inconsistent_model=allow_inconsistent_model)
     if os.path.exists(d):
         raise BridgeError(f"destination {d} exists; choose a new directory (checkpoints are never overwritten)")
     plans = dict(plans or {})
@@ -75,8 +95,17 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
         "mu": _to_logical(mu, plans.get("params")),
         "nu": _to_logical(nu, plans.get("params")),
     }
-    if model is not None:
-        logical["model"] = _to_logical(leaves_by_path(model), plans.get("model"))
+    if with_model:
+        dtype = jnp.dtype(model_dtype) if model_dtype is not None else weight_dtype(as_manifest(manifest))
+        derived = {p: _cast(a, dtype) for p, a in logical["params"].items()}
+        if model is None:
+            logical["model"] = derived
+        else:
+            logical["model"] = _to_logical(leaves_by_path(model), plans.get("model"))
+            if not allow_inconsistent_model:
+                check_model_consistent(logical["model"], logical["params"])
+    elif model is not None:
+        raise BridgeError("model= was given with with_model=False; pass one or the other")
 
     count = jnp.asarray(count, dtype=jnp.int32)
     step = jnp.asarray(step, dtype=jnp.int32)
@@ -87,7 +116,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
                       optax.EmptyState(), optax.EmptyState()),
         "step": step,
     }
-    if model is not None:
+    if with_model:
         tree["model"] = nested_from_paths(logical["model"])
     check_tree_paths(leaves_by_path(tree))  # no '.' or '/' in names: Orbax joins names with '.'
 
@@ -117,6 +146,84 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
 
 
 STAGING_SUFFIX = ".gtpb-jax-staging"
+
+
+def _save_as_manager_step(root: str, number: int, **kwargs: Any) -> Manifest:
+    """`save` into a hidden staging step of manager root `root`, then commit it as `root/<number>`."""
+    from bridge.store import manager
+
+    manager.check_step_free(root, number)  # on every process, so that all refuse together
+    if jax.process_index() == 0:
+        item = manager.staging_item_dir(root, str(number))
+    else:
+        item = manager.staging_item_path(root, str(number))
+    _barrier("gtpb-save-manager-staging")
+    out = save(item, **kwargs)
+    if jax.process_index() == 0:
+        manager.commit_step(item, number)
+    _barrier("gtpb-save-manager-done")
+    return out
+
+
+def weight_dtype(base: Manifest | None) -> np.dtype:
+    """The run's weight dtype: the one the base manifest records for its `model` arrays, else bfloat16."""
+    found = {rec.dtype for name, rec in (base.arrays if base is not None else {}).items()
+             if name.split(".")[0] == "model"}
+    return jnp.dtype(found.pop()) if len(found) == 1 else jnp.dtype(jnp.bfloat16)
+
+
+def _cast(x: Any, dtype: Any) -> jax.Array:
+    """`x` cast to `dtype` on its devices, keeping its sharding (XLA's convert rounds to nearest even)."""
+    return jnp.asarray(x).astype(dtype)
+
+
+def check_model_consistent(model: Mapping[Path, Any], params: Mapping[Path, Any]) -> None:
+    """BridgeError unless every weight equals its master cast to the weight's dtype, bit for bit (NaN == NaN).
+
+    Names the first inconsistent array and its first differing index: stale weights (from before an
+    optimizer step) would otherwise be written silently and a Megatron resume would train from them.
+    """
+    if set(model) != set(params):
+        odd = sorted(set(model) ^ set(params))[0]
+        side = "model" if odd in model else "params"
+        raise BridgeError(f"model and params differ in their arrays at {path_str(odd)} (only in {side}); "
+                          f"omit model= to derive the weights from params")
+    for p in sorted(params):
+        w = jnp.asarray(model[p])
+        if tuple(w.shape) != tuple(params[p].shape):
+            raise BridgeError(f"model/{path_str(p)} has shape {tuple(w.shape)}, params/{path_str(p)} "
+                              f"{tuple(params[p].shape)}; omit model= to derive the weights from params")
+        first = _first_difference(w, params[p])
+        if first is not None:
+            idx, got, want = first
+            raise BridgeError(
+                f"model/{path_str(p)} is not params/{path_str(p)} cast to {w.dtype.name}: first difference at index "
+                f"{idx} (weight {got!r}, cast master {want!r}); weights from before the last optimizer step? "
+                f"Omit model= to save the cast masters, or pass allow_inconsistent_model=True to keep them")
+
+
+@jax.jit
+def _differ(w, master):
+    cast = master.astype(w.dtype)
+    uint = jnp.dtype(f"uint{8 * w.dtype.itemsize}")
+    neq = jax.lax.bitcast_convert_type(w, uint) != jax.lax.bitcast_convert_type(cast, uint)
+    if jnp.issubdtype(w.dtype, jnp.floating):
+        neq = neq & ~(jnp.isnan(w) & jnp.isnan(cast))
+    flat = neq.reshape(-1)
+    return jnp.any(flat), jnp.argmax(flat)
+
+
+def _first_difference(w: jax.Array, master: Any) -> tuple[tuple[int, ...], float, float] | None:
+    """(index, weight, cast master) of the first element where `w` != cast(master), or None."""
+    if w.size == 0:
+        return None
+    any_diff, at = _differ(w, jnp.asarray(master))
+    if not bool(jax.device_get(any_diff)):
+        return None
+    idx = tuple(int(i) for i in np.unravel_index(int(jax.device_get(at)), w.shape))
+    pick = jax.jit(lambda a, b: (a[idx], b[idx].astype(a.dtype)))
+    got, want = jax.device_get(pick(w, jnp.asarray(master)))
+    return idx, float(got), float(want)
 
 
 def seal_metadata(directory: str) -> None:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from bridge.errors import BridgeError
+from bridge.location import local_path
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
 from bridge.live.api import LiveRun, LocalParam
@@ -451,6 +452,7 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     dtypes and optimizer ranges (values may differ) with the same options reuses it.
     Returns this rank's `ExportReport`; raises BridgeError on every rank if any rank's input is bad.
     """
+    dst = local_path(dst, "export destination")  # a URL is refused, never taken for a local path
     group = run.group
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)

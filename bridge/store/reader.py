@@ -21,6 +21,7 @@ from bridge.errors import BridgeError, IntegrityError
 from bridge.layout.boxes import Box
 from bridge.store import specs
 from bridge.store.commit import CHECKSUM_KEY, TMP_SUFFIX
+from bridge.store.manager import resolve as resolve_location
 from bridge.store.manifest import MANIFEST_KEY, Manifest
 from bridge.store.specs import numpy_dtype
 from bridge.store.tree import Path, parse_tree_metadata, path_str
@@ -46,7 +47,7 @@ class ArrayInfo:
 
 def find_checkpoint_root(path: str) -> str:
     """The directory holding `_METADATA`: `path` itself or its single Orbax item sub-directory."""
-    path = os.path.abspath(path)
+    path = os.path.abspath(resolve_location(path))  # refuses URLs; an Orbax manager root -> its latest step
     if path.rstrip("/").endswith(TMP_SUFFIX):
         raise BridgeError(f"{path} is an uncommitted (temporary) checkpoint directory; it was never completed")
     if not os.path.isdir(path):
