@@ -88,8 +88,11 @@ def test_readme_command_reference_matches_the_parser():
     ref = text[text.index("## Command reference"):]
     ref = ref[ref.index("```") + 3:]
     ref = ref[:ref.index("```")]
-    subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
-    shown = re.findall(r"^gtp-bridge ([a-z-]+)(.*)$", ref, flags=re.M)
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    top = {o for a in parser._actions for o in a.option_strings}
+    assert set(re.findall(r"^gtp-bridge (--[a-z-]+)", ref, flags=re.M)) <= top
+    shown = re.findall(r"^gtp-bridge ([a-z][a-z-]*)(.*)$", ref, flags=re.M)
     assert {s for s, _ in shown} == set(subs)  # every command documented, none invented
     for sub, line in shown:
         flags = set(re.findall(r"(--[a-z][a-z-]*)", line))
