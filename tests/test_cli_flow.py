@@ -212,7 +212,7 @@ def test_convert_into_an_orbax_manager_root_and_read_it_back(logical, tmp_path):
     import orbax.checkpoint as ocp
 
     from bridge.jaxside import restore
-    from bridge.jaxside.keypaths import leaves_by_path
+    from bridge.jaxside.keypaths import leaves_by_path, nested_from_paths
     from bridge.store.reader import open_checkpoint
 
     root = tmp_path / "mgr"
@@ -222,16 +222,25 @@ def test_convert_into_an_orbax_manager_root_and_read_it_back(logical, tmp_path):
     step = int(plain.read(("step",)))
     assert os.listdir(root) == [str(step)]
     assert sorted(os.listdir(root / str(step))) == ["_CHECKPOINT_METADATA", "default"]
+    arrays = plain.arrays()
     mgr = ocp.CheckpointManager(str(root))
     assert mgr.latest_step() == step
-    got = leaves_by_path(mgr.restore(step))
+    # what a JAX loop does: restore onto its own (here: one-device) shardings, through the manager
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = nested_from_paths({p: jax.ShapeDtypeStruct(tuple(a.shape), np.dtype(a.dtype), sharding=one)
+                                  for p, a in arrays.items()})
+    opt = abstract.pop("opt_state")
+    abstract["opt_state"] = [opt["0"], None, None]  # optax.adamw state: (ScaleByAdamState, EmptyState, EmptyState)
+    got = leaves_by_path(mgr.restore(step, args=ocp.args.PyTreeRestore(
+        abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))
+    got = {(p[0], str(p[1])) + p[2:] if p[0] == "opt_state" else p: v for p, v in got.items()}
     mgr.close()
-    arrays = plain.arrays()
     assert {p for p in got if got[p] is not None} == set(arrays)
     for p in arrays:
         want = plain.read(p)
         have = np.asarray(jax.device_get(got[p]))
-        assert have.dtype == want.dtype and np.array_equal(have.view(np.uint8), want.view(np.uint8)), p
+        assert have.dtype == want.dtype, p
+        assert np.array_equal(have.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)), p
     # every reader takes the root (and says which step) or the step directory
     r = cli("inspect", str(root), "--json")
     assert r.returncode == 0 and f"using its latest step {step}" in r.stderr, r.stderr
@@ -239,7 +248,7 @@ def test_convert_into_an_orbax_manager_root_and_read_it_back(logical, tmp_path):
     r = cli("verify", str(root))
     assert r.returncode == 0 and "OK" in r.stdout and f"latest step {step}" in r.stderr
     assert cli("to-megatron", str(root), str(tmp_path / "mg"), "--tp", "2").returncode == 0
-    rs = restore(str(root), items=("params",))
+    rs = restore(str(root), items=("params",), mesh=jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tp")))
     first = next(p for p in arrays if p[0] == "params")
     node = rs.params
     for k in first[1:]:
