@@ -63,7 +63,7 @@ def test_readme_python_blocks_run_as_written(tmp_path):
     assert r.stdout.rstrip().endswith(done)
     assert "bit-exact" in r.stdout
     # the blocks wrote where they say, relative to the working directory
-    for d in ("logical", "megatron_tp2_dp2", "after_jax_step", "megatron_gtp2", "after_jax_step_again"):
+    for d in ("logical", "megatron_tp2_dp2", "after_jax_step", "jax_run", "megatron_gtp2", "after_jax_step_again"):
         assert (work / d).is_dir(), d
 
 
