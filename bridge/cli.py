@@ -4,7 +4,7 @@ Each subcommand lives in `bridge/commands/<name>.py` and exposes
 `add_parser(subparsers)` (registering itself, with examples in its epilog, lines starting with
 `  gtp-bridge`) and `run(args) -> int`.
 
-Error contract (DESIGN.md): bad usage or bad input prints ONE line `gtp-bridge: error: ...` on stderr
+Error contract (docs/format.md): bad usage or bad input prints ONE line `gtp-bridge: error: ...` on stderr
 and exits 2 (`IntegrityError`: exit 1); `--debug` (before or after the subcommand) shows the
 traceback instead. Progress bars appear only on a terminal (`bridge.progress`), so piped output is
 just the result.

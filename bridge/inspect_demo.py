@@ -3,7 +3,8 @@
 A few AdamW steps of a toy stacked-layer model with random gradients, so the state shows what
 inspection is for: Adam second moments spanning many decades, embedding rows that never received a
 gradient (nu == 0, dead rows), and one layer whose bf16 `model` weights are stale (not the bf16
-rounding of the current fp32 masters), as after a missed master->model copy.
+rounding of the current fp32 masters), as after a missed master->model copy. The demo checkpoint
+also plants an exploded second moment: a block of huge `nu` values and one NaN in one layer.
 """
 
 from __future__ import annotations
@@ -91,13 +92,26 @@ def logical_arrays(state: dict[str, Any]) -> dict[str, np.ndarray]:
     return out
 
 
+# Where the demo checkpoint's exploded second moment is planted: array, layer, and a block of rows.
+EXPLODED = ("opt_state/0/nu/decoder/layers/mlp/linear_fc2/weight", 3, slice(0, 4))
+
+
+def plant_exploded_moment(arrays: dict[str, np.ndarray], name: str, layer: int, rows: slice) -> None:
+    """Scale `arrays[name][layer, rows]` by 1e8 and make its first element NaN (in place)."""
+    block = arrays[name][layer, rows]
+    block *= np.float32(1e8)
+    block.flat[0] = np.nan
+
+
 def make_demo_checkpoint(path: str | os.PathLike, steps: int = 5, seed: int = 0, **shape: int) -> dict[str, np.ndarray]:
     """Write the demo logical checkpoint at `path` (must not exist); return its arrays by '/'-joined path."""
     state = adamw_steps(demo_params(seed=seed, **shape), steps, seed)
     arrays = logical_arrays(state)
+    plant_exploded_moment(arrays, *EXPLODED)
     manifest = Manifest(
         source=SourceLayout(framework="numpy-demo", optimizer_format="logical"),
         optimizer=OptimizerConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, step=steps),
-        extra={"note": "gtp-bridge inspection demo: random gradients, dead embedding rows, one stale bf16 layer"})
+        extra={"note": "gtp-bridge inspection demo: random gradients, dead embedding rows, one stale bf16 layer, "
+                        "an exploded nu block with a NaN"})
     save_checkpoint(os.fspath(path), arrays, manifest, empty_paths=adamw_empty_paths())
     return arrays

@@ -1,4 +1,4 @@
-"""Every registered subcommand keeps the DESIGN.md error contract on bad input.
+"""Every registered subcommand keeps the docs/format.md error contract on bad input.
 
 Bad input -> exit 2, exactly one stderr line `gtp-bridge: error: ...` (no traceback), nothing left at
 the destination. Commands not built yet are skipped (the parser only registers what exists).

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from bridge.inspect_demo import adamw_steps, demo_params, logical_arrays
+from bridge.inspect_demo import EXPLODED, adamw_steps, demo_params, logical_arrays
 from bridge.store.commit import save_checkpoint
 from bridge.store.tree import adamw_empty_paths
 from inspect_fixtures import REPO, assert_stats_match, numpy_stats, run_notebook
@@ -17,14 +18,26 @@ from inspect_fixtures import REPO, assert_stats_match, numpy_stats, run_notebook
 NOTEBOOKS = os.path.join(REPO, "notebooks")
 
 
-def test_notebooks_are_committed_without_outputs():
+# PNG figures each committed notebook must show (the pictures are what the notebooks are for)
+FIGURES = {"inspect_checkpoint.ipynb": 5, "megatron_to_jax.ipynb": 2}
+
+
+def test_notebooks_are_committed_executed_with_their_figures():
     import nbformat
 
-    for name in ("inspect_checkpoint.ipynb", "megatron_to_jax.ipynb"):
-        nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
-        for cell in nb.cells:
-            if cell.cell_type == "code":
-                assert cell.outputs == [] and cell.execution_count is None, name
+    for name, figures in FIGURES.items():
+        path = os.path.join(NOTEBOOKS, name)
+        nb = nbformat.read(path, as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        # executed top to bottom in one kernel session, no cell skipped
+        assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), name
+        outputs = [o for c in code for o in c.outputs]
+        assert not [o for o in outputs if o.output_type == "error"], name
+        assert not [o for o in outputs if o.output_type == "stream" and o.name == "stderr"
+                    and ("Traceback" in o.text or "Warning" in o.text)], name
+        pngs = [o for o in outputs if "image/png" in o.get("data", {})]
+        assert len(pngs) == figures, (name, len(pngs))
+        assert os.path.getsize(path) < 400_000, name  # low-dpi figures keep the repository small
 
 
 @pytest.mark.slow
@@ -98,12 +111,20 @@ def test_inspect_notebook_default_demo_finds_planted_problems(tmp_path):
         if saved is not None:
             os.environ["GTP_BRIDGE_CKPT"] = saved
     res = json.loads(out.read_text())
-    # the demo's planted problems (bridge.inspect_demo: 16 dead embedding rows, stale bf16 layer 2)
+    # the demo's planted problems (bridge.inspect_demo: 16 dead embedding rows, stale bf16 layer 2,
+    # an exploded nu block with one NaN in layer 3 of linear_fc2)
     assert [len(v) for v in res["dead_rows"].values()] == [16]
     for name, d in res["master_vs_bf16"].items():
         if name.startswith("decoder/layers/mlp/"):
             assert [i for i, n in enumerate(d["stale_per_layer"]) if n] == [2], name
-    assert res["nonfinite"] == {}
+    exploded, layer, _ = EXPLODED
+    assert res["nonfinite"] == {exploded: [1, 0]}
+    for name, rms in res["layer_rms"].items():
+        others = [r for i, r in enumerate(rms) if i != layer]
+        if name == exploded:
+            assert rms[layer] > 1e6 * max(others), rms
+        elif name.startswith("opt_state/0/nu/"):
+            assert rms[layer] < 100 * max(others), (name, rms)
 
 
 # bridge/demo_data/gtp2_local is a copy of this run's fully_reshardable save; its reference is here
@@ -143,7 +164,9 @@ def m2j(tmp_path_factory):
     run = json.load(open(os.path.join(FIXTURE, "run.json")))
     groups = {n: v["group_index"] for o in ref["optimizers"] for n, v in o["params"].items()}
     assert groups and all(_no_decay(n) == (g == 1) for n, g in groups.items())
-    return res, ref, run, _read_all(res["dst"]), _read_all(res["step1"])
+    before, after = _read_all(res["dst"]), _read_all(res["step1"])
+    shutil.rmtree(os.path.dirname(res["dst"]))  # the notebook's work directory, kept for us to read
+    return res, ref, run, before, after
 
 
 def _adamw_reference(before: dict, name: str, t: int, opt: dict) -> tuple[tuple, tuple]:
@@ -213,6 +236,14 @@ def test_megatron_to_jax_notebook_restore_roundtrip_and_step(m2j):
     assert _check_step(m2j, decayed=False) >= 8
     t = res["count"] + 1
     assert int(after["opt_state/0/count"]) == t and int(after["step"]) == t
-    for name, w in before.items():  # the bf16 weights are carried unchanged
+    for name in before:  # the bf16 weights saved with the step are the new masters rounded to nearest even
         if name.startswith("model/"):
-            assert np.array_equal(after[name].view(np.uint16), w.view(np.uint16)), name
+            want = after["params/" + name[len("model/"):]].astype(ml_dtypes.bfloat16)
+            assert after[name].dtype == want.dtype and np.array_equal(after[name].view(np.uint16), want.view(np.uint16)), name
+    # what the notebook plots: every master and moment within a few ulp of the FusedAdam formula, far
+    # below the error of a step with the wrong count (checked here independently above)
+    ulp = res["fused_adam_max_ulp"]
+    names = {n[len("params/"):] for n in before if n.startswith("params/")}
+    assert all(set(d) == names for d in ulp.values()) and set(ulp) == {"params", "mu", "nu"}
+    worst = max(max(d.values()) for d in ulp.values())
+    assert worst <= 8 and res["off_by_one_ulp"] > 1000 * max(worst, 1.0), (worst, res["off_by_one_ulp"])

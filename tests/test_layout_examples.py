@@ -1,4 +1,4 @@
-"""Every worked example of ../shared/docs/megatron-layout.md, with its numbers."""
+"""Every worked example of docs/megatron-layout.md, with its numbers."""
 
 import numpy as np
 import pytest

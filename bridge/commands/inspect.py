@@ -90,7 +90,7 @@ def _record(a: Any, info: CheckpointInfo) -> dict[str, Any]:
     return rec
 
 
-# Tree prefixes in front of a parameter path (DESIGN.md logical tree).
+# Tree prefixes in front of a parameter path (docs/format.md, logical tree).
 _PREFIXES = (("params",), ("model",), ("opt_state", "0", "mu"), ("opt_state", "0", "nu"))
 
 

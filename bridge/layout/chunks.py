@@ -2,7 +2,7 @@
 
 Pure numpy. The outer chunk is the zarr3 chunk-grid cell (= one `sharding_indexed` shard, one
 key in a writer's OCDBT database). Every chunk has exactly one owner: two writers touching one
-chunk would silently lose data at the OCDBT merge (see DESIGN.md), so the store refuses any write
+chunk would silently lose data at the OCDBT merge (see docs/format.md), so the store refuses any write
 outside the writer's own chunks.
 """
 

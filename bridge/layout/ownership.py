@@ -1,6 +1,6 @@
 """Chunk-ownership planning: holdings of every rank -> chunk grid, one owner per chunk, transfers.
 
-Every chunk of a logical array gets exactly one writer (DESIGN.md: two writers of one chunk lose
+Every chunk of a logical array gets exactly one writer (docs/format.md: two writers of one chunk lose
 data at the OCDBT merge). Given the boxes each rank holds (pieces of physical shards or of DP
 flat fragments; replicas allowed), `plan_ownership`:
 1. picks an outer chunk shape that follows the holders' layout (`choose_chunk_shape`);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Last call of the TransformerEngine staging chain (docs: ../shared/docs/gpu-recipes.md): the parts
+# Last call of the TransformerEngine staging chain (docs/gpu-recipes.md): the parts
 # tepart0..5 were copied to /tmp/te by earlier calls; .gpu/s6 carries the last part, the small
 # wheels, the checksum, the torch-extension source and the build script. Builds TE, then runs the
 # Megatron-Core checks that need it: fully_reshardable loads (torch Adam cannot), GTP targets, and the
