@@ -404,6 +404,7 @@ def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
     """
     dst = os.path.abspath(os.fspath(dst)).rstrip("/")
     check_sources(dst, sources)
+    _prune_finished()
     tmp = tmp_dir_for(dst)
     with _parent_lock(dst):
         if os.path.lexists(dst):
@@ -432,6 +433,15 @@ def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
         _HELD[claim.tmp] = claim
     _install_signal_handlers()
     return claim
+
+
+def _prune_finished() -> None:
+    """Forget claims of this process whose temp directory is gone (another process of the run
+    published it): closes their lock and, with the last one, restores the signal handlers."""
+    with _HELD_LOCK:
+        done = [c for c in _HELD.values() if not os.path.isdir(c.tmp)]
+    for c in done:
+        c.release()
 
 
 def _take_over_stale(dst: str, tmp: str) -> None:

@@ -9,7 +9,7 @@ hides the others.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from math import prod
 from typing import Sequence
@@ -142,18 +142,30 @@ def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int
         return data.nbytes
 
     total = sum(info.nbytes for info in infos.values())
+    threads = threads or default_threads()
+    budget = threads * block_bytes  # decoded bytes in flight (a single larger block still goes alone)
+    todo = iter(jobs)
+    nxt = next(todo, None)
+    pending: dict = {}
+    inflight = 0
     with progress(total, "verify", enabled=show_progress) as bar, \
-            ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="verify") as pool:
-        futures = {pool.submit(read_one, p, box): (p, box) for p, box in jobs}
-        for f in as_completed(futures):
-            p, box = futures[f]
-            try:
-                n = f.result()
-            except Exception as e:
-                failed.setdefault(p, f"read of {box} failed: {' '.join(str(e).split())[:300]}")
-                n = 0
-            res.bytes_read += n
-            bar.update(n)
+            ThreadPoolExecutor(threads, thread_name_prefix="verify") as pool:
+        while nxt is not None or pending:
+            while nxt is not None and (not pending or inflight + _nbytes(infos, *nxt) <= budget):
+                pending[pool.submit(read_one, *nxt)] = nxt
+                inflight += _nbytes(infos, *nxt)
+                nxt = next(todo, None)
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                p, box = pending.pop(f)
+                inflight -= _nbytes(infos, p, box)
+                try:
+                    n = f.result()
+                except Exception as e:
+                    failed.setdefault(p, f"read of {box} failed: {' '.join(str(e).split())[:300]}")
+                    n = 0
+                res.bytes_read += n
+                bar.update(n)
     for p, why in failed.items():
         res.damaged[path_str(p)] = why
     for p, info in infos.items():
@@ -165,6 +177,10 @@ def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int
             if got != record.digest:
                 res.damaged[path_str(p)] = f"content digest {got} != recorded {record.digest}"
     return res
+
+
+def _nbytes(infos: dict, p, box: Box) -> int:
+    return box.size * _itemsize(infos[p])
 
 
 def _itemsize(info: ArrayInfo) -> int:
