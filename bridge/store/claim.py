@@ -253,9 +253,10 @@ def _parent_lock(dst: str) -> Iterator[None]:
     """flock of DST's parent directory: claims on one host are inspected and made one at a time."""
     parent = os.path.dirname(os.path.abspath(dst).rstrip("/")) or "/"
     try:
+        os.makedirs(parent, exist_ok=True)  # as before claims: a destination's parents are created
         fd = os.open(parent, os.O_RDONLY)
-    except FileNotFoundError:
-        raise BridgeError(f"the parent directory of destination {dst} does not exist; create it first") from None
+    except (FileExistsError, NotADirectoryError):
+        raise BridgeError(f"the parent of destination {dst} is not a directory; choose another destination") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -273,6 +274,7 @@ class DestinationClaim:
         self.published = False
         self.released = False
         self._hold: ClaimHold | None = None
+        self.thread = threading.get_ident()
 
     @property
     def run_id(self) -> str:
@@ -456,8 +458,14 @@ def _take_over_stale(dst: str, tmp: str) -> None:
                           f"writing {dst}, or choose another destination")
     mine = held_claim(tmp)
     if mine is not None and mine.run_id == info.run_id:
-        raise BridgeError(f"destination {dst} is already being written by this process (run {info.run_id[:8]}); "
-                          f"finish or release that run first")
+        if mine.thread != threading.get_ident():
+            raise BridgeError(f"destination {dst} is already being written by another thread of this process "
+                              f"(run {info.run_id[:8]}); wait for it or choose another destination")
+        # The same thread starts over: its earlier run to dst failed without releasing (e.g. a live export
+        # whose collective failed inside a training process that carries on). Nothing else writes there.
+        mine.release()
+        print(f"gtp-bridge: removed {tmp}, left by this process's earlier unfinished run to {dst}", file=sys.stderr)
+        return
     if not info.dead_here(tmp):
         if info.host != socket.gethostname():
             where = "a run on another host"
