@@ -498,7 +498,7 @@ def _install_signal_handlers() -> None:
         prev = signal.getsignal(sig)
         if prev not in (signal.SIG_DFL, None):
             continue  # the application handles it (e.g. a training loop's graceful stop): leave it be
-        _PREVIOUS_HANDLERS[sig] = prev
+        _PREVIOUS_HANDLERS[sig] = signal.SIG_DFL if prev is None else prev  # None: not set from Python
         signal.signal(sig, _on_terminate)
 
 
