@@ -105,7 +105,8 @@ class ClaimInfo:
             return False
         if self.boot_id and self.boot_id != _boot_id():
             return True  # the machine rebooted since: every process of that boot is gone
-        return not _alive(self.pid, self.pid_start) and not _lock_held(os.path.join(tmp, CLAIM_FILE))
+        # The kernel may drop a killed process's locks a moment after it is gone: allow a short grace.
+        return not _alive(self.pid, self.pid_start) and not _lock_held(os.path.join(tmp, CLAIM_FILE), grace=1.0)
 
 
 def _boot_id() -> str:
@@ -145,17 +146,23 @@ def _alive(pid: int, start: str) -> bool:
     return not start or st[19] == start  # a different start time: the pid was reused
 
 
-def _lock_held(path: str) -> bool:
-    """True when some process holds a flock on `path` (a process of the run that claimed it)."""
+def _lock_held(path: str, grace: float = 0.0) -> bool:
+    """True when some process holds a flock on `path` (a process of the run that claimed it),
+    still after `grace` seconds."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return False
+    deadline = time.monotonic() + grace
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return False
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return True
+                time.sleep(0.02)
     finally:
         os.close(fd)
 
