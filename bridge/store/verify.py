@@ -128,6 +128,24 @@ def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int
         problem = _check_info(ck, p, records.get(".".join(p)), expect, infos)
         if problem:
             res.damaged[path_str(p)] = problem
+    partial, failed, res.bytes_read = _read_all(ck, infos, threads or default_threads(), block_bytes, show_progress)
+    for p, why in failed.items():
+        res.damaged[path_str(p)] = why
+    for p, info in infos.items():
+        if p in failed:
+            continue
+        record = records.get(".".join(p))
+        if record is not None and record.digest is not None and ck.manifest.digest_algorithm == dg.ALGORITHM:
+            got = dg.to_hex(dg.combine(partial[p]))
+            if got != record.digest:
+                res.damaged[path_str(p)] = f"content digest {got} != recorded {record.digest}"
+    return res
+
+
+def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
+              show_progress: bool | None) -> tuple[dict, dict, int]:
+    """Read and digest every array's blocks on `threads` threads, at most ~threads x block_bytes
+    decoded in flight. Returns (path -> partial digests, path -> first failure, bytes read)."""
     jobs = [(p, box) for p, info in infos.items()
             for box in read_blocks(info.shape, info.chunk_shape, info.inner_chunk_shape, _itemsize(info), block_bytes)]
     partial: dict = {p: [] for p in infos}
@@ -135,20 +153,18 @@ def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int
 
     def read_one(p, box):
         if p in failed:
-            return 0
+            return 0  # this array is already known damaged: spend no more reads on it
         t = ck.open(p)
         data = (t[box.slices] if box.ndim else t).read().result()
         partial[p].append(dg.digest_box(infos[p].shape, box, data))
         return data.nbytes
 
-    total = sum(info.nbytes for info in infos.values())
-    threads = threads or default_threads()
-    budget = threads * block_bytes  # decoded bytes in flight (a single larger block still goes alone)
+    budget = threads * block_bytes  # a single larger block (one huge inner chunk) still goes, alone
     todo = iter(jobs)
     nxt = next(todo, None)
     pending: dict = {}
-    inflight = 0
-    with progress(total, "verify", enabled=show_progress) as bar, \
+    inflight = nread = 0
+    with progress(sum(i.nbytes for i in infos.values()), "verify", enabled=show_progress) as bar, \
             ThreadPoolExecutor(threads, thread_name_prefix="verify") as pool:
         while nxt is not None or pending:
             while nxt is not None and (not pending or inflight + _nbytes(infos, *nxt) <= budget):
@@ -164,19 +180,9 @@ def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int
                 except Exception as e:
                     failed.setdefault(p, f"read of {box} failed: {' '.join(str(e).split())[:300]}")
                     n = 0
-                res.bytes_read += n
+                nread += n
                 bar.update(n)
-    for p, why in failed.items():
-        res.damaged[path_str(p)] = why
-    for p, info in infos.items():
-        if p in failed:
-            continue
-        record = records.get(".".join(p))
-        if record is not None and record.digest is not None and ck.manifest.digest_algorithm == dg.ALGORITHM:
-            got = dg.to_hex(dg.combine(partial[p]))
-            if got != record.digest:
-                res.damaged[path_str(p)] = f"content digest {got} != recorded {record.digest}"
-    return res
+    return partial, failed, nread
 
 
 def _nbytes(infos: dict, p, box: Box) -> int:
