@@ -105,7 +105,8 @@ class ClaimInfo:
             return False
         if self.boot_id and self.boot_id != _boot_id():
             return True  # the machine rebooted since: every process of that boot is gone
-        return not _alive(self.pid, self.pid_start) and not _lock_held(os.path.join(tmp, CLAIM_FILE))
+        # The kernel may drop a killed process's locks a moment after it is gone: allow a short grace.
+        return not _alive(self.pid, self.pid_start) and not _lock_held(os.path.join(tmp, CLAIM_FILE), grace=1.0)
 
 
 def _boot_id() -> str:
@@ -145,17 +146,23 @@ def _alive(pid: int, start: str) -> bool:
     return not start or st[19] == start  # a different start time: the pid was reused
 
 
-def _lock_held(path: str) -> bool:
-    """True when some process holds a flock on `path` (a process of the run that claimed it)."""
+def _lock_held(path: str, grace: float = 0.0) -> bool:
+    """True when some process holds a flock on `path` (a process of the run that claimed it),
+    still after `grace` seconds."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return False
+    deadline = time.monotonic() + grace
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return False
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return True
+                time.sleep(0.02)
     finally:
         os.close(fd)
 
@@ -253,9 +260,10 @@ def _parent_lock(dst: str) -> Iterator[None]:
     """flock of DST's parent directory: claims on one host are inspected and made one at a time."""
     parent = os.path.dirname(os.path.abspath(dst).rstrip("/")) or "/"
     try:
+        os.makedirs(parent, exist_ok=True)  # as before claims: a destination's parents are created
         fd = os.open(parent, os.O_RDONLY)
-    except FileNotFoundError:
-        raise BridgeError(f"the parent directory of destination {dst} does not exist; create it first") from None
+    except (FileExistsError, NotADirectoryError):
+        raise BridgeError(f"the parent of destination {dst} is not a directory; choose another destination") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -273,6 +281,7 @@ class DestinationClaim:
         self.published = False
         self.released = False
         self._hold: ClaimHold | None = None
+        self.thread = threading.get_ident()
 
     @property
     def run_id(self) -> str:
@@ -404,6 +413,7 @@ def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
     """
     dst = os.path.abspath(os.fspath(dst)).rstrip("/")
     check_sources(dst, sources)
+    _prune_finished()
     tmp = tmp_dir_for(dst)
     with _parent_lock(dst):
         if os.path.lexists(dst):
@@ -434,6 +444,15 @@ def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
     return claim
 
 
+def _prune_finished() -> None:
+    """Forget claims of this process whose temp directory is gone (another process of the run
+    published it): closes their lock and, with the last one, restores the signal handlers."""
+    with _HELD_LOCK:
+        done = [c for c in _HELD.values() if not os.path.isdir(c.tmp)]
+    for c in done:
+        c.release()
+
+
 def _take_over_stale(dst: str, tmp: str) -> None:
     """Remove `tmp` if it is provably a stale claim of ours; else raise naming who holds it."""
     if not os.path.isdir(tmp) or os.path.islink(tmp):
@@ -446,8 +465,14 @@ def _take_over_stale(dst: str, tmp: str) -> None:
                           f"writing {dst}, or choose another destination")
     mine = held_claim(tmp)
     if mine is not None and mine.run_id == info.run_id:
-        raise BridgeError(f"destination {dst} is already being written by this process (run {info.run_id[:8]}); "
-                          f"finish or release that run first")
+        if mine.thread != threading.get_ident():
+            raise BridgeError(f"destination {dst} is already being written by another thread of this process "
+                              f"(run {info.run_id[:8]}); wait for it or choose another destination")
+        # The same thread starts over: its earlier run to dst failed without releasing (e.g. a live export
+        # whose collective failed inside a training process that carries on). Nothing else writes there.
+        mine.release()
+        print(f"gtp-bridge: removed {tmp}, left by this process's earlier unfinished run to {dst}", file=sys.stderr)
+        return
     if not info.dead_here(tmp):
         if info.host != socket.gethostname():
             where = "a run on another host"
@@ -480,7 +505,7 @@ def _install_signal_handlers() -> None:
         prev = signal.getsignal(sig)
         if prev not in (signal.SIG_DFL, None):
             continue  # the application handles it (e.g. a training loop's graceful stop): leave it be
-        _PREVIOUS_HANDLERS[sig] = prev
+        _PREVIOUS_HANDLERS[sig] = signal.SIG_DFL if prev is None else prev  # None: not set from Python
         signal.signal(sig, _on_terminate)
 
 

@@ -150,6 +150,7 @@ def metadata_problems(metadata: Mapping, checkpoint_metadata: Mapping | None) ->
 
     `checkpoint_metadata` is `_CHECKPOINT_METADATA`, whose custom_metadata carries a copy of the
     checksum: it tells a bridge checkpoint whose custom_metadata was removed from a plain Orbax one.
+    A checkpoint with neither checksum was never sealed by gtp-bridge and is not checked.
 
     >>> m = {"tree_metadata": {}, "use_ocdbt": True, "custom_metadata": {"gtp_bridge": {}}}
     >>> c = seal_metadata(m)
@@ -167,8 +168,10 @@ def metadata_problems(metadata: Mapping, checkpoint_metadata: Mapping | None) ->
         return ["_METADATA custom_metadata is not a JSON object"]
     custom = custom or {}
     stored = custom.get(CHECKSUM_KEY)
-    if marker is None and stored is None and MANIFEST_KEY not in custom:
-        return []  # a plain Orbax checkpoint: nothing of ours to check
+    if marker is None and stored is None:
+        # Never sealed by gtp-bridge (every version of its writers seals): a plain Orbax checkpoint, possibly
+        # carrying a manifest written by another tool. Nothing to check against.
+        return []
     problems = []
     if MANIFEST_KEY not in custom:
         problems.append("_METADATA has no custom_metadata.gtp_bridge (the manifest was removed)")

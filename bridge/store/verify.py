@@ -9,7 +9,7 @@ hides the others.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from math import prod
 from typing import Sequence
@@ -128,32 +128,7 @@ def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int
         problem = _check_info(ck, p, records.get(".".join(p)), expect, infos)
         if problem:
             res.damaged[path_str(p)] = problem
-    jobs = [(p, box) for p, info in infos.items()
-            for box in read_blocks(info.shape, info.chunk_shape, info.inner_chunk_shape, _itemsize(info), block_bytes)]
-    partial: dict = {p: [] for p in infos}
-    failed: dict = {}
-
-    def read_one(p, box):
-        if p in failed:
-            return 0
-        t = ck.open(p)
-        data = (t[box.slices] if box.ndim else t).read().result()
-        partial[p].append(dg.digest_box(infos[p].shape, box, data))
-        return data.nbytes
-
-    total = sum(info.nbytes for info in infos.values())
-    with progress(total, "verify", enabled=show_progress) as bar, \
-            ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="verify") as pool:
-        futures = {pool.submit(read_one, p, box): (p, box) for p, box in jobs}
-        for f in as_completed(futures):
-            p, box = futures[f]
-            try:
-                n = f.result()
-            except Exception as e:
-                failed.setdefault(p, f"read of {box} failed: {' '.join(str(e).split())[:300]}")
-                n = 0
-            res.bytes_read += n
-            bar.update(n)
+    partial, failed, res.bytes_read = _read_all(ck, infos, threads or default_threads(), block_bytes, show_progress)
     for p, why in failed.items():
         res.damaged[path_str(p)] = why
     for p, info in infos.items():
@@ -165,6 +140,53 @@ def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int
             if got != record.digest:
                 res.damaged[path_str(p)] = f"content digest {got} != recorded {record.digest}"
     return res
+
+
+def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
+              show_progress: bool | None) -> tuple[dict, dict, int]:
+    """Read and digest every array's blocks on `threads` threads, at most ~threads x block_bytes
+    decoded in flight. Returns (path -> partial digests, path -> first failure, bytes read)."""
+    jobs = [(p, box) for p, info in infos.items()
+            for box in read_blocks(info.shape, info.chunk_shape, info.inner_chunk_shape, _itemsize(info), block_bytes)]
+    partial: dict = {p: [] for p in infos}
+    failed: dict = {}
+
+    def read_one(p, box):
+        if p in failed:
+            return 0  # this array is already known damaged: spend no more reads on it
+        t = ck.open(p)
+        data = (t[box.slices] if box.ndim else t).read().result()
+        partial[p].append(dg.digest_box(infos[p].shape, box, data))
+        return data.nbytes
+
+    budget = threads * block_bytes  # a single larger block (one huge inner chunk) still goes, alone
+    todo = iter(jobs)
+    nxt = next(todo, None)
+    pending: dict = {}
+    inflight = nread = 0
+    with progress(sum(i.nbytes for i in infos.values()), "verify", enabled=show_progress) as bar, \
+            ThreadPoolExecutor(threads, thread_name_prefix="verify") as pool:
+        while nxt is not None or pending:
+            while nxt is not None and (not pending or inflight + _nbytes(infos, *nxt) <= budget):
+                pending[pool.submit(read_one, *nxt)] = nxt
+                inflight += _nbytes(infos, *nxt)
+                nxt = next(todo, None)
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                p, box = pending.pop(f)
+                inflight -= _nbytes(infos, p, box)
+                try:
+                    n = f.result()
+                except Exception as e:
+                    failed.setdefault(p, f"read of {box} failed: {' '.join(str(e).split())[:300]}")
+                    n = 0
+                nread += n
+                bar.update(n)
+    return partial, failed, nread
+
+
+def _nbytes(infos: dict, p, box: Box) -> int:
+    return box.size * _itemsize(infos[p])
 
 
 def _itemsize(info: ArrayInfo) -> int:
