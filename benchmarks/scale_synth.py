@@ -89,13 +89,13 @@ class Sizes:
 
         >>> s = Sizes.for_gib(12); (s.hidden, s.layers, round(s.state_bytes() / 2**30, 1))
         (2048, 18, 12.3)
-        >>> Sizes.for_gib(0.25).hidden
-        512
+        >>> s = Sizes.for_gib(0.25); (s.hidden, s.heads, s.groups)
+        (512, 8, 2)
         """
         h = 2048 if gib >= 4 else 1024 if gib >= 1 else 512
         vocab = 32000 if h == 2048 else 8192
         f = 11 * h // 4
-        heads = h // 128
+        heads = max(8, h // 128)  # >= 2 query groups, so TP=2 targets are possible
         one = Sizes(h, 1, f, heads, max(1, heads // 4), vocab)
         per_layer = one.n_params() - Sizes(h, 0, f, heads, max(1, heads // 4), vocab).n_params()
         fixed = one.n_params() - per_layer
