@@ -5,16 +5,20 @@ independent `torch.save` blobs, a `.metadata` pickle of DCP's `Metadata`, Sharde
 (`common_state`, `_extra_state`, dp_reshardable objects) as `torch.save([obj])` byte items,
 and `metadata.json`. Chunks follow the target layout (one per stacked instance and TP shard, or
 per (TP, GTP) shard of the 0.19.2 padded grid for GTP-sharded weights), so Megatron-Core
-reads exactly its own rectangles. Written into `<dst>.tmp-<pid>` and renamed at the end.
+reads exactly its own rectangles. The output is Megatron-LM's run directory layout
+(`<run>/iter_XXXXXXX/` + `latest_checkpointed_iteration.txt`, `converters.megatron_rundir`): the
+iteration directory is written under a temporary name, renamed when complete, then the tracker set.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
 import shutil
+import signal
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -31,11 +35,13 @@ from bridge.layout.params import ParamGeometry
 from bridge.progress import progress
 from bridge.store.manifest import Manifest
 from bridge.store.reader import Checkpoint, open_checkpoint
+from bridge.store.durable import fsync_path
 from bridge.store.specs import numpy_dtype
 from bridge.torch_numpy import from_numpy
 from bridge.store.tree import megatron_key_to_path, path_str
 from converters.dcp_reader import ChunkInfo, StorageRef
 from converters.megatron_cache import ArrayLRU
+from converters.megatron_rundir import plan_run_dir, write_tracker
 from converters.megatron_format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
 from bridge.layout.legacy import legacy_box_map, legacy_shape
@@ -298,10 +304,12 @@ class ArrayCache:
 
 
 def to_megatron(src: str, dst: str, target: Target, *, budget: int = 1 << 30, show_progress: bool | None = None) -> dict:
-    """Write a torch_dist checkpoint of logical checkpoint `src` for `target` at `dst`."""
-    dst = os.path.abspath(dst)
-    if os.path.lexists(dst):
-        raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
+    """Write step N of logical checkpoint `src` for `target` as Megatron-LM's run directory layout.
+
+    DST is the run directory or its `iter_XXXXXXX` (see `megatron_rundir.plan_run_dir`); the
+    iteration directory is written under a temporary name, renamed when complete, and only then
+    is `latest_checkpointed_iteration.txt` set to N (atomically), so `--load RUN` finds it.
+    """
     if target.fmt not in FORMATS:
         raise BridgeError(f"unknown --format {target.fmt!r}; use one of {list(FORMATS)}")
     ck = open_checkpoint(src)
@@ -333,25 +341,66 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int = 1 << 30, sh
     count = int(ck.read(("opt_state", "0", "count"))) if ("opt_state", "0", "count") in arrays else step
     if count != step:
         raise BridgeError(f"{src}: step {step} and opt_state/0/count {count} differ; the checkpoint is inconsistent")
-    tmp = f"{dst}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    where = plan_run_dir(dst, step)
+    created_run = not os.path.lexists(where.run_dir)
+    tmp = f"{where.iter_dir}.tmp-{os.getpid()}"
+    renamed = False
+    with terminate_as_exit():
+        try:
+            os.makedirs(tmp)
+            w = DcpWriter(tmp)
+            cache = ArrayCache(ck, max(1, budget // 2))
+            total = sum(a.nbytes for p, a in arrays.items() if p[0] in ("model", "params", "opt_state"))
+            with progress(total, f"to-megatron {where.iter_dir}", enabled=show_progress) as bar:
+                _write_model_space(w, cache, params, lay, target.fmt, bar)
+                if target.fmt == "dp_reshardable":
+                    _write_dp_buckets(w, cache, params, lay, target, man, step)
+                _write_objects(w, man, params, lay, target, step)
+            w.finish()
+            if os.path.lexists(where.iter_dir):  # another run created it meanwhile: never replace it
+                raise BridgeError(f"{where.iter_dir} appeared while writing; another run writes there")
+            os.rename(tmp, where.iter_dir)
+            renamed = True
+            fsync_path(where.run_dir)
+            write_tracker(where.run_dir, step)
+        except BaseException:
+            shutil.rmtree(where.iter_dir if renamed else tmp, ignore_errors=True)
+            if created_run:
+                _remove_if_empty(where.run_dir)
+            raise
+    return {"dst": where.iter_dir, "run_dir": where.run_dir, "tracker": where.tracker,
+            "tracker_previous": where.previous, "layout": lay.to_json(), "format": target.fmt, "bytes": w.bytes,
+            "params": len(params), "step": step}
+
+
+def _remove_if_empty(path: str) -> None:
     try:
-        w = DcpWriter(tmp)
-        cache = ArrayCache(ck, max(1, budget // 2))
-        total = sum(a.nbytes for p, a in arrays.items() if p[0] in ("model", "params", "opt_state"))
-        with progress(total, f"to-megatron {os.path.basename(dst)}", enabled=show_progress) as bar:
-            _write_model_space(w, cache, params, lay, target.fmt, bar)
-            if target.fmt == "dp_reshardable":
-                _write_dp_buckets(w, cache, params, lay, target, man, step)
-            _write_objects(w, man, params, lay, target, step)
-        w.finish()
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return {"dst": dst, "layout": lay.to_json(), "format": target.fmt, "bytes": w.bytes, "params": len(params),
-            "step": step}
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+@contextlib.contextmanager
+def terminate_as_exit():
+    """SIGTERM raises SystemExit(143) in the main thread, so cleanup in `except BaseException` runs.
+
+    (SIGINT already raises KeyboardInterrupt.) Outside the main thread signals cannot be caught;
+    then nothing changes.
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _write_model_space(w: DcpWriter, cache: ArrayCache, params: Sequence[ParamInfo], lay: ParallelLayout, fmt: str,
@@ -487,6 +536,58 @@ def _groups_for(groups: list[dict], expert: bool, chained: bool) -> list[dict]:
     return out
 
 
+def megatron_args(meg: dict, params: Sequence[ParamInfo], lay: ParallelLayout, fmt: str, step: int) -> dict:
+    """`common_state["args"]` for the target: the source's args, model dims the geometry shows when
+    the source saved none, and everything Megatron-LM 0.19.2 reads back about the layout set to it.
+
+    `load_checkpoint` compares num_layers / hidden_size / num_attention_heads (no default: they must
+    be present), uses tensor/pipeline sizes, world_size and data_parallel_size to decide whether RNG
+    and rerun state are loaded, and `load_args_from_checkpoint` may take the parallel sizes from here.
+    """
+    args = dict(meg.get("args") or {})
+    for p in params:  # model dims the fused section tables know (a library-style source saved no args)
+        spec = p.geom.fused
+        if spec is None:
+            continue
+        if spec.info.get("name") == "qkv":
+            args.setdefault("num_attention_heads", spec.info["num_heads"])
+            args.setdefault("num_query_groups", spec.info["num_query_groups"])
+            args.setdefault("kv_channels", spec.info["head_dim"])
+            args.setdefault("group_query_attention", spec.info["num_query_groups"] != spec.info["num_heads"])
+        elif spec.info.get("name") == "swiglu" and not p.geom.expert:
+            args.setdefault("swiglu", True)
+            args.setdefault("ffn_hidden_size", spec.info["ffn_hidden"])
+    by_name = {p.name: p.geom for p in params}
+    layers = [g.prepend[0] for n, g in by_name.items() if n.startswith("decoder.layers.") and g.prepend]
+    if layers:
+        args.setdefault("num_layers", max(layers))
+    emb = by_name.get("embedding.word_embeddings.weight")
+    if emb is not None and len(emb.shape) == 2:
+        args.setdefault("padded_vocab_size", emb.shape[0])
+        args.setdefault("hidden_size", emb.shape[1])
+    experts = [g.prepend[1] for g in by_name.values() if g.expert and len(g.prepend) >= 2]
+    if experts:
+        args.setdefault("num_experts", max(experts))
+    recorded_iteration = meg.get("iteration")
+    gbs = args.get("global_batch_size")
+    if recorded_iteration != step and isinstance(gbs, int) and not args.get("rampup_batch_size"):
+        # Trained elsewhere since the source save: the data position follows the step.
+        args["consumed_train_samples"] = step * gbs
+    args.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=1,
+                virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+                context_parallel_size=1, gtp_weight_remat_size=lay.gtp,
+                tensor_parallel_num_weight_shards=lay.tp * lay.gtp, expert_model_parallel_size=lay.ep,
+                expert_tensor_parallel_size=lay.etp, expert_gtp_weight_remat_size=lay.egtp,
+                expert_tensor_parallel_num_weight_shards=lay.etp * lay.egtp, data_parallel_size=lay.dp,
+                world_size=lay.world, iteration=step, ckpt_format="torch_dist", use_dist_ckpt=True,
+                dist_ckpt_optim_fully_reshardable=fmt == "fully_reshardable", use_distributed_optimizer=True,
+                no_save_optim=False,
+                # No RNG state is written (a logical checkpoint has none). With no_save_rng set,
+                # load_checkpoint skips the RNG load at an unchanged TP/PP instead of failing on it.
+                no_save_rng=True)
+    return args
+
+
 def _write_objects(w: DcpWriter, man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, target: Target,
                    step: int) -> None:
     """_extra_state objects (None, or TE's empty uint8 tensors, as the source saved them) and common_state."""
@@ -508,24 +609,7 @@ def _write_objects(w: DcpWriter, man: Manifest, params: Sequence[ParamInfo], lay
     domains = _domains(params, lay)
     chained = len(domains) > 1
     groups = _param_groups(man, step)
-    args = dict(meg.get("args") or {})
-    for p in params:  # model dims the fused section tables know (a library-style source saved no args)
-        spec = p.geom.fused
-        if spec is None:
-            continue
-        if spec.info.get("name") == "qkv":
-            args.setdefault("num_attention_heads", spec.info["num_heads"])
-            args.setdefault("num_query_groups", spec.info["num_query_groups"])
-            args.setdefault("kv_channels", spec.info["head_dim"])
-            args.setdefault("group_query_attention", spec.info["num_query_groups"] != spec.info["num_heads"])
-        elif spec.info.get("name") == "swiglu" and not p.geom.expert:
-            args.setdefault("swiglu", True)
-            args.setdefault("ffn_hidden_size", spec.info["ffn_hidden"])
-    args.update(tensor_model_parallel_size=lay.tp, gtp_weight_remat_size=lay.gtp,
-                tensor_parallel_num_weight_shards=lay.tp * lay.gtp, data_parallel_size=lay.dp,
-                expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp, world_size=lay.world,
-                pipeline_model_parallel_size=1, iteration=step, ckpt_format="torch_dist",
-                dist_ckpt_optim_fully_reshardable=target.fmt == "fully_reshardable", use_distributed_optimizer=True)
+    args = megatron_args(meg, params, lay, target.fmt, step)
     content = {"distrib_optim_sharding_type": target.fmt, "singleton_local_shards": False,
                "chained_optim_avoid_prefix": True}
     if target.fmt == "fully_reshardable":

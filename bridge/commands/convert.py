@@ -58,7 +58,12 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from bridge.inspect_format import parse_size
     from converters.megatron_convert import ConvertOptions, convert
+    from converters.megatron_rundir import locate_megatron_dir
 
+    found = locate_megatron_dir(args.src)  # a run directory: the iteration its tracker names
+    if found.note:
+        print(found.note)
+    args.src = found.path
     res = convert(args.src, args.dst, ConvertOptions(workers=args.workers, budget=parse_size(args.budget),
                                                      force=args.force, hints=hints_from(args)))
     lay = res.layout

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 
 EPILOG = """examples:
-  gtp-bridge to-megatron ckpt/logical runs/gpt_tp2/iter_0001000 --tp 2 --dp 4
+  gtp-bridge to-megatron ckpt/logical runs/gpt_tp2 --tp 2 --dp 4          # -> runs/gpt_tp2/iter_<step>
+  gtp-bridge to-megatron ckpt/logical runs/gpt_tp2/iter_0001000 --tp 2    # the same, naming the iteration
   gtp-bridge to-megatron ckpt/logical out --tp 1 --gtp 2 --format dp_reshardable
+
+The run directory gets iter_XXXXXXX/ and latest_checkpointed_iteration.txt (set last, atomically),
+so Megatron-LM's --load <run directory> resumes at that step; other iterations there are kept.
 """
 
 
@@ -17,7 +21,8 @@ def add_parser(sub) -> None:
                                    "TP x GTP x DP x EP layout.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC", help="logical checkpoint directory")
-    p.add_argument("dst", metavar="DST", help="new torch_dist checkpoint directory (must not exist)")
+    p.add_argument("dst", metavar="DST", help="Megatron run directory (new, empty or existing: --load DST), or "
+                                              "its iter_XXXXXXX directory (XXXXXXX = the step, 7 digits)")
     p.add_argument("--tp", type=int, required=True, help="target tensor-parallel size")
     p.add_argument("--gtp", type=int, default=1, help="target GTP (weight-remat) size (default 1)")
     p.add_argument("--dp", type=int, default=1, help="target data-parallel (replicate) size (default 1)")
@@ -39,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
                                                   bucket_size=args.bucket_size),
                       budget=parse_size(args.budget))
     lay = res["layout"]
+    prev = res["tracker_previous"]
     print(f"wrote {res['dst']} ({res['format']}, TP={lay['tp']} GTP={lay['gtp']} DP={lay['dp']} EP={lay['ep']}, "
-          f"world {lay['world']}, step {res['step']}): {res['params']} params, {res['bytes'] / 2**20:.1f} MiB")
+          f"world {lay['world']}, step {res['step']}): {res['params']} params, {res['bytes'] / 2**20:.1f} MiB; "
+          f"{res['tracker']} = {res['step']}" + (f" (was {prev})" if prev is not None else "")
+          + f"; load with --load {res['run_dir']}")
     return 0

@@ -1,0 +1,268 @@
+"""`to-megatron` writes what Megatron-LM's `--load RUN` finds; `convert` takes a run or an iteration directory.
+
+Megatron-LM's own reading is replicated here from megatron-core 0.19.2's source (the training
+package needs triton and CUDA to import, so it cannot run on this CPU): `read_metadata`,
+`get_checkpoint_name`, `find_checkpoint_rank_0` (megatron/training/checkpointing.py 195-395),
+`check_is_distributed_checkpoint` (megatron/core/dist_checkpointing/core.py 37-66) and
+`load_common_state_dict` (megatron/core/dist_checkpointing/serialization.py 206-236, with the
+weights_only allow-list of megatron/core/safe_globals.py that applies to common_state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import convert_reference as cref
+from bridge.cli import main
+
+RUNS = cref.available_runs()
+pytestmark = pytest.mark.skipif("tp2" not in RUNS, reason="needs the real fixtures")
+TRACKER = "latest_checkpointed_iteration.txt"
+STEP = 3  # the tp2 fixture run saved after 3 steps
+
+
+# --- Megatron-LM 0.19.2, replicated -----------------------------------------------------------
+
+def megatron_read_metadata(tracker_filename: str) -> tuple[int, bool]:
+    """checkpointing.py:353-395 (single process: no all_reduce)."""
+    iteration, release = -1, False
+    with open(tracker_filename, "r") as f:
+        metastring = f.read().strip()
+        try:
+            iteration = int(metastring)
+        except ValueError:
+            release = metastring == "release"
+            if not release:
+                raise SystemExit("ERROR: Invalid metadata file")
+            iteration = 0
+    assert iteration > -1 or release, f"error parsing metadata file {tracker_filename}"
+    return iteration, release
+
+
+def megatron_get_checkpoint_name(checkpoints_path: str, iteration: int, release: bool) -> str:
+    """checkpointing.py:195-213 with return_base_dir=True."""
+    directory = "release" if release else "iter_{:07d}".format(iteration)
+    return os.path.join(checkpoints_path, directory)
+
+
+def megatron_find_checkpoint_rank_0(checkpoints_path: str, iteration: int, release: bool) -> str | None:
+    """checkpointing.py:265-337: legacy mp_rank_* files first, then a distributed checkpoint."""
+    base = megatron_get_checkpoint_name(checkpoints_path, iteration, release)
+    for sub in ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_000_000"):
+        if os.path.isfile(os.path.join(base, sub, "model_optim_rng.pt")):
+            return os.path.join(base, sub, "model_optim_rng.pt")
+    config_path = os.path.join(base, "metadata.json")   # core.py: check_is_distributed_checkpoint
+    if os.path.exists(config_path):
+        with open(config_path) as f:
+            config = json.load(f)
+        assert "sharded_backend" in config   # CheckpointingConfig(sharded_backend, ...) requires it
+        return base
+    return None
+
+
+def megatron_load_common_state_dict(checkpoint_dir: str) -> dict:
+    """serialization.py:206-236: the `common_state/shard_0_1` object through dcp.load (no_dist)."""
+    assert not os.path.exists(os.path.join(checkpoint_dir, "common.pt"))  # else the legacy path
+    key = "common_state/shard_0_1"   # ShardedObject("common_state", None, (1,), (0,)).unique_key
+    sd = {key: io.BytesIO()}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(checkpoint_dir), no_dist=True)
+    loaded = sd[key]
+    if isinstance(loaded, io.BytesIO):   # Megatron's own planner hands the bytes over
+        loaded.seek(0)
+        loaded = torch.load(loaded, weights_only=True)
+    return loaded[0]
+
+
+def common_state_loads_weights_only(checkpoint_dir: str) -> dict:
+    """The common_state blob, located through torch's own DCP metadata, loads with weights_only=True
+    allowing only megatron-core's safe globals a plain common state needs (safe_globals.py)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    md = dcp.FileSystemReader(checkpoint_dir).read_metadata()
+    info = md.storage_data[MetadataIndex("common_state/shard_0_1")]
+    with open(os.path.join(checkpoint_dir, info.relative_path), "rb") as f:
+        f.seek(info.offset)
+        blob = f.read(info.length)
+    with torch.serialization.safe_globals([argparse.Namespace, types.SimpleNamespace]):
+        return torch.load(io.BytesIO(blob), weights_only=True)[0]
+
+
+def megatron_load(run_dir: str) -> tuple[int, str, dict]:
+    """What `--load run_dir` reads first (`_load_base_checkpoint(rank0=True)`): iteration, dir, common state."""
+    tracker = os.path.join(run_dir, TRACKER)
+    assert os.path.isfile(tracker), "no tracker: Megatron-LM would start from random initialisation"
+    iteration, release = megatron_read_metadata(tracker)
+    name = megatron_find_checkpoint_rank_0(run_dir, iteration, release)
+    assert name is not None, f"no checkpoint for iteration {iteration} in {run_dir}"
+    return iteration, name, megatron_load_common_state_dict(name)
+
+
+# --- fixtures -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def logical(tmp_path_factory):
+    from converters.megatron_convert import convert
+
+    d = str(tmp_path_factory.mktemp("rundir") / "tp2_logical")
+    convert(os.path.join(cref.FIXTURES, "tp2", "dp_reshardable"), d)
+    return d
+
+
+def _leftovers(root) -> list[str]:
+    return [os.path.join(dp, n) for dp, ds, fs in os.walk(root) for n in ds + fs if ".tmp-" in n]
+
+
+# --- tests ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("as_iter_dir", [False, True])
+def test_megatron_finds_the_step_and_the_target_layout(logical, tmp_path, as_iter_dir, capsys):
+    run = tmp_path / "runs" / "gpt_tp1_dp2"
+    dst = run / "iter_0000003" if as_iter_dir else run
+    assert main(["to-megatron", logical, str(dst), "--tp", "1", "--dp", "2"]) == 0
+    iteration, name, common = megatron_load(str(run))
+    assert iteration == STEP and name == str(run / "iter_0000003")
+    assert (run / TRACKER).read_text() == "3"     # what Megatron's save_checkpoint writes
+    assert sorted(os.listdir(run)) == ["iter_0000003", TRACKER]
+    assert common["iteration"] == STEP and common["checkpoint_version"] == 3.0
+    a = common["args"]
+    assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.data_parallel_size, a.world_size,
+            a.gtp_weight_remat_size, a.expert_model_parallel_size, a.iteration) == (1, 1, 2, 2, 1, 1, STEP)
+    # check_checkpoint_args reads these without a default; the source run's sizes (run.json)
+    assert (a.num_layers, a.hidden_size, a.num_attention_heads) == (2, 24, 4)
+    assert a.no_save_rng is True   # no rng_state object is written: Megatron must not try to load one
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert common_state_loads_weights_only(name)["iteration"] == STEP
+    out = capsys.readouterr().out
+    assert f"--load {run}" in out
+
+
+def test_dst_naming_another_iteration_is_refused(logical, tmp_path, capsys):
+    dst = tmp_path / "run" / "iter_0001000"
+    assert main(["to-megatron", logical, str(dst), "--tp", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "iteration 1000" in err and "iter_0000003" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_existing_run_dir_gets_the_new_iteration_and_the_tracker_moves(logical, tmp_path, capsys):
+    run = tmp_path / "run"
+    old = run / "iter_0000001"
+    old.mkdir(parents=True)
+    (old / "keep.txt").write_text("an earlier save")
+    (run / TRACKER).write_text("1")
+    assert main(["to-megatron", logical, str(run), "--tp", "2"]) == 0
+    assert "(was 1)" in capsys.readouterr().out
+    assert (old / "keep.txt").read_text() == "an earlier save"
+    iteration, name, common = megatron_load(str(run))
+    assert (iteration, name, common["args"].tensor_model_parallel_size) == (STEP, str(run / "iter_0000003"), 2)
+    # the same iteration again: refused, nothing changed
+    assert main(["to-megatron", logical, str(run), "--tp", "1"]) == 2
+    assert "iter_0000003 already exists" in capsys.readouterr().err
+    assert megatron_load(str(run))[2]["args"].tensor_model_parallel_size == 2
+    assert not _leftovers(run)
+
+
+def test_a_directory_that_is_not_a_run_is_refused(logical, tmp_path, capsys):
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "notes.txt").write_text("x")
+    assert main(["to-megatron", logical, str(d), "--tp", "1"]) == 2
+    assert "not a Megatron run directory" in capsys.readouterr().err
+    assert sorted(os.listdir(d)) == ["notes.txt"]
+
+
+def test_convert_reads_the_iteration_the_tracker_names(logical, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["to-megatron", logical, str(run), "--tp", "2", "--dp", "1"]) == 0
+    (run / "iter_0000001").mkdir()   # an older, unrelated directory: the tracker decides, not the listing
+    capsys.readouterr()
+    assert main(["convert", str(run), str(tmp_path / "back"), "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "iteration 3" in out and str(run / "iter_0000003") in out
+    cref.assert_same_checkpoint(logical, str(tmp_path / "back"))
+    assert main(["convert", str(run / "iter_0000003"), str(tmp_path / "back2"), "--workers", "1"]) == 0
+    cref.assert_same_checkpoint(logical, str(tmp_path / "back2"))
+
+
+def test_convert_names_a_tracker_pointing_nowhere(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "iter_0000001").mkdir(parents=True)
+    (run / TRACKER).write_text("7")
+    assert main(["convert", str(run), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "iteration 7" in err and "iter_0000007 does not exist" in err
+    (run / TRACKER).unlink()
+    assert main(["convert", str(run), str(tmp_path / "out")]) == 2
+    assert f"without {TRACKER}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_resolve_megatron_dir(tmp_path):
+    from converters.megatron_rundir import resolve_megatron_dir
+
+    run = tmp_path / "run"
+    it = run / "iter_0000042"
+    it.mkdir(parents=True)
+    (it / "metadata.json").write_text("{}")
+    (run / TRACKER).write_text("42\n")
+    assert resolve_megatron_dir(str(run)) == str(it)
+    assert resolve_megatron_dir(str(it)) == str(it)
+    (run / TRACKER).write_text("latest")
+    with pytest.raises(Exception, match="neither an iteration number nor 'release'"):
+        resolve_megatron_dir(str(run))
+
+
+def test_failure_midway_leaves_the_run_dir_as_it_was(logical, tmp_path, monkeypatch):
+    """An error after part of the files are written: no iteration dir, no temp dir, tracker unchanged."""
+    from bridge.errors import BridgeError
+    from converters import megatron_write
+    from converters.megatron_write import Target, to_megatron
+
+    run = tmp_path / "run"
+    (run / "iter_0000001").mkdir(parents=True)
+    (run / TRACKER).write_text("1")
+
+    def boom(*a, **k):
+        raise BridgeError("disk full (simulated after the tensors were written)")
+
+    monkeypatch.setattr(megatron_write, "_write_objects", boom)
+    with pytest.raises(BridgeError):
+        to_megatron(logical, str(run), Target(tp=1))
+    assert sorted(os.listdir(run)) == ["iter_0000001", TRACKER] and (run / TRACKER).read_text() == "1"
+    fresh = tmp_path / "fresh"
+    with pytest.raises(BridgeError):
+        to_megatron(logical, str(fresh), Target(tp=1))
+    assert not fresh.exists() and not _leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_midway_leaves_no_temp_dir(logical, tmp_path, sig):
+    """SIGTERM / SIGINT while the .distcp files are being written: the CLI exits, nothing is left behind."""
+    run = tmp_path / "run"
+    code = (
+        "import os, signal, sys, torch.distributed.checkpoint\n"
+        "import converters.megatron_write as mw\n"
+        "from bridge.cli import main\n"
+        "orig = mw.DcpWriter.tensor_chunk\n"
+        "def chunk(self, *a, **k):\n"
+        f"    os.kill(os.getpid(), {int(sig)})\n"
+        "    return orig(self, *a, **k)\n"
+        "mw.DcpWriter.tensor_chunk = chunk\n"
+        f"sys.exit(main(['to-megatron', {logical!r}, {str(run)!r}, '--tp', '1']))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (130, 143, -int(sig)) and proc.returncode != 0, proc.stderr[-2000:]
+    assert not _leftovers(tmp_path), _leftovers(tmp_path)
+    assert not run.exists()
