@@ -32,7 +32,7 @@ step() {
 env_info() {
   { echo "date $(date -u)"; echo "commit $(cat COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null)"; nproc; free -g
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null; df -h /tmp
-    $PY -c "import torch, tensorstore, numpy; print('torch', torch.__version__, 'tensorstore', tensorstore.__version__, 'numpy', numpy.__version__)"
+    $PY -c "import importlib.metadata as m; print({p: m.version(p) for p in ('torch', 'tensorstore', 'numpy', 'ml_dtypes')})"
   } > "$out/env.txt" 2>&1
 }
 install_megatron() {  # megatron-core 0.19.2 from the carried wheel (.whl/), once per warm machine
