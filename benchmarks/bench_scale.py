@@ -468,6 +468,7 @@ def main() -> None:
     ap.add_argument("--exact-workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
     ap.add_argument("--no-fully", dest="fully", action="store_false", help="skip the fully_reshardable part")
     a = ap.parse_args()
+    sm.exit_on_sigterm()
     own = a.dir is None
     a.dir = a.dir or tempfile.mkdtemp(prefix="bench-scale-")
     os.makedirs(a.dir, exist_ok=True)

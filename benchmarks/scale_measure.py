@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -107,6 +108,11 @@ class TreeSampler:
         self._t.join()
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (e.g. from `timeout`) into SystemExit, so `measure` kills the command's tree."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def measure(argv: list[str], timeout: float | None = None, log: str | None = None, env: dict | None = None) -> Run:
     """Run `argv` (own process group, killed whole on timeout) and measure it."""
     r = Run(list(argv))
@@ -121,6 +127,10 @@ def measure(argv: list[str], timeout: float | None = None, log: str | None = Non
             os.killpg(p.pid, signal.SIGKILL)
             text, _ = p.communicate()
             r.timed_out = True
+        except BaseException:  # SIGTERM turned into SystemExit, Ctrl-C: the command's tree goes too
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            raise
     r.seconds = time.perf_counter() - t0
     r.rc = p.returncode
     r.peak_tree_rss, r.peak_process_rss = s.peak_tree, s.peak_process

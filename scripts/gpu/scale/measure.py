@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=None)
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args()
+    sm.exit_on_sigterm()
     cmd = a.cmd[1:] if a.cmd and a.cmd[0] == "--" else a.cmd
     rec: dict = {"name": a.name, "argv": cmd}
     if a.drop_caches:
