@@ -13,8 +13,8 @@
    array + `dcp.save` of the same tensors.
 5. Reads in a fresh process: one layer of the largest stacked array (bytes read / its bytes); a
    `load`-style reload of another layout's boxes (TP=2 rank 1's half of every array; bytes read /
-   needed); and an exact check of every array of CONV against values regenerated independently
-   (scale_synth.logical), in parallel.
+   needed). Then an exact check of every array of CONV against values regenerated independently
+   (scale_synth.logical), in parallel processes.
 6. `fully_reshardable`: the same state saved in the other optimizer format, converted, and its
    per-array digests compared with the `dp_reshardable` conversion's (both formats agree).
 Every command runs in its own process tree: wall time, peak RSS (largest process and whole tree),
@@ -143,8 +143,8 @@ def _tp2_box(path: tuple, shape: tuple, npre: int, rank: int):
     return Box(tuple(start), tuple(stop))
 
 
-def _reads(conv: str, gib: float, exact_workers: int) -> dict:
-    """Layer read, load-style reads, and (exact_workers > 0) the exact check of every array."""
+def _reads(conv: str, gib: float) -> dict:
+    """The layer read and the load-style reads."""
     import numpy as np
 
     from bridge.layout.boxes import Box
@@ -184,16 +184,19 @@ def _reads(conv: str, gib: float, exact_workers: int) -> dict:
         f.result()
     out["load_read"] = {"what": "TP=2 rank 1 boxes of every array", "seconds": time.perf_counter() - t0,
                         "bytes_read": ts_bytes_read() - b0, "bytes_needed": need}
-    if exact_workers > 0:
-        from multiprocessing import get_context
-
-        t0 = time.perf_counter()
-        jobs = [(conv, gib, key, layer) for key, layer in ss.instances(sizes)]
-        with get_context("spawn").Pool(exact_workers) as pool:
-            bad = [r for r in pool.imap_unordered(_exact_one, jobs) if r]
-        out["exact"] = {"instances": len(jobs), "mismatch": bad[:10], "ok": not bad,
-                        "seconds": time.perf_counter() - t0}
     return out
+
+
+def _exact(conv: str, gib: float, workers: int) -> dict:
+    """Every array of `conv`, layer by layer, against the values regenerated independently."""
+    from multiprocessing import get_context
+
+    sizes = ss.Sizes.for_gib(gib)
+    t0 = time.perf_counter()
+    jobs = [(conv, gib, key, layer) for key, layer in ss.instances(sizes)]
+    with get_context("spawn").Pool(workers) as pool:
+        bad = [r for r in pool.imap_unordered(_exact_one, jobs) if r]
+    return {"instances": len(jobs), "mismatch": bad[:10], "ok": not bad, "seconds": time.perf_counter() - t0}
 
 
 ROLE_PATHS = {"param": ("params",), "exp_avg": ("opt_state", "0", "mu"), "exp_avg_sq": ("opt_state", "0", "nu"),
@@ -274,7 +277,8 @@ WARM_IMPORTS = ("import torch, torch.distributed.checkpoint, tensorstore, numpy,
                 "bridge.store.reader, converters.megatron_convert, converters.megatron_write")
 
 INTERNAL = {"_anchor_convert": lambda a: _anchor_convert(a[0], a[1]), "_anchor_tomeg": lambda a: _anchor_tomeg(a[0], a[1]),
-            "_reads": lambda a: _reads(a[0], float(a[1]), int(a[2])), "_digests": lambda a: _digests(a[0], a[1])}
+            "_reads": lambda a: _reads(a[0], float(a[1])),
+            "_exact": lambda a: _exact(a[0], float(a[1]), int(a[2])), "_digests": lambda a: _digests(a[0], a[1])}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,14 +372,16 @@ def run(a) -> dict:
         if b.fits("raw_read", rate_need(res.get("disk_conv", state), 0.3)):
             dropped = sm.drop_caches()
             res["steps"]["raw_read"] = dict(raw_read(conv, min(8, os.cpu_count() or 1)), dropped_caches=dropped)
-        b.internal("reads", "_reads", [conv, str(a.gib), str(a.exact_workers if a.exact else 0)],
-                   rate_need(state * (3 if a.exact else 1), 0.3))
+        b.internal("reads", "_reads", [conv, str(a.gib)], rate_need(state // 2, 0.3))
         b.cli("to_megatron", ["to-megatron", "--tp", "2", conv, tm], rate_need(state, 0.1))
         if os.path.isdir(tm):
             res["disk_tm2"] = du(tm)
         shutil.rmtree(tm, ignore_errors=True)
         b.internal("anchor_tomeg", "_anchor_tomeg", [conv, tma], rate_need(2 * state, 0.4))
         shutil.rmtree(tma, ignore_errors=True)
+        if a.exact:
+            b.internal("exact", "_exact", [conv, str(a.gib), str(a.exact_workers)],
+                       rate_need(2 * state, 0.1 * a.exact_workers))
     if a.fully and os.path.isdir(conv):
         sfr, cfr = os.path.join(D, "src_fr"), os.path.join(D, "conv_fr")
         if b.fits("generate_fully", rate_need(2 * state, 0.2)):
@@ -420,8 +426,8 @@ def ratios(res: dict) -> dict:
         out["layer_read_over_needed"] = r["layer_read"]["bytes_read"] / r["layer_read"]["bytes_needed"]
         out["load_read_over_needed"] = r["load_read"]["bytes_read"] / r["load_read"]["bytes_needed"]
         out["layer_read_exact"] = r["layer_read"]["exact"]
-        if "exact" in r:
-            out["converted_exact_vs_regenerated"] = r["exact"]["ok"]
+    if ok("exact"):
+        out["converted_exact_vs_regenerated"] = S["exact"]["result"]["ok"]
     if "disk_conv" in res:
         out["conv_disk_over_state"] = res["disk_conv"] / state
     if "disk_tm2" in res:
