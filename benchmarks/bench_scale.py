@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
@@ -351,7 +350,8 @@ def run(a) -> dict:
     sizes = ss.Sizes.for_gib(a.gib)
     bucket = ss.default_bucket_size(sizes)
     state = sizes.state_bytes()
-    res.update(sizes=vars(sizes), state_bytes=state, bucket_size=bucket, params=sizes.n_params())
+    res.update(sizes=vars(sizes), state_bytes=state, bucket_size=bucket, params=sizes.n_params(),
+               convert_args=a.convert_args)
     print(f"state {state / GiB:.2f} GiB: {sizes}, bucket size {bucket}, {os.cpu_count()} cores, "
           f"deadline {a.deadline:.0f} s, page cache {'dropped' if res['root'] else 'NOT dropped (not root)'}",
           flush=True)
@@ -361,8 +361,7 @@ def run(a) -> dict:
     res["generate_dp"] = dict(gen, seconds=time.perf_counter() - t0, disk=du(src))
     print(f"[gen] dp_reshardable: {gen['tensor_bytes'] / GiB:.2f} GiB in {res['generate_dp']['seconds']:.1f} s, "
           f"{gen['buckets']} buckets, {gen['files']} files", flush=True)
-    S = res["steps"]
-    conv_rec = b.cli("convert", ["convert", src, conv], rate_need(state, 0.15))
+    conv_rec = b.cli("convert", ["convert", src, conv] + a.convert_args.split(), rate_need(state, 0.15))
     if conv_rec and conv_rec["rc"] == 0:
         res["disk_conv"] = du(conv)
     b.internal("anchor_convert", "_anchor_convert", [src, raw], rate_need(2 * state, 0.5))
@@ -389,7 +388,7 @@ def run(a) -> dict:
             t0 = time.perf_counter()
             g2 = ss.write(sfr, sizes, "fully_reshardable", bucket, workers=a.gen_workers)
             res["generate_fully"] = dict(g2, seconds=time.perf_counter() - t0, disk=du(sfr))
-            b.cli("convert_fully", ["convert", sfr, cfr], rate_need(state, 0.15))
+            b.cli("convert_fully", ["convert", sfr, cfr] + a.convert_args.split(), rate_need(state, 0.15))
             if os.path.isdir(cfr):
                 b.internal("digests_fully_vs_dp", "_digests", [cfr, conv], 15)
             shutil.rmtree(sfr, ignore_errors=True)
@@ -434,6 +433,7 @@ def ratios(res: dict) -> dict:
         out["tm2_disk_over_state"] = res["disk_tm2"] / state
     if ok("digests_fully_vs_dp"):
         out["fully_vs_dp_digests_equal"] = S["digests_fully_vs_dp"]["result"]["ok"]
+    out["failed_steps"] = [n for n, s in S.items() if s.get("rc", 0) != 0]
     out["peak_process_rss_GiB"] = {n: round(s["peak_process_rss"] / GiB, 3) for n, s in S.items()
                                    if "peak_process_rss" in s}
     return out
@@ -472,6 +472,8 @@ def main() -> None:
     ap.add_argument("--no-exact", dest="exact", action="store_false",
                     help="skip the exact check of every converted array against regenerated values")
     ap.add_argument("--exact-workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
+    ap.add_argument("--convert-args", default="", help="extra convert options, e.g. '--workers 8 --budget 32M' "
+                                                         "(default: none, the CLI's defaults)")
     ap.add_argument("--no-fully", dest="fully", action="store_false", help="skip the fully_reshardable part")
     a = ap.parse_args()
     sm.exit_on_sigterm()
