@@ -15,7 +15,14 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 def test_doctests(name):
     spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
+    old = sys.modules.get(name)
     sys.modules[name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    try:
+        spec.loader.exec_module(mod)
+        res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    finally:  # another test's import of the module stays the one registered
+        if old is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = old
     assert res.attempted > 0 and res.failed == 0
