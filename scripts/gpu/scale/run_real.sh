@@ -23,7 +23,9 @@ if [ -n "${SP_CPU:-}" ]; then TS=scripts/gpu/scale/cpu/run_torch_side_cpu.py LP=
 D=${SP_DIR:-/tmp/sp_ckpt}; rm -rf "$D"; mkdir -p "$D"
 usage() { echo "disk: $(df -h "$D" | awk 'NR==2{print $3" used, "$4" free"}'); $(cd "$D" && du -sh -- * 2>/dev/null | tr '\n' ' ')" | tee -a "$out/steps.txt"; }
 
-[ -n "${SP_CPU:-}" ] || step install 60 30 install_megatron || { cat "$logs/install.log"; finish; exit 1; }
+if [ -z "${SP_CPU:-}" ]; then  # a shell function: not run under `timeout`
+  install_megatron > "$logs/install.log" 2>&1 || { echo "install failed" | tee -a "$out/steps.txt"; cat "$logs/install.log"; finish; exit 1; }
+fi
 step torch_side 240 120 $TR $TS --dir "$D" --json "$out/torch_side.json" --warm 0 --skip-fully --no-loads
 usage
 [ -f "$D/dp/.metadata" ] || { echo "no dp_reshardable save; stopping" | tee -a "$out/steps.txt"; finish; exit 1; }
