@@ -1,0 +1,322 @@
+"""Scale probe, offline steps (no torch.distributed). Each subcommand appends JSON to --json.
+
+    offline.py compare A B --json F        bit-exact array-by-array comparison (megatron_roundtrip's
+                                           compare_checkpoints(a, b, exact=True)), timed
+    offline.py digests A B [C ...] --json F  the manifests' per-array digests agree (cheap cross-check)
+    offline.py anchor SRC RAW --json F     torch.distributed.checkpoint load of every tensor of the
+                                           torch_dist checkpoint SRC into CPU tensors (page cache dropped
+                                           first), then a raw write of the same bytes (tofile + fsync)
+    offline.py jax CKPT --json F           JAX restore onto a 1-GPU mesh: bridge.jaxside.restore vs
+                                           plain Orbax, cold (page cache dropped) then warm; bit-exact
+                                           agreement of the restored arrays
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # repository root
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def append(path: str, rec: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec, default=str) + "\n")
+    print("[offline]", json.dumps(rec, default=str)[:1500], flush=True)
+
+
+def cmd_compare(a) -> int:
+    from megatron_roundtrip import compare_checkpoints
+
+    t0 = time.perf_counter()
+    res = compare_checkpoints(a.paths[0], a.paths[1], exact=True)
+    res["seconds"] = time.perf_counter() - t0
+    res["what"] = "compare_exact"
+    res["mismatch"] = res["mismatch"][:20]
+    append(a.json, res)
+    return 0 if res["ok"] else 1
+
+
+def cmd_digests(a) -> int:
+    from bridge.store.reader import open_checkpoint
+
+    ms = [open_checkpoint(p).manifest for p in a.paths]
+    base = {k: r.digest for k, r in ms[0].arrays.items()}
+    out = {"what": "digests", "paths": a.paths, "arrays": len(base), "differ": {}, "ok": True}
+    for p, m in zip(a.paths[1:], ms[1:]):
+        other = {k: r.digest for k, r in m.arrays.items()}
+        bad = sorted(k for k in set(base) | set(other) if base.get(k) != other.get(k) or base.get(k) is None)
+        out["differ"][p] = bad[:20]
+        out["ok"] = out["ok"] and not bad
+    append(a.json, out)
+    return 0 if out["ok"] else 1
+
+
+def cmd_anchor(a) -> int:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    src, raw = a.paths
+    rec: dict = {"what": "anchor", "src": src}
+    md = FileSystemReader(src).read_metadata()
+    target = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+              for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+    rec["tensors"] = len(target)
+    rec["bytes"] = sum(t.numel() * t.element_size() for t in target.values())
+    rec["dropped_caches"] = drop_caches()
+    r0 = rss()
+    t0 = time.perf_counter()
+    dcp.load(target, checkpoint_id=src, no_dist=True)
+    rec["dcp_load_seconds"] = time.perf_counter() - t0
+    rec["rss_after_load"] = rss()
+    rec["rss_before_load"] = r0
+    os.makedirs(raw, exist_ok=True)
+    t0 = time.perf_counter()
+    total = 0
+    for i, (k, t) in enumerate(target.items()):
+        t = t.contiguous()
+        arr = t.view(torch.uint8).numpy() if t.dtype in (torch.bfloat16, torch.float16) else t.numpy()
+        with open(os.path.join(raw, f"a{i}.bin"), "wb") as f:
+            arr.tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+        total += arr.nbytes
+    dfd = os.open(raw, os.O_RDONLY)
+    os.fsync(dfd)
+    os.close(dfd)
+    rec["raw_write_seconds"] = time.perf_counter() - t0
+    rec["raw_bytes"] = total
+    rec["anchor_seconds"] = rec["dcp_load_seconds"] + rec["raw_write_seconds"]
+    rec["dcp_load_GBps"] = rec["bytes"] / rec["dcp_load_seconds"] / 1e9
+    rec["raw_write_GBps"] = total / rec["raw_write_seconds"] / 1e9
+    del target
+    shutil.rmtree(raw, ignore_errors=True)
+    append(a.json, rec)
+    return 0
+
+
+def _ts_bytes_read() -> int:
+    import tensorstore as ts
+
+    total = 0
+    for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
+        total += sum(int(v.get("value", 0)) for v in m["values"])
+    return total
+
+
+def cmd_verify(a) -> int:
+    """`gtp-bridge verify`'s own code path (bridge.store.verify.verify_checkpoint), with per-array
+    timing and TensorStore's file-bytes-read counter; prints a line per array so a run cut short
+    still shows how far it got."""
+    from math import prod
+
+    import bridge.store.verify as v
+    from bridge.store.reader import open_checkpoint
+
+    path = a.paths[0]
+    rec: dict = {"what": "verify", "path": path, "dropped_caches": drop_caches()}
+    t0, b0 = time.perf_counter(), _ts_bytes_read()
+    ck = open_checkpoint(path)
+    records = ck.manifest.arrays if ck.manifest else {}
+    rec["logical_bytes"] = sum(ck.info(p).nbytes for p in ck.paths())
+    rec["arrays"] = len(ck.paths())
+    damaged, per = {}, []
+    done = 0
+    for p in sorted(ck.paths(), key=lambda p: -ck.info(p).nbytes):
+        ta, ba = time.perf_counter(), _ts_bytes_read()
+        info = ck.info(p)
+        prob = v._check_array(ck, p, records.get(".".join(p)), ck.manifest is not None, _NoBar())
+        done += info.nbytes
+        row = {"array": ".".join(p), "shape": info.shape, "inner_chunk": info.inner_chunk_shape,
+               "blocks": len(v.row_blocks(info.shape, max(1, info.nbytes // max(1, prod(info.shape))))),
+               "bytes": info.nbytes, "read": _ts_bytes_read() - ba, "seconds": time.perf_counter() - ta,
+               "problem": prob}
+        per.append(row)
+        if prob:
+            damaged[row["array"]] = prob
+        print(f"[verify-array] {row['array']} {info.shape} inner {info.inner_chunk_shape} blocks {row['blocks']}: "
+              f"{row['seconds']:.2f} s, read {row['read'] / 2**20:.0f} MiB of {info.nbytes / 2**20:.0f} MiB "
+              f"(elapsed {time.perf_counter() - t0:.1f} s, {done / 2**30:.2f} GiB checked) {prob or ''}", flush=True)
+    rec["seconds"] = time.perf_counter() - t0
+    rec["file_bytes_read"] = _ts_bytes_read() - b0
+    rec["read_over_logical"] = rec["file_bytes_read"] / max(1, rec["logical_bytes"])
+    rec["damaged"] = damaged
+    rec["ok"] = not damaged
+    rec["slowest"] = sorted(per, key=lambda r: -r["seconds"])[:6]
+    append(a.json, rec)
+    return 0 if rec["ok"] else 1
+
+
+class _NoBar:
+    def update(self, n) -> None:
+        pass
+
+
+def _bits_equal(x, y) -> bool:
+    import jax
+    import jax.numpy as jnp
+
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    it = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+    return bool(jnp.array_equal(jax.lax.bitcast_convert_type(x, it), jax.lax.bitcast_convert_type(y, it)))
+
+
+def _by_path(tree) -> dict:
+    import jax
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(p): v for p, v in flat}
+
+
+def cmd_jax(a) -> int:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh
+
+    from bridge.jaxside import restore
+    from bridge.jaxside.abstract import Target, abstract_tree, stored_arrays
+
+    path = a.paths[0]
+    import importlib.metadata as im
+
+    vers = {}
+    for pkg in ("jax", "jaxlib", "orbax-checkpoint", "tensorstore", "optax", "numpy"):
+        try:
+            vers[pkg] = im.version(pkg)
+        except Exception:  # noqa: BLE001
+            vers[pkg] = None
+    devs = jax.devices()
+    append(a.json, {"what": "jax_env", "versions": vers, "devices": [str(d) for d in devs]})
+    mesh = Mesh(np.array(devs[:1]).reshape(1, 1), ("fsdp", "tp"))
+    stored = stored_arrays(path)
+    target = Target(mesh=mesh)
+    ab_full = abstract_tree(stored, target)
+    ab_part = abstract_tree(stored, target, items=("params", "opt_state"))
+    nbytes = {"full": sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(ab_full)),
+              "params_opt": sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+                                for s in jax.tree.leaves(ab_part))}
+    jax.block_until_ready(jax.device_put(np.ones(4, np.float32), devs[0]))  # backend up before timing
+
+    def bridge_part():
+        r = restore(path, mesh=mesh, items=("params", "opt_state"))
+        return {"params": r.params, "mu": r.opt_state[0].mu, "nu": r.opt_state[0].nu}
+
+    def orbax_part():
+        import orbax.checkpoint as ocp
+
+        restore_args = jax.tree.map(
+            lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), ab_part)
+        ck = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+        o = ck.restore(path, args=ocp.args.PyTreeRestore(item=ab_part, restore_args=restore_args,
+                                                         partial_restore=True))
+        return {"params": o["params"], "mu": o["opt_state"][0]["mu"], "nu": o["opt_state"][0]["nu"]}
+
+    def bridge_full():
+        r = restore(path, mesh=mesh)
+        return {"params": r.params, "mu": r.opt_state[0].mu, "nu": r.opt_state[0].nu, "model": r.model,
+                "step": r.step}
+
+    def standard_full():
+        o = ocp.StandardCheckpointer().restore(path, ab_full)
+        return {"params": o["params"], "mu": o["opt_state"][0]["mu"], "nu": o["opt_state"][0]["nu"],
+                "model": o["model"], "step": o["step"]}
+
+    variants = [("bridge_restore_params_mu_nu", bridge_part, "params_opt"),
+                ("orbax_pytree_partial_params_mu_nu", orbax_part, "params_opt"),
+                ("bridge_restore_all_items", bridge_full, "full"),
+                ("orbax_standard_checkpointer_all", standard_full, "full")]
+    results = {}
+    rounds = [("cold", True), ("warm", False)]
+    deadline = time.time() + a.budget_s
+    for rnd, cold in rounds:
+        for name, fn, kind in variants:
+            if time.time() > deadline:
+                append(a.json, {"what": "jax_restore", "name": name, "round": rnd, "skipped": "time budget"})
+                continue
+            rec = {"what": "jax_restore", "name": name, "round": rnd, "bytes": nbytes[kind]}
+            if cold:
+                rec["dropped_caches"] = drop_caches()
+            r0 = rss()
+            t0 = time.perf_counter()
+            try:
+                out = fn()
+                jax.block_until_ready(jax.tree.leaves(out))
+                rec["seconds"] = time.perf_counter() - t0
+                rec["GBps"] = nbytes[kind] / rec["seconds"] / 1e9
+                rec["ok"] = True
+                rec["leaves"] = len(jax.tree.leaves(out))
+                rec["device"] = str(next(iter(jax.tree.leaves(out)[0].devices())))
+            except Exception as e:  # noqa: BLE001
+                rec["seconds"] = time.perf_counter() - t0
+                rec["ok"] = False
+                rec["error"] = f"{type(e).__name__}: {e}"[:1500]
+                rec["traceback_tail"] = traceback.format_exc()[-2500:]
+                out = None
+            rec["rss_growth"] = rss() - r0
+            append(a.json, rec)
+            if rnd == "cold" and out is not None:
+                results[name] = out
+            del out
+        if rnd == "cold":
+            # bit-exact agreement of what the two libraries restored
+            for x, y in (("bridge_restore_params_mu_nu", "orbax_pytree_partial_params_mu_nu"),
+                         ("bridge_restore_all_items", "orbax_standard_checkpointer_all"),
+                         ("bridge_restore_params_mu_nu", "bridge_restore_all_items")):
+                if x in results and y in results:
+                    try:
+                        bx, by = _by_path({k: results[x][k] for k in ("params", "mu", "nu")}), \
+                            _by_path({k: results[y][k] for k in ("params", "mu", "nu")})
+                        if "model" in results[x] and "model" in results[y]:
+                            bx.update(_by_path({"model": results[x]["model"]}))
+                            by.update(_by_path({"model": results[y]["model"]}))
+                        bad = sorted(k for k in set(bx) | set(by)
+                                     if k not in bx or k not in by or not _bits_equal(bx[k], by[k]))
+                        append(a.json, {"what": "jax_agree", "a": x, "b": y, "leaves": len(bx), "ok": not bad,
+                                        "differ": bad[:10]})
+                    except Exception as e:  # noqa: BLE001
+                        append(a.json, {"what": "jax_agree", "a": x, "b": y, "error": f"{type(e).__name__}: {e}"})
+            results.clear()
+    return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", choices=["compare", "digests", "anchor", "jax", "verify"])
+    ap.add_argument("paths", nargs="+")
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--budget-s", type=float, default=150.0)
+    a = ap.parse_args()
+    sys.exit({"compare": cmd_compare, "digests": cmd_digests, "anchor": cmd_anchor, "jax": cmd_jax,
+              "verify": cmd_verify}[a.cmd](a))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One device call (one H200; repository root; `.whl/` carrying megatron_core-0.19.2): the real
+# 0.85 B Megatron-Core run (scripts/gpu/scale/bigpt.py: 16 layers, hidden 2048, SwiGLU 5632,
+# GQA 16/4, vocab 32000, 18 DDP buckets; 11.9 GB of state), finishing before SP_DEADLINE seconds
+# (default 560); steps that would not fit are skipped and named in steps.txt.
+#   1. train 2 steps, live export (export_megatron), Megatron's own dp_reshardable save (torch_side.py)
+#   2. `gtp-bridge convert` of the save at DEFAULT settings (measured: time, peak RSS, bytes)
+#   3. bit-exact comparison of the converted checkpoint with the live export (offline.py compare)
+#   4. `gtp-bridge verify` of the conversion (measured: time, bytes read)
+#   5. load_megatron of the conversion vs of the live export: time, bytes read, states bit-exact (load_probe.py)
+#   6. convert's anchor: dcp.load of the save + a raw write of the same bytes (offline.py anchor)
+#   7. JAX restore of the conversion vs plain Orbax, if time remains (offline.py jax)
+# CPU dry run (tiny sizes, CUDA patched out by cpu/cpu_patch.py, megatron-core on PYTHONPATH):
+#   SP_CPU=1 SP_LAYERS=2 SP_HIDDEN=64 SP_FFN=176 SP_HEADS=4 SP_GROUPS=2 SP_VOCAB=512 SP_SEQ=32 \
+#   SP_PYTHON=.venv/bin/python SP_SITE=/path/to/megatron-site bash scripts/gpu/scale/run_real.sh
+source scripts/gpu/scale/lib.sh
+env_info
+O="$PY scripts/gpu/scale/offline.py"
+J=$out/offline.jsonl
+TR="$PY -m torch.distributed.run --standalone --nproc-per-node 1"
+TS=scripts/gpu/scale/torch_side.py LP=scripts/gpu/scale/load_probe.py
+if [ -n "${SP_CPU:-}" ]; then TS=scripts/gpu/scale/cpu/run_torch_side_cpu.py LP=scripts/gpu/scale/cpu/run_load_probe_cpu.py; fi
+D=${SP_DIR:-/tmp/sp_ckpt}; rm -rf "$D"; mkdir -p "$D"
+usage() { echo "disk: $(df -h "$D" | awk 'NR==2{print $3" used, "$4" free"}'); $(cd "$D" && du -sh -- * 2>/dev/null | tr '\n' ' ')" | tee -a "$out/steps.txt"; }
+
+if [ -z "${SP_CPU:-}" ]; then  # a shell function: not run under `timeout`
+  install_megatron > "$logs/install.log" 2>&1 || { echo "install failed" | tee -a "$out/steps.txt"; cat "$logs/install.log"; finish; exit 1; }
+fi
+step torch_side 240 120 $TR $TS --dir "$D" --json "$out/torch_side.json" --warm 0 --skip-fully --no-loads
+usage
+[ -f "$D/dp/.metadata" ] || { echo "no dp_reshardable save; stopping" | tee -a "$out/steps.txt"; finish; exit 1; }
+
+C=$D/conv
+step convert 200 50 $M --name convert_defaults --drop-caches --log "$logs/convert.cli.log" \
+  -- $PY -m bridge.cli convert "$D/dp" "$C"
+usage
+if [ -d "$C" ]; then
+  step compare 100 40 $O compare "$D/live" "$C" --json "$J"
+  step verify 150 30 $M --name verify_converted --drop-caches --log "$logs/verify.cli.log" \
+    -- $PY -m bridge.cli verify "$C"
+  step load_probe 150 60 $TR $LP --conv "$C" --live "$D/live" --json "$out/load_probe.json"
+fi
+step anchor 120 60 $O anchor "$D/dp" "$D/raw" --json "$J"
+rm -rf "$D/raw"
+[ -d "$C" ] && step jax 90 60 $O jax "$C" --json "$J" --budget-s 45
+usage
+rm -rf "$D"
+finish
