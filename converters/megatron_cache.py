@@ -37,3 +37,37 @@ class ArrayLRU:
         while self._bytes > self.max_bytes and len(self._d) > 1:
             _, old = self._d.popitem(last=False)
             self._bytes -= old.nbytes
+
+
+class ChunkCache:
+    """Decoded stored chunks (numpy) of one DCP checkpoint, least-recently-used out over `max_bytes`."""
+
+    def __init__(self, ck, max_bytes: int) -> None:
+        self.ck = ck
+        self._lru = ArrayLRU(max(1, max_bytes))
+        self.bytes_read = 0
+
+    def get(self, key: str, index: int) -> np.ndarray:
+        """Stored chunk `index` of tensor `key`, shaped as stored."""
+        a = self._lru.get((key, index))
+        if a is None:
+            from bridge.torch_numpy import to_numpy
+
+            info = self.ck.tensors[key]
+            a = to_numpy(self.ck.read_chunk(key, info.chunks[index]))
+            self.bytes_read += info.chunks[index].storage.length
+            self._lru.put((key, index), a)
+        return a
+
+    def region(self, c) -> np.ndarray:
+        """The source data of copy `c` (a `megatron_plan.Copy`), shaped like its logical box."""
+        a = self.get(c.key, c.chunk)
+        if c.flat:
+            view = c.view or c.dst.shape
+            n = 1
+            for s in view:
+                n *= s
+            a = a.reshape(-1)[c.flat_start:c.flat_start + n].reshape(view)
+            if not c.src:
+                return a
+        return a[tuple(slice(x, y) for x, y in c.src)].reshape(c.dst.shape)
