@@ -41,7 +41,7 @@ def test_grid_cells_tile_the_box_within_single_grid_cells(dims):
     assert (hits == 1).all()
 
 
-def test_slab_pool_reuses_recycled_slabs_and_keeps_views_apart():
+def test_slab_pool_reuses_released_slabs_only_once_unreferenced_and_keeps_views_apart():
     pool = SlabPool(slab_bytes=1 << 12, keep_bytes=1 << 13)
     a = pool.take((10, 10), np.float32)
     b = pool.take((10, 10), np.float32)
@@ -51,10 +51,19 @@ def test_slab_pool_reuses_recycled_slabs_and_keeps_views_apart():
     big = pool.take((2048,), np.float32)          # larger than a slab: its own buffer
     assert big.nbytes == 8192 and big.flags.c_contiguous
     slabs = pool.seal()
-    assert len(slabs) == 1                        # a and b (400 B each, 64-B aligned) share one 4 KiB slab
-    pool.recycle(slabs)
+    assert len(slabs) == 1 and pool.leased == 1   # a and b (400 B each, 64-B aligned) share one 4 KiB slab
+    # Not released yet: a new batch gets a fresh slab.
     c = pool.take((10, 10), np.float32)
-    assert any(np.shares_memory(c, s) for s in slabs)
+    assert not np.shares_memory(c, slabs[0].arr) and pool.fresh_slabs == 2
+    pool.release(slabs)
+    # Released, but `a` (standing in for TensorStore's reference) still views it: not refilled.
+    pool.seal()
+    d = pool.take((10, 10), np.float32)
+    assert not np.shares_memory(d, slabs[0].arr) and pool.held == 1 and (a == 1).all()
+    del a, b
+    pool.seal()
+    e = pool.take((10, 10), np.float32)
+    assert np.shares_memory(e, slabs[0].arr) and pool.fresh_slabs == 3
 
 
 def _catalog():

@@ -120,12 +120,15 @@ def make_write_plan(catalog: Sequence[ArraySpec], num_writers: int,
                     ownership: Mapping[Sequence[str] | str, ArrayOwnership] | None = None, *,
                     empty_paths: Sequence[Sequence[str]] = (), compression: str | None = None,
                     inner_chunk_bytes: int | None = specs.DEFAULT_INNER_CHUNK_BYTES, checksum: bool = True,
-                    max_chunk_bytes: int = 1 << 30) -> WritePlan:
+                    max_chunk_bytes: int = 1 << 30,
+                    stacked: Mapping[Sequence[str] | str, int] | None = None) -> WritePlan:
     """Validate a catalog and ownership into a WritePlan (pure; raises BridgeError, writes nothing).
 
     Arrays without an entry in `ownership` get `regular_ownership` (leading-axis blocks, small
-    arrays spread round-robin over writers). `inner_chunk_bytes=None` makes the inner chunk the
-    whole outer chunk (cheapest to write, coarsest to read); `checksum=False` drops the crc32c
+    arrays spread round-robin over writers). Inner chunks follow `specs.inner_chunk_shape`: one
+    layer / expert per inner chunk along the leading stacked axes (`stacked` overrides how many
+    an array has, by path or name; default `specs.stacked_axes(path)`), the rest at most
+    `inner_chunk_bytes` (None: not split, cheapest to write). `checksum=False` drops the crc32c
     of each inner chunk (flipped bytes are then found only by `verify`'s digests).
 
     >>> plan = make_write_plan([ArraySpec(("params", "w"), (8, 2), "float32")], num_writers=2)
@@ -142,9 +145,10 @@ def make_write_plan(catalog: Sequence[ArraySpec], num_writers: int,
     for key, own in (ownership or {}).items():
         given[key if isinstance(key, str) else path_to_name(key)] = own
     names = {a.name for a in catalog}
-    for key in given:
+    n_stacked = {(k if isinstance(k, str) else path_to_name(k)): int(v) for k, v in (stacked or {}).items()}
+    for key in list(given) + list(n_stacked):
         if key not in names:
-            raise BridgeError(f"ownership given for {key!r}, which is not in the catalog")
+            raise BridgeError(f"ownership or stacked axes given for {key!r}, which is not in the catalog")
     arrays: dict[str, ArrayPlan] = {}
     for i, a in enumerate(catalog):
         own = given.get(a.name)
@@ -158,6 +162,7 @@ def make_write_plan(catalog: Sequence[ArraySpec], num_writers: int,
             own.validate(num_writers)
         except BridgeError as e:
             raise BridgeError(f"{path_str(a.path)}: {e}") from None
-        inner = specs.choose_inner_chunk(own.chunk_shape, a.itemsize, inner_chunk_bytes)
+        inner = specs.inner_chunk_shape(a.path, own.chunk_shape, a.itemsize, inner_chunk_bytes,
+                                        stacked=n_stacked.get(a.name))
         arrays[a.name] = ArrayPlan(a, own, inner)
     return WritePlan(arrays, num_writers, empty, compression, bool(checksum))

@@ -131,6 +131,60 @@ def choose_inner_chunk(chunk_shape: Sequence[int], itemsize: int,
     return tuple(max(1, c) for c in inner)
 
 
+def stacked_axes(path: Sequence[str], ndim: int | None = None) -> int:
+    """Leading stacked axes of a logical array, from its tree path: the layer axis of a homogeneous
+    block (`.../layers/<name>...`, not `.../layers/<i>/...`) and the expert axis of routed experts
+    (`.../experts/...`, not `shared_experts`); at most `ndim`.
+
+    >>> stacked_axes(("params", "decoder", "layers", "mlp", "linear_fc1", "weight", "gate"))
+    1
+    >>> stacked_axes(("opt_state", "0", "mu", "decoder", "layers", "mlp", "experts", "linear_fc1", "weight"))
+    2
+    >>> stacked_axes(("params", "decoder", "layers", "3", "mixer", "in_proj", "weight")), stacked_axes(("params", "layers", "b"), 0)
+    (0, 0)
+    """
+    parts = tuple(path)[:-1]
+    n = 0
+    if any(c == "layers" and i + 1 < len(path) and not str(path[i + 1]).isdigit() for i, c in enumerate(parts)):
+        n += 1
+    if "experts" in parts:
+        n += 1
+    return n if ndim is None else min(n, int(ndim))
+
+
+def inner_chunk_shape(path: Sequence[str], chunk_shape: Sequence[int], itemsize: int,
+                      target_bytes: int | None = DEFAULT_INNER_CHUNK_BYTES, *,
+                      stacked: int | None = None) -> tuple[int, ...]:
+    """THE inner (read) chunk policy of every writer (store writer, live export, convert, JAX save).
+
+    The leading `stacked` axes (default `stacked_axes(path)`: layer, expert) get inner size 1, so
+    reading one layer (one expert) reads about its own bytes; the remaining dims of the outer chunk
+    are split by `choose_inner_chunk` to at most `target_bytes` (``None``: not split).
+
+    >>> inner_chunk_shape(("params", "decoder", "layers", "w"), (16, 1024, 4096), 4)
+    (1, 512, 512)
+    >>> inner_chunk_shape(("params", "output_layer", "weight"), (1024, 4096), 4)
+    (512, 512)
+    >>> inner_chunk_shape(("params", "decoder", "layers", "mlp", "experts", "w"), (4, 8, 64), 2, None)
+    (1, 1, 64)
+    """
+    chunk = tuple(int(c) for c in chunk_shape)
+    k = stacked_axes(path, len(chunk)) if stacked is None else max(0, min(int(stacked), len(chunk)))
+    return (1,) * k + choose_inner_chunk(chunk[k:], itemsize, target_bytes)
+
+
+def orbax_chunk_args(path: Sequence[str], ndim: int, target_bytes: int | None = DEFAULT_INNER_CHUNK_BYTES) -> dict:
+    """`orbax.checkpoint.SaveArgs` keywords applying `inner_chunk_shape`'s policy to an Orbax save.
+
+    Orbax picks inner chunks itself; `shard_axes` makes it cut those axes down to 1 (one layer /
+    expert per inner chunk) and `chunk_byte_size` bounds the rest.
+
+    >>> orbax_chunk_args(("params", "decoder", "layers", "w"), 3)
+    {'chunk_byte_size': 1048576, 'shard_axes': (0,)}
+    """
+    return {"chunk_byte_size": target_bytes, "shard_axes": tuple(range(stacked_axes(path, ndim)))}
+
+
 def zarr3_metadata(shape: Sequence[int], dtype: str, chunk_shape: Sequence[int], inner_chunk_shape: Sequence[int],
                    compression: str | None = None, checksum: bool = True) -> dict:
     """zarr3 array metadata: regular outer grid, one sharding_indexed codec (Orbax's shape).

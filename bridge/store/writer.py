@@ -8,10 +8,22 @@ Usage (every writer w of W, after `begin_checkpoint(dst)` created the tmp dir)::
 
 Writes are batched into TensorStore transactions of about `inflight_bytes`, each committed as
 one OCDBT version while the next batch is staged, so host memory is bounded by that budget, not by
-the model size. Costs per byte that are kept down (bench_store_write): inner chunks not contiguous
-in the caller's data are copied once, into reused staging slabs (bridge/store/staging.py); digests
-run on side threads; the page cache of committed data files is dropped (drop-behind), so later
-batches write into recycled pages.
+the model size.
+
+Two invariants the writer enforces itself:
+- Every outer chunk is written within ONE transaction (any number of partial writes there). A
+  write to a chunk written in an earlier transaction is refused: OCDBT would keep every version
+  of the chunk, and TensorStore would carry the earlier transaction's inner chunks forward by
+  reference into the rewrite. The automatic flush waits until the chunks it would split are
+  complete, so a transaction may exceed `inflight_bytes` by the chunks still open.
+- A buffer TensorStore references (staging slabs, donated data) is leased (`staging.Lease`) and
+  refilled or handed back to the caller only once TensorStore dropped its references to it, not
+  merely once the commit that wrote it landed.
+
+Costs per byte that are kept down (bench_store_write): inner chunks not contiguous in the caller's
+data are copied once, into reused staging slabs (bridge/store/staging.py); digests run on side
+threads; the page cache of committed data files is dropped (drop-behind), so later batches write
+into recycled pages.
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ from bridge.store import digest as dg
 from bridge.store import specs
 from bridge.store.durable import write_json_atomic
 from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan  # noqa: F401 (re-export)
-from bridge.store.staging import SlabPool, cells_are_row_runs, grid_cells, num_grid_cells
+from bridge.store.staging import Lease, SlabPool, cells_are_row_runs, grid_cells, num_grid_cells
 from bridge.store.tree import path_str
 
 REPORT_DIR = "_gtp_bridge_writers"
@@ -102,7 +114,48 @@ class _ArrayState:
         # its own chunks only, not against every box of the array.
         self.boxes: dict[tuple[int, ...], _BoxList] = {}
         self.covered = np.zeros(plan.ownership.grid_shape, dtype=np.int64)
+        self.txn = np.full(plan.ownership.grid_shape, -1, dtype=np.int64)   # transaction that wrote each chunk
         self.digest = 0
+        self._sizes: np.ndarray | None = None
+
+    @property
+    def chunk_sizes(self) -> np.ndarray:
+        """Elements of each chunk (edge chunks are clipped to the array)."""
+        if self._sizes is None:
+            own = self.plan.ownership
+            sizes = np.ones((), dtype=np.int64)
+            for n, c, g in zip(own.shape, own.chunk_shape, own.grid_shape):
+                starts = np.arange(g, dtype=np.int64) * c
+                sizes = np.multiply.outer(sizes, np.minimum(starts + c, n) - starts)
+            self._sizes = sizes
+        return self._sizes
+
+    def claim(self, box: Box, txn: int, where: str) -> list[tuple[int, ...]]:
+        """Mark the chunks `box` touches as written in transaction `txn` (returns their indices);
+        BridgeError if one was written in an earlier transaction.
+
+        >>> from bridge.layout.chunks import ArrayOwnership
+        >>> own = ArrayOwnership((4, 4), (2, 4), np.zeros((2, 1), dtype=np.int32))
+        >>> st = _ArrayState(ArrayPlan(ArraySpec("a", (4, 4), "float32"), own, (2, 4)))
+        >>> st.claim(Box((0, 0), (1, 4)), 0, "w0: a"), st.claim(Box((1, 0), (3, 4)), 0, "w0: a")
+        ([(0, 0)], [(0, 0), (1, 0)])
+        >>> st.claim(Box((3, 0), (4, 4)), 1, "w0: a")
+        Traceback (most recent call last):
+        ...
+        bridge.errors.BridgeError: w0: a: box [3:4, 0:4] touches chunk [2:4, 0:4], written in transaction 0, which is already committed; write each chunk whole within one transaction (a chunk rewritten in a later transaction makes OCDBT keep every version of it)
+        """
+        own = self.plan.ownership
+        sl = own.chunks_touching(box)
+        seen = self.txn[sl]
+        bad = (seen >= 0) & (seen != txn)
+        if bad.any():
+            rel = tuple(int(i) for i in np.argwhere(bad)[0])
+            idx = tuple(s.start + r for s, r in zip(sl, rel))
+            raise BridgeError(f"{where}: box {box} touches chunk {own.chunk_box(idx)}, written in transaction "
+                              f"{int(seen[rel])}, which is already committed; write each chunk whole within one "
+                              "transaction (a chunk rewritten in a later transaction makes OCDBT keep every version of it)")
+        self.txn[sl] = txn
+        return list(product(*(range(s.start, s.stop) for s in sl)))
 
     def record(self, box: Box) -> None:
         """Add `box` to the coverage; BridgeError if it overlaps a box written before.
@@ -180,7 +233,9 @@ class CheckpointWriter:
         # Staging holds the batch being filled plus the `commit_depth` committing (see flush).
         self._slabs = SlabPool(keep_bytes=(self.commit_depth + 1) * self.inflight_bytes)
         self._futures: list = []
-        self._commits: list = []   # (commit future, staging slabs it references, its digests)
+        self._commits: list = []   # (commit future, staging slab leases, donated leases, its digests)
+        self._donated: list[Lease] = []  # data of the batch being staged that TensorStore references
+        self._open_chunks: set[tuple[str, tuple[int, ...]]] = set()  # chunks of this transaction not yet complete
         self._digests: list = []   # (array state, digest future) of the batch being staged
         self._pending = 0
         self._finished = False
@@ -215,7 +270,14 @@ class CheckpointWriter:
             return
         self._check_owner(ap, box, where)
         state = self._state.get(spec.name) or self._state.setdefault(spec.name, _ArrayState(ap))
+        keys = state.claim(box, self._issued, where)  # self._issued = the transaction being staged
         state.record(box)
+        sizes = state.chunk_sizes
+        for key in keys:
+            if state.covered[key] < sizes[key]:
+                self._open_chunks.add((spec.name, key))
+            else:
+                self._open_chunks.discard((spec.name, key))
         store = self._store(ap)
         try:
             staged = self._issue(store, ap, box, data, donate)
@@ -233,8 +295,13 @@ class CheckpointWriter:
                 state.digest = dg.combine([state.digest, dg.digest_box(spec.shape, box, data)])
         self._pending += data.nbytes
         self.bytes_written += data.nbytes
-        if self._pending >= self.inflight_bytes:
+        if self._pending >= self.inflight_bytes and not self._open_chunks:
             self.flush(wait=False)
+
+    @property
+    def open_chunk_count(self) -> int:
+        """Chunks written in the current transaction but not complete (a flush now would split them)."""
+        return len(self._open_chunks)
 
     def flush(self, wait: bool = True) -> None:
         """Commit the staged writes as one OCDBT version.
@@ -242,7 +309,9 @@ class CheckpointWriter:
         With ``wait=False`` (used when the in-flight budget fills) the commit and the batch's
         digests run in the background while the next batch is staged; at most `commit_depth`
         commits are outstanding, so host memory stays below about (commit_depth + 1) x
-        `inflight_bytes`. After ``flush()`` (wait=True) donated buffers are free again.
+        `inflight_bytes`. When it returns, the donated buffers of every commit that landed are free
+        again (TensorStore dropped them): with ``wait=True`` all of them. Chunks left incomplete
+        can not be written any more (see `open_chunk_count`).
         """
         try:
             for f in self._futures:
@@ -250,9 +319,11 @@ class CheckpointWriter:
             self._futures.clear()
             self._await_commits(keep=self.commit_depth - 1)  # bound the batches in flight
             if self._txn is not None:  # every write (hence every digest) opened the transaction
-                self._commits.append((self._txn.commit_async(), self._slabs.seal(), self._digests))
+                self._commits.append((self._txn.commit_async(), self._slabs.seal(), self._donated, self._digests))
                 self._issued += 1
             self._digests = []
+            self._donated = []
+            self._open_chunks.clear()
             self._txn = None
             self._open.clear()
             self._pending = 0
@@ -306,9 +377,16 @@ class CheckpointWriter:
         contiguous = data.flags.c_contiguous and cells_are_row_runs(box, inner)
         if (donate and contiguous) or not self.staging or data.nbytes < ncell * _MIN_STAGED_CELL_BYTES:
             if not donate and data.nbytes <= _COPY_HERE_BYTES:
-                data, donate = np.array(data, order="C"), True   # our copy, referenced: no wait below
-            fut = store[box.slices].write(data, can_reference_source_data_indefinitely=donate)
-            if not donate:  # TensorStore copies the source asynchronously; the caller may reuse it on return
+                # our copy, referenced: no wait below, and nobody else holds it
+                fut = store[box.slices].write(np.array(data, order="C"), can_reference_source_data_indefinitely=True)
+            elif donate:
+                # TensorStore holds a view only the lease knows: the caller gets the buffer back
+                # (flush) only once TensorStore dropped it
+                lease = Lease(data.view())
+                fut = store[box.slices].write(lease.arr, can_reference_source_data_indefinitely=True)
+                self._donated.append(lease)
+            else:  # TensorStore copies the source asynchronously; the caller may reuse it on return
+                fut = store[box.slices].write(data, can_reference_source_data_indefinitely=False)
                 fut.copy.result()
             self._futures.append(fut)
             return None
@@ -343,19 +421,37 @@ class CheckpointWriter:
         return self._copier
 
     def _await_commits(self, keep: int = 0) -> None:
-        """Wait until at most `keep` commits are outstanding; their staging slabs are then reused."""
+        """Wait until at most `keep` commits are outstanding and TensorStore let go of their donated
+        buffers; their staging slabs are released (reused once TensorStore let go of them too)."""
         if len(self._commits) <= keep:
             return
         t0 = time.perf_counter()
         while len(self._commits) > keep:
-            fut, slabs, digests = self._commits.pop(0)
+            fut, slabs, donated, digests = self._commits.pop(0)
             fut.result()
             for st, d in digests:
                 st.digest = dg.combine([st.digest, d.result()])
-            self._slabs.recycle(slabs)
+            self._slabs.release(slabs)
+            self._await_released(donated)
         self.commit_wait_s += time.perf_counter() - t0
         if self.drop_behind:
             self._drop_written_pages()
+
+    def _await_released(self, leases: Sequence[Lease], timeout: float = 10.0) -> None:
+        """Wait until TensorStore dropped the donated buffers of a landed commit (it releases them
+        as the transaction is destroyed, just after its future is ready); BridgeError if it does not:
+        the caller would then reuse a buffer a write still reads."""
+        deadline = None
+        wait = 1e-5
+        for lease in leases:
+            while lease.busy:
+                now = time.monotonic()
+                deadline = deadline or now + timeout
+                if now > deadline:
+                    raise BridgeError(f"writer {self.writer_id}: TensorStore still references a donated buffer "
+                                      f"{timeout:.0f} s after its commit landed; it is not safe to reuse it")
+                time.sleep(wait)
+                wait = min(wait * 2, 1e-3)
 
     def _drop_written_pages(self) -> None:
         """Drop the page cache of data files whose commit landed (TensorStore fsync'd them).
