@@ -163,29 +163,42 @@ def test_save_refusals(src, mesh, tmp_path):
                  ) + tuple(rn.opt_state[1:])
     with pytest.raises(BridgeError, match="lacks decoder/layers/1/"):
         save(str(dst), params=bad, opt_state=bad_state, step=rn.step, plans=rn.plans)
-    assert not os.path.exists(dst) and not os.path.exists(str(dst) + ".gtpb-jax-staging")
+    assert not os.path.exists(dst) and not os.path.exists(str(dst) + ".orbax-checkpoint-tmp")
     dotted = {"a.b": jnp.ones((2,), jnp.float32)}
     with pytest.raises(BridgeError, match="must not contain '.'"):
         save(str(dst), params=dotted, opt_state=optax.adam(0.1).init(dotted), step=0)
     assert not os.path.exists(dst)
 
 
-def test_stale_staging_from_a_crashed_save_is_replaced(src, mesh, tmp_path):
-    """A save killed before its final rename leaves only staging dirs, which the next save clears;
-    the destination itself never exists half-written."""
-    from bridge.store.commit import TMP_SUFFIX
-    from bridge.jaxside.save import STAGING_SUFFIX
+def test_stale_temp_from_a_crashed_save_is_replaced_and_a_users_dir_kept(src, mesh, tmp_path):
+    """A save killed before its final rename leaves only its claimed temp dir, which the next save
+    removes (its process is dead); a temp-named dir that is not a claim of ours is never touched."""
+    import json
+    import subprocess
+    import sys
+
+    from bridge.store.claim import CLAIM_FILE, ClaimInfo, tmp_dir_for
 
     d, arrays = src
     r = restore(d, mesh=mesh, items=("params", "opt_state", "step"))
     dst = str(tmp_path / "out")
-    for stale in (dst + STAGING_SUFFIX, dst + STAGING_SUFFIX + TMP_SUFFIX):
-        os.makedirs(stale)
-        open(os.path.join(stale, "_METADATA"), "w").write("{garbage")
+    tmp = tmp_dir_for(dst)
+    os.makedirs(os.path.join(tmp, "item"))
+    open(os.path.join(tmp, "item", "_METADATA"), "w").write("{garbage")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    # a claim of an exited process ("1": no live process has that start time, should the pid be reused)
+    info = ClaimInfo.mine(dst).__dict__ | {"pid": int(dead.stdout), "pid_start": "1"}
+    json.dump(info, open(os.path.join(tmp, CLAIM_FILE), "w"))
     with pytest.raises(BridgeError):
         open_checkpoint(dst)  # nothing at the destination yet
     save(dst, params=r.params, opt_state=r.opt_state, step=r.step)
-    assert not os.path.exists(dst + STAGING_SUFFIX) and not os.path.exists(dst + STAGING_SUFFIX + TMP_SUFFIX)
+    assert not os.path.exists(tmp)
     ck = open_checkpoint(dst)
     p = ("opt_state", "0", "nu", "output_layer", "weight")
     assert np.array_equal(bits(ck.read(p)), bits(arrays[p]))
+    dst2 = str(tmp_path / "out2")
+    os.makedirs(tmp_dir_for(dst2))
+    open(os.path.join(tmp_dir_for(dst2), "notes.txt"), "w").write("mine")
+    with pytest.raises(BridgeError, match="holds no gtp-bridge claim"):
+        save(dst2, params=r.params, opt_state=r.opt_state, step=r.step)
+    assert open(os.path.join(tmp_dir_for(dst2), "notes.txt")).read() == "mine" and not os.path.exists(dst2)

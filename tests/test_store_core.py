@@ -7,12 +7,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bridge.errors import BridgeError
+from bridge.errors import BridgeError, IntegrityError
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, ownership_from_claims, regular_ownership
 from bridge.store import (ArraySpec, CheckpointWriter, begin_checkpoint, commit_checkpoint, make_write_plan,
                           megatron_key_to_path, open_checkpoint, save_checkpoint, tmp_dir_for)
 from bridge.store import digest as dg
+from bridge.store.manifest import seal_metadata
 from bridge.store.tree import path_to_name
 
 
@@ -114,5 +115,15 @@ def test_newer_manifest_version_is_refused(tmp_path):
     meta = json.load(open(os.path.join(dst, "_METADATA")))
     meta["custom_metadata"]["gtp_bridge"]["format_version"] = 99
     json.dump(meta, open(os.path.join(dst, "_METADATA"), "w"))
+    # an edit: refused by the checksum, and by the version once the reader is told to look anyway
+    with pytest.raises(IntegrityError, match="checksum mismatch.*allow_edited_metadata=True"):
+        open_checkpoint(dst)
+    with pytest.raises(BridgeError, match="newer than this gtp-bridge supports"):
+        open_checkpoint(dst, allow_edited_metadata=True)
+    # a newer writer seals what it writes: refused by the version alone
+    ckpt_meta = json.load(open(os.path.join(dst, "_CHECKPOINT_METADATA")))
+    ckpt_meta["custom_metadata"]["gtp_bridge_checksum"] = seal_metadata(meta)
+    json.dump(meta, open(os.path.join(dst, "_METADATA"), "w"))
+    json.dump(ckpt_meta, open(os.path.join(dst, "_CHECKPOINT_METADATA"), "w"))
     with pytest.raises(BridgeError, match="newer than this gtp-bridge supports"):
         open_checkpoint(dst)

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
-import shutil
 from typing import Any, Mapping
 
 import jax
@@ -33,8 +31,8 @@ from bridge.jaxside.optax_state import extract_adam
 from bridge.layout.boxes import Box
 from bridge.progress import progress
 from bridge.store import digest as store_digest
-from bridge.store.commit import CHECKSUM_KEY, TMP_SUFFIX, metadata_checksum
-from bridge.store.durable import fsync_path, write_json_atomic
+from bridge.store.claim import claim_destination, tmp_dir_for
+from bridge.store.commit import seal_checkpoint
 from bridge.store.manifest import MANIFEST_KEY, ArrayRecord, Manifest, SourceLayout
 from bridge.store.tree import check_tree_paths, path_to_name
 from converters.jax_naming import Plan, jax_backend
@@ -56,7 +54,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     import orbax.checkpoint as ocp
 
     d = os.fspath(directory)
-    if os.path.exists(d):
+    if os.path.lexists(d):
         raise BridgeError(f"destination {d} exists; choose a new directory (checkpoints are never overwritten)")
     plans = dict(plans or {})
     flat_params = leaves_by_path(params)
@@ -95,38 +93,45 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     save_args = None
     if chunk_byte_size is not None:
         save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=int(chunk_byte_size)), tree)
-    # Orbax commits (tmp + rename) into a staging name; we then seal _METADATA with the store's
-    # checksum and rename to `d`, so `d` only ever appears complete and sealed.
-    staging = os.path.abspath(d).rstrip("/") + STAGING_SUFFIX
-    if jax.process_index() == 0:
-        for stale in (staging, staging + TMP_SUFFIX):  # left by a crashed save; never given to anyone
-            if os.path.lexists(stale):
-                shutil.rmtree(stale)
-    _barrier("gtpb-save-start")
-    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
-                                          save_concurrent_gb=concurrent_gb)
-    ck = ocp.Checkpointer(handler)
-    ck.save(staging, args=ocp.args.PyTreeSave(tree, save_args=save_args,
-                                              custom_metadata={MANIFEST_KEY: out.to_json()}))
-    if jax.process_index() == 0:
-        seal_metadata(staging)
-        os.rename(staging, d)
-        fsync_path(os.path.dirname(os.path.abspath(d)))
+    # One claim per save (bridge.store.claim, as every writer): process 0 claims `d`; Orbax commits
+    # (its own tmp + rename) into a sub-directory of the claim; we seal _METADATA with the store's
+    # checksum and publish it to `d` with a no-replace rename, so `d` only ever appears complete.
+    claim = _claim_on_process_0(d)
+    staging = os.path.join(tmp_dir_for(d), "item")
+    try:
+        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
+                                              save_concurrent_gb=concurrent_gb)
+        ck = ocp.Checkpointer(handler)
+        ck.save(staging, args=ocp.args.PyTreeSave(tree, save_args=save_args,
+                                                  custom_metadata={MANIFEST_KEY: out.to_json()}))
+        if claim is not None:
+            seal_checkpoint(staging)
+            claim.publish(payload=staging)
+    except BaseException:
+        if claim is not None:
+            claim.release()
+        raise
     _barrier("gtpb-save-done")
     return out
 
 
-STAGING_SUFFIX = ".gtpb-jax-staging"
+def _claim_on_process_0(d: str):
+    """Process 0 claims `d`; every process raises if that failed (no process starts writing)."""
+    claim, err = None, ""
+    if jax.process_index() == 0:
+        try:
+            claim = claim_destination(d)
+        except BridgeError as e:
+            err = str(e)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
 
-
-def seal_metadata(directory: str) -> None:
-    """Add the store's `_METADATA` checksum (tree + manifest) that `gtp-bridge verify` checks."""
-    path = os.path.join(directory, "_METADATA")
-    with open(path) as f:
-        meta = json.load(f)
-    custom = meta.setdefault("custom_metadata", {})
-    custom[CHECKSUM_KEY] = metadata_checksum(meta["tree_metadata"], custom[MANIFEST_KEY])
-    write_json_atomic(path, meta)
+        failed = int(multihost_utils.broadcast_one_to_all(np.int32(1 if err else 0)))
+        if failed and not err:
+            err = f"process 0 could not claim the destination {d} (see its error); nothing was written"
+    if err:
+        raise BridgeError(err)
+    return claim
 
 
 def _barrier(name: str) -> None:

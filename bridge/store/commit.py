@@ -2,9 +2,12 @@
 
 Protocol (W writers, any number of processes)::
 
-    tmp = begin_checkpoint(dst)                       # once, before writers start (rank 0 + barrier)
+    tmp = begin_checkpoint(dst, sources=[src])        # claims dst (bridge.store.claim); once, before writers start
     ... each writer: CheckpointWriter(tmp, plan, w).write(...); .finish()
     commit_checkpoint(dst, plan, manifest)            # one process; waits for all writer reports
+
+or, in one process, `with claim_destination(dst, sources=[src]) as claim:` ... writers on
+`claim.tmp` ... `commit_checkpoint(dst, plan, manifest, claim=claim)`.
 
 `finalize(dst, plan, writer_id, manifest)` wraps the last step for every writer: with
 torch.distributed initialised it barriers, rank 0 commits and the outcome is broadcast; without
@@ -16,7 +19,6 @@ checkpoint or absent.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -30,37 +32,34 @@ from bridge.errors import BridgeError
 from bridge.progress import progress
 from bridge.store import digest as dg
 from bridge.store import specs
-from bridge.store.durable import fsync_path, fsync_tree, write_json_atomic
-from bridge.store.manifest import MANIFEST_KEY, ArrayRecord, Manifest
+from bridge.store.claim import (TMP_SUFFIX, ClaimInfo, DestinationClaim, claim_destination, held_claim,
+                                tmp_dir_for)
+from bridge.store.durable import fsync_tree, write_json_atomic
+from bridge.store.manifest import CHECKSUM_KEY, MANIFEST_KEY, ArrayRecord, Manifest, seal_metadata
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.store.tree import path_str, tree_metadata
 from bridge.store.writer import REPORT_DIR, CheckpointWriter, report_path
 
-TMP_SUFFIX = ".orbax-checkpoint-tmp"
-CHECKSUM_KEY = "gtp_bridge_checksum"
 ITEM_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 
 
-def tmp_dir_for(dst: str) -> str:
-    """Orbax's temporary directory name for a checkpoint being written to `dst`."""
-    return os.path.abspath(dst).rstrip("/") + TMP_SUFFIX
+def begin_checkpoint(dst: str, sources: Sequence[str] = ()) -> str:
+    """Claim `dst` for this run (`bridge.store.claim.claim_destination`) and return its temp directory.
 
-
-def begin_checkpoint(dst: str) -> str:
-    """Create a fresh `<dst>.orbax-checkpoint-tmp` (removing a stale one); refuse an existing `dst`.
-
-    Under torch.distributed every rank calls it: rank 0 prepares the directory, the outcome is
-    broadcast and all ranks return the tmp path (or raise the same error). Without it, call it
-    once before starting the writer processes.
+    Refuses an existing `dst`, a `dst` overlapping one of `sources`, and a temp directory that is
+    not provably a stale one of ours. Under torch.distributed every rank calls it: rank 0 claims,
+    the outcome is broadcast and all ranks return the same temp path (or raise the same error).
+    Without it, call it once before starting the writer processes. The claim is released (its
+    directory removed) when `commit_checkpoint` fails, on SIGTERM/SIGINT, or at exit.
     """
     if not dist_initialized():
-        return _begin_local(dst)
+        return claim_destination(dst, sources=sources).tmp
     import torch.distributed as dist
 
     err = [None]
     if dist.get_rank() == 0:
         try:
-            _begin_local(dst)
+            claim_destination(dst, sources=sources)
         except BridgeError as e:
             err = [str(e)]
     dist.broadcast_object_list(err, src=0)
@@ -69,22 +68,12 @@ def begin_checkpoint(dst: str) -> str:
     return tmp_dir_for(dst)
 
 
-def _begin_local(dst: str) -> str:
-    dst = os.path.abspath(dst)
-    if os.path.lexists(dst):
-        raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
-    tmp = tmp_dir_for(dst)
-    if os.path.lexists(tmp):
-        # Left by a crashed save (never a committed checkpoint: those carry no tmp suffix).
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    return tmp
-
-
-def checkpoint_metadata_json(init_ns: int, commit_ns: int | None = None) -> dict:
-    """`_CHECKPOINT_METADATA` as Orbax's StandardCheckpointer writes it."""
+def checkpoint_metadata_json(init_ns: int, commit_ns: int | None = None, checksum: str | None = None) -> dict:
+    """`_CHECKPOINT_METADATA` as Orbax's StandardCheckpointer writes it; its custom_metadata keeps a
+    copy of `_METADATA`'s checksum, so a removed manifest is told apart from a plain Orbax checkpoint."""
     return {"item_handlers": ITEM_HANDLER, "metrics": {}, "performance_metrics": {},
-            "init_timestamp_nsecs": init_ns, "commit_timestamp_nsecs": commit_ns, "custom_metadata": {}}
+            "init_timestamp_nsecs": init_ns, "commit_timestamp_nsecs": commit_ns,
+            "custom_metadata": {CHECKSUM_KEY: checksum} if checksum else {}}
 
 
 # -- barrier -------------------------------------------------------------------------------------
@@ -146,34 +135,69 @@ def check_coverage(plan: WritePlan, reports: Sequence[dict]) -> dict[str, int]:
     return digests
 
 
-def metadata_checksum(tree: Mapping, manifest_json: Mapping) -> str:
-    """sha256 over the tree and the manifest: any edit of `_METADATA` is detected by `verify`."""
-    blob = json.dumps({"tree_metadata": tree, MANIFEST_KEY: manifest_json}, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()
+def expected_databases(plan: WritePlan) -> list[int]:
+    """Writers that must have an OCDBT database: owners of chunks and creators of array metadata."""
+    ws = set()
+    for ap in plan.arrays.values():
+        ws.add(ap.meta_writer)
+        if ap.ownership.num_chunks:
+            ws.update(int(w) for w in np.unique(ap.ownership.owners))
+    return sorted(ws)
 
 
 def metadata_json(plan: WritePlan, manifest: Manifest) -> dict:
-    """`_METADATA` in Orbax's schema, the manifest in custom_metadata."""
+    """`_METADATA` in Orbax's schema, the manifest in custom_metadata, sealed with its checksum."""
     tree = tree_metadata([(ap.spec.path, ap.ownership.chunk_shape) for ap in plan.arrays.values()], plan.empty_paths)
-    mj = manifest.to_json()
-    return {"tree_metadata": tree, "use_ocdbt": True, "use_zarr3": True,
+    meta = {"tree_metadata": tree, "use_ocdbt": True, "use_zarr3": True,
             "store_array_data_equal_to_fill_value": True,
-            "custom_metadata": {MANIFEST_KEY: mj, CHECKSUM_KEY: metadata_checksum(tree, mj)}}
+            "custom_metadata": {MANIFEST_KEY: manifest.to_json()}}
+    seal_metadata(meta)
+    return meta
 
 
 # -- I/O -------------------------------------------------------------------------------------------
+def seal_checkpoint(directory: str) -> str:
+    """Seal a checkpoint another writer (Orbax) produced: the checksum of every `_METADATA` field
+    goes into its custom_metadata and, as a copy, into `_CHECKPOINT_METADATA`'s. Returns it."""
+    path = os.path.join(directory, "_METADATA")
+    with open(path) as f:
+        meta = json.load(f)
+    checksum = seal_metadata(meta)
+    write_json_atomic(path, meta)
+    cpath = os.path.join(directory, "_CHECKPOINT_METADATA")
+    if os.path.isfile(cpath):
+        with open(cpath) as f:
+            cmeta = json.load(f)
+        cmeta["custom_metadata"] = {**(cmeta.get("custom_metadata") or {}), CHECKSUM_KEY: checksum}
+        write_json_atomic(cpath, cmeta)
+    return checksum
+
+
+def check_writer_databases(tmp_dir: str, plan: WritePlan) -> list[int]:
+    """Every expected writer's database exists (a missing one is an error, never skipped)."""
+    writers = expected_databases(plan)
+    missing = [w for w in writers if not os.path.isfile(os.path.join(specs.writer_db_dir(tmp_dir, w), "manifest.ocdbt"))]
+    if missing:
+        raise BridgeError(f"the databases of writers {missing} are missing from {tmp_dir} although their reports "
+                          f"are there (removed by another process?); nothing was committed, rerun")
+    return writers
+
+
 def merge_writer_databases(tmp_dir: str, writers: Sequence[int]) -> None:
-    """Copy every writer DB's B-tree entries into the root DB (one shared Context, one transaction)."""
+    """Copy every writer DB's B-tree entries into the root DB (one shared Context, one transaction).
+
+    Every writer listed must have its database (BridgeError naming the missing ones)."""
     import tensorstore as ts
 
+    missing = [w for w in writers if not os.path.isdir(specs.writer_db_dir(tmp_dir, w))]
+    if missing:
+        raise BridgeError(f"writer databases {missing} are missing from {tmp_dir}; nothing was committed, rerun")
     ctx = ts.Context(specs.context_spec())
     parent = ts.KvStore.open(specs.ocdbt_kvstore(tmp_dir, write=True), context=ctx).result()
     txn = ts.Transaction(atomic=True)
     futures = []
     for w in writers:
         db = specs.writer_db_dir(tmp_dir, w)
-        if not os.path.isdir(db):
-            continue
         # Same base-kvstore spec as the parent: CopyRange only works within one file kvstore.
         child = ts.KvStore.open(specs.ocdbt_kvstore(db, write=True), context=ctx).result()
         futures.append(child.experimental_copy_range_to(parent.with_transaction(txn)))
@@ -182,33 +206,89 @@ def merge_writer_databases(tmp_dir: str, writers: Sequence[int]) -> None:
     txn.commit_async().result()
 
 
-def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = None, *, timeout: float = 600.0) -> str:
-    """Wait for all writers, check coverage, merge, write metadata, fsync, rename tmp -> dst."""
-    dst = os.path.abspath(dst)
+def stored_chunk_counts(keys: Sequence[bytes]) -> dict[str, int]:
+    """Array name -> number of chunk keys (`<name>/c...`) in a listing of the merged database.
+
+    >>> stored_chunk_counts([b"a.w/zarr.json", b"a.w/c/0/0", b"a.w/c/1/0", b"step/c", b"step/zarr.json"])
+    {'a.w': 2, 'step': 1}
+    """
+    counts: dict[str, int] = {}
+    for k in keys:
+        name, sep, rest = k.decode().partition("/")
+        if sep and (rest == "c" or rest.startswith("c/")):
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def check_stored_chunks(tmp_dir: str, plan: WritePlan) -> None:
+    """After the merge: every array's metadata and every one of its chunks is in the root database."""
+    import tensorstore as ts
+
+    kv = ts.KvStore.open(specs.ocdbt_kvstore(tmp_dir), context=ts.Context(specs.context_spec())).result()
+    keys = kv.list().result()
+    have = {k.decode().partition("/")[0] for k in keys if k.endswith(b"/zarr.json")}
+    counts = stored_chunk_counts(keys)
+    for name, ap in plan.arrays.items():
+        want = ap.ownership.num_chunks if all(ap.spec.shape) else 0
+        if name not in have:
+            raise BridgeError(f"{path_str(ap.spec.path)}: its zarr metadata is missing after the merge; nothing was "
+                              f"committed, rerun")
+        if counts.get(name, 0) != want:
+            raise BridgeError(f"{path_str(ap.spec.path)}: {counts.get(name, 0)} of its {want} chunks are stored after "
+                              f"the merge; nothing was committed, rerun")
+
+
+def _claim_for(dst: str, claim: DestinationClaim | None) -> DestinationClaim:
+    """The claim on dst: the one given, the one this process holds, or (another process of the run
+    made it) the one recorded in the temp directory."""
+    claim = claim or held_claim(dst)
+    if claim is not None:
+        return claim
     tmp = tmp_dir_for(dst)
-    init_ns = time.time_ns()
     if not os.path.isdir(tmp):
         raise BridgeError(f"no checkpoint in progress at {tmp}; call begin_checkpoint(dst) and run the writers first")
-    reports = wait_for_reports(tmp, plan, timeout)
-    digests = check_coverage(plan, reports)
-    algos = {r["digest_algorithm"] for r in reports}
-    algo = algos.pop() if len(algos) == 1 else ""
-    manifest = manifest if manifest is not None else Manifest()
-    records = {name: ArrayRecord(ap.spec.shape, ap.spec.dtype, dg.to_hex(digests[name]) if algo else None)
-               for name, ap in plan.arrays.items()}
-    manifest = dataclasses.replace(manifest, arrays=records, digest_algorithm=algo)
-    merge_writer_databases(tmp, range(plan.num_writers))
-    shutil.rmtree(os.path.join(tmp, REPORT_DIR))
-    write_json_atomic(os.path.join(tmp, "_METADATA"), metadata_json(plan, manifest))
-    write_json_atomic(os.path.join(tmp, "_CHECKPOINT_METADATA"), checkpoint_metadata_json(init_ns, time.time_ns()))
-    with open(os.path.join(tmp, "commit_success.txt"), "w") as f:
-        f.write(f"Checkpoint commit was successful to {dst}")
-    fsync_tree(tmp)
-    if os.path.lexists(dst):
-        raise BridgeError(f"destination {dst} appeared while saving; the new checkpoint is left in {tmp}")
-    os.rename(tmp, dst)
-    fsync_path(os.path.dirname(dst))
-    return dst
+    info = ClaimInfo.load(tmp)
+    if info is None:
+        raise BridgeError(f"{tmp} holds no gtp-bridge claim; it was not created by begin_checkpoint(dst): "
+                          f"nothing was committed")
+    return DestinationClaim(dst, info)
+
+
+def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = None, *, timeout: float = 600.0,
+                      claim: DestinationClaim | None = None) -> str:
+    """Wait for all writers, check coverage and every writer's database, merge, check every chunk is
+    stored, write sealed metadata, fsync, rename tmp -> dst (never over an existing dst).
+
+    On any failure the run's temp directory is removed (by the process holding the claim)."""
+    dst = os.path.abspath(dst)
+    claim = _claim_for(dst, claim)
+    tmp = claim.tmp
+    init_ns = time.time_ns()
+    try:
+        claim.check_owned()
+        reports = wait_for_reports(tmp, plan, timeout)
+        digests = check_coverage(plan, reports)
+        algos = {r["digest_algorithm"] for r in reports}
+        algo = algos.pop() if len(algos) == 1 else ""
+        manifest = manifest if manifest is not None else Manifest()
+        records = {name: ArrayRecord(ap.spec.shape, ap.spec.dtype, dg.to_hex(digests[name]) if algo else None)
+                   for name, ap in plan.arrays.items()}
+        manifest = dataclasses.replace(manifest, arrays=records, digest_algorithm=algo)
+        merge_writer_databases(tmp, check_writer_databases(tmp, plan))
+        check_stored_chunks(tmp, plan)
+        claim.check_owned()  # nobody replaced the directory while we merged
+        shutil.rmtree(os.path.join(tmp, REPORT_DIR))
+        meta = metadata_json(plan, manifest)
+        write_json_atomic(os.path.join(tmp, "_METADATA"), meta)
+        write_json_atomic(os.path.join(tmp, "_CHECKPOINT_METADATA"),
+                          checkpoint_metadata_json(init_ns, time.time_ns(), meta["custom_metadata"][CHECKSUM_KEY]))
+        with open(os.path.join(tmp, "commit_success.txt"), "w") as f:
+            f.write(f"Checkpoint commit was successful to {dst}")
+        fsync_tree(tmp)
+    except BaseException:
+        claim.release()
+        raise
+    return claim.publish(fsync=False)  # removes the claim's files itself if it fails
 
 
 def finalize(dst: str, plan: WritePlan, writer_id: int, manifest: Manifest | None = None, *,
@@ -260,17 +340,15 @@ def save_checkpoint(dst: str, arrays: Mapping[Sequence[str] | str, np.ndarray], 
     """
     catalog = catalog_of(arrays)
     plan = make_write_plan(catalog, num_writers, empty_paths=empty_paths, compression=compression)
-    if os.path.lexists(dst):
-        raise BridgeError(f"destination {os.path.abspath(dst)} already exists; choose a new directory or remove it")
     data = {spec.name: np.asarray(a) for spec, a in zip(catalog, arrays.values())}
-    tmp = begin_checkpoint(dst)
-    with progress(plan.total_bytes, f"save {os.path.basename(dst)}") as bar:
-        for w in range(num_writers):
-            writer = CheckpointWriter(tmp, plan, w)
-            for name, ap in plan.arrays.items():
-                for box in ap.ownership.boxes_owned_by(w):
-                    block = data[name][box.slices]
-                    writer.write(name, box, block)
-                    bar.update(block.nbytes)
-            writer.finish()
-    return commit_checkpoint(dst, plan, manifest, timeout=10.0)
+    with claim_destination(dst) as claim:
+        with progress(plan.total_bytes, f"save {os.path.basename(dst)}") as bar:
+            for w in range(num_writers):
+                writer = CheckpointWriter(claim.tmp, plan, w)
+                for name, ap in plan.arrays.items():
+                    for box in ap.ownership.boxes_owned_by(w):
+                        block = data[name][box.slices]
+                        writer.write(name, box, block)
+                        bar.update(block.nbytes)
+                writer.finish()
+        return commit_checkpoint(dst, plan, manifest, timeout=10.0, claim=claim)

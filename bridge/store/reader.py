@@ -20,13 +20,16 @@ import numpy as np
 from bridge.errors import BridgeError, IntegrityError
 from bridge.layout.boxes import Box
 from bridge.store import specs
-from bridge.store.commit import CHECKSUM_KEY, TMP_SUFFIX
-from bridge.store.manifest import MANIFEST_KEY, Manifest
+from bridge.store.claim import TMP_SUFFIX
+from bridge.store.manifest import CHECKSUM_KEY, MANIFEST_KEY, Manifest, metadata_problems
 from bridge.store.specs import numpy_dtype
 from bridge.store.tree import Path, parse_tree_metadata, path_str
 
 # Orbax item sub-directories (v1 `state/`, CheckpointManager `default/`) when given the step dir.
 ITEM_DIRS = ("state", "default")
+# Files that mark a directory as a (possibly damaged) checkpoint even without _METADATA.
+CHECKPOINT_MARKERS = ("_CHECKPOINT_METADATA", "manifest.ocdbt", "commit_success.txt")
+ALLOW_EDITED_ENV = "GTP_BRIDGE_ALLOW_EDITED_METADATA"
 
 
 @dataclass(frozen=True)
@@ -59,13 +62,19 @@ def find_checkpoint_root(path: str) -> str:
     if os.path.isfile(os.path.join(path, ".metadata")):
         raise BridgeError(f"{path} is a torch_dist (Megatron/DCP) checkpoint, not a logical one; "
                           f"convert it first: gtp-bridge convert {path} OUT")
+    for d in (path,) + tuple(os.path.join(path, i) for i in ITEM_DIRS):
+        if any(os.path.exists(os.path.join(d, m)) for m in CHECKPOINT_MARKERS):
+            raise IntegrityError(f"{d}/_METADATA is missing; the checkpoint is damaged")
     raise BridgeError(f"{path} has no _METADATA: not a committed Orbax checkpoint")
 
 
 class Checkpoint:
-    """A committed checkpoint opened for lazy reads."""
+    """A committed checkpoint opened for lazy reads.
 
-    def __init__(self, root: str, metadata: dict) -> None:
+    `metadata_problems` lists what is wrong with `_METADATA` (edited after commit, manifest
+    removed or malformed); non-empty only when opened with `allow_edited_metadata`."""
+
+    def __init__(self, root: str, metadata: dict, problems: Sequence[str] = ()) -> None:
         import tensorstore as ts
 
         self._ts = ts
@@ -79,9 +88,17 @@ class Checkpoint:
         self.use_zarr3 = bool(metadata.get("use_zarr3", False))
         # When every chunk was stored, a missing chunk means damage, not zeros.
         self.fill_missing = not metadata.get("store_array_data_equal_to_fill_value", False)
+        self.metadata_problems = list(problems)
         custom = metadata.get("custom_metadata") or {}
         raw = custom.get(MANIFEST_KEY) if isinstance(custom, dict) else None
-        self.manifest: Manifest | None = Manifest.from_json(raw) if raw is not None else None
+        self.manifest: Manifest | None = None
+        if raw is not None:
+            try:
+                self.manifest = Manifest.from_json(raw)
+            except IntegrityError as e:
+                if not problems:
+                    raise
+                self.metadata_problems.append(str(e))  # opened to inspect damage: the arrays stay readable
         self.metadata_checksum: str | None = custom.get(CHECKSUM_KEY) if isinstance(custom, dict) else None
         self.context = ts.Context(specs.context_spec())
         self._info: dict[Path, ArrayInfo] = {}
@@ -174,14 +191,51 @@ def _array_info(t, zarr3: bool) -> ArrayInfo:
     return ArrayInfo(shape, dtype, chunks, chunks, comp.get("id") if comp else None)
 
 
-def open_checkpoint(path: str) -> Checkpoint:
-    """Open a committed checkpoint directory (never a `*.orbax-checkpoint-tmp` one)."""
-    root = find_checkpoint_root(path)
+def read_metadata(root: str) -> tuple[dict, list[str]]:
+    """`_METADATA` of a checkpoint root and the problems `metadata_problems` finds in it."""
     try:
         with open(os.path.join(root, "_METADATA")) as f:
             metadata = json.load(f)
     except (OSError, ValueError) as e:
-        raise IntegrityError(f"{root}/_METADATA is unreadable ({e}); the checkpoint is damaged") from e
+        raise IntegrityError(f"{root}/_METADATA is unreadable ({_one_line(e)}); the checkpoint is damaged") from e
     if not isinstance(metadata, dict):
         raise IntegrityError(f"{root}/_METADATA is not a JSON object; the checkpoint is damaged")
-    return Checkpoint(root, metadata)
+    try:
+        with open(os.path.join(root, "_CHECKPOINT_METADATA")) as f:
+            ckpt_meta = json.load(f)
+    except (OSError, ValueError):
+        ckpt_meta = None  # optional (older Orbax); the checksum in _METADATA still applies
+    return metadata, metadata_problems(metadata, ckpt_meta)
+
+
+def edited_metadata_allowed(allow: bool | None) -> bool:
+    """`allow_edited_metadata` as given, else the GTP_BRIDGE_ALLOW_EDITED_METADATA environment variable."""
+    if allow is not None:
+        return bool(allow)
+    return os.environ.get(ALLOW_EDITED_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def check_metadata(root: str, allow_edited_metadata: bool | None = None) -> tuple[dict, list[str]]:
+    """Read `_METADATA`; IntegrityError (one line) when it was edited after commit, unless allowed."""
+    metadata, problems = read_metadata(root)
+    if problems and not edited_metadata_allowed(allow_edited_metadata):
+        raise IntegrityError(f"{root}: {problems[0]}; refusing to read edited checkpoint metadata (see `gtp-bridge "
+                             f"verify`); to read it anyway pass allow_edited_metadata=True or set "
+                             f"{ALLOW_EDITED_ENV}=1")
+    return metadata, problems
+
+
+def open_checkpoint(path: str, *, allow_edited_metadata: bool | None = None) -> Checkpoint:
+    """Open a committed checkpoint directory (never a `*.orbax-checkpoint-tmp` one).
+
+    A bridge checkpoint whose `_METADATA` fails its checksum (any field edited, the manifest
+    removed) is refused with an IntegrityError unless `allow_edited_metadata=True` (or the
+    environment variable GTP_BRIDGE_ALLOW_EDITED_METADATA=1); the problems are then listed in
+    `Checkpoint.metadata_problems`.
+    """
+    root = find_checkpoint_root(path)
+    metadata, problems = check_metadata(root, allow_edited_metadata)
+    if not problems:
+        # a malformed manifest under a matching checksum is still damage: the Checkpoint raises
+        return Checkpoint(root, metadata)
+    return Checkpoint(root, metadata, problems)

@@ -1,0 +1,440 @@
+"""Exclusive ownership of a destination: one run writes DST, nobody else's files are ever deleted.
+
+Every writer (convert, to-megatron, live export, JAX save) claims its destination the same way:
+
+    with claim_destination(dst, sources=[src]) as claim:     # refuses DST, SRC/DST overlaps, a busy temp
+        ... write everything into claim.tmp ...
+        claim.publish()                                      # atomic no-replace rename claim.tmp -> DST
+
+The claim is `<DST>.orbax-checkpoint-tmp` (Orbax's temp name, the same for every process of a
+multi-process run, so ranks agree on it without talking), created with an atomic `mkdir` and
+holding `.gtpb-claim.json` (run id, pid, host, boot id, the pid's start time). A second run to the
+same DST finds the directory and fails in one line. An existing temp directory is removed only when
+its claim file proves it is a stale temp of a gtp-bridge run on this host whose process is dead
+(then the removal is reported); anything else (a user's directory, a live run, another host) is
+refused and never touched. On an exception, SIGINT or SIGTERM the run removes what it created; the
+rename never replaces a DST that appeared meanwhile (renameat2 RENAME_NOREPLACE).
+
+Claims are made under an flock of DST's parent directory, so two processes on one host never
+inspect, take over or create the temp directory at the same time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Iterable, Iterator
+
+from bridge.errors import BridgeError
+from bridge.store.durable import fsync_path, fsync_tree
+
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+CLAIM_FILE = ".gtpb-claim.json"
+TOOL = "gtp-bridge"
+
+
+def tmp_dir_for(dst: str) -> str:
+    """The temporary directory (and claim) of a run writing `dst`.
+
+    >>> tmp_dir_for("/c/step_1/")
+    '/c/step_1.orbax-checkpoint-tmp'
+    """
+    return os.path.abspath(dst).rstrip("/") + TMP_SUFFIX
+
+
+class Terminated(SystemExit):
+    """SIGTERM (or SIGHUP) turned into an exception, so cleanup handlers run; exit code 128 + signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+@dataclass(frozen=True)
+class ClaimInfo:
+    """Who holds a claim: enough to prove, on this host, that its process is gone."""
+
+    run_id: str
+    pid: int
+    host: str
+    boot_id: str
+    pid_start: str      # the process's start time (/proc/<pid>/stat field 22): tells a reused pid apart
+    created: float
+    dst: str
+    tool: str = TOOL
+
+    @classmethod
+    def mine(cls, dst: str) -> "ClaimInfo":
+        pid = os.getpid()
+        return cls(uuid.uuid4().hex, pid, socket.gethostname(), _boot_id(), _start_time(pid), time.time(), dst)
+
+    @classmethod
+    def load(cls, tmp: str) -> "ClaimInfo | None":
+        """The claim in `tmp`, or None when there is none or it is not a gtp-bridge claim."""
+        try:
+            with open(os.path.join(tmp, CLAIM_FILE)) as f:
+                d = json.load(f)
+            info = cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        return info if info.tool == TOOL else None
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on host {self.host}, started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.created))}"
+
+    def dead_here(self) -> bool:
+        """True only when the claiming process provably no longer exists (same host, same boot or a reboot)."""
+        if self.host != socket.gethostname():
+            return False
+        if self.boot_id and self.boot_id != _boot_id():
+            return True  # the machine rebooted since: every process of that boot is gone
+        return not _alive(self.pid, self.pid_start)
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2:].split()  # fields after "(comm)", which may hold spaces
+
+
+def _start_time(pid: int) -> str:
+    st = _proc_stat(pid)
+    return st[19] if st and len(st) > 19 else ""
+
+
+def _alive(pid: int, start: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: not provably dead
+    st = _proc_stat(pid)
+    if st is None:
+        return not os.path.isdir("/proc")  # no procfs: kill(0) said it exists
+    if st[0] == "Z":
+        return False  # killed, waiting to be reaped
+    return not start or st[19] == start  # a different start time: the pid was reused
+
+
+# -- sources vs destination -------------------------------------------------------------------
+def _inside(a: str, b: str) -> bool:
+    """True when path a equals b or lies below it (both real, absolute)."""
+    return a == b or a.startswith(b.rstrip("/") + "/")
+
+
+def check_sources(dst: str, sources: Iterable[str | os.PathLike] = ()) -> None:
+    """Refuse a destination that would overwrite or swallow a source: SRC == DST, SRC == DST's temp
+    directory, SRC inside DST (or its temp), DST inside SRC. Symlinks are resolved first.
+
+    >>> check_sources("/x/out", ["/x/in"])
+    >>> check_sources("/x/out", ["/x/out.orbax-checkpoint-tmp"])
+    Traceback (most recent call last):
+    bridge.errors.BridgeError: source /x/out.orbax-checkpoint-tmp is the temporary directory of destination /x/out; write to another destination
+    """
+    d = os.path.realpath(dst)
+    t = os.path.realpath(tmp_dir_for(dst))
+    for src in sources:
+        s = os.path.realpath(os.fspath(src))
+        if s == t:
+            raise BridgeError(f"source {src} is the temporary directory of destination {dst}; "
+                              f"write to another destination")
+        if _inside(s, d) or _inside(s, t):
+            raise BridgeError(f"source {src} lies inside destination {dst}; write to another destination")
+        if _inside(d, s) or _inside(t, s):
+            raise BridgeError(f"destination {dst} lies inside source {src}; write outside the source")
+
+
+# -- no-replace rename --------------------------------------------------------------------------
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def rename_noreplace(src: str, dst: str) -> None:
+    """Rename `src` to `dst`; FileExistsError if `dst` exists (atomic where the kernel and file
+    system support renameat2 RENAME_NOREPLACE; otherwise a check just before the rename)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST or (err == errno.ENOTEMPTY):
+            raise FileExistsError(err, os.strerror(err), dst)
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), src)
+    if os.path.lexists(dst):  # fallback: a small window remains on file systems without NOREPLACE
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+    os.rename(src, dst)
+
+
+# -- the claim ---------------------------------------------------------------------------------
+_HELD: dict[str, "DestinationClaim"] = {}   # tmp path -> claim held by this process
+_HELD_LOCK = threading.Lock()
+_PREVIOUS_HANDLERS: dict[int, object] = {}
+_TERM_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextmanager
+def _parent_lock(dst: str) -> Iterator[None]:
+    """flock of DST's parent directory: claims on one host are inspected and made one at a time."""
+    parent = os.path.dirname(os.path.abspath(dst).rstrip("/")) or "/"
+    try:
+        fd = os.open(parent, os.O_RDONLY)
+    except FileNotFoundError:
+        raise BridgeError(f"the parent directory of destination {dst} does not exist; create it first") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+class DestinationClaim:
+    """This run's exclusive hold on `dst`: write into `.tmp`, then `publish()`; `release()` undoes."""
+
+    def __init__(self, dst: str, info: ClaimInfo) -> None:
+        self.dst = os.path.abspath(dst).rstrip("/")
+        self.tmp = tmp_dir_for(self.dst)
+        self.info = info
+        self.published = False
+        self.released = False
+
+    @property
+    def run_id(self) -> str:
+        return self.info.run_id
+
+    def __enter__(self) -> "DestinationClaim":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.published:
+            self.release(reason=_reason(exc))
+
+    def owned(self) -> bool:
+        """True while `tmp` still holds this run's claim."""
+        other = ClaimInfo.load(self.tmp)
+        return other is not None and other.run_id == self.run_id
+
+    def check_owned(self) -> None:
+        if not self.owned():
+            raise BridgeError(f"temporary directory {self.tmp} no longer holds this run's claim (removed or "
+                              f"replaced by another process); nothing was committed, rerun")
+
+    def publish(self, payload: str | None = None, *, fsync: bool = True) -> str:
+        """Atomically rename `payload` (default: the whole temp directory) to DST, never replacing an
+        existing DST; on any failure what this run created is removed. Returns DST."""
+        try:
+            self.check_owned()
+            src = self.tmp if payload is None else os.path.abspath(payload)
+            if payload is not None and not _inside(os.path.realpath(src), os.path.realpath(self.tmp)):
+                raise BridgeError(f"publish: {payload} is not inside this run's temporary directory {self.tmp}")
+            if fsync:
+                fsync_tree(src)
+            try:
+                rename_noreplace(src, self.dst)
+            except FileExistsError:
+                raise BridgeError(f"destination {self.dst} appeared while this run was writing (another process "
+                                  f"created it); nothing was committed and this run's temporary files were "
+                                  f"removed") from None
+            self.published = True
+            if payload is None:
+                _remove_quietly(os.path.join(self.dst, CLAIM_FILE))
+                fsync_path(self.dst)
+            fsync_path(os.path.dirname(self.dst) or "/")
+        except BaseException:
+            self.release()
+            raise
+        finally:
+            _forget(self)
+        if payload is not None:
+            self.release(published=True)
+        return self.dst
+
+    def release(self, reason: str = "", *, published: bool = False) -> None:
+        """Remove the temp directory if it still holds this run's claim (never anyone else's files)."""
+        if self.released:
+            return
+        self.released = True
+        _forget(self)
+        if os.getpid() != self.info.pid:
+            return  # a forked child never cleans its parent's claim
+        if not os.path.isdir(self.tmp) or not self.owned():
+            return
+        _rmtree_retry(self.tmp)
+        if reason and not published:
+            print(f"gtp-bridge: {reason}; removed this run's temporary directory {self.tmp}", file=sys.stderr)
+
+
+def _reason(exc: BaseException | None) -> str:
+    if exc is None:
+        return ""
+    if isinstance(exc, Terminated):
+        return f"terminated by {signal.Signals(exc.signum).name}"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return ""  # errors are reported by whoever catches them
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _rmtree_retry(path: str, attempts: int = 5) -> None:
+    """rmtree that tolerates files still appearing (in-flight writes of a dying run)."""
+    for i in range(attempts):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if i == attempts - 1:
+                raise
+            time.sleep(0.05 * (i + 1))
+
+
+def _forget(claim: DestinationClaim) -> None:
+    with _HELD_LOCK:
+        if _HELD.get(claim.tmp) is claim:
+            del _HELD[claim.tmp]
+        empty = not _HELD
+    if empty:
+        _restore_signal_handlers()
+
+
+def held_claim(tmp_or_dst: str) -> DestinationClaim | None:
+    """The claim this process holds on a destination (or its temp directory), if any."""
+    p = os.path.abspath(tmp_or_dst).rstrip("/")
+    with _HELD_LOCK:
+        return _HELD.get(p if p.endswith(TMP_SUFFIX) else p + TMP_SUFFIX)
+
+
+def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.PathLike] = ()) -> DestinationClaim:
+    """Claim `dst` for this run; BridgeError (one line) when it cannot be claimed without risk.
+
+    Refuses an existing DST, a DST overlapping a source (`check_sources`), and an existing temp
+    directory unless it is a stale claim of a dead gtp-bridge process on this host (removed, and
+    reported on stderr). Use as a context manager: leaving it by an exception removes `claim.tmp`.
+    SIGTERM / SIGHUP raise `Terminated` in the main thread while a claim is held, so cleanup runs.
+    """
+    dst = os.path.abspath(os.fspath(dst)).rstrip("/")
+    check_sources(dst, sources)
+    tmp = tmp_dir_for(dst)
+    with _parent_lock(dst):
+        if os.path.lexists(dst):
+            raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
+        if os.path.lexists(tmp):
+            _take_over_stale(dst, tmp)
+        try:
+            os.mkdir(tmp)
+        except FileExistsError:  # another host (no shared lock) was quicker
+            raise BridgeError(f"destination {dst} is being written by another run ({tmp} appeared); "
+                              f"wait for it or choose another destination") from None
+        info = ClaimInfo.mine(dst)
+        try:
+            with open(os.path.join(tmp, CLAIM_FILE), "x") as f:
+                json.dump(asdict(info), f)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_path(os.path.dirname(tmp))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    claim = DestinationClaim(dst, info)
+    with _HELD_LOCK:
+        _HELD[claim.tmp] = claim
+    _install_signal_handlers()
+    return claim
+
+
+def _take_over_stale(dst: str, tmp: str) -> None:
+    """Remove `tmp` if it is provably a stale claim of ours; else raise naming who holds it."""
+    if not os.path.isdir(tmp) or os.path.islink(tmp):
+        raise BridgeError(f"{tmp} exists and is not a gtp-bridge temporary directory; "
+                          f"move it away or choose another destination than {dst}")
+    info = ClaimInfo.load(tmp)
+    if info is None:
+        raise BridgeError(f"{tmp} exists and holds no gtp-bridge claim (a user's directory, another tool's or a "
+                          f"run that is just starting); it was left untouched: remove it yourself if no run is "
+                          f"writing {dst}, or choose another destination")
+    mine = held_claim(tmp)
+    if mine is not None and mine.run_id == info.run_id:
+        raise BridgeError(f"destination {dst} is already being written by this process (run {info.run_id[:8]}); "
+                          f"finish or release that run first")
+    if not info.dead_here():
+        where = "another host" if info.host != socket.gethostname() else "a live process"
+        raise BridgeError(f"destination {dst} is being written by {where} ({info.describe()}; {tmp}); "
+                          f"wait for it, or if that run is dead remove {tmp} yourself")
+    try:
+        _rmtree_retry(tmp)
+    except OSError as e:
+        raise BridgeError(f"could not remove the stale temporary directory {tmp} of a killed run "
+                          f"({info.describe()}): {e}; is a process of that run still writing?") from None
+    print(f"gtp-bridge: removed the stale temporary directory {tmp} left by a killed run ({info.describe()})",
+          file=sys.stderr)
+
+
+# -- signals and exit ------------------------------------------------------------------------------
+def _on_terminate(signum, frame) -> None:
+    raise Terminated(signum)
+
+
+def _install_signal_handlers() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may set handlers; its own claims install them
+    for sig in _TERM_SIGNALS:
+        if sig in _PREVIOUS_HANDLERS:
+            continue
+        prev = signal.getsignal(sig)
+        if prev not in (signal.SIG_DFL, None):
+            continue  # the application handles it (e.g. a training loop's graceful stop): leave it be
+        _PREVIOUS_HANDLERS[sig] = prev
+        signal.signal(sig, _on_terminate)
+
+
+def _restore_signal_handlers() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig, prev in list(_PREVIOUS_HANDLERS.items()):
+        if signal.getsignal(sig) is _on_terminate:
+            signal.signal(sig, prev)
+        del _PREVIOUS_HANDLERS[sig]
+
+
+@atexit.register
+def _release_all_at_exit() -> None:
+    with _HELD_LOCK:
+        held = list(_HELD.values())
+    for claim in held:
+        try:
+            claim.release(reason="exiting before the commit")
+        except OSError:
+            pass
