@@ -1,22 +1,21 @@
 """Megatron-Core `torch_dist` checkpoint -> logical checkpoint (the `convert` command's engine).
 
 Steps: describe the source (`megatron_format.describe`), plan copies per parameter
-(`megatron_plan`), give each parameter to one writer process (chunk ownership = whole arrays),
-then every worker streams: read the stored chunks it needs (a bounded LRU cache), fill one
-parameter's buffers (split into leading-axis blocks under the in-flight budget), cross-check
-bf16 weights against bf16(fp32 master), write through `bridge.store.CheckpointWriter`. The parent
-commits atomically; on any error the temporary directory is removed and nothing is left at DST.
+(`megatron_plan`), cut every logical array on an outer chunk grid sized from each worker's share
+of the budget (`plan_blocks`), give contiguous runs of chunks to writer processes, then every
+worker streams: for each of its chunks, fill it in all four roles from the stored chunks (a
+bounded cache), cross-check bf16 weights against bf16(fp32 master), and write it whole, once,
+through `bridge.store.CheckpointWriter` (so OCDBT never keeps a superseded version of a chunk).
+The parent claims DST (`bridge.store.claim`) and commits atomically; on any error, Ctrl-C or
+SIGTERM the workers are killed and the temporary directory is removed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import sys
-import threading
 import traceback
 from typing import Callable
 from dataclasses import dataclass
@@ -31,7 +30,8 @@ from bridge.layout.chunks import ArrayOwnership, grid_shape
 from bridge.layout.parallel import ParallelLayout
 from bridge.lr_schedule import RECORD_VERSION
 from bridge.progress import progress
-from bridge.store.commit import begin_checkpoint, commit_checkpoint
+from bridge.store.claim import check_sources, claim_destination
+from bridge.store.commit import commit_checkpoint
 from bridge.store.manifest import Manifest, OptimizerConfig, SourceLayout
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.store.specs import numpy_dtype
@@ -228,7 +228,7 @@ def make_plan(units: Sequence[Unit], blocks: Sequence[Block], owners: Sequence[i
     for b, w in zip(blocks, owners):
         g = grids[b.array]
         g[tuple(a // c for a, c in zip(b.box.start, chunks[b.array]))] = w
-    catalog, ownership = [], {}
+    catalog, ownership, stacked = [], {}, {}
     for u in units:
         for role in ROLES:
             if role not in u.copies:
@@ -237,10 +237,11 @@ def make_plan(units: Sequence[Unit], blocks: Sequence[Block], owners: Sequence[i
                 p = role_path(role, arr)
                 catalog.append(ArraySpec(p, shape, u.dtypes[role]))
                 ownership[p] = ArrayOwnership(shape, chunks[arr], grids[arr])
+                stacked[p] = u.stacked   # inner chunks: one layer (expert) each, as the source stacks them
     for p in (("opt_state", "0", "count"), ("step",)):
         catalog.append(ArraySpec(p, (), "int32"))
         ownership[p] = ArrayOwnership((), (), np.array(0, dtype=np.int32))
-    return make_write_plan(catalog, workers, ownership, empty_paths=adamw_empty_paths())
+    return make_write_plan(catalog, workers, ownership, empty_paths=adamw_empty_paths(), stacked=stacked)
 
 
 @dataclass(frozen=True)
@@ -554,6 +555,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     dst = os.path.abspath(dst)
     if os.path.lexists(dst):
         raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
+    check_sources(dst, [src_dir])
     asked_workers = default_workers() if opts.workers is None else opts.workers
     if asked_workers < 1:
         raise BridgeError(f"--workers must be >= 1, got {asked_workers}")
@@ -580,49 +582,24 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     if opts.announce is not None:
         opts.announce(budget_line(workers, budget))
     suspect = is_defect_suspect(src)
-    tmp = begin_checkpoint(dst)
     warnings: list[str] = []
-    try:
-        with _signals_raise(), progress(total_bytes, f"convert {os.path.basename(dst)}",
-                                        enabled=opts.show_progress) as bar:
+    # The claim makes DST this run's alone; leaving the block by an error, Ctrl-C or SIGTERM removes
+    # the temp directory (after _run_parallel has killed the workers writing into it).
+    with claim_destination(dst, sources=[src_dir, str(ck.root)]) as claim:
+        with progress(total_bytes, f"convert {os.path.basename(dst)}", enabled=opts.show_progress) as bar:
             per = [[b for b, w in zip(blocks, owners) if w == i] for i in range(workers)]
             if workers == 1:
-                warns, _ = run_blocks(str(ck.root), dict(enumerate(units)), per[0], plan, tmp, 0, share, opts.force,
-                                      suspect, step or 0, on_progress=bar.update)
+                warns, _ = run_blocks(str(ck.root), dict(enumerate(units)), per[0], plan, claim.tmp, 0, share,
+                                      opts.force, suspect, step or 0, on_progress=bar.update)
                 warnings += warns
             else:
-                warnings += _run_parallel(str(ck.root), units, per, plan, tmp, share, opts.force, suspect,
+                warnings += _run_parallel(str(ck.root), units, per, plan, claim.tmp, share, opts.force, suspect,
                                           step or 0, bar)
-            commit_checkpoint(dst, plan, manifest, timeout=60.0)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        commit_checkpoint(dst, plan, manifest, timeout=60.0, claim=claim)
     for w in warnings:
         print(f"gtp-bridge: warning: {w}", file=sys.stderr)
     return ConvertResult(dst, src.format_label, src.layout.to_json(), len(plan.arrays), plan.total_bytes,
                          len(units), step, warnings, src.inferred, workers, budget)
-
-
-class Interrupted(BaseException):
-    """SIGTERM during a run: unwinds like KeyboardInterrupt, so workers are stopped and tmp removed."""
-
-
-@contextlib.contextmanager
-def _signals_raise():
-    """SIGTERM raises `Interrupted` while the run is in progress (SIGINT already raises
-    KeyboardInterrupt), so the cleanup in `convert` runs; outside the main thread: no change."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum, frame):
-        raise Interrupted(f"signal {signum}")
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def _run_parallel(root: str, units: Sequence[Unit], per: list[list[Block]], plan: WritePlan, tmp: str, share: int,

@@ -134,7 +134,7 @@ def chunk_shape_for(shape: Sequence[int], element_bytes: int, max_bytes: int) ->
     >>> chunk_shape_for((16, 128, 64), 14, 1 << 20)      # 9 layers fit: 2 chunks of 8, not 9 + 7
     (8, 128, 64)
     >>> chunk_shape_for((16, 128, 64), 14, 64 << 10)     # less than a layer fits
-    (1, 32, 64)
+    (1, 64, 64)
     >>> chunk_shape_for((), 4, 1), chunk_shape_for((5, 0), 4, 1)
     ((), (5, 1))
     """
