@@ -63,6 +63,11 @@ def start_and_wait_for_workers(src, dst) -> tuple[subprocess.Popen, list[int]]:
     pytest.fail(f"the workers never started writing: {proc.stderr.read()[-1000:]!r}")
 
 
+def tree(path: str) -> dict[str, int]:
+    """Every file under `path` and its size."""
+    return {os.path.join(r, f): os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs}
+
+
 def wait_dead(pids: list[int], seconds: float = 20) -> list[int]:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(alive(p) for p in pids):
@@ -77,7 +82,11 @@ def test_sigkill_of_the_parent_kills_the_workers_and_a_retry_converts(scale_src,
     assert len(kids) >= 2
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    # Workers die with their parent (parent-death signal), so nothing is written after it is gone;
+    # at e9efc35 they went on writing into the temp directory.
+    left = tree(str(dst) + TMP)
     assert wait_dead(kids) == [], "worker processes outlived their killed parent"
+    assert tree(str(dst) + TMP) == left, "workers wrote into the temp directory after their parent died"
     assert not os.path.lexists(dst)
     # the next run recognises the dead run's temp directory as stale, removes it and converts
     convert(str(scale_src), str(dst), ConvertOptions(workers=1, budget=1 << 20))
