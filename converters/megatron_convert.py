@@ -558,16 +558,19 @@ def default_budget(workers: int, available: int | None) -> int:
     return int(min(16 << 30, max(256 << 20, spare // 2)))
 
 
-def budget_line(workers: int, budget: int) -> str:
+def budget_line(workers: int, budget: int, asked: int | None = None) -> str:
     """What the run will use, printed before it starts.
 
     >>> budget_line(4, 2 << 30)
     'convert: 4 workers, budget 2.0 GiB (512.0 MiB each)'
+    >>> budget_line(1, 1 << 30, asked=8)
+    'convert: 1 worker (of 8 asked: the checkpoint is too small for more), budget 1.0 GiB'
     """
     from bridge.inspect_format import human_bytes
 
     each = "" if workers == 1 else f" ({human_bytes(budget // workers)} each)"
-    return f"convert: {workers} worker{'s' if workers != 1 else ''}, budget {human_bytes(budget)}{each}"
+    fewer = f" (of {asked} asked: the checkpoint is too small for more)" if asked is not None and asked > workers else ""
+    return f"convert: {workers} worker{'s' if workers != 1 else ''}{fewer}, budget {human_bytes(budget)}{each}"
 
 
 
@@ -603,7 +606,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     plan = make_plan(units, blocks, owners, chunks, workers)
     manifest = build_manifest(src, units, step, groups)
     if opts.announce is not None:
-        opts.announce(budget_line(workers, budget))
+        opts.announce(budget_line(workers, budget, asked_workers))
     suspect = is_defect_suspect(src)
     warnings: list[str] = []
     # The claim makes DST this run's alone; leaving the block by an error, Ctrl-C or SIGTERM removes
