@@ -46,6 +46,7 @@ from converters.megatron_plan import (ROLES, Block, CopyIndex, Unit, assign_bloc
                                       plan_blocks, rebuild_bucket_layout, role_path)
 
 MIN_BYTES_PER_WORKER = 1 << 30
+MIN_BATCH_BYTES = 1 << 20
 
 TORCH_TO_NP = {"torch.bfloat16": "bfloat16", "torch.float32": "float32", "torch.float16": "float16",
                "torch.float64": "float64", "torch.int64": "int64", "torch.int32": "int32", "torch.uint8": "uint8"}
@@ -261,11 +262,16 @@ def split_share(share: int) -> ShareSplit:
     whole-chunk reads decode next to the raw record (~1.6x), the master check casts a copy (~1.4x);
     a sixth each keeps the sum below the share.
 
+    The writer's batch is at least MIN_BATCH_BYTES: every transaction adds OCDBT B-tree nodes that
+    later commits rewrite, and below about 1 MiB of data per commit they outgrow the data on disk.
+
     >>> split_share(60 << 20)
     ShareSplit(block=10485760, cache=10485760, inflight=10485760)
+    >>> split_share(1 << 20).inflight == MIN_BATCH_BYTES
+    True
     """
     q = max(1, share // 6)
-    return ShareSplit(block=q, cache=q, inflight=q)
+    return ShareSplit(block=q, cache=q, inflight=max(q, MIN_BATCH_BYTES))
 
 
 # ---------------------------------------------------------------------------------------------
