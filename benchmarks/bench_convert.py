@@ -56,14 +56,18 @@ def build_source(path: str, hidden: int, layers: int, vocab: int) -> int:
     return nbytes
 
 
-def time_convert(src: str, dst: str, workers: int) -> float:
+def time_convert(src: str, dst: str, workers: int, budget: int | None) -> float:
     """Wall time of convert with exactly `workers` writer processes (1 = in-process)."""
     from converters.megatron_convert import ConvertOptions, convert
 
     shutil.rmtree(dst, ignore_errors=True)
     t0 = time.perf_counter()
-    convert(src, dst, ConvertOptions(workers=workers, show_progress=False, min_worker_bytes=1))
+    convert(src, dst, ConvertOptions(workers=workers, budget=budget, show_progress=False, min_worker_bytes=1))
     return time.perf_counter() - t0
+
+
+def disk_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
 def time_dcp_load(src: str) -> float:
@@ -101,6 +105,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=16384)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--budget", default=None, help="convert --budget, e.g. 64M (default: convert's default)")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     a = ap.parse_args()
     root = a.dir or tempfile.mkdtemp(prefix="bench-convert-")
@@ -109,8 +114,13 @@ def main() -> None:
         shutil.rmtree(p, ignore_errors=True)
     nbytes = build_source(src, a.hidden, a.layers, a.vocab)
     t_load = time_dcp_load(src)
-    t_conv1 = time_convert(src, dst, 1)
-    t_convn = time_convert(src, dst, a.workers) if a.workers > 1 else None
+    from bridge.inspect_format import parse_size
+
+    budget = parse_size(a.budget) if a.budget else None
+    t_conv1 = time_convert(src, dst, 1, budget)
+    disk1 = disk_bytes(dst)
+    t_convn = time_convert(src, dst, a.workers, budget) if a.workers > 1 else None
+    diskn = disk_bytes(dst)
     t_raw, raw_bytes = time_raw_write(dst, raw)
     mib = nbytes / 2**20
     anchor = t_load + t_raw
@@ -123,6 +133,8 @@ def main() -> None:
         print(f"| convert, {a.workers} worker processes | {t_convn:.2f} | {mib / t_convn:.0f} | {t_convn / anchor:.2f} |")
     print(f"| dcp.load (anchor) | {t_load:.2f} | {mib / t_load:.0f} | |")
     print(f"| raw write of the logical bytes (anchor) | {t_raw:.2f} | {raw_bytes / 2**20 / t_raw:.0f} | |")
+    print(f"on disk / logical bytes: {disk1 / raw_bytes:.2f} (in-process), {diskn / raw_bytes:.2f} "
+          f"({a.workers} workers); budget {a.budget or 'default'}")
     if not a.dir:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -1,20 +1,23 @@
 """Megatron-Core `torch_dist` checkpoint -> logical checkpoint (the `convert` command's engine).
 
 Steps: describe the source (`megatron_format.describe`), plan copies per parameter
-(`megatron_plan`), give each parameter to one writer process (chunk ownership = whole arrays),
-then every worker streams: read the stored chunks it needs (a bounded LRU cache), fill one
-parameter's buffers (split into leading-axis blocks under the in-flight budget), cross-check
-bf16 weights against bf16(fp32 master), write through `bridge.store.CheckpointWriter`. The parent
-commits atomically; on any error the temporary directory is removed and nothing is left at DST.
+(`megatron_plan`), cut every logical array on an outer chunk grid sized from each worker's share
+of the budget (`plan_blocks`), give contiguous runs of chunks to writer processes, then every
+worker streams: for each of its chunks, fill it in all four roles from the stored chunks (a
+bounded cache), cross-check bf16 weights against bf16(fp32 master), and write it whole, once,
+through `bridge.store.CheckpointWriter` (so OCDBT never keeps a superseded version of a chunk).
+The parent claims DST (`bridge.store.claim`) and commits atomically; on any error, Ctrl-C or
+SIGTERM the workers are killed and the temporary directory is removed.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import shutil
+import signal
 import sys
 import traceback
+from typing import Callable
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -24,26 +27,27 @@ import numpy as np
 from bridge.errors import BridgeError, require
 from bridge.location import local_path
 from bridge.layout.boxes import Box
-from bridge.layout.chunks import ArrayOwnership, regular_ownership
+from bridge.layout.chunks import ArrayOwnership, grid_shape
 from bridge.layout.parallel import ParallelLayout
 from bridge.lr_schedule import RECORD_VERSION
 from bridge.progress import progress
-from bridge.store.commit import begin_checkpoint, commit_checkpoint
+from bridge.store.claim import check_sources, claim_destination
+from bridge.store.commit import commit_checkpoint
 from bridge.store.manifest import Manifest, OptimizerConfig, SourceLayout
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.store.specs import numpy_dtype
 from bridge.store.tree import adamw_empty_paths, megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
-from bridge.torch_numpy import to_numpy
 from converters.dcp_reader import DcpCheckpoint
-from converters.megatron_cache import ArrayLRU
+from converters.megatron_cache import ChunkCache
 from converters.megatron_format import (Hints, SourceCheckpoint, _plain, describe, optimizer_groups,
                                         parse_groups_hyper, step_of)
-from converters.megatron_plan import (ROLES, Copy, Unit, contributes, flat_copies, literal,
-                                      local_instances, model_space_copies, parse_dtype_key,
-                                      rebuild_bucket_layout, role_path)
+from converters.megatron_plan import (ROLES, Block, CopyIndex, Unit, assign_blocks, contributes, flat_copies,
+                                      literal, local_instances, model_space_copies, parse_dtype_key,
+                                      plan_blocks, rebuild_bucket_layout, role_path)
 
 MIN_BYTES_PER_WORKER = 1 << 30
+MIN_BATCH_BYTES = 1 << 20
 
 TORCH_TO_NP = {"torch.bfloat16": "bfloat16", "torch.float32": "float32", "torch.float16": "float16",
                "torch.float64": "float64", "torch.int64": "int64", "torch.int32": "int32", "torch.uint8": "uint8"}
@@ -62,12 +66,13 @@ def np_dtype_name(torch_dtype: Any) -> str:
 class ConvertOptions:
     """What `convert` was asked to do."""
 
-    workers: int = 1
-    budget: int = 1 << 30
+    workers: int | None = 1          # None: default_workers()
+    budget: int | None = 1 << 30     # bytes for all processes together; None: default_budget()
     force: bool = False
     hints: Hints | None = None
     show_progress: bool | None = None
     min_worker_bytes: int = MIN_BYTES_PER_WORKER
+    announce: Callable[[str], None] | None = None   # gets the "convert: N workers, budget ..." line
 
 
 @dataclass
@@ -83,6 +88,8 @@ class ConvertResult:
     step: int | None
     warnings: list[str]
     inferred: list[str]
+    workers: int = 1
+    budget: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,7 +105,7 @@ def build_units(src: SourceCheckpoint, hints: Hints) -> list[Unit]:
         arrays = m.geom.logical_arrays()
         dtypes = {"model": np_dtype_name(m.dtype), "params": "float32", "mu": "float32", "nu": "float32"}
         u = Unit(name, arrays, dtypes, {"model": model_space_copies(m.key, m.info, m.geom, m.npre, m.legacy_padded,
-                                                                      tp, gtp)})
+                                                                      tp, gtp)}, stacked=len(m.geom.prepend))
         if src.fmt == "fully_reshardable":
             for role in ("params", "mu", "nu"):
                 key = src.opt_keys.get((role, name))
@@ -212,67 +219,64 @@ def _dp_group_coords(lay: ParallelLayout) -> dict[str, dict[int, tuple[int, int,
     return {"dense": dense, "expert": expert}
 
 
-def assign_writers(units: Sequence[Unit], workers: int) -> list[int]:
-    """Writer of each unit: largest first onto the least-loaded writer (balanced bytes)."""
-    load = [0] * workers
-    owner = [0] * len(units)
-    for i in sorted(range(len(units)), key=lambda i: -units[i].nbytes):
-        w = min(range(workers), key=lambda w: load[w])
-        owner[i] = w
-        load[w] += units[i].nbytes
-    return owner
-
-
-def _whole(shape: Sequence[int], dtype: str, writer: int, max_chunk_bytes: int) -> ArrayOwnership:
-    item = 2 if dtype in ("bfloat16", "float16", "int16", "uint16") else 4 if dtype in ("float32", "int32") else 8
-    own = regular_ownership(shape, 1, item, max_chunk_bytes=max_chunk_bytes)
-    return ArrayOwnership(own.shape, own.chunk_shape, np.full_like(own.owners, writer))
-
-
-def make_plan(units: Sequence[Unit], owners: Sequence[int], workers: int, max_chunk_bytes: int = 1 << 30) -> WritePlan:
-    """Catalog (all roles of every unit + count + step) and whole-array ownership per unit."""
-    catalog, ownership = [], {}
-    for u, w in zip(units, owners):
+def make_plan(units: Sequence[Unit], blocks: Sequence[Block], owners: Sequence[int], chunks: dict[str, tuple[int, ...]],
+              workers: int) -> WritePlan:
+    """Catalog (all roles of every unit + count + step) on the blocks' chunk grid, each chunk owned by
+    the writer of its block (so a chunk is written by one writer, whole, once)."""
+    grids: dict[str, np.ndarray] = {}
+    for u in units:
+        for arr, shape in u.arrays.items():
+            grids[arr] = np.full(grid_shape(shape, chunks[arr]), -1, dtype=np.int32)
+    for b, w in zip(blocks, owners):
+        g = grids[b.array]
+        g[tuple(a // c for a, c in zip(b.box.start, chunks[b.array]))] = w
+    catalog, ownership, stacked = [], {}, {}
+    for u in units:
         for role in ROLES:
             if role not in u.copies:
                 continue
             for arr, shape in u.arrays.items():
                 p = role_path(role, arr)
                 catalog.append(ArraySpec(p, shape, u.dtypes[role]))
-                ownership[p] = _whole(shape, u.dtypes[role], w, max_chunk_bytes)
+                ownership[p] = ArrayOwnership(shape, chunks[arr], grids[arr])
+                stacked[p] = u.stacked   # inner chunks: one layer (expert) each, as the source stacks them
     for p in (("opt_state", "0", "count"), ("step",)):
         catalog.append(ArraySpec(p, (), "int32"))
         ownership[p] = ArrayOwnership((), (), np.array(0, dtype=np.int32))
-    return make_write_plan(catalog, workers, ownership, empty_paths=adamw_empty_paths())
+    return make_write_plan(catalog, workers, ownership, empty_paths=adamw_empty_paths(), stacked=stacked)
+
+
+@dataclass(frozen=True)
+class ShareSplit:
+    """How one process's share of the budget is spent (bytes)."""
+
+    block: int      # one block being assembled, all roles
+    cache: int      # decoded stored chunks kept for the next blocks
+    inflight: int   # per writer transaction (one filling + one committing)
+
+
+def split_share(share: int) -> ShareSplit:
+    """A sixth each for the block being filled, the source chunks kept, and the writer's batch.
+
+    Each costs more than its nominal size (measured on the CPU, resident bytes per budgeted byte):
+    the writer holds a batch filling and one committing plus TensorStore's encoded shards (~2.3x),
+    whole-chunk reads decode next to the raw record (~1.6x), the master check casts a copy (~1.4x);
+    a sixth each keeps the sum below the share.
+
+    The writer's batch is at least MIN_BATCH_BYTES: every transaction adds OCDBT B-tree nodes that
+    later commits rewrite, and below about 1 MiB of data per commit they outgrow the data on disk.
+
+    >>> split_share(60 << 20)
+    ShareSplit(block=10485760, cache=10485760, inflight=10485760)
+    >>> split_share(1 << 20).inflight == MIN_BATCH_BYTES
+    True
+    """
+    q = max(1, share // 6)
+    return ShareSplit(block=q, cache=q, inflight=max(q, MIN_BATCH_BYTES))
 
 
 # ---------------------------------------------------------------------------------------------
 # Execution
-
-
-class ChunkCache:
-    """Decoded stored chunks (numpy), least-recently-used out once over `max_bytes`."""
-
-    def __init__(self, ck: DcpCheckpoint, max_bytes: int) -> None:
-        self.ck = ck
-        self._lru = ArrayLRU(max(1, max_bytes))
-        self.bytes_read = 0
-
-    def get(self, key: str, index: int) -> np.ndarray:
-        a = self._lru.get((key, index))
-        if a is None:
-            info = self.ck.tensors[key]
-            a = to_numpy(self.ck.read_chunk(key, info.chunks[index]))
-            self.bytes_read += info.chunks[index].storage.length
-            self._lru.put((key, index), a)
-        return a
-
-
-def _take(cache: ChunkCache, c: Copy) -> np.ndarray:
-    a = cache.get(c.key, c.chunk)
-    if c.flat:
-        return a.reshape(-1)[c.flat_start:c.flat_start + c.dst.size].reshape(c.dst.shape)
-    return a[tuple(slice(x, y) for x, y in c.src)].reshape(c.dst.shape)
 
 
 def bits_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -285,9 +289,14 @@ def bits_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return eq
 
 
-def check_master(unit_name: str, array: str, master: np.ndarray, model: np.ndarray, force: bool,
-                 fmt: str, warnings: list[str]) -> None:
-    """bf16 weight must equal bf16(fp32 master); else refuse (0.19.2 defect / wrong layout)."""
+def check_master(array: str, master: np.ndarray, model: np.ndarray, box: Box, force: bool, defect_suspect: bool,
+                 warnings: list[str]) -> None:
+    """bf16 weight must equal bf16(fp32 master); else refuse, naming the first differing element.
+
+    Only a save with megatron-core 0.19.2's known defect pattern (`defect_suspect`: fully_reshardable
+    with several DDP buckets) is blamed on that release; anything else is a corrupt source or a
+    layout rebuilt with wrong flags.
+    """
     if model.dtype != ml_dtypes.bfloat16 and model.dtype != np.float16:
         if model.dtype == np.float32 and not bits_equal(master, model).all():
             warnings.append(f"{array}: fp32 weight differs from its master; the master is kept")
@@ -296,59 +305,55 @@ def check_master(unit_name: str, array: str, master: np.ndarray, model: np.ndarr
     if ok.all():
         return
     bad = int(ok.size - ok.sum())
-    first = tuple(int(i) for i in np.argwhere(~ok)[0])
-    if fmt == "dp_reshardable":
-        msg = (f"{array}: fp32 masters disagree with the bf16 weights at {bad} of {ok.size} elements (first at {first}); "
-               f"the rebuilt DistOpt layout is wrong — pass --bucket-size, --pad-for-alignment or --tp/--gtp/--dp")
-    else:
-        msg = (f"{array}: fp32 masters disagree with the bf16 weights at {bad} of {ok.size} elements (first at {first}); "
-               f"this is megatron-core 0.19.2's multi-bucket fully_reshardable defect (corrupt optimizer state) — "
+    rel = tuple(int(i) for i in np.argwhere(~ok)[0])
+    at = tuple(s + i for s, i in zip(box.start, rel))
+    where = (f"{array}: {bad} of {ok.size} elements in box {box} differ, first at index {at}: weight "
+             f"{float(model[rel])!r}, master {float(master[rel])!r} (as {model.dtype}: "
+             f"{float(master[rel].astype(model.dtype))!r})")
+    if defect_suspect:
+        msg = (f"fp32 masters disagree with the bf16 weights: {where}; this save used several DDP buckets with "
+               f"fully_reshardable, megatron-core 0.19.2's multi-bucket defect (corrupt optimizer state) — "
                f"re-save with dp_reshardable, or pass --force to convert it anyway")
+    else:
+        msg = (f"weights disagree with masters: corrupt source or wrong layout flags: {where} — check the "
+               f"source's integrity and --tp/--gtp/--dp/--bucket-size/--pad-for-alignment, or pass --force "
+               f"to convert it anyway")
     if not force:
         raise BridgeError(msg)
     warnings.append("FORCED: " + msg)
 
 
-def run_units(src_root: str, units: Sequence[Unit], plan: WritePlan, tmp: str, writer_id: int, budget: int,
-              force: bool, fmt: str, step: int, on_progress=None) -> tuple[list[str], int]:
-    """One writer's work: fill, check and write its units. Returns (warnings, source bytes read)."""
+def is_defect_suspect(src: SourceCheckpoint) -> bool:
+    """fully_reshardable saved with several DDP buckets (overlap_grad_reduce): 0.19.2's defect pattern."""
+    if src.fmt != "fully_reshardable" or not src.args:
+        return False
+    return bool(_plain(src.args.get("overlap_grad_reduce")))
+
+
+def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], plan: WritePlan, tmp: str,
+               writer_id: int, share: int, force: bool, defect_suspect: bool, step: int, on_progress=None) -> tuple[list[str], int]:
+    """One writer's work: assemble each of its blocks (one outer chunk, every role), check it and
+    write it whole. Returns (warnings, source bytes read)."""
+    mem = split_share(share)
+    return_freed_memory()
     ck = DcpCheckpoint(src_root)
-    cache = ChunkCache(ck, budget // 2)
-    writer = CheckpointWriter(tmp, plan, writer_id, inflight_bytes=max(1, budget // 4))
+    cache = ChunkCache(ck, mem.cache)
+    # commit_depth=1: one batch committing while the next fills, both inside the share
+    writer = CheckpointWriter(tmp, plan, writer_id, inflight_bytes=mem.inflight, commit_depth=1)
     warnings: list[str] = []
-    for unit in units:
-        for lo, hi, sub in unit.split_lead(max(1, budget // 4)):
-            bufs: dict[tuple[str, str], np.ndarray] = {}
-            filled: dict[tuple[str, str], int] = {}
-            for role, copies in sub.copies.items():
-                for arr, shape in unit.arrays.items():
-                    bshape = ((hi - lo),) + tuple(shape[1:]) if shape else ()
-                    bufs[(role, arr)] = np.empty(bshape, dtype=numpy_dtype(unit.dtypes[role]))
-                    filled[(role, arr)] = 0
-                for c in copies:
-                    data = _take(cache, c)
-                    dst = c.dst if not c.dst.ndim else c.dst.shift((-lo,) + (0,) * (c.dst.ndim - 1))
-                    buf = bufs[(role, c.array)]
-                    if data.dtype != buf.dtype:
-                        raise BridgeError(f"{c.key}: stored dtype {data.dtype} differs from {buf.dtype} of "
-                                          f"{c.array}; unknown format")
-                    buf[dst.slices] = data
-                    filled[(role, c.array)] += c.dst.size
-            for (role, arr), n in filled.items():
-                if n != bufs[(role, arr)].size:
-                    raise BridgeError(
-                        f"{path_str(role_path(role, arr))}: the checkpoint fills {n} of {bufs[(role, arr)].size} "
-                        f"elements (rows {lo}..{hi}); a shard is missing or the layout could not be rebuilt — "
-                        f"check --tp/--gtp/--dp/--ep/--bucket-size")
-            if "params" in sub.copies and "model" in sub.copies:
-                for arr in unit.arrays:
-                    check_master(unit.name, arr, bufs[("params", arr)], bufs[("model", arr)], force, fmt, warnings)
-            for (role, arr), buf in bufs.items():
-                shape = unit.arrays[arr]
-                box = Box.of((lo,) + (0,) * (len(shape) - 1), buf.shape) if shape else Box((), ())
-                writer.write(role_path(role, arr), box, buf)
-                if on_progress:
-                    on_progress(buf.nbytes)
+    index: tuple[int, CopyIndex] | None = None
+    for b in blocks:
+        unit = units[b.unit]
+        if index is None or index[0] != b.unit:
+            index = (b.unit, CopyIndex(unit))
+        bufs = {role: fill_block(cache, index[1], unit, role, b) for role in unit.copies}
+        if "params" in bufs and "model" in bufs:
+            check_master(b.array, bufs["params"], bufs["model"], b.box, force, defect_suspect, warnings)
+        for role, buf in bufs.items():
+            # donated: a fresh buffer per block, never touched again, so the writer need not copy it
+            writer.write(role_path(role, b.array), b.box, buf, donate=True)
+            if on_progress:
+                on_progress(buf.nbytes)
     if writer_id == 0:
         for p in (("opt_state", "0", "count"), ("step",)):
             writer.write(p, Box((), ()), np.asarray(step, dtype=np.int32))
@@ -356,10 +361,62 @@ def run_units(src_root: str, units: Sequence[Unit], plan: WritePlan, tmp: str, w
     return warnings, cache.bytes_read
 
 
-def _worker_main(q, src_root, units, plan, tmp, w, budget, force, fmt, step) -> None:  # pragma: no cover - subprocess
+def return_freed_memory() -> None:
+    """Make glibc give large freed buffers back to the system at once (Linux; no-op elsewhere).
+
+    Blocks and source chunks are allocated and freed all the time; glibc's default raises its mmap
+    threshold after each freed large buffer, so later ones come from heaps that never shrink and
+    resident memory grows past what is live. A fixed 1 MiB threshold keeps them mmapped."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    M_MMAP_THRESHOLD = -3
     try:
-        warns, nread = run_units(src_root, units, plan, tmp, w, budget, force, fmt, step,
-                                 on_progress=lambda n: q.put(("p", w, n)))
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        pass
+
+
+def fill_block(cache: ChunkCache, index: CopyIndex, unit: Unit, role: str, b: Block) -> np.ndarray:
+    """One role of a block, assembled from the stored chunks; every element must be filled."""
+    buf = np.empty(b.box.shape, dtype=numpy_dtype(unit.dtypes[role]))
+    n = 0
+    for c in index.clipped(role, b.array, b.box):
+        data = cache.region(c)
+        if data.dtype != buf.dtype:
+            raise BridgeError(f"{c.key}: stored dtype {data.dtype} differs from {buf.dtype} of {c.array}; "
+                              f"unknown format")
+        buf[c.dst.relative_to(b.box).slices] = data
+        n += c.dst.size
+    if n != buf.size:
+        raise BridgeError(f"{path_str(role_path(role, b.array))}: the checkpoint fills {n} of {buf.size} elements "
+                          f"of box {b.box}; a shard is missing or the layout could not be rebuilt — "
+                          f"check --tp/--gtp/--dp/--ep/--bucket-size")
+    return buf
+
+
+def die_with_parent() -> None:
+    """In a worker: be killed (SIGKILL) when the parent process dies, however it dies (Linux), and
+    leave SIGINT to the parent, which stops the workers and cleans up."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() == 1:  # the parent died before the death signal was armed
+        os._exit(1)
+
+
+def _worker_main(q, src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step) -> None:  # pragma: no cover - subprocess
+    die_with_parent()
+    try:
+        warns, nread = run_blocks(src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step,
+                                  on_progress=lambda n: q.put(("p", w, n)))
         q.put(("ok", w, (warns, nread)))
     except BridgeError as e:
         q.put(("err", w, f"writer {w}: {e}"))
@@ -469,6 +526,60 @@ def scheduler_record(common: dict, args: dict, at_count: int) -> dict | None:
 # ---------------------------------------------------------------------------------------------
 # Entry point
 
+PROCESS_OVERHEAD = 512 << 20   # interpreter + torch + TensorStore, per process, outside the budget
+
+
+def mem_available() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_workers(cores: int | None = None) -> int:
+    """Writer processes: one per core up to 8 (more adds contention, not speed).
+
+    >>> default_workers(2), default_workers(64)
+    (2, 8)
+    """
+    return max(1, min(8, cores if cores is not None else (os.cpu_count() or 1)))
+
+
+def default_budget(workers: int, available: int | None) -> int:
+    """Half of what is free after each process's fixed overhead, between 256 MiB and 16 GiB.
+
+    >>> default_budget(4, 16 << 30) >> 20, default_budget(4, None) >> 20, default_budget(8, 1 << 30) >> 20
+    (6912, 1024, 256)
+    """
+    if available is None:
+        return 1 << 30
+    spare = available - (workers + 1) * PROCESS_OVERHEAD
+    return int(min(16 << 30, max(256 << 20, spare // 2)))
+
+
+def budget_line(workers: int, budget: int, asked: int | None = None) -> str:
+    """What the run will use, printed before it starts.
+
+    >>> budget_line(4, 2 << 30)
+    'convert: 4 workers, budget 2.0 GiB (512.0 MiB each)'
+    >>> budget_line(1, 1 << 30, asked=8)
+    'convert: 1 worker (of 8 asked: the checkpoint is too small for more), budget 1.0 GiB'
+    """
+    from bridge.inspect_format import human_bytes
+
+    each = "" if workers == 1 else f" ({human_bytes(budget // workers)} each)"
+    fewer = f" (of {asked} asked: the checkpoint is too small for more)" if asked is not None and asked > workers else ""
+    return f"convert: {workers} worker{'s' if workers != 1 else ''}{fewer}, budget {human_bytes(budget)}{each}"
+
+
 
 def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> ConvertResult:
     """Convert a torch_dist checkpoint at `src_dir` into a logical checkpoint at `dst`."""
@@ -478,10 +589,13 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     dst = os.path.abspath(dst)
     if os.path.lexists(dst):
         raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
-    if opts.workers < 1:
-        raise BridgeError(f"--workers must be >= 1, got {opts.workers}")
-    if opts.budget < (64 << 10):
-        raise BridgeError(f"--budget must be at least 64k, got {opts.budget} bytes")
+    check_sources(dst, [src_dir])
+    asked_workers = default_workers() if opts.workers is None else opts.workers
+    if asked_workers < 1:
+        raise BridgeError(f"--workers must be >= 1, got {asked_workers}")
+    budget = default_budget(asked_workers, mem_available()) if opts.budget is None else opts.budget
+    if budget < (64 << 10):
+        raise BridgeError(f"--budget must be at least 64k, got {budget} bytes")
     ck = DcpCheckpoint(src_dir)
     src = describe(ck, hints)
     groups = optimizer_groups(src)
@@ -490,46 +604,53 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     if src.fmt != "model_only" and not any("params" in u.copies for u in units):
         raise BridgeError(f"{ck.root}: optimizer entries match no model parameter; unknown format")
     # A worker process costs seconds to start (torch + TensorStore imports): give each at least
-    # MIN_BYTES_PER_WORKER of work, so small checkpoints convert in-process.
+    # min_worker_bytes of work, so small checkpoints convert in-process.
     total_bytes = sum(u.nbytes for u in units)
-    workers = max(1, min(opts.workers, len(units), -(-total_bytes // max(1, opts.min_worker_bytes))))
-    owners = assign_writers(units, workers)
-    plan = make_plan(units, owners, workers)
+    workers = max(1, min(asked_workers, -(-total_bytes // max(1, opts.min_worker_bytes))))
+    share = budget // workers    # workers hold the data; the parent only plans and commits
+    blocks, chunks = plan_blocks(units, split_share(share).block)
+    workers = max(1, min(workers, len(blocks)))
+    owners = assign_blocks(blocks, workers)
+    plan = make_plan(units, blocks, owners, chunks, workers)
     manifest = build_manifest(src, units, step, groups)
-    tmp = begin_checkpoint(dst)
+    if opts.announce is not None:
+        opts.announce(budget_line(workers, budget, asked_workers))
+    suspect = is_defect_suspect(src)
     warnings: list[str] = []
-    try:
+    # The claim makes DST this run's alone; leaving the block by an error, Ctrl-C or SIGTERM removes
+    # the temp directory (after _run_parallel has killed the workers writing into it).
+    with claim_destination(dst, sources=[src_dir, str(ck.root)]) as claim:
         with progress(total_bytes, f"convert {os.path.basename(dst)}", enabled=opts.show_progress) as bar:
-            per = [[u for u, w in zip(units, owners) if w == i] for i in range(workers)]
+            per = [[b for b, w in zip(blocks, owners) if w == i] for i in range(workers)]
             if workers == 1:
-                warns, _ = run_units(str(ck.root), per[0], plan, tmp, 0, opts.budget, opts.force, src.fmt,
-                                     step or 0, on_progress=bar.update)
+                warns, _ = run_blocks(str(ck.root), dict(enumerate(units)), per[0], plan, claim.tmp, 0, share,
+                                      opts.force, suspect, step or 0, on_progress=bar.update)
                 warnings += warns
             else:
-                warnings += _run_parallel(str(ck.root), per, plan, tmp, opts, src.fmt, step or 0, bar)
-        commit_checkpoint(dst, plan, manifest, timeout=60.0)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                warnings += _run_parallel(str(ck.root), units, per, plan, claim.tmp, share, opts.force, suspect,
+                                          step or 0, bar)
+        commit_checkpoint(dst, plan, manifest, timeout=60.0, claim=claim)
     for w in warnings:
         print(f"gtp-bridge: warning: {w}", file=sys.stderr)
     return ConvertResult(dst, src.format_label, src.layout.to_json(), len(plan.arrays), plan.total_bytes,
-                         len(units), step, warnings, src.inferred)
+                         len(units), step, warnings, src.inferred, workers, budget)
 
 
-def _run_parallel(root: str, per: list[list[Unit]], plan: WritePlan, tmp: str, opts: ConvertOptions, fmt: str,
-                  step: int, bar) -> list[str]:
+def _run_parallel(root: str, units: Sequence[Unit], per: list[list[Block]], plan: WritePlan, tmp: str, share: int,
+                  force: bool, suspect: bool, step: int, bar) -> list[str]:
     # spawn: TensorStore aborts in a forked child once the parent has used it
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    budget = max(1 << 20, opts.budget // len(per))
-    procs = [ctx.Process(target=_worker_main, args=(q, root, per[w], plan, tmp, w, budget, opts.force, fmt, step),
-                         daemon=True) for w in range(len(per))]
-    for p in procs:
-        p.start()
+    procs = []
+    for w, blocks in enumerate(per):
+        mine = {b.unit: units[b.unit] for b in blocks}
+        procs.append(ctx.Process(target=_worker_main, args=(q, root, mine, blocks, plan, tmp, w, share, force,
+                                                            suspect, step), daemon=True))
     done: dict[int, Any] = {}
     errors: list[str] = []
     try:
+        for p in procs:
+            p.start()
         while len(done) + len(errors) < len(procs):
             try:
                 kind, w, payload = q.get(timeout=1.0)
@@ -547,12 +668,13 @@ def _run_parallel(root: str, per: list[list[Unit]], plan: WritePlan, tmp: str, o
                 errors.append(payload)
                 break
     finally:
-        if errors:
+        if len(done) < len(procs):   # an error, Ctrl-C or SIGTERM: stop every worker before tmp goes
             for p in procs:
-                if p.is_alive():
-                    p.terminate()
+                if p.pid is not None and p.is_alive():
+                    p.kill()
         for p in procs:
-            p.join()
+            if p.pid is not None:
+                p.join()
     if errors:
         raise BridgeError(errors[0])
     return [x for w in sorted(done) for x in done[w][0]]

@@ -19,8 +19,11 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Sequence
 
+import numpy as np
+
 from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
+from bridge.layout.chunks import grid_shape
 from bridge.layout.distopt import BufferLayout, BufferParam, buffer_layout
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
@@ -46,8 +49,9 @@ def role_path(role: str, array: str) -> tuple[str, ...]:
 class Copy:
     """Stored chunk region -> logical box.
 
-    `flat` copies take `chunk.reshape(-1)[start : start + dst.size]`; box copies take
-    `chunk[tuple(slice(a, b) for a, b in src)]`. Either way the data is reshaped to `dst.shape`.
+    Box copies take `chunk[src slices]`; flat copies view `chunk.reshape(-1)[flat_start:]` as an
+    array of shape `view` (row-major) and take its `src` slices. Either way the region has the
+    shape of `dst` (clipping a copy to a box shrinks `src` and `dst` alike).
     """
 
     key: str
@@ -56,31 +60,41 @@ class Copy:
     dst: Box
     src: tuple[tuple[int, int], ...] = ()
     flat_start: int = -1
+    view: tuple[int, ...] = ()
 
     @property
     def flat(self) -> bool:
         return self.flat_start >= 0
 
-    def clip_lead(self, lo: int, hi: int) -> "Copy | None":
-        """This copy restricted to logical rows [lo, hi) of the array's leading axis."""
+    def src_box(self) -> Box:
+        """The source region: in the chunk (box copies) or in the flat view (flat copies)."""
+        if self.flat and not self.src:
+            return Box.full(self.dst.shape)
+        return Box(tuple(a for a, _ in self.src), tuple(b for _, b in self.src))
+
+    def clip(self, box: Box) -> "Copy | None":
+        """This copy restricted to the logical `box` (None when they do not meet).
+
+        >>> c = Copy("k", 0, "a", Box((0, 0), (4, 6)), flat_start=10)
+        >>> d = c.clip(Box((2, 0), (8, 6)))
+        >>> str(d.dst), d.src, d.flat_start, d.view
+        ('[2:4, 0:6]', ((2, 4), (0, 6)), 10, (4, 6))
+        """
         if self.dst.ndim == 0:
-            return self if lo == 0 else None
-        a, b = max(lo, self.dst.start[0]), min(hi, self.dst.stop[0])
-        if b <= a:
-            return None
-        if a == self.dst.start[0] and b == self.dst.stop[0]:
             return self
-        d0 = a - self.dst.start[0]
-        dst = Box((a,) + self.dst.start[1:], (b,) + self.dst.stop[1:])
-        if self.flat:  # the box is row-major contiguous in the flat source
-            inner = prod(self.dst.shape[1:])
-            return Copy(self.key, self.chunk, self.array, dst, (), self.flat_start + d0 * inner)
-        # box copies: source and logical boxes have the same axes (stacked axes kept), so dst axis 0
-        # is source axis 0
-        src = list(self.src)
-        s0 = src[0][0] + d0
-        src[0] = (s0, s0 + (b - a))
-        return Copy(self.key, self.chunk, self.array, dst, tuple(src))
+        inter = self.dst.intersect(box)
+        if inter is None or inter.empty:
+            return None
+        if inter == self.dst:
+            return self
+        src = self.src_box()
+        if src.shape != self.dst.shape:
+            raise BridgeError(f"{self.key}: copy source {src} and logical box {self.dst} differ in shape; "
+                              f"cannot split it along the chunk grid")
+        delta = tuple(a - b for a, b in zip(inter.start, self.dst.start))
+        sub = Box.of(tuple(s + d for s, d in zip(src.start, delta)), inter.shape)
+        return Copy(self.key, self.chunk, self.array, inter, tuple(zip(sub.start, sub.stop)), self.flat_start,
+                    self.view or (self.dst.shape if self.flat else ()))
 
 
 @dataclass
@@ -91,31 +105,142 @@ class Unit:
     arrays: dict[str, tuple[int, ...]]               # logical array -> full shape
     dtypes: dict[str, str]                           # role -> numpy dtype name
     copies: dict[str, list[Copy]] = field(default_factory=dict)
+    stacked: int = 0                                 # leading layer / expert axes
+
+    def element_bytes(self) -> int:
+        """Bytes one logical element costs over the roles this unit fills."""
+        return sum(ITEMSIZE.get(self.dtypes[r], 4) for r in self.copies)
 
     @property
     def nbytes(self) -> int:
-        n = 0
-        for role in self.copies:
-            item = 2 if self.dtypes[role] == "bfloat16" else 4
-            n += sum(prod(s) for s in self.arrays.values()) * item
-        return n
+        return sum(prod(s) for s in self.arrays.values()) * self.element_bytes()
 
-    def split_lead(self, max_bytes: int) -> list[tuple[int, int, "Unit"]]:
-        """Sub-units of leading-axis row blocks so each fills at most ~`max_bytes` of buffers."""
-        lead = min((s[0] for s in self.arrays.values() if s), default=0)
-        if self.nbytes <= max_bytes or lead <= 1 or any(len(s) == 0 for s in self.arrays.values()):
-            return [(0, lead, self)]
-        if len({s[0] for s in self.arrays.values()}) != 1:
-            return [(0, lead, self)]
-        rows = max(1, int(lead * max_bytes // max(1, self.nbytes)))
-        out = []
-        for lo in range(0, lead, rows):
-            hi = min(lead, lo + rows)
-            sub = Unit(self.name, self.arrays, self.dtypes,
-                       {r: [x for x in (c.clip_lead(lo, hi) for c in cs) if x is not None]
-                        for r, cs in self.copies.items()})
-            out.append((lo, hi, sub))
-        return out
+
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunk grid: each outer chunk is assembled once, in all roles, and written once
+
+
+def chunk_shape_for(shape: Sequence[int], element_bytes: int, max_bytes: int) -> tuple[int, ...]:
+    """Outer chunk shape of an array whose chunks (times `element_bytes` per element) fit `max_bytes`.
+
+    Row-major blocks: whole trailing axes, and as many indices of the first axis that must be cut
+    as fit, spread evenly (equal chunks rather than a small remainder). A chunk that cuts axis k
+    is one index wide on every axis before k: for stacked arrays one layer (and one expert), the
+    inner-chunk policy's unit, is never split across chunks unless it alone exceeds `max_bytes`.
+
+    >>> chunk_shape_for((16, 128, 64), 14, 1 << 20)      # 9 layers fit: 2 chunks of 8, not 9 + 7
+    (8, 128, 64)
+    >>> chunk_shape_for((16, 128, 64), 14, 64 << 10)     # less than a layer fits
+    (1, 64, 64)
+    >>> chunk_shape_for((), 4, 1), chunk_shape_for((5, 0), 4, 1)
+    ((), (5, 1))
+    """
+    shape = tuple(int(s) for s in shape)
+    if not shape:
+        return ()
+    if 0 in shape:
+        return tuple(max(1, s) for s in shape)
+    for k in range(len(shape)):
+        inner = prod(shape[k + 1:]) * element_bytes
+        if inner <= max_bytes or k == len(shape) - 1:
+            fit = max(1, min(shape[k], max_bytes // max(1, inner)))
+            n = -(-shape[k] // fit)                        # chunks along axis k
+            return (1,) * k + (-(-shape[k] // n),) + shape[k + 1:]
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One outer chunk of one logical array of a unit, filled in every role at once."""
+
+    unit: int
+    array: str
+    box: Box
+    nbytes: int
+
+
+def plan_blocks(units: Sequence[Unit], max_block_bytes: int) -> tuple[list[Block], dict[str, tuple[int, ...]]]:
+    """Every unit's arrays cut on their chunk grid; returns the blocks and each array's chunk shape.
+
+    Blocks come unit by unit, and inside a unit chunk by chunk with the arrays (fused sections)
+    interleaved, so the sections of one stored region are filled one after another.
+
+    >>> u = Unit("w", {"w.a": (4, 8), "w.b": (4, 8)}, {"params": "float32"}, {"params": []})
+    >>> blocks, chunks = plan_blocks([u], 64)
+    >>> chunks, [(b.array, str(b.box)) for b in blocks][:3]
+    ({'w.a': (2, 8), 'w.b': (2, 8)}, [('w.a', '[0:2, 0:8]'), ('w.b', '[0:2, 0:8]'), ('w.a', '[2:4, 0:8]')])
+    """
+    from bridge.layout.chunks import ArrayOwnership
+
+    blocks: list[Block] = []
+    chunks: dict[str, tuple[int, ...]] = {}
+    for ui, u in enumerate(units):
+        eb = u.element_bytes()
+        grids = []
+        for arr, shape in u.arrays.items():
+            cs = chunk_shape_for(shape, eb, max_block_bytes)
+            chunks[arr] = cs
+            own = ArrayOwnership(shape, cs, np.zeros(grid_shape(shape, cs), dtype=np.int32))
+            grids.append([(arr, own.chunk_box(i)) for i in own.chunk_indices()])
+        for k in range(max(len(g) for g in grids)):
+            for g in grids:
+                if k < len(g):
+                    arr, box = g[k]
+                    blocks.append(Block(ui, arr, box, max(1, box.size) * eb))
+    return blocks, chunks
+
+
+def assign_blocks(blocks: Sequence[Block], workers: int) -> list[int]:
+    """Writer of each block: `workers` contiguous runs of about equal bytes (contiguous, so each
+    worker reads a compact part of the source).
+
+    >>> assign_blocks([Block(0, "a", Box((), ()), n) for n in (4, 4, 4, 4, 8)], 2)
+    [0, 0, 0, 1, 1]
+    """
+    total = sum(b.nbytes for b in blocks)
+    out, done = [], 0
+    for b in blocks:
+        # the block goes to the worker whose share its middle byte falls in
+        out.append(min(workers - 1, int((done + b.nbytes / 2) * workers // max(1, total))))
+        done += b.nbytes
+    return out
+
+
+class CopyIndex:
+    """A unit's copies by (role, array), found by overlap with a box in one vectorized test.
+
+    >>> u = Unit("w", {"w": (4, 2)}, {"params": "float32"},
+    ...          {"params": [Copy("k", 0, "w", Box((0, 0), (3, 2)), flat_start=0),
+    ...                      Copy("k", 1, "w", Box((3, 0), (4, 2)), flat_start=0)]})
+    >>> [str(c.dst) for c in CopyIndex(u).clipped("params", "w", Box((2, 0), (4, 2)))]
+    ['[2:3, 0:2]', '[3:4, 0:2]']
+    """
+
+    def __init__(self, unit: Unit) -> None:
+        self._by: dict[tuple[str, str], tuple[list[Copy], np.ndarray, np.ndarray]] = {}
+        groups: dict[tuple[str, str], list[Copy]] = {}
+        for role, copies in unit.copies.items():
+            for c in copies:
+                groups.setdefault((role, c.array), []).append(c)
+        for k, cs in groups.items():
+            nd = cs[0].dst.ndim
+            lo = np.array([c.dst.start for c in cs], dtype=np.int64).reshape(len(cs), nd)
+            hi = np.array([c.dst.stop for c in cs], dtype=np.int64).reshape(len(cs), nd)
+            self._by[k] = (cs, lo, hi)
+
+    def clipped(self, role: str, array: str, box: Box) -> list[Copy]:
+        """The copies of `array` in `role` restricted to `box`, in plan order."""
+        got = self._by.get((role, array))
+        if got is None:
+            return []
+        cs, lo, hi = got
+        if box.ndim == 0:
+            return list(cs)
+        hit = (np.minimum(hi, box.stop) > np.maximum(lo, box.start)).all(axis=1)
+        return [cs[i].clip(box) for i in np.flatnonzero(hit)]
 
 
 # ---------------------------------------------------------------------------------------------

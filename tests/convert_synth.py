@@ -10,6 +10,7 @@ Real `torch.distributed.checkpoint.save` writes it from real gloo processes (one
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import math
 import os
@@ -24,6 +25,25 @@ import torch.multiprocessing as mp
 
 L, H, NQ, NG, HD, F, V = 2, 8, 4, 2, 2, 12, 32
 QKV = (NQ + 2 * NG) * HD
+
+
+@contextlib.contextmanager
+def dims(**sizes: int):
+    """Build checkpoints of other sizes inside this block, e.g. `dims(L=4, H=64, F=192, V=512)`
+    (names as the module constants; the defaults come back on exit)."""
+    global L, H, NQ, NG, HD, F, V, QKV
+    old = (L, H, NQ, NG, HD, F, V)
+    g = globals()
+    for k, v in sizes.items():
+        if k not in ("L", "H", "NQ", "NG", "HD", "F", "V"):
+            raise TypeError(f"unknown dimension {k}")
+        g[k] = int(v)
+    QKV = (NQ + 2 * NG) * HD
+    try:
+        yield
+    finally:
+        L, H, NQ, NG, HD, F, V = old
+        QKV = (NQ + 2 * NG) * HD
 LR, BETAS, EPS, WD = 0.01, (0.9, 0.95), 1e-8, 0.1
 
 

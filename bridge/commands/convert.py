@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 
 EPILOG = """examples:
@@ -48,9 +47,12 @@ def add_parser(sub) -> None:
     p.add_argument("src", metavar="SRC", help="torch_dist checkpoint directory (iter_<N> or its parent)")
     p.add_argument("dst", metavar="DST", help="new logical checkpoint directory (must not exist); with --orbax-step-dir "
                                               "an Orbax CheckpointManager root")
-    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
-                   help="writer processes (each owns whole arrays); default min(4, cores)")
-    p.add_argument("--budget", default="1G", help="in-flight host memory budget, e.g. 512M, 2G (default 1G)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="writer processes (each owns whole outer chunks); default: one per core, at most 8")
+    p.add_argument("--budget", default=None,
+                   help="host memory for the data of all processes together, e.g. 512M, 2G; each process also "
+                        "needs about 0.5 GiB for itself (default: half of the free memory left after that, "
+                        "256M..16G; printed)")
     p.add_argument("--force", action="store_true",
                    help="convert even when fp32 masters disagree with the bf16 weights (corrupt source; loud)")
     p.add_argument("--orbax-step-dir", "--orbax-manager", dest="orbax_manager", action="store_true",
@@ -72,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
     if found.note:
         print(found.note)
     args.src = found.path
-    opts = ConvertOptions(workers=args.workers, budget=parse_size(args.budget), force=args.force,
-                          hints=hints_from(args))
+    budget = parse_size(args.budget) if args.budget is not None else None
+    opts = ConvertOptions(workers=args.workers, budget=budget, force=args.force, hints=hints_from(args),
+                          announce=lambda line: print(line, flush=True))
     if args.orbax_manager:
         from bridge.store.manager import write_step
 
