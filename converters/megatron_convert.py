@@ -256,23 +256,25 @@ class ShareSplit:
 
 
 def split_share(share: int) -> ShareSplit:
-    """A sixth each for the block being filled, the source chunks kept, and the writer's batch.
+    """A twelfth each for the block being filled and the source chunks kept, a sixteenth for the
+    writer's batch (at least MIN_BATCH_BYTES).
 
-    Each costs more than its nominal size (measured on the CPU, resident bytes per budgeted byte):
-    the writer holds a batch filling and one committing plus TensorStore's encoded shards (~2.3x),
-    whole-chunk reads decode next to the raw record (~1.6x), the master check casts a copy (~1.4x);
-    a sixth each keeps the sum below the share.
+    Each costs several times its nominal size (resident bytes measured on the CPU): the writer
+    holds a batch filling and one committing, each up to a block beyond its size, plus TensorStore's
+    encoded shards (~3x batch + block); a block is assembled next to its master check's cast
+    (~1.4x); whole-chunk reads decode next to the raw record (~1.6x). With these fractions the sum
+    stays near two thirds of the share, the rest covers allocator slack.
 
-    The writer's batch is at least MIN_BATCH_BYTES: every transaction adds OCDBT B-tree nodes that
-    later commits rewrite, and below about 1 MiB of data per commit they outgrow the data on disk.
+    The batch floor: every transaction adds OCDBT B-tree nodes that later commits rewrite, and
+    below about 1 MiB of data per commit they outgrow the data on disk.
 
-    >>> split_share(60 << 20)
-    ShareSplit(block=10485760, cache=10485760, inflight=10485760)
+    >>> split_share(192 << 20)
+    ShareSplit(block=16777216, cache=16777216, inflight=12582912)
     >>> split_share(1 << 20).inflight == MIN_BATCH_BYTES
     True
     """
-    q = max(1, share // 6)
-    return ShareSplit(block=q, cache=q, inflight=max(q, MIN_BATCH_BYTES))
+    q = max(1, share // 12)
+    return ShareSplit(block=q, cache=q, inflight=max(share // 16, MIN_BATCH_BYTES))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,7 +341,23 @@ def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], p
     ck = DcpCheckpoint(src_root)
     cache = ChunkCache(ck, mem.cache)
     # commit_depth=1: one batch committing while the next fills, both inside the share
-    writer = CheckpointWriter(tmp, plan, writer_id, inflight_bytes=mem.inflight, commit_depth=1)
+    # B-tree cache off: this process only writes, and cached nodes of every commit would pile up
+    # outside the budget (~100 MiB at the store's default limit)
+    writer = CheckpointWriter(tmp, plan, writer_id, inflight_bytes=mem.inflight, commit_depth=1, btree_cache_bytes=0)
+    try:
+        return _write_blocks(cache, writer, units, blocks, writer_id, force, defect_suspect, step, on_progress)
+    except BaseException:
+        # let TensorStore's in-flight writes land before the caller removes the temp directory,
+        # else they recreate files in it afterwards
+        try:
+            writer.flush(wait=True)
+        except Exception:  # noqa: BLE001 - the original error is the one to report
+            pass
+        raise
+
+
+def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, Unit], blocks: Sequence[Block],
+                  writer_id: int, force: bool, defect_suspect: bool, step: int, on_progress) -> tuple[list[str], int]:
     warnings: list[str] = []
     index: tuple[int, CopyIndex] | None = None
     for b in blocks:

@@ -14,6 +14,7 @@ import contextlib
 import io
 import math
 import os
+import shutil
 import socket
 from typing import Any
 
@@ -323,8 +324,16 @@ def save(path: str, entries: dict, objects: dict, common: dict, world: int) -> N
             end = tuple(a + b for a, b in zip(o, d.shape))
             shape = end if shape is None else tuple(max(a, b) for a, b in zip(shape, end))
         shapes[key] = shape
-    mp.start_processes(_save_rank, args=(world, _free_port(), path, entries, shapes, objects, common),
-                       nprocs=world, start_method="spawn")
+    # gloo on a loaded machine now and then aborts a rank at set-up or tear-down: try again, afresh
+    for attempt in range(3):
+        try:
+            mp.start_processes(_save_rank, args=(world, _free_port(), path, entries, shapes, objects, common),
+                               nprocs=world, start_method="spawn")
+            return
+        except mp.ProcessExitedException:
+            if attempt == 2:
+                raise
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0, bucket_size: int | None = None,

@@ -208,7 +208,7 @@ class CheckpointWriter:
 
     def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int | None = None,
                  compute_digest: bool = True, threads: int | None = None, staging: bool = True,
-                 drop_behind: bool = True, commit_depth: int = 1) -> None:
+                 drop_behind: bool = True, commit_depth: int = 1, btree_cache_bytes: int | None = None) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
         if not os.path.isdir(tmp_dir):
@@ -221,7 +221,10 @@ class CheckpointWriter:
         self.writer_id = writer_id
         self.inflight_bytes = max(1, int(inflight_bytes or default_batch_bytes()))
         self.compute_digest = compute_digest
-        self.context = ts.Context(specs.context_spec())
+        ctx = specs.context_spec()
+        if btree_cache_bytes is not None:  # a bounded-memory caller (convert) caps the OCDBT B-tree node cache
+            ctx["cache_pool#ocdbt"] = {"total_bytes_limit": int(btree_cache_bytes)}
+        self.context = ts.Context(ctx)
         self._state: dict[str, _ArrayState] = {}
         self._created: set[str] = set()
         self._base: dict[str, object] = {}   # opened once per array, not bound to a transaction
