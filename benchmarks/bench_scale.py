@@ -49,18 +49,6 @@ import scale_synth as ss  # noqa: E402
 GiB = 2**30
 
 
-def du(path: str) -> int:
-    """Bytes of the files under `path` (allocated size is not what the issue compares: file sizes)."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for n in files:
-            try:
-                total += os.path.getsize(os.path.join(root, n))
-            except OSError:
-                pass
-    return total
-
-
 def ts_bytes_read() -> int:
     """TensorStore's own count of bytes its file kvstore read in this process."""
     import tensorstore as ts
@@ -358,12 +346,12 @@ def run(a) -> dict:
     # generation (in-process pool; not a measured step of the bridge)
     t0 = time.perf_counter()
     gen = ss.write(src, sizes, "dp_reshardable", bucket, workers=a.gen_workers)
-    res["generate_dp"] = dict(gen, seconds=time.perf_counter() - t0, disk=du(src))
+    res["generate_dp"] = dict(gen, seconds=time.perf_counter() - t0, disk=sm.du(src))
     print(f"[gen] dp_reshardable: {gen['tensor_bytes'] / GiB:.2f} GiB in {res['generate_dp']['seconds']:.1f} s, "
           f"{gen['buckets']} buckets, {gen['files']} files", flush=True)
     conv_rec = b.cli("convert", ["convert", src, conv] + a.convert_args.split(), rate_need(state, 0.15))
     if conv_rec and conv_rec["rc"] == 0:
-        res["disk_conv"] = du(conv)
+        res["disk_conv"] = sm.du(conv)
     b.internal("anchor_convert", "_anchor_convert", [src, raw], rate_need(2 * state, 0.5))
     shutil.rmtree(raw, ignore_errors=True)
     if os.path.isdir(conv):
@@ -374,7 +362,7 @@ def run(a) -> dict:
         b.internal("reads", "_reads", [conv, str(a.gib)], rate_need(state // 2, 0.3))
         b.cli("to_megatron", ["to-megatron", "--tp", "2", conv, tm], rate_need(state, 0.1))
         if os.path.isdir(tm):
-            res["disk_tm2"] = du(tm)
+            res["disk_tm2"] = sm.du(tm)
         shutil.rmtree(tm, ignore_errors=True)
         b.internal("anchor_tomeg", "_anchor_tomeg", [conv, tma], rate_need(2 * state, 0.4))
         shutil.rmtree(tma, ignore_errors=True)
@@ -387,7 +375,7 @@ def run(a) -> dict:
             shutil.rmtree(src, ignore_errors=True)  # disk: the dp source is no longer needed
             t0 = time.perf_counter()
             g2 = ss.write(sfr, sizes, "fully_reshardable", bucket, workers=a.gen_workers)
-            res["generate_fully"] = dict(g2, seconds=time.perf_counter() - t0, disk=du(sfr))
+            res["generate_fully"] = dict(g2, seconds=time.perf_counter() - t0, disk=sm.du(sfr))
             b.cli("convert_fully", ["convert", sfr, cfr] + a.convert_args.split(), rate_need(state, 0.15))
             if os.path.isdir(cfr):
                 b.internal("digests_fully_vs_dp", "_digests", [cfr, conv], 15)

@@ -25,22 +25,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))  # repository root
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from scale_measure import drop_caches  # noqa: E402 (one implementation for every scale script)
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * PAGE
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def append(path: str, rec: dict) -> None:

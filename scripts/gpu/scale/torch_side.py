@@ -38,6 +38,8 @@ import tinygpt  # noqa: E402
 
 STEPS = 2
 NEXT = 2  # steps after the loads (the 2nd also depends on the restored Adam step count)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(HERE))), "benchmarks"))
+from scale_measure import drop_caches, du  # noqa: E402 (one implementation for every scale script)
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -69,27 +71,6 @@ class RssSampler:
         self.t.join()
         self.peak = max(self.peak, rss())
         self.after = rss()
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def du(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for n in files:
-            try:
-                total += os.path.getsize(os.path.join(root, n))
-            except OSError:
-                pass
-    return total
 
 
 def sync() -> None:
