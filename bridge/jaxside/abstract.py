@@ -66,7 +66,8 @@ def stored_arrays(directory: str | os.PathLike, *, allow_edited_metadata: bool |
     """
     import orbax.checkpoint as ocp
 
-    d = resolve_location(directory)  # refuses URLs; an Orbax manager root -> its latest step
+    # refuses URLs; an Orbax manager root -> its latest step. Absolute: Orbax reads no metadata from a relative path
+    d = os.path.abspath(resolve_location(directory))
     if not os.path.isfile(os.path.join(d, "_METADATA")) and os.path.isfile(os.path.join(d, ITEM, "_METADATA")):
         d = os.path.join(d, ITEM)  # an Orbax CheckpointManager step directory
     if d.rstrip("/").endswith(".orbax-checkpoint-tmp"):

@@ -295,6 +295,7 @@ def check_model_consistent(model: Mapping[Path, Any], params: Mapping[Path, Any]
 
 @jax.jit
 def _differ(w, master):
+    """(any difference, flat index of the first) between one shard of `w` and of its master."""
     cast = master.astype(w.dtype)
     uint = jnp.dtype(f"uint{8 * w.dtype.itemsize}")
     neq = jax.lax.bitcast_convert_type(w, uint) != jax.lax.bitcast_convert_type(cast, uint)
@@ -305,13 +306,42 @@ def _differ(w, master):
 
 
 def _first_difference(w: jax.Array, master: Any) -> tuple[tuple[int, ...], float, float] | None:
-    """(index, weight, cast master) of the first element where `w` != cast(master), or None."""
+    """(index, weight, cast master) of the first element where `w` != cast(master), or None.
+
+    Compares shard by shard on each shard's own device: whole-array index math under jit is refused
+    on meshes with explicit axis types (`jax.make_mesh`'s default), and gathering the array on one
+    host would cost its full size. One copy of each distinct shard is compared (replica 0).
+    """
     if w.size == 0:
         return None
-    any_diff, at = _differ(w, jnp.asarray(master))
-    if not bool(jax.device_get(any_diff)):
-        return None
-    idx = tuple(int(i) for i in np.unravel_index(int(jax.device_get(at)), w.shape))
-    pick = jax.jit(lambda a, b: (a[idx], b[idx].astype(a.dtype)))
-    got, want = jax.device_get(pick(w, jnp.asarray(master)))
-    return idx, float(got), float(want)
+    master = jax.device_put(jnp.asarray(master), w.sharding)  # shards of both line up by device
+    masters = {s.device: s.data for s in master.addressable_shards}
+    found: list[tuple[tuple[int, ...], float, float]] = []
+    for s in w.addressable_shards:
+        if s.replica_id != 0 or s.data.size == 0:
+            continue
+        any_diff, at = _differ(s.data, masters[s.device])
+        if not bool(jax.device_get(any_diff)):
+            continue
+        local = tuple(int(i) for i in np.unravel_index(int(jax.device_get(at)), s.data.shape))
+        got = jax.device_get(s.data[local])
+        want = jax.device_get(masters[s.device][local].astype(w.dtype))
+        origin = tuple(sl.start or 0 for sl in s.index)
+        found.append((tuple(o + i for o, i in zip(origin, local)), float(got), float(want)))
+    if jax.process_count() > 1:
+        found = _gather_first(found, w.ndim)
+    return min(found) if found else None
+
+
+def _gather_first(found: list[tuple[tuple[int, ...], float, float]], ndim: int
+                  ) -> list[tuple[tuple[int, ...], float, float]]:
+    """Every process's first difference, so that all processes agree on whether to refuse and on what."""
+    from jax.experimental import multihost_utils
+
+    mine = min(found) if found else None
+    idx = np.array([1, *mine[0]] if mine else [0] * (ndim + 1), np.int32)
+    vals = np.array(mine[1:] if mine else (0.0, 0.0), np.float32)
+    all_idx = np.asarray(multihost_utils.process_allgather(idx)).reshape(-1, ndim + 1)
+    all_vals = np.asarray(multihost_utils.process_allgather(vals)).reshape(-1, 2)
+    return [(tuple(int(i) for i in row[1:]), float(v[0]), float(v[1]))
+            for row, v in zip(all_idx, all_vals) if row[0]]
