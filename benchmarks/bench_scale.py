@@ -89,7 +89,6 @@ def _anchor_convert(src: str, raw: str) -> dict:
 def _anchor_tomeg(conv: str, out: str) -> dict:
     """Raw TensorStore read of every logical array + dcp.save of the same tensors."""
     import tensorstore as ts
-    import torch
     import torch.distributed.checkpoint as dcp
 
     from bridge.store import specs

@@ -24,7 +24,6 @@ import tempfile
 import time
 
 import numpy as np
-import torch
 import torch.distributed.checkpoint as dcp
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -692,7 +692,7 @@ class SafeUnpickler(pickle._Unpickler):
         if self._open_arrays.pop(id(arr), None) is not arr:
             self.refuse("setting the state of a numpy array twice or one not made by _reconstruct")
         if type(state) is not tuple or len(state) != 5 or state[0] != 1 or type(state[0]) is not int:
-            self.refuse(f"a numpy array state that is not (1, shape, dtype, fortran, bytes)")
+            self.refuse("a numpy array state that is not (1, shape, dtype, fortran, bytes)")
         _, shape, dtype, fortran, raw = state
         shape = _int_tuple(shape, f"{self.what}: numpy array shape", 32)
         if not _plain_numeric_dtype(dtype):

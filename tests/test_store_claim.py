@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from bridge.errors import BridgeError
-from bridge.layout.boxes import Box
 from bridge.store import (ArraySpec, CheckpointWriter, begin_checkpoint, commit_checkpoint, make_write_plan,
                           open_checkpoint, save_checkpoint)
 from bridge.store.verify import verify_checkpoint

@@ -32,8 +32,7 @@ from bridge.errors import BridgeError
 from bridge.progress import progress
 from bridge.store import digest as dg
 from bridge.store import specs
-from bridge.store.claim import (TMP_SUFFIX, ClaimInfo, DestinationClaim, claim_destination, held_claim,
-                                tmp_dir_for)
+from bridge.store.claim import ClaimInfo, DestinationClaim, claim_destination, held_claim, tmp_dir_for
 from bridge.store.durable import fsync_tree, write_json_atomic
 from bridge.store.manifest import CHECKSUM_KEY, MANIFEST_KEY, ArrayRecord, Manifest, seal_metadata
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan

@@ -19,7 +19,6 @@ Orbax does not take for a step, and rename it to `root/<step>` once complete, so
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
