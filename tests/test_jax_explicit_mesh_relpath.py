@@ -33,10 +33,11 @@ def explicit_state():
     mesh = jax.make_mesh((2, 4), ("fsdp", "tp"))
     assert all(str(t).endswith("Explicit") for t in mesh.axis_types)  # the case that failed
     rng = np.random.default_rng(3)
-    host = {"w": rng.standard_normal((16, 24)).astype(np.float32),
-            "b": rng.standard_normal((24,)).astype(np.float32)}
-    params = {"w": jax.device_put(host["w"], NamedSharding(mesh, P("fsdp", "tp"))),
-              "b": jax.device_put(host["b"], NamedSharding(mesh, P("tp")))}
+    # sharded on a non-leading axis ("k", "e"): the flattening reshape is refused on explicit meshes
+    specs = {"w": P("fsdp", "tp"), "b": P("tp"), "k": P(None, ("fsdp", "tp")), "e": P(None, "fsdp", "tp")}
+    shapes = {"w": (16, 24), "b": (24,), "k": (6, 16), "e": (4, 16, 24)}
+    host = {k: rng.standard_normal(shapes[k]).astype(np.float32) for k in specs}
+    params = {k: jax.device_put(host[k], NamedSharding(mesh, specs[k])) for k in specs}
     tx = optax.adam(1e-3)
     return mesh, host, params, tx.init(params)
 
@@ -45,16 +46,18 @@ def test_consistent_model_on_explicit_mesh_is_accepted(explicit_state, tmp_path)
     mesh, host, params, opt_state = explicit_state
     model = {k: jax.device_put(_torch_bf16(v).astype(jnp.bfloat16), params[k].sharding) for k, v in host.items()}
     save(str(tmp_path / "ok"), params=params, opt_state=opt_state, step=1, model=model)
-    got = open_checkpoint(str(tmp_path / "ok")).read(("model", "w"))
-    assert np.array_equal(np.asarray(got, np.float32), _torch_bf16(host["w"]))
+    ck = open_checkpoint(str(tmp_path / "ok"))
+    for k in host:
+        assert np.array_equal(np.asarray(ck.read(("model", k)), np.float32), _torch_bf16(host[k])), k
 
 
-@pytest.mark.parametrize("name,sharding", [("w", P("fsdp", "tp")), ("w", P(None, "tp")), ("b", P("tp"))])
+@pytest.mark.parametrize("name,sharding", [("w", P("fsdp", "tp")), ("w", P(None, "tp")), ("b", P("tp")),
+                                           ("e", P(None, "fsdp", "tp")), ("e", P("tp", None, "fsdp"))])
 def test_inconsistent_model_on_explicit_mesh_is_refused(explicit_state, tmp_path, name, sharding):
     mesh, host, params, opt_state = explicit_state
     model_host = {k: _torch_bf16(v) for k, v in host.items()}
     # two wrong elements, the later one in an earlier shard for "w" (row-major order decides "first")
-    wrong = [(11, 3), (9, 20)] if name == "w" else [(17,), (5,)]
+    wrong = {"w": [(11, 3), (9, 20)], "b": [(17,), (5,)], "e": [(2, 1, 2), (1, 15, 23)]}[name]
     for i in wrong:
         model_host[name][i] = model_host[name][i] + 1.0
     model = {k: jax.device_put(v.astype(jnp.bfloat16),
