@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 
 from bridge.errors import BridgeError
+from bridge.location import local_path
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -117,8 +118,7 @@ def locate_megatron_dir(path: str) -> Resolved:
     A run directory without a tracker is refused, listing its `iter_*` directories, rather than
     guessed: Megatron-LM itself would not load any of them.
     """
-    if "://" in path:
-        return Resolved(path)  # a URL: the reader says what it supports
+    path = local_path(path, "source")
     if not os.path.isdir(path) or is_checkpoint_dir(path):
         return Resolved(path)  # missing, a file, or the checkpoint itself: the reader's messages apply
     it = read_tracker(path)
@@ -165,10 +165,7 @@ def plan_run_dir(dst: str, iteration: int) -> RunDirTarget:
     DST is either the run directory (new, empty, or a Megatron run directory: one with a tracker or
     `iter_*` directories) or an `iter_XXXXXXX` directory in one, whose number must be `iteration`.
     """
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", dst):
-        raise BridgeError(f"DST {dst} is a URL; to-megatron writes a local directory (Megatron-LM's --load reads one): "
-                          f"write locally, then copy it to {dst.split('://', 1)[0]}://")
-    dst = os.path.abspath(dst).rstrip("/") or "/"
+    dst = os.path.abspath(local_path(dst, "destination")).rstrip("/") or "/"
     name = os.path.basename(dst)
     named = parse_iteration_dir_name(name)
     if named is not None:
