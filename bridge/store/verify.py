@@ -25,7 +25,7 @@ from bridge.store.reader import ArrayInfo, Checkpoint, open_checkpoint
 from bridge.store.specs import numpy_dtype
 from bridge.store.tree import path_str
 
-READ_BLOCK_BYTES = 32 << 20
+READ_BLOCK_BYTES = 16 << 20
 
 
 @dataclass
