@@ -1,9 +1,10 @@
 """Full integrity check of a checkpoint: metadata checksum, shapes/dtypes, every byte's digest.
 
 Each stored byte is read once: an array is read in blocks aligned to its stored chunks (whole
-inner chunks, never a block that cuts one), blocks of all arrays in parallel on a thread pool
-(TensorStore and the digest release the GIL). A damaged array is reported by name and never
-hides the others.
+inner chunks, never a block that cuts one). TensorStore reads blocks of all arrays in parallel into
+a fixed set of reused buffers (bounded memory; a fresh array per block would be page-faulted in and
+unmapped again every time), and a thread pool digests each block as its read completes (TensorStore
+and the digest release the GIL). A damaged array is reported by name and never hides the others.
 """
 
 from __future__ import annotations
