@@ -1,6 +1,6 @@
-"""`verify` vs a raw TensorStore read of the same arrays, and the bytes each reads.
+"""`verify` vs a raw TensorStore read of the same arrays and a raw read of the files, and the bytes each reads.
 
-    python benchmarks/bench_verify.py [--mib 256] [--layers 16] [--threads N] [--reps 3] [--dir /tmp/x]
+    python benchmarks/bench_verify.py [--mib 256] [--layers 16] [--threads N] [--reps 3] [--dir /tmp/x] [--cold]
 
 Writes a synthetic checkpoint of `--mib` MiB of float32 stacked-layer arrays (shape
 (layers, rows, cols)) in two chunk layouts, half the bytes each: inner chunks spanning every layer
@@ -8,16 +8,20 @@ Writes a synthetic checkpoint of `--mib` MiB of float32 stacked-layer arrays (sh
 live export writes, (1, 512, 512)). Then, interleaved over `--reps`:
 - **verify**: `bridge.store.verify.verify_checkpoint` (every byte read, digested, compared);
 - **raw**: plain TensorStore opens of the same arrays and one whole-array `read()` each, all
-  issued at once (no digest): the anchor.
-Reported: median wall times and their ratio (verify / raw), and bytes read by the process
-(/proc/self/io rchar) over the arrays' bytes. Page cache state is the same for both (warm: the
-checkpoint was just written and is read once before timing). Targets: bytes <= 1.1x.
+  issued at once (no digest): the anchor;
+- **files**: every file of the checkpoint read with 8 threads, 16 MiB at a time (the disk's rate).
+Reported: median wall times, their ratios, CPU seconds (user + system, all threads) and bytes read
+by the process (/proc/self/io rchar) over the arrays' bytes. CPU seconds show the per-byte overhead
+that limits a machine with many cores. Page cache state is the same for all: warm (the checkpoint
+was just written and is read once before timing), or with `--cold` dropped before each run (root
+only). Targets: bytes <= 1.1x.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -40,6 +44,17 @@ def rchar() -> int:
     """Bytes this process read through read(2)/pread(2) so far (page cache hits included)."""
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
 
 
 def layer_shapes(mib: int, layers: int, cols: int = 1024) -> list[tuple[int, int, int]]:
@@ -83,6 +98,22 @@ def raw_read(dst: str) -> int:
     return sum(f.result().nbytes for f in futures)
 
 
+def files_read(dst: str, threads: int = 8) -> int:
+    """The disk's anchor: every file under `dst` read with `threads` threads, 16 MiB at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(fn: str) -> int:
+        n, buf = 0, bytearray(16 << 20)
+        with open(fn, "rb", buffering=0) as f:
+            while k := f.readinto(buf):
+                n += k
+        return n
+
+    names = [os.path.join(r, n) for r, _, fs in os.walk(dst) for n in fs]
+    with ThreadPoolExecutor(threads) as ex:
+        return sum(ex.map(one, sorted(names, key=os.path.getsize, reverse=True)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256)
@@ -90,29 +121,41 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before each run (root only)")
     args = ap.parse_args()
+    if args.cold and os.geteuid() != 0:
+        ap.error("--cold needs root (it writes /proc/sys/vm/drop_caches)")
     root = tempfile.mkdtemp(dir=args.dir, prefix="bench_verify_")
     try:
         dst, nbytes = build(root, args.mib, args.layers)
         raw_read(dst)  # warm the page cache equally for both
-        times = {"verify": [], "raw": []}
-        reads = {"verify": [], "raw": []}
+        modes = ("verify", "raw", "files")
+        times: dict = {m: [] for m in modes}
+        cpus: dict = {m: [] for m in modes}
+        reads: dict = {m: [] for m in modes}
         for _ in range(args.reps):
-            for mode in ("verify", "raw"):
-                r0, t0 = rchar(), time.perf_counter()
+            for mode in modes:
+                if args.cold:
+                    drop_caches()
+                r0, c0, t0 = rchar(), cpu_seconds(), time.perf_counter()
                 if mode == "verify":
                     res = verify_checkpoint(dst, threads=args.threads, show_progress=False)
                     assert res.ok, res
-                else:
+                elif mode == "raw":
                     raw_read(dst)
+                else:
+                    files_read(dst)
                 times[mode].append(time.perf_counter() - t0)
+                cpus[mode].append(cpu_seconds() - c0)
                 reads[mode].append(rchar() - r0)
-        tv, tr = statistics.median(times["verify"]), statistics.median(times["raw"])
+        t = {m: statistics.median(times[m]) for m in modes}
         print(f"arrays: {nbytes / 2**20:.0f} MiB (half inner chunks over all {args.layers} layers, half one layer each); "
-              f"{os.cpu_count()} CPUs, verify threads {args.threads or 'default'}")
-        print(f"verify  {tv:7.3f} s  {nbytes / tv / 2**30:6.2f} GiB/s  bytes read {statistics.median(reads['verify']) / nbytes:.3f}x")
-        print(f"raw     {tr:7.3f} s  {nbytes / tr / 2**30:6.2f} GiB/s  bytes read {statistics.median(reads['raw']) / nbytes:.3f}x")
-        print(f"verify / raw time: {tv / tr:.2f}x")
+              f"{os.cpu_count()} CPUs, verify threads {args.threads or 'default'}, page cache "
+              f"{'dropped before each run' if args.cold else 'warm'}")
+        for m in modes:
+            print(f"{m:7s} {t[m]:7.3f} s  {nbytes / t[m] / 2**30:6.2f} GiB/s  CPU {statistics.median(cpus[m]):6.2f} s  "
+                  f"bytes read {statistics.median(reads[m]) / nbytes:.3f}x")
+        print(f"verify / raw time: {t['verify'] / t['raw']:.2f}x; verify / files time: {t['verify'] / t['files']:.2f}x")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -41,11 +41,24 @@ def _save(dst, arrays, inner, owners):
         writer = CheckpointWriter(tmp, plan, w)
         for name, ap in plan.arrays.items():
             for box in ap.ownership.boxes_owned_by(w):
+                if not box.ndim:
+                    writer.write(ap.spec.path, box, arrays[ap.spec.path])
+                    continue
                 for layer in range(box.start[0], box.stop[0]):      # written layer by layer, as a converter
                     part = type(box)((layer,) + box.start[1:], (layer + 1,) + box.stop[1:])
                     writer.write(ap.spec.path, part, arrays[ap.spec.path][part.slices])
         writer.finish()
     return commit_checkpoint(dst, plan, timeout=30)
+
+
+def _flip_a_byte_in_every_file(d: str) -> None:
+    for f in os.listdir(d):
+        path = os.path.join(d, f)
+        with open(path, "r+b") as fh:
+            fh.seek(os.path.getsize(path) // 2)
+            byte = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([byte[0] ^ 0x01]))
 
 
 def _stored_bytes(root: str) -> int:
@@ -74,14 +87,31 @@ def test_every_damaged_array_is_named_and_the_intact_one_passes(tmp_path):
     dst = _save(str(tmp_path / "ck"), arrays, inner, owners)
     assert verify_checkpoint(dst, threads=3, block_bytes=16 << 10).ok
     for writer in (0, 2):                               # damage a's and c's data, leave b's
-        d = os.path.join(dst, f"ocdbt.process_{writer}", "d")
-        for f in os.listdir(d):
-            path = os.path.join(d, f)
-            with open(path, "r+b") as fh:
-                fh.seek(os.path.getsize(path) // 2)
-                byte = fh.read(1)
-                fh.seek(-1, 1)
-                fh.write(bytes([byte[0] ^ 0x01]))
+        _flip_a_byte_in_every_file(os.path.join(dst, f"ocdbt.process_{writer}", "d"))
     res = verify_checkpoint(dst, threads=3, block_bytes=16 << 10)
     assert set(res.damaged) == {"params/a", "params/c"}, res.damaged
     assert res.checked == 3
+
+
+def test_reused_read_buffers_keep_every_block_apart(tmp_path):
+    """Blocks are read into a few reused buffers: many more blocks than buffers, mixed dtypes, a 0-d
+    array and an inner chunk larger than a block all verify, every byte counted once; damaging one
+    array's data names that array alone."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(2)
+    arrays = {("params", "f32"): rng.standard_normal((6, 40, 64)).astype(np.float32),
+              ("params", "bf16"): rng.standard_normal((6, 40, 64)).astype(ml_dtypes.bfloat16),
+              ("params", "big_inner"): rng.standard_normal((4, 128, 64)).astype(np.float32),
+              ("params", "i32"): rng.integers(-9, 9, (33, 17)).astype(np.int32),
+              ("step",): np.asarray(7, np.int32)}
+    inner = {("params", "f32"): (1, 8, 64), ("params", "bf16"): (1, 8, 64), ("params", "big_inner"): (4, 128, 64),
+             ("params", "i32"): (11, 17)}
+    owners = {p: i for i, p in enumerate(arrays)}                   # one writer (data files) per array
+    dst = _save(str(tmp_path / "ck"), arrays, inner, owners)
+    res = verify_checkpoint(dst, threads=2, block_bytes=4 << 10)   # 4 KiB blocks: dozens per buffer
+    assert res.ok and res.checked == len(arrays), res
+    assert res.bytes_read == sum(a.nbytes for a in arrays.values())
+    _flip_a_byte_in_every_file(os.path.join(dst, f"ocdbt.process_{owners[('params', 'bf16')]}", "d"))
+    res = verify_checkpoint(dst, threads=2, block_bytes=4 << 10)
+    assert set(res.damaged) == {"params/bf16"}, res.damaged

@@ -1,27 +1,32 @@
 """Full integrity check of a checkpoint: metadata checksum, shapes/dtypes, every byte's digest.
 
 Each stored byte is read once: an array is read in blocks aligned to its stored chunks (whole
-inner chunks, never a block that cuts one), blocks of all arrays in parallel on a thread pool
-(TensorStore and the digest release the GIL). A damaged array is reported by name and never
-hides the others.
+inner chunks, never a block that cuts one). TensorStore reads blocks of all arrays in parallel into
+a fixed set of reused buffers (bounded memory; a fresh array per block would be page-faulted in and
+unmapped again every time), and a thread pool digests each block as its read completes (TensorStore
+and the digest release the GIL). A damaged array is reported by name and never hides the others.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from math import prod
 from typing import Sequence
+
+import numpy as np
 
 from bridge.errors import IntegrityError
 from bridge.layout.boxes import Box
 from bridge.progress import progress
 from bridge.store import digest as dg
 from bridge.store.reader import ArrayInfo, Checkpoint, open_checkpoint
+from bridge.store.specs import numpy_dtype
 from bridge.store.tree import path_str
 
-READ_BLOCK_BYTES = 32 << 20
+READ_BLOCK_BYTES = 16 << 20
 
 
 @dataclass
@@ -144,44 +149,72 @@ def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int
 
 def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
               show_progress: bool | None) -> tuple[dict, dict, int]:
-    """Read and digest every array's blocks on `threads` threads, at most ~threads x block_bytes
-    decoded in flight. Returns (path -> partial digests, path -> first failure, bytes read)."""
+    """Read and digest every array's blocks, `threads` blocks in flight, each read by TensorStore
+    into one of `threads` reused buffers of block_bytes (memory stays ~threads x block_bytes and no
+    block is allocated and page-faulted anew); `threads` workers digest blocks as their reads land.
+    Returns (path -> partial digests, path -> first failure, bytes read)."""
+    import tensorstore as ts
+
     jobs = [(p, box) for p, info in infos.items()
             for box in read_blocks(info.shape, info.chunk_shape, info.inner_chunk_shape, _itemsize(info), block_bytes)]
     partial: dict = {p: [] for p in infos}
     failed: dict = {}
+    free: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(threads):
+        free.put(np.empty(block_bytes, np.uint8))
 
-    def read_one(p, box):
-        if p in failed:
-            return 0  # this array is already known damaged: spend no more reads on it
-        t = ck.open(p)
-        data = (t[box.slices] if box.ndim else t).read().result()
-        partial[p].append(dg.digest_box(infos[p].shape, box, data))
-        return data.nbytes
+    def digest_one(p, box, pending_write, buf, data):
+        try:
+            pending_write.result()
+        except BaseException:
+            # TensorStore may still hold this buffer after a failed read: it is never handed out again
+            if buf.nbytes == block_bytes:
+                free.put(np.empty(block_bytes, np.uint8))
+            raise
+        try:
+            partial[p].append(dg.digest_box(infos[p].shape, box, data))
+            return data.nbytes
+        finally:
+            if buf.nbytes == block_bytes:
+                free.put(buf)
 
-    budget = threads * block_bytes  # a single larger block (one huge inner chunk) still goes, alone
-    todo = iter(jobs)
-    nxt = next(todo, None)
+    nread = 0
     pending: dict = {}
-    inflight = nread = 0
+
+    def collect(block: bool) -> None:
+        nonlocal nread
+        done, _ = wait(pending, timeout=None if block else 0, return_when=FIRST_COMPLETED)
+        for f in done:
+            p, box = pending.pop(f)
+            try:
+                n = f.result()
+            except Exception as e:
+                failed.setdefault(p, f"read of {box} failed: {' '.join(str(e).split())[:300]}")
+                n = 0
+            nread += n
+            bar.update(n)
+
     with progress(sum(i.nbytes for i in infos.values()), "verify", enabled=show_progress) as bar, \
             ThreadPoolExecutor(threads, thread_name_prefix="verify") as pool:
-        while nxt is not None or pending:
-            while nxt is not None and (not pending or inflight + _nbytes(infos, *nxt) <= budget):
-                pending[pool.submit(read_one, *nxt)] = nxt
-                inflight += _nbytes(infos, *nxt)
-                nxt = next(todo, None)
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for f in done:
-                p, box = pending.pop(f)
-                inflight -= _nbytes(infos, p, box)
-                try:
-                    n = f.result()
-                except Exception as e:
-                    failed.setdefault(p, f"read of {box} failed: {' '.join(str(e).split())[:300]}")
-                    n = 0
-                nread += n
-                bar.update(n)
+        for p, box in jobs:
+            if pending:
+                collect(block=False)
+            if p in failed:
+                continue  # this array is already known damaged: spend no more reads on it
+            info = infos[p]
+            nb = _nbytes(infos, p, box)
+            if nb > block_bytes:  # one inner chunk larger than a block: it goes alone, in its own buffer
+                while pending:
+                    collect(block=True)
+                buf = np.empty(nb, np.uint8)
+            else:
+                buf = free.get()
+            data = buf[:nb].view(numpy_dtype(info.dtype)).reshape(box.shape)
+            t = ck.open(p)
+            write = ts.array(data, copy=False, write=True).write(t[box.slices] if box.ndim else t)
+            pending[pool.submit(digest_one, p, box, write, buf, data)] = (p, box)
+        while pending:
+            collect(block=True)
     return partial, failed, nread
 
 
