@@ -205,21 +205,9 @@ def _slot(p: WriteItem) -> int:
 
 
 def _batches(items: list[WriteItem], half: int) -> list[list[WriteItem]]:
-    out: list[list[WriteItem]] = []
-    cur: list[WriteItem] = []
-    used = 0
-    for it in items:
-        es = it.data.element_size()
-        for part in split_rows(it, max(1, (half - ALIGN) // es)):
-            nb = _slot(part)
-            if cur and used + nb > half:
-                out.append(cur)
-                cur, used = [], 0
-            cur.append(part)
-            used += nb
-    if cur:
-        out.append(cur)
-    return out
+    """Batches of at most `half` bytes; an item larger than that is cut into row runs first."""
+    parts = [[part] for it in items for part in split_rows(it, max(1, (half - ALIGN) // it.data.element_size()))]
+    return _grouped_batches(parts, half)
 
 
 _PINNED: list[torch.Tensor] = []  # one set, reused across exports: pinning host memory is slow
