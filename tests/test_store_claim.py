@@ -100,20 +100,23 @@ def test_two_runs_to_one_destination_one_wins_the_other_fails_in_one_line(tmp_pa
     assert not os.path.exists(dst + TMP)
 
 
-def _race(dst, barrier, out):
+def _race(dst, barrier, done, out):
     try:
         barrier.wait(60)
         begin_checkpoint(dst)
         out.put(("ok", ""))
     except BaseException as e:
         out.put((type(e).__name__, str(e)))
+    # Hold the claim until every racer has tried: a winner that exits early releases its temp, and a
+    # racer scheduled after that may then claim legitimately (seen on a loaded 2-core machine).
+    done.wait(120)
 
 
 def test_simultaneous_claims_exactly_one_succeeds(tmp_path):
     dst = str(tmp_path / "ck")
     ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_race, args=(dst, barrier, out)) for _ in range(4)]
+    barrier, done, out = ctx.Barrier(4), ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(dst, barrier, done, out)) for _ in range(4)]
     for p in procs:
         p.start()
     results = [out.get(timeout=120) for _ in procs]
