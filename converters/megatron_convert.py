@@ -26,6 +26,7 @@ import numpy as np
 
 from bridge.errors import BridgeError, require
 from bridge.location import local_path
+from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, grid_shape
 from bridge.layout.parallel import ParallelLayout
@@ -379,23 +380,6 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
     return warnings, cache.bytes_read
 
 
-def return_freed_memory() -> None:
-    """Make glibc give large freed buffers back to the system at once (Linux; no-op elsewhere).
-
-    Blocks and source chunks are allocated and freed all the time; glibc's default raises its mmap
-    threshold after each freed large buffer, so later ones come from heaps that never shrink and
-    resident memory grows past what is live. A fixed 1 MiB threshold keeps them mmapped."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    M_MMAP_THRESHOLD = -3
-    try:
-        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 1 << 20)
-    except (OSError, AttributeError):
-        pass
-
-
 def fill_block(cache: ChunkCache, index: CopyIndex, unit: Unit, role: str, b: Block) -> np.ndarray:
     """One role of a block, assembled from the stored chunks; every element must be filled."""
     buf = np.empty(b.box.shape, dtype=numpy_dtype(unit.dtypes[role]))
@@ -545,30 +529,6 @@ def scheduler_record(common: dict, args: dict, at_count: int) -> dict | None:
 # Entry point
 
 PROCESS_OVERHEAD = 512 << 20   # interpreter + torch + TensorStore, per process, outside the budget
-
-
-def mem_available() -> int | None:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable), None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def default_workers(cores: int | None = None) -> int:
-    """Writer processes: one per core up to 8 (more adds contention, not speed).
-
-    >>> default_workers(2), default_workers(64)
-    (2, 8)
-    """
-    return max(1, min(8, cores if cores is not None else (os.cpu_count() or 1)))
 
 
 def default_budget(workers: int, available: int | None) -> int:

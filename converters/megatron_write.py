@@ -6,7 +6,7 @@ independent `torch.save` blobs, a `.metadata` pickle of DCP's `Metadata`, Sharde
 and `metadata.json`. Chunks follow the target layout (one per stacked instance and TP shard, or
 per (TP, GTP) shard of the 0.19.2 padded grid for GTP-sharded weights; split into row slabs when one
 would not fit the budget), so Megatron-Core reads its own rectangles. The output is Megatron-LM's
-run directory layout (`<run>/iter_XXXXXXX/` + `latest_checkpointed_iteration.txt`,
+run directory layout (`<run>/iter_<step, 7 digits>/` + `latest_checkpointed_iteration.txt`,
 `converters.megatron_rundir`): the iteration directory is written under a temporary name, renamed
 when complete, then the tracker set.
 
@@ -35,6 +35,7 @@ import numpy as np
 
 from bridge.errors import BridgeError, require
 from bridge.location import local_path
+from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
 from bridge.layout.distopt import buffer_layout, BufferParam
 from bridge.layout.fused import FusedSpec
@@ -74,15 +75,10 @@ class Target:
 
 def default_budget() -> int:
     """A quarter of the memory available now, between 256 MiB and 4 GiB."""
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
+    avail = mem_available()
+    if avail is None:
         avail = 4 << 30
     return int(min(4 << 30, max(256 << 20, avail // 4)))
-
-
-def default_workers() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,7 +283,7 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
                 weights_from_masters: bool = False, show_progress: bool | None = None) -> dict:
     """Write step N of logical checkpoint `src` for `target` as Megatron-LM's run directory layout.
 
-    DST is the run directory or its `iter_XXXXXXX` (see `megatron_rundir.plan_run_dir`); the
+    DST is the run directory or its `iter_<step, 7 digits>` (see `megatron_rundir.plan_run_dir`); the
     iteration directory is written under a temporary name, renamed when complete, and only then
     is `latest_checkpointed_iteration.txt` set to N (atomically), so `--load RUN` finds it.
     Without `model` arrays (or with `weights_from_masters`) the weights are bf16(fp32 masters),
@@ -326,7 +322,7 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
     if count != step:
         raise BridgeError(f"{src}: step {step} and opt_state/0/count {count} differ; the checkpoint is inconsistent")
     where = plan_run_dir(dst, step)
-    bound_heap_growth()
+    return_freed_memory()
     limit = max(1, budget // workers)
     groups = plan_groups(params, lay, target.fmt, derive=derive, limit=limit)
     dp_jobs, dp_objects = (_plan_dp(params, lay, target, man, step, limit) if target.fmt == "dp_reshardable"
@@ -466,22 +462,6 @@ def _run_group(g: Group, ck: Checkpoint, f: DcpFile, stop: threading.Event) -> t
             data[t.dst.slices] = part.astype(data.dtype) if c.cast else part
         out.append(f.tensor(c.fqn, c.start, from_numpy(data)))
     return out, st
-
-
-def bound_heap_growth() -> None:
-    """Serve allocations of 1 MiB and more from mmap, returned to the OS when freed (glibc mallopt
-    M_MMAP_THRESHOLD; process-wide, idempotent, no-op without glibc).
-
-    Group buffers of a few MiB to tens of MiB come and go; glibc's adaptive threshold otherwise
-    moves them onto heap arenas it keeps, and resident memory grows with the checkpoint's size
-    instead of staying near the budget.
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # -3 = M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def check_weights(path: tuple, weights: tuple[Box, np.ndarray], masters: tuple[Box, np.ndarray]) -> None:
