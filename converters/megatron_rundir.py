@@ -1,4 +1,4 @@
-"""Megatron-LM run directories: `<run>/iter_XXXXXXX/` plus `<run>/latest_checkpointed_iteration.txt`.
+"""Megatron-LM run directories: `<run>/iter_<step, 7 digits>/` plus `<run>/latest_checkpointed_iteration.txt`.
 
 What Megatron-LM (megatron-core 0.19.2, `megatron/training/checkpointing.py`) does with `--load RUN`:
 
@@ -163,7 +163,7 @@ def plan_run_dir(dst: str, iteration: int) -> RunDirTarget:
     """Where `to-megatron` writes iteration `iteration` for DST; checks only, creates nothing.
 
     DST is either the run directory (new, empty, or a Megatron run directory: one with a tracker or
-    `iter_*` directories) or an `iter_XXXXXXX` directory in one, whose number must be `iteration`.
+    `iter_*` directories) or an `iter_<step, 7 digits>` directory in one, whose number must be `iteration`.
     """
     dst = os.path.abspath(local_path(dst, "destination")).rstrip("/") or "/"
     name = os.path.basename(dst)

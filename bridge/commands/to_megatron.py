@@ -9,7 +9,7 @@ EPILOG = """examples:
   gtp-bridge to-megatron ckpt/logical runs/gpt_tp2/iter_0001000 --tp 2    # the same, naming the iteration
   gtp-bridge to-megatron ckpt/logical out --tp 1 --gtp 2 --format dp_reshardable
 
-The run directory gets iter_XXXXXXX/ and latest_checkpointed_iteration.txt (set last, atomically),
+The run directory gets iter_<step, 7 digits>/ and latest_checkpointed_iteration.txt (set last, atomically),
 so Megatron-LM's --load <run directory> resumes at that step; other iterations there are kept.
 """
 
@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC", help="logical checkpoint directory")
     p.add_argument("dst", metavar="DST", help="Megatron run directory (new, empty or existing: --load DST), or "
-                                              "its iter_XXXXXXX directory (XXXXXXX = the step, 7 digits)")
+                                              "its iteration directory (iter_ + the step in 7 digits, e.g. iter_0001000)")
     p.add_argument("--tp", type=int, required=True, help="target tensor-parallel size")
     p.add_argument("--gtp", type=int, default=1, help="target GTP (weight-remat) size (default 1)")
     p.add_argument("--dp", type=int, default=1, help="target data-parallel (replicate) size (default 1)")

@@ -3,7 +3,7 @@
 One GPU, under torch.distributed.run, repository root, after (scripts/gpu/run_resume.sh does it all):
 
     gtp-bridge convert tests/fixtures/megatron/tp2/dp_reshardable LOGICAL        # a TP=2 run's save
-    gtp-bridge to-megatron --tp 1 --format dp_reshardable LOGICAL RUN            # RUN/iter_XXXXXXX + tracker
+    gtp-bridge to-megatron --tp 1 --format dp_reshardable LOGICAL RUN            # RUN/iter_<step, 7 digits> + tracker
     python3 -m torch.distributed.run --standalone --nproc-per-node 1 scripts/gpu/megatron_resume.py \\
         --run-dir RUN --logical LOGICAL --json OUT.json
 
