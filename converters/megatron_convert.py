@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
+from bridge.cast_check import bits_equal, cast_mismatch
 from bridge.errors import BridgeError, require
 from bridge.location import local_path
 from bridge.machine import default_workers, mem_available, return_freed_memory
@@ -282,16 +283,6 @@ def split_share(share: int) -> ShareSplit:
 # Execution
 
 
-def bits_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Element-wise bit equality, NaN == NaN (NaN payloads may be canonicalised by a cast)."""
-    ua = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
-    ub = b.view(np.uint16 if b.dtype.itemsize == 2 else np.uint32)
-    eq = ua == ub
-    if not eq.all():
-        eq |= np.isnan(a.astype(np.float32)) & np.isnan(b.astype(np.float32))
-    return eq
-
-
 def check_master(array: str, master: np.ndarray, model: np.ndarray, box: Box, force: bool, defect_suspect: bool,
                  warnings: list[str]) -> None:
     """bf16 weight must equal bf16(fp32 master); else refuse, naming the first differing element.
@@ -304,15 +295,12 @@ def check_master(array: str, master: np.ndarray, model: np.ndarray, box: Box, fo
         if model.dtype == np.float32 and not bits_equal(master, model).all():
             warnings.append(f"{array}: fp32 weight differs from its master; the master is kept")
         return
-    ok = bits_equal(master.astype(model.dtype), model)
-    if ok.all():
+    mm = cast_mismatch(master, model, box)
+    if mm is None:
         return
-    bad = int(ok.size - ok.sum())
-    rel = tuple(int(i) for i in np.argwhere(~ok)[0])
-    at = tuple(s + i for s, i in zip(box.start, rel))
-    where = (f"{array}: {bad} of {ok.size} elements in box {box} differ, first at index {at}: weight "
-             f"{float(model[rel])!r}, master {float(master[rel])!r} (as {model.dtype}: "
-             f"{float(master[rel].astype(model.dtype))!r})")
+    rel = mm.local
+    where = (f"{array}: {mm.count} of {mm.size} elements in box {box} differ, first at index {mm.index}: weight "
+             f"{float(model[rel])!r}, master {float(master[rel])!r} (as {model.dtype}: {float(mm.cast[rel])!r})")
     if defect_suspect:
         msg = (f"fp32 masters disagree with the bf16 weights: {where}; this save used several DDP buckets with "
                f"fully_reshardable, megatron-core 0.19.2's multi-bucket defect (corrupt optimizer state) — "

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
+from bridge.cast_check import cast_mismatch
 from bridge.errors import BridgeError, require
 from bridge.location import local_path
 from bridge.machine import default_workers, mem_available, return_freed_memory
@@ -469,19 +470,14 @@ def check_weights(path: tuple, weights: tuple[Box, np.ndarray], masters: tuple[B
     (wbox, w), (mbox, m) = weights, masters
     if wbox != mbox:
         raise BridgeError(f"{path_str(path)}: internal plan error: weights box {wbox} != masters box {mbox}")
-    rounded = m.astype(w.dtype)
-    eq = rounded.view(np.uint16) == w.view(np.uint16) if w.dtype.itemsize == 2 else rounded == w
-    if eq.all():
+    mm = cast_mismatch(m, w, wbox)
+    if mm is None:
         return
-    eq |= np.isnan(w.astype(np.float32)) & np.isnan(m)
-    if eq.all():
-        return
-    bad = int(eq.size - eq.sum())
-    first = tuple(int(i) for i in np.argwhere(~eq)[0])
-    at = tuple(s + i for s, i in zip(wbox.start, first))
     name = "bf16" if w.dtype == ml_dtypes.bfloat16 else str(w.dtype)
-    raise BridgeError(f"{path_str(path)}: {name} weights differ from {name}(params) at {bad} of {eq.size} elements read, "
-                      f"first at index {at} (weight {float(w[first])!r}, {name}(master) {float(rounded[first])!r}): "
+    first = mm.local
+    raise BridgeError(f"{path_str(path)}: {name} weights differ from {name}(params) at {mm.count} of {mm.size} elements "
+                      f"read, first at index {mm.index} (weight {float(w[first])!r}, {name}(master) "
+                      f"{float(mm.cast[first])!r}): "
                       f"the weights were not updated after the optimizer step; re-save with model=None to derive them "
                       f"from the masters, or pass --weights-from-masters")
 
