@@ -58,7 +58,7 @@ def build_source(path: str, hidden: int, layers: int, vocab: int) -> int:
 
 def time_convert(src: str, dst: str, workers: int, budget: int | None) -> float:
     """Wall time of convert with exactly `workers` writer processes (1 = in-process)."""
-    from converters.megatron_convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions, convert
 
     shutil.rmtree(dst, ignore_errors=True)
     t0 = time.perf_counter()
@@ -114,7 +114,7 @@ def main() -> None:
         shutil.rmtree(p, ignore_errors=True)
     nbytes = build_source(src, a.hidden, a.layers, a.vocab)
     t_load = time_dcp_load(src)
-    from bridge.inspect_format import parse_size
+    from bridge.inspect.format import parse_size
 
     budget = parse_size(a.budget) if a.budget else None
     t_conv1 = time_convert(src, dst, 1, budget)

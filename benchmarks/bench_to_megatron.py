@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 
 def time_to_megatron(logical: str, run: str, tp: int, budget: int | None, workers: int | None) -> tuple[float, dict]:
-    from converters.megatron_write import Target, to_megatron
+    from converters.megatron.write import Target, to_megatron
 
     shutil.rmtree(run, ignore_errors=True)
     t0 = time.perf_counter()
@@ -44,7 +44,7 @@ def time_old(checkout: str, logical: str, run: str, tp: int, budget: int | None)
     """Wall time of another checkout's to-megatron (its own process; import time excluded)."""
     shutil.rmtree(run, ignore_errors=True)
     code = ("import sys, time, torch, tensorstore\n"   # imports outside the timed region, as in this process
-            "from converters.megatron_write import Target, to_megatron\n"
+            "from converters.megatron.write import Target, to_megatron\n"
             "t0 = time.perf_counter()\n"
             f"to_megatron({logical!r}, {run!r}, Target(tp={tp}), show_progress=False"
             + (f", budget={budget})\n" if budget else ")\n") +
@@ -88,8 +88,8 @@ def main() -> None:
     args = ap.parse_args()
     from bench_convert import build_source
 
-    from bridge.inspect_format import parse_size
-    from converters.megatron_convert import ConvertOptions, convert
+    from bridge.inspect.format import parse_size
+    from converters.megatron.convert import ConvertOptions, convert
 
     root = args.dir or tempfile.mkdtemp(prefix="bench-to-megatron-")
     os.makedirs(root, exist_ok=True)

@@ -64,7 +64,7 @@ def tiny_fused() -> dict[str, dict]:
 
 def tiny_manifest(step: int = 0):
     """A manifest like a Megatron export of the tiny model would carry."""
-    from bridge.store.manifest import Manifest, OptimizerConfig, SourceLayout
+    from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
 
     # Megatron's default no-wd set, plus the embedding (as a custom no-wd condition would add),
     # so tests can tell the manifest's list from the default rule.
@@ -154,7 +154,7 @@ def logical_state(params: Mapping[Path, np.ndarray], step: int = 100, seed: int 
 def write_store_checkpoint(dst: str, arrays: Mapping[Path, np.ndarray], manifest=None, num_writers: int = 2) -> str:
     """Write `arrays` with the store's own writer (several writers, OCDBT merge, atomic commit)."""
     from bridge.store.commit import save_checkpoint
-    from bridge.store.tree import adamw_empty_paths
+    from bridge.format.tree import adamw_empty_paths
 
     empty = adamw_empty_paths() if any(p[0] == "opt_state" for p in arrays) else []
     return save_checkpoint(dst, dict(arrays), manifest, num_writers=num_writers, empty_paths=empty)

@@ -38,7 +38,7 @@ def one_line_error(r, needle: str) -> None:
 
 @pytest.fixture(scope="module")
 def logical(tmp_path_factory):
-    from converters.megatron_convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions, convert
 
     d = str(tmp_path_factory.mktemp("flow") / "logical")
     convert(str(DEMO_SRC), d, ConvertOptions(workers=1))
@@ -69,8 +69,8 @@ def test_python_entry_points_refuse_urls(logical, tmp_path, monkeypatch):
     from bridge.jaxside import restore, save
     from bridge.store.reader import open_checkpoint
     from bridge.store.verify import verify_checkpoint
-    from converters.megatron_convert import convert
-    from converters.megatron_write import Target, to_megatron
+    from converters.megatron.convert import convert
+    from converters.megatron.write import Target, to_megatron
 
     monkeypatch.chdir(tmp_path)
     calls = [lambda: convert(str(DEMO_SRC), "s3://b/x"), lambda: convert("gs://b/x", "out"),
@@ -145,7 +145,7 @@ try:
 except ImportError as e:  # also a BridgeError
     assert isinstance(e, BridgeError), type(e)
     print("JAX:", e)
-from converters.megatron_convert import convert
+from converters.megatron.convert import convert
 try:
     convert({str(DEMO_SRC)!r}, {str(tmp_path / 'out')!r})
 except BridgeError as e:

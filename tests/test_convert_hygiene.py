@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from bridge.errors import BridgeError
-from converters.megatron_convert import ConvertOptions, convert
+from converters.megatron.convert import ConvertOptions, convert
 import convert_synth as synth
 
 TMP = ".orbax-checkpoint-tmp"
 
 RUN = """
 import sys
-from converters.megatron_convert import ConvertOptions, convert
+from converters.megatron.convert import ConvertOptions, convert
 if __name__ == "__main__":
     convert(sys.argv[1], sys.argv[2], ConvertOptions(workers=2, budget=256 << 10, min_worker_bytes=1))
 """

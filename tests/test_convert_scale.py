@@ -16,8 +16,8 @@ import pytest
 
 from bridge.store.reader import open_checkpoint
 from bridge.store.verify import verify_checkpoint
-from converters.megatron_convert import ConvertOptions, convert
-from converters.megatron_plan import role_path
+from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.plan import role_path
 import convert_reference as cref
 import convert_synth as synth
 
@@ -83,11 +83,11 @@ def test_convert_small_budget_in_process(sources, tmp_path):
 def test_ranged_reads_equal_whole_chunk_reads(sources, fmt):
     """Records larger than the cache are read by byte ranges; each block's regions equal the same
     regions cut from whole chunks decoded by the DCP reader."""
-    from converters.dcp_reader import DcpCheckpoint
-    from converters.megatron_cache import ChunkCache
-    from converters.megatron_convert import build_units
-    from converters.megatron_format import Hints, describe
-    from converters.megatron_plan import CopyIndex, plan_blocks
+    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.cache import ChunkCache
+    from converters.megatron.convert import build_units
+    from converters.megatron.format import Hints, describe
+    from converters.megatron.plan import CopyIndex, plan_blocks
 
     d, _ = sources
     ck = DcpCheckpoint(str(d / fmt))
@@ -109,8 +109,8 @@ def test_ranged_read_checks_the_record_crc(sources, tmp_path):
     import shutil
 
     from bridge.errors import BridgeError
-    from converters.dcp_reader import DcpCheckpoint
-    from converters.megatron_cache import record_layout
+    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.cache import record_layout
 
     d, _ = sources
     src = tmp_path / "src"

@@ -97,7 +97,7 @@ def test_forged_object_pointer_refused(tmp_path, variant):
 _MEMORY_PROBE = r"""
 import os, resource, sys
 from pathlib import Path
-import converters.dcp_reader as R
+import converters.megatron.dcp_reader as R
 from bridge.errors import BridgeError
 import numpy, torch  # imported (and their thread pools started) before the limit
 torch.ones(4096).sum()
@@ -174,7 +174,7 @@ def test_flipped_bit_in_exp_avg_fails_convert_naming_file_and_key(tmp_path):
                                  "optimizer.state.param.embedding.word_embeddings.weight",
                                  "decoder.layers.mlp.linear_fc1.weight"])
 def test_flipped_bit_in_any_record_is_detected(tmp_path, key):
-    from converters.dcp_reader import DcpCheckpoint
+    from converters.megatron.dcp_reader import DcpCheckpoint
     from bridge.errors import BridgeError
 
     src = copy_base(tmp_path, CRC_BASE)
@@ -213,7 +213,7 @@ def _multi_disk(blob: bytes, zip64: bool) -> bytes:
 
 @pytest.mark.parametrize("damage", ["multi_disk", "multi_disk64", "not_zip", "truncated_directory"])
 def test_bad_common_state_zip_refused_naming_file(tmp_path, damage):
-    from converters.dcp_reader import DcpCheckpoint
+    from converters.megatron.dcp_reader import DcpCheckpoint
 
     src = copy_base(tmp_path, CRC_BASE)
     ck = DcpCheckpoint(src)
@@ -252,8 +252,8 @@ def test_missing_exp_avg_entry_fails_convert(tmp_path):
     ("optimizer.state.exp_avg_sq.embedding.word_embeddings.weight", "exp_avg_sq"),
 ])
 def test_missing_fully_reshardable_role_refused(tmp_path, key, what):
-    from converters.dcp_reader import DcpCheckpoint
-    from converters.megatron_format import describe
+    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.format import describe
     from bridge.errors import BridgeError
 
     src = copy_base(tmp_path, CRC_BASE)
@@ -263,8 +263,8 @@ def test_missing_fully_reshardable_role_refused(tmp_path, key, what):
 
 
 def test_missing_dp_reshardable_bucket_state_refused(tmp_path):
-    from converters.dcp_reader import DcpCheckpoint
-    from converters.megatron_format import describe
+    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.format import describe
     from bridge.errors import BridgeError
 
     src = copy_base(tmp_path, FIXTURES / "tp2" / "dp_reshardable")
@@ -274,8 +274,8 @@ def test_missing_dp_reshardable_bucket_state_refused(tmp_path):
 
 
 def test_missing_step_refused(tmp_path):
-    from converters.dcp_reader import DcpCheckpoint
-    from converters.megatron_format import describe
+    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.format import describe
     from bridge.errors import BridgeError
     import io
     import torch
@@ -292,8 +292,8 @@ def test_missing_step_refused(tmp_path):
 
 
 def test_model_only_is_reported_and_hidden_optimizer_refused(tmp_path):
-    from converters.dcp_reader import DcpCheckpoint
-    from converters.megatron_format import describe
+    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.format import describe
     from bridge.errors import BridgeError
 
     src = copy_base(tmp_path, CRC_BASE)
@@ -323,7 +323,7 @@ def _fuzz_inputs(tmp: Path) -> dict[str, list[bytes]]:
     import io
     import zipfile
 
-    from converters.dcp_reader import DcpCheckpoint
+    from converters.megatron.dcp_reader import DcpCheckpoint
 
     meta = [p.read_bytes() for p in sorted(FIXTURES.glob("*/*/.metadata"))]
     meta += [p.read_bytes() for p in sorted(SEEDS.glob("*.metadata"))]
@@ -430,9 +430,9 @@ def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs i
     import torch
     import torch.distributed.checkpoint  # noqa: F401  (to re-pickle real Metadata in mutate_structure)
 
-    import converters.dcp_reader as R
+    import converters.megatron.dcp_reader as R
     from bridge.errors import BridgeError
-    from converters.megatron_format import describe
+    from converters.megatron.format import describe
 
     torch.ones(4096).sum()
     R._globals()

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.inspect_blocks import plan_blocks
-from bridge.inspect_diff import ArrayDiff, ulp_distance
+from bridge.inspect.blocks import plan_blocks
+from bridge.inspect.diff import ArrayDiff, ulp_distance
 from inspect_fixtures import run_cli, save_plain_orbax, small_state
 
 

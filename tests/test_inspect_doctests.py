@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-MODULES = ["bridge.inspect_blocks", "bridge.inspect_stats", "bridge.inspect_diff", "bridge.inspect_format",
+MODULES = ["bridge.inspect.blocks", "bridge.inspect.stats", "bridge.inspect.diff", "bridge.inspect.format",
            "bridge.commands.inspect"]
 
 

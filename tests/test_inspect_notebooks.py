@@ -10,9 +10,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bridge.inspect_demo import EXPLODED, adamw_steps, demo_params, logical_arrays
+from bridge.testing.demo_state import EXPLODED, adamw_steps, demo_params, logical_arrays
 from bridge.store.commit import save_checkpoint
-from bridge.store.tree import adamw_empty_paths
+from bridge.format.tree import adamw_empty_paths
 from inspect_fixtures import REPO, assert_stats_match, numpy_stats, run_notebook
 
 NOTEBOOKS = os.path.join(REPO, "notebooks")
@@ -111,7 +111,7 @@ def test_inspect_notebook_default_demo_finds_planted_problems(tmp_path):
         if saved is not None:
             os.environ["GTP_BRIDGE_CKPT"] = saved
     res = json.loads(out.read_text())
-    # the demo's planted problems (bridge.inspect_demo: 16 dead embedding rows, stale bf16 layer 2,
+    # the demo's planted problems (bridge.testing.demo_state: 16 dead embedding rows, stale bf16 layer 2,
     # an exploded nu block with one NaN in layer 3 of linear_fc2)
     assert [len(v) for v in res["dead_rows"].values()] == [16]
     for name, d in res["master_vs_bf16"].items():

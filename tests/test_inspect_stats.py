@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bridge.inspect_stats import ArrayStats
+from bridge.inspect.stats import ArrayStats
 from inspect_fixtures import REPO, assert_stats_match, numpy_stats, run_cli, save_plain_orbax, small_state
 
 
@@ -120,7 +120,7 @@ def test_inspect_lists_layout_without_reading_data(planted):
 
 def test_inspect_bridge_checkpoint_shows_manifest_provenance(tmp_path):
     from bridge.store.commit import save_checkpoint
-    from bridge.store.manifest import Manifest, OptimizerConfig, SourceLayout
+    from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
 
     w = np.arange(96, dtype=np.float32).reshape(8, 12)
     w[3, 4] = np.nan
@@ -147,8 +147,8 @@ def test_inspect_bridge_checkpoint_shows_manifest_provenance(tmp_path):
 
 _MEASURE = r"""
 import json, sys, numpy as np
-from bridge.inspect_open import open_for_inspection
-from bridge.inspect_stream import stream_diff, stream_stats
+from bridge.inspect.open import open_for_inspection
+from bridge.inspect.stream import stream_diff, stream_stats
 path, budget, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 arr = open_for_inspection(path).get("params/big")
 other = open_for_inspection(path).get("params/big")  # a second, independent view for the diff

@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, port: int, src: str, dst: str, out: str) -> N
                 assert np.array_equal(bits(shard.data), bits(ref[shard.index])), (rank, p)
                 checked += 1
     # a naming map (transposed, unstacked) restores across processes too: transforms run under jit
-    from converters.jax_naming import NamingMap, Transpose, Unstack
+    from bridge.jaxside.naming import NamingMap, Transpose, Unstack
 
     nm = NamingMap([Unstack("decoder/layers/*"), Transpose("*/linear_fc2/weight")])
     rn = restore(src, mesh=mesh, naming=nm, items=("params",))

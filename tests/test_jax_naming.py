@@ -1,4 +1,4 @@
-"""converters.jax_naming: plans, exact inverses, lazy TensorStore views, refusals."""
+"""bridge.jaxside.naming: plans, exact inverses, lazy TensorStore views, refusals."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import tensorstore as ts
 from hypothesis import given, settings, strategies as st
 
 from bridge.errors import BridgeError
-from converters.jax_naming import (NUMPY, TENSORSTORE, JoinSections, NamingMap, Rename, Transpose, Unstack,
+from bridge.jaxside.naming import (NUMPY, TENSORSTORE, JoinSections, NamingMap, Rename, Transpose, Unstack,
                                    jax_backend)
 
 FC1 = ("decoder", "layers", "mlp", "linear_fc1", "weight")
@@ -124,8 +124,8 @@ def test_refusals():
 
 def test_named_views_on_a_store_checkpoint(tmp_path):
     """Lazy presentation straight from disk equals the numpy presentation of the same arrays."""
-    from bridge.store.manifest import Manifest
-    from converters.jax_naming import named_views
+    from bridge.format.manifest import Manifest
+    from bridge.jaxside.naming import named_views
     from jax_checkpoints import write_store_checkpoint
 
     tree = _tree()

@@ -15,7 +15,7 @@ from bridge.jaxside.keypaths import leaves_by_path, nested_from_paths, path_str,
 from bridge.jaxside.manifest_view import megatron_default_no_decay, optimizer_from_manifest
 from bridge.jaxside.optax_state import classify
 from bridge.jaxside.restore import restore
-from bridge.store.manifest import Manifest, OptimizerConfig
+from bridge.format.manifest import Manifest, OptimizerConfig
 from jax_checkpoints import bits, logical_state, tiny_manifest, tiny_params, write_store_checkpoint
 
 STEP = 100

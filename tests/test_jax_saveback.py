@@ -21,7 +21,7 @@ from bridge.jaxside.restore import restore
 from bridge.jaxside.save import save
 from bridge.store import digest
 from bridge.store.reader import open_checkpoint
-from converters.jax_naming import JoinSections, NamingMap, Rename, Transpose, Unstack
+from bridge.jaxside.naming import JoinSections, NamingMap, Rename, Transpose, Unstack
 from jax_checkpoints import (bits, logical_state, make_jax_checkpoint, tiny_manifest, tiny_params, train,
                              write_store_checkpoint)
 

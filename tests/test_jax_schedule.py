@@ -28,7 +28,7 @@ from bridge.jaxside import optimizer_from_manifest
 from bridge.jaxside.manifest_view import scheduler_of
 from bridge.lr_schedule import (SchedulerRecord, megatron_lr_schedule, megatron_wd_schedule, samples_at,
                                     scheduler_state_dict)
-from converters.megatron_convert import scheduler_record
+from converters.megatron.convert import scheduler_record
 
 
 class MegatronScheduler:
@@ -299,7 +299,7 @@ def _common_state(sched_sd: dict, step: int, lr: float) -> dict:
 def converted_with_scheduler(tmp_path_factory):
     """A synthetic tp1/dp1 checkpoint whose common_state has Megatron's scheduler state_dict, via real DCP."""
     import convert_synth as synth
-    from converters.megatron_convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions, convert
 
     step = 31   # inside the WSD anneal (warmup 5 iterations, decay ends at 40, anneal starts at 28)
     kw = _kwargs(dict(lr_decay_style="WSD", wsd_decay_steps=12 * GBS, lr_wsd_decay_style="cosine"))
@@ -339,8 +339,8 @@ def test_converted_manifest_carries_the_schedule(converted_with_scheduler):
 
 def test_to_megatron_writes_megatrons_scheduler_state_back(converted_with_scheduler, tmp_path):
     """convert -> to-megatron gives back the scheduler state_dict Megatron saved (same count)."""
-    from converters.dcp_reader import DcpCheckpoint
-    from converters.megatron_write import Target, to_megatron
+    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.write import Target, to_megatron
 
     dst, kw, step = converted_with_scheduler
     out = str(tmp_path / "megatron")
@@ -389,7 +389,7 @@ def test_scheduler_record_reads_old_key_names():
 
 def test_groups_with_their_own_max_min_lr_follow_their_own_schedule():
     """Megatron param groups carry max_lr/min_lr (decoupled lr, muP); get_lr reads them per group."""
-    from bridge.store.manifest import Manifest, OptimizerConfig
+    from bridge.format.manifest import Manifest, OptimizerConfig
 
     kw = _kwargs(dict(lr_decay_style="cosine"))
     rec = _record(kw, 9 * GBS, 9).to_json()

@@ -123,14 +123,14 @@ def _export_then_reload(rank, world, dst, src_layout, targets, fp8):
 def _orbax_restore(path, want, with_model=True):
     import orbax.checkpoint as ocp
 
-    from bridge.live.scenario import abstract_tree
+    from bridge.testing.scenario import abstract_tree
 
     abstract = abstract_tree({"master": want["params"], "weight": want.get("model")}, with_model=with_model)
     return ocp.StandardCheckpointer().restore(path, abstract)
 
 
 def _leaf(tree, name):
-    from bridge.store.tree import megatron_key_to_path
+    from bridge.format.tree import megatron_key_to_path
 
     for c in megatron_key_to_path(name):
         tree = tree[c]

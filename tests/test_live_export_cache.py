@@ -62,7 +62,7 @@ def _export_series(rank, world, root):
 
 def test_plan_cache_reuses_plans_writes_new_values_and_replans_on_layout_change(tmp_path):
     from bridge.store.reader import open_checkpoint
-    from bridge.store.tree import megatron_key_to_path
+    from bridge.format.tree import megatron_key_to_path
 
     results, _ = spawn(2, _export_series, (str(tmp_path),), tmp_path, timeout_s=240)
     for r in results:

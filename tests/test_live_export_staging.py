@@ -168,7 +168,7 @@ def test_export_through_donated_staging_matches_reference(tmp_path, commits):
     from test_live_sharding import spawn
 
     from bridge.store.reader import open_checkpoint
-    from bridge.store.tree import megatron_key_to_path
+    from bridge.format.tree import megatron_key_to_path
 
     dst = str(tmp_path / "ck")
     results, _ = spawn(4, _export_staged, (dst, commits), tmp_path, timeout_s=240)

@@ -20,7 +20,7 @@ import os
 import numpy as np
 import pytest
 
-from bridge.live.scenario import abstract_tree, bits, check_restored, check_scenario, load_dumps, logical_from_assembled
+from bridge.testing.scenario import abstract_tree, bits, check_restored, check_scenario, load_dumps, logical_from_assembled
 from test_live_sharding import spawn
 
 STEPS = 3
@@ -33,7 +33,7 @@ ADAM = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 def _config():
     from bridge.live.api import AdamConfig
-    from bridge.live.reference_trainer import TrainerConfig
+    from bridge.testing.trainer import TrainerConfig
 
     return TrainerConfig(adam=AdamConfig(**ADAM), weights="fp8", seed=SEED)
 
@@ -41,7 +41,7 @@ def _config():
 def _worker(rank, world, out, dst, jax_ckpt):
     import torch
 
-    from bridge.live.scenario import run_scenario
+    from bridge.testing.scenario import run_scenario
 
     torch.set_num_threads(1)
     return run_scenario(rank, out, dst, SRC, TARGETS, _config(), STEPS, extra_reloads={"from_jax": (jax_ckpt, SRC)})
@@ -61,18 +61,18 @@ def _fused_adam(p, m, v, g, t, lr, b1, b2, eps, wd):
 @pytest.mark.timeout(900)
 def test_world8_trainer_export_reload_jax(tmp_path):
     from bridge.layout import ParallelLayout
-    from bridge.live.reference_check import assemble_global
-    from bridge.live.reference_trainer import train
+    from bridge.testing.check import assemble_global
+    from bridge.testing.trainer import train
 
     import jax_checkpoints as jc
 
     # world-size-1 reference, and a JAX-trained checkpoint of the same model to reload into torch
     ref1 = train(ParallelLayout(), STEPS, SEED, _config())
-    from bridge.live.reference_check import dump_rank, logical_state
+    from bridge.testing.check import dump_rank, logical_state
 
     want1 = logical_from_assembled(assemble_global([dump_rank(ref1.trainer)]))
     init = logical_state(ref1.trainer)["params"]
-    from bridge.store.tree import megatron_key_to_path
+    from bridge.format.tree import megatron_key_to_path
 
     jax_ckpt = str(tmp_path / "jax_ckpt")
     jax_expected = jc.make_jax_checkpoint(jax_ckpt, params={megatron_key_to_path(k): v for k, v in init.items()},
@@ -120,10 +120,10 @@ def test_world8_trainer_export_reload_jax(tmp_path):
 
 def _world1_reload(dst, held, out):
     from bridge.layout import ParallelLayout
-    from bridge.live.reference_check import assemble_global, compare, dump_rank
-    from bridge.live.reference_trainer import ReferenceTrainer, step
+    from bridge.testing.check import assemble_global, compare, dump_rank
+    from bridge.testing.trainer import ReferenceTrainer, step
     from bridge.live.reload import reload_state
-    from bridge.live.scenario import ATOL, KINDS
+    from bridge.testing.scenario import ATOL, KINDS
 
     tr = ReferenceTrainer(ParallelLayout(), _config(), init=False)
     res = reload_state(dst, tr.live_run(), tr.local_params())

@@ -203,10 +203,10 @@ def test_staging_batches_fit_the_half_budget_with_aligned_slots():
 
 def test_reload_names_a_missing_array_and_a_wrong_shape(tmp_path):
     """Before reading anything, reload checks that every array it needs exists with its shape."""
-    from bridge.live.reference_trainer import ReferenceTrainer
+    from bridge.testing.trainer import ReferenceTrainer
     from bridge.live.reload import _jobs, reload_state
     from bridge.store import save_checkpoint
-    from bridge.store.tree import name_to_path
+    from bridge.format.tree import name_to_path
 
     tr = ReferenceTrainer(ParallelLayout(), init=False)
     run, params = tr.live_run(), tr.local_params()

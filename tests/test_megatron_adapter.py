@@ -19,7 +19,7 @@ import torch
 
 from bridge.errors import BridgeError
 from bridge.layout.parallel import ParallelLayout
-from bridge.live.megatron_adapter import (
+from converters.megatron.live import (
     EntryRecord,
     ModelDims,
     ParamRecord,
@@ -30,7 +30,7 @@ from bridge.live.megatron_adapter import (
     param_geometry,
     strip_wrappers,
 )
-from converters.dcp_reader import DcpCheckpoint
+from converters.megatron.dcp_reader import DcpCheckpoint
 
 FIX = Path(__file__).parent / "fixtures" / "megatron"
 RUNS = sorted(p.parent.name for p in FIX.glob("*/sharded_state_dict.json"))
@@ -357,7 +357,7 @@ def test_gtp_replicated_params_may_differ_across_gtp_ranks_and_rank0_is_exported
 def test_adapter_doctests():
     import doctest
 
-    import bridge.live.megatron_adapter as mod
+    import converters.megatron.live as mod
 
     res = doctest.testmod(mod)
     assert res.attempted >= 5 and res.failed == 0

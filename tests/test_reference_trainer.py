@@ -15,9 +15,9 @@ from bridge.errors import BridgeError
 from bridge.layout import ParallelLayout
 from bridge.live.api import AdamConfig, QuantizedWeight
 from bridge.live.fp8 import dequantize
-from bridge.live.reference_check import fill_from_logical, logical_state
-from bridge.live.reference_model import ModelConfig, batch, forward, init_logical, param_table
-from bridge.live.reference_trainer import ReferenceTrainer, TrainerConfig, step, train
+from bridge.testing.check import fill_from_logical, logical_state
+from bridge.testing.model import ModelConfig, batch, forward, init_logical, param_table
+from bridge.testing.trainer import ReferenceTrainer, TrainerConfig, step, train
 
 ADAM = AdamConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 

@@ -18,9 +18,9 @@ import torch.multiprocessing as mp
 
 from bridge.layout import BufferParam, ParallelLayout, buffer_layout, owned_ranges
 from bridge.live.api import AdamConfig
-from bridge.live.reference_check import (assemble_global, check_buffers, compare, dump_rank, logical_state,
+from bridge.testing.check import (assemble_global, check_buffers, compare, dump_rank, logical_state,
                                          padding_report, run_scenarios)
-from bridge.live.reference_trainer import TrainerConfig, train
+from bridge.testing.trainer import TrainerConfig, train
 
 ADAM = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 STEPS = 3

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 pytest.importorskip("bridge.live.export")
 pytest.importorskip("bridge.live.reload")
 
-from bridge.live.reference_check import assemble_global, compare, padding_report, run_export_reload  # noqa: E402
+from bridge.testing.check import assemble_global, compare, padding_report, run_export_reload  # noqa: E402
 
 ATOL = {"weight": 1e-5, "master": 1e-5, "exp_avg": 1e-7, "exp_avg_sq": 1e-9}
 

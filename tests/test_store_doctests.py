@@ -5,8 +5,8 @@ import importlib
 
 import pytest
 
-MODULES = ["bridge.layout.chunks", "bridge.store.tree", "bridge.store.specs", "bridge.store.plan", "bridge.store.claim",
-           "bridge.store.manifest",
+MODULES = ["bridge.layout.chunks", "bridge.format.tree", "bridge.store.specs", "bridge.store.plan", "bridge.store.claim",
+           "bridge.format.manifest",
            "bridge.store.digest", "bridge.store.verify", "bridge.store.commit",
            "bridge.store.staging", "bridge.store.writer"]
 

@@ -112,7 +112,7 @@ def megatron_load(run_dir: str) -> tuple[int, str, dict]:
 
 @pytest.fixture(scope="module")
 def logical(tmp_path_factory):
-    from converters.megatron_convert import convert
+    from converters.megatron.convert import convert
 
     d = str(tmp_path_factory.mktemp("rundir") / "tp2_logical")
     convert(os.path.join(cref.FIXTURES, "tp2", "dp_reshardable"), d)
@@ -211,7 +211,7 @@ def test_convert_names_a_tracker_pointing_nowhere(tmp_path, capsys):
 
 
 def test_resolve_megatron_dir(tmp_path):
-    from converters.megatron_rundir import resolve_megatron_dir
+    from converters.megatron.rundir import resolve_megatron_dir
 
     run = tmp_path / "run"
     it = run / "iter_0000042"
@@ -228,8 +228,8 @@ def test_resolve_megatron_dir(tmp_path):
 def test_failure_midway_leaves_the_run_dir_as_it_was(logical, tmp_path, monkeypatch):
     """An error after part of the files are written: no iteration dir, no temp dir, tracker unchanged."""
     from bridge.errors import BridgeError
-    from converters import megatron_write
-    from converters.megatron_write import Target, to_megatron
+    from converters.megatron import write as megatron_write
+    from converters.megatron.write import Target, to_megatron
 
     run = tmp_path / "run"
     (run / "iter_0000001").mkdir(parents=True)
@@ -254,7 +254,7 @@ def test_signal_midway_leaves_no_temp_dir(logical, tmp_path, sig):
     run = tmp_path / "run"
     code = (
         "import os, signal, sys, torch.distributed.checkpoint\n"
-        "import converters.megatron_write as mw\n"
+        "import converters.megatron.write as mw\n"
         "from bridge.cli import main\n"
         # the class / method that writes a tensor blob (DcpWriter.tensor_chunk before the threaded writer)
         "cls, meth = (mw.DcpFile, 'tensor') if hasattr(mw, 'DcpFile') else (mw.DcpWriter, 'tensor_chunk')\n"
@@ -280,7 +280,7 @@ def test_a_killed_runs_temp_dir_is_removed_by_the_next_run(logical, tmp_path):
     run = tmp_path / "run"
     code = (
         "import os, signal, sys\n"
-        "import converters.megatron_write as mw\n"
+        "import converters.megatron.write as mw\n"
         "from bridge.cli import main\n"
         "cls, meth = (mw.DcpFile, 'tensor') if hasattr(mw, 'DcpFile') else (mw.DcpWriter, 'tensor_chunk')\n"
         "orig = getattr(cls, meth)\n"

@@ -31,7 +31,7 @@ def add_hint_flags(p: argparse.ArgumentParser) -> None:
 
 
 def hints_from(args: argparse.Namespace):
-    from converters.megatron_format import Hints
+    from converters.megatron.format import Hints
 
     return Hints(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, pad_for_alignment=args.pad_for_alignment,
                  num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
@@ -63,10 +63,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bridge.inspect_format import parse_size
+    from bridge.inspect.format import parse_size
     from bridge.location import local_path
-    from converters.megatron_convert import ConvertOptions, convert
-    from converters.megatron_rundir import locate_megatron_dir
+    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.rundir import locate_megatron_dir
 
     # before anything looks at them: a URL is refused in one line, never taken for a local path
     args.src, args.dst = local_path(args.src, "source"), local_path(args.dst, "destination")

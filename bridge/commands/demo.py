@@ -130,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
 def run_in(work: Path, keep: bool) -> int:
     """The demo's steps with their outputs under `work` (kept there when `keep`)."""
     from bridge.errors import BridgeError
-    from converters.megatron_convert import ConvertOptions, convert
-    from converters.megatron_write import Target, to_megatron
+    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.write import Target, to_megatron
 
     outs = {k: work / k for k in ("logical", "megatron_tp2_dp2", "logical_again")}
     taken = [str(p) for p in outs.values() if p.exists()]

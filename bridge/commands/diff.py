@@ -16,9 +16,9 @@ from typing import Any
 
 from bridge.commands.inspect import select
 from bridge.errors import BridgeError
-from bridge.inspect_format import fmt_num, fmt_shape, parse_size, table
-from bridge.inspect_open import open_for_inspection
-from bridge.inspect_stream import DEFAULT_BUDGET, stream_diff
+from bridge.inspect.format import fmt_num, fmt_shape, parse_size, table
+from bridge.inspect.open import open_for_inspection
+from bridge.inspect.stream import DEFAULT_BUDGET, stream_diff
 from bridge.progress import progress
 
 EPILOG = """examples:

@@ -8,9 +8,9 @@ import json
 import sys
 from typing import Any
 
-from bridge.inspect_format import fmt_num, fmt_shape, human_bytes, parse_size, summarize_value, table
-from bridge.inspect_open import CheckpointInfo, open_for_inspection
-from bridge.inspect_stream import DEFAULT_BUDGET, stream_stats
+from bridge.inspect.format import fmt_num, fmt_shape, human_bytes, parse_size, summarize_value, table
+from bridge.inspect.open import CheckpointInfo, open_for_inspection
+from bridge.inspect.stream import DEFAULT_BUDGET, stream_stats
 from bridge.progress import progress
 
 EPILOG = """examples:

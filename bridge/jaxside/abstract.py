@@ -23,8 +23,8 @@ from bridge.store.manager import ITEM, resolve as resolve_location
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.sharding_rules import ShardingRules, default_spec
 from bridge.store.reader import check_metadata
-from bridge.store.tree import parse_tree_metadata, validate_path
-from converters.jax_naming import Group
+from bridge.format.tree import parse_tree_metadata, validate_path
+from bridge.jaxside.naming import Group
 
 PARAMS, MODEL, STEP = ("params",), ("model",), ("step",)
 ADAM = ("opt_state", "0")

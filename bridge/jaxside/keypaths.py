@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import jax
 
-from bridge.store.tree import Path, path_str  # noqa: F401 - one path type and printer for the project
+from bridge.format.tree import Path, path_str  # noqa: F401 - one path type and printer for the project
 
 
 def key_name(key: Any) -> str:

@@ -17,8 +17,8 @@ from typing import Any, Callable, Mapping
 
 from bridge.errors import BridgeError
 from bridge.jaxside.keypaths import Path, to_path
-from bridge.store.manifest import Manifest
-from converters.jax_naming import Plan, leading_axes
+from bridge.format.manifest import Manifest
+from bridge.jaxside.naming import Plan, leading_axes
 
 
 def as_manifest(manifest: Manifest | Mapping | None) -> Manifest | None:

@@ -32,8 +32,8 @@ from bridge.jaxside.keypaths import Path, nested_from_paths
 from bridge.jaxside.manifest_view import adam_hparams, as_manifest, section_orders
 from bridge.jaxside.optax_state import MOMENTS, check_template, fill_template, template_roles
 from bridge.jaxside.sharding_rules import ShardingRules
-from bridge.store.manifest import MANIFEST_KEY, Manifest
-from converters.jax_naming import Group, NamingMap, Plan, jax_backend
+from bridge.format.manifest import MANIFEST_KEY, Manifest
+from bridge.jaxside.naming import Group, NamingMap, Plan, jax_backend
 
 ITEMS = ("params", "opt_state", "model", "step")
 

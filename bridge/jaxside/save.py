@@ -38,10 +38,10 @@ from bridge.progress import progress
 from bridge.store import digest as store_digest
 from bridge.store.claim import claim_destination, tmp_dir_for
 from bridge.store.commit import seal_checkpoint
-from bridge.store.manifest import MANIFEST_KEY, ArrayRecord, Manifest, SourceLayout
+from bridge.format.manifest import MANIFEST_KEY, ArrayRecord, Manifest, SourceLayout
 from bridge.store.specs import orbax_chunk_args
-from bridge.store.tree import check_tree_paths, path_to_name
-from converters.jax_naming import Plan, jax_backend
+from bridge.format.tree import check_tree_paths, path_to_name
+from bridge.jaxside.naming import Plan, jax_backend
 
 
 def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any, model: Any = None,

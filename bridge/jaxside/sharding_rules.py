@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Sequence, Union
 from jax.sharding import PartitionSpec
 
 from bridge.errors import BridgeError
-from converters.jax_naming import leading_axes
+from bridge.jaxside.naming import leading_axes
 from bridge.jaxside.keypaths import Path, path_str
 
 SpecLike = Union[PartitionSpec, Sequence, None]

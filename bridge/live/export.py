@@ -42,9 +42,9 @@ from bridge.live.plan import ExportPlan, PlanCache, Transfer, build_plan, choose
 from bridge.live.staging import WriteItem, stage_and_write
 from bridge.progress import progress
 from bridge.store.commit import begin_checkpoint, finalize
-from bridge.store.manifest import Manifest, OptimizerConfig, SourceLayout
+from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
-from bridge.store.tree import adamw_empty_paths, megatron_key_to_path, path_str
+from bridge.format.tree import adamw_empty_paths, megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter, default_batch_bytes
 
 COUNT_PATH = ("opt_state", "0", "count")

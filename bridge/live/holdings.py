@@ -19,7 +19,7 @@ import torch
 from bridge.errors import BridgeError
 from bridge.layout.rectangles import Piece
 from bridge.live.api import LocalParam, QuantizedWeight
-from bridge.store.tree import megatron_key_to_path, path_to_name
+from bridge.format.tree import megatron_key_to_path, path_to_name
 
 # Logical tree roots: model weights, fp32 masters, Adam moments (optax.adamw state layout).
 ROOT_PATHS: dict[str, tuple[str, ...]] = {

@@ -31,7 +31,7 @@ from bridge.layout.ownership import plan_ownership_many
 from bridge.live.holdings import ROOT_PATHS
 from bridge.store.plan import ArraySpec
 from bridge.store.specs import ITEMSIZE, inner_chunk_shape
-from bridge.store.tree import name_to_path
+from bridge.format.tree import name_to_path
 
 
 WIRE_ALIGN = 16  # bytes: each (src, dst) block of the exchange buffer starts at a multiple of this

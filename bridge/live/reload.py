@@ -27,7 +27,7 @@ from bridge.live.holdings import tree_name
 from bridge.torch_numpy import from_numpy
 from bridge.progress import progress
 from bridge.store.reader import Checkpoint, open_checkpoint
-from bridge.store.tree import name_to_path, path_str
+from bridge.format.tree import name_to_path, path_str
 
 
 @dataclass

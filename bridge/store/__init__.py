@@ -5,10 +5,10 @@ Public API: see docs/ARCHITECTURE.md, section "Store API".
 
 from bridge.store.claim import DestinationClaim, check_sources, claim_destination, tmp_dir_for
 from bridge.store.commit import begin_checkpoint, commit_checkpoint, finalize, save_checkpoint
-from bridge.store.manifest import ArrayRecord, Manifest, OptimizerConfig, SourceLayout
+from bridge.format.manifest import ArrayRecord, Manifest, OptimizerConfig, SourceLayout
 from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan
 from bridge.store.reader import ArrayInfo, Checkpoint, open_checkpoint
-from bridge.store.tree import adamw_empty_paths, megatron_key_to_path, name_to_path, path_to_name
+from bridge.format.tree import adamw_empty_paths, megatron_key_to_path, name_to_path, path_to_name
 from bridge.store.writer import CheckpointWriter
 
 __all__ = [

@@ -34,9 +34,9 @@ from bridge.store import digest as dg
 from bridge.store import specs
 from bridge.store.claim import ClaimInfo, DestinationClaim, claim_destination, held_claim, tmp_dir_for
 from bridge.store.durable import fsync_tree, write_json_atomic
-from bridge.store.manifest import CHECKSUM_KEY, MANIFEST_KEY, ArrayRecord, Manifest, seal_metadata
+from bridge.format.manifest import CHECKSUM_KEY, MANIFEST_KEY, ArrayRecord, Manifest, seal_metadata
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
-from bridge.store.tree import path_str, tree_metadata
+from bridge.format.tree import path_str, tree_metadata
 from bridge.store.writer import REPORT_DIR, CheckpointWriter, report_path
 
 ITEM_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"

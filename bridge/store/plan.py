@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 from bridge.errors import BridgeError
 from bridge.layout.chunks import ArrayOwnership, regular_ownership
 from bridge.store import specs
-from bridge.store.tree import Path, check_tree_paths, path_str, path_to_name, validate_path
+from bridge.format.tree import Path, check_tree_paths, path_str, path_to_name, validate_path
 
 
 @dataclass(frozen=True)

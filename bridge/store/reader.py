@@ -21,9 +21,9 @@ from bridge.errors import BridgeError, IntegrityError
 from bridge.layout.boxes import Box
 from bridge.store import specs
 from bridge.store.claim import TMP_SUFFIX
-from bridge.store.manifest import CHECKSUM_KEY, MANIFEST_KEY, Manifest, metadata_problems
+from bridge.format.manifest import CHECKSUM_KEY, MANIFEST_KEY, Manifest, metadata_problems
 from bridge.store.specs import numpy_dtype
-from bridge.store.tree import Path, parse_tree_metadata, path_str
+from bridge.format.tree import Path, parse_tree_metadata, path_str
 
 # Orbax item sub-directories (v1 `state/`, CheckpointManager `default/`) when given the step dir.
 ITEM_DIRS = ("state", "default")

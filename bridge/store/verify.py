@@ -24,7 +24,7 @@ from bridge.progress import progress
 from bridge.store import digest as dg
 from bridge.store.reader import ArrayInfo, Checkpoint, open_checkpoint
 from bridge.store.specs import numpy_dtype
-from bridge.store.tree import path_str
+from bridge.format.tree import path_str
 
 READ_BLOCK_BYTES = 16 << 20
 

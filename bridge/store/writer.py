@@ -43,7 +43,7 @@ from bridge.store import specs
 from bridge.store.durable import write_json_atomic
 from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan  # noqa: F401 (re-export)
 from bridge.store.staging import Lease, SlabPool, cells_are_row_runs, grid_cells, num_grid_cells
-from bridge.store.tree import path_str
+from bridge.format.tree import path_str
 
 REPORT_DIR = "_gtp_bridge_writers"
 # Donated boxes at least this large are digested on a side thread (small ones: thread hand-off costs more).

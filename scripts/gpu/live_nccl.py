@@ -9,7 +9,7 @@ Run from the repository root on the GPU machine (one process per GPU is spawned 
 Per scenario: the reference trainer (native FP8 weights, GTP padding) trains 3 steps at the
 source layout, `export_state` writes the checkpoint (exchange over NCCL on the GPUs, device->host
 through pinned buffers), the source takes one more step; every target layout reloads with
-`reload_state`, takes one step. Checks (`bridge.live.scenario.check_scenario`): plain Orbax
+`reload_state`, takes one step. Checks (`bridge.testing.scenario.check_scenario`): plain Orbax
 restore == the state the ranks held (assembled from raw dumps without `bridge.layout`),
 bit-exact; each reload == that state, bit-exact; next step == the source's next step to fp32
 tolerance; the held state is within fp32 tolerance of a world-size-1 run. With `--world 4` JAX
@@ -48,7 +48,7 @@ SCENARIOS = {
 
 def config():
     from bridge.live.api import AdamConfig
-    from bridge.live.reference_trainer import TrainerConfig
+    from bridge.testing.trainer import TrainerConfig
 
     return TrainerConfig(adam=AdamConfig(**ADAM), weights="fp8", pad_for_alignment=8, seed=SEED)
 
@@ -57,7 +57,7 @@ def worker(rank: int, world: int, init: str, backend: str, root: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from bridge.live.scenario import run_scenario
+    from bridge.testing.scenario import run_scenario
 
     torch.set_num_threads(2)
     device = torch.device("cpu")
@@ -85,9 +85,9 @@ def worker(rank: int, world: int, init: str, backend: str, root: str) -> None:
 
 def world1_problems(held: dict, device) -> list[str]:
     from bridge.layout import ParallelLayout
-    from bridge.live.reference_check import assemble_global, dump_rank
-    from bridge.live.reference_trainer import train
-    from bridge.live.scenario import logical_from_assembled
+    from bridge.testing.check import assemble_global, dump_rank
+    from bridge.testing.trainer import train
+    from bridge.testing.scenario import logical_from_assembled
 
     ref = logical_from_assembled(assemble_global([dump_rank(train(ParallelLayout(), STEPS, SEED, config(),
                                                                   device=device).trainer)]))
@@ -106,7 +106,7 @@ def jax_problems(dst: str, held: dict, world: int) -> tuple[list[str], str]:
 
     import orbax.checkpoint as ocp
 
-    from bridge.live.scenario import abstract_tree, check_restored
+    from bridge.testing.scenario import abstract_tree, check_restored
 
     try:
         devs = jax.devices("gpu")
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         print(f"FAIL spawn: {traceback.format_exc().strip().splitlines()[-1]}")
         return 1
     print(f"workers done in {time.perf_counter() - t0:.1f} s ({a.backend}, world {a.world})")
-    from bridge.live.scenario import check_scenario
+    from bridge.testing.scenario import check_scenario
 
     device = torch.device("cuda", 0) if a.backend == "nccl" else torch.device("cpu")
     failed = 0

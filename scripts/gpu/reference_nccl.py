@@ -30,9 +30,9 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from bridge.layout import ParallelLayout  # noqa: E402
 from bridge.live.api import AdamConfig  # noqa: E402
-from bridge.live.reference_check import (assemble_global, check_buffers, compare, dump_rank, logical_state,  # noqa: E402
+from bridge.testing.check import (assemble_global, check_buffers, compare, dump_rank, logical_state,  # noqa: E402
                                          padding_report, run_scenarios)
-from bridge.live.reference_trainer import TrainerConfig, train  # noqa: E402
+from bridge.testing.trainer import TrainerConfig, train  # noqa: E402
 
 ADAM = AdamConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 ATOL = {"weight": 1e-5, "master": 1e-5, "exp_avg": 1e-7, "exp_avg_sq": 1e-9}
@@ -135,7 +135,7 @@ def _export_reload(out: str, backend: str) -> int:
     except ImportError as e:
         print(f"SKIP export_gtp2_reload_tp2: live exporter not importable ({e})")
         return 0
-    from bridge.live.reference_check import run_export_reload
+    from bridge.testing.check import run_export_reload
 
     name = "export_gtp2_fp8_reload_tp2"
     d = os.path.join(out, name)

@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--live", required=True)
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
-    from bridge.live.megatron_adapter import load_megatron
+    from converters.megatron.live import load_megatron
 
     res: dict = {"loads": []}
     tinygpt.setup_parallel(1)

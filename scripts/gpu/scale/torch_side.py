@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--no-loads", action="store_true", help="stop after the writes (no load / next-step part)")
     a = ap.parse_args()
 
-    from bridge.live.megatron_adapter import export_megatron, load_megatron
+    from converters.megatron.live import export_megatron, load_megatron
 
     R = Recorder(a.json)
     res = R.res

@@ -7,7 +7,7 @@ and `metadata.json`. Chunks follow the target layout (one per stacked instance a
 per (TP, GTP) shard of the 0.19.2 padded grid for GTP-sharded weights; split into row slabs when one
 would not fit the budget), so Megatron-Core reads its own rectangles. The output is Megatron-LM's
 run directory layout (`<run>/iter_<step, 7 digits>/` + `latest_checkpointed_iteration.txt`,
-`converters.megatron_rundir`): the iteration directory is written under a temporary name, renamed
+`converters.megatron.rundir`): the iteration directory is written under a temporary name, renamed
 when complete, then the tracker set.
 
 Streaming: `megatron_write_plan` groups the work so each logical array's boxes are read once and a
@@ -45,16 +45,16 @@ from bridge.layout.params import ParamGeometry
 from bridge.progress import progress
 from bridge.store.claim import claim_destination
 from bridge.store.durable import fsync_path
-from bridge.store.manifest import Manifest
+from bridge.format.manifest import Manifest
 from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.store.specs import numpy_dtype
-from bridge.store.tree import megatron_key_to_path, path_str
+from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.torch_numpy import from_numpy
-from converters.megatron_format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
+from converters.megatron.format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
-from converters.megatron_plan import is_scrambled_swiglu, local_instances, role_path
-from converters.megatron_rundir import plan_run_dir, write_tracker
-from converters.megatron_write_plan import (STATE_NAMES, DpJob, Group, ParamSpec, layout_limits, plan_groups,
+from converters.megatron.plan import is_scrambled_swiglu, local_instances, role_path
+from converters.megatron.rundir import plan_run_dir, write_tracker
+from converters.megatron.write_plan import (STATE_NAMES, DpJob, Group, ParamSpec, layout_limits, plan_groups,
                                             shard_ranges)
 
 FORMATS = ("fully_reshardable", "dp_reshardable")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from bridge.errors import BridgeError
-from bridge.live.reference_model import EPComm, TPComm
+from bridge.testing.model import EPComm, TPComm
 
 __all__ = ["Group", "RankGroups", "all_gather_into", "reduce_scatter_into", "all_reduce", "gtp_gather", "DistTPComm",
            "DistEPComm"]

@@ -46,9 +46,9 @@ from bridge.layout.assemble import assemble_shard, split_local
 from bridge.layout.distopt import BufferKey, BufferLayout, DistOptParam, distopt_layouts, owned_ranges
 from bridge.live.api import AdamConfig, LiveRun, LocalParam, OptimFragment, QuantizedWeight
 from bridge.live.fp8 import bind_optimizer_state
-from bridge.live.reference_collectives import (DistEPComm, DistTPComm, Group, RankGroups, all_gather_into, all_reduce, gtp_gather,
+from bridge.testing.collectives import (DistEPComm, DistTPComm, Group, RankGroups, all_gather_into, all_reduce, gtp_gather,
                                                reduce_scatter_into)
-from bridge.live.reference_model import EPComm, ModelConfig, ParamDef, batch, forward, init_logical, param_table
+from bridge.testing.model import EPComm, ModelConfig, ParamDef, batch, forward, init_logical, param_table
 
 __all__ = ["TrainerConfig", "ReferenceTrainer", "RankState", "train", "step", "geometry_of", "DEFAULT_ADAM"]
 

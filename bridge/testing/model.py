@@ -1,7 +1,7 @@
 """The reference GTP trainer's tiny model: parameter table, seeded init, data, and TP-local math.
 
 One functional definition serves every layout. `forward` takes the **TP-local logical** weights
-(GTP shards already gathered and their padding stripped, see `bridge.live.reference_trainer`) and a
+(GTP shards already gathered and their padding stripped, see `bridge.testing.trainer`) and a
 `TPComm` that supplies the tensor-parallel collectives; with `TPComm()` (TP size 1, no process
 group) it is the unsharded reference model.
 
@@ -198,7 +198,7 @@ def batch(c: ModelConfig, seed: int, step: int) -> torch.Tensor:
 class TPComm:
     """Tensor-parallel collectives used by `forward`; the base class is TP size 1 (no-ops).
 
-    `bridge.live.reference_trainer.DistTPComm` implements them over a TP process group.
+    `bridge.testing.trainer.DistTPComm` implements them over a TP process group.
     """
 
     size: int = 1

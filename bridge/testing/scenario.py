@@ -40,9 +40,9 @@ def run_scenario(rank: int, out: str, dst: str, src: Mapping, targets: Mapping[s
     """Worker body (see module docstring); returns per-target facts (step, bytes read, export report)."""
     from bridge.layout import ParallelLayout
     from bridge.live.export import export_state
-    from bridge.live.reference_check import dump_rank
-    from bridge.live.reference_collectives import RankGroups
-    from bridge.live.reference_trainer import ReferenceTrainer, step
+    from bridge.testing.check import dump_rank
+    from bridge.testing.collectives import RankGroups
+    from bridge.testing.trainer import ReferenceTrainer, step
     from bridge.live.reload import reload_state
 
     layout = ParallelLayout(**src)
@@ -93,8 +93,8 @@ def sections_tp1(geom, fused_tp1: np.ndarray) -> dict[str, np.ndarray]:
 
 def logical_from_assembled(assembled: Mapping, kinds: Sequence[str] = KINDS, pad_for_alignment: int = 8) -> dict:
     """{kind: {logical array: ndarray}} from `assemble_global` output (fused split, experts stacked)."""
-    from bridge.live.reference_model import ModelConfig, param_table
-    from bridge.live.reference_trainer import geometry_of
+    from bridge.testing.model import ModelConfig, param_table
+    from bridge.testing.trainer import geometry_of
 
     c = ModelConfig()
     out: dict = {k: {} for k in kinds}
@@ -119,7 +119,7 @@ def bits(a) -> np.ndarray:
 
 def leaf(tree, name: str):
     """The leaf of a nested restored tree at logical array `name`."""
-    from bridge.store.tree import megatron_key_to_path
+    from bridge.format.tree import megatron_key_to_path
 
     for c in megatron_key_to_path(name):
         tree = tree[c]
@@ -136,7 +136,7 @@ def abstract_tree(held: Mapping, sharding=None, with_model: bool = True):
     import optax
 
     from bridge.jaxside.keypaths import nested_from_paths
-    from bridge.store.tree import megatron_key_to_path
+    from bridge.format.tree import megatron_key_to_path
 
     def nest(flat, dtype):
         return nested_from_paths({megatron_key_to_path(n): jax.ShapeDtypeStruct(a.shape, dtype) for n, a in flat.items()})
@@ -171,7 +171,7 @@ def check_scenario(out: str, dst: str, world: int, targets: Sequence[str], steps
     """(a) and (b) of the module docstring; returns (problems, the held logical state)."""
     import orbax.checkpoint as ocp
 
-    from bridge.live.reference_check import assemble_global, compare
+    from bridge.testing.check import assemble_global, compare
 
     problems: list[str] = []
     src = load_dumps(out, "src", world)

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from bridge.inspect_stats import as_float
+from bridge.inspect.stats import as_float
 
 _UINT_OF = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 

@@ -15,9 +15,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from bridge.errors import IntegrityError
-from bridge.inspect_blocks import block_elems_for_budget, plan_blocks
-from bridge.inspect_diff import ArrayDiff
-from bridge.inspect_stats import ArrayStats, as_float, reduce_rms_along
+from bridge.inspect.blocks import block_elems_for_budget, plan_blocks
+from bridge.inspect.diff import ArrayDiff
+from bridge.inspect.stats import ArrayStats, as_float, reduce_rms_along
 from bridge.layout.boxes import Box
 
 # Peak host bytes per byte of block, all copies included (see module docstring; measured ~4, margin kept).

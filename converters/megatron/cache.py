@@ -158,7 +158,7 @@ def record_layout(ck, key: str, chunk) -> RecordLayout:
     import torch
 
     from bridge.torch_numpy import numpy_dtype_of
-    from converters.dcp_reader import check_relative_path
+    from converters.megatron.dcp_reader import check_relative_path
 
     ref = chunk.storage
     what = f"{key} chunk {chunk.offsets} in {ref.relative_path}"

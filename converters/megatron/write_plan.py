@@ -21,8 +21,8 @@ from bridge.layout.boxes import Box
 from bridge.layout.legacy import legacy_box_map, legacy_shape
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
-from converters.dcp_reader import ChunkInfo, StorageRef
-from converters.megatron_plan import box_copies, is_scrambled_swiglu, logical_row_runs, role_path
+from converters.megatron.dcp_reader import ChunkInfo, StorageRef
+from converters.megatron.plan import box_copies, is_scrambled_swiglu, logical_row_runs, role_path
 
 STATE_NAMES = {"params": "param", "mu": "exp_avg", "nu": "exp_avg_sq"}
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}

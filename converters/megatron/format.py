@@ -21,7 +21,7 @@ from bridge.errors import BridgeError
 from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry, gtp_shard_dim0
-from converters.dcp_reader import DcpCheckpoint, InertStub, TensorInfo
+from converters.megatron.dcp_reader import DcpCheckpoint, InertStub, TensorInfo
 
 OPT_STATE_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
 DP_TENSOR_RE = re.compile(

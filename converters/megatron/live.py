@@ -41,7 +41,7 @@ from bridge.errors import BridgeError
 from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
-from bridge.store.tree import megatron_key_to_path
+from bridge.format.tree import megatron_key_to_path
 
 if TYPE_CHECKING:
     from bridge.live.api import AdamConfig, LiveRun, LocalParam, ReloadResult

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from bridge.errors import BridgeError
-from bridge.live.reference_model import ModelConfig, ParamDef, param_table
+from bridge.testing.model import ModelConfig, ParamDef, param_table
 
 __all__ = ["dump_rank", "assemble_global", "check_buffers", "padding_report", "compare", "fill_from_logical", "logical_state",
            "run_scenarios"]
@@ -341,8 +341,8 @@ def run_scenarios(rank: int, world: int, init_method: str, scenarios: Sequence[d
     import torch.distributed as dist
 
     from bridge.layout import ParallelLayout
-    from bridge.live.reference_collectives import RankGroups
-    from bridge.live.reference_trainer import ReferenceTrainer, TrainerConfig, step
+    from bridge.testing.collectives import RankGroups
+    from bridge.testing.trainer import ReferenceTrainer, TrainerConfig, step
 
     device = _init_worker(rank, world, init_method, backend)
     try:
@@ -379,8 +379,8 @@ def run_export_reload(rank: int, world: int, init_method: str, outdir: str, weig
 
     from bridge.layout import ParallelLayout
     from bridge.live.export import export_state
-    from bridge.live.reference_collectives import RankGroups
-    from bridge.live.reference_trainer import ReferenceTrainer, TrainerConfig, step, train
+    from bridge.testing.collectives import RankGroups
+    from bridge.testing.trainer import ReferenceTrainer, TrainerConfig, step, train
     from bridge.live.reload import reload_state
 
     device = _init_worker(rank, world, init_method, backend)

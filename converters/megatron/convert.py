@@ -35,16 +35,16 @@ from bridge.lr_schedule import RECORD_VERSION
 from bridge.progress import progress
 from bridge.store.claim import check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
-from bridge.store.manifest import Manifest, OptimizerConfig, SourceLayout
+from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.store.specs import numpy_dtype
-from bridge.store.tree import adamw_empty_paths, megatron_key_to_path, path_str
+from bridge.format.tree import adamw_empty_paths, megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
-from converters.dcp_reader import DcpCheckpoint
-from converters.megatron_cache import ChunkCache
-from converters.megatron_format import (Hints, SourceCheckpoint, _plain, describe, optimizer_groups,
+from converters.megatron.dcp_reader import DcpCheckpoint
+from converters.megatron.cache import ChunkCache
+from converters.megatron.format import (Hints, SourceCheckpoint, _plain, describe, optimizer_groups,
                                         parse_groups_hyper, step_of)
-from converters.megatron_plan import (ROLES, Block, CopyIndex, Unit, assign_blocks, contributes, flat_copies,
+from converters.megatron.plan import (ROLES, Block, CopyIndex, Unit, assign_blocks, contributes, flat_copies,
                                       literal, local_instances, model_space_copies, parse_dtype_key,
                                       plan_blocks, rebuild_bucket_layout, role_path)
 
@@ -539,7 +539,7 @@ def budget_line(workers: int, budget: int, asked: int | None = None) -> str:
     >>> budget_line(1, 1 << 30, asked=8)
     'convert: 1 worker (of 8 asked: the checkpoint is too small for more), budget 1.0 GiB'
     """
-    from bridge.inspect_format import human_bytes
+    from bridge.inspect.format import human_bytes
 
     each = "" if workers == 1 else f" ({human_bytes(budget // workers)} each)"
     fewer = f" (of {asked} asked: the checkpoint is too small for more)" if asked is not None and asked > workers else ""

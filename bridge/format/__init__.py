@@ -1,0 +1,1 @@
+"""The logical checkpoint's format: tree paths, the manifest, `_METADATA` sealing."""

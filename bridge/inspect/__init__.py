@@ -1,0 +1,1 @@
+"""Inspection of logical checkpoints: open, stats, blocks, streaming reads, diffs, formatting."""

@@ -1,0 +1,1 @@
+"""Megatron-Core: torch_dist (DCP) reading, format detection, convert, to-megatron, live adapter."""
