@@ -36,8 +36,8 @@ from bridge.layout.boxes import Box
 from bridge.location import local_path
 from bridge.progress import progress
 from bridge.store import digest as store_digest
-from bridge.store.claim import claim_destination, tmp_dir_for
-from bridge.store.commit import seal_checkpoint
+from bridge.store.claim import check_destination_free, claim_destination, tmp_dir_for
+from bridge.store.commit import publish_orbax_checkpoint
 from bridge.format.manifest import MANIFEST_KEY, ArrayRecord, Manifest, SourceLayout
 from bridge.store.specs import orbax_chunk_args
 from bridge.format.tree import check_tree_paths, path_to_name
@@ -76,8 +76,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     import orbax.checkpoint as ocp
 
     d = os.fspath(directory)
-    if os.path.lexists(d):
-        raise BridgeError(f"destination {d} exists; choose a new directory (checkpoints are never overwritten)")
+    check_destination_free(d)
     plans = dict(plans or {})
     flat_params = leaves_by_path(params)
     mu, nu, count = extract_adam(opt_state)
@@ -124,9 +123,10 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     save_args = jax.tree_util.tree_map_with_path(
         lambda kp, x: ocp.SaveArgs(**orbax_chunk_args(to_path(kp), np.ndim(x),
                                                       None if chunk_byte_size is None else int(chunk_byte_size))), tree)
-    # One claim per save (bridge.store.claim, as every writer): process 0 claims `d`; Orbax commits
-    # (its own tmp + rename) into a sub-directory of the claim; we seal _METADATA with the store's
-    # checksum and publish it to `d` with a no-replace rename, so `d` only ever appears complete.
+    # One claim and one commit per save, as every writer (bridge.store): process 0 claims `d`; Orbax
+    # writes (its own tmp + rename) into a sub-directory of the claim; process 0 then commits it with
+    # the store's `publish_orbax_checkpoint` (sealed _METADATA, no-replace publish), so `d` only ever
+    # appears complete.
     claim = _claim_on_process_0(d)
     staging = os.path.join(tmp_dir_for(d), "item")
     try:
@@ -135,13 +135,12 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
         ck = ocp.Checkpointer(handler)
         ck.save(staging, args=ocp.args.PyTreeSave(tree, save_args=save_args,
                                                   custom_metadata={MANIFEST_KEY: out.to_json()}))
-        if claim is not None:
-            seal_checkpoint(staging)
-            claim.publish(payload=staging)
     except BaseException:
         if claim is not None:
             claim.release()
         raise
+    if claim is not None:
+        publish_orbax_checkpoint(claim, staging)  # releases the claim itself if it fails
     _barrier("gtpb-save-done")
     return out
 

@@ -33,7 +33,7 @@ from bridge.layout.chunks import ArrayOwnership, grid_shape
 from bridge.layout.parallel import ParallelLayout
 from bridge.lr_schedule import RECORD_VERSION
 from bridge.progress import progress
-from bridge.store.claim import check_sources, claim_destination
+from bridge.store.claim import check_destination_free, check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
 from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
@@ -553,8 +553,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     opts = opts or ConvertOptions()
     hints = opts.hints or Hints()
     dst = os.path.abspath(dst)
-    if os.path.lexists(dst):
-        raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
+    check_destination_free(dst)
     check_sources(dst, [src_dir])
     asked_workers = default_workers() if opts.workers is None else opts.workers
     if asked_workers < 1:
