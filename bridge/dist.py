@@ -7,6 +7,7 @@ Two kinds, one protocol (`Coordinator`):
   barrier (every writer publishes a report, writer 0 waits for them: `bridge.store.commit`).
 - `TorchCoordinator(group)`: the ranks of an EXPLICIT torch.distributed process group (a subgroup
   works: ranks outside it are never waited for). Ranks exchange small JSON values over the group.
+- `JaxCoordinator()`: the processes of a multi-process JAX run (the JAX save).
 
 Every step that can fail on one rank runs through `all_gather(stage, fn)` or `broadcast(stage, fn)`
 (the model is torch DCP's `_DistWrapper`): each rank runs `fn`, catching its error; the outcomes
@@ -14,7 +15,8 @@ are gathered, and if any rank failed every rank raises the same `CollectiveError
 failing ranks and the stage. A rank that dies or times out inside a collective turns into one
 `BridgeError` line on its peers (`guard`).
 
-torch is imported by `TorchCoordinator` only: a caller that passes a torch group has imported it.
+torch is imported by `TorchCoordinator` only (a caller that passes a torch group has imported it),
+jax by `JaxCoordinator` only.
 """
 
 from __future__ import annotations
@@ -161,6 +163,58 @@ class TorchCoordinator:
             job = f" {self.job}" if self.job else ""
             raise BridgeError(f"rank {self.rank}:{job} aborted during {stage}: a peer failed or timed out "
                               f"({first}); nothing was committed, rerun") from e
+
+
+class JaxCoordinator:
+    """The processes of a (multi-process) JAX run: `jax.process_index()` of `jax.process_count()`.
+
+    Values travel as JSON through `multihost_utils.process_allgather`; with one process nothing
+    is exchanged. `guard` adds nothing: JAX's collectives report a lost peer themselves.
+    """
+
+    def __init__(self, job: str = "") -> None:
+        import jax
+
+        self.job = job
+        self.rank, self.world = jax.process_index(), jax.process_count()
+
+    def all_gather(self, stage: str, fn: Callable[[], T]) -> list[T | None]:
+        mine: dict = {}
+        try:
+            mine["ok"] = fn()
+        except Exception as e:
+            mine["error"] = error_line(e)
+            err = e
+        outcomes = [mine] if self.world == 1 else _jax_all_gather_json(mine)
+        failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
+        if failures:
+            if self.world == 1:
+                raise err  # nobody else to tell: the error as it is
+            exc = CollectiveError(stage, failures, self.job)
+            if "error" in mine:
+                raise exc from err
+            raise exc
+        return [o["ok"] for o in outcomes]
+
+    def broadcast(self, stage: str, fn: Callable[[], T], src: int = 0) -> T | None:
+        return self.all_gather(stage, fn if self.rank == src else (lambda: None))[src]
+
+    @contextmanager
+    def guard(self, stage: str) -> Iterator[None]:
+        yield
+
+
+def _jax_all_gather_json(obj: Any) -> list[Any]:
+    """Every JAX process's JSON-serialisable `obj`, in process order (two all-gathers: sizes, bytes)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(obj, separators=(",", ":")).encode(), dtype=np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32))).reshape(-1)
+    buf = np.zeros(max(1, int(sizes.max())), dtype=np.uint8)
+    buf[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(sizes.size, -1)
+    return [json.loads(rows[r, :sizes[r]].tobytes().decode()) for r in range(sizes.size)]
 
 
 # -- JSON over a torch group ----------------------------------------------------------------------

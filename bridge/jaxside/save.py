@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bridge.dist import JaxCoordinator
 from bridge.errors import BridgeError
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str, to_path
 from bridge.jaxside.manifest_view import as_manifest
@@ -127,7 +128,9 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     # writes (its own tmp + rename) into a sub-directory of the claim; process 0 then commits it with
     # the store's `publish_orbax_checkpoint` (sealed _METADATA, no-replace publish), so `d` only ever
     # appears complete.
-    claim = _claim_on_process_0(d)
+    coord = JaxCoordinator(job=f"save to {d}")
+    held = []
+    coord.broadcast("the start", lambda: held.append(claim_destination(d)))  # no process writes unless claimed
     staging = os.path.join(tmp_dir_for(d), "item")
     try:
         handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
@@ -136,39 +139,12 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
         ck.save(staging, args=ocp.args.PyTreeSave(tree, save_args=save_args,
                                                   custom_metadata={MANIFEST_KEY: out.to_json()}))
     except BaseException:
-        if claim is not None:
+        for claim in held:
             claim.release()
         raise
-    if claim is not None:
-        publish_orbax_checkpoint(claim, staging)  # releases the claim itself if it fails
-    _barrier("gtpb-save-done")
+    # every process returns once the checkpoint is published, or raises what failed
+    coord.broadcast("the commit", lambda: publish_orbax_checkpoint(held[0], staging))
     return out
-
-
-def _claim_on_process_0(d: str):
-    """Process 0 claims `d`; every process raises if that failed (no process starts writing)."""
-    claim, err = None, ""
-    if jax.process_index() == 0:
-        try:
-            claim = claim_destination(d)
-        except BridgeError as e:
-            err = str(e)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        failed = int(multihost_utils.broadcast_one_to_all(np.int32(1 if err else 0)))
-        if failed and not err:
-            err = f"process 0 could not claim the destination {d} (see its error); nothing was written"
-    if err:
-        raise BridgeError(err)
-    return claim
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
 
 
 def _to_logical(flat: dict[Path, Any], plan: Plan | None) -> dict[Path, Any]:
@@ -242,16 +218,11 @@ def _save_as_manager_step(root: str, number: int, **kwargs: Any) -> Manifest:
     """`save` into a hidden staging step of manager root `root`, then commit it as `root/<number>`."""
     from bridge.store import manager
 
+    coord = JaxCoordinator(job=f"save to {root}")
     manager.check_step_free(root, number)  # on every process, so that all refuse together
-    if jax.process_index() == 0:
-        item = manager.staging_item_dir(root, str(number))
-    else:
-        item = manager.staging_item_path(root, str(number))
-    _barrier("gtpb-save-manager-staging")
+    item = coord.broadcast("the start", lambda: manager.staging_item_dir(root, str(number)))
     out = save(item, **kwargs)
-    if jax.process_index() == 0:
-        manager.commit_step(item, number)
-    _barrier("gtpb-save-manager-done")
+    coord.broadcast("the commit", lambda: manager.commit_step(item, number))
     return out
 
 
