@@ -132,3 +132,17 @@ def test_a_failing_commit_fails_every_rank_naming_rank_0(tmp_path):
         assert msg and "\n" not in msg, results
         assert "rank 0 failed during the commit" in msg and "appeared while this run was writing" in msg, msg
     assert os.listdir(dst) == [] and not os.path.exists(dst + ".orbax-checkpoint-tmp")
+
+
+def test_the_store_never_reads_torch_distributed_state():
+    """The store takes a coordinator; it never looks torch up (sys.modules) nor calls a world-wide
+    collective itself (the old commit did both)."""
+    import pathlib
+    import re
+
+    store = pathlib.Path(__file__).resolve().parent.parent / "bridge" / "store"
+    offending = [f"{p.name}:{i}: {line.strip()}" for p in sorted(store.glob("*.py"))
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if re.search(r"sys\.modules|import torch|torch\.distributed|dist\.(barrier|broadcast)", line)
+                 and not line.lstrip().startswith("#")]
+    assert not offending, offending

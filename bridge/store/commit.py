@@ -13,7 +13,7 @@ or, in one process, `with claim_destination(dst, sources=[src]) as claim:` ... w
 with a `bridge.dist.TorchCoordinator` the writers of its group meet, rank 0 commits and every rank
 returns dst or raises the same error naming the failing rank; with the default
 `LocalCoordinator` (writers that do not talk) writer 0 waits (file barrier with a timeout) for the
-other writers' reports and commits. The store never reads torch.distributed's global state.
+other writers' reports and commits. The store never reads torch's global process-group state.
 
 Every writer of a logical checkpoint (this store, the JAX save through Orbax) ends with the one
 commit, `publish_checkpoint`: seal `_METADATA`, copy its checksum into `_CHECKPOINT_METADATA`, and
