@@ -63,6 +63,20 @@ def error_line(e: BaseException) -> str:
     return text if isinstance(e, BridgeError) else f"{type(e).__name__}: {text}"
 
 
+def _attempt(fn: Callable[[], T]) -> tuple[dict, Exception | None]:
+    """Run `fn`: ({"ok": result}, None) or ({"error": line}, the error).
+
+    A caller that keeps the error must drop it (`del`) once raised from: its traceback reaches the
+    caller's frame (through this frame's f_back), so a local holding it is a reference cycle that
+    lives until the garbage collector runs, keeping the caller's coordinator, hence its process
+    group, alive past `destroy_process_group` (gloo then aborts the process at exit).
+    """
+    try:
+        return {"ok": fn()}, None
+    except Exception as e:  # BaseException (Ctrl-C, SIGTERM) leaves at once: no collective after it
+        return {"error": error_line(e)}, e
+
+
 class Coordinator(Protocol):
     """The processes of one save: this one is `rank` of `world`."""
 
@@ -133,20 +147,15 @@ class TorchCoordinator:
         self.device = device if device is not None else collective_device(group)
 
     def all_gather(self, stage: str, fn: Callable[[], T]) -> list[T | None]:
-        mine: dict = {}
-        try:
-            mine["ok"] = fn()
-        except Exception as e:  # BaseException (Ctrl-C, SIGTERM) leaves at once: no collective after it
-            mine["error"] = error_line(e)
-            err = e
+        mine, err = _attempt(fn)
         with self.guard(stage):
             outcomes = all_gather_json(mine, self.group, self.device)
         failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
         if failures:
-            exc = CollectiveError(stage, failures, self.job)
-            if "error" in mine:
-                raise exc from err
-            raise exc
+            try:
+                raise CollectiveError(stage, failures, self.job) from err
+            finally:
+                del err  # see _attempt
         return [o["ok"] for o in outcomes]
 
     def broadcast(self, stage: str, fn: Callable[[], T], src: int = 0) -> T | None:
@@ -179,21 +188,16 @@ class JaxCoordinator:
         self.rank, self.world = jax.process_index(), jax.process_count()
 
     def all_gather(self, stage: str, fn: Callable[[], T]) -> list[T | None]:
-        mine: dict = {}
-        try:
-            mine["ok"] = fn()
-        except Exception as e:
-            mine["error"] = error_line(e)
-            err = e
+        mine, err = _attempt(fn)
         outcomes = [mine] if self.world == 1 else _jax_all_gather_json(mine)
         failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
         if failures:
-            if self.world == 1:
-                raise err  # nobody else to tell: the error as it is
-            exc = CollectiveError(stage, failures, self.job)
-            if "error" in mine:
-                raise exc from err
-            raise exc
+            try:
+                if self.world == 1:
+                    raise err  # nobody else to tell: the error as it is
+                raise CollectiveError(stage, failures, self.job) from err
+            finally:
+                del err  # see _attempt
         return [o["ok"] for o in outcomes]
 
     def broadcast(self, stage: str, fn: Callable[[], T], src: int = 0) -> T | None:

@@ -86,6 +86,9 @@ def test_export_state_on_two_subgroups_at_once(tmp_path):
 def _export_failing(rank, world, dst, victim, stage, action):
     """Export at TP1 x GTP2 x DP2; on rank `victim` at `stage` the hook fails (`raise`) or creates
     the destination (`occupy`, so that rank 0's commit fails)."""
+    import gc
+
+    from bridge.dist import TorchCoordinator
     from bridge.errors import BridgeError
     from bridge.layout import ParallelLayout
     from bridge.live.api import AdamConfig, LiveRun
@@ -99,11 +102,17 @@ def _export_failing(rank, world, dst, victim, stage, action):
 
     params, _ = local_params(MODEL, 1, 2, 2, 4, rank, None)
     run = LiveRun(ParallelLayout(tp=1, gtp=2, dp=2), rank, STEP, AdamConfig(lr=1e-3))
+    gc.disable()  # what is still alive below is held by references, not waiting for a collection
     try:
         export_state(dst, run, params, target_chunk_bytes=64, on_stage=hook)
+        error = None
     except BridgeError as e:
-        return {"error": str(e)}
-    return {"error": None}
+        error = str(e)
+    # A failed export must not keep its coordinator (hence the process group) alive in a reference
+    # cycle: the group would outlive destroy_process_group and gloo abort the process at exit.
+    alive = sum(isinstance(o, TorchCoordinator) for o in gc.get_objects())
+    gc.enable()
+    return {"error": error, "coordinators_alive": alive}
 
 
 def test_a_rank_failing_while_writing_fails_every_rank_naming_it(tmp_path):
@@ -117,6 +126,7 @@ def test_a_rank_failing_while_writing_fails_every_rank_naming_it(tmp_path):
         msg = r["error"]
         assert msg and "\n" not in msg, results
         assert "rank 2 failed during writing" in msg and "injected failure: the disk is full" in msg, msg
+        assert r["coordinators_alive"] == 0, results
     assert not os.path.exists(dst) and not os.path.exists(dst + ".orbax-checkpoint-tmp")
 
 
@@ -131,6 +141,7 @@ def test_a_failing_commit_fails_every_rank_naming_rank_0(tmp_path):
         msg = r["error"]
         assert msg and "\n" not in msg, results
         assert "rank 0 failed during the commit" in msg and "appeared while this run was writing" in msg, msg
+        assert r["coordinators_alive"] == 0, results
     assert os.listdir(dst) == [] and not os.path.exists(dst + ".orbax-checkpoint-tmp")
 
 

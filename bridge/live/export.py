@@ -509,7 +509,10 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
         if failed:
             raise failed[0]
 
-    coord.all_gather("writing", outcome)  # the one barrier: every writer finished, or every rank raises
+    try:
+        coord.all_gather("writing", outcome)  # the one barrier: every writer finished, or every rank raises
+    finally:
+        failed.clear()  # the kept error's traceback runs through `attempt`, which holds this list: no cycle
     return _Written(writer.writer.bytes_written, bytes_sent, writer.writer.commit_wait_s, writer.stats())
 
 
