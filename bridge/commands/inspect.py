@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from bridge.format.schema import split_role
 from bridge.inspect.format import fmt_num, fmt_shape, human_bytes, parse_size, summarize_value, table
 from bridge.inspect.open import CheckpointInfo, open_for_inspection
 from bridge.inspect.stream import DEFAULT_BUDGET, stream_stats
@@ -90,22 +91,18 @@ def _record(a: Any, info: CheckpointInfo) -> dict[str, Any]:
     return rec
 
 
-# Tree prefixes in front of a parameter path (docs/format.md, logical tree).
-_PREFIXES = (("params",), ("model",), ("opt_state", "0", "mu"), ("opt_state", "0", "nu"))
-
-
 def _fused_section(path: tuple[str, ...], fused: dict) -> dict | None:
     """{"param", "section", "kind"} when `path` is one section of a fused projection in the manifest.
 
     >>> _fused_section(("params", "l", "qkv", "weight", "key"), {"l/qkv/weight": {"kind": "grouped"}})
     {'param': 'l/qkv/weight', 'section': 'key', 'kind': 'grouped'}
     """
-    for prefix in _PREFIXES:
-        if path[:len(prefix)] == prefix and len(path) > len(prefix) + 1:
-            param = "/".join(path[len(prefix):-1])
-            spec = fused.get(param)
-            if isinstance(spec, dict):
-                return {"param": param, "section": path[-1], "kind": spec.get("kind")}
+    found = split_role(path)  # (role, parameter path) of a per-parameter array
+    if found is not None and len(found[1]) > 1:
+        param = "/".join(found[1][:-1])
+        spec = fused.get(param)
+        if isinstance(spec, dict):
+            return {"param": param, "section": path[-1], "kind": spec.get("kind")}
     return None
 
 
