@@ -136,3 +136,23 @@ def f():
     # a module declared foreign may use torch's same-named keys, and nothing else
     assert schema_literals("converters/megatron/live.py", 'g["step"]; g["params"]; s["mu"]\n') == \
         ["converters/megatron/live.py:1: 'mu'"]
+
+
+def test_scheduler_record_is_the_dataclass_in_the_order_convert_wrote():
+    """`scheduler_record` builds a SchedulerRecord (no hand copy of its fields); its JSON keys keep the
+    order the converter has always written (an unsorted JSON file: byte-identical checkpoints)."""
+    from dataclasses import fields
+
+    from bridge.format.scheduler import SchedulerRecord
+    from converters.megatron.convert import scheduler_record
+
+    sd = {"start_lr": 1e-3, "min_lr": 1e-5, "warmup_iter": 80, "end_iter": 800, "decay_style": "cosine", "num_iters": 240,
+          "start_wd": 0.0, "end_wd": 0.1, "wd_incr_steps": 800, "wd_incr_style": "linear"}
+    rec = scheduler_record({"opt_param_scheduler": sd}, {"global_batch_size": 8, "train_iters": 100}, 30)
+    assert list(rec) == ["version", "max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
+                         "num_steps", "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style", "init_lr", "wsd_decay_steps",
+                         "lr_wsd_decay_style", "increment", "rampup_samples", "at_count"]
+    assert list(rec) == [f.name for f in fields(SchedulerRecord)]
+    assert SchedulerRecord.from_json(rec).to_json() == rec
+    assert (rec["max_lr"], rec["lr_warmup_steps"], rec["num_steps"], rec["end_wd"], rec["increment"], rec["at_count"]) \
+        == (1e-3, 80, 240, 0.1, 8, 30)

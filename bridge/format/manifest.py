@@ -11,7 +11,7 @@ module spells a manifest key. Field order is JSON key order on disk: append new 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from bridge.errors import BridgeError, IntegrityError
@@ -25,6 +25,9 @@ MEGATRON_KEY = "megatron"                 # MegatronRecord: what convert recorde
 PREVIOUS_SOURCE_KEY = "previous_source"   # a JAX save-back: the SourceLayout of the checkpoint it restored
 OPTIMIZER_EXTRA_KEY = "optimizer_extra"   # live export: LiveRun.optimizer.extra, as given
 PADS_KEY = "pad_for_alignment_values"     # live export: every pad_for_alignment when params differ
+
+DEFAULT_BETAS = (0.9, 0.999)              # Megatron's --adam-beta1/2 and --adam-eps defaults
+DEFAULT_EPS = 1e-8
 
 
 @dataclass
@@ -65,6 +68,18 @@ class OptimizerConfig:
     groups: list[dict] = field(default_factory=list)     # per-group {"params": [...], "lr_mult":, "wd_mult":, ...}
     no_decay: list[str] = field(default_factory=list)    # param paths ("/"-joined) without weight decay
     clip_grad: float | None = None                       # global-norm gradient clipping (Megatron clip_grad; 0/None = off)
+
+    def with_defaults(self, weight_decay: float) -> "OptimizerConfig":
+        """A copy with Megatron's defaults where the record has none (betas (0.9, 0.999), eps 1e-8)
+        and `weight_decay` where it records none: what every reader resumes with.
+
+        >>> o = OptimizerConfig(betas=[0.9, 0.95]).with_defaults(weight_decay=0.0)
+        >>> o.betas, o.eps, o.weight_decay
+        ((0.9, 0.95), 1e-08, 0.0)
+        """
+        return replace(self, betas=tuple(self.betas) if self.betas is not None else DEFAULT_BETAS,
+                       eps=self.eps if self.eps is not None else DEFAULT_EPS,
+                       weight_decay=self.weight_decay if self.weight_decay is not None else weight_decay)
 
 
 @dataclass

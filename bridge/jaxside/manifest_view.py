@@ -74,10 +74,10 @@ class AdamHParams:
 def adam_hparams(manifest: Manifest | Mapping) -> AdamHParams:
     """AdamW hyper-parameters from a manifest, with Megatron's defaults for absent ones."""
     m = as_manifest(manifest)
-    o = m.optimizer
+    o = m.optimizer.with_defaults(weight_decay=0.01)  # Megatron's --weight-decay default
     if o.name and o.name.lower() not in ("adam", "adamw", "fusedadam"):
         raise BridgeError(f"checkpoint optimizer is {o.name!r}, not Adam/AdamW; build the optax optimizer yourself")
-    b1, b2 = o.betas if o.betas is not None else (0.9, 0.999)  # Megatron --adam-beta1/2 defaults
+    b1, b2 = o.betas
     no_decay: set[Path] | None = None
     orders = section_orders(m)
     if o.no_decay:
@@ -85,8 +85,7 @@ def adam_hparams(manifest: Manifest | Mapping) -> AdamHParams:
     elif any("wd_mult" in g and g.get(GROUP_PARAMS) for g in o.groups):
         no_decay = {p for g in o.groups if g.get("wd_mult", 1.0) == 0.0 for k in g.get(GROUP_PARAMS, [])
                     for p in param_paths(k, orders)}
-    return AdamHParams(lr=o.lr, b1=float(b1), b2=float(b2), eps=float(o.eps if o.eps is not None else 1e-8),
-                       weight_decay=float(o.weight_decay if o.weight_decay is not None else 0.01),
+    return AdamHParams(lr=o.lr, b1=float(b1), b2=float(b2), eps=float(o.eps), weight_decay=float(o.weight_decay),
                        no_decay=frozenset(no_decay) if no_decay is not None else None,
                        clip_grad=float(o.clip_grad) if getattr(o, "clip_grad", None) else None)
 

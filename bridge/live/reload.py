@@ -172,9 +172,9 @@ def reload_state(src: str, run: LiveRun, params: Sequence[LocalParam], *,
     m = ck.manifest
     opt = None
     if m is not None and m.optimizer.lr is not None:
-        o = m.optimizer
-        opt = AdamConfig(lr=o.lr, betas=tuple(o.betas) if o.betas else (0.9, 0.999), eps=o.eps if o.eps is not None else 1e-8,
-                         weight_decay=o.weight_decay or 0.0, no_decay=tuple(o.no_decay), clip_grad=o.clip_grad)
+        o = m.optimizer.with_defaults(weight_decay=0.0)
+        opt = AdamConfig(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, no_decay=tuple(o.no_decay),
+                         clip_grad=o.clip_grad)
     source = dict(vars(m.source)) if m is not None else {}
     return ReloadResult(step=step, optimizer=opt, source_layout=source, bytes_read=total)
 

@@ -600,12 +600,12 @@ def _param_groups(man: Manifest, step: int) -> list[dict]:
     saved = man.megatron.param_groups if man.megatron else None
     flat = [dict(g) for gs in (saved or []) for g in gs]
     if not flat:
-        o = man.optimizer
+        o = man.optimizer.with_defaults(weight_decay=0.0)
         lr = o.lr if o.lr is not None else 0.0
         base = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
-                "default_config": True, "max_lr": lr, "min_lr": lr, "lr": lr, "betas": tuple(o.betas or (0.9, 0.999)),
-                "eps": o.eps if o.eps is not None else 1e-8, "weight_decay": o.weight_decay or 0.0}
-        flat = [base, dict(base, wd_mult=0.0, weight_decay=0.0 if o.no_decay else (o.weight_decay or 0.0))]
+                "default_config": True, "max_lr": lr, "min_lr": lr, "lr": lr, "betas": o.betas,
+                "eps": o.eps, "weight_decay": o.weight_decay}
+        flat = [base, dict(base, wd_mult=0.0, weight_decay=0.0 if o.no_decay else o.weight_decay)]
     out = []
     for g in flat:
         g = {k: (tuple(v) if k == "betas" and isinstance(v, list) else v) for k, v in g.items()
