@@ -85,7 +85,7 @@ def _record(a: Any, info: CheckpointInfo) -> dict[str, Any]:
     prov = info.record(a.name)
     if prov is not None:
         rec["manifest"] = prov
-    fused = _fused_section(a.path, (info.manifest or {}).get("fused") or {})
+    fused = _fused_section(a.path, info.checkpoint.manifest.fused if info.checkpoint.manifest is not None else {})
     if fused is not None:
         rec["fused"] = fused
     return rec

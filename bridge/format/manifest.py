@@ -127,6 +127,14 @@ class ArrayRecord:
     dtype: str
     digest: str | None = None
 
+    def to_json(self) -> dict:
+        """As the manifest stores it.
+
+        >>> ArrayRecord((2, 3), "float32").to_json()
+        {'shape': [2, 3], 'dtype': 'float32', 'digest': None}
+        """
+        return {"shape": [int(s) for s in self.shape], "dtype": self.dtype, "digest": self.digest}
+
 
 @dataclass
 class Manifest:
@@ -170,6 +178,11 @@ class Manifest:
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)
+
+    def with_arrays(self, arrays: Mapping[str, ArrayRecord], digest_algorithm: str) -> "Manifest":
+        """A copy recording what the writer wrote: one ArrayRecord per Orbax name (digests in
+        `digest_algorithm`, "" when some writer could not digest)."""
+        return replace(self, arrays=dict(arrays), digest_algorithm=digest_algorithm)
 
     @property
     def megatron(self) -> MegatronRecord | None:

@@ -24,8 +24,8 @@ from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, pat
 from bridge.jaxside.sharding_rules import ShardingRules, default_spec
 from bridge.store.reader import check_metadata
 from bridge.format import schema
-from bridge.format.schema import (ADAM_PATH as ADAM, COUNT_PATH as COUNT, MODEL_PATH as MODEL, MU_PATH as MU,
-                                  NU_PATH as NU, PARAMS_PATH as PARAMS, STEP_PATH as STEP)
+from bridge.format.schema import ADAM_PATH as ADAM, COUNT_PATH as COUNT, MODEL_PATH as MODEL, STEP_PATH as STEP
+from bridge.format.schema import PARAMS_PATH as PARAMS  # noqa: F401 - tests and scripts take it from here
 from bridge.format.tree import parse_tree_metadata, validate_path
 from bridge.jaxside.naming import Group
 

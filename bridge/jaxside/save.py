@@ -203,14 +203,11 @@ def _manifest_for(tree: dict, base: Manifest | None, hyperparams: Mapping[str, A
             raise BridgeError(f"unknown hyper-parameter {key!r}; use lr, betas, eps, weight_decay, no_decay")
         setattr(m.optimizer, key, tuple(value) if key == "betas" else value)
     m.optimizer.step = count
-    m.digest_algorithm = store_digest.ALGORITHM
-    m.arrays = {}
     leaves = leaves_by_path(tree)
     digests = _digests(list(leaves.values()))
-    for (path, arr), dig in zip(leaves.items(), digests):
-        m.arrays[path_to_name(path)] = ArrayRecord(tuple(int(s) for s in arr.shape), np.dtype(arr.dtype).name,
-                                                   store_digest.to_hex(dig))
-    return m
+    return m.with_arrays({path_to_name(path): ArrayRecord(tuple(int(s) for s in arr.shape), np.dtype(arr.dtype).name,
+                                                          store_digest.to_hex(dig))
+                          for (path, arr), dig in zip(leaves.items(), digests)}, store_digest.ALGORITHM)
 
 
 def _digests(arrays: list[jax.Array]) -> list[int]:

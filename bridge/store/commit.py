@@ -18,7 +18,6 @@ checkpoint or absent.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -273,7 +272,7 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
         manifest = manifest if manifest is not None else Manifest()
         records = {name: ArrayRecord(ap.spec.shape, ap.spec.dtype, dg.to_hex(digests[name]) if algo else None)
                    for name, ap in plan.arrays.items()}
-        manifest = dataclasses.replace(manifest, arrays=records, digest_algorithm=algo)
+        manifest = manifest.with_arrays(records, algo)
         merge_writer_databases(tmp, check_writer_databases(tmp, plan))
         check_stored_chunks(tmp, plan)
         claim.check_owned()  # nobody replaced the directory while we merged
