@@ -48,9 +48,10 @@ MU_PATH: Path = ADAM_PATH + (MU,)
 NU_PATH: Path = ADAM_PATH + (NU,)
 COUNT_PATH: Path = ADAM_PATH + (COUNT,)
 SCALAR_PATHS = (COUNT_PATH, STEP_PATH)   # the step is read from the count first (completed updates)
+SCALAR_DTYPE = "int32"                   # both 0-d: optax's count dtype, so a restored state matches adamw.init
 
 # -- roles -----------------------------------------------------------------------------------------
-ROLES = (MODEL, PARAMS, MU, NU)
+ROLES = (MODEL, PARAMS, MU, NU)          # writers plan arrays in this order: it is _METADATA's tree order
 OPTIMIZER_ROLES = (PARAMS, MU, NU)       # what an optimizer fragment holds (fp32 master, exp_avg, exp_avg_sq)
 ROLE_ROOTS: dict[str, Path] = {MODEL: MODEL_PATH, PARAMS: PARAMS_PATH, MU: MU_PATH, NU: NU_PATH}
 
@@ -83,10 +84,9 @@ def split_role(path: Sequence[str]) -> tuple[str, Path] | None:
     >>> split_role(("step",)) is None
     True
     """
-    path = tuple(path)
     for role, root in ROLE_ROOTS.items():
-        if len(path) > len(root) and path[:len(root)] == root:
-            return role, path[len(root):]
+        if in_role(path, role):
+            return role, tuple(path[len(root):])
     return None
 
 

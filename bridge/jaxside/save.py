@@ -39,7 +39,7 @@ from bridge.store.claim import claim_destination, tmp_dir_for
 from bridge.store.commit import seal_checkpoint
 from bridge.format.manifest import (PREVIOUS_SOURCE_KEY, ArrayRecord, Manifest, SourceLayout, as_manifest,
                                     custom_metadata)
-from bridge.format.schema import MODEL, MU, NU, OPT_STATE, PARAMS, STEP
+from bridge.format.schema import MODEL, MU, NU, OPT_STATE, PARAMS, SCALAR_DTYPE, STEP
 from bridge.store.specs import orbax_chunk_args
 from bridge.format.tree import check_tree_paths, path_to_name
 from bridge.jaxside.naming import Plan, jax_backend
@@ -107,8 +107,8 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     elif model is not None:
         raise BridgeError("model= was given with with_model=False; pass one or the other")
 
-    count = jnp.asarray(count, dtype=jnp.int32)
-    step = jnp.asarray(step, dtype=jnp.int32)
+    count = jnp.asarray(count, dtype=SCALAR_DTYPE)
+    step = jnp.asarray(step, dtype=SCALAR_DTYPE)
     # Orbax names the leaves: the tree's schema (bridge.format.schema) is optax.adamw's state layout.
     tree: dict[str, Any] = {
         PARAMS: nested_from_paths(logical[PARAMS]),

@@ -44,10 +44,11 @@ from bridge.progress import progress
 from bridge.store.commit import begin_checkpoint, finalize
 from bridge.format.manifest import (GROUP_PARAMS, OPTIMIZER_EXTRA_KEY, PADS_KEY, Manifest, OptimizerConfig,
                                     SourceLayout)
-from bridge.format.schema import COUNT_PATH, STEP_PATH, adamw_empty_paths
+from bridge.format.schema import COUNT_PATH, SCALAR_DTYPE, STEP_PATH, adamw_empty_paths
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter, default_batch_bytes
+
 
 @dataclass
 class ExportReport:
@@ -288,9 +289,9 @@ def _plan(summaries: Sequence[dict], run: LiveRun, world: int, target_chunk_byte
         raise BridgeError(f"inner_chunk_bytes must be an int, None or 'auto', got {inner_chunk_bytes!r}")
     catalog = list(plan.catalog)
     ownership: dict[str, ArrayOwnership] = dict(plan.ownership)
-    scalars = [ArraySpec(STEP_PATH, (), "int32")]
+    scalars = [ArraySpec(STEP_PATH, (), SCALAR_DTYPE)]
     if run.optimizer is not None:
-        scalars.insert(0, ArraySpec(COUNT_PATH, (), "int32"))
+        scalars.insert(0, ArraySpec(COUNT_PATH, (), SCALAR_DTYPE))
     for spec in scalars:
         ownership[spec.name] = ArrayOwnership((), (), np.array(0, dtype=np.int32))
     wplan = make_write_plan(catalog + scalars, world, ownership,
@@ -418,9 +419,9 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
         recv_items = _received_items(plan, recv, rank, dtypes)
         write_all(recv_items if on_host else local_items + recv_items)
         if rank == 0:
-            write_copy(STEP_PATH, Box((), ()), np.asarray(run.step, dtype=np.int32))
+            write_copy(STEP_PATH, Box((), ()), np.asarray(run.step, dtype=SCALAR_DTYPE))
             if run.optimizer is not None:
-                write_copy(COUNT_PATH, Box((), ()), np.asarray(run.step, dtype=np.int32))
+                write_copy(COUNT_PATH, Box((), ()), np.asarray(run.step, dtype=SCALAR_DTYPE))
         clock.mark("write_recv")
         writer.finish()
     del recv, local_items, recv_items

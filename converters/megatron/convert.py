@@ -36,7 +36,7 @@ from bridge.progress import progress
 from bridge.store.claim import check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
 from bridge.format.manifest import MEGATRON_KEY, Manifest, MegatronRecord, OptimizerConfig, SourceLayout
-from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_PATHS, STATE_ROLE,
+from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_DTYPE, SCALAR_PATHS, STATE_ROLE,
                                   adamw_empty_paths)
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.store.specs import numpy_dtype
@@ -109,7 +109,7 @@ def build_units(src: SourceCheckpoint, hints: Hints) -> list[Unit]:
         arrays = m.geom.logical_arrays()
         dtypes = {MODEL: np_dtype_name(m.dtype), PARAMS: "float32", MU: "float32", NU: "float32"}
         u = Unit(name, arrays, dtypes, {MODEL: model_space_copies(m.key, m.info, m.geom, m.npre, m.legacy_padded,
-                                                                      tp, gtp)}, stacked=len(m.geom.prepend))
+                                                                  tp, gtp)}, stacked=len(m.geom.prepend))
         if src.fmt == "fully_reshardable":
             for role in OPTIMIZER_ROLES:
                 key = src.opt_keys.get((role, name))
@@ -245,7 +245,7 @@ def make_plan(units: Sequence[Unit], blocks: Sequence[Block], owners: Sequence[i
                 ownership[p] = ArrayOwnership(shape, chunks[arr], grids[arr])
                 stacked[p] = u.stacked   # inner chunks: one layer (expert) each, as the source stacks them
     for p in SCALAR_PATHS:
-        catalog.append(ArraySpec(p, (), "int32"))
+        catalog.append(ArraySpec(p, (), SCALAR_DTYPE))
         ownership[p] = ArrayOwnership((), (), np.array(0, dtype=np.int32))
     return make_write_plan(catalog, workers, ownership, empty_paths=adamw_empty_paths(), stacked=stacked)
 
@@ -365,7 +365,7 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
                 on_progress(buf.nbytes)
     if writer_id == 0:
         for p in SCALAR_PATHS:
-            writer.write(p, Box((), ()), np.asarray(step, dtype=np.int32))
+            writer.write(p, Box((), ()), np.asarray(step, dtype=SCALAR_DTYPE))
     writer.finish()
     return warnings, cache.bytes_read
 
