@@ -35,7 +35,8 @@ from bridge.format.scheduler import SchedulerRecord
 from bridge.progress import progress
 from bridge.store.claim import check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
-from bridge.format.manifest import MEGATRON_KEY, Manifest, MegatronRecord, OptimizerConfig, SourceLayout
+from bridge.format.manifest import (MEGATRON_KEY, Manifest, MegatronParam, MegatronRecord, OptimizerConfig,
+                                    SourceLayout)
 from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_DTYPE, SCALAR_PATHS, STATE_ROLE,
                                   adamw_empty_paths)
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
@@ -441,10 +442,10 @@ def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | Non
              for m in src.models.values() if m.geom.fused is not None}
     params = []
     for m in src.models.values():
-        params.append({"name": m.name, "key": m.key, "shape": list(m.geom.shape), "prepend": list(m.geom.prepend),
-                       "tp_kind": m.geom.tp_kind, "gtp": m.geom.gtp, "expert": m.geom.expert,
-                       "dtype": np_dtype_name(m.dtype), "optimized": any(r != MODEL for r in
-                                                                         next(u for u in units if u.name == m.name).copies)})
+        copies = next(u for u in units if u.name == m.name).copies
+        params.append(MegatronParam(name=m.name, key=m.key, shape=list(m.geom.shape), prepend=list(m.geom.prepend),
+                                    tp_kind=m.geom.tp_kind, gtp=m.geom.gtp, expert=m.geom.expert,
+                                    dtype=np_dtype_name(m.dtype), optimized=any(r != MODEL for r in copies)))
     extra_keys = sorted(k for k in src.ck.objects if k.split("/", 1)[0].endswith("._extra_state"))
     payload = "none"
     if extra_keys:  # TE saves empty uint8 tensors, Megatron-local layers None: written back the same way

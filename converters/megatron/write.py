@@ -104,12 +104,11 @@ def params_from_manifest(man: Manifest, arrays: dict, pad: int, gtp: int) -> lis
     out: list[ParamInfo] = []
     if recorded:
         for p in recorded:
-            name = strip_wrappers(p["name"])
+            name = strip_wrappers(p.name)
             spec = fused.get(path_str(megatron_key_to_path(name)))
-            geom = ParamGeometry(name, tuple(p["shape"]), p["tp_kind"], gtp=bool(p.get("gtp")) or is_gtp_weight(name),
-                                 pad_for_alignment=pad, prepend=tuple(p["prepend"]), fused=spec,
-                                 expert=bool(p["expert"]))
-            out.append(ParamInfo(name, geom, p["dtype"], bool(p.get("optimized", True))))
+            geom = ParamGeometry(name, tuple(p.shape), p.tp_kind, gtp=bool(p.gtp) or is_gtp_weight(name),
+                                 pad_for_alignment=pad, prepend=tuple(p.prepend), fused=spec, expert=bool(p.expert))
+            out.append(ParamInfo(name, geom, p.dtype, bool(p.optimized)))
         return out
     # Derived: every model/* (else params/*) array; fused sections regrouped by the manifest table.
     role = MODEL if has_role(arrays, MODEL) else PARAMS
