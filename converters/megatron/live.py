@@ -41,7 +41,7 @@ from bridge.errors import BridgeError
 from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
-from bridge.format.tree import megatron_key_to_path
+from converters.megatron.naming import is_routed_expert, logical_key, module_of
 
 if TYPE_CHECKING:
     from bridge.live.api import AdamConfig, LiveRun, LocalParam, ReloadResult
@@ -51,7 +51,6 @@ __all__ = [
     "ParamRecord",
     "ModelDims",
     "ParamMapping",
-    "strip_wrappers",
     "map_params",
     "adam_config_from_groups",
     "common_step",
@@ -60,18 +59,6 @@ __all__ = [
     "export_megatron",
     "load_megatron",
 ]
-
-WRAPPERS = ("module", "model")
-
-
-def strip_wrappers(name: str) -> str:
-    """A parameter / state-dict name without `module.` / `model.` wrapper prefixes.
-
-    >>> strip_wrappers("module.module.decoder.layers.0.mlp.linear_fc1.weight")
-    'decoder.layers.0.mlp.linear_fc1.weight'
-    """
-    return ".".join(megatron_key_to_path(name))
-
 
 # ------------------------------------------------------------------------------------------------
 # Pure records
@@ -179,20 +166,11 @@ class ParamMapping:
         return self.geometry.index
 
 
-def _is_routed_expert(key: str) -> bool:
-    return ".experts." in key and ".shared_experts." not in key
-
-
-def _module(key: str) -> str:
-    parts = key.split(".")
-    return parts[-2] if len(parts) >= 2 else ""
-
-
 def _tp_kind(p: ParamRecord, key: str) -> str:
     if not p.tensor_model_parallel:
         return "replicated"
     if p.partition_dim == 0:
-        return "vocab" if _module(key) == "word_embeddings" else "column"
+        return "vocab" if module_of(key) == "word_embeddings" else "column"
     if p.partition_dim == 1:
         return "row"
     raise BridgeError(f"{p.name}: tensor-parallel parameter with partition_dim={p.partition_dim}; "
@@ -208,7 +186,7 @@ def _fused(p: ParamRecord, e: EntryRecord, key: str, rows: int, dims: ModelDims 
     if e.factory is not None:
         raise BridgeError(f"{p.name}: unsupported sharded-state-dict factory {e.factory!r} (key {e.key}); "
                           "only SwiGLU linear_fc1 factories are mapped")
-    if _module(key) == "linear_qkv" and key.split(".")[-1] in ("weight", "bias"):
+    if module_of(key) == "linear_qkv" and key.split(".")[-1] in ("weight", "bias"):
         if dims is None:
             raise BridgeError(f"{p.name}: fused qkv needs the head layout; pass ModelDims (num_attention_heads, "
                               "num_query_groups, kv_channels)")
@@ -234,9 +212,9 @@ def param_geometry(p: ParamRecord, e: EntryRecord, layout: ParallelLayout, dims:
     >>> key, g.shape, g.tp_kind, g.prepend, g.index
     ('decoder.layers.self_attention.linear_proj.weight', (24, 24), 'row', (2,), (1,))
     """
-    key = strip_wrappers(e.key)
+    key = logical_key(e.key)
     where = f"rank {rank}: {p.name}"
-    expert = _is_routed_expert(key)
+    expert = is_routed_expert(key)
     tp, gtp = layout.tp_gtp_sizes(expert)
     kind = _tp_kind(p, key)
     shape = tuple(p.shape)
@@ -282,12 +260,12 @@ def map_params(entries: Iterable[EntryRecord], params: Iterable[ParamRecord], la
     it); entries of non-parameters (buffers, `_extra_state`) are skipped.
     """
     params = list(params)
-    by_name = {strip_wrappers(p.name): p for p in params}
+    by_name = {logical_key(p.name): p for p in params}
     if len(by_name) != len(params):
         raise BridgeError(f"rank {rank}: two parameters share a name once wrapper prefixes are removed")
     bound: dict[str, EntryRecord] = {}
     for e in entries:
-        target = strip_wrappers(e.backlink) if e.backlink else strip_wrappers(e.name)
+        target = logical_key(e.backlink) if e.backlink else logical_key(e.name)
         if e.backlink and target not in by_name:
             raise BridgeError(f"rank {rank}: model entry {e.key} points (backlink) at {e.backlink}, which is not a "
                               "parameter of this model")

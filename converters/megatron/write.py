@@ -50,8 +50,8 @@ from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.store.specs import numpy_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.torch_numpy import from_numpy
-from converters.megatron.format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
-                                        tp_kind_by_name)
+from converters.megatron.format import is_gtp_weight, num_prepend_axes, tp_kind_by_name
+from converters.megatron.naming import is_routed_expert, strip_wrappers
 from converters.megatron.plan import is_scrambled_swiglu, local_instances, role_path
 from converters.megatron.rundir import plan_run_dir, write_tracker
 from converters.megatron.write_plan import (STATE_NAMES, DpJob, Group, ParamSpec, layout_limits, plan_groups,
@@ -524,21 +524,6 @@ def _remove_if_empty(path: str) -> None:
         pass
 
 
-def _dp_coords(lay: ParallelLayout, expert: bool) -> dict[int, tuple[int, int, int]]:
-    """dp_group_idx -> (TP, GTP, EP) coordinates of its DP-rank-0 member (O(TP*GTP*EP), not O(world))."""
-    out: dict[int, tuple[int, int, int]] = {}
-    if expert:
-        for et in range(lay.etp):
-            for e in range(lay.ep):
-                for eg in range(lay.egtp):
-                    out.setdefault(lay.expert_dp_group_idx(lay.expert_rank(et=et, e=e, eg=eg, ed=0, p=0)), (et, eg, e))
-    else:
-        for t in range(lay.tp):
-            for g in range(lay.gtp):
-                out.setdefault(lay.dp_group_idx(lay.rank(t=t, g=g, c=0, d=0, p=0)), (t, g, 0))
-    return out
-
-
 def _domains(params: Sequence[ParamInfo], lay: ParallelLayout) -> list[tuple[bool, list[ParamInfo]]]:
     """(expert?, params) per chained optimizer: dense first, experts last when EP > 1."""
     opt = [p for p in params if p.optimized]
@@ -564,7 +549,7 @@ def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: Target, m
         geoms = [p.geom for p in plist]
         gmap = {gm.name: gm for gm in geoms}
         sizes = {n: lay.tp_gtp_sizes(gm.expert) for n, gm in gmap.items()}
-        for k, (t, g, e) in sorted(_dp_coords(lay, expert).items()):
+        for k, (t, g, e) in sorted(lay.dp_group_coords(expert).items()):
             insts = local_instances(geoms, lay, e)
             bparams = [BufferParam(i.label, gmap[i.name].physical_numel(*sizes[i.name])) for i in insts]
             blay = buffer_layout(bparams, target.bucket_size, dp_size)
