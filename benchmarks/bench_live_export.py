@@ -270,7 +270,7 @@ def _verify(path: str, run, params) -> tuple[list[str], int]:
     from bridge.live.holdings import tree_name
     from bridge.store.reader import open_checkpoint
     from bridge.format.tree import name_to_path
-    from bridge.torch_numpy import to_numpy
+    from bridge.dtypes import to_numpy
 
     holdings, _ = _summary(params, run, dist.get_rank())
     ck = open_checkpoint(path)
@@ -297,7 +297,7 @@ def _store_only(run, params, args: dict, rank: int):
     from bridge.live.export import COUNT_PATH, STEP_PATH, _plan, _summary, writer_batch_bytes
     from bridge.store.commit import begin_checkpoint, finalize
     from bridge.format.manifest import Manifest
-    from bridge.store.specs import numpy_dtype
+    from bridge.dtypes import numpy_dtype
     from bridge.store.writer import CheckpointWriter
     from bridge.layout.boxes import Box
 

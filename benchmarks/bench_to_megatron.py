@@ -57,7 +57,7 @@ def time_old(checkout: str, logical: str, run: str, tp: int, budget: int | None)
 def time_anchor(logical: str, out: str) -> tuple[float, float, int]:
     """Raw TensorStore read of every model/params/mu/nu array, then dcp.save of them as torch tensors."""
     from bridge.store.reader import open_checkpoint
-    from bridge.torch_numpy import from_numpy
+    from bridge.dtypes import from_numpy
 
     ck = open_checkpoint(logical)
     paths = [p for p, a in ck.arrays().items() if p[0] in ("model", "params", "opt_state") and len(a.shape) > 0]

@@ -302,7 +302,8 @@ def test_demo_without_workdir_leaves_nothing_behind(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("module", ["bridge.location", "bridge.store.manager", "bridge.machine", "bridge.cast_check"])
+@pytest.mark.parametrize("module", ["bridge.location", "bridge.store.manager", "bridge.machine", "bridge.cast_check",
+                                    "bridge.dtypes"])
 def test_docstring_examples(module):
     import doctest
     import importlib

@@ -40,8 +40,10 @@ def _force_host_devices() -> None:
 def _bits_equal(a, b) -> bool:
     import numpy as np
 
+    from bridge.dtypes import uint_view
+
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(uint_view(a), uint_view(b))
 
 
 def orbax_restore_check(path: str) -> tuple[int, int, str]:
@@ -54,7 +56,7 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
     from bridge.errors import BridgeError
     from bridge.jaxside.keypaths import nested_from_paths
     from bridge.store.reader import open_checkpoint
-    from bridge.store.specs import numpy_dtype
+    from bridge.dtypes import numpy_dtype
 
     devs = jax.devices()
     if len(devs) < DEVICES:

@@ -30,13 +30,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bridge.dtypes import torch_dtype
 from bridge.errors import BridgeError
 from bridge.location import local_path
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
 from bridge.live.api import LiveRun, LocalParam
 from bridge.live.exchange import all_gather_json, collective_device, pack, start_all_to_all_bytes
-from bridge.live.holdings import (TORCH_DTYPES, Holding, holdings_signature, rank_holdings, refresh_holdings,
+from bridge.live.holdings import (Holding, holdings_signature, rank_holdings, refresh_holdings,
                                   tree_name)
 from bridge.live.plan import ExportPlan, PlanCache, Transfer, build_plan, choose_inner_bytes, plan_key
 from bridge.live.staging import WriteItem, stage_and_write
@@ -370,7 +371,7 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
         else:  # every owner holds all it writes (same on every rank): no collective
             recv, work = send, _NoWork()
     bytes_sent = send.numel()
-    dtypes = {a.name: TORCH_DTYPES[a.dtype] for a in plan.catalog}
+    dtypes = {a.name: torch_dtype(a.dtype) for a in plan.catalog}
     local_items = [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t)) for t in plan.sends(rank, rank)]
     batch = writer_batch_bytes(inflight_bytes) if inflight_bytes else default_batch_bytes()
     # Device data goes through the donated staging pipeline (_DEVICE_COMMITS + 2 pinned buffers of

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from bridge.dtypes import FLOAT_NAMES, name_of_torch
 from bridge.errors import BridgeError
 from bridge.layout.rectangles import Piece
 from bridge.live.api import LocalParam, QuantizedWeight
@@ -30,9 +31,6 @@ ROOT_PATHS: dict[str, tuple[str, ...]] = {
 }
 ROOTS = tuple(ROOT_PATHS)
 
-_TORCH_TO_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-                  torch.float64: "float64"}
-TORCH_DTYPES: dict[str, torch.dtype] = {name: t for t, name in _TORCH_TO_NAME.items()}  # store name -> torch
 
 
 @lru_cache(maxsize=None)
@@ -47,10 +45,10 @@ def tree_name(root: str, array: str) -> str:
 
 def dtype_name(t: torch.dtype, what: str) -> str:
     """Store dtype name of a torch float dtype (BridgeError for anything else)."""
-    try:
-        return _TORCH_TO_NAME[t]
-    except KeyError:
-        raise BridgeError(f"{what}: dtype {t} cannot be stored; pass bf16/fp16/fp32 tensors or a QuantizedWeight") from None
+    name = name_of_torch(t)
+    if name not in FLOAT_NAMES:  # exported state is weights, masters and moments: floats only
+        raise BridgeError(f"{what}: dtype {t} cannot be stored; pass bf16/fp16/fp32 tensors or a QuantizedWeight")
+    return name
 
 
 @dataclass(eq=False)
@@ -66,7 +64,7 @@ class Holding:
 
     @property
     def dtype(self) -> str:
-        return _TORCH_TO_NAME[self.data.dtype]
+        return name_of_torch(self.data.dtype)
 
     def describe(self) -> dict:
         """JSON-safe summary (pieces as [array, start, stop, local_start])."""

@@ -30,7 +30,8 @@ from bridge.layout.chunks import ArrayOwnership
 from bridge.layout.ownership import plan_ownership_many
 from bridge.live.holdings import ROOT_PATHS
 from bridge.store.plan import ArraySpec
-from bridge.store.specs import ITEMSIZE, inner_chunk_shape
+from bridge.dtypes import ITEMSIZE
+from bridge.store.specs import inner_chunk_shape
 from bridge.format.tree import name_to_path
 
 

@@ -22,7 +22,7 @@ from bridge.layout.boxes import Box
 from bridge.store import specs
 from bridge.store.claim import TMP_SUFFIX
 from bridge.format.manifest import CHECKSUM_KEY, MANIFEST_KEY, Manifest, metadata_problems
-from bridge.store.specs import numpy_dtype
+from bridge.dtypes import numpy_dtype
 from bridge.format.tree import Path, parse_tree_metadata, path_str
 
 # Orbax item sub-directories (v1 `state/`, CheckpointManager `default/`) when given the step dir.

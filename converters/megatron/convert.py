@@ -36,7 +36,7 @@ from bridge.store.claim import check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
 from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
-from bridge.store.specs import numpy_dtype
+from bridge.dtypes import name_of_torch, numpy_dtype
 from bridge.format.tree import adamw_empty_paths, megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
 from converters.megatron.dcp_reader import DcpCheckpoint
@@ -50,16 +50,16 @@ from converters.megatron.plan import (ROLES, Block, CopyIndex, Unit, assign_bloc
 MIN_BYTES_PER_WORKER = 1 << 30
 MIN_BATCH_BYTES = 1 << 20
 
-TORCH_TO_NP = {"torch.bfloat16": "bfloat16", "torch.float32": "float32", "torch.float16": "float16",
-               "torch.float64": "float64", "torch.int64": "int64", "torch.int32": "int32", "torch.uint8": "uint8"}
+#: source tensor dtypes convert accepts (weights, masters, moments, and the integer buffers Megatron keeps)
+CONVERTIBLE_DTYPES = ("bfloat16", "float32", "float16", "float64", "int64", "int32", "uint8")
 
 
 def np_dtype_name(torch_dtype: Any) -> str:
     """numpy dtype name of a torch dtype."""
-    s = str(torch_dtype)
-    if s not in TORCH_TO_NP:
-        raise BridgeError(f"unsupported tensor dtype {s} in the checkpoint")
-    return TORCH_TO_NP[s]
+    name = name_of_torch(torch_dtype)
+    if name not in CONVERTIBLE_DTYPES:
+        raise BridgeError(f"unsupported tensor dtype {torch_dtype} in the checkpoint")
+    return name
 
 
 

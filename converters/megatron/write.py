@@ -47,9 +47,9 @@ from bridge.store.claim import claim_destination
 from bridge.store.durable import fsync_path
 from bridge.format.manifest import Manifest
 from bridge.store.reader import Checkpoint, open_checkpoint
-from bridge.store.specs import numpy_dtype
+from bridge.dtypes import numpy_dtype, torch_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
-from bridge.torch_numpy import from_numpy
+from bridge.dtypes import from_numpy
 from converters.megatron.format import is_gtp_weight, num_prepend_axes, tp_kind_by_name
 from converters.megatron.naming import is_routed_expert, strip_wrappers
 from converters.megatron.plan import is_scrambled_swiglu, local_instances, role_path
@@ -240,7 +240,7 @@ class DcpIndex:
                 storage[MetadataIndex(w.fqn, torch.Size(w.offsets))] = _StorageInfo(w.rel, w.offset, w.length)
         for fqn, (dtype, shape) in self.tensors.items():
             cs = sorted(chunks[fqn], key=lambda w: w.offsets)
-            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=_torch_dtype(dtype)), torch.Size(shape),
+            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(dtype)), torch.Size(shape),
                                              [ChunkStorageMetadata(torch.Size(w.offsets), torch.Size(w.sizes))
                                               for w in cs])
         md = Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage,
@@ -254,12 +254,6 @@ class DcpIndex:
             f.flush()
             os.fsync(f.fileno())
         fsync_path(root)
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
 
 
 # ---------------------------------------------------------------------------------------------
