@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from bridge.dtypes import ITEMSIZE
 from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
 from bridge.layout.legacy import legacy_box_map, legacy_shape
@@ -25,7 +26,6 @@ from converters.megatron.dcp_reader import ChunkInfo, StorageRef
 from converters.megatron.plan import box_copies, is_scrambled_swiglu, logical_row_runs, role_path
 
 STATE_NAMES = {"params": "param", "mu": "exp_avg", "nu": "exp_avg_sq"}
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 READ_FACTOR = 2  # host bytes per byte read while a TensorStore read is in flight
 MAX_WORLD = 1 << 20  # beyond any machine Megatron-Core runs on; a typo like --dp 100000000 is caught at once
 
