@@ -88,7 +88,7 @@ def main() -> None:
     args = ap.parse_args()
     from bench_convert import build_source
 
-    from bridge.inspect.format import parse_size
+    from bridge.units import parse_size
     from converters.megatron.convert import ConvertOptions, convert
 
     root = args.dir or tempfile.mkdtemp(prefix="bench-to-megatron-")

@@ -303,7 +303,7 @@ def test_demo_without_workdir_leaves_nothing_behind(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["bridge.location", "bridge.store.manager", "bridge.machine", "bridge.cast_check",
-                                    "bridge.dtypes"])
+                                    "bridge.dtypes", "bridge.units"])
 def test_docstring_examples(module):
     import doctest
     import importlib

@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bridge.inspect.format import human_bytes, parse_size
+    from bridge.units import human_bytes, parse_size
     from converters.megatron.write import Target, to_megatron
 
     res = to_megatron(args.src, args.dst, Target(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, fmt=args.fmt,

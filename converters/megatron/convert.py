@@ -525,7 +525,7 @@ def budget_line(workers: int, budget: int, asked: int | None = None) -> str:
     >>> budget_line(1, 1 << 30, asked=8)
     'convert: 1 worker (of 8 asked: the checkpoint is too small for more), budget 1.0 GiB'
     """
-    from bridge.inspect.format import human_bytes
+    from bridge.units import human_bytes
 
     each = "" if workers == 1 else f" ({human_bytes(budget // workers)} each)"
     fewer = f" (of {asked} asked: the checkpoint is too small for more)" if asked is not None and asked > workers else ""
