@@ -32,11 +32,11 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 
 def time_to_megatron(logical: str, run: str, tp: int, budget: int | None, workers: int | None) -> tuple[float, dict]:
-    from converters.megatron.write import Target, to_megatron
+    from converters.megatron.write import MegatronTarget, to_megatron
 
     shutil.rmtree(run, ignore_errors=True)
     t0 = time.perf_counter()
-    res = to_megatron(logical, run, Target(tp=tp), budget=budget, workers=workers, show_progress=False)
+    res = to_megatron(logical, run, MegatronTarget(tp=tp), budget=budget, workers=workers, show_progress=False)
     return time.perf_counter() - t0, res
 
 
@@ -44,9 +44,9 @@ def time_old(checkout: str, logical: str, run: str, tp: int, budget: int | None)
     """Wall time of another checkout's to-megatron (its own process; import time excluded)."""
     shutil.rmtree(run, ignore_errors=True)
     code = ("import sys, time, torch, tensorstore\n"   # imports outside the timed region, as in this process
-            "from converters.megatron.write import Target, to_megatron\n"
+            "from converters.megatron.write import MegatronTarget, to_megatron\n"
             "t0 = time.perf_counter()\n"
-            f"to_megatron({logical!r}, {run!r}, Target(tp={tp}), show_progress=False"
+            f"to_megatron({logical!r}, {run!r}, MegatronTarget(tp={tp}), show_progress=False"
             + (f", budget={budget})\n" if budget else ")\n") +
             "print(time.perf_counter() - t0)\n")
     env = dict(os.environ, PYTHONPATH=checkout)

@@ -54,7 +54,7 @@ from converters.megatron.format import is_gtp_weight, num_prepend_axes, tp_kind_
 from converters.megatron.naming import is_routed_expert, strip_wrappers
 from converters.megatron.plan import is_scrambled_swiglu, local_instances, role_path
 from converters.megatron.rundir import plan_run_dir, write_tracker
-from converters.megatron.write_plan import (STATE_NAMES, DpJob, Group, ParamSpec, layout_limits, plan_groups,
+from converters.megatron.write_plan import (STATE_NAMES, DpJob, ChunkGroup, ParamSpec, layout_limits, plan_groups,
                                             shard_ranges)
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
@@ -62,7 +62,7 @@ ParamInfo = ParamSpec  # a parameter of the logical checkpoint as Megatron keys 
 
 
 @dataclass
-class Target:
+class MegatronTarget:
     """The layout and format to write."""
 
     tp: int
@@ -141,7 +141,7 @@ def params_from_manifest(man: Manifest, arrays: dict, pad: int, gtp: int) -> lis
 
 
 # ---------------------------------------------------------------------------------------------
-# Target checks
+# MegatronTarget checks
 
 
 def check_target(params: Sequence[ParamInfo], lay: ParallelLayout) -> None:
@@ -274,7 +274,7 @@ class Stats:
         self.read_bytes += other.read_bytes
 
 
-def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None, workers: int | None = None,
+def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | None = None, workers: int | None = None,
                 weights_from_masters: bool = False, show_progress: bool | None = None) -> dict:
     """Write step N of logical checkpoint `src` for `target` as Megatron-LM's run directory layout.
 
@@ -435,7 +435,7 @@ def _read_boxes(ck: Checkpoint, reads: dict) -> dict:
     return out
 
 
-def _run_group(g: Group, ck: Checkpoint, f: DcpFile, stop: threading.Event) -> tuple[list[Written], Stats]:
+def _run_group(g: ChunkGroup, ck: Checkpoint, f: DcpFile, stop: threading.Event) -> tuple[list[Written], Stats]:
     """Read the group's boxes once, check weights against masters, assemble and write its chunks."""
     reads = g.reads()
     blocks = _read_boxes(ck, reads)
@@ -526,7 +526,7 @@ def _domains(params: Sequence[ParamInfo], lay: ParallelLayout) -> list[tuple[boo
     return [(False, opt)]
 
 
-def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: Target, man: Manifest, step: int,
+def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronTarget, man: Manifest, step: int,
              limit: int) -> tuple[list[DpJob], list[tuple[str, Any]]]:
     """dp_reshardable bucket jobs and per-dp_group_idx objects (buffer layout from bridge.layout)."""
     import torch
@@ -656,7 +656,7 @@ def megatron_args(meg: dict, params: Sequence[ParamInfo], lay: ParallelLayout, f
     return args
 
 
-def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, target: Target,
+def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronTarget,
              step: int) -> list[tuple[str, Any]]:
     """_extra_state objects (None, or TE's empty uint8 tensors, as the source saved them) and common_state."""
     import torch
