@@ -363,6 +363,16 @@ def test_adapter_doctests():
     assert res.attempted >= 5 and res.failed == 0
 
 
+@pytest.mark.parametrize("fn", ["export_megatron", "load_megatron"])
+def test_old_argument_order_is_refused(fn, tmp_path):
+    """`fn(model, optimizer, path)` (the old order) is one clear error before anything is read or written."""
+    import converters.megatron.live as mod
+
+    with pytest.raises(BridgeError, match=fr"{fn}: the checkpoint path comes first.*the old order"):
+        getattr(mod, fn)(object(), object(), str(tmp_path / "ck"))
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("module", ["converters.megatron.naming", "converters.megatron.format"])
 def test_megatron_naming_doctests(module):
     import doctest
