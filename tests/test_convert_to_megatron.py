@@ -12,7 +12,7 @@ import convert_reference as cref
 from bridge.cli import main
 from converters.megatron.dcp_reader import DcpCheckpoint
 from converters.megatron.convert import ConvertOptions, convert
-from converters.megatron.format import is_gtp_weight
+from converters.megatron.naming import is_gtp_weight
 from converters.megatron.write import MegatronTarget, to_megatron
 
 RUNS = cref.available_runs()

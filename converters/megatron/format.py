@@ -22,7 +22,8 @@ from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry, gtp_shard_dim0
 from converters.megatron.dcp_reader import DcpCheckpoint, InertStub, TensorInfo
-from converters.megatron.naming import is_routed_expert, module_of, strip_wrappers
+from converters.megatron.naming import (is_gtp_weight, is_routed_expert, module_of, num_prepend_axes, strip_wrappers,
+                                        tp_kind_by_name)
 
 OPT_STATE_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
 DP_TENSOR_RE = re.compile(
@@ -32,54 +33,6 @@ DP_OBJECT_RE = re.compile(
     r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
     r"(optimizer|grad_scaler|per_bucket_numel|per_bucket_numel_unpadded|param_state)(?:/.*)?$")
 STATE_ROLE = {"param": "params", "fp32_param": "params", "exp_avg": "mu", "exp_avg_sq": "nu"}
-
-# Megatron module names -> TP kind (megatron-layout.md §2.1). Used when chunks cannot show it
-# (a TP=1 source) and to decide what GTP shards.
-COLUMN_MODULES = ("linear_qkv", "linear_fc1", "in_proj", "output_layer", "linear_q", "linear_kv",
-                  "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
-ROW_MODULES = ("linear_proj", "linear_fc2", "out_proj")
-
-
-def num_prepend_axes(name: str) -> int:
-    """Stacked leading axes of a key: the layer axis of `decoder.layers.<path>` and the expert axis.
-
-    >>> num_prepend_axes("decoder.layers.mlp.experts.linear_fc1.weight"), num_prepend_axes("decoder.layers.3.mixer.in_proj.weight")
-    (2, 0)
-    """
-    n = 0
-    m = re.search(r"(^|\.)layers\.([^.]+)\.", name)
-    if m and not m.group(2).isdigit():
-        n += 1
-    if is_routed_expert(name):
-        parts = name.split(".")
-        i = parts.index("experts")
-        # `experts.local_experts.<i>` (per-expert keys) carry no expert axis
-        if not (i + 2 < len(parts) and parts[i + 1] == "local_experts" and parts[i + 2].isdigit()):
-            n += 1
-    return n
-
-
-def tp_kind_by_name(name: str) -> str:
-    """TP kind from Megatron naming: column / row / vocab / replicated.
-
-    >>> [tp_kind_by_name(n) for n in ("decoder.layers.linear_proj.weight", "decoder.layers.linear_proj.bias", "embedding.word_embeddings.weight")]
-    ['row', 'replicated', 'vocab']
-    """
-    mod, leaf = module_of(name), name.split(".")[-1]
-    if mod == "word_embeddings":
-        return "vocab"
-    if mod in COLUMN_MODULES and leaf in ("weight", "bias"):
-        return "column"
-    if mod in ROW_MODULES and leaf == "weight":
-        return "row"
-    return "replicated"
-
-
-def is_gtp_weight(name: str) -> bool:
-    """Parameters GTP shards in 0.19.2: the `weight` of wrapped linears and the vocab embedding."""
-    mod, leaf = module_of(name), name.split(".")[-1]
-    return leaf == "weight" and (mod in COLUMN_MODULES or mod in ROW_MODULES or mod == "word_embeddings")
-
 
 def _as_dict(obj: Any) -> dict:
     """args Namespace (or stub) -> plain dict."""

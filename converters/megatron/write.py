@@ -50,8 +50,8 @@ from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.dtypes import numpy_dtype, torch_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.dtypes import from_numpy
-from converters.megatron.format import is_gtp_weight, num_prepend_axes, tp_kind_by_name
-from converters.megatron.naming import is_routed_expert, strip_wrappers
+from converters.megatron.naming import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
+                                        tp_kind_by_name)
 from converters.megatron.plan import is_scrambled_swiglu, local_instances, role_path
 from converters.megatron.rundir import plan_run_dir, write_tracker
 from converters.megatron.write_plan import (STATE_NAMES, DpJob, ChunkGroup, ParamSpec, layout_limits, plan_groups,
