@@ -8,8 +8,9 @@
 - no import cycle among the modules' top-level imports;
 - `import bridge` stays light: neither torch, nor JAX, nor TensorStore.
 
-Imports inside functions count for the layer rules (a lazy import is still a dependency) but not
-for cycles (deferring an import is how a module avoids one at import time).
+Imports inside functions and under `if TYPE_CHECKING:` count for the layer rules (a deferred import
+is still a dependency) but not for cycles (deferring an import is how a module avoids one at import
+time).
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
 
 
 def imports(root: Path) -> dict[str, list[tuple[str, bool]]]:
-    """Module -> [(imported project module, at top level?)] for every module of PACKAGES under `root`.
+    """Module -> [(imported project module, run at import time?)] for every module of PACKAGES under `root`.
 
-    `from a.b import c` counts as importing `a.b.c` when that is a module, else `a.b`.
+    `from a.b import c` counts as importing `a.b.c` when that is a module, else `a.b`. Imports inside
+    functions and under `if TYPE_CHECKING:` are listed too, as not run at import time.
     """
     files = {module_name(root, p): p for pkg in PACKAGES if (root / pkg).is_dir() for p in (root / pkg).rglob("*.py")}
     out: dict[str, list[tuple[str, bool]]] = {}
@@ -68,11 +70,10 @@ def imports(root: Path) -> dict[str, list[tuple[str, bool]]]:
                 names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
             else:
                 continue
-            if _type_checking_only(tree, node):
-                continue
+            at_import = id(node) in top and not _type_checking_only(tree, node)
             for name in names:
                 if name.split(".")[0] in PACKAGES:
-                    deps.append((name, id(node) in top))
+                    deps.append((name, at_import))
         out[mod] = deps
     return out
 
@@ -177,6 +178,7 @@ def test_checks_catch_the_old_shapes(tmp_path):
         "bridge/jaxside/__init__.py": "",
         "bridge/jaxside/abstract.py": "from converters.jax_naming import Group\n",
         "bridge/jaxside/restore.py": "def f():\n    from converters import jax_naming\n",
+        "bridge/jaxside/save.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import converters.jax_naming\n",
         "bridge/live/__init__.py": "",
         "bridge/live/export.py": "from bridge.testing.scenario import run\nimport bridge.live.plan\n",
         "bridge/live/plan.py": "from bridge.live import export\n",
@@ -190,6 +192,7 @@ def test_checks_catch_the_old_shapes(tmp_path):
     assert layer_violations(tmp_path) == [
         "bridge.jaxside.abstract -> converters.jax_naming: the core must not import converters",
         "bridge.jaxside.restore -> converters.jax_naming: the core must not import converters",
+        "bridge.jaxside.save -> converters.jax_naming: the core must not import converters",
         "bridge.live.export -> bridge.testing.scenario: product code must not import the test harness",
         "converters.megatron.convert -> bridge.commands.convert: only the command line and the facade build on "
         "the command line / facade",
