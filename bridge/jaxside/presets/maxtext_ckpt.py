@@ -1,0 +1,219 @@
+"""The `maxtext` preset, I/O half: logical checkpoint <-> MaxText train-state checkpoint.
+
+    write_maxtext(src, dst_root)      # a logical (Megatron) checkpoint -> MaxText CheckpointManager step
+    read_maxtext(src, dst)            # a MaxText checkpoint (a root, a step dir or its items/) -> logical
+
+MaxText (0.2.5) saves its train state with Orbax's v1 `training.Checkpointer` as checkpointable
+`items` of step `<n>`: `<root>/<n>/items/` holding the Linen layout `{params: {params: ...},
+opt_state: (ScaleByAdamState(count, mu, nu), <weight-decay state: empty>, ScaleByScheduleState(count)),
+step}` (+ `nnx_aux`, its NNX rng state, which it re-initialises when absent). We write exactly
+that tree, with the optax state built by `optax.adamw` the way MaxText's optimizer builds it
+(`bridge.jaxside.presets.maxtext.maxtext_overrides` are the settings), through the same Orbax API;
+a JSON sidecar `<root>/<n>/gtp_bridge_maxtext.json` keeps the base manifest, the preset options and
+the overrides so the way back restores hyper-parameters and Megatron's records. MaxText checkpoints
+without it (a MaxText run of its own) are read with the hyper-parameters given by the caller.
+Arrays are read whole into host memory (the preset targets single-host conversions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from bridge.errors import BridgeError
+from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
+from bridge.format.tree import adamw_empty_paths
+from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, active_table, adamw_mask_patterns, decayed,
+                                           from_maxtext, maxtext_overrides, to_maxtext)
+from bridge.location import local_path
+
+SIDECAR = "gtp_bridge_maxtext.json"
+ITEMS = "items"
+Path = tuple[str, ...]
+
+
+@dataclass
+class Written:
+    """What `write_maxtext` wrote: the step directory, the step, and MaxText's config overrides."""
+
+    step_dir: str
+    step: int
+    overrides: dict
+    dims: Dims
+    options: Options
+
+
+# ------------------------------------------------------------------------------------ logical side
+
+
+def _megatron_args(man: Manifest | None) -> dict:
+    extra = man.extra if man is not None and isinstance(man.extra, dict) else {}
+    return dict((extra.get("megatron") or {}).get("args") or {})
+
+
+def _head_dim(man: Manifest | None, args: Mapping) -> int:
+    if man is not None:
+        for spec in man.fused.values():
+            info = spec.get("info") or {}
+            if info.get("name") == "qkv" and info.get("head_dim"):
+                return int(info["head_dim"])
+    if args.get("kv_channels"):
+        return int(args["kv_channels"])
+    raise BridgeError("cannot tell the head dim: the manifest has no qkv section table and no kv_channels; "
+                      "pass head_dim=")
+
+
+def _check_megatron_args(args: Mapping) -> None:
+    """Refuse Megatron settings the preset cannot carry exactly (when the source recorded them)."""
+    if args.get("normalization") not in (None, "RMSNorm"):
+        raise BridgeError(f"source model uses {args['normalization']}; the maxtext preset needs RMSNorm (llama-style)")
+    if args.get("apply_layernorm_1p") or args.get("layernorm_zero_centered_gamma"):
+        raise BridgeError("source model uses zero-centred RMSNorm gamma (apply_layernorm_1p); MaxText's llama "
+                          "blocks multiply by the scale itself, and shifting fp32 masters by 1 is not exact")
+    pos = args.get("position_embedding_type")
+    if pos not in (None, "rope"):
+        raise BridgeError(f"source model uses {pos} position embeddings; the maxtext preset needs RoPE")
+    if args.get("rotary_percent", 1.0) not in (None, 1.0):
+        raise BridgeError(f"source model applies RoPE to {args['rotary_percent']} of the head dim; the maxtext "
+                          f"preset needs rotary_percent 1.0")
+    if args.get("num_experts"):
+        raise BridgeError("source model is a mixture of experts; the maxtext preset covers dense llama-style models")
+
+
+def read_logical(src: str) -> tuple[Manifest | None, dict[str, dict[Path, np.ndarray]], int, int]:
+    """(manifest, {"params"|"mu"|"nu": {path: array}}, Adam count, step) of a logical checkpoint."""
+    from bridge.store.reader import open_checkpoint
+
+    ck = open_checkpoint(src)
+    trees: dict[str, dict[Path, np.ndarray]] = {"params": {}, "mu": {}, "nu": {}}
+    count = step = None
+    for p in ck.paths():
+        if p[0] == "params":
+            trees["params"][p[1:]] = ck.read(p)
+        elif p[:2] == ("opt_state", "0") and len(p) > 3 and p[2] in ("mu", "nu"):
+            trees[p[2]][p[3:]] = ck.read(p)
+        elif p == ("opt_state", "0", "count"):
+            count = int(ck.read(p))
+        elif p == ("step",):
+            step = int(ck.read(p))
+    if not trees["params"] or not trees["mu"] or not trees["nu"] or count is None:
+        raise BridgeError(f"{src} has no full Adam state (params, opt_state/0/mu, nu, count); the maxtext preset "
+                          f"writes params and optimizer state together")
+    return ck.manifest, trees, count, step if step is not None else count
+
+
+def hyper_of(man: Manifest | None, paths: list[Path]) -> Hyper:
+    """AdamW settings from a manifest (Megatron's defaults where absent)."""
+    from bridge.jaxside.manifest_view import adam_hparams, megatron_default_no_decay
+
+    if man is None:
+        raise BridgeError("source checkpoint has no gtp-bridge manifest; hyper-parameters are unknown")
+    h = adam_hparams(man)
+    if h.lr is None:
+        raise BridgeError("manifest records no learning rate; the MaxText optimizer needs one")
+    no_decay = tuple(sorted(h.no_decay)) if h.no_decay is not None else ()
+    if h.no_decay is None:
+        no_decay = tuple(p for p in paths if megatron_default_no_decay(p, (1,) * (1 + ("layers" in p))))
+    return Hyper(lr=float(h.lr), b1=h.b1, b2=h.b2, eps=h.eps, weight_decay=h.weight_decay, clip_grad=h.clip_grad,
+                 no_decay=no_decay)
+
+
+# ------------------------------------------------------------------------------------ MaxText side
+
+
+def maxtext_optimizer(hyper: Hyper, dims: Dims, opts: Options):
+    """`optax.adamw` as MaxText's `get_optimizer` builds it for `maxtext_overrides(...)` (constant lr)."""
+    import jax
+    import optax
+
+    patterns = adamw_mask_patterns(hyper.no_decay, dims, opts)
+
+    def mask(params):
+        from bridge.jaxside.keypaths import to_path
+
+        return jax.tree_util.tree_map_with_path(lambda kp, _: decayed(to_path(kp), patterns), params)
+
+    lr = optax.constant_schedule(hyper.lr)
+    return optax.adamw(lr, b1=hyper.b1, b2=hyper.b2, eps=hyper.eps, eps_root=0.0, weight_decay=hyper.weight_decay,
+                       mu_dtype=None, mask=mask if patterns else None)
+
+
+def train_state(params: Mapping[Path, np.ndarray], mu: Mapping[Path, np.ndarray], nu: Mapping[Path, np.ndarray],
+                count: int, step: int, hyper: Hyper, dims: Dims, opts: Options) -> dict:
+    """MaxText's Linen train-state tree `{step, params: {params}, opt_state}` filled from numpy leaves."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from bridge.jaxside.keypaths import nested_from_paths
+    from bridge.jaxside.optax_state import classify
+
+    tx = maxtext_optimizer(hyper, dims, opts)
+    p_tree = {"params": nested_from_paths({k: jnp.asarray(v) for k, v in params.items()})}
+    template = jax.eval_shape(tx.init, p_tree)
+    moments = {"mu": mu, "nu": nu}
+
+    def fill(kp, leaf):
+        role = classify(kp)
+        if role is None:
+            raise BridgeError(f"MaxText optimizer state leaf {jax.tree_util.keystr(kp)} is not an Adam leaf")
+        if role.kind == "count":
+            return jnp.asarray(count, dtype=leaf.dtype)
+        if role.kind in moments:
+            return jnp.asarray(moments[role.kind][role.param[1:]], dtype=leaf.dtype)
+        raise BridgeError(f"MaxText optimizer state leaf {jax.tree_util.keystr(kp)} is not an Adam leaf")
+
+    opt_state = jax.tree_util.tree_map_with_path(fill, template)
+    # MaxText's NNX train state stores every empty optax state as None (`opt_state/1`), where
+    # adamw's weight-decay mask would nest one as MaskedState(inner_state): same leaves, its tree.
+    opt_state = tuple(optax.EmptyState() if not jax.tree_util.tree_leaves(s) else s for s in opt_state)
+    return {"step": jnp.asarray(step, dtype=jnp.int32), "params": p_tree, "opt_state": opt_state}
+
+
+def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan_layers: bool = True,
+                  max_target_length: int | None = None) -> Written:
+    """Write the logical checkpoint `src` as a step of MaxText checkpoint root `dst_root`.
+
+    MaxText names a step directory by the index of the last step taken (`count - 1`) and stores
+    `step = count` (the step it continues from), so Megatron's iteration n (n updates) becomes
+    `<dst_root>/<n - 1>/` with `step = n`.
+    """
+    from orbax.checkpoint import v1 as ocp
+
+    src = local_path(src, "source")
+    dst_root = os.path.abspath(local_path(dst_root, "destination"))
+    man, trees, count, ck_step = read_logical(src)
+    args = _megatron_args(man)
+    _check_megatron_args(args)
+    opts = Options(decoder_block=decoder_block, scan_layers=scan_layers,
+                   rotary_interleaved=bool(args.get("rotary_interleaved", False)))
+    dims = Dims.from_logical({p: a.shape for p, a in trees["params"].items()}, _head_dim(man, args))
+    hyper = hyper_of(man, list(trees["params"]))
+    step = count
+    mt = {kind: to_maxtext(t, kind, dims, opts) for kind, t in trees.items()}
+    for kind in ("mu", "nu"):
+        if set(mt[kind]) != set(mt["params"]):
+            odd = sorted(set(mt[kind]) ^ set(mt["params"]))[0]
+            raise BridgeError(f"logical checkpoint's {kind} and params differ at {'/'.join(odd)}")
+    overrides = maxtext_overrides(dims, opts, hyper, max_target_length=max_target_length or args.get("seq_length"),
+                                  norm_epsilon=float(args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))),
+                                  rotary_base=float(args.get("rotary_base", 10000)))
+    dir_step = max(count - 1, 0)
+    step_dir = os.path.join(dst_root, str(dir_step))
+    if os.path.lexists(step_dir):
+        raise BridgeError(f"{step_dir} exists; MaxText checkpoints are never overwritten (choose another root or step)")
+    state = train_state(mt["params"], mt["mu"], mt["nu"], count, step, hyper, dims, opts)
+    ckptr = ocp.training.Checkpointer(dst_root)
+    ckptr.save_checkpointables(dir_step, {ITEMS: state}, custom_metadata={"scan_layers": scan_layers})
+    ckptr.close() if hasattr(ckptr, "close") else None
+    sidecar = {"format": 1, "options": asdict(opts), "dims": asdict(dims), "hyper": asdict(hyper),
+               "overrides": overrides, "count": count, "step": step,
+               "base_manifest": man.to_json() if man is not None else None}
+    from bridge.store.durable import write_json_atomic
+
+    write_json_atomic(os.path.join(step_dir, SIDECAR), sidecar)
+    return Written(step_dir=step_dir, step=step, overrides=overrides, dims=dims, options=opts)
