@@ -71,7 +71,7 @@ def cmd_step(a) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from maxtext.common import checkpointing, train_state_nnx
+    from maxtext.common import checkpointing
     from maxtext.utils import train_utils
 
     overrides = json.load(open(a.overrides))
@@ -79,8 +79,10 @@ def cmd_step(a) -> dict:
     config = config_of(a.base_dir, a.run, overrides, {"steps": 100, "per_device_batch_size": len(batches["3"][0]),
                                                       "max_target_length": len(batches["3"][0][0])})
     (_, manager, _, _, _, _, _, _, _, _, state) = train_utils.setup_train_loop(config, None)
-    report: dict = {"restored_step": int(state.optimizer.step.value)}
+    report: dict = {"restored_step": int(state.optimizer.step[...])}
     report["loss_batch3"] = eval_loss(state, config, batch_of(*batches["3"]))
+    # control: the loss the step must move (the state before the update on the next batch)
+    report["loss_batch4_before"] = eval_loss(state, config, batch_of(*batches["4"]))
 
     grads_np = dict(np.load(a.grads))
     params_state = nnx.state(state.model, nnx.Param)
@@ -93,15 +95,12 @@ def cmd_step(a) -> dict:
         lambda kp, x: jnp.asarray(grads_np["/".join(str(getattr(k, "key", k)) for k in kp)], dtype=x.dtype), pure)
     nnx.replace_by_pure_dict(params_state, grads)
     state.apply_gradients(params_state)
-    report["step_after"] = int(state.optimizer.step.value)
+    report["step_after"] = int(state.optimizer.step[...])
     report["loss_batch4_after"] = eval_loss(state, config, batch_of(*batches["4"]))
     saved_step = report["step_after"] - 1  # MaxText names a step dir by the last step index taken
-    checkpointing.save_checkpoint(manager, saved_step, state, config=config)
+    checkpointing.save_checkpoint(manager, saved_step, state, config=config, force=True)
     checkpointing.wait_until_finished(manager)
     report["saved_step_dir"] = saved_step
-    report["lr_at_restored_count"] = float(train_utils.create_learning_rate_schedule(config)(report["restored_step"])) \
-        if hasattr(train_utils, "create_learning_rate_schedule") else None
-    del train_state_nnx
     return report
 
 

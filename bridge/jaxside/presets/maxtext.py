@@ -308,7 +308,12 @@ def _maxtext_paths(leaf: Leaf, dims: Dims, opts: Options) -> list[tuple[Path, in
 
 
 def _drop_l(pattern: str) -> str:
-    return " ".join(g[0] for g in parse_pattern(pattern) if g[0] != "L")
+    """The pattern of one layer's slice.
+
+    >>> _drop_l("L (H D) E")
+    '(H D) E'
+    """
+    return " ".join(re.sub(r"\bL\b", "", pattern).split())
 
 
 def find_logical(leaf: Leaf, tree: Mapping[Path, Any]) -> Path:
@@ -330,12 +335,8 @@ def check_llama(paths: Iterable[Path], dims: Dims) -> None:
 
 
 def to_maxtext(tree: Mapping[Path, np.ndarray], kind: str, dims: Dims, opts: Options) -> dict[Path, np.ndarray]:
-    """Logical leaves of one kind ("params", "mu" or "nu"; paths without that prefix) -> MaxText leaves.
-
-    >>> d = Dims(layers=1, hidden=2, ffn=2, heads=1, kv_heads=1, head_dim=2, vocab=3, tied=True)
-    >>> t = {("embedding", "word_embeddings", "weight"): np.ones((3, 2), np.float32)}
-    >>> list(to_maxtext(t, "params", d, Options()))  # doctest: +SKIP
-    """
+    """Logical leaves of one kind ("params", "mu" or "nu"; paths without that prefix) -> MaxText leaves
+    (one table row each; refuses logical leaves the table does not know)."""
     check_llama(tree, dims)
     sizes = dims.sizes()
     out: dict[Path, np.ndarray] = {}
@@ -379,14 +380,16 @@ def adamw_mask_patterns(no_decay_logical: Iterable[Path], dims: Dims, opts: Opti
 
     >>> d = Dims(1, 2, 2, 1, 1, 2, 3)
     >>> adamw_mask_patterns([("decoder", "final_layernorm", "weight")], d, Options())
-    ['/decoder/decoder_norm/scale$']
+    ['(?:^|/)decoder/decoder_norm/scale$']
     """
     nd = {tuple(p) for p in no_decay_logical}
     pats = []
     for leaf in active_table(dims):
         if any(_split(n) in nd for n in leaf.logical):
             for path, _ in _maxtext_paths(leaf, dims, opts):
-                pats.append("/" + re.escape("/".join(path)).replace("\\/", "/") + "$")
+                # MaxText matches re.search against the '/'-joined optimizer-tree path, which
+                # starts with `params/` (Linen) or the module name (NNX): anchor on a '/' or the start.
+                pats.append("(?:^|/)" + re.escape("/".join(path)).replace("\\/", "/") + "$")
     return pats
 
 
@@ -394,8 +397,9 @@ def decayed(maxtext_path: Path, patterns: Iterable[str]) -> bool:
     """Whether MaxText's adamw mask (`maxtext.optimizers.optimizers.get_adamw_mask`) decays this leaf.
 
     `maxtext_path` is the full optimizer-tree path (starting with `params`).
-    >>> decayed(("params", "decoder", "decoder_norm", "scale"), ["/decoder/decoder_norm/scale$"])
-    False
+    >>> pats = ["(?:^|/)decoder/decoder_norm/scale$"]
+    >>> decayed(("params", "decoder", "decoder_norm", "scale"), pats), decayed(("decoder", "decoder_norm", "scale"), pats)
+    (False, False)
     """
     s = "/".join(maxtext_path)
     return not any(re.search(p, s) for p in patterns)

@@ -217,3 +217,146 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan
 
     write_json_atomic(os.path.join(step_dir, SIDECAR), sidecar)
     return Written(step_dir=step_dir, step=step, overrides=overrides, dims=dims, options=opts)
+
+
+# ------------------------------------------------------------------------------------ the way back
+
+
+def find_items(src: str) -> str:
+    """The `items` directory of a MaxText checkpoint given as a root (latest step), a step dir or `items/`."""
+    src = os.path.abspath(src)
+    if os.path.basename(src) == ITEMS and os.path.isdir(src):
+        return src
+    if os.path.isdir(os.path.join(src, ITEMS)):
+        return os.path.join(src, ITEMS)
+    steps = sorted(int(n) for n in (os.listdir(src) if os.path.isdir(src) else [])
+                   if n.isdigit() and os.path.isdir(os.path.join(src, n, ITEMS)))
+    if not steps:
+        raise BridgeError(f"{src} is not a MaxText checkpoint (no items/ and no <step>/items/); pass its root, "
+                          f"a step directory or the items directory")
+    return os.path.join(src, str(steps[-1]), ITEMS)
+
+
+def find_sidecar(items: str) -> str | None:
+    """The sidecar of this step, else of the latest earlier step in the same root (the step gtp-bridge
+    wrote that MaxText resumed from and saved after), else None."""
+    step_dir = os.path.dirname(items)
+    own = os.path.join(step_dir, SIDECAR)
+    if os.path.exists(own):
+        return own
+    root, name = os.path.split(step_dir)
+    if not name.isdigit():
+        return None
+    earlier = sorted((int(n) for n in os.listdir(root) if n.isdigit() and int(n) < int(name)
+                      and os.path.exists(os.path.join(root, n, SIDECAR))), reverse=True)
+    return os.path.join(root, str(earlier[0]), SIDECAR) if earlier else None
+
+
+def read_maxtext_tree(items: str) -> tuple[dict[str, dict[Path, np.ndarray]], int, int]:
+    """({"params"|"mu"|"nu": {path under params/params: array}}, Adam count, step) of a MaxText items dir."""
+    from bridge.store.reader import open_checkpoint
+
+    ck = open_checkpoint(items)
+    trees: dict[str, dict[Path, np.ndarray]] = {"params": {}, "mu": {}, "nu": {}}
+    count = step = None
+    for p in ck.paths():
+        if p[:2] == ("params", "params"):
+            trees["params"][p[2:]] = ck.read(p)
+        elif p[:2] == ("opt_state", "0") and len(p) > 4 and p[2] in ("mu", "nu") and p[3] == "params":
+            trees[p[2]][p[4:]] = ck.read(p)
+        elif p == ("opt_state", "0", "count"):
+            count = int(ck.read(p))
+        elif p == ("step",):
+            step = int(ck.read(p))
+    if not trees["params"]:
+        raise BridgeError(f"{items} has no params/params tree; is it a MaxText train-state checkpoint?")
+    if not trees["mu"] or not trees["nu"] or count is None:
+        raise BridgeError(f"{items} holds no Adam state (opt_state/0/{{count,mu,nu}}); the maxtext preset needs "
+                          f"MaxText's adamw state (opt_type=adamw)")
+    return trees, count, step if step is not None else count
+
+
+def llama_args(dims: Dims, rotary_base: float = 10000.0, norm_epsilon: float = 1e-5) -> dict:
+    """The Megatron-LM args of the llama-style model a MaxText tree describes (for to-megatron)."""
+    return dict(num_layers=dims.layers, hidden_size=dims.hidden, ffn_hidden_size=dims.ffn,
+                num_attention_heads=dims.heads, num_query_groups=dims.kv_heads,
+                group_query_attention=dims.kv_heads != dims.heads, kv_channels=dims.head_dim, swiglu=True,
+                padded_vocab_size=dims.vocab, untie_embeddings_and_output_weights=not dims.tied,
+                normalization="RMSNorm", norm_epsilon=norm_epsilon, position_embedding_type="rope",
+                rotary_base=rotary_base, rotary_percent=1.0, rotary_interleaved=False, add_bias_linear=False,
+                bf16=True, optimizer="adam")
+
+
+def _manifest_for(dims: Dims, hyper: Hyper, count: int, base: Mapping | None, opts: Options,
+                  rotary_base: float, norm_epsilon: float) -> Manifest:
+    from bridge.layout.fused import FusedSpec
+
+    fused = {"decoder/layers/self_attention/linear_qkv/weight": FusedSpec.qkv(dims.heads, dims.kv_heads,
+                                                                             dims.head_dim).to_json(),
+             "decoder/layers/mlp/linear_fc1/weight": FusedSpec.swiglu(dims.ffn).to_json()}
+    if base is not None:
+        man = Manifest.from_json(base)
+        man.arrays = {}
+        man.digest_algorithm = ""
+        man.optimizer.step = count
+        man.fused = {**fused, **man.fused}
+        man.extra = dict(man.extra)
+        man.extra["maxtext"] = {"options": asdict(opts)}
+        return man
+    no_decay = ["/".join(p) for p in hyper.no_decay]
+    return Manifest(source=SourceLayout(framework="maxtext", optimizer_format="maxtext"),
+                    optimizer=OptimizerConfig(name="adamw", lr=hyper.lr, betas=(hyper.b1, hyper.b2), eps=hyper.eps,
+                                              weight_decay=hyper.weight_decay, step=count, no_decay=no_decay,
+                                              clip_grad=hyper.clip_grad),
+                    fused=fused,
+                    extra={"megatron": {"args": llama_args(dims, rotary_base, norm_epsilon)},
+                           "maxtext": {"options": asdict(opts)}})
+
+
+def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Options | None = None,
+                 rotary_base: float | None = None, norm_epsilon: float | None = None) -> dict:
+    """Write a MaxText checkpoint (root / step dir / items dir) as the logical checkpoint `dst`.
+
+    A checkpoint `write_maxtext` made carries its sidecar (preset options, hyper-parameters, the base
+    manifest: Megatron's records come back). Any other MaxText checkpoint needs `hyper` (its AdamW
+    settings; the no-decay set defaults to the norms, Megatron's rule) and, for the llama2 block,
+    `options=Options(decoder_block="llama2")` (the query scale is unfolded).
+    """
+    from bridge.store.commit import save_checkpoint
+
+    src = local_path(src, "source")
+    dst = local_path(dst, "destination")
+    items = find_items(src)
+    side_path = find_sidecar(items)
+    side = json.load(open(side_path)) if side_path else None
+    trees, count, step = read_maxtext_tree(items)
+    dims, scanned = Dims.from_maxtext({p: a.shape for p, a in trees["params"].items()})
+    if side is not None:
+        opts = Options(**side["options"])
+        hyper = hyper or Hyper(**{**side["hyper"], "no_decay": tuple(tuple(p) for p in side["hyper"]["no_decay"])})
+        rotary_base = rotary_base or side["overrides"].get("rope_max_timescale", 10000.0)
+        norm_epsilon = norm_epsilon or side["overrides"].get("normalization_layer_epsilon", 1e-5)
+    else:
+        opts = options or Options()
+        if hyper is None:
+            raise BridgeError(f"{items} was not written by gtp-bridge (no {SIDECAR}); give its AdamW settings "
+                              f"(lr, betas, eps, weight decay) so the logical checkpoint records them")
+    if opts.scan_layers != scanned:
+        opts = Options(decoder_block=opts.decoder_block, scan_layers=scanned, rotary_interleaved=opts.rotary_interleaved)
+    if not hyper.no_decay:
+        norms = [leaf.logical[0] for leaf in active_table(dims) if leaf.no_decay]
+        hyper = Hyper(**{**asdict(hyper), "no_decay": tuple(tuple(n.split("/")) for n in norms)})
+    logical = {kind: from_maxtext(t, kind, dims, opts) for kind, t in trees.items()}
+    man = _manifest_for(dims, hyper, count, side["base_manifest"] if side else None, opts,
+                        float(rotary_base or 10000.0), float(norm_epsilon or 1e-5))
+    arrays: dict[Path, np.ndarray] = {}
+    for p, a in logical["params"].items():
+        arrays[("params",) + p] = np.asarray(a, np.float32)
+    for kind in ("mu", "nu"):
+        for p, a in logical[kind].items():
+            arrays[("opt_state", "0", kind) + p] = np.asarray(a, np.float32)
+    arrays[("opt_state", "0", "count")] = np.asarray(count, np.int32)
+    arrays[("step",)] = np.asarray(step, np.int32)
+    save_checkpoint(dst, arrays, man, empty_paths=adamw_empty_paths())
+    return {"dst": dst, "items": items, "step": step, "count": count, "dims": asdict(dims), "options": asdict(opts),
+            "sidecar": side is not None}
