@@ -23,7 +23,7 @@ from bridge import __version__
 from bridge.errors import BridgeError
 
 # Order is the order shown in --help.
-COMMANDS = ["convert", "to_megatron", "inspect", "verify", "diff", "demo"]
+COMMANDS = ["convert", "to_megatron", "maxtext", "inspect", "verify", "diff", "demo"]
 
 # Shown in the top-level --help for a command whose parser epilog has no `gtp-bridge ...` example.
 FALLBACK_EXAMPLES = {

@@ -316,3 +316,36 @@ def test_foreign_maxtext_checkpoint_reads_and_converts_to_megatron(tmp_path):
     for p, a in back.items():
         if p[0] in ("params", "opt_state") and a.dtype == np.float32:
             assert np.array_equal(again[p], a), p
+
+
+def _cli(*args: str) -> "subprocess.CompletedProcess":
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_cli_to_and_from_maxtext(tmp_path):
+    root, back = str(tmp_path / "root"), str(tmp_path / "back")
+    r = _cli("to-maxtext", os.path.join(LLAMA, "live"), root, "--overrides-json", str(tmp_path / "ov.json"))
+    assert r.returncode == 0, r.stderr
+    assert "decoder_block=qwen2" in r.stdout and json.load(open(tmp_path / "ov.json"))["vocab_size"] == 72
+    r = _cli("from-maxtext", root, back)
+    assert r.returncode == 0, r.stderr
+    src, got = read_all(os.path.join(LLAMA, "live")), read_all(back)
+    assert all(np.array_equal(got[p], src[p]) for p in got)
+    # bad input: one line, exit 2, nothing written
+    r = _cli("to-maxtext", os.path.join(LLAMA, "live"), root)                  # the step exists
+    assert r.returncode == 2 and "exists" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = _cli("from-maxtext", FRESH, str(tmp_path / "x"))                       # foreign: settings needed
+    assert r.returncode == 2 and "--lr" in r.stderr and not os.path.exists(tmp_path / "x")
+    r = _cli("from-maxtext", str(tmp_path), str(tmp_path / "y"))               # not a MaxText checkpoint
+    assert r.returncode == 2 and "not a MaxText checkpoint" in r.stderr and not os.path.exists(tmp_path / "y")
+    dp2 = os.path.join(HERE, "fixtures", "megatron", "dp2", "dp_reshardable")  # biases, learned positions
+    from converters.megatron.convert import convert
+
+    convert(dp2, str(tmp_path / "gpt"))
+    r = _cli("to-maxtext", str(tmp_path / "gpt"), str(tmp_path / "z"))
+    assert r.returncode == 2 and "RoPE" in r.stderr and not os.path.exists(tmp_path / "z")
