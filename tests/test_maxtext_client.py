@@ -194,3 +194,41 @@ def test_fresh_maxtext_run_converts_to_megatron(trip, tmp_path):
     again = read_all(str(tmp_path / "again"))
     for p, a in back.items():
         assert np.array_equal(again[p], a), p
+
+
+def test_llama2_block_forward_exact_adam_not(tmp_path):
+    """MaxText's own llama2 block (query scale folded into the kernel, moments as the gradient scales):
+    the loss is Megatron's, the moments continue exactly, and the query kernel's Adam step comes out
+    sqrt(D) times Megatron's -- the documented reason the qwen2 block is the default."""
+    from bridge.jaxside.presets import maxtext as mx
+    from bridge.jaxside.presets.maxtext_ckpt import read_logical, read_maxtext, write_maxtext
+
+    base = str(tmp_path)
+    root = os.path.join(base, "l2", "checkpoints")
+    w = write_maxtext(os.path.join(LLAMA, "live"), root, decoder_block="llama2")
+    assert w.overrides["decoder_block"] == "llama2"
+    _, grads, _, _ = read_logical(os.path.join(LLAMA, "live_grads"))
+    g = mx.to_maxtext(grads["params"], "grad", w.dims, w.options)
+    np.savez(os.path.join(base, "grads.npz"), **{"/".join(k): v for k, v in g.items()})
+    meg = json.load(open(os.path.join(LLAMA, "run.json")))
+    json.dump(meg["tokens"], open(os.path.join(base, "batches.json"), "w"))
+    r = run_client("step", base, "l2", w.overrides, batch=os.path.join(base, "batches.json"),
+                   grads=os.path.join(base, "grads.npz"))
+    assert abs(r["loss_batch3"] - meg["next_losses"][0]) <= LOSS_RTOL * meg["next_losses"][0]
+    read_maxtext(root, os.path.join(base, "back"))
+    before, after, back = (read_all(p) for p in (os.path.join(LLAMA, "live"), os.path.join(LLAMA, "live_after"),
+                                                  os.path.join(base, "back")))
+    q = ("decoder", "layers", "self_attention", "linear_qkv", "weight", "query")
+    for kind in ("mu", "nu"):
+        k = ("opt_state", "0", kind) + q
+        np.testing.assert_allclose(back[k], after[k], rtol=1e-5, atol=1e-30 if kind == "nu" else 1e-12)
+    decayed = before[("params",) + q] * np.float32(1 - 1e-2 * 0.1)
+    step_meg, step_mt = after[("params",) + q] - decayed, back[("params",) + q] - decayed
+    ratio = float(np.linalg.norm(step_mt) / np.linalg.norm(step_meg))
+    print(f"llama2 block: loss {r['loss_batch3']:.7f} (Megatron {meg['next_losses'][0]:.7f}); batch 4 after the step "
+          f"{r['loss_batch4_after']:.7f} (Megatron {meg['next_losses'][1]:.7f}); query step / Megatron's {ratio:.4f} "
+          f"(sqrt(D) = {np.sqrt(w.dims.head_dim):.4f})")
+    assert abs(ratio - np.sqrt(w.dims.head_dim)) < 1e-3 * np.sqrt(w.dims.head_dim)
+    for p in after:
+        if p[0] == "params" and p[1:] != q:
+            assert _max_ulp({p: back[p]}, {p: after[p]}, 1e-2, {p: before[p]}) <= ADAM_ULP_TOL, p

@@ -159,15 +159,18 @@ def test_round_trip(opts):
                 assert np.array_equal(back[p], t[p]), (kind, p)   # exact: reshape / transpose / permutation
 
 
-def test_llama2_fold_scales_masters_and_moments_consistently():
+def test_llama2_fold_scales_masters_grads_and_moments_consistently():
     t = logical_tree(DIMS, seed=3)
     c = np.float32(1 / np.sqrt(DIMS.head_dim))
-    plain = {k: as_str(mx.to_maxtext(t, k, DIMS, mx.Options())) for k in ("params", "mu", "nu")}
-    fold = {k: as_str(mx.to_maxtext(t, k, DIMS, mx.Options(decoder_block="llama2"))) for k in ("params", "mu", "nu")}
+    kinds = ("params", "grad", "mu", "nu")
+    plain = {k: as_str(mx.to_maxtext(t, k, DIMS, mx.Options())) for k in kinds}
+    fold = {k: as_str(mx.to_maxtext(t, k, DIMS, mx.Options(decoder_block="llama2"))) for k in kinds}
     q = "decoder/layers/self_attention/query/kernel"
+    # W' = c W: dL/dW' = dL/dW / c, so the gradient and mu scale by 1/c and nu by 1/c^2
     assert np.array_equal(fold["params"][q], plain["params"][q] * c)
-    assert np.array_equal(fold["mu"][q], plain["mu"][q] * c)
-    assert np.array_equal(fold["nu"][q], plain["nu"][q] * (c * c))
+    assert np.array_equal(fold["grad"][q], plain["grad"][q] * (1 / c))
+    assert np.array_equal(fold["mu"][q], plain["mu"][q] * (1 / c))
+    assert np.array_equal(fold["nu"][q], plain["nu"][q] * (1 / (c * c)))
     for k in plain["params"]:
         if k != q:
             assert np.array_equal(fold["params"][k], plain["params"][k]), k

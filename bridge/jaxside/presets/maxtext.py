@@ -21,8 +21,12 @@ Value transforms (`Options`), applied to masters and moments consistently:
   relative to its size). MaxText's `qwen2` decoder block is the same llama layer (RMSNorm, SwiGLU,
   GQA, RoPE; `attention_bias=false`, `use_qk_norm=false`) with the factor applied in the attention
   (`query_pre_attn_scalar = D**-0.5`), so with `decoder_block="qwen2"` (the default) nothing is
-  folded and the state is carried over exactly. `decoder_block="llama2"` folds (c = D**-0.5:
-  master x c, mu x c, nu x c^2) and is documented as not continuing the run exactly.
+  folded and the state is carried over exactly. `decoder_block="llama2"` folds c = D**-0.5 into the
+  kernel W' = c W; the gradient w.r.t. W' is g / c, so the moments a run in that parametrisation
+  holds are mu / c and nu / c^2 (what is written), and the next update
+  -lr * mu'/sqrt(nu') equals Megatron's update of W in absolute size: W moves 1/c = sqrt(D) times
+  further than in Megatron (weight decay, proportional to W', stays consistent). Documented as not
+  continuing the run exactly.
 - RoPE layout: MaxText rotates halves (`x[:D/2]`, `x[D/2:]`), as Megatron does by default. A
   Megatron run with `rotary_interleaved` pairs (2i, 2i+1): its query/key rows (and moments) are
   permuted evens-then-odds per head (exact: Adam is elementwise).
@@ -274,20 +278,29 @@ def query_scale(head_dim: int) -> np.float32:
     return np.float32(1.0 / math.sqrt(head_dim))
 
 
+def fold_factor(kind: str, head_dim: int) -> np.float32:
+    """What the llama2 fold multiplies a query-kernel leaf of `kind` by: the master by c, its gradient
+    and first moment by 1/c, the second moment by 1/c^2 (c = fp32(1/sqrt(D))).
+
+    >>> [float(fold_factor(k, 64)) for k in ("params", "grad", "mu", "nu")]
+    [0.125, 8.0, 8.0, 64.0]
+    """
+    c = query_scale(head_dim)
+    return {"params": c, "grad": 1 / c, "mu": 1 / c, "nu": 1 / (c * c)}[kind]
+
+
 def _value_forward(x: np.ndarray, leaf: Leaf, kind: str, dims: Dims, opts: Options) -> np.ndarray:
     """Value transforms on a MaxText-layout array (D is the last axis of q/k)."""
     if leaf.rope and opts.rotary_interleaved:
         x = x[..., rope_permutation(dims.head_dim)]
-    if leaf.query and opts.fold_query_scale and kind != "count":
-        c = query_scale(dims.head_dim)
-        x = x * (c * c if kind == "nu" else c)
+    if leaf.query and opts.fold_query_scale:
+        x = x * fold_factor(kind, dims.head_dim)
     return x
 
 
 def _value_inverse(x: np.ndarray, leaf: Leaf, kind: str, dims: Dims, opts: Options) -> np.ndarray:
     if leaf.query and opts.fold_query_scale:
-        c = query_scale(dims.head_dim)
-        x = x / (c * c if kind == "nu" else c)
+        x = x / fold_factor(kind, dims.head_dim)
     if leaf.rope and opts.rotary_interleaved:
         x = x[..., np.argsort(rope_permutation(dims.head_dim))]
     return x
@@ -335,7 +348,7 @@ def check_llama(paths: Iterable[Path], dims: Dims) -> None:
 
 
 def to_maxtext(tree: Mapping[Path, np.ndarray], kind: str, dims: Dims, opts: Options) -> dict[Path, np.ndarray]:
-    """Logical leaves of one kind ("params", "mu" or "nu"; paths without that prefix) -> MaxText leaves
+    """Logical leaves of one kind ("params", "mu", "nu" or "grad"; paths without that prefix) -> MaxText leaves
     (one table row each; refuses logical leaves the table does not know)."""
     check_llama(tree, dims)
     sizes = dims.sizes()
