@@ -20,12 +20,12 @@ Adam trajectory is not). docs/maxtext.md has the mapping table.
 
 FROM_EPILOG = """examples:
   gtp-bridge from-maxtext maxtext_run/checkpoints logical_ckpt/       # latest step; a run we started
-  gtp-bridge from-maxtext ckpts/1200 logical/ --lr 3e-4 --weight-decay 0.1 --b2 0.95   # MaxText's own run
+  gtp-bridge from-maxtext ckpts/1200 logical/ --lr 3e-4 --betas 0.9,0.95   # MaxText's own run
   gtp-bridge to-megatron logical_ckpt/ megatron_run/ --tp 2            # then on to Megatron-Core
 
 SRC is a MaxText checkpoint root (its latest step), a step directory or its items/ directory. A
 step written by to-maxtext, or saved by a MaxText run resumed from one, carries the hyper-parameters
-and Megatron's records; for any other MaxText checkpoint give its AdamW settings (--lr, --b1, --b2,
+and Megatron's records; for any other MaxText checkpoint give its AdamW settings (--lr, --betas,
 --eps, --weight-decay; norms are Megatron's no-decay set).
 """
 
@@ -51,8 +51,7 @@ def add_parser(sub) -> None:
     q.add_argument("src", metavar="SRC", help="MaxText checkpoint root, step directory or items/ directory")
     q.add_argument("dst", metavar="DST", help="new logical checkpoint directory")
     q.add_argument("--lr", type=float, help="learning rate (a MaxText run we did not start)")
-    q.add_argument("--b1", type=float, default=None, help="Adam beta1 (default 0.9)")
-    q.add_argument("--b2", type=float, default=None, help="Adam beta2 (default 0.95, MaxText's)")
+    q.add_argument("--betas", default=None, metavar="B1,B2", help="Adam betas (default 0.9,0.95: MaxText's)")
     q.add_argument("--eps", type=float, default=None, help="Adam eps (default 1e-8)")
     q.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay (default 0.1, MaxText's)")
     q.add_argument("--clip-grad", type=float, default=None, help="global-norm clipping threshold (default none)")
@@ -84,13 +83,18 @@ def run_from(args: argparse.Namespace) -> int:
     from bridge.jaxside.presets.maxtext import Hyper, Options
     from bridge.jaxside.presets.maxtext_ckpt import read_maxtext
 
-    given = {k: getattr(args, k) for k in ("b1", "b2", "eps", "weight_decay", "clip_grad") if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("eps", "weight_decay", "clip_grad") if getattr(args, k) is not None}
+    if args.betas is not None:
+        try:
+            given["b1"], given["b2"] = (float(x) for x in args.betas.split(","))
+        except ValueError:
+            raise BridgeError(f"--betas {args.betas!r}: give two numbers, e.g. --betas 0.9,0.95") from None
     hyper = None
     if args.lr is not None:
         hyper = Hyper(lr=args.lr, b1=given.get("b1", 0.9), b2=given.get("b2", 0.95), eps=given.get("eps", 1e-8),
                       weight_decay=given.get("weight_decay", 0.1), clip_grad=given.get("clip_grad"))
     elif given:
-        raise BridgeError("--b1/--b2/--eps/--weight-decay/--clip-grad need --lr (they replace the recorded settings)")
+        raise BridgeError("--betas/--eps/--weight-decay/--clip-grad need --lr (they replace the recorded settings)")
     opts = Options(decoder_block=args.decoder_block) if args.decoder_block else None
     res = read_maxtext(args.src, args.dst, hyper=hyper, options=opts)
     d = res["dims"]

@@ -340,7 +340,7 @@ def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Opt
         opts = options or Options()
         if hyper is None:
             raise BridgeError(f"{items} was not written by gtp-bridge (no {SIDECAR}); give its AdamW settings "
-                              f"(--lr, --b1, --b2, --eps, --weight-decay) so the logical checkpoint records them")
+                              f"(--lr, --betas, --eps, --weight-decay) so the logical checkpoint records them")
     if opts.scan_layers != scanned:
         opts = Options(decoder_block=opts.decoder_block, scan_layers=scanned, rotary_interleaved=opts.rotary_interleaved)
     if not hyper.no_decay:
