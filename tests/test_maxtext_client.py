@@ -232,3 +232,130 @@ def test_llama2_block_forward_exact_adam_not(tmp_path):
     for p in after:
         if p[0] == "params" and p[1:] != q:
             assert _max_ulp({p: back[p]}, {p: after[p]}, 1e-2, {p: before[p]}) <= ADAM_ULP_TOL, p
+
+
+def _one_step(tmp: str, run: str, **opts) -> tuple[dict, dict]:
+    """write_maxtext(live, **opts) -> MaxText restore + loss + its step on Megatron's grads + its save -> read back."""
+    from bridge.jaxside.presets import maxtext as mx
+    from bridge.jaxside.presets.maxtext_ckpt import read_logical, read_maxtext, write_maxtext
+
+    root = os.path.join(tmp, run, "checkpoints")
+    w = write_maxtext(os.path.join(LLAMA, "live"), root, **opts)
+    _, grads, _, _ = read_logical(os.path.join(LLAMA, "live_grads"))
+    g = mx.to_maxtext(grads["params"], "grad", w.dims, w.options)
+    np.savez(os.path.join(tmp, f"{run}_grads.npz"), **{"/".join(k): v for k, v in g.items()})
+    meg = json.load(open(os.path.join(LLAMA, "run.json")))
+    json.dump(meg["tokens"], open(os.path.join(tmp, "batches.json"), "w"))
+    r = run_client("step", tmp, run, w.overrides, batch=os.path.join(tmp, "batches.json"),
+                   grads=os.path.join(tmp, f"{run}_grads.npz"))
+    read_maxtext(root, os.path.join(tmp, f"{run}_back"))
+    return r, read_all(os.path.join(tmp, f"{run}_back"))
+
+
+def test_unscanned_layers(tmp_path):
+    """scan_layers=false (decoder/layers_<i>/...): MaxText restores it, same loss, same step, same state back."""
+    r, back = _one_step(str(tmp_path), "flat", scan_layers=False)
+    meg = json.load(open(os.path.join(LLAMA, "run.json")))
+    assert r["restored_step"] == 3
+    assert abs(r["loss_batch3"] - meg["next_losses"][0]) <= LOSS_RTOL * meg["next_losses"][0]
+    assert abs(r["loss_batch4_after"] - meg["next_losses"][1]) <= LOSS_RTOL * meg["next_losses"][1]
+    before, after = read_all(os.path.join(LLAMA, "live")), read_all(os.path.join(LLAMA, "live_after"))
+    params = [p for p in after if p[0] == "params"]
+    assert _max_ulp({p: back[p] for p in params}, {p: after[p] for p in params}, 1e-2,
+                    {p: before[p] for p in params}) <= ADAM_ULP_TOL
+    print(f"unscanned: loss {r['loss_batch3']:.7f}, after step {r['loss_batch4_after']:.7f}")
+
+
+def reference_loss(params: dict, tokens, labels, h: int, k: int, d: int, base: float = 10000.0, eps: float = 1e-5,
+                   interleaved: bool = False) -> float:
+    """Megatron's llama forward written out in float32 torch from the logical params (test code, not the
+    preset): RMSNorm (x * rsqrt(mean x^2 + eps) * w), RoPE on q and k with Megatron's inv_freq =
+    base^(-2i/D) (rotate-half, or interleaved pairs), GQA head h on query group h // (H/K), scores / sqrt(D),
+    causal softmax, SwiGLU silu(gate) * up, untied output layer; mean cross-entropy."""
+    import torch
+
+    P = {"/".join(p[1:]): torch.tensor(a) for p, a in params.items() if p[0] == "params"}
+    t = torch.tensor(tokens)
+    B, S = t.shape
+    x = P["embedding/word_embeddings/weight"][t]
+    f = torch.outer(torch.arange(S, dtype=torch.float32), 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)))
+
+    def rope(z):
+        if interleaved:
+            c, s_ = f.cos()[:, None], f.sin()[:, None]
+            z1, z2 = z[..., 0::2], z[..., 1::2]
+            return torch.stack([z1 * c - z2 * s_, z2 * c + z1 * s_], -1).flatten(-2)
+        c, s_ = torch.cat([f, f], -1).cos()[:, None], torch.cat([f, f], -1).sin()[:, None]
+        return z * c + torch.cat([-z[..., d // 2:], z[..., :d // 2]], -1) * s_
+
+    def rms(z, w):
+        return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    group = torch.arange(h) // (h // k)
+    causal = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)
+    for layer in range(P["decoder/layers/self_attention/linear_qkv/weight/query"].shape[0]):
+        g = lambda n: P["decoder/layers/" + n][layer]  # noqa: E731
+        y = rms(x, g("self_attention/linear_qkv/layer_norm_weight"))
+        q = rope((y @ g("self_attention/linear_qkv/weight/query").T).view(B, S, h, d))
+        kk = rope((y @ g("self_attention/linear_qkv/weight/key").T).view(B, S, k, d))[:, :, group]
+        vv = (y @ g("self_attention/linear_qkv/weight/value").T).view(B, S, k, d)[:, :, group]
+        sc = torch.einsum("bshd,bthd->bhst", q, kk) / d ** 0.5
+        o = torch.einsum("bhst,bthd->bshd", sc.masked_fill(causal, float("-inf")).softmax(-1), vv)
+        x = x + o.reshape(B, S, h * d) @ g("self_attention/linear_proj/weight").T
+        y = rms(x, g("mlp/linear_fc1/layer_norm_weight"))
+        x = x + (torch.nn.functional.silu(y @ g("mlp/linear_fc1/weight/gate").T) * (y @ g("mlp/linear_fc1/weight/up").T)) \
+            @ g("mlp/linear_fc2/weight").T
+    logits = rms(x, P["decoder/final_layernorm/weight"]) @ P["output_layer/weight"].T
+    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.tensor(labels).reshape(-1)))
+
+
+SHARPEN = 10.0  # q and k kernels x10: attention scores x100, so RoPE / GQA / scaling conventions move the loss
+
+
+def test_attention_conventions_on_a_sharpened_state(tmp_path):
+    """The trained tiny model's attention is nearly uniform, so its loss barely sees RoPE, GQA grouping
+    or the score scale (a wrong RoPE layout moves it by 1.2e-4 only). Here: (1) the float32 reference
+    above reproduces Megatron's recorded loss (validating the reference on what Megatron computed);
+    (2) with the q/k kernels sharpened x10, MaxText's loss equals the reference's, while the reference
+    with the other RoPE layout is far off (so the check discriminates); (3) MaxText fed the state with
+    the wrong RoPE permutation misses the reference by as much."""
+    pytest.importorskip("torch")
+    from bridge.jaxside.presets import maxtext as mx
+    from bridge.jaxside.presets import maxtext_ckpt as mc
+    from bridge.store.commit import save_checkpoint
+    from bridge.format.tree import adamw_empty_paths
+    from orbax.checkpoint import v1 as ocp
+
+    meg = json.load(open(os.path.join(LLAMA, "run.json")))
+    tokens, labels = meg["tokens"]["3"]
+    live = read_all(os.path.join(LLAMA, "live"))
+    ref = reference_loss(live, tokens, labels, 4, 2, 6)
+    assert abs(ref - meg["next_losses"][0]) <= 6e-5 * meg["next_losses"][0], (ref, meg["next_losses"][0])
+
+    sharp = {p: (a * np.float32(SHARPEN) if p[0] == "params" and p[-1] in ("query", "key") else a)
+             for p, a in live.items() if p[0] != "model"}
+    man, _, _, _ = mc.read_logical(os.path.join(LLAMA, "live"))
+    base = str(tmp_path)
+    save_checkpoint(os.path.join(base, "sharp"), sharp, man, empty_paths=adamw_empty_paths())
+    want, wrong = reference_loss(sharp, tokens, labels, 4, 2, 6), reference_loss(sharp, tokens, labels, 4, 2, 6,
+                                                                                   interleaved=True)
+    json.dump(meg["tokens"], open(os.path.join(base, "batches.json"), "w"))
+    losses = {}
+    for name, interleaved in (("right", False), ("wrong", True)):
+        m, trees, count, _ = mc.read_logical(os.path.join(base, "sharp"))
+        dims = mx.Dims.from_logical({p: a.shape for p, a in trees["params"].items()}, 6)
+        opts = mx.Options(rotary_interleaved=interleaved)
+        hyper = mc.hyper_of(m, list(trees["params"]))
+        mt = {kd: mx.to_maxtext(t, kd, dims, opts) for kd, t in trees.items()}
+        state = mc.train_state(mt["params"], mt["mu"], mt["nu"], count, count, hyper, dims, opts)
+        ocp.training.Checkpointer(os.path.join(base, name, "checkpoints")).save_checkpointables(
+            count - 1, {"items": state}, custom_metadata={"scan_layers": True})
+        np.savez(os.path.join(base, f"{name}.npz"), **{"/".join(kp): np.zeros_like(v) for kp, v in mt["params"].items()})
+        r = run_client("step", base, name, mx.maxtext_overrides(dims, opts, hyper, max_target_length=16),
+                       batch=os.path.join(base, "batches.json"), grads=os.path.join(base, f"{name}.npz"))
+        losses[name] = r["loss_batch3"]
+    print(f"sharpened x{SHARPEN}: reference {want:.7f} (other RoPE layout {wrong:.7f}); MaxText {losses['right']:.7f}, "
+          f"MaxText fed the wrong layout {losses['wrong']:.7f}")
+    tol = LOSS_RTOL * want
+    assert abs(losses["right"] - want) <= tol
+    assert abs(wrong - want) > 5 * tol and abs(losses["wrong"] - want) > 5 * tol
