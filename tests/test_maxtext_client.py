@@ -345,7 +345,7 @@ def test_attention_conventions_on_a_sharpened_state(tmp_path):
         m, trees, count, _ = mc.read_logical(os.path.join(base, "sharp"))
         dims = mx.Dims.from_logical({p: a.shape for p, a in trees["params"].items()}, 6)
         opts = mx.Options(rotary_interleaved=interleaved)
-        hyper = mc.hyper_of(m, list(trees["params"]))
+        hyper = mc.hyper_of(m, {p: a.shape for p, a in trees["params"].items()})
         mt = {kd: mx.to_maxtext(t, kd, dims, opts) for kd, t in trees.items()}
         state = mc.train_state(mt["params"], mt["mu"], mt["nu"], count, count, hyper, dims, opts)
         ocp.training.Checkpointer(os.path.join(base, name, "checkpoints")).save_checkpointables(

@@ -352,3 +352,14 @@ def test_cli_to_and_from_maxtext(tmp_path):
     convert(dp2, str(tmp_path / "gpt"))
     r = _cli("to-maxtext", str(tmp_path / "gpt"), str(tmp_path / "z"))
     assert r.returncode == 2 and "RoPE" in r.stderr and not os.path.exists(tmp_path / "z")
+
+
+def test_default_no_decay_rule_without_a_recorded_set():
+    """A manifest without a no-decay list: Megatron's default rule on the logical shapes (norms only)."""
+    from bridge.format.manifest import Manifest, OptimizerConfig
+    from bridge.jaxside.presets.maxtext_ckpt import hyper_of
+
+    t = logical_tree(DIMS)
+    h = hyper_of(Manifest(optimizer=OptimizerConfig(lr=1e-3)), {p: a.shape for p, a in t.items()})
+    assert set(h.no_decay) == {("decoder", "final_layernorm", "weight"), ATT + ("layer_norm_weight",),
+                               ("decoder", "layers", "mlp", "linear_fc1", "layer_norm_weight")}

@@ -106,8 +106,9 @@ def read_logical(src: str) -> tuple[Manifest | None, dict[str, dict[Path, np.nda
     return ck.manifest, trees, count, step if step is not None else count
 
 
-def hyper_of(man: Manifest | None, paths: list[Path]) -> Hyper:
-    """AdamW settings from a manifest (Megatron's defaults where absent)."""
+def hyper_of(man: Manifest | None, shapes: Mapping[Path, tuple[int, ...]]) -> Hyper:
+    """AdamW settings from a manifest (Megatron's defaults where absent; `shapes`: logical param shapes
+    for Megatron's default no-decay rule when the manifest records no no-decay set)."""
     from bridge.jaxside.manifest_view import adam_hparams, megatron_default_no_decay
 
     if man is None:
@@ -117,7 +118,7 @@ def hyper_of(man: Manifest | None, paths: list[Path]) -> Hyper:
         raise BridgeError("manifest records no learning rate; the MaxText optimizer needs one")
     no_decay = tuple(sorted(h.no_decay)) if h.no_decay is not None else ()
     if h.no_decay is None:
-        no_decay = tuple(p for p in paths if megatron_default_no_decay(p, (1,) * (1 + ("layers" in p))))
+        no_decay = tuple(sorted(p for p, shape in shapes.items() if megatron_default_no_decay(p, tuple(shape))))
     return Hyper(lr=float(h.lr), b1=h.b1, b2=h.b2, eps=h.eps, weight_decay=h.weight_decay, clip_grad=h.clip_grad,
                  no_decay=no_decay)
 
@@ -192,7 +193,7 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan
     opts = Options(decoder_block=decoder_block, scan_layers=scan_layers,
                    rotary_interleaved=bool(args.get("rotary_interleaved", False)))
     dims = Dims.from_logical({p: a.shape for p, a in trees["params"].items()}, _head_dim(man, args))
-    hyper = hyper_of(man, list(trees["params"]))
+    hyper = hyper_of(man, {p: a.shape for p, a in trees["params"].items()})
     step = count
     mt = {kind: to_maxtext(t, kind, dims, opts) for kind, t in trees.items()}
     for kind in ("mu", "nu"):
