@@ -116,7 +116,7 @@ def test_maxtext_restores_and_computes_megatrons_loss(trip):
 
 def test_maxtext_step_equals_megatrons_next_update(trip):
     r, meg = trip["report"], trip["megatron"]
-    assert r["step_after"] == 4 and r["saved_step_dir"] == 3 and trip["back_res"]["step"] == 4
+    assert r["step_after"] == 4 and r["saved_step_dir"] == 3 and trip["back_res"]["trained_steps"] == 4
     want = meg["next_losses"][1]                          # Megatron's loss of batch 4 after its step 3
     err, control = abs(r["loss_batch4_after"] - want), abs(r["loss_batch4_before"] - want)
     print(f"batch 4: MaxText after its step {r['loss_batch4_after']:.7f}, before {r['loss_batch4_before']:.7f}, "
@@ -177,7 +177,7 @@ def test_fresh_maxtext_run_converts_to_megatron(trip, tmp_path):
     items = find_items(root)
     hyper = mx.Hyper(lr=0.01, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_grad=1.0)
     res = read_maxtext(root, str(tmp_path / "logical"), hyper=hyper)
-    assert res["count"] == 2 and not res["sidecar"]
+    assert res["adam_count"] == 2 and not res["sidecar"]
     raw, back = _plain_read(items), read_all(str(tmp_path / "logical"))
     d = trip["written"].dims
     for kind, src, pre in (("params", "params/params/", ("params",)), ("mu", "opt_state/0/mu/params/", ("opt_state", "0", "mu"))):

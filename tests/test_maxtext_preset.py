@@ -223,7 +223,7 @@ def test_write_read_round_trip_bit_exact(tmp_path):
     w = write_maxtext(os.path.join(LLAMA, "live"), str(tmp_path / "mt"))
     assert os.path.basename(w.step_dir) == "2"       # MaxText's name for the state after 3 steps
     res = read_maxtext(str(tmp_path / "mt"), str(tmp_path / "back"))
-    assert res["sidecar"] and res["step"] == 3
+    assert res["sidecar"] and res["trained_steps"] == 3
     src, back = read_all(os.path.join(LLAMA, "live")), read_all(str(tmp_path / "back"))
     src = {p: a for p, a in src.items() if p[0] != "model"}
     assert sorted(src) == sorted(back)
@@ -277,7 +277,7 @@ def test_foreign_maxtext_checkpoint_reads_and_converts_to_megatron(tmp_path):
 
     hyper = mx.Hyper(lr=0.01, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_grad=1.0)
     res = read_maxtext(FRESH, str(tmp_path / "logical"), hyper=hyper)
-    assert not res["sidecar"] and res["step"] == 2 and res["count"] == 2
+    assert not res["sidecar"] and res["trained_steps"] == 2 and res["adam_count"] == 2
     raw = _plain_read(find_items(FRESH))
     back = read_all(str(tmp_path / "logical"))
     E, L, H, D, K, F, V = 24, 2, 4, 6, 2, 40, 72

@@ -99,6 +99,7 @@ def run_from(args: argparse.Namespace) -> int:
     res = read_maxtext(args.src, args.dst, hyper=hyper, options=opts)
     d = res["dims"]
     how = "sidecar of the run gtp-bridge wrote" if res["sidecar"] else "the given AdamW settings"
-    print(f"wrote {res['dst']} from {res['items']} (step {res['step']}, Adam count {res['count']}): {d['layers']} "
+    print(f"wrote {res['dst']} from {res['items']} (step {res['trained_steps']}, Adam count {res['adam_count']}): "
+          f"{d['layers']} "
           f"layers, hidden {d['hidden']}, vocab {d['vocab']}; hyper-parameters from {how}")
     return 0

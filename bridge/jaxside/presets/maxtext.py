@@ -48,6 +48,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from bridge.errors import BridgeError
+from bridge.format import schema
 
 Path = tuple[str, ...]
 
@@ -286,7 +287,7 @@ def fold_factor(kind: str, head_dim: int) -> np.float32:
     [0.125, 8.0, 8.0, 64.0]
     """
     c = query_scale(head_dim)
-    return {"params": c, "grad": 1 / c, "mu": 1 / c, "nu": 1 / (c * c)}[kind]
+    return {schema.PARAMS: c, "grad": 1 / c, schema.MU: 1 / c, schema.NU: 1 / (c * c)}[kind]
 
 
 def _value_forward(x: np.ndarray, leaf: Leaf, kind: str, dims: Dims, opts: Options) -> np.ndarray:

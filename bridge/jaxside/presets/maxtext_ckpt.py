@@ -25,8 +25,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from bridge.errors import BridgeError
+from bridge.format import schema
 from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
-from bridge.format.tree import adamw_empty_paths
 from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, active_table, adamw_mask_patterns, decayed,
                                            from_maxtext, maxtext_overrides, to_maxtext)
 from bridge.location import local_path
@@ -34,6 +34,15 @@ from bridge.location import local_path
 SIDECAR = "gtp_bridge_maxtext.json"
 ITEMS = "items"
 Path = tuple[str, ...]
+
+# MaxText's own train-state tree (its Linen on-disk layout), spelled by MaxText, not by our format:
+MT_PARAMS: Path = ("params", "params")   # foreign: maxtext (Linen `params` collection under TrainState.params)
+MT_OPT = "opt_state"                     # foreign: maxtext (TrainState.opt_state)
+MT_STEP = "step"                         # foreign: maxtext (TrainState.step)
+MT_ADAM: Path = (MT_OPT, "0")            # optax.adamw's ScaleByAdamState
+MT_COUNT: Path = MT_ADAM + ("count",)    # foreign: optax ScaleByAdamState.count
+MT_MOMENT_ROOT = "params"                # foreign: maxtext (mu/nu mirror TrainState.params)
+ROLES = schema.OPTIMIZER_ROLES           # the per-parameter trees moved: masters, mu, nu
 
 
 @dataclass
@@ -85,24 +94,24 @@ def _check_megatron_args(args: Mapping) -> None:
 
 
 def read_logical(src: str) -> tuple[Manifest | None, dict[str, dict[Path, np.ndarray]], int, int]:
-    """(manifest, {"params"|"mu"|"nu": {path: array}}, Adam count, step) of a logical checkpoint."""
+    """(manifest, {role: {param path: array}} for the masters and both moments, Adam count, step) of a
+    logical checkpoint."""
     from bridge.store.reader import open_checkpoint
 
     ck = open_checkpoint(src)
-    trees: dict[str, dict[Path, np.ndarray]] = {"params": {}, "mu": {}, "nu": {}}
+    trees: dict[str, dict[Path, np.ndarray]] = {r: {} for r in ROLES}
     count = step = None
     for p in ck.paths():
-        if p[0] == "params":
-            trees["params"][p[1:]] = ck.read(p)
-        elif p[:2] == ("opt_state", "0") and len(p) > 3 and p[2] in ("mu", "nu"):
-            trees[p[2]][p[3:]] = ck.read(p)
-        elif p == ("opt_state", "0", "count"):
+        hit = schema.split_role(p)
+        if hit is not None and hit[0] in trees:
+            trees[hit[0]][hit[1]] = ck.read(p)
+        elif p == schema.COUNT_PATH:
             count = int(ck.read(p))
-        elif p == ("step",):
+        elif p == schema.STEP_PATH:
             step = int(ck.read(p))
-    if not trees["params"] or not trees["mu"] or not trees["nu"] or count is None:
-        raise BridgeError(f"{src} has no full Adam state (params, opt_state/0/mu, nu, count); the maxtext preset "
-                          f"writes params and optimizer state together")
+    if not all(trees.values()) or count is None:
+        raise BridgeError(f"{src} has no full Adam state (masters, both moments and the count); the maxtext preset "
+                          f"writes the weights and the optimizer state together")
     return ck.manifest, trees, count, step if step is not None else count
 
 
@@ -145,7 +154,7 @@ def maxtext_optimizer(hyper: Hyper, dims: Dims, opts: Options):
 
 def train_state(params: Mapping[Path, np.ndarray], mu: Mapping[Path, np.ndarray], nu: Mapping[Path, np.ndarray],
                 count: int, step: int, hyper: Hyper, dims: Dims, opts: Options) -> dict:
-    """MaxText's Linen train-state tree `{step, params: {params}, opt_state}` filled from numpy leaves."""
+    """MaxText's Linen train-state tree (step, params/params, opt_state) filled from numpy leaves."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -154,25 +163,25 @@ def train_state(params: Mapping[Path, np.ndarray], mu: Mapping[Path, np.ndarray]
     from bridge.jaxside.optax_state import classify
 
     tx = maxtext_optimizer(hyper, dims, opts)
-    p_tree = {"params": nested_from_paths({k: jnp.asarray(v) for k, v in params.items()})}
+    p_tree = {MT_MOMENT_ROOT: nested_from_paths({k: jnp.asarray(v) for k, v in params.items()})}
     template = jax.eval_shape(tx.init, p_tree)
-    moments = {"mu": mu, "nu": nu}
+    moments = {schema.MU: mu, schema.NU: nu}
 
     def fill(kp, leaf):
         role = classify(kp)
         if role is None:
             raise BridgeError(f"MaxText optimizer state leaf {jax.tree_util.keystr(kp)} is not an Adam leaf")
-        if role.kind == "count":
+        if role.kind == schema.COUNT:
             return jnp.asarray(count, dtype=leaf.dtype)
         if role.kind in moments:
             return jnp.asarray(moments[role.kind][role.param[1:]], dtype=leaf.dtype)
         raise BridgeError(f"MaxText optimizer state leaf {jax.tree_util.keystr(kp)} is not an Adam leaf")
 
     opt_state = jax.tree_util.tree_map_with_path(fill, template)
-    # MaxText's NNX train state stores every empty optax state as None (`opt_state/1`), where
+    # MaxText's NNX train state stores every empty optax state as None (its opt_state's element 1), where
     # adamw's weight-decay mask would nest one as MaskedState(inner_state): same leaves, its tree.
     opt_state = tuple(optax.EmptyState() if not jax.tree_util.tree_leaves(s) else s for s in opt_state)
-    return {"step": jnp.asarray(step, dtype=jnp.int32), "params": p_tree, "opt_state": opt_state}
+    return {MT_STEP: jnp.asarray(step, dtype=jnp.int32), MT_PARAMS[0]: p_tree, MT_OPT: opt_state}
 
 
 def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan_layers: bool = True,
@@ -192,14 +201,15 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan
     _check_megatron_args(args)
     opts = Options(decoder_block=decoder_block, scan_layers=scan_layers,
                    rotary_interleaved=bool(args.get("rotary_interleaved", False)))
-    dims = Dims.from_logical({p: a.shape for p, a in trees["params"].items()}, _head_dim(man, args))
-    hyper = hyper_of(man, {p: a.shape for p, a in trees["params"].items()})
+    shapes = {p: a.shape for p, a in trees[schema.PARAMS].items()}
+    dims = Dims.from_logical(shapes, _head_dim(man, args))
+    hyper = hyper_of(man, shapes)
     step = count
-    mt = {kind: to_maxtext(t, kind, dims, opts) for kind, t in trees.items()}
-    for kind in ("mu", "nu"):
-        if set(mt[kind]) != set(mt["params"]):
-            odd = sorted(set(mt[kind]) ^ set(mt["params"]))[0]
-            raise BridgeError(f"logical checkpoint's {kind} and params differ at {'/'.join(odd)}")
+    mt = {role: to_maxtext(t, role, dims, opts) for role, t in trees.items()}
+    for role in schema.MOMENTS:
+        if set(mt[role]) != set(mt[schema.PARAMS]):
+            odd = sorted(set(mt[role]) ^ set(mt[schema.PARAMS]))[0]
+            raise BridgeError(f"logical checkpoint's {role} and masters differ at {'/'.join(odd)}")
     overrides = maxtext_overrides(dims, opts, hyper, max_target_length=max_target_length or args.get("seq_length"),
                                   norm_epsilon=float(args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))),
                                   rotary_base=float(args.get("rotary_base", 10000)))
@@ -207,12 +217,12 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan
     step_dir = os.path.join(dst_root, str(dir_step))
     if os.path.lexists(step_dir):
         raise BridgeError(f"{step_dir} exists; MaxText checkpoints are never overwritten (choose another root or step)")
-    state = train_state(mt["params"], mt["mu"], mt["nu"], count, step, hyper, dims, opts)
+    state = train_state(mt[schema.PARAMS], mt[schema.MU], mt[schema.NU], count, step, hyper, dims, opts)
     ckptr = ocp.training.Checkpointer(dst_root)
     ckptr.save_checkpointables(dir_step, {ITEMS: state}, custom_metadata={"scan_layers": scan_layers})
     ckptr.close() if hasattr(ckptr, "close") else None
     sidecar = {"format": 1, "options": asdict(opts), "dims": asdict(dims), "hyper": asdict(hyper),
-               "overrides": overrides, "count": count, "step": step,
+               "overrides": overrides, "adam_count": count,
                "base_manifest": man.to_json() if man is not None else None}
     from bridge.store.durable import write_json_atomic
 
@@ -254,26 +264,27 @@ def find_sidecar(items: str) -> str | None:
 
 
 def read_maxtext_tree(items: str) -> tuple[dict[str, dict[Path, np.ndarray]], int, int]:
-    """({"params"|"mu"|"nu": {path under params/params: array}}, Adam count, step) of a MaxText items dir."""
+    """({role: {path under MaxText's params: array}} for masters and moments, Adam count, step) of an items dir."""
     from bridge.store.reader import open_checkpoint
 
     ck = open_checkpoint(items)
-    trees: dict[str, dict[Path, np.ndarray]] = {"params": {}, "mu": {}, "nu": {}}
+    trees: dict[str, dict[Path, np.ndarray]] = {r: {} for r in ROLES}
+    moment_roots = {MT_ADAM + (m, MT_MOMENT_ROOT): m for m in schema.MOMENTS}
     count = step = None
     for p in ck.paths():
-        if p[:2] == ("params", "params"):
-            trees["params"][p[2:]] = ck.read(p)
-        elif p[:2] == ("opt_state", "0") and len(p) > 4 and p[2] in ("mu", "nu") and p[3] == "params":
-            trees[p[2]][p[4:]] = ck.read(p)
-        elif p == ("opt_state", "0", "count"):
+        if p[:2] == MT_PARAMS:
+            trees[schema.PARAMS][p[2:]] = ck.read(p)
+        elif p[:4] in moment_roots:
+            trees[moment_roots[p[:4]]][p[4:]] = ck.read(p)
+        elif p == MT_COUNT:
             count = int(ck.read(p))
-        elif p == ("step",):
+        elif p == (MT_STEP,):
             step = int(ck.read(p))
-    if not trees["params"]:
-        raise BridgeError(f"{items} has no params/params tree; is it a MaxText train-state checkpoint?")
-    if not trees["mu"] or not trees["nu"] or count is None:
-        raise BridgeError(f"{items} holds no Adam state (opt_state/0/{{count,mu,nu}}); the maxtext preset needs "
-                          f"MaxText's adamw state (opt_type=adamw)")
+    if not trees[schema.PARAMS]:
+        raise BridgeError(f"{items} has no MaxText parameter tree; is it a MaxText train-state checkpoint?")
+    if not all(trees.values()) or count is None:
+        raise BridgeError(f"{items} holds no Adam state (moments and count); the maxtext preset needs MaxText's "
+                          f"adamw state (opt_type=adamw)")
     return trees, count, step if step is not None else count
 
 
@@ -331,7 +342,7 @@ def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Opt
     side_path = find_sidecar(items)
     side = json.load(open(side_path)) if side_path else None
     trees, count, step = read_maxtext_tree(items)
-    dims, scanned = Dims.from_maxtext({p: a.shape for p, a in trees["params"].items()})
+    dims, scanned = Dims.from_maxtext({p: a.shape for p, a in trees[schema.PARAMS].items()})
     if side is not None:
         opts = Options(**side["options"])
         hyper = hyper or Hyper(**{**side["hyper"], "no_decay": tuple(tuple(p) for p in side["hyper"]["no_decay"])})
@@ -347,17 +358,15 @@ def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Opt
     if not hyper.no_decay:
         norms = [leaf.logical[0] for leaf in active_table(dims) if leaf.no_decay]
         hyper = Hyper(**{**asdict(hyper), "no_decay": tuple(tuple(n.split("/")) for n in norms)})
-    logical = {kind: from_maxtext(t, kind, dims, opts) for kind, t in trees.items()}
+    logical = {role: from_maxtext(t, role, dims, opts) for role, t in trees.items()}
     man = _manifest_for(dims, hyper, count, side["base_manifest"] if side else None, opts,
                         float(rotary_base or 10000.0), float(norm_epsilon or 1e-5))
     arrays: dict[Path, np.ndarray] = {}
-    for p, a in logical["params"].items():
-        arrays[("params",) + p] = np.asarray(a, np.float32)
-    for kind in ("mu", "nu"):
-        for p, a in logical[kind].items():
-            arrays[("opt_state", "0", kind) + p] = np.asarray(a, np.float32)
-    arrays[("opt_state", "0", "count")] = np.asarray(count, np.int32)
-    arrays[("step",)] = np.asarray(step, np.int32)
-    save_checkpoint(dst, arrays, man, empty_paths=adamw_empty_paths())
-    return {"dst": dst, "items": items, "step": step, "count": count, "dims": asdict(dims), "options": asdict(opts),
-            "sidecar": side is not None}
+    for role, tree in logical.items():
+        for p, a in tree.items():
+            arrays[schema.role_path(role, p)] = np.asarray(a, np.float32)
+    arrays[schema.COUNT_PATH] = np.asarray(count, schema.SCALAR_DTYPE)
+    arrays[schema.STEP_PATH] = np.asarray(step, schema.SCALAR_DTYPE)
+    save_checkpoint(dst, arrays, man, empty_paths=schema.adamw_empty_paths())
+    return {"dst": dst, "items": items, "trained_steps": step, "adam_count": count, "dims": asdict(dims),
+            "options": asdict(opts), "sidecar": side is not None}
