@@ -23,7 +23,7 @@ from bridge import __version__
 from bridge.errors import BridgeError
 
 # Order is the order shown in --help.
-COMMANDS = ["convert", "to_megatron", "inspect", "verify", "diff", "demo"]
+COMMANDS = ["convert", "to_megatron", "maxtext", "inspect", "verify", "diff", "demo"]
 
 class _Parser(argparse.ArgumentParser):
     """ArgumentParser whose usage errors are one line (plus where to look), exit 2."""
