@@ -30,7 +30,25 @@ DP_TENSOR_RE = re.compile(
 DP_OBJECT_RE = re.compile(
     r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
     r"(optimizer|grad_scaler|per_bucket_numel|per_bucket_numel_unpadded|param_state)(?:/.*)?$")
+DP_ZERO_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.param_state$")
 WRAPPERS = ("module", "model")
+
+#: megatron-core's `distrib_optim_sharding_type` values -> the releases that save them (read from
+#: each release's DistributedOptimizer.sharded_state_dict and the saves in tests/fixtures/megatron/release_*)
+SAVED_BY = {
+    "fully_sharded_model_space": "megatron-core 0.14-0.15 (the default of DistributedOptimizer.sharded_state_dict "
+                                 "there; 0.16+ refuse to save it)",
+    "fully_sharded_bucket_space": "megatron-core <= 0.14 (deprecated)",
+    "dp_zero_gather_scatter": "megatron-core 0.14-0.19 (gathered on DP rank 0)",
+    "dp_reshardable": "megatron-core >= 0.15",
+    "fully_reshardable": "megatron-core >= 0.15",
+    "fsdp_dtensor": "Megatron-FSDP (megatron-core >= 0.14)",
+}
+#: optimizer formats convert reads (the rest are refused, naming what they are)
+READABLE = ("fully_reshardable", "dp_reshardable", "fully_sharded_model_space", "dp_zero_gather_scatter",
+            "fully_sharded_bucket_space")
+#: formats whose DP-sharded state is stored per DDP bucket (flat), rebuilt through the buffer layout
+BUCKETED = ("dp_reshardable", "fully_sharded_bucket_space", "dp_zero_gather_scatter")
 STATE_ROLE = {"param": "params", "fp32_param": "params", "exp_avg": "mu", "exp_avg_sq": "nu"}
 
 # Megatron module names -> TP kind (megatron-layout.md §2.1). Used when chunks cannot show it
@@ -178,11 +196,20 @@ class DpBucketKey:
 
 
 @dataclass
+class DpZeroKey:
+    """One dp_zero_gather_scatter object: a whole DistOpt group's state gathered on its DP rank 0."""
+
+    key: str           # object name, without the /shard_ suffix
+    chain: int
+    dp_group_idx: int
+
+
+@dataclass
 class SourceCheckpoint:
     """Everything convert needs to know about a torch_dist checkpoint before reading data."""
 
     ck: DcpCheckpoint
-    fmt: str                                        # fully_reshardable | dp_reshardable | model_only
+    fmt: str                                        # one of READABLE, or model_only
     args: dict
     common: dict
     layout: ParallelLayout
@@ -190,6 +217,7 @@ class SourceCheckpoint:
     models: dict[str, ModelEntry]                   # logical name -> entry (registration order)
     opt_keys: dict[tuple[str, str], str] = field(default_factory=dict)   # (role, name) -> stored key
     dp_keys: list[DpBucketKey] = field(default_factory=list)
+    zero_keys: list[DpZeroKey] = field(default_factory=list)
     chained: bool = False
     inferred: list[str] = field(default_factory=list)  # what was inferred (for the manifest / report)
 
@@ -218,6 +246,7 @@ class Hints:
     kv_channels: int | None = None
     swiglu: bool | None = None
     bucket_size: int | None = None
+    model_only: bool = False     # convert the weights only, leaving the optimizer state out on purpose
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,6 +332,94 @@ def fused_spec(name: str, rows: int, args: dict, hints: Hints, shapes: dict[str,
     return None
 
 
+def recorded_sharding_types(obj: Any, depth: int = 0) -> set[str]:
+    """Every `param_state_sharding_type` in the common state's (possibly chained) optimizer dicts.
+
+    >>> sorted(recorded_sharding_types({"optimizer": {0: {"param_state_sharding_type": "dp_reshardable"}}}))
+    ['dp_reshardable']
+    """
+    out: set[str] = set()
+    if depth > 6:
+        return out
+    if isinstance(obj, dict):
+        v = obj.get("param_state_sharding_type")
+        if v is not None:
+            out.add(v if isinstance(v, str) else repr(v)[:60])
+        for k, x in obj.items():
+            if k not in ("param_groups", "state", "param_state", "param_state_sharding_type"):
+                out |= recorded_sharding_types(x, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj[:64]:
+            out |= recorded_sharding_types(x, depth + 1)
+    return out
+
+
+def zero_keys_of(ck: DcpCheckpoint) -> list[DpZeroKey]:
+    """The dp_zero_gather_scatter `param_state` objects of a checkpoint."""
+    out = []
+    for name in dict.fromkeys(ck.object_names()):
+        m = DP_ZERO_RE.match(name)
+        if m:
+            out.append(DpZeroKey(name, int(m.group(1) or 0), int(m.group(2))))
+    return out
+
+
+def format_by_keys(opt: dict[tuple[str, str], str], dp: list[DpBucketKey], zero: list[DpZeroKey],
+                   stored_opt_keys: Iterable[str]) -> str:
+    """The optimizer format the entry names show (bucket tensors of dp_reshardable and
+    fully_sharded_bucket_space look alike: the recorded type tells them apart)."""
+    kinds = [k for k, there in (("opt", opt), ("dp", dp), ("zero", zero)) if there]
+    if len(kinds) > 1:
+        raise BridgeError(f"holds optimizer entries of several formats ({', '.join(kinds)}); unknown format")
+    if opt:
+        return "fully_sharded_model_space" if any(".fp32_param." in k for k in stored_opt_keys) else "fully_reshardable"
+    if dp:
+        return "dp_reshardable"
+    if zero:
+        return "dp_zero_gather_scatter"
+    return "model_only"
+
+
+def decide_format(root: Any, recorded: set[str], by_keys: str, evidence: str, model_only: bool,
+                  inferred: list[str]) -> str:
+    """The format to convert, or a refusal that says what the checkpoint looks like.
+
+    A checkpoint with optimizer state never converts without it unless asked (`--model-only`).
+
+    >>> decide_format("ck", {"dp_reshardable"}, "dp_reshardable", "", False, [])
+    'dp_reshardable'
+    >>> decide_format("ck", {"fully_sharded_bucket_space"}, "dp_reshardable", "", False, [])
+    'fully_sharded_bucket_space'
+    """
+    unknown = sorted(t for t in recorded if t not in READABLE)
+    if model_only:
+        what = (next(iter(recorded)) if len(recorded) == 1 else by_keys) if (recorded or by_keys != "model_only") \
+            else ""
+        inferred.append(f"model_only: optimizer state ({what or evidence or 'none'}) left out (--model-only)")
+        return "model_only"
+    if unknown:
+        t = unknown[0]
+        raise BridgeError(f"{root}: optimizer state saved as {t!r} ({SAVED_BY.get(t, 'not a megatron-core format')}), "
+                          f"which convert cannot read; re-save with dp_reshardable, or pass --model-only to convert "
+                          f"the weights without the optimizer state")
+    if len(recorded) > 1:
+        raise BridgeError(f"{root}: optimizers saved in several formats {sorted(recorded)}; unknown format")
+    if recorded:
+        t = next(iter(recorded))
+        same = t == by_keys or (t == "fully_sharded_bucket_space" and by_keys == "dp_reshardable")
+        if not same:
+            have = "no optimizer entries" if by_keys == "model_only" else f"entries of {by_keys}"
+            raise BridgeError(f"{root}: common_state records optimizer format {t!r} ({SAVED_BY.get(t, '?')}) but the "
+                              f"checkpoint holds {have}: incomplete or mixed checkpoint; copy the complete save, or "
+                              f"pass --model-only to convert the weights without the optimizer state")
+        return t
+    if by_keys == "model_only" and evidence:
+        raise BridgeError(f"{root}: holds optimizer state ({evidence}) but none of the optimizer entries of a known "
+                          f"format ({', '.join(READABLE)}); unknown optimizer format, refusing rather than converting "
+                          f"without it (pass --model-only to convert the weights alone)")
+    return by_keys
+
+
 def _layout_from(args: dict, hints: Hints, tp_inferred: int, world: int, inferred: list[str]) -> ParallelLayout:
     def pick(flag: str, *names: str, default: int | None = None) -> int | None:
         v = getattr(hints, flag)
@@ -350,17 +467,22 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
         raise BridgeError(f"{ck.root}: common_state iteration is {type(it).__name__} {str(it)[:40]}, not a step count; "
                           f"the checkpoint is damaged")
     model_keys, opt, dp, _other = classify_keys(ck)
-    if not model_keys and not opt and not dp:
+    zero = zero_keys_of(ck)
+    if not model_keys and not opt and not dp and not zero:
         raise BridgeError(f"{ck.root}: a DCP checkpoint without Megatron model or optimizer entries "
                           f"(unknown format); only Megatron-Core torch_dist saves can be converted")
-    if opt and dp:
-        raise BridgeError(f"{ck.root}: holds both fully_reshardable and dp_reshardable optimizer entries; "
-                          f"unknown format")
-    fmt = "fully_reshardable" if opt else "dp_reshardable" if dp else "model_only"
+    try:
+        by_keys = format_by_keys(opt, dp, zero, opt.values())
+    except BridgeError as e:
+        raise BridgeError(f"{ck.root}: {e}") from None
+    inferred: list[str] = []
+    fmt = decide_format(ck.root, recorded_sharding_types(common.get("optimizer")), by_keys,
+                        _evidence(ck, common), hints.model_only, inferred)
+    if fmt == "model_only":
+        opt, dp, zero = {}, [], []
     if not model_keys:
         raise BridgeError(f"{ck.root}: optimizer state without model weights; convert needs the model entries "
                           f"(save the model with the optimizer)")
-    inferred: list[str] = []
     names = {strip_wrappers(k): k for k in model_keys}
     if len(names) != len(model_keys):
         raise BridgeError(f"{ck.root}: two model keys differ only by a module./model. prefix; unknown format")
@@ -408,8 +530,9 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
                                  fused=spec, expert=expert)
             pad_known = True
         models[n] = ModelEntry(k, n, info, npre, geom, legacy)
-    src = SourceCheckpoint(ck, fmt, args, common, layout, pad, models, opt, dp,
-                           chained=any(d.chain for d in dp) or any(m.geom.expert for m in models.values()),
+    src = SourceCheckpoint(ck, fmt, args, common, layout, pad, models, opt, dp, zero,
+                           chained=any(d.chain for d in dp) or any(z.chain for z in zero)
+                           or any(m.geom.expert for m in models.values()),
                            inferred=inferred)
     missing = sorted({n for (_r, n) in opt} - set(models))
     if missing:
@@ -432,14 +555,12 @@ def check_complete(src: SourceCheckpoint) -> None:
     """
     root = src.ck.root
     if src.fmt == "model_only":
-        evidence = optimizer_evidence(src)
-        if evidence:
-            raise BridgeError(f"{root}: holds optimizer state ({evidence}) but none of the optimizer tensors that "
-                              f"convert reads (fully_reshardable / dp_reshardable); unknown optimizer format, "
-                              f"refusing rather than converting without it")
-        src.inferred.append("model_only (no optimizer state in the checkpoint)")
+        if not any(x.startswith("model_only") for x in src.inferred):
+            src.inferred.append("model_only (no optimizer state in the checkpoint)")
         return
-    if src.fmt == "fully_reshardable":
+    if src.fmt == "dp_zero_gather_scatter":
+        pass  # one object per DistOpt group; its buffers are checked against the rebuilt layout
+    elif src.fmt in ("fully_reshardable", "fully_sharded_model_space"):
         for name in src.models:
             absent = [label for role, label in FULLY_ROLES if (role, name) not in src.opt_keys]
             if absent:
@@ -481,11 +602,15 @@ def check_complete(src: SourceCheckpoint) -> None:
 
 def optimizer_evidence(src: SourceCheckpoint) -> str:
     """What shows that an optimizer was saved (tensor or object keys, common_state's `optimizer`), or ''."""
-    keys = [k for k in src.ck.tensors if k.startswith(("optimizer.", "chained_"))]
-    keys += [k for k in src.ck.object_names() if k.startswith(("optimizer.", "chained_")) or DP_OBJECT_RE.match(k)]
+    return _evidence(src.ck, src.common)
+
+
+def _evidence(ck: DcpCheckpoint, common: dict) -> str:
+    keys = [k for k in ck.tensors if k.startswith(("optimizer.", "chained_"))]
+    keys += [k for k in ck.object_names() if k.startswith(("optimizer.", "chained_")) or DP_OBJECT_RE.match(k)]
     if keys:
         return f"entry {keys[0]}"
-    if src.common.get("optimizer") is not None:
+    if common.get("optimizer") is not None:
         return "common_state['optimizer']"
     return ""
 
@@ -562,8 +687,8 @@ def find_param_groups(obj: Any, depth: int = 0) -> list[list[dict]]:
 def optimizer_groups(src: SourceCheckpoint) -> list[list[dict]]:
     """Param groups per chained optimizer (fully_reshardable: common_state; dp: the dp_group_idx_0 objects)."""
     groups = find_param_groups(src.common.get("optimizer"))
-    if not groups and src.fmt == "dp_reshardable":
-        chains = sorted({d.chain for d in src.dp_keys})
+    if not groups and src.fmt in BUCKETED:
+        chains = sorted({d.chain for d in src.dp_keys} | {z.chain for z in src.zero_keys})
         for c in chains:
             prefix = f"chained_{c}." if any(k.startswith("chained_") for k in src.ck.objects) else ""
             cands = [k for k in src.ck.object_names() if k.startswith(f"{prefix}optimizer.distributed.dp_group_idx_")
