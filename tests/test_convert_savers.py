@@ -300,3 +300,38 @@ def test_mismatched_recorded_format_is_refused(tmp_path):
                        drop=(), edit=lie)
     with pytest.raises(BridgeError, match="records optimizer format 'dp_reshardable'"):
         convert(str(src), str(tmp_path / "out"), ConvertOptions(workers=1, hints=Hints()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline parallelism (CPU only: synthetic saves; real PP2 fixtures need two GPUs, issue #23)
+
+
+@pytest.fixture(scope="module")
+def synth_pp2(tmp_path_factory):
+    import convert_synth as synth
+
+    d = tmp_path_factory.mktemp("pp")
+    with synth.dims(L=4):
+        st = synth.make_checkpoint(str(d / "dp"), "dp_reshardable", tp=2, dp=1, pp=2, bucket_size=300)
+        synth.make_checkpoint(str(d / "fr"), "fully_reshardable", tp=2, dp=1, pp=2)
+    return d, st
+
+
+@pytest.mark.slow
+def test_pp2_dp_reshardable_converts_per_stage_buffers(synth_pp2, tmp_path):
+    """TP2 x PP2, several buckets: each stage's DistOpt buffers hold its two layers, the embedding the first
+    stage's, the final norm and output layer the last stage's."""
+    d, st = synth_pp2
+    res = convert(str(d / "dp"), str(tmp_path / "a"), ConvertOptions(workers=1))
+    assert res.layout["pp"] == 2 and res.layout["tp"] == 2 and res.layout["dp"] == 1
+    assert_matches(str(tmp_path / "a"), {r: dict(v) for r, v in st.items()}, 3)
+    convert(str(d / "fr"), str(tmp_path / "b"), ConvertOptions(workers=1))
+    cref.assert_same_checkpoint(str(tmp_path / "a"), str(tmp_path / "b"))
+
+
+@pytest.mark.slow
+def test_pp2_dp_reshardable_without_pp_is_refused(synth_pp2, tmp_path):
+    d, _ = synth_pp2
+    with pytest.raises(BridgeError):
+        convert(str(d / "dp"), str(tmp_path / "x"), ConvertOptions(workers=1, hints=Hints(pp=1)))
+    assert not (tmp_path / "x").exists()

@@ -26,6 +26,7 @@ def add_hint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gtp", type=int, help="GTP (weight-remat) size of the run")
     g.add_argument("--dp", type=int, help="data-parallel (replicate) size of the run")
     g.add_argument("--ep", type=int, help="expert-parallel size of the run")
+    g.add_argument("--pp", type=int, help="pipeline-parallel size of the run (even stages, no virtual chunks)")
     g.add_argument("--pad-for-alignment", type=int, help="GTP pad_for_alignment (default: inferred, else 16)")
     g.add_argument("--bucket-size", type=int, help="DDP bucket size in elements (dp_reshardable, dp_zero_gather_scatter)")
     g.add_argument("--num-layers", type=int)
@@ -46,7 +47,7 @@ def add_hint_flags(p: argparse.ArgumentParser) -> None:
 def hints_from(args: argparse.Namespace):
     from converters.megatron.format import Hints
 
-    return Hints(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, pad_for_alignment=args.pad_for_alignment,
+    return Hints(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, pp=args.pp, pad_for_alignment=args.pad_for_alignment,
                  num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                  kv_channels=args.kv_channels, swiglu=args.swiglu, bucket_size=args.bucket_size,
                  model_only=getattr(args, "model_only", False), hidden_size=args.hidden_size,

@@ -176,11 +176,11 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
         if ck_coords is None:
             raise BridgeError(f"{where}: dp_group_idx {k} does not exist for layout {lay.to_json()}; "
                               f"pass --tp/--gtp/--ep matching the run")
-        t, g, e = ck_coords
+        t, g, e, stage = ck_coords
         pdt, _gdt = parse_dtype_key(dtype_key)
         geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
                  and np_dtype_name(src.models[g_.name].dtype) == pdt]
-        insts = local_instances(geoms, lay, e)
+        insts = local_instances(geoms, lay, e, stage)
         gmap = {g_.name: g_ for g_ in geoms}
         sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
         numels = {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
@@ -233,7 +233,7 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
         if ck_coords is None:
             raise BridgeError(f"{z.key}: dp_group_idx {z.dp_group_idx} does not exist for layout {lay.to_json()}; "
                               f"pass --tp/--gtp/--ep matching the run")
-        t, g, e = ck_coords
+        t, g, e, stage = ck_coords
         state = ck.read_object(z.key)
         state = state[0] if isinstance(state, list) and len(state) == 1 else state
         if not isinstance(state, dict) or not state.get("buckets_coalesced"):
@@ -247,7 +247,7 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
                 pdt, _gdt = parse_dtype_key(dtype_key)
                 geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
                          and np_dtype_name(src.models[g_.name].dtype) == pdt]
-                insts = local_instances(geoms, lay, e)
+                insts = local_instances(geoms, lay, e, stage)
                 gmap = {g_.name: g_ for g_ in geoms}
                 sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
                 numels = {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
@@ -282,16 +282,16 @@ def _maybe_object(ck: DcpCheckpoint, name: str):
     return ck.read_object(key) if key is not None else None
 
 
-def _dp_group_coords(lay: ParallelLayout) -> dict[str, dict[int, tuple[int, int, int]]]:
-    """dp_group_idx -> (TP rank, GTP rank, EP rank) for the dense and the expert optimizer."""
-    dense: dict[int, tuple[int, int, int]] = {}
-    expert: dict[int, tuple[int, int, int]] = {}
+def _dp_group_coords(lay: ParallelLayout) -> dict[str, dict[int, tuple[int, int, int, int]]]:
+    """dp_group_idx -> (TP rank, GTP rank, EP rank, PP stage) for the dense and the expert optimizer."""
+    dense: dict[int, tuple[int, int, int, int]] = {}
+    expert: dict[int, tuple[int, int, int, int]] = {}
     for r in range(lay.world):
         c = lay.coords(r)
         if c.d == 0 and c.c == 0:
-            dense.setdefault(lay.dp_group_idx(r), (c.t, c.g, 0))
+            dense.setdefault(lay.dp_group_idx(r), (c.t, c.g, 0, c.p))
         if c.ed == 0:
-            expert.setdefault(lay.expert_dp_group_idx(r), (c.et, c.eg, c.e))
+            expert.setdefault(lay.expert_dp_group_idx(r), (c.et, c.eg, c.e, c.p))
     return {"dense": dense, "expert": expert}
 
 

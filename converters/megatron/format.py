@@ -241,6 +241,7 @@ class Hints:
     gtp: int | None = None
     dp: int | None = None
     ep: int | None = None
+    pp: int | None = None
     pad_for_alignment: int | None = None
     num_attention_heads: int | None = None
     num_query_groups: int | None = None
@@ -260,6 +261,7 @@ class Hints:
         """The flags given, under Megatron argument names (`model_facts.FLAG_OF`)."""
         pairs = (("tensor_model_parallel_size", self.tp), ("gtp_weight_remat_size", self.gtp),
                  ("expert_model_parallel_size", self.ep), ("data_parallel_size", self.dp),
+                 ("pipeline_model_parallel_size", self.pp),
                  ("gtp_remat_pad_for_alignment", self.pad_for_alignment),
                  ("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.num_query_groups),
                  ("kv_channels", self.kv_channels), ("swiglu", self.swiglu), ("hidden_size", self.hidden_size),
@@ -495,7 +497,7 @@ def _layout_from(args: dict, hints: Hints, tp_inferred: int, world: int, inferre
     ep = pick("ep", "expert_model_parallel_size", default=1)
     etp = pick("tp", "expert_tensor_parallel_size", default=tp)
     dp = pick("dp", "data_parallel_size")
-    pp = int(args.get("pipeline_model_parallel_size") or 1)
+    pp = pick("pp", "pipeline_model_parallel_size", default=1)
     cp = int(args.get("context_parallel_size") or 1)
     if dp is None:
         model = tp * gtp * pp * cp
@@ -560,6 +562,14 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
             inferred.append(f"ep unknown ({fmt} stores experts globally, so it is not needed to convert); "
                             f"recorded as 1")
     layout = _layout_from(args, hints, tp_inf, world, inferred, gtp_inf)
+    if layout.pp > 1 and fmt in BUCKETED:
+        # each stage's buffers hold its own layers; chunks of a virtual pipeline or uneven first /
+        # last stages place them otherwise
+        for a in ("virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+                  "decoder_last_pipeline_num_layers", "num_layers_per_virtual_pipeline_stage"):
+            if args.get(a):
+                raise BridgeError(f"{ck.root}: {fmt} saved with {a}={args[a]}; only even pipeline stages without "
+                                  f"virtual chunks are supported (re-save as fully_reshardable)")
     if layout.gtp == 1 and tp_inf > 1 and tp_inf != layout.tp:
         raise BridgeError(f"{ck.root}: the run's TP={layout.tp} (from args or --tp) disagrees with the chunk offsets, "
                           f"which show TP={tp_inf}; pass the right --tp")

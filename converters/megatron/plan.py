@@ -324,26 +324,56 @@ class Instance:
         return self.name + "".join(f"[{i}]" for i in self.index)
 
 
-def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, e: int) -> list[Instance]:
-    """A rank's parameters of one DistOpt buffer in registration order (EP rank `e`).
+def stage_layers(num_layers: int, pp: int, p: int) -> range:
+    """Layers of pipeline stage `p` (Megatron's even split; uneven first/last stages are refused
+    where the run records them).
 
-    Stacked keys expand layer-major (all of layer 0's params, then layer 1's...); inside a layer,
-    params keep the checkpoint's key order, and a run of routed-expert keys expands expert-major
-    over the rank's local experts (`local_experts.<i>.linear_fc1`, `.linear_fc2`, then i+1).
+    >>> stage_layers(8, 4, 1), stage_layers(2, 1, 0)
+    (range(2, 4), range(0, 2))
+    """
+    if num_layers % pp:
+        raise BridgeError(f"{num_layers} layers do not split evenly over {pp} pipeline stages; uneven stages "
+                          f"(decoder_first/last_pipeline_num_layers) are not supported")
+    n = num_layers // pp
+    return range(p * n, (p + 1) * n)
+
+
+def on_stage(name: str, pp: int, p: int) -> bool:
+    """Whether a non-layer parameter lives on stage `p`: the embedding on the first stage, the final
+    norm and output layer on the last (Megatron's pre_process / post_process).
+
+    >>> [on_stage(n, 2, 1) for n in ("embedding.word_embeddings.weight", "output_layer.weight")]
+    [False, True]
+    """
+    if pp == 1:
+        return True
+    if name.startswith("embedding."):
+        return p == 0
+    return p == pp - 1
+
+
+def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, e: int, p: int = 0) -> list[Instance]:
+    """A rank's parameters of one DistOpt buffer in registration order (EP rank `e`, PP stage `p`).
+
+    Stacked keys expand layer-major (all of layer 0's params, then layer 1's...) over the stage's
+    layers; inside a layer, params keep the checkpoint's key order, and a run of routed-expert keys
+    expands expert-major over the rank's local experts (`local_experts.<i>.linear_fc1`, `.linear_fc2`,
+    then i+1). Non-layer params are kept on the stage that holds them (`on_stage`).
     """
     out: list[Instance] = []
     i = 0
     while i < len(geoms):
         g = geoms[i]
         if not g.prepend:
-            out.append(Instance(g.name, ()))
+            if on_stage(g.name, layout.pp, p):
+                out.append(Instance(g.name, ()))
             i += 1
             continue
         j = i
         while j < len(geoms) and geoms[j].prepend and geoms[j].prepend[0] == g.prepend[0]:
             j += 1
         block = geoms[i:j]
-        for layer in range(g.prepend[0]):
+        for layer in stage_layers(g.prepend[0], layout.pp, p):
             k = 0
             while k < len(block):
                 b = block[k]
