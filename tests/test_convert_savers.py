@@ -335,3 +335,30 @@ def test_pp2_dp_reshardable_without_pp_is_refused(synth_pp2, tmp_path):
     with pytest.raises(BridgeError):
         convert(str(d / "dp"), str(tmp_path / "x"), ConvertOptions(workers=1, hints=Hints(pp=1)))
     assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# to-megatron for older releases
+
+
+def test_to_megatron_for_016_writes_common_pt_and_round_trips(tmp_path, capsys):
+    """0.15 / 0.16 read the common state from common.pt (0.19 from a DCP object); the output
+    converts back to the same logical arrays. (Loaded by megatron-core 0.16.1 on the GPU:
+    scripts/gpu/results/2026-12-01_savers/load/.)"""
+    src = os.path.join(cref.FIXTURES, "release_0_14_0", "fully_sharded_model_space")
+    assert cli(capsys, "convert", src, str(tmp_path / "l"))[0] == 0
+    rc, out = cli(capsys, "to-megatron", str(tmp_path / "l"), str(tmp_path / "run"), "--tp", "1",
+                  "--format", "dp_reshardable", "--megatron-core", "0.16")
+    assert rc == 0, out
+    it = tmp_path / "run" / "iter_0000003"
+    assert (it / "common.pt").is_file()
+    from converters.megatron.dcp_reader import DcpCheckpoint
+
+    ck = DcpCheckpoint(str(it))
+    assert ck.object_key("common_state") is None and ck.common_state()["iteration"] == 3
+    assert cli(capsys, "convert", str(it), str(tmp_path / "back"))[0] == 0
+    ref, step = cref.load_reference("release_0_14_0")
+    assert_matches(str(tmp_path / "back"), ref, step)
+    rc, out = cli(capsys, "to-megatron", str(tmp_path / "l"), str(tmp_path / "run14"), "--tp", "1",
+                  "--megatron-core", "0.14")
+    assert rc == 2 and "does not load" in out and not (tmp_path / "run14").exists()

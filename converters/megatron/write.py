@@ -58,6 +58,11 @@ from converters.megatron.write_plan import (STATE_NAMES, DpJob, Group, ParamSpec
                                             shard_ranges)
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
+#: target megatron-core release -> the optimizer formats it loads that to-megatron writes. Up to 0.16
+#: the common state is read from `common.pt` beside the .distcp files (0.19 reads a DCP object);
+#: 0.14 loads only fully_sharded_model_space / dp_zero_gather_scatter / fully_sharded_bucket_space.
+RELEASES = {"0.14": (), "0.15": FORMATS, "0.16": FORMATS, "0.19": FORMATS}
+LEGACY_COMMON = ("0.14", "0.15", "0.16")
 ParamInfo = ParamSpec  # a parameter of the logical checkpoint as Megatron keys it
 
 
@@ -72,6 +77,7 @@ class Target:
     fmt: str = "fully_reshardable"
     pad_for_alignment: int | None = None
     bucket_size: int | None = None
+    release: str = "0.19"   # the megatron-core release that will load the output (major.minor)
 
 
 def default_budget() -> int:
@@ -256,6 +262,17 @@ class DcpIndex:
         fsync_path(root)
 
 
+def _write_common_pt(root: str, common: dict) -> None:
+    """megatron-core <= 0.16's common state file: `torch.save` of the dict, beside the .distcp files."""
+    import torch
+
+    path = os.path.join(root, "common.pt")
+    with open(path, "wb") as f:
+        torch.save(common, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _torch_dtype(name: str):
     import torch
 
@@ -296,6 +313,12 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
     workers = int(workers or default_workers())
     if target.fmt not in FORMATS:
         raise BridgeError(f"unknown --format {target.fmt!r}; use one of {list(FORMATS)}")
+    if target.release not in RELEASES:
+        raise BridgeError(f"unknown --megatron-core {target.release!r}; use one of {list(RELEASES)}")
+    if target.fmt not in RELEASES[target.release]:
+        raise BridgeError(f"megatron-core {target.release} does not load --format {target.fmt} (it loads "
+                          f"fully_sharded_model_space / dp_zero_gather_scatter, which to-megatron does not write "
+                          f"yet); target 0.15 or later")
     if workers < 1 or budget < 1:
         raise BridgeError(f"--workers {workers} / --budget {budget}: both must be positive")
     ck = open_checkpoint(src)
@@ -354,6 +377,9 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
                 for fqn, value in dp_objects:
                     index.written.append(files[0].obj(fqn, value))
                 for fqn, value in _objects(man, params, lay, target, step):
+                    if fqn.startswith("common_state/") and target.release in LEGACY_COMMON:
+                        _write_common_pt(claim.tmp, value)
+                        continue
                     index.written.append(files[0].obj(fqn, value))
                 nbytes = sum(f.bytes for f in files)
             finally:
