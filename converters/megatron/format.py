@@ -461,9 +461,10 @@ def decide_format(root: Any, recorded: set[str], by_keys: str, evidence: str, mo
         same = t == by_keys or (t == "fully_sharded_bucket_space" and by_keys == "dp_reshardable")
         if not same:
             have = "no optimizer entries" if by_keys == "model_only" else f"entries of {by_keys}"
-            raise BridgeError(f"{root}: common_state records optimizer format {t!r} ({SAVED_BY.get(t, '?')}) but the "
-                              f"checkpoint holds {have}: incomplete or mixed checkpoint; copy the complete save, or "
-                              f"pass --model-only to convert the weights without the optimizer state")
+            raise BridgeError(f"{root}: holds optimizer state ({evidence or 'common_state'}) but, while common_state "
+                              f"records optimizer format {t!r} ({SAVED_BY.get(t, '?')}), the checkpoint holds {have}: "
+                              f"incomplete or mixed checkpoint, refusing rather than converting without it; copy the "
+                              f"complete save, or pass --model-only to convert the weights alone")
         return t
     if by_keys == "model_only" and evidence:
         raise BridgeError(f"{root}: holds optimizer state ({evidence}) but none of the optimizer entries of a known "
