@@ -52,7 +52,7 @@ from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.torch_numpy import from_numpy
 from converters.megatron.format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
-from converters.megatron.plan import is_scrambled_swiglu, local_instances, role_path
+from converters.megatron.plan import is_scrambled_swiglu, local_instances, role_path, stage_layers
 from converters.megatron.rundir import plan_run_dir, write_tracker
 from converters.megatron.write_plan import (STATE_NAMES, DpJob, Group, ParamSpec, layout_limits, plan_groups,
                                             shard_ranges)
@@ -78,6 +78,7 @@ class Target:
     pad_for_alignment: int | None = None
     bucket_size: int | None = None
     release: str = "0.19"   # the megatron-core release that will load the output (major.minor)
+    pp: int = 1             # pipeline stages (even split of the layers, no virtual chunks)
 
 
 def default_budget() -> int:
@@ -336,10 +337,14 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
         raise BridgeError(f"{src}: no model or params arrays; nothing to write")
     layout_limits(params, target.tp, target.gtp, target.dp, target.ep)
     try:
-        lay = ParallelLayout(tp=target.tp, gtp=target.gtp, dp=target.dp, ep=target.ep)
+        lay = ParallelLayout(tp=target.tp, gtp=target.gtp, dp=target.dp, ep=target.ep, pp=target.pp)
     except BridgeError as e:
         raise BridgeError(f"target layout: {e}") from None
     check_target(params, lay)
+    if lay.pp > 1:
+        for p in params:
+            if p.name.startswith("decoder.layers.") and p.geom.prepend:
+                stage_layers(p.geom.prepend[0], lay.pp, 0)  # an even split (raises naming the sizes)
     _check_arrays(src, params, arrays, derive)
     step = int(ck.read(("step",))) if ("step",) in arrays else int(man.optimizer.step or 0)
     count = int(ck.read(("opt_state", "0", "count"))) if ("opt_state", "0", "count") in arrays else step
@@ -550,18 +555,20 @@ def _remove_if_empty(path: str) -> None:
         pass
 
 
-def _dp_coords(lay: ParallelLayout, expert: bool) -> dict[int, tuple[int, int, int]]:
-    """dp_group_idx -> (TP, GTP, EP) coordinates of its DP-rank-0 member (O(TP*GTP*EP), not O(world))."""
-    out: dict[int, tuple[int, int, int]] = {}
-    if expert:
-        for et in range(lay.etp):
-            for e in range(lay.ep):
-                for eg in range(lay.egtp):
-                    out.setdefault(lay.expert_dp_group_idx(lay.expert_rank(et=et, e=e, eg=eg, ed=0, p=0)), (et, eg, e))
-    else:
-        for t in range(lay.tp):
-            for g in range(lay.gtp):
-                out.setdefault(lay.dp_group_idx(lay.rank(t=t, g=g, c=0, d=0, p=0)), (t, g, 0))
+def _dp_coords(lay: ParallelLayout, expert: bool) -> dict[int, tuple[int, int, int, int]]:
+    """dp_group_idx -> (TP, GTP, EP, PP stage) coordinates of its DP-rank-0 member (O(TP*GTP*EP*PP), not O(world))."""
+    out: dict[int, tuple[int, int, int, int]] = {}
+    for p in range(lay.pp):
+        if expert:
+            for et in range(lay.etp):
+                for e in range(lay.ep):
+                    for eg in range(lay.egtp):
+                        r = lay.expert_rank(et=et, e=e, eg=eg, ed=0, p=p)
+                        out.setdefault(lay.expert_dp_group_idx(r), (et, eg, e, p))
+        else:
+            for t in range(lay.tp):
+                for g in range(lay.gtp):
+                    out.setdefault(lay.dp_group_idx(lay.rank(t=t, g=g, c=0, d=0, p=p)), (t, g, 0, p))
     return out
 
 
@@ -590,8 +597,8 @@ def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: Target, m
         geoms = [p.geom for p in plist]
         gmap = {gm.name: gm for gm in geoms}
         sizes = {n: lay.tp_gtp_sizes(gm.expert) for n, gm in gmap.items()}
-        for k, (t, g, e) in sorted(_dp_coords(lay, expert).items()):
-            insts = local_instances(geoms, lay, e)
+        for k, (t, g, e, stage) in sorted(_dp_coords(lay, expert).items()):
+            insts = local_instances(geoms, lay, e, stage)
             bparams = [BufferParam(i.label, gmap[i.name].physical_numel(*sizes[i.name])) for i in insts]
             blay = buffer_layout(bparams, target.bucket_size, dp_size)
             segs: dict[int, list[tuple[int, str, Box]]] = {b: [] for b in range(len(blay.buckets))}
@@ -688,7 +695,7 @@ def megatron_args(meg: dict, params: Sequence[ParamInfo], lay: ParallelLayout, f
     if recorded_iteration != step and isinstance(gbs, int) and not args.get("rampup_batch_size"):
         # Trained elsewhere since the source save: the data position follows the step.
         args["consumed_train_samples"] = step * gbs
-    args.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=1,
+    args.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
                 virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
                 context_parallel_size=1, gtp_weight_remat_size=lay.gtp,
                 tensor_parallel_num_weight_shards=lay.tp * lay.gtp, expert_model_parallel_size=lay.ep,
