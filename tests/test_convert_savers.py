@@ -397,3 +397,13 @@ def test_synthetic_fully_sharded_bucket_space_converts(tmp_path):
     res = convert(str(tmp_path / "bs"), str(tmp_path / "out"), ConvertOptions(workers=1))
     assert res.source_format == "fully_sharded_bucket_space"
     assert_matches(str(tmp_path / "out"), {r: dict(v) for r, v in st.items()}, 3)
+
+
+@pytest.mark.parametrize("module", ["converters.megatron.format", "converters.megatron.plan",
+                                    "converters.megatron.model_facts"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0
