@@ -200,7 +200,7 @@ def model_space_entries(st: dict[str, dict[str, np.ndarray]], tp: int, fully: bo
 
 
 def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
-               pp: int = 1, padded: bool = False) -> tuple[dict[str, list], dict[str, Any]]:
+               pp: int = 1, bucket_space: bool = False) -> tuple[dict[str, list], dict[str, Any]]:
     """dp_reshardable bucket tensors and per_bucket_numel objects, computed directly (one
     DistOpt group per TP rank t and pipeline stage: dp_group_idx t + tp·stage)."""
     entries: dict[str, list] = {}
@@ -258,9 +258,9 @@ def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
             s = (pad_end - b0) // dp
             # fully_sharded_bucket_space (megatron-core <= 0.14) stores the padded bucket, with
             # whatever the padding held (torch.empty); dp_reshardable the unpadded one
-            n = pad_end - b0 if padded else unp
+            n = pad_end - b0 if bucket_space else unp
             for r, stname in (("params", "param"), ("mu", "exp_avg"), ("nu", "exp_avg_sq")):
-                world = np.full(n, -7.5e30 if padded else 0.0, dtype=np.float32)
+                world = np.full(n, -7.5e30 if bucket_space else 0.0, dtype=np.float32)
                 for p, loc in items:
                     world[p - b0:p - b0 + loc[r].size] = loc[r]
                 key = (f"optimizer.distributed.dp_group_idx_{k}.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32)"
@@ -362,7 +362,7 @@ def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0
     entries = model_space_entries(st, tp, fmt == "fully_reshardable", dp, pp)
     objects: dict[str, Any] = {}
     if fmt in ("dp_reshardable", "fully_sharded_bucket_space"):
-        e2, objects = dp_buffers(st, tp, dp, bucket_size, pp, padded=fmt == "fully_sharded_bucket_space")
+        e2, objects = dp_buffers(st, tp, dp, bucket_size, pp, bucket_space=fmt == "fully_sharded_bucket_space")
         entries.update(e2)
     # dp bucket tensors' global length = unpadded numel
     save(path, entries, objects, common_state(tp, dp, fmt, with_args, pp), tp * dp * pp)
