@@ -46,10 +46,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bridge.inspect.format import human_bytes, parse_size
-    from converters.megatron.write import Target, to_megatron
+    from bridge.units import human_bytes, parse_size
+    from converters.megatron.write import MegatronTarget, to_megatron
 
-    res = to_megatron(args.src, args.dst, Target(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, fmt=args.fmt,
+    res = to_megatron(args.src, args.dst, MegatronTarget(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, fmt=args.fmt,
                                                   pad_for_alignment=args.pad_for_alignment,
                                                   bucket_size=args.bucket_size, release=args.release, pp=args.pp),
                       budget=parse_size(args.budget) if args.budget else None, workers=args.workers,
@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     prev = res["tracker_previous"]
     print(f"wrote {res['dst']} ({res['format']}, TP={lay['tp']} GTP={lay['gtp']} DP={lay['dp']} EP={lay['ep']} "
           f"PP={lay['pp']}, "
-          f"world {lay['world']}, step {res['step']}): {res['params']} params, {res['bytes'] / 2**20:.1f} MiB; "
-          f"{res['tracker']} = {res['step']}" + (f" (was {prev})" if prev is not None else "")
+          f"world {lay['world']}, step {res['step']}): {res['params']} params, {res['bytes'] / 2**20:.1f} MiB; "  # foreign: report keys
+          f"{res['tracker']} = {res['step']}" + (f" (was {prev})" if prev is not None else "")  # foreign: report keys
           + f"; load with --load {res['run_dir']}")
     how = "derived from the fp32 masters (bf16, round-to-nearest-even)" if res["weights_derived"] else \
         "stored weights, each checked equal to bf16(its fp32 master)"

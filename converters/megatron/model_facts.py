@@ -53,6 +53,9 @@ CONFIG_RENAMES = {
     "bucket_size": "ddp_bucket_size",
 }
 
+#: Megatron-Bridge's ConfigContainer section holding the model provider's fields
+BRIDGE_MODEL_SECTION = "model"  # foreign: Megatron-Bridge run_config.yaml
+
 #: the facts read from config files (Megatron argument names after renaming)
 KNOWN = tuple(FLAG_OF) + ("group_query_attention", "context_parallel_size", "expert_tensor_parallel_size",
                           "vocab_size", "make_vocab_size_divisible_by", "should_pad_vocab",
@@ -164,8 +167,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise BridgeError(f"{p}: expected a mapping of model facts, found {type(doc).__name__}")
     out: dict[str, Any] = {}
-    sections = [doc, doc.get("config"), doc.get("model"), (doc.get("model") or {}).get("config")
-                if isinstance(doc.get("model"), dict) else None, doc.get("ddp")]
+    model = doc.get(BRIDGE_MODEL_SECTION)
+    sections = [doc, doc.get("config"), model, model.get("config") if isinstance(model, dict) else None,
+                doc.get("ddp")]
     for sec in sections:
         if isinstance(sec, dict):
             for k, v in megatron_names(sec, str(p)).items():

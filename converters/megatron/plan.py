@@ -21,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from bridge.dtypes import ITEMSIZE
 from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import grid_shape
@@ -28,21 +29,19 @@ from bridge.layout.distopt import BufferLayout, BufferParam, buffer_layout
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
 from bridge.layout.rectangles import RowRun
+from bridge.format import schema
+from bridge.format.schema import ROLES  # noqa: F401 - the roles a Unit copies, in write order
 from bridge.format.tree import megatron_key_to_path
 from converters.megatron.dcp_reader import ChunkInfo, TensorInfo
 
-ROLES = ("model", "params", "mu", "nu")
-
 
 def role_path(role: str, array: str) -> tuple[str, ...]:
-    """Tree path of a logical array in one role.
+    """Tree path of a logical array (a Megatron key, sections dotted) in one role.
 
     >>> role_path("mu", "decoder.layers.mlp.linear_fc1.weight.gate")
     ('opt_state', '0', 'mu', 'decoder', 'layers', 'mlp', 'linear_fc1', 'weight', 'gate')
     """
-    p = megatron_key_to_path(array)
-    return {"model": ("model",), "params": ("params",), "mu": ("opt_state", "0", "mu"),
-            "nu": ("opt_state", "0", "nu")}[role] + p
+    return schema.role_path(role, megatron_key_to_path(array))
 
 
 @dataclass(frozen=True)
@@ -114,9 +113,6 @@ class Unit:
     @property
     def nbytes(self) -> int:
         return sum(prod(s) for s in self.arrays.values()) * self.element_bytes()
-
-
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,6 +346,36 @@ def on_stage(name: str, pp: int, p: int) -> bool:
     if name.startswith("embedding."):
         return p == 0
     return p == pp - 1
+
+
+def dp_group_stages(layout: ParallelLayout, expert: bool = False) -> dict[int, int]:
+    """`dp_group_idx` -> the pipeline stage of its members (a DistOpt group lies inside one stage).
+
+    >>> dp_group_stages(ParallelLayout(tp=2, dp=2, pp=2))
+    {0: 0, 1: 0, 2: 1, 3: 1}
+    """
+    out: dict[int, int] = {}
+    for p in range(layout.pp):   # one DP-rank-0 member per group, as ParallelLayout.dp_group_coords visits them
+        if expert:
+            ranks = [layout.expert_rank(et=et, e=e, eg=eg, ed=0, p=p) for et in range(layout.etp)
+                     for e in range(layout.ep) for eg in range(layout.egtp)]
+            idxs = [layout.expert_dp_group_idx(r) for r in ranks]
+        else:
+            idxs = [layout.dp_group_idx(layout.rank(t=t, g=g, c=0, d=0, p=p)) for t in range(layout.tp)
+                    for g in range(layout.gtp)]
+        for idx in idxs:
+            out.setdefault(idx, p)
+    return out
+
+
+def dp_group_places(layout: ParallelLayout, expert: bool = False) -> dict[int, tuple[int, int, int, int]]:
+    """`dp_group_idx` -> (TP, GTP, EP rank, PP stage): `ParallelLayout.dp_group_coords` plus the stage.
+
+    >>> dp_group_places(ParallelLayout(tp=2, pp=2))
+    {0: (0, 0, 0, 0), 1: (1, 0, 0, 0), 2: (0, 0, 0, 1), 3: (1, 0, 0, 1)}
+    """
+    stages = dp_group_stages(layout, expert)
+    return {k: (t, g, e, stages[k]) for k, (t, g, e) in layout.dp_group_coords(expert).items()}
 
 
 def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, e: int, p: int = 0) -> list[Instance]:
