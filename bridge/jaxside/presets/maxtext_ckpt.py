@@ -47,7 +47,7 @@ ROLES = schema.OPTIMIZER_ROLES           # the per-parameter trees moved: master
 
 @dataclass
 class Written:
-    """What `write_maxtext` wrote: the step directory, the step, and MaxText's config overrides."""
+    """What `write_maxtext` wrote: the step directory, MaxText's step (= the Adam count), its config overrides."""
 
     step_dir: str
     step: int
@@ -196,7 +196,7 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan
 
     src = local_path(src, "source")
     dst_root = os.path.abspath(local_path(dst_root, "destination"))
-    man, trees, count, ck_step = read_logical(src)
+    man, trees, count, _ = read_logical(src)
     args = _megatron_args(man)
     _check_megatron_args(args)
     opts = Options(decoder_block=decoder_block, scan_layers=scan_layers,
@@ -204,7 +204,7 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan
     shapes = {p: a.shape for p, a in trees[schema.PARAMS].items()}
     dims = Dims.from_logical(shapes, _head_dim(man, args))
     hyper = hyper_of(man, shapes)
-    step = count
+    step = count  # MaxText's TrainState.step: the step it continues from (completed updates)
     mt = {role: to_maxtext(t, role, dims, opts) for role, t in trees.items()}
     for role in schema.MOMENTS:
         if set(mt[role]) != set(mt[schema.PARAMS]):
@@ -219,8 +219,11 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan
         raise BridgeError(f"{step_dir} exists; MaxText checkpoints are never overwritten (choose another root or step)")
     state = train_state(mt[schema.PARAMS], mt[schema.MU], mt[schema.NU], count, step, hyper, dims, opts)
     ckptr = ocp.training.Checkpointer(dst_root)
-    ckptr.save_checkpointables(dir_step, {ITEMS: state}, custom_metadata={"scan_layers": scan_layers})
-    ckptr.close() if hasattr(ckptr, "close") else None
+    try:
+        ckptr.save_checkpointables(dir_step, {ITEMS: state}, custom_metadata={"scan_layers": scan_layers})
+    finally:
+        if hasattr(ckptr, "close"):
+            ckptr.close()
     sidecar = {"format": 1, "options": asdict(opts), "dims": asdict(dims), "hyper": asdict(hyper),
                "overrides": overrides, "adam_count": count,
                "base_manifest": man.to_json() if man is not None else None}
