@@ -147,10 +147,10 @@ def test_maxtext_step_equals_megatrons_next_update(trip):
 def test_back_through_to_megatron(trip, tmp_path):
     pytest.importorskip("torch")
     from converters.megatron.convert import convert
-    from converters.megatron.write import Target, to_megatron
+    from converters.megatron.write import MegatronTarget, to_megatron
 
     run_dir = str(tmp_path / "meg")
-    to_megatron(trip["back"], run_dir, Target(tp=1, fmt="dp_reshardable"))
+    to_megatron(trip["back"], run_dir, MegatronTarget(tp=1, fmt="dp_reshardable"))
     assert open(os.path.join(run_dir, "latest_checkpointed_iteration.txt")).read().strip() == "4"
     convert(os.path.join(run_dir, "iter_0000004"), str(tmp_path / "again"))
     back, again = read_all(trip["back"]), read_all(str(tmp_path / "again"))
@@ -168,7 +168,7 @@ def test_fresh_maxtext_run_converts_to_megatron(trip, tmp_path):
     from bridge.jaxside.presets import maxtext as mx
     from bridge.jaxside.presets.maxtext_ckpt import find_items, read_maxtext
     from converters.megatron.convert import convert
-    from converters.megatron.write import Target, to_megatron
+    from converters.megatron.write import MegatronTarget, to_megatron
     from test_maxtext_preset import _plain_read
 
     base = str(tmp_path)
@@ -189,7 +189,7 @@ def test_fresh_maxtext_run_converts_to_megatron(trip, tmp_path):
         ln = raw[src + "decoder/layers/post_self_attention_layer_norm/scale"]   # (E, L)
         assert np.array_equal(back[pre + ("decoder", "layers", "mlp", "linear_fc1", "layer_norm_weight")], ln.T)
     run_dir = str(tmp_path / "meg")
-    to_megatron(str(tmp_path / "logical"), run_dir, Target(tp=2, fmt="fully_reshardable"))
+    to_megatron(str(tmp_path / "logical"), run_dir, MegatronTarget(tp=2, fmt="fully_reshardable"))
     convert(os.path.join(run_dir, "iter_0000002"), str(tmp_path / "again"))
     again = read_all(str(tmp_path / "again"))
     for p, a in back.items():

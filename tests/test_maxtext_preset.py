@@ -273,7 +273,7 @@ def test_foreign_maxtext_checkpoint_reads_and_converts_to_megatron(tmp_path):
     pytest.importorskip("torch")
     from bridge.jaxside.presets.maxtext_ckpt import find_items, read_maxtext
     from converters.megatron.convert import convert
-    from converters.megatron.write import Target, to_megatron
+    from converters.megatron.write import MegatronTarget, to_megatron
 
     hyper = mx.Hyper(lr=0.01, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_grad=1.0)
     res = read_maxtext(FRESH, str(tmp_path / "logical"), hyper=hyper)
@@ -311,7 +311,7 @@ def test_foreign_maxtext_checkpoint_reads_and_converts_to_megatron(tmp_path):
     assert int(back[("opt_state", "0", "count")]) == int(raw["opt_state/0/count"])
 
     run_dir = str(tmp_path / "meg")
-    to_megatron(str(tmp_path / "logical"), run_dir, Target(tp=1, fmt="fully_reshardable"))
+    to_megatron(str(tmp_path / "logical"), run_dir, MegatronTarget(tp=1, fmt="fully_reshardable"))
     iters = [d for d in os.listdir(run_dir) if d.startswith("iter_")]
     assert iters == ["iter_0000002"]
     convert(os.path.join(run_dir, iters[0]), str(tmp_path / "again"))

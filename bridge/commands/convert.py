@@ -63,7 +63,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bridge.inspect.format import parse_size
+    from bridge.units import parse_size
     from bridge.location import local_path
     from converters.megatron.convert import ConvertOptions, convert
     from converters.megatron.rundir import locate_megatron_dir

@@ -41,10 +41,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bridge.inspect.format import human_bytes, parse_size
-    from converters.megatron.write import Target, to_megatron
+    from bridge.units import human_bytes, parse_size
+    from converters.megatron.write import MegatronTarget, to_megatron
 
-    res = to_megatron(args.src, args.dst, Target(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, fmt=args.fmt,
+    res = to_megatron(args.src, args.dst, MegatronTarget(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, fmt=args.fmt,
                                                   pad_for_alignment=args.pad_for_alignment,
                                                   bucket_size=args.bucket_size),
                       budget=parse_size(args.budget) if args.budget else None, workers=args.workers,

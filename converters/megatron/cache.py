@@ -157,7 +157,7 @@ def record_layout(ck, key: str, chunk) -> RecordLayout:
 
     import torch
 
-    from bridge.torch_numpy import numpy_dtype_of
+    from bridge.dtypes import numpy_dtype_of_torch
     from converters.megatron.dcp_reader import check_relative_path
 
     ref = chunk.storage
@@ -192,7 +192,7 @@ def record_layout(ck, key: str, chunk) -> RecordLayout:
             raise BridgeError(f"cannot read {what}: the tensor's bytes are not where its zip member says; damaged")
     finally:
         os.close(fd)
-    return RecordLayout(str(path), ref.offset + data + t.storage_offset() * item, item, numpy_dtype_of(t.dtype),
+    return RecordLayout(str(path), ref.offset + data + t.storage_offset() * item, item, numpy_dtype_of_torch(t.dtype),
                         ref.offset + member, info.file_size, info.CRC)
 
 
@@ -232,7 +232,7 @@ class ChunkCache:
         """Stored chunk `index` of tensor `key`, shaped as stored."""
         a = self._lru.get((key, index))
         if a is None:
-            from bridge.torch_numpy import to_numpy
+            from bridge.dtypes import to_numpy
 
             info = self.ck.tensors[key]
             a = to_numpy(self.ck.read_chunk(key, info.chunks[index]))

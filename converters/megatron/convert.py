@@ -30,7 +30,6 @@ from bridge.location import local_path
 from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, grid_shape
-from bridge.layout.parallel import ParallelLayout
 from bridge.format.scheduler import SchedulerRecord
 from bridge.progress import progress
 from bridge.store.claim import check_sources, claim_destination
@@ -39,13 +38,13 @@ from bridge.format.manifest import MEGATRON_KEY, Manifest, MegatronRecord, Optim
 from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_DTYPE, SCALAR_PATHS, STATE_ROLE,
                                   adamw_empty_paths)
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
-from bridge.store.specs import numpy_dtype
+from bridge.dtypes import name_of_torch, numpy_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
 from converters.megatron.dcp_reader import DcpCheckpoint
 from converters.megatron.cache import ChunkCache
-from converters.megatron.format import (Hints, SourceCheckpoint, _plain, describe, optimizer_groups,
-                                        parse_groups_hyper, step_of)
+from converters.megatron.format import (Hints, SourceCheckpoint, describe, optimizer_groups,
+                                        parse_groups_hyper, plain_value, step_of)
 from converters.megatron.plan import (ROLES, Block, CopyIndex, Unit, assign_blocks, contributes, flat_copies,
                                       literal, local_instances, model_space_copies, parse_dtype_key,
                                       plan_blocks, rebuild_bucket_layout, role_path)
@@ -53,16 +52,16 @@ from converters.megatron.plan import (ROLES, Block, CopyIndex, Unit, assign_bloc
 MIN_BYTES_PER_WORKER = 1 << 30
 MIN_BATCH_BYTES = 1 << 20
 
-TORCH_TO_NP = {"torch.bfloat16": "bfloat16", "torch.float32": "float32", "torch.float16": "float16",
-               "torch.float64": "float64", "torch.int64": "int64", "torch.int32": "int32", "torch.uint8": "uint8"}
+#: source tensor dtypes convert accepts (weights, masters, moments, and the integer buffers Megatron keeps)
+CONVERTIBLE_DTYPES = ("bfloat16", "float32", "float16", "float64", "int64", "int32", "uint8")
 
 
 def np_dtype_name(torch_dtype: Any) -> str:
     """numpy dtype name of a torch dtype."""
-    s = str(torch_dtype)
-    if s not in TORCH_TO_NP:
-        raise BridgeError(f"unsupported tensor dtype {s} in the checkpoint")
-    return TORCH_TO_NP[s]
+    name = name_of_torch(torch_dtype)
+    if name not in CONVERTIBLE_DTYPES:
+        raise BridgeError(f"unsupported tensor dtype {torch_dtype} in the checkpoint")
+    return name
 
 
 
@@ -161,7 +160,7 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
     for d in src.dp_keys:
         by_bucket.setdefault((d.chain, d.dp_group_idx, d.gbuf, d.dtype, d.bucket), {})[d.state] = d.key
     buffers = sorted({k[:4] for k in by_bucket})
-    coords = _dp_group_coords(lay)
+    coords = {"dense": lay.dp_group_coords(), "expert": lay.dp_group_coords(expert=True)}
     for chain, k, j, dtype_key in buffers:
         expert = split_expert and chain == chains[-1]
         prefix = f"chained_{chain}." if prefixed else ""
@@ -208,19 +207,6 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
 def _maybe_object(ck: DcpCheckpoint, name: str):
     key = ck.object_key(name)
     return ck.read_object(key) if key is not None else None
-
-
-def _dp_group_coords(lay: ParallelLayout) -> dict[str, dict[int, tuple[int, int, int]]]:
-    """dp_group_idx -> (TP rank, GTP rank, EP rank) for the dense and the expert optimizer."""
-    dense: dict[int, tuple[int, int, int]] = {}
-    expert: dict[int, tuple[int, int, int]] = {}
-    for r in range(lay.world):
-        c = lay.coords(r)
-        if c.d == 0 and c.c == 0:
-            dense.setdefault(lay.dp_group_idx(r), (c.t, c.g, 0))
-        if c.ed == 0:
-            expert.setdefault(lay.expert_dp_group_idx(r), (c.et, c.eg, c.e))
-    return {"dense": dense, "expert": expert}
 
 
 def make_plan(units: Sequence[Unit], blocks: Sequence[Block], owners: Sequence[int], chunks: dict[str, tuple[int, ...]],
@@ -320,7 +306,7 @@ def is_defect_suspect(src: SourceCheckpoint) -> bool:
     """fully_reshardable saved with several DDP buckets (overlap_grad_reduce): 0.19.2's defect pattern."""
     if src.fmt != "fully_reshardable" or not src.args:
         return False
-    return bool(_plain(src.args.get("overlap_grad_reduce")))
+    return bool(plain_value(src.args.get("overlap_grad_reduce")))
 
 
 def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], plan: WritePlan, tmp: str,
@@ -452,26 +438,26 @@ def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | Non
         first = first[0] if isinstance(first, list) and first else first
         if hasattr(first, "numel") and first.numel() == 0:
             payload = "empty_uint8_tensor"
-    keep_args = {k: _plain(v) for k, v in src.args.items() if isinstance(_plain(v), (int, float, str, bool, type(None)))}
+    keep_args = {k: plain_value(v) for k, v in src.args.items() if isinstance(plain_value(v), (int, float, str, bool, type(None)))}
     record = MegatronRecord(
         source_dir=str(src.ck.root), params=params,
-        param_groups=[[{k: _plain(v) for k, v in g.items() if k != "params"} for g in gs]  # foreign: torch group key
+        param_groups=[[{k: plain_value(v) for k, v in g.items() if k != "params"} for g in gs]  # foreign: torch group key
                       for gs in groups],
         extra_state_keys=extra_keys, extra_state_payload=payload, args=keep_args, inferred=list(src.inferred),
-        wd_mult_zero_params=wd_mult_zero, iteration=_plain(src.common.get("iteration")),
-        checkpoint_version=_plain(src.common.get("checkpoint_version")),
+        wd_mult_zero_params=wd_mult_zero, iteration=plain_value(src.common.get("iteration")),
+        checkpoint_version=plain_value(src.common.get("checkpoint_version")),
         scheduler=scheduler_record(src.common, src.args, step or 0))
     return Manifest(source=source, optimizer=opt, fused=fused, extra={MEGATRON_KEY: record.to_json()})
 
 
 def _first(d: dict, *names: str) -> Any:
     """The first of `names` present in `d` (Megatron renamed scheduler keys over versions)."""
-    return next((_plain(d[n]) for n in names if n in d), None)
+    return next((plain_value(d[n]) for n in names if n in d), None)
 
 
 def _clip_grad(args: dict) -> float | None:
     """Megatron's `clip_grad` from the saved args (None when the save carries no args)."""
-    v = _plain(args.get("clip_grad")) if args else None
+    v = plain_value(args.get("clip_grad")) if args else None
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
@@ -499,7 +485,7 @@ def scheduler_record(common: dict, args: dict, at_count: int) -> dict | None:
     sd = common.get("opt_param_scheduler", common.get("lr_scheduler"))
     if not isinstance(sd, dict):
         return None
-    a = lambda name, default=None: _plain(args.get(name, default))  # noqa: E731
+    a = lambda name, default=None: plain_value(args.get(name, default))  # noqa: E731
     gbs = a("global_batch_size")
     if a("train_iters"):
         wsd = a("lr_wsd_decay_iters") * gbs if a("lr_wsd_decay_iters") is not None and gbs else None
@@ -540,7 +526,7 @@ def budget_line(workers: int, budget: int, asked: int | None = None) -> str:
     >>> budget_line(1, 1 << 30, asked=8)
     'convert: 1 worker (of 8 asked: the checkpoint is too small for more), budget 1.0 GiB'
     """
-    from bridge.inspect.format import human_bytes
+    from bridge.units import human_bytes
 
     each = "" if workers == 1 else f" ({human_bytes(budget // workers)} each)"
     fewer = f" (of {asked} asked: the checkpoint is too small for more)" if asked is not None and asked > workers else ""

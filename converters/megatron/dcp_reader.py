@@ -496,7 +496,7 @@ class SafeUnpickler(pickle._Unpickler):
 
     def load(self) -> Any:  # noqa: D102 - pickle API
         # The input is one in-memory buffer, so frames need no unframer: reading opcodes straight from
-        # the BytesIO (C calls) instead of through pickle._Unframer makes the loop ~2x faster.
+        # the BytesIO (C calls) saves a Python-level call per opcode through pickle._Unframer.
         f = self._file
         self.read, self.readline, self.readinto = f.read, f.readline, f.readinto
         self.metastack = []

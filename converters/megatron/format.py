@@ -23,6 +23,8 @@ from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry, gtp_shard_dim0
 from converters.megatron.dcp_reader import DcpCheckpoint, InertStub, TensorInfo
+from converters.megatron.naming import (is_gtp_weight, is_routed_expert, module_of, num_prepend_axes, strip_wrappers,
+                                        tp_kind_by_name)
 
 OPT_STATE_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
 DP_TENSOR_RE = re.compile(
@@ -31,82 +33,7 @@ DP_TENSOR_RE = re.compile(
 DP_OBJECT_RE = re.compile(
     r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
     r"(optimizer|grad_scaler|per_bucket_numel|per_bucket_numel_unpadded|param_state)(?:/.*)?$")
-WRAPPERS = ("module", "model")
 STATE_ROLE = {**schema.STATE_ROLE, "fp32_param": schema.PARAMS}  # older saves name the fp32 master so
-
-# Megatron module names -> TP kind (megatron-layout.md §2.1). Used when chunks cannot show it
-# (a TP=1 source) and to decide what GTP shards.
-COLUMN_MODULES = ("linear_qkv", "linear_fc1", "in_proj", "output_layer", "linear_q", "linear_kv",
-                  "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
-ROW_MODULES = ("linear_proj", "linear_fc2", "out_proj")
-
-
-def strip_wrappers(key: str) -> str:
-    """Megatron key without `module.` / `model.` wrapper prefixes.
-
-    >>> strip_wrappers("module.module.decoder.final_layernorm.weight")
-    'decoder.final_layernorm.weight'
-    """
-    parts = key.split(".")
-    while len(parts) > 1 and parts[0] in WRAPPERS:
-        parts = parts[1:]
-    return ".".join(parts)
-
-
-def is_routed_expert(name: str) -> bool:
-    """Routed-expert parameter (expert buffer, expert grid); shared experts are dense.
-
-    >>> is_routed_expert("decoder.layers.mlp.experts.linear_fc1.weight"), is_routed_expert("decoder.layers.mlp.shared_experts.linear_fc1.weight")
-    (True, False)
-    """
-    return ".experts." in name and ".shared_experts." not in name
-
-
-def num_prepend_axes(name: str) -> int:
-    """Stacked leading axes of a key: the layer axis of `decoder.layers.<path>` and the expert axis.
-
-    >>> num_prepend_axes("decoder.layers.mlp.experts.linear_fc1.weight"), num_prepend_axes("decoder.layers.3.mixer.in_proj.weight")
-    (2, 0)
-    """
-    n = 0
-    m = re.search(r"(^|\.)layers\.([^.]+)\.", name)
-    if m and not m.group(2).isdigit():
-        n += 1
-    if is_routed_expert(name):
-        parts = name.split(".")
-        i = parts.index("experts")
-        # `experts.local_experts.<i>` (per-expert keys) carry no expert axis
-        if not (i + 2 < len(parts) and parts[i + 1] == "local_experts" and parts[i + 2].isdigit()):
-            n += 1
-    return n
-
-
-def module_of(name: str) -> str:
-    """The module component holding a parameter (`...linear_fc1.weight` -> `linear_fc1`)."""
-    parts = name.split(".")
-    return parts[-2] if len(parts) >= 2 else ""
-
-
-def tp_kind_by_name(name: str) -> str:
-    """TP kind from Megatron naming: column / row / vocab / replicated.
-
-    >>> [tp_kind_by_name(n) for n in ("decoder.layers.linear_proj.weight", "decoder.layers.linear_proj.bias", "embedding.word_embeddings.weight")]
-    ['row', 'replicated', 'vocab']
-    """
-    mod, leaf = module_of(name), name.split(".")[-1]
-    if mod == "word_embeddings":
-        return "vocab"
-    if mod in COLUMN_MODULES and leaf in ("weight", "bias"):
-        return "column"
-    if mod in ROW_MODULES and leaf == "weight":
-        return "row"
-    return "replicated"
-
-
-def is_gtp_weight(name: str) -> bool:
-    """Parameters GTP shards in 0.19.2: the `weight` of wrapped linears and the vocab embedding."""
-    mod, leaf = module_of(name), name.split(".")[-1]
-    return leaf == "weight" and (mod in COLUMN_MODULES or mod in ROW_MODULES or mod == "word_embeddings")
 
 
 def _as_dict(obj: Any) -> dict:
@@ -471,10 +398,10 @@ def check_complete(src: SourceCheckpoint) -> None:
                           f"common_state or the dp_group_idx objects): incomplete checkpoint")
     for ci, gs in enumerate(groups):
         for gi, g in enumerate(gs):
-            if not isinstance(g, dict) or _plain(g.get("step")) is None:
+            if not isinstance(g, dict) or plain_value(g.get("step")) is None:
                 raise BridgeError(f"{root}: param group {gi} of optimizer {ci} has no 'step' (the Adam bias-correction "
                                   f"count): incomplete checkpoint")
-            step = _plain(g["step"])
+            step = plain_value(g["step"])
             if type(step) not in (int, float) or not 0 <= step < 1 << 53 or step != int(step):
                 raise BridgeError(f"{root}: param group {gi} of optimizer {ci} has step {str(step)[:40]!r}, not a "
                                   f"step count; the checkpoint is damaged")
@@ -575,11 +502,17 @@ def optimizer_groups(src: SourceCheckpoint) -> list[list[dict]]:
     return groups
 
 
-def _plain(v: Any, depth: int = 0) -> Any:
+def plain_value(v: Any, depth: int = 0) -> Any:
+    """A common-state value as plain Python: scalars kept, one-element tensors `.item()`-ed, lists
+    recursed (bounded depth: the file is untrusted), anything else its `repr`.
+
+    >>> plain_value([1, (2.5, "a")]), plain_value({"a": 1})
+    ([1, [2.5, 'a']], "{'a': 1}")
+    """
     if isinstance(v, (bool, int, float, str)) or v is None:
         return v
     if isinstance(v, (list, tuple)) and depth < 8:
-        return [_plain(x, depth + 1) for x in v]
+        return [plain_value(x, depth + 1) for x in v]
     if hasattr(v, "item") and getattr(v, "numel", lambda: 2)() == 1:
         return v.item()
     return repr(v)
@@ -587,7 +520,7 @@ def _plain(v: Any, depth: int = 0) -> Any:
 
 def step_of(src: SourceCheckpoint, groups: list[list[dict]]) -> int | None:
     """Completed optimizer steps: `step` of the param groups, else `iteration`."""
-    steps = [int(_plain(g["step"])) for gs in groups for g in gs if "step" in g and _plain(g["step"]) is not None]
+    steps = [int(plain_value(g["step"])) for gs in groups for g in gs if "step" in g and plain_value(g["step"]) is not None]
     if steps:
         return max(steps)
     it = src.common.get("iteration", src.args.get("iteration"))
@@ -611,17 +544,17 @@ def parse_groups_hyper(groups: list[list[dict]]) -> dict:
     first = flat[0][1]
     out: dict = {}
     if "lr" in first:
-        out["lr"] = float(_plain(first["lr"]))
+        out["lr"] = float(plain_value(first["lr"]))
     if "betas" in first:
-        out["betas"] = tuple(float(b) for b in _plain(first["betas"]))
+        out["betas"] = tuple(float(b) for b in plain_value(first["betas"]))
     if "eps" in first:
-        out["eps"] = float(_plain(first["eps"]))
-    wds = [float(_plain(g["weight_decay"])) for _, g in flat if "weight_decay" in g]
+        out["eps"] = float(plain_value(first["eps"]))
+    wds = [float(plain_value(g["weight_decay"])) for _, g in flat if "weight_decay" in g]
     if wds:
         out["weight_decay"] = max(wds)
     summary = []
     for ci, g in flat:
-        rec = {k: _plain(g[k]) for k in HYPER_KEYS if k in g}
+        rec = {k: plain_value(g[k]) for k in HYPER_KEYS if k in g}
         rec["optimizer"] = ci
         if isinstance(g.get("params"), (list, tuple)):
             rec["num_params"] = len(g["params"])

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from bridge.dtypes import ITEMSIZE
 from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import grid_shape
@@ -112,9 +113,6 @@ class Unit:
     @property
     def nbytes(self) -> int:
         return sum(prod(s) for s in self.arrays.values()) * self.element_bytes()
-
-
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,14 +49,14 @@ from bridge.format.manifest import Manifest, MegatronRecord
 from bridge.format import schema
 from bridge.format.schema import COUNT_PATH, MODEL, OPTIMIZER_ROLES, PARAMS, STEP_PATH, has_role, split_role
 from bridge.store.reader import Checkpoint, open_checkpoint
-from bridge.store.specs import numpy_dtype
+from bridge.dtypes import numpy_dtype, torch_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
-from bridge.torch_numpy import from_numpy
-from converters.megatron.format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
+from bridge.dtypes import from_numpy
+from converters.megatron.naming import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
 from converters.megatron.plan import is_scrambled_swiglu, local_instances, role_path
 from converters.megatron.rundir import plan_run_dir, write_tracker
-from converters.megatron.write_plan import (STATE_NAMES, DpJob, Group, ParamSpec, layout_limits, plan_groups,
+from converters.megatron.write_plan import (STATE_NAMES, DpJob, ChunkGroup, ParamSpec, layout_limits, plan_groups,
                                             shard_ranges)
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
@@ -64,7 +64,7 @@ ParamInfo = ParamSpec  # a parameter of the logical checkpoint as Megatron keys 
 
 
 @dataclass
-class Target:
+class MegatronTarget:
     """The layout and format to write."""
 
     tp: int
@@ -144,7 +144,7 @@ def params_from_manifest(man: Manifest, arrays: dict, pad: int, gtp: int) -> lis
 
 
 # ---------------------------------------------------------------------------------------------
-# Target checks
+# MegatronTarget checks
 
 
 def check_target(params: Sequence[ParamInfo], lay: ParallelLayout) -> None:
@@ -243,7 +243,7 @@ class DcpIndex:
                 storage[MetadataIndex(w.fqn, torch.Size(w.offsets))] = _StorageInfo(w.rel, w.offset, w.length)
         for fqn, (dtype, shape) in self.tensors.items():
             cs = sorted(chunks[fqn], key=lambda w: w.offsets)
-            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=_torch_dtype(dtype)), torch.Size(shape),
+            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(dtype)), torch.Size(shape),
                                              [ChunkStorageMetadata(torch.Size(w.offsets), torch.Size(w.sizes))
                                               for w in cs])
         md = Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage,
@@ -257,12 +257,6 @@ class DcpIndex:
             f.flush()
             os.fsync(f.fileno())
         fsync_path(root)
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +277,7 @@ class Stats:
         self.read_bytes += other.read_bytes
 
 
-def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None, workers: int | None = None,
+def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | None = None, workers: int | None = None,
                 weights_from_masters: bool = False, show_progress: bool | None = None) -> dict:
     """Write step N of logical checkpoint `src` for `target` as Megatron-LM's run directory layout.
 
@@ -445,7 +439,7 @@ def _read_boxes(ck: Checkpoint, reads: dict) -> dict:
     return out
 
 
-def _run_group(g: Group, ck: Checkpoint, f: DcpFile, stop: threading.Event) -> tuple[list[Written], Stats]:
+def _run_group(g: ChunkGroup, ck: Checkpoint, f: DcpFile, stop: threading.Event) -> tuple[list[Written], Stats]:
     """Read the group's boxes once, check weights against masters, assemble and write its chunks."""
     reads = g.reads()
     blocks = _read_boxes(ck, reads)
@@ -528,21 +522,6 @@ def _remove_if_empty(path: str) -> None:
         pass
 
 
-def _dp_coords(lay: ParallelLayout, expert: bool) -> dict[int, tuple[int, int, int]]:
-    """dp_group_idx -> (TP, GTP, EP) coordinates of its DP-rank-0 member (O(TP*GTP*EP), not O(world))."""
-    out: dict[int, tuple[int, int, int]] = {}
-    if expert:
-        for et in range(lay.etp):
-            for e in range(lay.ep):
-                for eg in range(lay.egtp):
-                    out.setdefault(lay.expert_dp_group_idx(lay.expert_rank(et=et, e=e, eg=eg, ed=0, p=0)), (et, eg, e))
-    else:
-        for t in range(lay.tp):
-            for g in range(lay.gtp):
-                out.setdefault(lay.dp_group_idx(lay.rank(t=t, g=g, c=0, d=0, p=0)), (t, g, 0))
-    return out
-
-
 def _domains(params: Sequence[ParamInfo], lay: ParallelLayout) -> list[tuple[bool, list[ParamInfo]]]:
     """(expert?, params) per chained optimizer: dense first, experts last when EP > 1."""
     opt = [p for p in params if p.optimized]
@@ -551,7 +530,7 @@ def _domains(params: Sequence[ParamInfo], lay: ParallelLayout) -> list[tuple[boo
     return [(False, opt)]
 
 
-def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: Target, man: Manifest, step: int,
+def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronTarget, man: Manifest, step: int,
              limit: int) -> tuple[list[DpJob], list[tuple[str, Any]]]:
     """dp_reshardable bucket jobs and per-dp_group_idx objects (buffer layout from bridge.layout)."""
     import torch
@@ -568,7 +547,7 @@ def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: Target, m
         geoms = [p.geom for p in plist]
         gmap = {gm.name: gm for gm in geoms}
         sizes = {n: lay.tp_gtp_sizes(gm.expert) for n, gm in gmap.items()}
-        for k, (t, g, e) in sorted(_dp_coords(lay, expert).items()):
+        for k, (t, g, e) in sorted(lay.dp_group_coords(expert).items()):
             insts = local_instances(geoms, lay, e)
             bparams = [BufferParam(i.label, gmap[i.name].physical_numel(*sizes[i.name])) for i in insts]
             blay = buffer_layout(bparams, target.bucket_size, dp_size)
@@ -682,7 +661,7 @@ def megatron_args(meg: MegatronRecord, params: Sequence[ParamInfo], lay: Paralle
     return args
 
 
-def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, target: Target,
+def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronTarget,
              step: int) -> list[tuple[str, Any]]:
     """_extra_state objects (None, or TE's empty uint8 tensors, as the source saved them) and common_state."""
     import torch
