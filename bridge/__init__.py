@@ -9,6 +9,7 @@ The entry points a user needs, all importable from here:
     state = bridge.restore("logical", mesh=mesh, optimizer=abstract_opt_state)    # JAX / optax
     bridge.save("after", params=..., opt_state=..., step=..., manifest=state.manifest, plans=state.plans)
     bridge.to_megatron("after", "runs/gpt_tp2", bridge.MegatronTarget(tp=2))     # -> torch_dist
+    bridge.write_maxtext("logical", "mt/run/checkpoints")      # -> a MaxText train state (and read_maxtext back)
     bridge.export_megatron(path, model, optimizer)             # live Megatron run (collective)
     bridge.load_megatron(path, model, optimizer)
 
@@ -47,6 +48,8 @@ _LAZY = {
     "save": ("bridge.jaxside.save", "save"),
     "optimizer_from_manifest": ("bridge.jaxside.manifest_view", "optimizer_from_manifest"),
     "ShardingRules": ("bridge.jaxside.sharding_rules", "ShardingRules"),
+    "write_maxtext": ("bridge.jaxside.presets.maxtext_ckpt", "write_maxtext"),
+    "read_maxtext": ("bridge.jaxside.presets.maxtext_ckpt", "read_maxtext"),
 }
 
 __all__ = ["BridgeError", "IntegrityError", "MissingExtra", "__version__", *_LAZY]

@@ -323,7 +323,7 @@ def test_attention_conventions_on_a_sharpened_state(tmp_path):
     from bridge.jaxside.presets import maxtext as mx
     from bridge.jaxside.presets import maxtext_ckpt as mc
     from bridge.store.commit import save_checkpoint
-    from bridge.format.tree import adamw_empty_paths
+    from bridge.format.schema import adamw_empty_paths
     from orbax.checkpoint import v1 as ocp
 
     meg = json.load(open(os.path.join(LLAMA, "run.json")))

@@ -42,12 +42,13 @@ from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.dtypes import name_of_torch, numpy_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
-from converters.megatron.dcp_reader import DcpCheckpoint
+from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
 from converters.megatron.cache import ChunkCache
 from converters.megatron.format import (Hints, SourceCheckpoint, describe, optimizer_groups,
                                         parse_groups_hyper, plain_value, step_of)
 from converters.megatron.plan import (ROLES, Block, CopyIndex, Unit, assign_blocks, contributes, flat_copies,
-                                      literal, local_instances, model_space_copies, parse_dtype_key,
+                                      dp_group_places, literal, local_instances, model_space_copies,
+                                      model_space_copies_flat, object_tensor_key, parse_dtype_key,
                                       plan_blocks, rebuild_bucket_layout, role_path)
 
 MIN_BYTES_PER_WORKER = 1 << 30
@@ -110,20 +111,27 @@ def build_units(src: SourceCheckpoint, hints: Hints) -> list[Unit]:
         dtypes = {MODEL: np_dtype_name(m.dtype), PARAMS: "float32", MU: "float32", NU: "float32"}
         u = Unit(name, arrays, dtypes, {MODEL: model_space_copies(m.key, m.info, m.geom, m.npre, m.legacy_padded,
                                                                   tp, gtp)}, stacked=len(m.geom.prepend))
-        if src.fmt == "fully_reshardable":
+        if src.fmt in ("fully_reshardable", "fully_sharded_model_space"):
             for role in OPTIMIZER_ROLES:
                 key = src.opt_keys.get((role, name))
                 if key is None:
                     continue
                 info = src.ck.tensors[key]
+                u.dtypes[role] = np_dtype_name(info.dtype)
+                if src.fmt == "fully_sharded_model_space":
+                    if m.legacy_padded:
+                        raise BridgeError(f"{key}: fully_sharded_model_space with a padded GTP grid; unknown format")
+                    u.copies[role] = model_space_copies_flat(key, info, m.info.shape, m.geom, m.npre)
+                    continue
                 if info.shape != m.info.shape:
                     raise BridgeError(f"{key}: stored shape {info.shape} differs from the model entry's "
                                       f"{m.info.shape}; unknown format")
-                u.dtypes[role] = np_dtype_name(info.dtype)
                 u.copies[role] = model_space_copies(key, info, m.geom, m.npre, m.legacy_padded, tp, gtp)
         units[name] = u
-    if src.fmt == "dp_reshardable":
+    if src.fmt in ("dp_reshardable", "fully_sharded_bucket_space"):
         add_dp_copies(src, units, hints)
+    elif src.fmt == "dp_zero_gather_scatter":
+        add_dp_zero_copies(src, units, hints)
     return list(units.values())
 
 
@@ -161,7 +169,7 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
     for d in src.dp_keys:
         by_bucket.setdefault((d.chain, d.dp_group_idx, d.gbuf, d.dtype, d.bucket), {})[d.state] = d.key
     buffers = sorted({k[:4] for k in by_bucket})
-    coords = {"dense": lay.dp_group_coords(), "expert": lay.dp_group_coords(expert=True)}
+    coords = {"dense": dp_group_places(lay), "expert": dp_group_places(lay, expert=True)}
     for chain, k, j, dtype_key in buffers:
         expert = split_expert and chain == chains[-1]
         prefix = f"chained_{chain}." if prefixed else ""
@@ -170,11 +178,11 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
         if ck_coords is None:
             raise BridgeError(f"{where}: dp_group_idx {k} does not exist for layout {lay.to_json()}; "
                               f"pass --tp/--gtp/--ep matching the run")
-        t, g, e = ck_coords
+        t, g, e, stage = ck_coords
         pdt, _gdt = parse_dtype_key(dtype_key)
         geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
                  and np_dtype_name(src.models[g_.name].dtype) == pdt]
-        insts = local_instances(geoms, lay, e)
+        insts = local_instances(geoms, lay, e, stage)
         gmap = {g_.name: g_ for g_ in geoms}
         sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
         numels = {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
@@ -190,9 +198,11 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
             for state, key in states.items():
                 role = STATE_ROLE[state]
                 info = ck.tensors[key]
-                if info.shape != (blay.numel_unpadded[b],):
+                # fully_sharded_bucket_space stores the padded bucket (garbage in the padding)
+                want = blay.per_bucket_numel()[b] if src.fmt == "fully_sharded_bucket_space" else blay.numel_unpadded[b]
+                if info.shape != (want,):
                     raise BridgeError(f"{key}: stored length {info.shape} differs from the rebuilt bucket "
-                                      f"({blay.numel_unpadded[b]}); pass --bucket-size / --pad-for-alignment")
+                                      f"({want}); pass --bucket-size / --pad-for-alignment")
                 for inst in insts:
                     p0, _p1, bid = blay.index[inst.label]
                     geom = gmap[inst.name]
@@ -203,6 +213,70 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
                     u.dtypes[role] = np_dtype_name(info.dtype)
                     u.copies.setdefault(role, []).extend(
                         flat_copies(key, info.chunks, geom, tp, gtp, t, g, inst.index, p0 - b0))
+
+
+def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -> None:
+    """dp_zero_gather_scatter: each DistOpt group's buffers, gathered on its DP rank 0 into one object as
+    `{gbuf: {dtype: {param, exp_avg, exp_avg_sq: the buffer's buckets, unpadded, end to end}}}`.
+
+    The buffer layout is rebuilt as for dp_reshardable; a parameter at [p0, p1) of bucket b sits at
+    p0 - bucket start + (unpadded numels of the buckets before b) of the gathered tensors, which the
+    copies read through `object_tensor_key` (the chunk cache unpickles the object).
+    """
+    lay = src.layout
+    ck = src.ck
+    geoms_all = [m.geom for m in src.models.values()]
+    chains = sorted({z.chain for z in src.zero_keys})
+    split_expert = any(g.expert for g in geoms_all) and len(chains) > 1
+    coords = {"dense": dp_group_places(lay), "expert": dp_group_places(lay, expert=True)}
+    for z in src.zero_keys:
+        expert = split_expert and z.chain == chains[-1]
+        ck_coords = coords["expert" if expert else "dense"].get(z.dp_group_idx)
+        if ck_coords is None:
+            raise BridgeError(f"{z.key}: dp_group_idx {z.dp_group_idx} does not exist for layout {lay.to_json()}; "
+                              f"pass --tp/--gtp/--ep matching the run")
+        t, g, e, stage = ck_coords
+        state = ck.read_object(z.key)
+        state = state[0] if isinstance(state, list) and len(state) == 1 else state
+        if not isinstance(state, dict) or not state.get("buckets_coalesced"):
+            raise BridgeError(f"{z.key}: not a coalesced dp_zero_gather_scatter state (an older, per-bucket "
+                              f"layout?); unknown format")
+        for j in sorted(k for k in state if isinstance(k, int)):
+            for dtype_obj, tensors in state[j].items():
+                dtype_key = "(" + ", ".join(str(x) for x in dtype_obj) + ")" if isinstance(dtype_obj, tuple) \
+                    else str(dtype_obj)
+                where = f"{z.key} buffer {j} {dtype_key}"
+                pdt, _gdt = parse_dtype_key(dtype_key)
+                geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
+                         and np_dtype_name(src.models[g_.name].dtype) == pdt]
+                insts = local_instances(geoms, lay, e, stage)
+                gmap = {g_.name: g_ for g_ in geoms}
+                sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
+                numels = {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
+                dp_size = lay.edp if expert else lay.distopt_size
+                blay = rebuild_bucket_layout(insts, numels, dp_size, None, None, hints.bucket_size, where)
+                total = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None
+                if total != sum(blay.numel_unpadded):
+                    raise BridgeError(f"{where}: {total} elements gathered, the rebuilt buffer holds "
+                                      f"{sum(blay.numel_unpadded)} (buckets {list(blay.numel_unpadded)}); pass the "
+                                      f"run's --bucket-size (a run with overlap_grad_reduce has several buckets)")
+                before = [sum(blay.numel_unpadded[:b]) for b in range(len(blay.buckets))]
+                for st, role in STATE_ROLE.items():
+                    ten = tensors.get(st)
+                    if ten is None or tuple(getattr(ten, "shape", ())) != (total,):
+                        raise BridgeError(f"{where}: no {st} tensor of {total} elements; incomplete checkpoint")
+                    key = object_tensor_key(z.key, j, dtype_key, st)
+                    chunk = [ChunkInfo((0,), (total,), None)]
+                    for inst in insts:
+                        p0, _p1, bid = blay.index[inst.label]
+                        geom = gmap[inst.name]
+                        tp, gtp = sizes[inst.name]
+                        if not contributes(geom, tp, gtp, t, g):
+                            continue
+                        u = units[inst.name]
+                        u.dtypes[role] = np_dtype_name(ten.dtype)
+                        u.copies.setdefault(role, []).extend(
+                            flat_copies(key, chunk, geom, tp, gtp, t, g, inst.index, p0 - blay.buckets[bid][0] + before[bid]))
 
 
 def _maybe_object(ck: DcpCheckpoint, name: str):

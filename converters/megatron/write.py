@@ -54,12 +54,17 @@ from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.dtypes import from_numpy
 from converters.megatron.naming import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
-from converters.megatron.plan import is_scrambled_swiglu, local_instances, role_path
+from converters.megatron.plan import dp_group_places, is_scrambled_swiglu, local_instances, role_path, stage_layers
 from converters.megatron.rundir import plan_run_dir, write_tracker
 from converters.megatron.write_plan import (STATE_NAMES, DpJob, ChunkGroup, ParamSpec, layout_limits, plan_groups,
                                             shard_ranges)
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
+#: target megatron-core release -> the optimizer formats it loads that to-megatron writes. Up to 0.16
+#: the common state is read from `common.pt` beside the .distcp files (0.19 reads a DCP object);
+#: 0.14 loads only fully_sharded_model_space / dp_zero_gather_scatter / fully_sharded_bucket_space.
+RELEASES = {"0.14": (), "0.15": FORMATS, "0.16": FORMATS, "0.19": FORMATS}
+LEGACY_COMMON = ("0.14", "0.15", "0.16")
 ParamInfo = ParamSpec  # a parameter of the logical checkpoint as Megatron keys it
 
 
@@ -74,6 +79,8 @@ class MegatronTarget:
     fmt: str = "fully_reshardable"
     pad_for_alignment: int | None = None
     bucket_size: int | None = None
+    release: str = "0.19"   # the megatron-core release that will load the output (major.minor)
+    pp: int = 1             # pipeline stages (even split of the layers, no virtual chunks)
 
 
 def default_budget() -> int:
@@ -258,6 +265,17 @@ class DcpIndex:
         fsync_path(root)
 
 
+def _write_common_pt(root: str, common: dict) -> None:
+    """megatron-core <= 0.16's common state file: `torch.save` of the dict, beside the .distcp files."""
+    import torch
+
+    path = os.path.join(root, "common.pt")
+    with open(path, "wb") as f:
+        torch.save(common, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 # ---------------------------------------------------------------------------------------------
 # Entry point
 
@@ -292,6 +310,12 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
     workers = int(workers or default_workers())
     if target.fmt not in FORMATS:
         raise BridgeError(f"unknown --format {target.fmt!r}; use one of {list(FORMATS)}")
+    if target.release not in RELEASES:
+        raise BridgeError(f"unknown --megatron-core {target.release!r}; use one of {list(RELEASES)}")
+    if target.fmt not in RELEASES[target.release]:
+        raise BridgeError(f"megatron-core {target.release} does not load --format {target.fmt} (it loads "
+                          f"fully_sharded_model_space / dp_zero_gather_scatter, which to-megatron does not write "
+                          f"yet); target 0.15 or later")
     if workers < 1 or budget < 1:
         raise BridgeError(f"--workers {workers} / --budget {budget}: both must be positive")
     ck = open_checkpoint(src)
@@ -309,10 +333,14 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
         raise BridgeError(f"{src}: no model or params arrays; nothing to write")
     layout_limits(params, target.tp, target.gtp, target.dp, target.ep)
     try:
-        lay = ParallelLayout(tp=target.tp, gtp=target.gtp, dp=target.dp, ep=target.ep)
+        lay = ParallelLayout(tp=target.tp, gtp=target.gtp, dp=target.dp, ep=target.ep, pp=target.pp)
     except BridgeError as e:
         raise BridgeError(f"target layout: {e}") from None
     check_target(params, lay)
+    if lay.pp > 1:
+        for p in params:
+            if p.name.startswith("decoder.layers.") and p.geom.prepend:
+                stage_layers(p.geom.prepend[0], lay.pp, 0)  # an even split (raises naming the sizes)
     _check_arrays(src, params, arrays, derive)
     step = int(ck.read(STEP_PATH)) if STEP_PATH in arrays else int(man.optimizer.step or 0)
     count = int(ck.read(COUNT_PATH)) if COUNT_PATH in arrays else step
@@ -350,6 +378,9 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
                 for fqn, value in dp_objects:
                     index.written.append(files[0].obj(fqn, value))
                 for fqn, value in _objects(man, params, lay, target, step):
+                    if fqn.startswith("common_state/") and target.release in LEGACY_COMMON:
+                        _write_common_pt(claim.tmp, value)
+                        continue
                     index.written.append(files[0].obj(fqn, value))
                 nbytes = sum(f.bytes for f in files)
             finally:
@@ -546,8 +577,8 @@ def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronT
         geoms = [p.geom for p in plist]
         gmap = {gm.name: gm for gm in geoms}
         sizes = {n: lay.tp_gtp_sizes(gm.expert) for n, gm in gmap.items()}
-        for k, (t, g, e) in sorted(lay.dp_group_coords(expert).items()):
-            insts = local_instances(geoms, lay, e)
+        for k, (t, g, e, stage) in sorted(dp_group_places(lay, expert).items()):
+            insts = local_instances(geoms, lay, e, stage)
             bparams = [BufferParam(i.label, gmap[i.name].physical_numel(*sizes[i.name])) for i in insts]
             blay = buffer_layout(bparams, target.bucket_size, dp_size)
             segs: dict[int, list[tuple[int, str, Box]]] = {b: [] for b in range(len(blay.buckets))}
@@ -645,7 +676,7 @@ def megatron_args(meg: MegatronRecord, params: Sequence[ParamInfo], lay: Paralle
     if recorded_iteration != step and isinstance(gbs, int) and not args.get("rampup_batch_size"):
         # Trained elsewhere since the source save: the data position follows the step.
         args["consumed_train_samples"] = step * gbs
-    args.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=1,
+    args.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
                 virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
                 context_parallel_size=1, gtp_weight_remat_size=lay.gtp,
                 tensor_parallel_num_weight_shards=lay.tp * lay.gtp, expert_model_parallel_size=lay.ep,

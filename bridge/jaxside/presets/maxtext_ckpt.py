@@ -30,6 +30,7 @@ from bridge.format.manifest import MAXTEXT_KEY, MEGATRON_KEY, Manifest, Megatron
 from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, active_table, adamw_mask_patterns, decayed,
                                            from_maxtext, maxtext_overrides, to_maxtext)
 from bridge.location import local_path
+from bridge.progress import progress
 
 SIDECAR = "gtp_bridge_maxtext.json"
 ITEMS = "items"
@@ -47,7 +48,7 @@ ROLES = schema.OPTIMIZER_ROLES           # the per-parameter trees moved: master
 
 @dataclass
 class Written:
-    """What `write_maxtext` wrote: the step directory, the step, and MaxText's config overrides."""
+    """What `write_maxtext` wrote: the step directory, MaxText's step (= the Adam count), its config overrides."""
 
     step_dir: str
     step: int
@@ -93,6 +94,11 @@ def _check_megatron_args(args: Mapping) -> None:
         raise BridgeError("source model is a mixture of experts; the maxtext preset covers dense llama-style models")
 
 
+def _nbytes(ck: Any, paths: list[Path]) -> int:
+    infos = ck.arrays()
+    return sum(int(np.prod(infos[p].shape)) * np.dtype(infos[p].dtype).itemsize for p in paths)
+
+
 def read_logical(src: str) -> tuple[Manifest | None, dict[str, dict[Path, np.ndarray]], int, int]:
     """(manifest, {role: {param path: array}} for the masters and both moments, Adam count, step) of a
     logical checkpoint."""
@@ -101,11 +107,14 @@ def read_logical(src: str) -> tuple[Manifest | None, dict[str, dict[Path, np.nda
     ck = open_checkpoint(src)
     trees: dict[str, dict[Path, np.ndarray]] = {r: {} for r in ROLES}
     count = step = None
+    wanted = [p for p in ck.paths() if (schema.split_role(p) or ("",))[0] in trees]
+    with progress(_nbytes(ck, wanted), f"read {os.path.basename(os.path.abspath(src))}") as bar:
+        for p in wanted:
+            role, param = schema.split_role(p)
+            trees[role][param] = ck.read(p)
+            bar.update(trees[role][param].nbytes)
     for p in ck.paths():
-        hit = schema.split_role(p)
-        if hit is not None and hit[0] in trees:
-            trees[hit[0]][hit[1]] = ck.read(p)
-        elif p == schema.COUNT_PATH:
+        if p == schema.COUNT_PATH:
             count = int(ck.read(p))
         elif p == schema.STEP_PATH:
             step = int(ck.read(p))
@@ -196,7 +205,7 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan
 
     src = local_path(src, "source")
     dst_root = os.path.abspath(local_path(dst_root, "destination"))
-    man, trees, count, ck_step = read_logical(src)
+    man, trees, count, _ = read_logical(src)
     args = _megatron_args(man)
     _check_megatron_args(args)
     opts = Options(decoder_block=decoder_block, scan_layers=scan_layers,
@@ -204,7 +213,7 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan
     shapes = {p: a.shape for p, a in trees[schema.PARAMS].items()}
     dims = Dims.from_logical(shapes, _head_dim(man, args))
     hyper = hyper_of(man, shapes)
-    step = count
+    step = count  # MaxText's TrainState.step: the step it continues from (completed updates)
     mt = {role: to_maxtext(t, role, dims, opts) for role, t in trees.items()}
     for role in schema.MOMENTS:
         if set(mt[role]) != set(mt[schema.PARAMS]):
@@ -219,8 +228,11 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan
         raise BridgeError(f"{step_dir} exists; MaxText checkpoints are never overwritten (choose another root or step)")
     state = train_state(mt[schema.PARAMS], mt[schema.MU], mt[schema.NU], count, step, hyper, dims, opts)
     ckptr = ocp.training.Checkpointer(dst_root)
-    ckptr.save_checkpointables(dir_step, {ITEMS: state}, custom_metadata={"scan_layers": scan_layers})
-    ckptr.close() if hasattr(ckptr, "close") else None
+    try:
+        ckptr.save_checkpointables(dir_step, {ITEMS: state}, custom_metadata={"scan_layers": scan_layers})
+    finally:
+        if hasattr(ckptr, "close"):
+            ckptr.close()
     sidecar = {"format": 1, "options": asdict(opts), "dims": asdict(dims), "hyper": asdict(hyper),
                "overrides": overrides, "adam_count": count,
                "base_manifest": man.to_json() if man is not None else None}
@@ -271,12 +283,14 @@ def read_maxtext_tree(items: str) -> tuple[dict[str, dict[Path, np.ndarray]], in
     trees: dict[str, dict[Path, np.ndarray]] = {r: {} for r in ROLES}
     moment_roots = {MT_ADAM + (m, MT_MOMENT_ROOT): m for m in schema.MOMENTS}
     count = step = None
+    wanted = [p for p in ck.paths() if p[:2] == MT_PARAMS or p[:4] in moment_roots]
+    with progress(_nbytes(ck, wanted), f"read {os.path.basename(os.path.dirname(items))}") as bar:
+        for p in wanted:
+            role, param = (schema.PARAMS, p[2:]) if p[:2] == MT_PARAMS else (moment_roots[p[:4]], p[4:])
+            trees[role][param] = ck.read(p)
+            bar.update(trees[role][param].nbytes)
     for p in ck.paths():
-        if p[:2] == MT_PARAMS:
-            trees[schema.PARAMS][p[2:]] = ck.read(p)
-        elif p[:4] in moment_roots:
-            trees[moment_roots[p[:4]]][p[4:]] = ck.read(p)
-        elif p == MT_COUNT:
+        if p == MT_COUNT:
             count = int(ck.read(p))
         elif p == (MT_STEP,):
             step = int(ck.read(p))
