@@ -41,7 +41,7 @@ from bridge.store.specs import numpy_dtype
 from bridge.format.tree import adamw_empty_paths, megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
 from converters.megatron.dcp_reader import DcpCheckpoint
-from converters.megatron.cache import ChunkCache
+from converters.megatron.cache import ChunkCache, check_records
 from converters.megatron.format import (Hints, SourceCheckpoint, _plain, describe, optimizer_groups,
                                         parse_groups_hyper, step_of)
 from converters.megatron.plan import (ROLES, Block, CopyIndex, Unit, assign_blocks, contributes, flat_copies,
@@ -322,9 +322,11 @@ def is_defect_suspect(src: SourceCheckpoint) -> bool:
 
 
 def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], plan: WritePlan, tmp: str,
-               writer_id: int, share: int, force: bool, defect_suspect: bool, step: int, on_progress=None) -> tuple[list[str], int]:
+               writer_id: int, share: int, force: bool, defect_suspect: bool, step: int,
+               on_progress=None) -> tuple[list[str], int, dict]:
     """One writer's work: assemble each of its blocks (one outer chunk, every role), check it and
-    write it whole. Returns (warnings, source bytes read)."""
+    write it whole. Returns (warnings, source bytes read, CRC-32 spans of the records read by
+    ranges: `check_records` must pass on them before the output is committed)."""
     mem = split_share(share)
     return_freed_memory()
     ck = DcpCheckpoint(src_root)
@@ -346,7 +348,7 @@ def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], p
 
 
 def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, Unit], blocks: Sequence[Block],
-                  writer_id: int, force: bool, defect_suspect: bool, step: int, on_progress) -> tuple[list[str], int]:
+                  writer_id: int, force: bool, defect_suspect: bool, step: int, on_progress) -> tuple[list[str], int, dict]:
     warnings: list[str] = []
     index: tuple[int, CopyIndex] | None = None
     for b in blocks:
@@ -365,7 +367,7 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
         for p in (("opt_state", "0", "count"), ("step",)):
             writer.write(p, Box((), ()), np.asarray(step, dtype=np.int32))
     writer.finish()
-    return warnings, cache.bytes_read
+    return warnings, cache.bytes_read, cache.crcs.spans()
 
 
 def fill_block(cache: ChunkCache, index: CopyIndex, unit: Unit, role: str, b: Block) -> np.ndarray:
@@ -405,9 +407,8 @@ def die_with_parent() -> None:
 def _worker_main(q, src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step) -> None:  # pragma: no cover - subprocess
     die_with_parent()
     try:
-        warns, nread = run_blocks(src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step,
-                                  on_progress=lambda n: q.put(("p", w, n)))
-        q.put(("ok", w, (warns, nread)))
+        q.put(("ok", w, run_blocks(src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step,
+                                   on_progress=lambda n: q.put(("p", w, n)))))
     except BridgeError as e:
         q.put(("err", w, f"writer {w}: {e}"))
     except BaseException as e:  # noqa: BLE001 - report any crash as one line
@@ -589,12 +590,15 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
         with progress(total_bytes, f"convert {os.path.basename(dst)}", enabled=opts.show_progress) as bar:
             per = [[b for b, w in zip(blocks, owners) if w == i] for i in range(workers)]
             if workers == 1:
-                warns, _ = run_blocks(str(ck.root), dict(enumerate(units)), per[0], plan, claim.tmp, 0, share,
-                                      opts.force, suspect, step or 0, on_progress=bar.update)
-                warnings += warns
+                results = [run_blocks(str(ck.root), dict(enumerate(units)), per[0], plan, claim.tmp, 0, share,
+                                      opts.force, suspect, step or 0, on_progress=bar.update)]
             else:
-                warnings += _run_parallel(str(ck.root), units, per, plan, claim.tmp, share, opts.force, suspect,
-                                          step or 0, bar)
+                results = _run_parallel(str(ck.root), units, per, plan, claim.tmp, share, opts.force, suspect,
+                                        step or 0, bar)
+        warnings += [w for r in results for w in r[0]]
+        # Records read by ranges were CRC'd span by span as their bytes came in (one read of each
+        # byte); their CRC-32s are complete and compared here, before anything is committed.
+        check_records([r[2] for r in results], window=min(share, 8 << 20))
         commit_checkpoint(dst, plan, manifest, timeout=60.0, claim=claim)
     for w in warnings:
         print(f"gtp-bridge: warning: {w}", file=sys.stderr)
@@ -603,7 +607,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
 
 
 def _run_parallel(root: str, units: Sequence[Unit], per: list[list[Block]], plan: WritePlan, tmp: str, share: int,
-                  force: bool, suspect: bool, step: int, bar) -> list[str]:
+                  force: bool, suspect: bool, step: int, bar) -> list[tuple]:
     # spawn: TensorStore aborts in a forked child once the parent has used it
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -643,4 +647,4 @@ def _run_parallel(root: str, units: Sequence[Unit], per: list[list[Block]], plan
                 p.join()
     if errors:
         raise BridgeError(errors[0])
-    return [x for w in sorted(done) for x in done[w][0]]
+    return [done[w] for w in sorted(done)]
