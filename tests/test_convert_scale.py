@@ -103,7 +103,7 @@ def test_ranged_reads_equal_whole_chunk_reads(sources, fmt):
                 n += 1
     assert n > len(blocks)
     # each record's bytes are read once: the CRC-32 is taken from the ranged reads themselves (at
-    # 4f6a1c0 a streamed CRC pass read every record a second time: 2x); what no copy needs (the
+    # 684164c a streamed CRC pass read every record a second time: 2x); what no copy needs (the
     # buckets' padding) is read by the check
     extra = check_records([ranged.crcs.spans()])
     assert ranged.bytes_read + extra <= 1.05 * whole.bytes_read, (ranged.bytes_read, extra, whole.bytes_read)

@@ -7,8 +7,12 @@
                                            torch_dist checkpoint SRC into CPU tensors (page cache dropped
                                            first), then a raw write of the same bytes (tofile + fsync)
     offline.py jax CKPT --json F           JAX restore onto a 1-GPU mesh: bridge.jaxside.restore vs
-                                           plain Orbax, cold (page cache dropped) then warm; bit-exact
-                                           agreement of the restored arrays
+                                           plain Orbax, cold (page cache dropped before each), in the
+                                           order A B B A after one untimed warm-up restore (the first
+                                           restore of a process pays for growing the GPU allocator and
+                                           Orbax's/TensorStore's first use); per restore also the bytes
+                                           read (/proc/self/io) and the time in the Orbax read itself;
+                                           bit-exact agreement of the restored arrays
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from scale_measure import drop_caches  # noqa: E402 (one implementation for every scale script)
 PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _io() -> dict:
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (ln.split(":") for ln in f)}
 
 
 def rss() -> int:
@@ -241,61 +250,89 @@ def cmd_jax(a) -> int:
         return {"params": o["params"], "mu": o["opt_state"][0]["mu"], "nu": o["opt_state"][0]["nu"],
                 "model": o["model"], "step": o["step"]}
 
-    variants = [("bridge_restore_params_mu_nu", bridge_part, "params_opt"),
-                ("orbax_pytree_partial_params_mu_nu", orbax_part, "params_opt"),
-                ("bridge_restore_all_items", bridge_full, "full"),
-                ("orbax_standard_checkpointer_all", standard_full, "full")]
+    variants = {"bridge_restore_params_mu_nu": (bridge_part, "params_opt"),
+                "orbax_pytree_partial_params_mu_nu": (orbax_part, "params_opt"),
+                "bridge_restore_all_items": (bridge_full, "full"),
+                "orbax_standard_checkpointer_all": (standard_full, "full")}
+    import collections
+
+    import jax.monitoring as mon
+
+    events: collections.Counter = collections.Counter()
+    mon.register_event_duration_secs_listener(lambda name, d, **kw: events.__setitem__(name, events[name] + d))
+    # Untimed warm-up: one full restore brings the GPU allocator to size and initialises Orbax and
+    # TensorStore, so neither side of a pair pays for that alone. Then A B B A: each library once
+    # first and once second in each pair.
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax.tree.leaves(bridge_full()))
+    append(a.json, {"what": "jax_warmup", "seconds": time.perf_counter() - t0})
+    order = ["bridge_restore_params_mu_nu", "orbax_pytree_partial_params_mu_nu",
+             "orbax_pytree_partial_params_mu_nu", "bridge_restore_params_mu_nu",
+             "bridge_restore_all_items", "orbax_standard_checkpointer_all",
+             "orbax_standard_checkpointer_all", "bridge_restore_all_items"]
     results = {}
-    rounds = [("cold", True), ("warm", False)]
     deadline = time.time() + a.budget_s
-    for rnd, cold in rounds:
-        for name, fn, kind in variants:
-            if time.time() > deadline:
-                append(a.json, {"what": "jax_restore", "name": name, "round": rnd, "skipped": "time budget"})
-                continue
-            rec = {"what": "jax_restore", "name": name, "round": rnd, "bytes": nbytes[kind]}
-            if cold:
-                rec["dropped_caches"] = drop_caches()
-            r0 = rss()
-            t0 = time.perf_counter()
+    for i, name in enumerate(order):
+        fn, kind = variants[name]
+        if time.time() > deadline:
+            append(a.json, {"what": "jax_restore", "name": name, "round": "cold", "skipped": "time budget"})
+            continue
+        rec = {"what": "jax_restore", "name": name, "round": "cold", "position": i, "bytes": nbytes[kind],
+               "dropped_caches": drop_caches()}
+        r0, io0 = rss(), _io()
+        events.clear()
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+            jax.block_until_ready(jax.tree.leaves(out))
+            rec["seconds"] = time.perf_counter() - t0
+            rec["GBps"] = nbytes[kind] / rec["seconds"] / 1e9
+            rec["ok"] = True
+            rec["leaves"] = len(jax.tree.leaves(out))
+            rec["device"] = str(next(iter(jax.tree.leaves(out)[0].devices())))
+        except Exception as e:  # noqa: BLE001
+            rec["seconds"] = time.perf_counter() - t0
+            rec["ok"] = False
+            rec["error"] = f"{type(e).__name__}: {e}"[:1500]
+            rec["traceback_tail"] = traceback.format_exc()[-2500:]
+            out = None
+        io1 = _io()
+        rec["rchar"], rec["read_bytes"] = io1["rchar"] - io0["rchar"], io1["read_bytes"] - io0["read_bytes"]
+        rec["orbax_read_s"] = events.get("/jax/orbax/read/total_duration_secs")
+        rec["compile_s"] = sum(v for k, v in events.items() if "compil" in k)
+        rec["rss_growth"] = rss() - r0
+        append(a.json, rec)
+        if out is not None and name not in results:
+            results[name] = out
+        del out
+    # bit-exact agreement of what the two libraries restored
+    for x, y in (("bridge_restore_params_mu_nu", "orbax_pytree_partial_params_mu_nu"),
+                 ("bridge_restore_all_items", "orbax_standard_checkpointer_all"),
+                 ("bridge_restore_params_mu_nu", "bridge_restore_all_items")):
+        if x in results and y in results:
             try:
-                out = fn()
-                jax.block_until_ready(jax.tree.leaves(out))
-                rec["seconds"] = time.perf_counter() - t0
-                rec["GBps"] = nbytes[kind] / rec["seconds"] / 1e9
-                rec["ok"] = True
-                rec["leaves"] = len(jax.tree.leaves(out))
-                rec["device"] = str(next(iter(jax.tree.leaves(out)[0].devices())))
+                bx, by = _by_path({k: results[x][k] for k in ("params", "mu", "nu")}), \
+                    _by_path({k: results[y][k] for k in ("params", "mu", "nu")})
+                if "model" in results[x] and "model" in results[y]:
+                    bx.update(_by_path({"model": results[x]["model"]}))
+                    by.update(_by_path({"model": results[y]["model"]}))
+                bad = sorted(k for k in set(bx) | set(by)
+                             if k not in bx or k not in by or not _bits_equal(bx[k], by[k]))
+                append(a.json, {"what": "jax_agree", "a": x, "b": y, "leaves": len(bx), "ok": not bad,
+                                "differ": bad[:10]})
             except Exception as e:  # noqa: BLE001
-                rec["seconds"] = time.perf_counter() - t0
-                rec["ok"] = False
-                rec["error"] = f"{type(e).__name__}: {e}"[:1500]
-                rec["traceback_tail"] = traceback.format_exc()[-2500:]
-                out = None
-            rec["rss_growth"] = rss() - r0
-            append(a.json, rec)
-            if rnd == "cold" and out is not None:
-                results[name] = out
-            del out
-        if rnd == "cold":
-            # bit-exact agreement of what the two libraries restored
-            for x, y in (("bridge_restore_params_mu_nu", "orbax_pytree_partial_params_mu_nu"),
-                         ("bridge_restore_all_items", "orbax_standard_checkpointer_all"),
-                         ("bridge_restore_params_mu_nu", "bridge_restore_all_items")):
-                if x in results and y in results:
-                    try:
-                        bx, by = _by_path({k: results[x][k] for k in ("params", "mu", "nu")}), \
-                            _by_path({k: results[y][k] for k in ("params", "mu", "nu")})
-                        if "model" in results[x] and "model" in results[y]:
-                            bx.update(_by_path({"model": results[x]["model"]}))
-                            by.update(_by_path({"model": results[y]["model"]}))
-                        bad = sorted(k for k in set(bx) | set(by)
-                                     if k not in bx or k not in by or not _bits_equal(bx[k], by[k]))
-                        append(a.json, {"what": "jax_agree", "a": x, "b": y, "leaves": len(bx), "ok": not bad,
-                                        "differ": bad[:10]})
-                    except Exception as e:  # noqa: BLE001
-                        append(a.json, {"what": "jax_agree", "a": x, "b": y, "error": f"{type(e).__name__}: {e}"})
-            results.clear()
+                append(a.json, {"what": "jax_agree", "a": x, "b": y, "error": f"{type(e).__name__}: {e}"})
+    results.clear()
+    times: dict = {}
+    for ln in open(a.json):
+        r = json.loads(ln)
+        if r.get("what") == "jax_restore" and r.get("ok") and r.get("position") is not None:
+            times.setdefault(r["name"], []).append(r["seconds"])
+    for x, y in (("bridge_restore_params_mu_nu", "orbax_pytree_partial_params_mu_nu"),
+                 ("bridge_restore_all_items", "orbax_standard_checkpointer_all")):
+        if times.get(x) and times.get(y):
+            append(a.json, {"what": "jax_ratio", "a": x, "b": y, "a_s": times[x], "b_s": times[y],
+                            "ratio_of_means": (sum(times[x]) / len(times[x])) / (sum(times[y]) / len(times[y]))})
     return 0
 
 
