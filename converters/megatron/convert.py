@@ -258,25 +258,27 @@ class ShareSplit:
 
 
 def split_share(share: int) -> ShareSplit:
-    """A twelfth each for the block being filled and the source chunks kept, a sixteenth for the
+    """A sixteenth each for the block being filled and the source chunks kept, a twentieth for the
     writer's batch (at least MIN_BATCH_BYTES).
 
     Each costs several times its nominal size (resident bytes measured on the CPU): the writer
     holds a batch filling and one committing, each up to a block beyond its size, plus TensorStore's
     encoded shards (~3x batch + block); a block is assembled next to its master check's cast
     (~1.4x); whole-chunk reads decode next to the raw record (~1.6x). With these fractions the sum
-    stays near two thirds of the share, the rest covers allocator slack.
+    stays near half the share, the rest covers allocator slack and the per-process state that
+    grows with the share (on the GPU host, 8 workers at 2 GiB each peaked at 2.73 GiB with twelfths
+    and a sixteenth: 0.23 GiB over the 0.5 GiB + share bound).
 
     The batch floor: every transaction adds OCDBT B-tree nodes that later commits rewrite, and
     below about 1 MiB of data per commit they outgrow the data on disk.
 
     >>> split_share(192 << 20)
-    ShareSplit(block=16777216, cache=16777216, inflight=12582912)
+    ShareSplit(block=12582912, cache=12582912, inflight=10066329)
     >>> split_share(1 << 20).inflight == MIN_BATCH_BYTES
     True
     """
-    q = max(1, share // 12)
-    return ShareSplit(block=q, cache=q, inflight=max(share // 16, MIN_BATCH_BYTES))
+    q = max(1, share // 16)
+    return ShareSplit(block=q, cache=q, inflight=max(share // 20, MIN_BATCH_BYTES))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,11 @@
     offline.py anchor SRC RAW --json F     torch.distributed.checkpoint load of every tensor of the
                                            torch_dist checkpoint SRC into CPU tensors (page cache dropped
                                            first), then a raw write of the same bytes (tofile + fsync)
+    offline.py rawread DIR --json F        every file under DIR read with 8 threads, 16 MiB at a time, page
+                                           cache dropped first (bench_scale.raw_read): the disk's rate,
+                                           verify's anchor
+    offline.py verify CKPT --json F        verify in-process, cold, without then with its read order and
+                                           prefetch (A/B of the same code otherwise)
     offline.py jax CKPT --json F           JAX restore onto a 1-GPU mesh: bridge.jaxside.restore vs
                                            plain Orbax, cold (page cache dropped before each), in the
                                            order A B B A after one untimed warm-up restore (the first
@@ -48,6 +53,15 @@ def append(path: str, rec: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(rec, default=str) + "\n")
     print("[offline]", json.dumps(rec, default=str)[:1500], flush=True)
+
+
+def cmd_rawread(a) -> int:
+    from bench_scale import raw_read
+
+    dropped = drop_caches()
+    r = raw_read(a.paths[0], min(8, os.cpu_count() or 1))
+    append(a.json, dict(r, what="raw_read", path=a.paths[0], dropped_caches=dropped, GBps=r["bytes"] / r["seconds"] / 1e9))
+    return 0
 
 
 def cmd_compare(a) -> int:
@@ -121,61 +135,29 @@ def cmd_anchor(a) -> int:
     return 0
 
 
-def _ts_bytes_read() -> int:
-    import tensorstore as ts
-
-    total = 0
-    for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
-        total += sum(int(v.get("value", 0)) for v in m["values"])
-    return total
-
-
 def cmd_verify(a) -> int:
-    """`gtp-bridge verify`'s own code path (bridge.store.verify.verify_checkpoint), with per-array
-    timing and TensorStore's file-bytes-read counter; prints a line per array so a run cut short
-    still shows how far it got."""
-    from math import prod
-
+    """`gtp-bridge verify`'s code path (bridge.store.verify.verify_checkpoint) in this process,
+    page cache dropped before each run: first with its OCDBT read order and prefetch turned off
+    (no B-tree map: blocks in array order, as before), then as shipped. Time, bytes read through
+    read(2)/pread(2) (rchar) and from the disk (read_bytes)."""
     import bridge.store.verify as v
-    from bridge.store.reader import open_checkpoint
 
     path = a.paths[0]
-    rec: dict = {"what": "verify", "path": path, "dropped_caches": drop_caches()}
-    t0, b0 = time.perf_counter(), _ts_bytes_read()
-    ck = open_checkpoint(path)
-    records = ck.manifest.arrays if ck.manifest else {}
-    rec["logical_bytes"] = sum(ck.info(p).nbytes for p in ck.paths())
-    rec["arrays"] = len(ck.paths())
-    damaged, per = {}, []
-    done = 0
-    for p in sorted(ck.paths(), key=lambda p: -ck.info(p).nbytes):
-        ta, ba = time.perf_counter(), _ts_bytes_read()
-        info = ck.info(p)
-        prob = v._check_array(ck, p, records.get(".".join(p)), ck.manifest is not None, _NoBar())
-        done += info.nbytes
-        row = {"array": ".".join(p), "shape": info.shape, "inner_chunk": info.inner_chunk_shape,
-               "blocks": len(v.row_blocks(info.shape, max(1, info.nbytes // max(1, prod(info.shape))))),
-               "bytes": info.nbytes, "read": _ts_bytes_read() - ba, "seconds": time.perf_counter() - ta,
-               "problem": prob}
-        per.append(row)
-        if prob:
-            damaged[row["array"]] = prob
-        print(f"[verify-array] {row['array']} {info.shape} inner {info.inner_chunk_shape} blocks {row['blocks']}: "
-              f"{row['seconds']:.2f} s, read {row['read'] / 2**20:.0f} MiB of {info.nbytes / 2**20:.0f} MiB "
-              f"(elapsed {time.perf_counter() - t0:.1f} s, {done / 2**30:.2f} GiB checked) {prob or ''}", flush=True)
-    rec["seconds"] = time.perf_counter() - t0
-    rec["file_bytes_read"] = _ts_bytes_read() - b0
-    rec["read_over_logical"] = rec["file_bytes_read"] / max(1, rec["logical_bytes"])
-    rec["damaged"] = damaged
-    rec["ok"] = not damaged
-    rec["slowest"] = sorted(per, key=lambda r: -r["seconds"])[:6]
-    append(a.json, rec)
-    return 0 if rec["ok"] else 1
-
-
-class _NoBar:
-    def update(self, n) -> None:
-        pass
+    v.value_locations(path)  # TensorStore initialised and the libraries loaded before either run
+    shipped = v.value_locations
+    for mode in ("no_prefetch", "prefetch"):
+        v.value_locations = (lambda root: {}) if mode == "no_prefetch" else shipped
+        rec: dict = {"what": "verify_inprocess", "mode": mode, "path": path, "dropped_caches": drop_caches()}
+        io0, t0 = _io(), time.perf_counter()
+        res = v.verify_checkpoint(path, show_progress=False)
+        rec["seconds"] = time.perf_counter() - t0
+        io1 = _io()
+        rec.update(ok=res.ok, checked=res.checked, bytes=res.bytes_read, rchar=io1["rchar"] - io0["rchar"],
+                   read_bytes=io1["read_bytes"] - io0["read_bytes"], GBps=res.bytes_read / rec["seconds"] / 1e9,
+                   damaged=dict(list(res.damaged.items())[:5]))
+        append(a.json, rec)
+    v.value_locations = shipped
+    return 0
 
 
 def _bits_equal(x, y) -> bool:
@@ -338,13 +320,13 @@ def cmd_jax(a) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=["compare", "digests", "anchor", "jax", "verify"])
+    ap.add_argument("cmd", choices=["compare", "digests", "anchor", "jax", "verify", "rawread"])
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--json", required=True)
     ap.add_argument("--budget-s", type=float, default=150.0)
     a = ap.parse_args()
     sys.exit({"compare": cmd_compare, "digests": cmd_digests, "anchor": cmd_anchor, "jax": cmd_jax,
-              "verify": cmd_verify}[a.cmd](a))
+              "verify": cmd_verify, "rawread": cmd_rawread}[a.cmd](a))
 
 
 if __name__ == "__main__":
