@@ -39,6 +39,7 @@ from bridge.format.tree import path_str
 READ_BLOCK_BYTES = 16 << 20
 PREFETCH_AHEAD_BYTES = 1 << 30      # page cache asked for ahead of the reads (reclaimable, not resident)
 PREFETCH_PIECE_BYTES = 64 << 20     # one fadvise call: a large sequential read for the kernel
+PREFETCH_THREADS = 4                # ranges requested in parallel (several streams, as a parallel read)
 
 
 @dataclass
@@ -204,27 +205,32 @@ def prefetch_ranges(locs: Sequence[Location | None], sizes: Sequence[int],
 
 class Prefetcher:
     """Asks the kernel to read file ranges ahead of the process's own reads (posix_fadvise
-    WILLNEED: asynchronous, into the page cache), never more than `ahead` bytes of reads ahead of
-    `consumed`. A no-op where fadvise does not exist."""
+    WILLNEED: into the page cache), `threads` ranges at a time, never more than `ahead` bytes of
+    reads ahead of `consumed`. A no-op where fadvise does not exist."""
 
-    def __init__(self, ranges: Sequence[tuple[str, int, int, int]], ahead: int = PREFETCH_AHEAD_BYTES) -> None:
+    def __init__(self, ranges: Sequence[tuple[str, int, int, int]], ahead: int = PREFETCH_AHEAD_BYTES,
+                 threads: int | None = None) -> None:
         self.ranges, self.ahead = list(ranges), ahead
         self.consumed = 0
+        self._next = 0
         self._cv = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="verify-prefetch", daemon=True)
+        n = max(1, PREFETCH_THREADS if threads is None else threads)
+        self._threads = [threading.Thread(target=self._run, name="verify-prefetch", daemon=True) for _ in range(n)]
 
     def __enter__(self) -> "Prefetcher":
         if self.ranges and hasattr(os, "posix_fadvise"):
-            self._thread.start()
+            for t in self._threads:
+                t.start()
         return self
 
     def __exit__(self, *exc) -> None:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        if self._thread.is_alive():
-            self._thread.join()
+        for t in self._threads:
+            if t.is_alive():
+                t.join()
 
     def advance(self, nbytes: int) -> None:
         """`nbytes` more of the reads were issued."""
@@ -232,25 +238,28 @@ class Prefetcher:
             self.consumed += nbytes
             self._cv.notify_all()
 
+    def _take(self) -> tuple[str, int, int, int] | None:
+        """The next range once it is within `ahead` of the reads; None when done or stopped."""
+        with self._cv:
+            while not self._stop and self._next < len(self.ranges) \
+                    and self.ranges[self._next][3] > self.consumed + self.ahead:
+                self._cv.wait()
+            if self._stop or self._next >= len(self.ranges):
+                return None
+            self._next += 1
+            return self.ranges[self._next - 1]
+
     def _run(self) -> None:
-        fds: dict[str, int] = {}
-        try:
-            for f, lo, hi, pos in self.ranges:
-                with self._cv:
-                    while not self._stop and pos > self.consumed + self.ahead:
-                        self._cv.wait()
-                    if self._stop:
-                        return
+        while (r := self._take()) is not None:
+            f, lo, hi, _ = r
+            try:
+                fd = os.open(f, os.O_RDONLY)
                 try:
-                    fd = fds.get(f)
-                    if fd is None:
-                        fd = fds[f] = os.open(f, os.O_RDONLY)
                     os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    pass  # only a hint: the read itself reports any problem
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass  # only a hint: the read itself reports any problem
 
 
 def default_threads() -> int:
