@@ -5,22 +5,12 @@ inner chunks, never a block that cuts one). TensorStore reads blocks of all arra
 a fixed set of reused buffers (bounded memory; a fresh array per block would be page-faulted in and
 unmapped again every time), and a thread pool digests each block as its read completes (TensorStore
 and the digest release the GIL). A damaged array is reported by name and never hides the others.
-
-TensorStore reads a sharded chunk one inner chunk (~1 MiB) at a time, each a separate pread that
-the kernel's readahead does not recognise as sequential, which leaves the disk well below the rate
-of a plain sequential read of the files. So blocks are read in the order their chunks lie in the
-OCDBT data files (from the database's B-tree, `value_locations`), and a prefetcher asks the kernel
-(`posix_fadvise(WILLNEED)`) for the coming file ranges in large sequential pieces, a bounded window
-ahead of the reads: TensorStore's reads then come from the page cache. The hint reads no byte
-through the process (nothing is counted twice) and changes no result: without it (no OCDBT map,
-a platform without fadvise) verify reads the same blocks, only slower.
 """
 
 from __future__ import annotations
 
 import os
 import queue
-import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from math import prod
@@ -37,9 +27,6 @@ from bridge.store.specs import numpy_dtype
 from bridge.format.tree import path_str
 
 READ_BLOCK_BYTES = 16 << 20
-PREFETCH_AHEAD_BYTES = 1 << 30      # page cache asked for ahead of the reads (reclaimable, not resident)
-PREFETCH_PIECE_BYTES = 64 << 20     # one fadvise call: a large sequential read for the kernel
-PREFETCH_THREADS = 4                # ranges requested in parallel (several streams, as a parallel read)
 
 
 @dataclass
@@ -118,150 +105,6 @@ def _grid(shape: Sequence[int], step: Sequence[int]):
             return
 
 
-# ---------------------------------------------------------------------------------------------
-# Where chunks lie in the OCDBT data files (read order and prefetch; never needed for correctness)
-
-Location = tuple[str, int, int]   # data file, byte offset, length
-
-
-def parse_value_location(loc: str) -> tuple[str, str, int, int]:
-    """An OCDBT dump location `type:base_path:file_id:offset:length` -> (base_path, file_id, offset, length).
-
-    >>> parse_value_location("value:ocdbt.process_0/:d/5bfc:0:33555076")
-    ('ocdbt.process_0/', 'd/5bfc', 0, 33555076)
-    >>> parse_value_location("btreenode::d/82:10:401")
-    ('', 'd/82', 10, 401)
-    """
-    head, off, length = loc.rsplit(":", 2)
-    _kind, base, file_id = head.split(":", 2)
-    return base, file_id, int(off), int(length)
-
-
-def chunk_key(name: str, index: Sequence[int], separator: str = "/") -> str:
-    """The zarr v3 key (default chunk key encoding) of chunk `index` of array `name`.
-
-    >>> chunk_key("params.w", (0, 2, 1)), chunk_key("step", ())
-    ('params.w/c/0/2/1', 'step/c')
-    """
-    return separator.join([f"{name}/c"] + [str(i) for i in index])
-
-
-def value_locations(root: str) -> dict[str, Location]:
-    """Key -> (data file, offset, length) of every out-of-line value of the OCDBT database at
-    `root`, from its B-tree (`tensorstore.ocdbt.dump`). {} when there is none or it cannot be
-    walked: the map only orders reads and prefetching. A file outside `root` is left out."""
-    import tensorstore as ts
-
-    root = os.path.realpath(root)
-    out: dict[str, Location] = {}
-    try:
-        base = ts.KvStore.open({"driver": "file", "path": root + "/"}).result()
-        manifest = ts.ocdbt.dump(base).result()
-        versions = manifest.get("versions") or []
-        loc = versions[-1].get("root", {}).get("location") if versions else None
-        stack = [(loc, b"")] if loc else []
-        while stack:
-            loc, prefix = stack.pop()
-            node = ts.ocdbt.dump(base, loc).result()
-            for e in node.get("entries", []):
-                if node.get("height", 0) > 0:
-                    stack.append((e["location"], prefix + e.get("subtree_common_prefix", b"")))
-                elif "indirect_value" in e:
-                    b, file_id, off, length = parse_value_location(e["indirect_value"])
-                    path = os.path.realpath(os.path.join(root, b, file_id))
-                    if path.startswith(root + os.sep):
-                        out[(prefix + e["key"]).decode("utf-8", "replace")] = (path, off, length)
-    except Exception:  # noqa: BLE001 - not OCDBT, another layout, a damaged tree: read unordered
-        return {}
-    return out
-
-
-def prefetch_ranges(locs: Sequence[Location | None], sizes: Sequence[int],
-                    piece: int = PREFETCH_PIECE_BYTES) -> list[tuple[str, int, int, int]]:
-    """File ranges to prefetch for reads in this order: (file, lo, hi, bytes of reads before the
-    range's first). Consecutive values that touch in one file join up to `piece` bytes; a value
-    already requested is not requested again.
-
-    >>> prefetch_ranges([("f", 0, 10), ("f", 0, 10), ("f", 10, 5), None, ("g", 0, 4)], [3, 3, 5, 2, 4], piece=100)
-    [('f', 0, 15, 0), ('g', 0, 4, 13)]
-    >>> prefetch_ranges([("f", 0, 10), ("f", 10, 5)], [10, 5], piece=12)
-    [('f', 0, 10, 0), ('f', 10, 15, 10)]
-    """
-    out: list[list] = []
-    seen: set = set()
-    pos = 0
-    for loc, n in zip(locs, sizes):
-        if loc is not None and loc not in seen:
-            seen.add(loc)
-            f, lo, length = loc
-            last = out[-1] if out else None
-            if last is not None and last[0] == f and last[2] == lo and lo + length - last[1] <= piece:
-                last[2] = lo + length
-            else:
-                out.append([f, lo, lo + length, pos])
-        pos += n
-    return [tuple(r) for r in out]
-
-
-class Prefetcher:
-    """Asks the kernel to read file ranges ahead of the process's own reads (posix_fadvise
-    WILLNEED: into the page cache), `threads` ranges at a time, never more than `ahead` bytes of
-    reads ahead of `consumed`. A no-op where fadvise does not exist."""
-
-    def __init__(self, ranges: Sequence[tuple[str, int, int, int]], ahead: int = PREFETCH_AHEAD_BYTES,
-                 threads: int | None = None) -> None:
-        self.ranges, self.ahead = list(ranges), ahead
-        self.consumed = 0
-        self._next = 0
-        self._cv = threading.Condition()
-        self._stop = False
-        n = max(1, PREFETCH_THREADS if threads is None else threads)
-        self._threads = [threading.Thread(target=self._run, name="verify-prefetch", daemon=True) for _ in range(n)]
-
-    def __enter__(self) -> "Prefetcher":
-        if self.ranges and hasattr(os, "posix_fadvise"):
-            for t in self._threads:
-                t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        for t in self._threads:
-            if t.is_alive():
-                t.join()
-
-    def advance(self, nbytes: int) -> None:
-        """`nbytes` more of the reads were issued."""
-        with self._cv:
-            self.consumed += nbytes
-            self._cv.notify_all()
-
-    def _take(self) -> tuple[str, int, int, int] | None:
-        """The next range once it is within `ahead` of the reads; None when done or stopped."""
-        with self._cv:
-            while not self._stop and self._next < len(self.ranges) \
-                    and self.ranges[self._next][3] > self.consumed + self.ahead:
-                self._cv.wait()
-            if self._stop or self._next >= len(self.ranges):
-                return None
-            self._next += 1
-            return self.ranges[self._next - 1]
-
-    def _run(self) -> None:
-        while (r := self._take()) is not None:
-            f, lo, hi, _ = r
-            try:
-                fd = os.open(f, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass  # only a hint: the read itself reports any problem
-
-
 def default_threads() -> int:
     return max(4, min(32, 2 * (os.cpu_count() or 2)))
 
@@ -314,11 +157,6 @@ def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
 
     jobs = [(p, box) for p, info in infos.items()
             for box in read_blocks(info.shape, info.chunk_shape, info.inner_chunk_shape, _itemsize(info), block_bytes)]
-    locs = _block_locations(ck, infos, jobs)
-    if locs:  # in file order: each data file is read front to back, the prefetcher just ahead
-        order = sorted(range(len(jobs)), key=lambda i: (locs[i] is None, locs[i] or ("", 0, 0), i))
-        jobs, locs = [jobs[i] for i in order], [locs[i] for i in order]
-    prefetch = Prefetcher(prefetch_ranges(locs, [_nbytes(infos, p, box) for p, box in jobs]) if locs else [])
     partial: dict = {p: [] for p in infos}
     failed: dict = {}
     free: queue.SimpleQueue = queue.SimpleQueue()
@@ -357,15 +195,14 @@ def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
             bar.update(n)
 
     with progress(sum(i.nbytes for i in infos.values()), "verify", enabled=show_progress) as bar, \
-            ThreadPoolExecutor(threads, thread_name_prefix="verify") as pool, prefetch:
+            ThreadPoolExecutor(threads, thread_name_prefix="verify") as pool:
         for p, box in jobs:
             if pending:
                 collect(block=False)
-            info = infos[p]
-            nb = _nbytes(infos, p, box)
-            prefetch.advance(nb)
             if p in failed:
                 continue  # this array is already known damaged: spend no more reads on it
+            info = infos[p]
+            nb = _nbytes(infos, p, box)
             if nb > block_bytes:  # one inner chunk larger than a block: it goes alone, in its own buffer
                 while pending:
                     collect(block=True)
@@ -379,21 +216,6 @@ def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
         while pending:
             collect(block=True)
     return partial, failed, nread
-
-
-def _block_locations(ck: Checkpoint, infos: dict, jobs: list) -> list[Location | None]:
-    """Each block's chunk value in the OCDBT data files (None where unknown); [] without a map."""
-    if not ck.use_ocdbt:
-        return []
-    where = value_locations(ck.root)
-    if not where:
-        return []
-    out = []
-    for p, box in jobs:
-        info = infos[p]
-        index = tuple(a // max(1, c) for a, c in zip(box.start, info.chunk_shape))
-        out.append(where.get(chunk_key(ck.name_of(p), index)))
-    return out
 
 
 def _nbytes(infos: dict, p, box: Box) -> int:

@@ -6,8 +6,8 @@
 #   1. train 2 steps, live export (export_megatron), Megatron's own dp_reshardable save (torch_side.py)
 #   2. `gtp-bridge convert` of the save at DEFAULT settings (measured: time, peak RSS, bytes)
 #   3. its per-array digests equal the live export's (offline.py digests), `gtp-bridge verify` of the conversion (measured: time, bytes read), then its anchor: a raw
-#      read of the conversion's files (offline.py rawread), then verify in-process without and with
-#      its file-order reads and prefetch (offline.py verify)
+#      read of the conversion's files (offline.py rawread), then verify in-process cold and warm
+#      (offline.py verify)
 #   4. convert's anchor: dcp.load of the save + a raw write of the same bytes (offline.py anchor)
 #   5. JAX restore of the conversion vs plain Orbax (offline.py jax)
 #   6. the convert sweep (benchmarks/scale_sweep.py, SP_GRID, default 32M:1,64M:2,256M:4): each
@@ -44,7 +44,7 @@ if [ -d "$C" ]; then
   step verify 150 30 $M --name verify_converted --drop-caches --log "$logs/verify.cli.log" \
     -- $PY -m bridge.cli verify "$C"
   step rawread 60 20 $O rawread "$C" --json "$J"
-  step verify_ab 80 40 $O verify "$C" --json "$J"
+  step verify_inproc 60 30 $O verify "$C" --json "$J"
 fi
 step anchor 120 60 $O anchor "$D/dp" "$D/raw" --json "$J"
 rm -rf "$D/raw"
