@@ -144,3 +144,30 @@ def test_ranged_read_checks_the_record_crc(sources, tmp_path, suffix, at, worker
         convert(str(src), str(tmp_path / "out"), ConvertOptions(workers=workers, budget=(64 << 10) * workers,
                                                                 min_worker_bytes=1))
     assert not os.path.lexists(tmp_path / "out") and not os.path.lexists(str(tmp_path / "out") + ".orbax-checkpoint-tmp")
+
+
+@pytest.mark.parametrize("fmt", ["dp", "fr"])
+def test_records_near_the_cache_size_are_read_once(sources, fmt):
+    """A cache that holds any one record but not the four a block draws on at once (model, params,
+    mu, nu) must not re-read records whole block after block: such records go by ranges, and the
+    source is read about once. Before the fix every record up to the cache's size was read whole
+X
+    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.cache import ChunkCache, check_records
+    from converters.megatron.convert import build_units
+    from converters.megatron.format import Hints, describe
+    from converters.megatron.plan import CopyIndex, plan_blocks
+
+    d, _ = sources
+    ck = DcpCheckpoint(str(d / fmt))
+    units = build_units(describe(ck, Hints()), Hints())
+    records = [c.storage.length for t in ck.tensors.values() for c in t.chunks]
+    cache = ChunkCache(ck, int(1.2 * max(records)))
+    blocks, _ = plan_blocks(units, 40_000)
+    indexes = {i: CopyIndex(u) for i, u in enumerate(units)}
+    for b in blocks:
+        for role in units[b.unit].copies:
+            for c in indexes[b.unit].clipped(role, b.array, b.box):
+                cache.region(c)
+    extra = check_records([cache.crcs.spans()])
+    assert cache.bytes_read + extra <= 1.15 * sum(records), (cache.bytes_read, extra, sum(records))
