@@ -151,7 +151,8 @@ def test_records_near_the_cache_size_are_read_once(sources, fmt):
     """A cache that holds any one record but not the four a block draws on at once (model, params,
     mu, nu) must not re-read records whole block after block: such records go by ranges, and the
     source is read about once. Before the fix every record up to the cache's size was read whole
-X
+    and evicted by the other roles' records (12-48x the source read here, 2.6x on the GPU host's
+    real 0.85 B conversion)."""
     from converters.megatron.dcp_reader import DcpCheckpoint
     from converters.megatron.cache import ChunkCache, check_records
     from converters.megatron.convert import build_units
