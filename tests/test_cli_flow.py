@@ -70,11 +70,11 @@ def test_python_entry_points_refuse_urls(logical, tmp_path, monkeypatch):
     from bridge.store.reader import open_checkpoint
     from bridge.store.verify import verify_checkpoint
     from converters.megatron.convert import convert
-    from converters.megatron.write import Target, to_megatron
+    from converters.megatron.write import MegatronTarget, to_megatron
 
     monkeypatch.chdir(tmp_path)
     calls = [lambda: convert(str(DEMO_SRC), "s3://b/x"), lambda: convert("gs://b/x", "out"),
-             lambda: to_megatron(logical, "s3://b/x", Target(tp=1)), lambda: to_megatron("s3://b/x", "out", Target(tp=1)),
+             lambda: to_megatron(logical, "s3://b/x", MegatronTarget(tp=1)), lambda: to_megatron("s3://b/x", "out", MegatronTarget(tp=1)),
              lambda: open_checkpoint("gs://b/x"), lambda: verify_checkpoint("s3://b/x"),
              lambda: restore("gs://b/x"), lambda: save("s3://b/x", params={}, opt_state=None, step=0)]
     for call in calls:
@@ -302,7 +302,8 @@ def test_demo_without_workdir_leaves_nothing_behind(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("module", ["bridge.location", "bridge.store.manager", "bridge.machine", "bridge.cast_check"])
+@pytest.mark.parametrize("module", ["bridge.location", "bridge.store.manager", "bridge.machine", "bridge.cast_check",
+                                    "bridge.dtypes", "bridge.units"])
 def test_docstring_examples(module):
     import doctest
     import importlib

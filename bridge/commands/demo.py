@@ -40,8 +40,10 @@ def _force_host_devices() -> None:
 def _bits_equal(a, b) -> bool:
     import numpy as np
 
+    from bridge.dtypes import uint_view
+
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(uint_view(a), uint_view(b))
 
 
 def orbax_restore_check(path: str) -> tuple[int, int, str]:
@@ -52,22 +54,23 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from bridge.errors import BridgeError
+    from bridge.format.schema import ADAM_INDEX, OPT_STATE
     from bridge.jaxside.keypaths import nested_from_paths
     from bridge.store.reader import open_checkpoint
-    from bridge.store.specs import numpy_dtype
+    from bridge.dtypes import numpy_dtype
 
     devs = jax.devices()
     if len(devs) < DEVICES:
         raise BridgeError(f"demo needs {DEVICES} JAX devices, found {len(devs)}; unset XLA_FLAGS/JAX_PLATFORMS or run "
                           f"with XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES}")
-    mesh = Mesh(np.array(devs[:DEVICES]).reshape(2, 4), ("data", "model"))
+    mesh = Mesh(np.array(devs[:DEVICES]).reshape(2, 4), ("data", "model"))  # foreign: mesh axis names
     ck = open_checkpoint(path)
     arrays = ck.arrays()
 
     def sharding(shape):
         spec = [None] * len(shape)
         if shape and shape[-1] % 4 == 0:
-            spec[-1] = "model"            # torch [out, in]: shard the input dim 4 ways
+            spec[-1] = "model"            # foreign: mesh axis; torch [out, in]: shard the input dim 4 ways
         if len(shape) >= 2 and shape[0] % 2 == 0:
             spec[0] = "data"              # and the leading (layer / row) dim 2 ways
         return NamedSharding(mesh, P(*spec))
@@ -75,10 +78,10 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
     nested = nested_from_paths({p: jax.ShapeDtypeStruct(tuple(info.shape), numpy_dtype(info.dtype),
                                                         sharding=sharding(tuple(info.shape)))
                                 for p, info in arrays.items()})
-    opt = nested.pop("opt_state")
-    nested["opt_state"] = [opt["0"], None, None]   # optax.adamw(...).init(params): (ScaleByAdamState, Empty, Empty)
+    opt = nested.pop(OPT_STATE)
+    nested[OPT_STATE] = [opt[ADAM_INDEX], None, None]   # optax.adamw(...).init(params): (ScaleByAdamState, Empty, Empty)
     restored = ocp.StandardCheckpointer().restore(os.path.abspath(path), nested)
-    restored["opt_state"] = {"0": restored["opt_state"][0]}
+    restored[OPT_STATE] = {ADAM_INDEX: restored[OPT_STATE][0]}
     n = nbytes = 0
     sample = ""
     for p in arrays:
@@ -131,7 +134,7 @@ def run_in(work: Path, keep: bool) -> int:
     """The demo's steps with their outputs under `work` (kept there when `keep`)."""
     from bridge.errors import BridgeError
     from converters.megatron.convert import ConvertOptions, convert
-    from converters.megatron.write import Target, to_megatron
+    from converters.megatron.write import MegatronTarget, to_megatron
 
     outs = {k: work / k for k in ("logical", "megatron_tp2_dp2", "logical_again")}
     taken = [str(p) for p in outs.values() if p.exists()]
@@ -153,7 +156,7 @@ def run_in(work: Path, keep: bool) -> int:
     rows.append(("Orbax restore", "logical", f"JAX 2x4 CPU mesh ({n} leaves)", nb, t2,
                  f"bit-exact vs TensorStore; e.g. {sample}"))
     r3, t3 = timed(lambda: to_megatron(str(outs["logical"]), str(outs["megatron_tp2_dp2"]),
-                                       Target(tp=2, dp=2, fmt="dp_reshardable", bucket_size=4000)))
+                                       MegatronTarget(tp=2, dp=2, fmt="dp_reshardable", bucket_size=4000)))
     rows.append(("to-megatron", "logical", "Megatron dp_reshardable TP=2 DP=2 (bucket 4000)", r3["bytes"], t3,
                  "DistOpt buffers rebuilt for the new layout"))
     r4, t4 = timed(lambda: convert(str(outs["megatron_tp2_dp2"]), str(outs["logical_again"]), ConvertOptions(workers=1)))
@@ -162,7 +165,7 @@ def run_in(work: Path, keep: bool) -> int:
                  f"identical to the first conversion ({n_same} arrays, bit for bit)"))
     print(f"gtp-bridge demo (outputs in {work})" if keep else "gtp-bridge demo (temporary outputs, removed at the end; "
           "--workdir DIR keeps them)")
-    print(f"{'step':<14} {'from':<42} {'to':<44} {'MiB':>6} {'s':>5}  check")
+    print(f"{'step':<14} {'from':<42} {'to':<44} {'MiB':>6} {'s':>5}  check")  # foreign: a column header
     for step, a, b, nbytes, secs, check in rows:
         print(f"{step:<14} {a:<42} {b:<44} {nbytes / 2**20:>6.2f} {secs:>5.1f}  {check}")
     print("all checks passed")
