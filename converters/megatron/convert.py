@@ -43,7 +43,7 @@ from bridge.dtypes import name_of_torch, numpy_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
 from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
-from converters.megatron.cache import ChunkCache
+from converters.megatron.cache import ChunkCache, check_records
 from converters.megatron.format import (Hints, SourceCheckpoint, describe, optimizer_groups,
                                         parse_groups_hyper, plain_value, step_of)
 from converters.megatron.plan import (ROLES, Block, CopyIndex, Unit, assign_blocks, contributes, flat_copies,
@@ -321,25 +321,27 @@ class ShareSplit:
 
 
 def split_share(share: int) -> ShareSplit:
-    """A twelfth each for the block being filled and the source chunks kept, a sixteenth for the
+    """A sixteenth each for the block being filled and the source chunks kept, a twentieth for the
     writer's batch (at least MIN_BATCH_BYTES).
 
     Each costs several times its nominal size (resident bytes measured on the CPU): the writer
     holds a batch filling and one committing, each up to a block beyond its size, plus TensorStore's
     encoded shards (~3x batch + block); a block is assembled next to its master check's cast
     (~1.4x); whole-chunk reads decode next to the raw record (~1.6x). With these fractions the sum
-    stays near two thirds of the share, the rest covers allocator slack.
+    stays near half the share, the rest covers allocator slack and the per-process state that
+    grows with the share (on the GPU host, 8 workers at 2 GiB each peaked at 2.73 GiB with twelfths
+    and a sixteenth: 0.23 GiB over the 0.5 GiB + share bound).
 
     The batch floor: every transaction adds OCDBT B-tree nodes that later commits rewrite, and
     below about 1 MiB of data per commit they outgrow the data on disk.
 
     >>> split_share(192 << 20)
-    ShareSplit(block=16777216, cache=16777216, inflight=12582912)
+    ShareSplit(block=12582912, cache=12582912, inflight=10066329)
     >>> split_share(1 << 20).inflight == MIN_BATCH_BYTES
     True
     """
-    q = max(1, share // 12)
-    return ShareSplit(block=q, cache=q, inflight=max(share // 16, MIN_BATCH_BYTES))
+    q = max(1, share // 16)
+    return ShareSplit(block=q, cache=q, inflight=max(share // 20, MIN_BATCH_BYTES))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,9 +387,11 @@ def is_defect_suspect(src: SourceCheckpoint) -> bool:
 
 
 def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], plan: WritePlan, tmp: str,
-               writer_id: int, share: int, force: bool, defect_suspect: bool, step: int, on_progress=None) -> tuple[list[str], int]:
+               writer_id: int, share: int, force: bool, defect_suspect: bool, step: int,
+               on_progress=None) -> tuple[list[str], int, dict]:
     """One writer's work: assemble each of its blocks (one outer chunk, every role), check it and
-    write it whole. Returns (warnings, source bytes read)."""
+    write it whole. Returns (warnings, source bytes read, CRC-32 spans of the records read by
+    ranges: `check_records` must pass on them before the output is committed)."""
     mem = split_share(share)
     return_freed_memory()
     ck = DcpCheckpoint(src_root)
@@ -409,7 +413,7 @@ def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], p
 
 
 def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, Unit], blocks: Sequence[Block],
-                  writer_id: int, force: bool, defect_suspect: bool, step: int, on_progress) -> tuple[list[str], int]:
+                  writer_id: int, force: bool, defect_suspect: bool, step: int, on_progress) -> tuple[list[str], int, dict]:
     warnings: list[str] = []
     index: tuple[int, CopyIndex] | None = None
     for b in blocks:
@@ -428,7 +432,7 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
         for p in SCALAR_PATHS:
             writer.write(p, Box((), ()), np.asarray(step, dtype=SCALAR_DTYPE))
     writer.finish()
-    return warnings, cache.bytes_read
+    return warnings, cache.bytes_read, cache.crcs.spans()
 
 
 def fill_block(cache: ChunkCache, index: CopyIndex, unit: Unit, role: str, b: Block) -> np.ndarray:
@@ -468,9 +472,8 @@ def die_with_parent() -> None:
 def _worker_main(q, src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step) -> None:  # pragma: no cover - subprocess
     die_with_parent()
     try:
-        warns, nread = run_blocks(src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step,
-                                  on_progress=lambda n: q.put(("p", w, n)))
-        q.put(("ok", w, (warns, nread)))
+        q.put(("ok", w, run_blocks(src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step,
+                                   on_progress=lambda n: q.put(("p", w, n)))))
     except BridgeError as e:
         q.put(("err", w, f"writer {w}: {e}"))
     except BaseException as e:  # noqa: BLE001 - report any crash as one line
@@ -651,12 +654,15 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
         with progress(total_bytes, f"convert {os.path.basename(dst)}", enabled=opts.show_progress) as bar:
             per = [[b for b, w in zip(blocks, owners) if w == i] for i in range(workers)]
             if workers == 1:
-                warns, _ = run_blocks(str(ck.root), dict(enumerate(units)), per[0], plan, claim.tmp, 0, share,
-                                      opts.force, suspect, step or 0, on_progress=bar.update)
-                warnings += warns
+                results = [run_blocks(str(ck.root), dict(enumerate(units)), per[0], plan, claim.tmp, 0, share,
+                                      opts.force, suspect, step or 0, on_progress=bar.update)]
             else:
-                warnings += _run_parallel(str(ck.root), units, per, plan, claim.tmp, share, opts.force, suspect,
-                                          step or 0, bar)
+                results = _run_parallel(str(ck.root), units, per, plan, claim.tmp, share, opts.force, suspect,
+                                        step or 0, bar)
+        warnings += [w for r in results for w in r[0]]
+        # Records read by ranges were CRC'd span by span as their bytes came in (one read of each
+        # byte); their CRC-32s are complete and compared here, before anything is committed.
+        check_records([r[2] for r in results], window=min(share, 8 << 20))
         commit_checkpoint(dst, plan, manifest, timeout=60.0, claim=claim)
     for w in warnings:
         print(f"gtp-bridge: warning: {w}", file=sys.stderr)
@@ -665,7 +671,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
 
 
 def _run_parallel(root: str, units: Sequence[Unit], per: list[list[Block]], plan: WritePlan, tmp: str, share: int,
-                  force: bool, suspect: bool, step: int, bar) -> list[str]:
+                  force: bool, suspect: bool, step: int, bar) -> list[tuple]:
     # spawn: TensorStore aborts in a forked child once the parent has used it
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -705,4 +711,4 @@ def _run_parallel(root: str, units: Sequence[Unit], per: list[list[Block]], plan
                 p.join()
     if errors:
         raise BridgeError(errors[0])
-    return [x for w in sorted(done) for x in done[w][0]]
+    return [done[w] for w in sorted(done)]
