@@ -1,5 +1,8 @@
 """PURE TensorStore spec builders for the logical checkpoint (no I/O, no tensorstore import).
 
+Roots are local paths or s3:// / gs:// URLs (`bridge.location`); the base kvstore under a root
+comes from `bridge.store.kvstore.base_kvstore` (which reads the storage environment).
+
 Layout written by the bridge (Orbax-compatible, see docs/orbax-tensorstore-optax.md §3.2):
 writer w puts every array's owned chunks into its own OCDBT database ``<tmp>/ocdbt.process_<w>/``;
 the array is zarr3 with one ``sharding_indexed`` codec: outer chunk = one owned block, inner
@@ -15,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from bridge.errors import BridgeError
+from bridge.store.kvstore import base_kvstore
 
 SUPPORTED_DTYPES = ("float64", "float32", "bfloat16", "float16", "int64", "int32", "int16", "int8",
                     "uint64", "uint32", "uint16", "uint8", "bool")
@@ -71,7 +75,15 @@ def writer_db_dir(root: str, writer: int) -> str:
 
 
 def file_kvstore(path: str) -> dict:
-    return {"driver": "file", "path": path if path.endswith("/") else path + "/"}
+    """The base kvstore under `path`: a local directory, or an s3:// / gs:// prefix (see
+    `bridge.store.kvstore.base_kvstore`; the name stays for the local case, the common one).
+
+    >>> file_kvstore("/c/x")
+    {'driver': 'file', 'path': '/c/x/'}
+    >>> file_kvstore("s3://bkt/c/x")["path"]
+    'c/x/'
+    """
+    return base_kvstore(path)
 
 
 def ocdbt_kvstore(db_dir: str, key_prefix: str | None = None, *, write: bool = False) -> dict:
@@ -87,7 +99,8 @@ def ocdbt_kvstore(db_dir: str, key_prefix: str | None = None, *, write: bool = F
         # As Orbax: data files are written in place (content-addressed, referenced only once the
         # manifest commits, so a crash leaves unreferenced garbage, never a torn value); the manifest
         # keeps atomic replace. Writers create fresh databases, so the config is fixed, not read.
-        kv["base"]["file_io_locking"] = {"mode": "non_atomic"}
+        if kv["base"]["driver"] == "file":
+            kv["base"]["file_io_locking"] = {"mode": "non_atomic"}
         kv["manifest"] = file_kvstore(db_dir)
         kv.update({"config": dict(OCDBT_CONFIG), "assume_config": True, "target_data_file_size": TARGET_DATA_FILE_SIZE})
     return kv
