@@ -105,17 +105,12 @@ def _raise(exc: BaseException, root: str, doing: str):
 
 
 # -- whole objects ---------------------------------------------------------------------------------
-_context = None
-
-
 def context():
-    """One ts.Context for the small object I/O of this process (connections are reused)."""
-    global _context
+    """A fresh ts.Context for small object I/O: a shared one would keep the credentials it first
+    resolved, so a changed environment (another key pair) would go unnoticed."""
     import tensorstore as ts
 
-    if _context is None:
-        _context = ts.Context()
-    return _context
+    return ts.Context()
 
 
 def open_store(root: str):

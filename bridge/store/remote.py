@@ -141,19 +141,23 @@ class RemoteDestination:
         self._forget()
         if os.getpid() != self.info.pid:
             return  # a child process never cleans its parent's claim
+        if self.remove_objects() and reason:
+            print(f"gtp-bridge: {reason}; removed this run's objects under {self.dst}", file=sys.stderr)
+
+    def remove_objects(self) -> bool:
+        """Delete every object under DST if DST still holds this claim; True when it did."""
         try:
             if not self.owned():
-                return
+                return False
             # Everything but the claim first: until the claim goes, a later run knows whose leftovers these are.
             for key in kv.list_keys(self.dst):
                 if key != CLAIM_KEY:
                     kv.delete_prefix(self.dst, key)
             kv.delete_prefix(self.dst, CLAIM_KEY)
         except BridgeError as e:
-            print(f"gtp-bridge: could not remove this run's objects under {self.dst}: {e}", file=sys.stderr)
-            return
-        if reason:
-            print(f"gtp-bridge: {reason}; removed this run's objects under {self.dst}", file=sys.stderr)
+            print(f"gtp-bridge: could not remove the objects under {self.dst}: {e}", file=sys.stderr)
+            return False
+        return True
 
     def _forget(self) -> None:
         with local_claim._HELD_LOCK:
@@ -191,8 +195,8 @@ def claim_remote(dst: str, *, sources: Iterable[str] = ()) -> RemoteDestination:
                               f"on another host); wait for it, or remove the prefix if no run is writing it")
         print(f"gtp-bridge: removing the partial checkpoint left at {dst} by a killed run ({info.describe()})",
               file=sys.stderr)
-        stale = RemoteDestination(dst, info)
-        stale.release()
+        if not RemoteDestination(dst, info).remove_objects():
+            raise BridgeError(f"could not remove the partial checkpoint at {dst}; remove the prefix and rerun")
     info = ClaimInfo.mine(dst)
     if not kv.write_bytes(dst, CLAIM_KEY, json.dumps(asdict(info)).encode(), if_absent=True):
         raise BridgeError(f"destination {dst} is being claimed by another run at the same time; "
