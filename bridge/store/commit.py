@@ -66,7 +66,7 @@ def begin_checkpoint(dst: str, sources: Sequence[str] = ()) -> str:
     dist.broadcast_object_list(err, src=0)
     if err[0] is not None:
         raise BridgeError(err[0])
-    return tmp_dir_for(dst)
+    return dst.rstrip("/") if is_remote(dst) else tmp_dir_for(dst)  # object storage: writers write under dst
 
 
 def checkpoint_metadata_json(init_ns: int, commit_ns: int | None = None, checksum: str | None = None) -> dict:
