@@ -79,7 +79,8 @@ class RemoteDestination:
 
     The `bridge.store.claim.Destination` of locations without rename."""
 
-    def __init__(self, dst: str, info: ClaimInfo) -> None:
+    def __init__(self, dst: str, info: ClaimInfo, marker: str = METADATA) -> None:
+        self.marker = marker
         self.dst = dst.rstrip("/")
         self.tmp = self.dst
         self.info = info
@@ -108,7 +109,8 @@ class RemoteDestination:
 
     def publish(self, payload: str | None = None, *, files: Sequence[tuple[str, bytes]] = (),
                 fsync: bool = True) -> str:
-        """Write `files` (name, bytes), `_METADATA` after all others, then drop the claim. Returns DST.
+        """Write `files` (name, bytes) in order, the marker (`_METADATA`) after all others, then drop
+        the claim. Returns DST.
 
         `payload` must be DST itself (there is no temporary directory to publish from); `fsync` has
         no meaning here: an object is durable once its PUT returned."""
@@ -116,9 +118,9 @@ class RemoteDestination:
             raise BridgeError(f"publish: {payload} is not this run's destination {self.dst}")
         try:
             self.check_owned()
-            if kv.exists(self.dst, METADATA):
+            if kv.exists(self.dst, self.marker):
                 raise BridgeError(f"destination {self.dst} already exists; choose a new directory or remove it")
-            ordered = [f for f in files if f[0] != METADATA] + [f for f in files if f[0] == METADATA]
+            ordered = [f for f in files if f[0] != self.marker] + [f for f in files if f[0] == self.marker]
             for name, data in ordered:
                 kv.write_bytes(self.dst, name, data)
             self.published = True
@@ -174,8 +176,11 @@ def check_remote_free(dst: str) -> None:
         raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
 
 
-def claim_remote(dst: str, *, sources: Iterable[str] = ()) -> RemoteDestination:
+def claim_remote(dst: str, *, sources: Iterable[str] = (), marker: str = METADATA) -> RemoteDestination:
     """Claim the prefix `dst` for this run; BridgeError (one line) when that is not safe.
+
+    `marker` is the object whose presence makes the prefix complete: `_METADATA` for a logical
+    checkpoint, `.metadata` for a torch_dist one (written last by `publish`).
 
     Refuses a committed checkpoint at DST, a prefix holding objects that are not a gtp-bridge
     partial checkpoint, and a partial checkpoint whose writer may still run. Removes (and says so
@@ -183,7 +188,7 @@ def claim_remote(dst: str, *, sources: Iterable[str] = ()) -> RemoteDestination:
     dst = dst.rstrip("/")
     check_remote_sources(dst, sources)
     keys = kv.list_keys(dst)  # the first request: bad credentials / bucket / permission fail here
-    if METADATA in keys:
+    if marker in keys:
         raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
     if keys:
         info = _load_claim(dst)
@@ -195,7 +200,7 @@ def claim_remote(dst: str, *, sources: Iterable[str] = ()) -> RemoteDestination:
                               f"on another host); wait for it, or remove the prefix if no run is writing it")
         print(f"gtp-bridge: removing the partial checkpoint left at {dst} by a killed run ({info.describe()})",
               file=sys.stderr)
-        if not RemoteDestination(dst, info).remove_objects():
+        if not RemoteDestination(dst, info, marker).remove_objects():
             raise BridgeError(f"could not remove the partial checkpoint at {dst}; remove the prefix and rerun")
     info = ClaimInfo.mine(dst)
     if not kv.write_bytes(dst, CLAIM_KEY, json.dumps(asdict(info)).encode(), if_absent=True):
@@ -203,7 +208,7 @@ def claim_remote(dst: str, *, sources: Iterable[str] = ()) -> RemoteDestination:
                           f"choose another destination")
     if _load_claim(dst) is None or _load_claim(dst).run_id != info.run_id:
         raise BridgeError(f"destination {dst} was claimed by another run at the same time; choose another destination")
-    dest = RemoteDestination(dst, info)
+    dest = RemoteDestination(dst, info, marker)
     with local_claim._HELD_LOCK:
         _HELD[dest.dst] = dest
     local_claim._install_signal_handlers()  # SIGTERM raises, so the `with` block's release runs
