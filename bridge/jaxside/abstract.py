@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from bridge.errors import BridgeError
+from bridge.location import is_remote, location
 from bridge.store.manager import ITEM, resolve as resolve_location
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.sharding_rules import ShardingRules, default_spec
@@ -64,9 +65,13 @@ def stored_arrays(directory: str | os.PathLike, *, allow_edited_metadata: bool |
     bridge checkpoint whose `_METADATA` was edited after commit (unless `allow_edited_metadata`,
     or GTP_BRIDGE_ALLOW_EDITED_METADATA=1: see `bridge.store.reader.check_metadata`).
     """
+    if isinstance(directory, str) and is_remote(location(directory)):  # s3:// / gs:// (bridge.jaxside.remote)
+        from bridge.jaxside.remote import stored_arrays_remote
+
+        return stored_arrays_remote(location(directory), allow_edited_metadata)
     import orbax.checkpoint as ocp
 
-    # refuses URLs; an Orbax manager root -> its latest step. Absolute: Orbax reads no metadata from a relative path
+    # an Orbax manager root -> its latest step. Absolute: Orbax reads no metadata from a relative path
     d = os.path.abspath(resolve_location(directory))
     if not os.path.isfile(os.path.join(d, "_METADATA")) and os.path.isfile(os.path.join(d, ITEM, "_METADATA")):
         d = os.path.join(d, ITEM)  # an Orbax CheckpointManager step directory

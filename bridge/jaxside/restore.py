@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding, Sharding
 
 from bridge.errors import BridgeError
+from bridge.location import is_remote
 from bridge.jaxside.abstract import (COUNT, MODEL, MU, NU, PARAMS, STEP, StoredTree, Target, stored_arrays,
                                      to_orbax_structure)
 from bridge.jaxside.keypaths import Path, nested_from_paths
@@ -177,6 +178,10 @@ def _optimizer_state(stored: StoredTree, count: Any, results: Mapping[str, Mappi
 def _orbax_restore(stored: StoredTree, abstract: Mapping[Path, jax.ShapeDtypeStruct],
                    concurrent_gb: int | None = None) -> dict[Path, jax.Array]:
     """One Orbax restore of the requested arrays (partial when not everything is requested)."""
+    if is_remote(stored.directory):  # Orbax cannot open s3:// (and needs gcsfs for gs://)
+        from bridge.jaxside.remote import restore_remote
+
+        return restore_remote(stored.directory, abstract)
     import orbax.checkpoint as ocp
 
     from bridge.jaxside.keypaths import leaves_by_path
