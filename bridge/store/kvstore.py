@@ -95,6 +95,10 @@ def storage_error(exc: BaseException, where: str, doing: str = "access") -> Brid
     if "PERMISSION_DENIED" in text or code == "AccessDenied" or "http_response_code='403'" in text:
         return BridgeError(f"{where}: permission denied to {doing} it ({code or '403'}); "
                            f"grant the credentials read/write/list/delete on the bucket")
+    if "CURL error" in text or "retry attempts failed" in text or "UNAVAILABLE" in text:
+        env = "AWS_ENDPOINT_URL" if s3 else "STORAGE_EMULATOR_HOST"
+        return BridgeError(f"{where}: cannot reach the storage server ({head}); check the network, or {env} "
+                           f"for an S3-compatible store / emulator")
     return BridgeError(f"{where}: storage error while trying to {doing} it: {head}")
 
 
