@@ -1234,6 +1234,11 @@ def _resolve_remote_dir(url: str) -> str:
     cand = f"{url}/iter_{int(text):07d}" if text.isdigit() else f"{url}/release" if text == "release" else None
     if cand is not None and ObjectSource(cand).read_whole(".metadata") is not None:
         return cand
+    from bridge.store.remote import CLAIM_KEY
+
+    if src.read_whole(CLAIM_KEY) is not None:
+        raise BridgeError(f"{url} is a partial checkpoint (its writer never committed: no .metadata); "
+                          f"rerun the write, which removes it")
     raise BridgeError(f"{url}: not a torch_dist checkpoint (no .metadata object); point SRC at the "
                       f"iter_<N> prefix that Megatron-Core wrote")
 
