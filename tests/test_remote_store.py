@@ -58,35 +58,54 @@ def read_all(location):
     return {p: np.asarray(ck.read(p)) for p in ck.paths()}, ck.manifest
 
 
-@pytest.mark.parametrize("scheme", ["s3", "gs"])
-def test_convert_verify_inspect_on_object_storage(stores, scheme, local_reference, tmp_path):
-    srv = stores[scheme]
-    dst = srv.url(f"runs/convert-{scheme}")
-    r = cli("convert", DEMO_SRC, dst, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert f"-> {dst}:" in r.stdout
-    assert os.listdir(tmp_path) == []  # nothing written locally for a URL
+def check_committed_layout(srv, key):
+    """The commit left exactly the checkpoint: metadata objects and OCDBT databases; no claim, no reports."""
+    names = {k[len(key) + 1:].split("/", 1)[0] for k in srv.list_keys(key + "/")}
+    assert {"_METADATA", "_CHECKPOINT_METADATA", "commit_success.txt", "manifest.ocdbt"} <= names
+    assert not any(n.startswith("_gtpb_claim") or n.startswith("_gtp_bridge_writers") for n in names), names
 
+
+def same_as_reference(dst, local_reference):
     got, manifest = read_all(dst)
     want, want_manifest = read_all(local_reference)
     assert got.keys() == want.keys() and len(got) > 50
     for p in want:
         assert got[p].dtype == want[p].dtype and np.array_equal(got[p], want[p]), p
     assert {n: a.digest for n, a in manifest.arrays.items()} == {n: a.digest for n, a in want_manifest.arrays.items()}
+    return len(want)
 
+
+def test_cli_convert_verify_inspect_diff_on_s3(stores, local_reference, tmp_path):
+    srv = stores["s3"]
+    dst = srv.url("runs/convert-cli")
+    r = cli("convert", DEMO_SRC, dst, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"-> {dst}:" in r.stdout
+    assert os.listdir(tmp_path) == []  # nothing written locally for a URL
+    n = same_as_reference(dst, local_reference)
+    check_committed_layout(srv, "runs/convert-cli")
     r = cli("verify", dst, cwd=tmp_path)
-    assert r.returncode == 0 and f"OK: {len(want)} arrays intact" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and f"OK: {n} arrays intact" in r.stdout, r.stdout + r.stderr
     r = cli("inspect", dst, cwd=tmp_path)
     assert r.returncode == 0 and "params/output_layer/weight" in r.stdout, r.stderr
-
-    # The commit left exactly the checkpoint: metadata files, the OCDBT databases; no claim, no reports.
-    keys = srv.list_keys(f"runs/convert-{scheme}/")
-    names = {k.split("/", 3)[2] for k in keys}
-    assert {"_METADATA", "_CHECKPOINT_METADATA", "commit_success.txt", "manifest.ocdbt"} <= names
-    assert not any(n.startswith("_gtpb_claim") or n.startswith("_gtp_bridge_writers") for n in names), names
-
+    r = cli("diff", local_reference, dst, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
     r = cli("convert", DEMO_SRC, dst, cwd=tmp_path)
     one_line_error(r, f"destination {dst} already exists")
+    assert os.listdir(tmp_path) == []
+
+
+def test_convert_and_verify_on_gcs(stores, local_reference):
+    from bridge.store.verify import verify_checkpoint
+    from converters.megatron.convert import ConvertOptions, convert
+
+    srv = stores["gs"]
+    dst = srv.url("runs/convert-api")
+    assert convert(str(DEMO_SRC), dst, ConvertOptions(workers=1, show_progress=False)).dst == dst
+    n = same_as_reference(dst, local_reference)
+    check_committed_layout(srv, "runs/convert-api")
+    res = verify_checkpoint(dst)
+    assert res.ok and res.checked == n
 
 
 def test_store_save_multiwriter_roundtrip(stores):
