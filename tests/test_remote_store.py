@@ -86,13 +86,17 @@ def test_cli_convert_verify_inspect_diff_on_s3(stores, local_reference, tmp_path
     check_committed_layout(srv, "runs/convert-cli")
     r = cli("verify", dst, cwd=tmp_path)
     assert r.returncode == 0 and f"OK: {n} arrays intact" in r.stdout, r.stdout + r.stderr
-    r = cli("inspect", dst, cwd=tmp_path)
-    assert r.returncode == 0 and "params/output_layer/weight" in r.stdout, r.stderr
-    r = cli("diff", local_reference, dst, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
     r = cli("convert", DEMO_SRC, dst, cwd=tmp_path)
     one_line_error(r, f"destination {dst} already exists")
     assert os.listdir(tmp_path) == []
+    # inspect and diff (the notebooks' opener and the diff command's report), in-process
+    from bridge.commands.diff import diff_report
+    from bridge.inspect.open import open_for_inspection
+
+    info = open_for_inspection(dst)
+    assert len(info.arrays) == n
+    report = diff_report(local_reference, dst)
+    assert report["equal"], report
 
 
 def test_convert_and_verify_on_gcs(stores, local_reference):
@@ -125,11 +129,16 @@ def test_store_save_multiwriter_roundtrip(stores):
 
 
 def test_unknown_scheme_and_bucket_root_refused(tmp_path):
+    from bridge.errors import BridgeError
+    from bridge.location import location
+
     r = cli("convert", DEMO_SRC, "s3://bucket", cwd=tmp_path)
     one_line_error(r, "name a prefix inside the bucket")
-    r = cli("verify", "msc://profile/ckpt", cwd=tmp_path)
-    one_line_error(r, "multi-storage-client profile")
     assert os.listdir(tmp_path) == []
+    for url, text in (("msc://profile/ckpt", "multi-storage-client profile"), ("s3://Bad_Bucket/x", "valid bucket"),
+                      ("gs://bkt/a/../b", "'..' components"), ("ftp://h/x", "unknown storage scheme ftp://")):
+        with pytest.raises(BridgeError, match=text):
+            location(url)
 
 
 def test_environment_is_restored_after_module():
