@@ -67,3 +67,43 @@ def _place(ck, path: Path, want: jax.ShapeDtypeStruct) -> jax.Array:
         return cache[key]
 
     return jax.make_array_from_callback(shape, want.sharding, shard)
+
+
+def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None = None) -> None:
+    """Write the logical tree `bridge.jaxside.save` built to an s3:// / gs:// prefix with the store's
+    writer and commit (claim object, OCDBT databases, `_METADATA` last): the same arrays, names and
+    manifest Orbax would have written to a local path.
+
+    One process (Orbax's multi-host object-storage path needs gcsfs and has no s3://); arrays move
+    to host memory one at a time."""
+    from bridge.errors import BridgeError
+    from bridge.format.tree import adamw_empty_paths
+    from bridge.jaxside.keypaths import leaves_by_path
+    from bridge.progress import progress
+    from bridge.store.claim import claim_destination
+    from bridge.store.commit import commit_checkpoint
+    from bridge.store.plan import ArraySpec, make_write_plan
+    from bridge.store.specs import DEFAULT_INNER_CHUNK_BYTES, check_dtype
+    from bridge.store.writer import CheckpointWriter
+
+    if jax.process_count() > 1:
+        raise BridgeError(f"{url}: saving to object storage from {jax.process_count()} JAX processes is not "
+                          f"supported; save to a shared local path, or from one process")
+    flat = {p: a for p, a in leaves_by_path(tree).items() if a is not None}
+    catalog = [ArraySpec(p, tuple(int(s) for s in np.shape(a)), check_dtype(np.dtype(a.dtype).name, "/".join(p)))
+               for p, a in flat.items()]
+    plan = make_write_plan(catalog, 1, empty_paths=adamw_empty_paths(),
+                           inner_chunk_bytes=DEFAULT_INNER_CHUNK_BYTES if chunk_byte_size is None else chunk_byte_size)
+    by_name = {spec.name: flat[tuple(spec.path)] for spec in catalog}
+    with claim_destination(url) as claim:
+        with progress(plan.total_bytes, "save") as bar:
+            writer = CheckpointWriter(claim.tmp, plan, 0)
+            for name, ap in plan.arrays.items():
+                host = np.asarray(jax.device_get(by_name[name]))
+                for box in ap.ownership.boxes_owned_by(0):
+                    block = host[box.slices]
+                    writer.write(name, box, block)
+                    bar.update(block.nbytes)
+                del host
+            writer.finish()
+        commit_checkpoint(url, plan, manifest, claim=claim)
