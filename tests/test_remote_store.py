@@ -145,3 +145,16 @@ def test_environment_is_restored_after_module():
     """The fixtures leave no endpoint behind for other test modules (they would hit a stopped server)."""
     with environ(AWS_ENDPOINT_URL=None):
         assert "AWS_ENDPOINT_URL" not in os.environ
+
+
+@pytest.mark.slow
+def test_demo_with_a_bucket_workdir(stores, tmp_path):
+    """`demo --workdir s3://...`: every step (convert, restore on a mesh, to-megatron, convert back)
+    reads and writes the bucket; nothing is written locally."""
+    work = stores["s3"].url("demo/work")
+    r = cli("demo", "--workdir", work, cwd=tmp_path)
+    assert r.returncode == 0 and "all checks passed" in r.stdout, r.stdout + r.stderr
+    keys = stores["s3"].list_keys("demo/work/")
+    assert "demo/work/logical/_METADATA" in keys and "demo/work/logical_again/_METADATA" in keys
+    assert "demo/work/megatron_tp2_dp2/latest_checkpointed_iteration.txt" in keys
+    assert os.listdir(tmp_path) == []
