@@ -43,7 +43,7 @@ def test_bad_credentials_missing_bucket_no_permission(stores):
     from bridge.store.commit import save_checkpoint
     from bridge.store.reader import open_checkpoint
 
-    s3, gs = stores["s3"], stores["gs"]
+    s3 = stores["s3"]
     committed = save_checkpoint(s3.url("fail/ok"), arrays())
     cases = []
     with environ(AWS_ACCESS_KEY_ID="AKIAWRONGWRONGWRONG", AWS_SECRET_ACCESS_KEY="wrong"):

@@ -19,7 +19,6 @@ directory, and the others fail in the next collective or the commit barrier.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from itertools import product
 from contextlib import contextmanager

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 from bridge.errors import BridgeError
-from bridge.location import is_remote, local_path, location
+from bridge.location import is_remote, location
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
