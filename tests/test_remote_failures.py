@@ -4,6 +4,7 @@ loadable and a retry cleans it up; damaged objects are found by verify."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -129,6 +130,11 @@ def test_killed_writer_leaves_nothing_loadable_and_a_retry_cleans_it(stores, sch
     assert p.wait() == -signal.SIGKILL
     res = verify_checkpoint(dst)
     assert not res.ok and "partial checkpoint" in res.metadata_problems[0]
+    if scheme == "gs" and importlib.util.find_spec("gcsfs") is not None:  # Orbax reaches gs:// through gcsfs
+        import orbax.checkpoint as ocp
+
+        with environ(GOOGLE_CLOUD_PROJECT="test"), pytest.raises(ValueError, match="incomplete checkpoint"):
+            ocp.StandardCheckpointer().restore(dst)
     # A retry on this host sees the writer is gone, removes its objects and commits its own.
     capfd.readouterr()
     want = arrays(2)
