@@ -82,13 +82,17 @@ class CountingProxy:
             def _forward(self) -> None:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else None
+                kind = request_kind(self.command, self.path)
                 with proxy.lock:
-                    proxy.counts[request_kind(self.command, self.path)] += 1
+                    proxy.counts[kind] += 1
+                    proxy.counts["bytes_up"] += n
                 conn = http.client.HTTPConnection(proxy.host, proxy.port, timeout=120)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
                 conn.request(self.command, self.path, body=body, headers=headers)
                 r = conn.getresponse()
                 data = r.read()
+                with proxy.lock:
+                    proxy.counts["bytes_down"] += len(data)
                 self.send_response(r.status, r.reason)
                 for k, v in r.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
@@ -218,8 +222,9 @@ def run(server: str, mib: float, n_arrays: int, reps: int, writers: int) -> dict
            "ratio_write": round(med["raw_write"] / med["store_write"], 3),
            "ratio_read": round(med["raw_read"] / med["store_read"], 3),
            "objects_per_checkpoint": objects,
-           "requests": counts,
-           "requests_per_GiB": {k: round(sum(c.values()) / gib, 1) for k, c in counts.items()}}
+           "requests": {k: {kind: n for kind, n in c.items() if not kind.startswith("bytes")} for k, c in counts.items()},
+           "bytes_moved": {k: {kind: n for kind, n in c.items() if kind.startswith("bytes")} for k, c in counts.items()}}
+    out["requests_per_GiB"] = {k: round(sum(c.values()) / gib, 1) for k, c in out["requests"].items()}
     return out
 
 
@@ -243,8 +248,10 @@ def main(argv=None) -> int:
               f"(1.0 = as fast as raw TensorStore)")
         print(f"  objects per checkpoint: {r['objects_per_checkpoint']}")
         for k, c in r["requests"].items():
+            moved = r["bytes_moved"][k]
             print(f"  requests {k:12s} {sum(c.values()):6d}  {dict(sorted(c.items()))}  "
-                  f"({r['requests_per_GiB'][k]:.0f} per GiB)")
+                  f"({r['requests_per_GiB'][k]:.0f} per GiB; up {moved.get('bytes_up', 0) / 2**20:.1f} MiB, "
+                  f"down {moved.get('bytes_down', 0) / 2**20:.1f} MiB)")
     print("SUMMARY " + json.dumps(results))
     return 0
 
