@@ -54,6 +54,7 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from bridge.errors import BridgeError
+    from bridge.format.schema import ADAM_INDEX, OPT_STATE
     from bridge.jaxside.keypaths import nested_from_paths
     from bridge.store.reader import open_checkpoint
     from bridge.store.specs import numpy_dtype
@@ -62,14 +63,14 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
     if len(devs) < DEVICES:
         raise BridgeError(f"demo needs {DEVICES} JAX devices, found {len(devs)}; unset XLA_FLAGS/JAX_PLATFORMS or run "
                           f"with XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES}")
-    mesh = Mesh(np.array(devs[:DEVICES]).reshape(2, 4), ("data", "model"))
+    mesh = Mesh(np.array(devs[:DEVICES]).reshape(2, 4), ("data", "model"))  # foreign: mesh axis names
     ck = open_checkpoint(path)
     arrays = ck.arrays()
 
     def sharding(shape):
         spec = [None] * len(shape)
         if shape and shape[-1] % 4 == 0:
-            spec[-1] = "model"            # torch [out, in]: shard the input dim 4 ways
+            spec[-1] = "model"            # foreign: mesh axis; torch [out, in]: shard the input dim 4 ways
         if len(shape) >= 2 and shape[0] % 2 == 0:
             spec[0] = "data"              # and the leading (layer / row) dim 2 ways
         return NamedSharding(mesh, P(*spec))
@@ -82,10 +83,10 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
         restored = nested_from_paths(restore_remote(path, abstract))
     else:
         nested = nested_from_paths(abstract)
-        opt = nested.pop("opt_state")
-        nested["opt_state"] = [opt["0"], None, None]   # optax.adamw(...).init(params): (ScaleByAdamState, Empty, Empty)
+        opt = nested.pop(OPT_STATE)
+        nested[OPT_STATE] = [opt[ADAM_INDEX], None, None]   # optax.adamw(...).init(params): (ScaleByAdamState, Empty, Empty)
         restored = ocp.StandardCheckpointer().restore(os.path.abspath(path), nested)
-        restored["opt_state"] = {"0": restored["opt_state"][0]}
+        restored[OPT_STATE] = {ADAM_INDEX: restored[OPT_STATE][0]}
     n = nbytes = 0
     sample = ""
     for p in arrays:
@@ -178,7 +179,7 @@ def run_in(work: Path | str, keep: bool) -> int:
                  f"identical to the first conversion ({n_same} arrays, bit for bit)"))
     print(f"gtp-bridge demo (outputs in {work})" if keep else "gtp-bridge demo (temporary outputs, removed at the end; "
           "--workdir DIR keeps them)")
-    print(f"{'step':<14} {'from':<42} {'to':<44} {'MiB':>6} {'s':>5}  check")
+    print(f"{'step':<14} {'from':<42} {'to':<44} {'MiB':>6} {'s':>5}  check")  # foreign: a column header
     for step, a, b, nbytes, secs, check in rows:
         print(f"{step:<14} {a:<42} {b:<44} {nbytes / 2**20:>6.2f} {secs:>5.1f}  {check}")
     print("all checks passed")

@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
     lay = res["layout"]
     prev = res["tracker_previous"]
     print(f"wrote {res['dst']} ({res['format']}, TP={lay['tp']} GTP={lay['gtp']} DP={lay['dp']} EP={lay['ep']}, "
-          f"world {lay['world']}, step {res['step']}): {res['params']} params, {res['bytes'] / 2**20:.1f} MiB; "
-          f"{res['tracker']} = {res['step']}" + (f" (was {prev})" if prev is not None else "")
+          f"world {lay['world']}, step {res['step']}): {res['params']} params, {res['bytes'] / 2**20:.1f} MiB; "  # foreign: report keys
+          f"{res['tracker']} = {res['step']}" + (f" (was {prev})" if prev is not None else "")  # foreign: report keys
           + f"; load with --load {res['run_dir']}")
     how = "derived from the fp32 masters (bf16, round-to-nearest-even)" if res["weights_derived"] else \
         "stored weights, each checked equal to bf16(its fp32 master)"

@@ -24,12 +24,13 @@ from bridge.store.manager import ITEM, resolve as resolve_location
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.sharding_rules import ShardingRules, default_spec
 from bridge.store.reader import check_metadata
+from bridge.format import schema
+from bridge.format.schema import ADAM_PATH as ADAM, COUNT_PATH as COUNT, MODEL_PATH as MODEL, STEP_PATH as STEP
+from bridge.format.schema import PARAMS_PATH as PARAMS  # noqa: F401 - tests and scripts take it from here
 from bridge.format.tree import parse_tree_metadata, validate_path
 from bridge.jaxside.naming import Group
 
-PARAMS, MODEL, STEP = ("params",), ("model",), ("step",)
-ADAM = ("opt_state", "0")
-MU, NU, COUNT = ADAM + ("mu",), ADAM + ("nu",), ADAM + ("count",)
+CASTABLE = (schema.PARAMS, schema.MODEL, schema.MU, schema.NU)   # roles `dtypes=` may cast, as messages list them
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class Target:
 
 
 def abstract_tree(stored: StoredTree, target: Target, dtypes: Mapping[str, Any] | None = None,
-                  items: tuple[str, ...] = ("params", "opt_state", "model", "step")) -> dict:
+                  items: tuple[str, ...] = schema.ROOTS) -> dict:
     """The abstract tree (ShapeDtypeStruct with shardings) restoring `items` of a stored checkpoint.
 
     Moments take their parameter's sharding; `dtypes` may cast "params", "model", "mu", "nu" on read.
@@ -187,26 +188,27 @@ def abstract_tree(stored: StoredTree, target: Target, dtypes: Mapping[str, Any] 
     items are requested, or with `partial_restore=True` otherwise.
     """
     dtypes = dict(dtypes or {})
-    bad = set(dtypes) - {"params", "model", "mu", "nu"}
+    bad = set(dtypes) - set(CASTABLE)
     if bad:
-        raise BridgeError(f"dtypes keys {sorted(bad)} unknown; use params, model, mu, nu")
+        raise BridgeError(f"dtypes keys {sorted(bad)} unknown; use {', '.join(CASTABLE)}")
     flat: dict[Path, Any] = {}
 
-    def add(prefix: Path, kind: str) -> None:
+    def add(role: str) -> None:
+        prefix = schema.role_path(role)
         for p, a in stored.section(prefix).items():
-            dt = np.dtype(dtypes[kind]) if kind in dtypes else a.dtype
+            dt = np.dtype(dtypes[role]) if role in dtypes else a.dtype
             flat[prefix + p] = jax.ShapeDtypeStruct(a.shape, dt, sharding=target.sharding(p, a.shape))
 
-    if "params" in items:
-        add(PARAMS, "params")
-    if "model" in items and stored.has(MODEL):
-        add(MODEL, "model")
-    if "opt_state" in items:
+    if schema.PARAMS in items:
+        add(schema.PARAMS)
+    if schema.MODEL in items and stored.has(MODEL):
+        add(schema.MODEL)
+    if schema.OPT_STATE in items:
         if not stored.has(ADAM):
             raise BridgeError(f"{stored.directory} holds no optimizer state; restore items without opt_state")
-        add(MU, "mu")
-        add(NU, "nu")
-    for p in ((COUNT,) if "opt_state" in items else ()) + ((STEP,) if "step" in items else ()):
+        add(schema.MU)
+        add(schema.NU)
+    for p in ((COUNT,) if schema.OPT_STATE in items else ()) + ((STEP,) if schema.STEP in items else ()):
         if p in stored.arrays:
             a = stored.arrays[p]
             flat[p] = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target.replicated())
@@ -216,7 +218,7 @@ def abstract_tree(stored: StoredTree, target: Target, dtypes: Mapping[str, Any] 
 def to_orbax_structure(flat: Mapping[Path, Any]) -> dict:
     """Nested dicts from full paths, with opt_state as the list `[adam, None, None]` Orbax records."""
     tree = nested_from_paths(flat)
-    if "opt_state" in tree:
-        adam = tree["opt_state"].get("0", {})
-        tree["opt_state"] = [adam, None, None]
+    if schema.OPT_STATE in tree:
+        adam = tree[schema.OPT_STATE].get(schema.ADAM_INDEX, {})
+        tree[schema.OPT_STATE] = [adam] + [None] * len(schema.ADAMW_EMPTY_INDICES)
     return tree

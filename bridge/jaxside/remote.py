@@ -77,7 +77,7 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
     One process (Orbax's multi-host object-storage path needs gcsfs and has no s3://); arrays move
     to host memory one at a time."""
     from bridge.errors import BridgeError
-    from bridge.format.tree import adamw_empty_paths
+    from bridge.format.schema import adamw_empty_paths
     from bridge.jaxside.keypaths import leaves_by_path
     from bridge.progress import progress
     from bridge.store.claim import claim_destination

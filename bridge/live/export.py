@@ -41,13 +41,12 @@ from bridge.live.plan import ExportPlan, PlanCache, Transfer, build_plan, choose
 from bridge.live.staging import WriteItem, stage_and_write
 from bridge.progress import progress
 from bridge.store.commit import begin_checkpoint, finalize
-from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
+from bridge.format.manifest import (GROUP_PARAMS, OPTIMIZER_EXTRA_KEY, PADS_KEY, Manifest, OptimizerConfig,
+                                    SourceLayout)
+from bridge.format.schema import COUNT_PATH, SCALAR_DTYPE, STEP_PATH, adamw_empty_paths
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
-from bridge.format.tree import adamw_empty_paths, megatron_key_to_path, path_str
+from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter, default_batch_bytes
-
-COUNT_PATH = ("opt_state", "0", "count")
-STEP_PATH = ("step",)
 
 
 @dataclass
@@ -170,23 +169,21 @@ def _array_paths(key: str, fused: dict) -> list[str]:
 
 def _manifest(run: LiveRun, fused: dict, pads: list) -> Manifest:
     lay = run.layout
-    src = SourceLayout(framework="torch-live", tp=lay.tp, gtp=lay.gtp, dp=lay.dp, ep=lay.ep, etp=lay.etp,
-                       egtp=lay.egtp, pp=lay.pp, cp=lay.cp, pad_for_alignment=pads[-1] if pads else 0,
-                       optimizer_format="distributed_optimizer", world_size=lay.world)
+    src = SourceLayout.of(lay, "torch-live", "distributed_optimizer", pads[-1] if pads else 0)
     opt = OptimizerConfig(step=int(run.step))
     if run.optimizer is not None:
         a = run.optimizer
         opt = OptimizerConfig(name="adamw", lr=float(a.lr), betas=tuple(float(b) for b in a.betas), eps=float(a.eps),
                               weight_decay=float(a.weight_decay), step=int(run.step),
-                              groups=[{"params": _array_paths(k, fused), "lr_mult": float(v)}
+                              groups=[{GROUP_PARAMS: _array_paths(k, fused), "lr_mult": float(v)}
                                       for k, v in sorted(a.lr_mult.items())],
                               no_decay=[p for k in a.no_decay for p in _array_paths(k, fused)],
                               clip_grad=None if a.clip_grad is None else float(a.clip_grad))
     extra = dict(run.extra)
     if run.optimizer is not None and run.optimizer.extra:
-        extra["optimizer_extra"] = dict(run.optimizer.extra)
+        extra[OPTIMIZER_EXTRA_KEY] = dict(run.optimizer.extra)
     if len(pads) > 1:
-        extra["pad_for_alignment_values"] = pads
+        extra[PADS_KEY] = pads
     return Manifest(source=src, optimizer=opt, fused=fused, extra=extra)
 
 
@@ -291,9 +288,9 @@ def _plan(summaries: Sequence[dict], run: LiveRun, world: int, target_chunk_byte
         raise BridgeError(f"inner_chunk_bytes must be an int, None or 'auto', got {inner_chunk_bytes!r}")
     catalog = list(plan.catalog)
     ownership: dict[str, ArrayOwnership] = dict(plan.ownership)
-    scalars = [ArraySpec(STEP_PATH, (), "int32")]
+    scalars = [ArraySpec(STEP_PATH, (), SCALAR_DTYPE)]
     if run.optimizer is not None:
-        scalars.insert(0, ArraySpec(COUNT_PATH, (), "int32"))
+        scalars.insert(0, ArraySpec(COUNT_PATH, (), SCALAR_DTYPE))
     for spec in scalars:
         ownership[spec.name] = ArrayOwnership((), (), np.array(0, dtype=np.int32))
     wplan = make_write_plan(catalog + scalars, world, ownership,
@@ -421,9 +418,9 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
         recv_items = _received_items(plan, recv, rank, dtypes)
         write_all(recv_items if on_host else local_items + recv_items)
         if rank == 0:
-            write_copy(STEP_PATH, Box((), ()), np.asarray(run.step, dtype=np.int32))
+            write_copy(STEP_PATH, Box((), ()), np.asarray(run.step, dtype=SCALAR_DTYPE))
             if run.optimizer is not None:
-                write_copy(COUNT_PATH, Box((), ()), np.asarray(run.step, dtype=np.int32))
+                write_copy(COUNT_PATH, Box((), ()), np.asarray(run.step, dtype=SCALAR_DTYPE))
         clock.mark("write_recv")
         writer.finish()
     del recv, local_items, recv_items

@@ -19,16 +19,8 @@ import torch
 from bridge.errors import BridgeError
 from bridge.layout.rectangles import Piece
 from bridge.live.api import LocalParam, QuantizedWeight
+from bridge.format.schema import MODEL, OPTIMIZER_ROLES, role_path
 from bridge.format.tree import megatron_key_to_path, path_to_name
-
-# Logical tree roots: model weights, fp32 masters, Adam moments (optax.adamw state layout).
-ROOT_PATHS: dict[str, tuple[str, ...]] = {
-    "model": ("model",),
-    "params": ("params",),
-    "mu": ("opt_state", "0", "mu"),
-    "nu": ("opt_state", "0", "nu"),
-}
-ROOTS = tuple(ROOT_PATHS)
 
 _TORCH_TO_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                   torch.float64: "float64"}
@@ -42,7 +34,7 @@ def tree_name(root: str, array: str) -> str:
     >>> tree_name("mu", "module.decoder.layers.mlp.linear_fc1.weight.gate")
     'opt_state.0.mu.decoder.layers.mlp.linear_fc1.weight.gate'
     """
-    return path_to_name(ROOT_PATHS[root] + megatron_key_to_path(array))
+    return path_to_name(role_path(root, megatron_key_to_path(array)))
 
 
 def dtype_name(t: torch.dtype, what: str) -> str:
@@ -107,7 +99,7 @@ def param_holdings(p: LocalParam, run_layout, rank: int) -> list[Holding]:
             raise BridgeError(f"{where}: weight shard has shape {tuple(w.shape)}, the layout (TP={tp}, GTP={gtp}, "
                               f"t={t}, g={g}) gives {tuple(shape)}; pass the padded physical shard")
         dtype_name(w.dtype, where)
-        out.append(Holding("model", p.key, _flat(w, f"{where} weight"),
+        out.append(Holding(MODEL, p.key, _flat(w, f"{where} weight"),
                            geom.shard_pieces(tp, gtp, t, g, index), p.main_replica))
     o = p.optim
     if o is not None:
@@ -121,7 +113,7 @@ def param_holdings(p: LocalParam, run_layout, rank: int) -> list[Holding]:
 
 def rank_holdings(params: Sequence[LocalParam], run_layout, rank: int,
                   with_optim: bool) -> tuple[list[Holding], dict[str, list]]:
-    """This rank's holdings (params as given, roots in ROOTS order) and its logical catalog.
+    """This rank's holdings (params as given, roles in `bridge.format.schema.ROLES` order) and its logical catalog.
 
     The catalog maps Orbax name -> [shape, dtype] for every array these params belong to: `model/...`
     when a weight is given, `params`/`mu`/`nu` when `with_optim` (even where this rank owns no
@@ -140,16 +132,16 @@ def rank_holdings(params: Sequence[LocalParam], run_layout, rank: int,
         mine = param_holdings(p, run_layout, rank)
         for h in mine:
             h.slot = i
-        if mine and not with_optim and any(h.root != "model" for h in mine):
+        if mine and not with_optim and any(h.root != MODEL for h in mine):
             raise BridgeError(f"rank {rank}: {p.key} carries optimizer state but the run has no optimizer config; "
                               "set LiveRun.optimizer (AdamConfig)")
         out.extend(mine)
         dtypes = {h.root: h.dtype for h in mine}
         for array, shape in p.geometry.logical_arrays().items():
-            if "model" in dtypes:
-                catalog[tree_name("model", array)] = [list(shape), dtypes["model"]]
+            if MODEL in dtypes:
+                catalog[tree_name(MODEL, array)] = [list(shape), dtypes[MODEL]]
             if with_optim:
-                for root in ("params", "mu", "nu"):
+                for root in OPTIMIZER_ROLES:
                     catalog.setdefault(tree_name(root, array), [list(shape), dtypes.get(root, "float32")])
                     if root in dtypes:
                         catalog[tree_name(root, array)][1] = dtypes[root]
@@ -194,7 +186,7 @@ def refresh_holdings(template: Sequence[Holding], params: Sequence[LocalParam]) 
     out = []
     for h in template:
         p = params[h.slot]
-        if h.root == "model":
+        if h.root == MODEL:
             if h.slot not in weights:
                 weights[h.slot] = _flat(weight_tensor(p), f"{p.key} weight")
             data = weights[h.slot]

@@ -28,7 +28,7 @@ from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
 from bridge.layout.ownership import plan_ownership_many
-from bridge.live.holdings import ROOT_PATHS
+from bridge.format.schema import ROLE_ROOTS
 from bridge.store.plan import ArraySpec
 from bridge.store.specs import ITEMSIZE, inner_chunk_shape
 from bridge.format.tree import name_to_path
@@ -123,7 +123,7 @@ def merge_catalogs(summaries: Sequence[dict]) -> list[ArraySpec]:
             elif prev[:2] != (shape, dtype):
                 raise BridgeError(f"{name}: rank {prev[2]} holds it as {prev[1]}{list(prev[0])}, rank {rank} as "
                                   f"{dtype}{list(shape)}; every rank must describe a parameter with the same geometry and dtype")
-    root_order = {ROOT_PATHS[r]: i for i, r in enumerate(ROOT_PATHS)}
+    root_order = {root: i for i, root in enumerate(ROLE_ROOTS.values())}
 
     def order(name: str):
         path = array_path(name)

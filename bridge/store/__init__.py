@@ -8,7 +8,8 @@ from bridge.store.commit import begin_checkpoint, commit_checkpoint, finalize, s
 from bridge.format.manifest import ArrayRecord, Manifest, OptimizerConfig, SourceLayout
 from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan
 from bridge.store.reader import ArrayInfo, Checkpoint, open_checkpoint
-from bridge.format.tree import adamw_empty_paths, megatron_key_to_path, name_to_path, path_to_name
+from bridge.format.schema import adamw_empty_paths
+from bridge.format.tree import megatron_key_to_path, name_to_path, path_to_name
 from bridge.store.writer import CheckpointWriter
 
 __all__ = [

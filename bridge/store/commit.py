@@ -18,7 +18,6 @@ checkpoint or absent.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -34,7 +33,8 @@ from bridge.store import digest as dg
 from bridge.store import specs
 from bridge.store.claim import ClaimInfo, DestinationClaim, claim_destination, held_claim, tmp_dir_for
 from bridge.store.durable import fsync_tree, write_json_atomic
-from bridge.format.manifest import CHECKSUM_KEY, MANIFEST_KEY, ArrayRecord, Manifest, seal_metadata
+from bridge.format.manifest import ArrayRecord, Manifest, custom_metadata
+from bridge.format.seal import CHECKSUM_KEY, seal_metadata
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.format.tree import path_str, tree_metadata
 from bridge.store.writer import REPORT_DIR, CheckpointWriter, report_key, report_path
@@ -169,7 +169,7 @@ def metadata_json(plan: WritePlan, manifest: Manifest) -> dict:
     tree = tree_metadata([(ap.spec.path, ap.ownership.chunk_shape) for ap in plan.arrays.values()], plan.empty_paths)
     meta = {"tree_metadata": tree, "use_ocdbt": True, "use_zarr3": True,
             "store_array_data_equal_to_fill_value": True,
-            "custom_metadata": {MANIFEST_KEY: manifest.to_json()}}
+            "custom_metadata": custom_metadata(manifest)}
     seal_metadata(meta)
     return meta
 
@@ -306,7 +306,7 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
         manifest = manifest if manifest is not None else Manifest()
         records = {name: ArrayRecord(ap.spec.shape, ap.spec.dtype, dg.to_hex(digests[name]) if algo else None)
                    for name, ap in plan.arrays.items()}
-        manifest = dataclasses.replace(manifest, arrays=records, digest_algorithm=algo)
+        manifest = manifest.with_arrays(records, algo)
         merge_writer_databases(tmp, check_writer_databases(tmp, plan))
         check_stored_chunks(tmp, plan)
         claim.check_owned()  # nobody replaced the directory while we merged

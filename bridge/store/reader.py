@@ -22,7 +22,8 @@ from bridge.layout.boxes import Box
 from bridge.location import is_remote, location
 from bridge.store import specs
 from bridge.store.claim import TMP_SUFFIX
-from bridge.format.manifest import CHECKSUM_KEY, MANIFEST_KEY, Manifest, metadata_problems
+from bridge.format.manifest import Manifest, manifest_from_custom
+from bridge.format.seal import CHECKSUM_KEY, metadata_problems
 from bridge.store.specs import numpy_dtype
 from bridge.format.tree import Path, parse_tree_metadata, path_str
 
@@ -97,15 +98,13 @@ class Checkpoint:
         self.fill_missing = not metadata.get("store_array_data_equal_to_fill_value", False)
         self.metadata_problems = list(problems)
         custom = metadata.get("custom_metadata") or {}
-        raw = custom.get(MANIFEST_KEY) if isinstance(custom, dict) else None
         self.manifest: Manifest | None = None
-        if raw is not None:
-            try:
-                self.manifest = Manifest.from_json(raw)
-            except IntegrityError as e:
-                if not problems:
-                    raise
-                self.metadata_problems.append(str(e))  # opened to inspect damage: the arrays stay readable
+        try:
+            self.manifest = manifest_from_custom(custom)
+        except IntegrityError as e:
+            if not problems:
+                raise
+            self.metadata_problems.append(str(e))  # opened to inspect damage: the arrays stay readable
         self.metadata_checksum: str | None = custom.get(CHECKSUM_KEY) if isinstance(custom, dict) else None
         self.context = ts.Context(specs.context_spec())
         self._info: dict[Path, ArrayInfo] = {}

@@ -32,14 +32,16 @@ from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, grid_shape
 from bridge.layout.parallel import ParallelLayout
-from bridge.lr_schedule import RECORD_VERSION
+from bridge.format.scheduler import SchedulerRecord
 from bridge.progress import progress
 from bridge.store.claim import check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
-from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
+from bridge.format.manifest import MEGATRON_KEY, Manifest, MegatronRecord, OptimizerConfig, SourceLayout
+from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_DTYPE, SCALAR_PATHS, STATE_ROLE,
+                                  adamw_empty_paths)
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.store.specs import numpy_dtype
-from bridge.format.tree import adamw_empty_paths, megatron_key_to_path, path_str
+from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
 from converters.megatron.dcp_reader import DcpCheckpoint
 from converters.megatron.cache import ChunkCache
@@ -106,11 +108,11 @@ def build_units(src: SourceCheckpoint, hints: Hints) -> list[Unit]:
     for name, m in src.models.items():
         tp, gtp = lay.tp_gtp_sizes(m.geom.expert)
         arrays = m.geom.logical_arrays()
-        dtypes = {"model": np_dtype_name(m.dtype), "params": "float32", "mu": "float32", "nu": "float32"}
-        u = Unit(name, arrays, dtypes, {"model": model_space_copies(m.key, m.info, m.geom, m.npre, m.legacy_padded,
-                                                                      tp, gtp)}, stacked=len(m.geom.prepend))
+        dtypes = {MODEL: np_dtype_name(m.dtype), PARAMS: "float32", MU: "float32", NU: "float32"}
+        u = Unit(name, arrays, dtypes, {MODEL: model_space_copies(m.key, m.info, m.geom, m.npre, m.legacy_padded,
+                                                                  tp, gtp)}, stacked=len(m.geom.prepend))
         if src.fmt == "fully_reshardable":
-            for role in ("params", "mu", "nu"):
+            for role in OPTIMIZER_ROLES:
                 key = src.opt_keys.get((role, name))
                 if key is None:
                     continue
@@ -187,7 +189,7 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
             if states is None:
                 raise BridgeError(f"{where}: bucket {b} is missing from the checkpoint (missing shard?)")
             for state, key in states.items():
-                role = {"param": "params", "exp_avg": "mu", "exp_avg_sq": "nu"}[state]
+                role = STATE_ROLE[state]
                 info = ck.tensors[key]
                 if info.shape != (blay.numel_unpadded[b],):
                     raise BridgeError(f"{key}: stored length {info.shape} differs from the rebuilt bucket "
@@ -243,8 +245,8 @@ def make_plan(units: Sequence[Unit], blocks: Sequence[Block], owners: Sequence[i
                 catalog.append(ArraySpec(p, shape, u.dtypes[role]))
                 ownership[p] = ArrayOwnership(shape, chunks[arr], grids[arr])
                 stacked[p] = u.stacked   # inner chunks: one layer (expert) each, as the source stacks them
-    for p in (("opt_state", "0", "count"), ("step",)):
-        catalog.append(ArraySpec(p, (), "int32"))
+    for p in SCALAR_PATHS:
+        catalog.append(ArraySpec(p, (), SCALAR_DTYPE))
         ownership[p] = ArrayOwnership((), (), np.array(0, dtype=np.int32))
     return make_write_plan(catalog, workers, ownership, empty_paths=adamw_empty_paths(), stacked=stacked)
 
@@ -355,16 +357,16 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
         if index is None or index[0] != b.unit:
             index = (b.unit, CopyIndex(unit))
         bufs = {role: fill_block(cache, index[1], unit, role, b) for role in unit.copies}
-        if "params" in bufs and "model" in bufs:
-            check_master(b.array, bufs["params"], bufs["model"], b.box, force, defect_suspect, warnings)
+        if PARAMS in bufs and MODEL in bufs:
+            check_master(b.array, bufs[PARAMS], bufs[MODEL], b.box, force, defect_suspect, warnings)
         for role, buf in bufs.items():
             # donated: a fresh buffer per block, never touched again, so the writer need not copy it
             writer.write(role_path(role, b.array), b.box, buf, donate=True)
             if on_progress:
                 on_progress(buf.nbytes)
     if writer_id == 0:
-        for p in (("opt_state", "0", "count"), ("step",)):
-            writer.write(p, Box((), ()), np.asarray(step, dtype=np.int32))
+        for p in SCALAR_PATHS:
+            writer.write(p, Box((), ()), np.asarray(step, dtype=SCALAR_DTYPE))
     writer.finish()
     return warnings, cache.bytes_read
 
@@ -423,9 +425,7 @@ def _worker_main(q, src_root, units, blocks, plan, tmp, w, share, force, defect_
 def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | None, groups: list[list[dict]]) -> Manifest:
     """Provenance, hyper-parameters, fused section tables and what to-megatron needs."""
     lay = src.layout
-    source = SourceLayout(framework="megatron", tp=lay.tp, gtp=lay.gtp, dp=lay.dp, ep=lay.ep, etp=lay.etp,
-                          egtp=lay.egtp, pp=lay.pp, cp=lay.cp, pad_for_alignment=src.pad_for_alignment,
-                          optimizer_format=src.format_label, world_size=lay.world)
+    source = SourceLayout.of(lay, "megatron", src.format_label, src.pad_for_alignment)
     hyper = parse_groups_hyper(groups)
     # Megatron puts biases and 1-D params in the wd_mult=0 group (its default no_weight_decay_cond);
     # they are "no decay" when that group's effective weight_decay (what the inner optimizer used) is 0.
@@ -444,7 +444,7 @@ def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | Non
     for m in src.models.values():
         params.append({"name": m.name, "key": m.key, "shape": list(m.geom.shape), "prepend": list(m.geom.prepend),
                        "tp_kind": m.geom.tp_kind, "gtp": m.geom.gtp, "expert": m.geom.expert,
-                       "dtype": np_dtype_name(m.dtype), "optimized": any(r != "model" for r in
+                       "dtype": np_dtype_name(m.dtype), "optimized": any(r != MODEL for r in
                                                                          next(u for u in units if u.name == m.name).copies)})
     extra_keys = sorted(k for k in src.ck.objects if k.split("/", 1)[0].endswith("._extra_state"))
     payload = "none"
@@ -454,22 +454,15 @@ def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | Non
         if hasattr(first, "numel") and first.numel() == 0:
             payload = "empty_uint8_tensor"
     keep_args = {k: _plain(v) for k, v in src.args.items() if isinstance(_plain(v), (int, float, str, bool, type(None)))}
-    extra = {"megatron": {
-        "source_dir": str(src.ck.root),
-        "params": params,
-        "param_groups": [[{k: _plain(v) for k, v in g.items() if k != "params"} for g in gs] for gs in groups],
-        "extra_state_keys": extra_keys,
-        "extra_state_payload": payload,
-        "args": keep_args,
-        "inferred": list(src.inferred),
-        "wd_mult_zero_params": wd_mult_zero,
-        "iteration": _plain(src.common.get("iteration")),
-        "checkpoint_version": _plain(src.common.get("checkpoint_version")),
-    }}
-    sched = scheduler_record(src.common, src.args, step or 0)
-    if sched is not None:
-        extra["megatron"]["scheduler"] = sched
-    return Manifest(source=source, optimizer=opt, fused=fused, extra=extra)
+    record = MegatronRecord(
+        source_dir=str(src.ck.root), params=params,
+        param_groups=[[{k: _plain(v) for k, v in g.items() if k != "params"} for g in gs]  # foreign: torch group key
+                      for gs in groups],
+        extra_state_keys=extra_keys, extra_state_payload=payload, args=keep_args, inferred=list(src.inferred),
+        wd_mult_zero_params=wd_mult_zero, iteration=_plain(src.common.get("iteration")),
+        checkpoint_version=_plain(src.common.get("checkpoint_version")),
+        scheduler=scheduler_record(src.common, src.args, step or 0))
+    return Manifest(source=source, optimizer=opt, fused=fused, extra={MEGATRON_KEY: record.to_json()})
 
 
 def _first(d: dict, *names: str) -> Any:
@@ -483,13 +476,26 @@ def _clip_grad(args: dict) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+# SchedulerRecord fields read from Megatron's scheduler state_dict -> its key names, oldest first
+# (as `OptimizerParamScheduler.load_state_dict` accepts them).
+SCHEDULER_STATE_KEYS = {
+    "max_lr": ("start_lr", "max_lr"), "min_lr": ("min_lr",),
+    "lr_warmup_steps": ("warmup_iter", "warmup_steps", "lr_warmup_steps"),
+    "lr_decay_steps": ("end_iter", "decay_steps", "lr_decay_steps"),
+    "lr_decay_style": ("decay_style", "lr_decay_style"), "num_steps": ("num_iters", "num_steps"),
+    "start_wd": ("start_wd",), "end_wd": ("end_wd",), "wd_incr_steps": ("wd_incr_steps",),
+    "wd_incr_style": ("wd_incr_style",),
+}
+
+
 def scheduler_record(common: dict, args: dict, at_count: int) -> dict | None:
     """Megatron's `OptimizerParamScheduler` state (+ the args it needs) as JSON, or None when absent.
 
-    Fields are `bridge.lr_schedule.SchedulerRecord`'s; old key names are read the way
-    `OptimizerParamScheduler.load_state_dict` reads them. Step quantities are in samples;
-    `increment` (samples per iteration) is `global_batch_size`; `at_count` is the Adam count written
-    to `opt_state/0/count`.
+    The JSON of a `bridge.format.scheduler.SchedulerRecord` (built from it, so it has exactly its
+    fields); old key names are read the way `OptimizerParamScheduler.load_state_dict` reads them.
+    Step quantities are in samples; `increment` (samples per iteration) is `global_batch_size`;
+    `at_count` is the Adam count written to `opt_state/0/count`. Not validated here: a record the
+    JAX side cannot use is refused there, with the field named, only when it is used.
     """
     sd = common.get("opt_param_scheduler", common.get("lr_scheduler"))
     if not isinstance(sd, dict):
@@ -501,17 +507,12 @@ def scheduler_record(common: dict, args: dict, at_count: int) -> dict | None:
     else:
         wsd = a("lr_wsd_decay_samples")
     ramp = a("rampup_batch_size")
-    return {"version": RECORD_VERSION, "max_lr": _first(sd, "start_lr", "max_lr"), "min_lr": _first(sd, "min_lr"),
-            "lr_warmup_steps": _first(sd, "warmup_iter", "warmup_steps", "lr_warmup_steps"),
-            "lr_decay_steps": _first(sd, "end_iter", "decay_steps", "lr_decay_steps"),
-            "lr_decay_style": _first(sd, "decay_style", "lr_decay_style"),
-            "num_steps": _first(sd, "num_iters", "num_steps"),
-            "start_wd": _first(sd, "start_wd"), "end_wd": _first(sd, "end_wd"),
-            "wd_incr_steps": _first(sd, "wd_incr_steps"), "wd_incr_style": _first(sd, "wd_incr_style"),
-            "init_lr": float(a("lr_warmup_init", 0.0) or 0.0), "wsd_decay_steps": wsd,
-            "lr_wsd_decay_style": a("lr_wsd_decay_style"), "increment": int(gbs) if gbs else None,
-            "rampup_samples": int(ramp[2]) if isinstance(ramp, list) and len(ramp) == 3 else None,
-            "at_count": int(at_count)}
+    from_state = {name: _first(sd, *keys) for name, keys in SCHEDULER_STATE_KEYS.items()}
+    rec = SchedulerRecord(**from_state, init_lr=float(a("lr_warmup_init", 0.0) or 0.0), wsd_decay_steps=wsd,
+                          lr_wsd_decay_style=a("lr_wsd_decay_style"), increment=int(gbs) if gbs else None,
+                          rampup_samples=int(ramp[2]) if isinstance(ramp, list) and len(ramp) == 3 else None,
+                          at_count=int(at_count))
+    return rec.to_json()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -571,7 +572,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     groups = optimizer_groups(src)
     step = step_of(src, groups)
     units = build_units(src, hints)
-    if src.fmt != "model_only" and not any("params" in u.copies for u in units):
+    if src.fmt != "model_only" and not any(PARAMS in u.copies for u in units):
         raise BridgeError(f"{ck.root}: optimizer entries match no model parameter; unknown format")
     # A worker process costs seconds to start (torch + TensorStore imports): give each at least
     # min_worker_bytes of work, so small checkpoints convert in-process.

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from bridge.errors import BridgeError
+from bridge.format import schema
 from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry, gtp_shard_dim0
@@ -31,7 +32,7 @@ DP_OBJECT_RE = re.compile(
     r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
     r"(optimizer|grad_scaler|per_bucket_numel|per_bucket_numel_unpadded|param_state)(?:/.*)?$")
 WRAPPERS = ("module", "model")
-STATE_ROLE = {"param": "params", "fp32_param": "params", "exp_avg": "mu", "exp_avg_sq": "nu"}
+STATE_ROLE = {**schema.STATE_ROLE, "fp32_param": schema.PARAMS}  # older saves name the fp32 master so
 
 # Megatron module names -> TP kind (megatron-layout.md §2.1). Used when chunks cannot show it
 # (a TP=1 source) and to decide what GTP shards.
@@ -418,7 +419,7 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
     return src
 
 
-FULLY_ROLES = (("params", "fp32 master (optimizer.state.param)"), ("mu", "exp_avg"), ("nu", "exp_avg_sq"))
+FULLY_ROLES = ((schema.PARAMS, "fp32 master (optimizer.state.param)"), (schema.MU, "exp_avg"), (schema.NU, "exp_avg_sq"))
 DP_STATES = ("param", "exp_avg", "exp_avg_sq")
 
 

@@ -28,21 +28,19 @@ from bridge.layout.distopt import BufferLayout, BufferParam, buffer_layout
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
 from bridge.layout.rectangles import RowRun
+from bridge.format import schema
+from bridge.format.schema import ROLES  # noqa: F401 - the roles a Unit copies, in write order
 from bridge.format.tree import megatron_key_to_path
 from converters.megatron.dcp_reader import ChunkInfo, TensorInfo
 
-ROLES = ("model", "params", "mu", "nu")
-
 
 def role_path(role: str, array: str) -> tuple[str, ...]:
-    """Tree path of a logical array in one role.
+    """Tree path of a logical array (a Megatron key, sections dotted) in one role.
 
     >>> role_path("mu", "decoder.layers.mlp.linear_fc1.weight.gate")
     ('opt_state', '0', 'mu', 'decoder', 'layers', 'mlp', 'linear_fc1', 'weight', 'gate')
     """
-    p = megatron_key_to_path(array)
-    return {"model": ("model",), "params": ("params",), "mu": ("opt_state", "0", "mu"),
-            "nu": ("opt_state", "0", "nu")}[role] + p
+    return schema.role_path(role, megatron_key_to_path(array))
 
 
 @dataclass(frozen=True)

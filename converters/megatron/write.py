@@ -46,7 +46,9 @@ from bridge.progress import progress
 from bridge.store.claim import claim_destination
 from bridge.store.remote import claim_remote
 from bridge.store.durable import fsync_path
-from bridge.format.manifest import Manifest
+from bridge.format.manifest import Manifest, MegatronRecord
+from bridge.format import schema
+from bridge.format.schema import COUNT_PATH, MODEL, OPTIMIZER_ROLES, PARAMS, STEP_PATH, has_role, split_role
 from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.store.specs import numpy_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
@@ -98,7 +100,8 @@ def manifest_of(ck: Checkpoint) -> Manifest:
 def params_from_manifest(man: Manifest, arrays: dict, pad: int, gtp: int) -> list[ParamInfo]:
     """Parameters in registration order: the recorded Megatron list, else derived from the tree."""
     fused = {k: FusedSpec.from_json(v) for k, v in man.fused.items()}
-    recorded = man.extra.get("megatron", {}).get("params") if isinstance(man.extra, dict) else None
+    meg = man.megatron or MegatronRecord()
+    recorded = meg.params
     out: list[ParamInfo] = []
     if recorded:
         for p in recorded:
@@ -110,34 +113,34 @@ def params_from_manifest(man: Manifest, arrays: dict, pad: int, gtp: int) -> lis
             out.append(ParamInfo(name, geom, p["dtype"], bool(p.get("optimized", True))))
         return out
     # Derived: every model/* (else params/*) array; fused sections regrouped by the manifest table.
-    role = "model" if any(p[0] == "model" for p in arrays) else "params"
+    role = MODEL if has_role(arrays, MODEL) else PARAMS
     # Megatron's weights are bf16 (fp16 runs say so in their args); derived from masters when absent.
-    args = (man.extra.get("megatron") or {}).get("args") or {} if isinstance(man.extra, dict) else {}
-    weight_dtype = "float16" if args.get("fp16") else "bfloat16"
+    weight_dtype = "float16" if (meg.args or {}).get("fp16") else "bfloat16"
     seen: set[str] = set()
-    for path, info in arrays.items():
-        if path[0] != role:
+    for full, info in arrays.items():
+        found = split_role(full)
+        if found is None or found[0] != role:
             continue
-        name = ".".join(path[1:])
-        parent = ".".join(path[1:-1])
-        spec = fused.get("/".join(path[1:-1]))
-        if spec is not None and path[-1] in spec.names:
+        param = found[1]
+        name = ".".join(param)
+        parent = ".".join(param[:-1])
+        spec = fused.get("/".join(param[:-1]))
+        if spec is not None and param[-1] in spec.names:
             if parent in seen:
                 continue
             seen.add(parent)
             npre = num_prepend_axes(parent)
-            first = arrays[(role,) + path[1:-1] + (spec.names[0],)]
+            first = arrays[schema.role_path(role, param[:-1] + (spec.names[0],))]
             shape = (spec.rows,) + tuple(first.shape[npre + 1:])
             geom = ParamGeometry(parent, shape, "column", gtp=is_gtp_weight(parent), pad_for_alignment=pad,
                                  prepend=tuple(first.shape[:npre]), fused=spec, expert=is_routed_expert(parent))
-            out.append(ParamInfo(parent, geom, weight_dtype, ("params",) + path[1:] in arrays))
+            out.append(ParamInfo(parent, geom, weight_dtype, schema.role_path(PARAMS, param) in arrays))
             continue
         npre = num_prepend_axes(name)
         kind = tp_kind_by_name(name) if len(info.shape) > npre else "replicated"
         geom = ParamGeometry(name, tuple(info.shape[npre:]), kind, gtp=is_gtp_weight(name), pad_for_alignment=pad,
                              prepend=tuple(info.shape[:npre]), expert=is_routed_expert(name))
-        out.append(ParamInfo(name, geom, weight_dtype,
-                             ("params",) + path[1:] in arrays))
+        out.append(ParamInfo(name, geom, weight_dtype, schema.role_path(PARAMS, param) in arrays))
     return out
 
 
@@ -360,11 +363,11 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
     ck = open_checkpoint(src)
     man = manifest_of(ck)
     arrays = ck.arrays()
-    has_model = any(p[0] == "model" for p in arrays)
+    has_model = has_role(arrays, MODEL)
     derive = weights_from_masters or not has_model
     pad = target.pad_for_alignment if target.pad_for_alignment is not None else (man.source.pad_for_alignment or 16)
     params = params_from_manifest(man, arrays, pad, target.gtp)
-    if target.fmt == "dp_reshardable" and not (man.extra.get("megatron") or {}).get("params"):
+    if target.fmt == "dp_reshardable" and not (man.megatron and man.megatron.params):
         raise BridgeError(f"{src}: dp_reshardable needs Megatron's parameter registration order, which this "
                           f"checkpoint's manifest does not record (not written by convert); use "
                           f"--format fully_reshardable")
@@ -377,10 +380,10 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
         raise BridgeError(f"target layout: {e}") from None
     check_target(params, lay)
     _check_arrays(src, params, arrays, derive)
-    step = int(ck.read(("step",))) if ("step",) in arrays else int(man.optimizer.step or 0)
-    count = int(ck.read(("opt_state", "0", "count"))) if ("opt_state", "0", "count") in arrays else step
+    step = int(ck.read(STEP_PATH)) if STEP_PATH in arrays else int(man.optimizer.step or 0)
+    count = int(ck.read(COUNT_PATH)) if COUNT_PATH in arrays else step
     if count != step:
-        raise BridgeError(f"{src}: step {step} and opt_state/0/count {count} differ; the checkpoint is inconsistent")
+        raise BridgeError(f"{src}: step {step} and {path_str(COUNT_PATH)} {count} differ; the checkpoint is inconsistent")
     where = plan_run_dir(dst, step)
     return_freed_memory()
     limit = max(1, budget // workers)
@@ -444,8 +447,9 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
         raise
     return {"dst": where.iter_dir, "run_dir": where.run_dir, "tracker": where.tracker,
             "tracker_previous": where.previous, "layout": lay.to_json(), "format": target.fmt, "bytes": nbytes,
-            "params": len(params), "step": step, "weights_derived": derive, "budget": budget, "workers": workers,
-            "scheduler": bool(isinstance(man.extra, dict) and (man.extra.get("megatron") or {}).get("scheduler")),
+            "params": len(params), "step": step,  # foreign: report keys (commands/to_megatron.py)
+            "weights_derived": derive, "budget": budget, "workers": workers,
+            "scheduler": bool(man.megatron and man.megatron.scheduler),
             "elements_read": stats.read, "elements_needed": stats.needed, "bytes_read": stats.read_bytes}
 
 
@@ -453,13 +457,13 @@ def _check_arrays(src: str, params: Sequence[ParamInfo], arrays: dict, derive: b
     """Every array the output takes exists with the recorded shape."""
     for p in params:
         for arr, want in p.geom.logical_arrays().items():
-            roles = ("params", "mu", "nu") if p.optimized else ()
+            roles = OPTIMIZER_ROLES if p.optimized else ()
             if not (derive and p.optimized):
-                roles = ("model",) + roles
+                roles = (MODEL,) + roles
             for role in roles:
                 path = role_path(role, arr)
                 if path not in arrays:
-                    how = " (and no fp32 master to derive it from)" if role == "model" else ""
+                    how = " (and no fp32 master to derive it from)" if role == MODEL else ""
                     raise BridgeError(f"{src}: array {path_str(path)} is missing{how}; the checkpoint is incomplete")
                 if tuple(arrays[path].shape) != tuple(want):
                     raise BridgeError(f"{path_str(path)}: shape {arrays[path].shape} differs from the recorded "
@@ -652,7 +656,7 @@ def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: Target, m
                 # a range's fp32 chunk plus the segments read into it (TensorStore's 2x while reading)
                 ranges = shard_ranges(unp, blay.shard_size(b), dp_size, max(1, limit // 12))
                 ordered = sorted(segs[b], key=lambda s: s[0])
-                for role in ("params", "mu", "nu"):
+                for role in OPTIMIZER_ROLES:
                     fqn = (f"{prefix}optimizer.distributed.dp_group_idx_{k}.gbuf_idx_0.dtype_{key_dt}"
                            f".bucket_idx_{b}.{STATE_NAMES[role]}")
                     jobs.append(DpJob(fqn, unp, ranges, [(o, role_path(role, a), box) for o, a, box in ordered]))
@@ -666,22 +670,22 @@ def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: Target, m
 
 def _param_groups(man: Manifest, step: int) -> list[dict]:
     """Megatron param groups (identifier keys + hyper-parameters) with `step` set."""
-    saved = man.extra.get("megatron", {}).get("param_groups") if isinstance(man.extra, dict) else None
+    saved = man.megatron.param_groups if man.megatron else None
     flat = [dict(g) for gs in (saved or []) for g in gs]
     if not flat:
-        o = man.optimizer
+        o = man.optimizer.with_defaults(weight_decay=0.0)
         lr = o.lr if o.lr is not None else 0.0
         base = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
-                "default_config": True, "max_lr": lr, "min_lr": lr, "lr": lr, "betas": tuple(o.betas or (0.9, 0.999)),
-                "eps": o.eps if o.eps is not None else 1e-8, "weight_decay": o.weight_decay or 0.0}
-        flat = [base, dict(base, wd_mult=0.0, weight_decay=0.0 if o.no_decay else (o.weight_decay or 0.0))]
+                "default_config": True, "max_lr": lr, "min_lr": lr, "lr": lr, "betas": o.betas,
+                "eps": o.eps, "weight_decay": o.weight_decay}
+        flat = [base, dict(base, wd_mult=0.0, weight_decay=0.0 if o.no_decay else o.weight_decay)]
     out = []
     for g in flat:
         g = {k: (tuple(v) if k == "betas" and isinstance(v, list) else v) for k, v in g.items()
-             if k not in ("params", "num_params", "optimizer")}
+             if k not in ("params", "num_params", "optimizer")}  # foreign: torch group keys
         # An int: TransformerEngine's FusedAdam passes the group step to its kernel, which refuses a
         # float (seen with TE 2.20 after loading a float step); torch Adam's load path takes either.
-        g["step"] = int(step)
+        g["step"] = int(step)  # foreign: torch group key
         out.append(g)
     return out
 
@@ -691,14 +695,15 @@ def _groups_for(groups: list[dict], expert: bool, chained: bool) -> list[dict]:
     out, seen = [], set()
     for g in groups:
         g = dict(g, is_expert_parallel=expert) if chained else dict(g)
-        key = json.dumps({k: g.get(k) for k in sorted(g) if k not in ("step",)}, sort_keys=True, default=str)
+        key = json.dumps({k: g.get(k) for k in sorted(g) if k != "step"},  # foreign: torch group key
+                         sort_keys=True, default=str)
         if key not in seen:
             seen.add(key)
             out.append(g)
     return out
 
 
-def megatron_args(meg: dict, params: Sequence[ParamInfo], lay: ParallelLayout, fmt: str, step: int) -> dict:
+def megatron_args(meg: MegatronRecord, params: Sequence[ParamInfo], lay: ParallelLayout, fmt: str, step: int) -> dict:
     """`common_state["args"]` for the target: the source's args, model dims the geometry shows when
     the source saved none, and everything Megatron-LM 0.19.2 reads back about the layout set to it.
 
@@ -706,7 +711,7 @@ def megatron_args(meg: dict, params: Sequence[ParamInfo], lay: ParallelLayout, f
     be present), uses tensor/pipeline sizes, world_size and data_parallel_size to decide whether RNG
     and rerun state are loaded, and `load_args_from_checkpoint` may take the parallel sizes from here.
     """
-    args = dict(meg.get("args") or {})
+    args = dict(meg.args or {})
     for p in params:  # model dims the fused section tables know (a library-style source saved no args)
         spec = p.geom.fused
         if spec is None:
@@ -730,7 +735,7 @@ def megatron_args(meg: dict, params: Sequence[ParamInfo], lay: ParallelLayout, f
     experts = [g.prepend[1] for g in by_name.values() if g.expert and len(g.prepend) >= 2]
     if experts:
         args.setdefault("num_experts", max(experts))
-    recorded_iteration = meg.get("iteration")
+    recorded_iteration = meg.iteration
     gbs = args.get("global_batch_size")
     if recorded_iteration != step and isinstance(gbs, int) and not args.get("rampup_batch_size"):
         # Trained elsewhere since the source save: the data position follows the step.
@@ -756,8 +761,8 @@ def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, ta
     import torch
 
     out: list[tuple[str, Any]] = []
-    meg = man.extra.get("megatron", {}) if isinstance(man.extra, dict) else {}
-    extra_keys = list(meg.get("extra_state_keys") or [])
+    meg = man.megatron or MegatronRecord()
+    extra_keys = list(meg.extra_state_keys or [])
     if not extra_keys:  # synthesise the keys a run would save for its linears (per stacked instance)
         seen = set()
         for p in params:
@@ -768,7 +773,7 @@ def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, ta
                     off = ".".join(str(i) for i in index) if index else "0"
                     shp = ".".join(str(n) for n in p.geom.prepend) if index else "1"
                     extra_keys.append(f"{mod}._extra_state/shard_{off}_{shp}")
-    empty = meg.get("extra_state_payload") == "empty_uint8_tensor"
+    empty = meg.extra_state_payload == "empty_uint8_tensor"
     for k in extra_keys:
         out.append((k, torch.empty(0, dtype=torch.uint8) if empty else None))
     domains = _domains(params, lay)
@@ -786,9 +791,9 @@ def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, ta
                      {i: {"param_state_sharding_type": target.fmt} for i in range(len(domains))})
     common = {"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": step,
               "optimizer": optimizer, "content_metadata": content}
-    if meg.get("scheduler"):  # Megatron resumes its lr / wd schedule from this (else it restarts warmup)
+    if meg.scheduler:  # Megatron resumes its lr / wd schedule from this (else it restarts warmup)
         from bridge.lr_schedule import scheduler_state_dict
 
-        common["opt_param_scheduler"] = scheduler_state_dict(meg["scheduler"], step)
+        common["opt_param_scheduler"] = scheduler_state_dict(meg.scheduler, step)
     out.append(("common_state/shard_0_1", common))
     return out

@@ -22,9 +22,10 @@ from bridge.layout.legacy import legacy_box_map, legacy_shape
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
 from converters.megatron.dcp_reader import ChunkInfo, StorageRef
+from bridge.format.schema import MODEL, OPTIMIZER_ROLES, PARAMS, ROLE_STATE, in_role, to_role
 from converters.megatron.plan import box_copies, is_scrambled_swiglu, logical_row_runs, role_path
 
-STATE_NAMES = {"params": "param", "mu": "exp_avg", "nu": "exp_avg_sq"}
+STATE_NAMES = ROLE_STATE  # role -> the `optimizer.state.<name>.<param>` name Megatron saves it under
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 READ_FACTOR = 2  # host bytes per byte read while a TensorStore read is in flight
 MAX_WORLD = 1 << 20  # beyond any machine Megatron-Core runs on; a typo like --dp 100000000 is caught at once
@@ -92,7 +93,7 @@ class Group:
     def nbytes(self) -> int:
         """Host memory while the group is processed: what is read, counted twice (TensorStore holds
         the stored bytes while it fills the result), plus the chunks."""
-        read = sum(b.size * (4 if t[0] != "model" else 2) for t, b in self.reads().items())
+        read = sum(b.size * (2 if in_role(t, MODEL) else 4) for t, b in self.reads().items())
         return READ_FACTOR * read + sum(c.nbytes for c in self.chunks)
 
 
@@ -215,9 +216,9 @@ class ParamSpec:
 
 def roles_of(p: ParamSpec, fmt: str) -> list[tuple[str, str, str]]:
     """(role, fqn, dtype) of the model-space tensors written for `p`."""
-    out = [("model", p.name, p.dtype)]
+    out = [(MODEL, p.name, p.dtype)]
     if fmt == "fully_reshardable" and p.optimized:
-        out += [(r, f"optimizer.state.{STATE_NAMES[r]}.{p.name}", "float32") for r in ("params", "mu", "nu")]
+        out += [(r, f"optimizer.state.{STATE_NAMES[r]}.{p.name}", "float32") for r in OPTIMIZER_ROLES]
     return out
 
 
@@ -240,14 +241,14 @@ def _items(p: ParamSpec, lay: ParallelLayout, fmt: str, derive: bool, limit: int
             for sub in split_rows(chunk_box, npre, -(-rows // rows_per)):
                 item = Group(p.name)
                 for role, fqn, dt in roles:
-                    src = "params" if (role == "model" and derive) else role
+                    src = PARAMS if (role == MODEL and derive) else role
                     takes = chunk_takes(g, tp, gtp, role, fqn, sub, source_role=src)
                     item.chunks.append(ChunkJob(fqn, sub.start, sub.shape, dt, takes, cast=src != role, global_shape=full))
                 if check:
                     model_takes = item.chunks[0].takes
                     if fmt != "fully_reshardable":
-                        item.check_takes = [Take(("params",) + t.array[1:], t.logical, t.dst) for t in model_takes]
-                    item.checks = sorted({(t.array, ("params",) + t.array[1:]) for t in model_takes})
+                        item.check_takes = [Take(to_role(t.array, PARAMS), t.logical, t.dst) for t in model_takes]
+                    item.checks = sorted({(t.array, to_role(t.array, PARAMS)) for t in model_takes})
                 yield item
 
 
