@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from typing import Any
 
 from bridge.errors import BridgeError
@@ -109,12 +110,24 @@ def _raise(exc: BaseException, root: str, doing: str):
 
 
 # -- whole objects ---------------------------------------------------------------------------------
+_CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                   "GOOGLE_APPLICATION_CREDENTIALS")
+_contexts: dict[tuple, object] = {}
+_contexts_lock = threading.Lock()
+
+
 def context():
-    """A fresh ts.Context for small object I/O: a shared one would keep the credentials it first
-    resolved, so a changed environment (another key pair) would go unnoticed."""
+    """The ts.Context for object I/O of this process, one per credential environment: shared, so
+    connections are reused across the many small and ranged reads; keyed by the credential
+    variables, because a Context keeps the credentials it first resolved."""
     import tensorstore as ts
 
-    return ts.Context()
+    key = tuple(os.environ.get(k) for k in _CREDENTIAL_ENV)
+    with _contexts_lock:
+        ctx = _contexts.get(key)
+        if ctx is None:
+            ctx = _contexts[key] = ts.Context()
+        return ctx
 
 
 def open_store(root: str):
