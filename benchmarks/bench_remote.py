@@ -12,7 +12,7 @@ Variants, each on the same `--mib` MiB of fp32 in `--arrays` arrays:
   raw_read     the raw objects read back whole, all at once
 After an untimed warm-up, reps are interleaved; medians are reported as MB/s and as ratios store / raw. Then each variant runs
 once more through a counting HTTP proxy in front of the server, which reports the requests per
-checkpoint by kind (object stores bill per request) and per GiB. The last line, "SUMMARY {json}",
+checkpoint by kind (object stores bill per request) and per GiB, and the bytes moved each way. The last line, "SUMMARY {json}",
 has the medians, ratios and counts for scripts.
 
 The servers are single-process emulators on this host: absolute rates say little about a cloud
@@ -197,23 +197,22 @@ def run(server: str, mib: float, n_arrays: int, reps: int, writers: int) -> dict
                 t = time.perf_counter()
                 (store_read(url, arrays) if v == "store" else raw_read(url, arrays))
                 times[f"{v}_read"].append(time.perf_counter() - t)
-        if server == "s3":  # counted once through the proxy (GCS's emulator URL is fixed per process)
-            proxy = CountingProxy(srv.endpoint)
-            try:
-                with environ(AWS_ENDPOINT_URL=proxy.url):
-                    for v, fn in (("store_write", lambda u: store_write(u, arrays, writers)),
-                                  ("store_read", lambda u: store_read(u, arrays))):
-                        fn(srv.url("bench/counted_store"))
-                        counts[v] = proxy.take()
-                    for v, fn in (("raw_write", lambda u: raw_write(u, arrays)),
-                                  ("raw_read", lambda u: raw_read(u, arrays))):
-                        fn(srv.url("bench/counted_raw"))
-                        counts[v] = proxy.take()
-                objects = len(srv.list_keys("bench/counted_store/"))
-            finally:
-                proxy.close()
-        else:
-            objects = len(srv.list_keys("bench/store0/"))
+        proxy = CountingProxy(srv.endpoint)  # each variant once more, counted
+        via = {"AWS_ENDPOINT_URL": proxy.url} if server == "s3" else \
+            {"TENSORSTORE_GCS_HTTP_URL": proxy.url, "STORAGE_EMULATOR_HOST": proxy.url}
+        try:
+            with environ(**via):
+                for v, fn in (("store_write", lambda u: store_write(u, arrays, writers)),
+                              ("store_read", lambda u: store_read(u, arrays))):
+                    fn(srv.url("bench/counted_store"))
+                    counts[v] = proxy.take()
+                for v, fn in (("raw_write", lambda u: raw_write(u, arrays)),
+                              ("raw_read", lambda u: raw_read(u, arrays))):
+                    fn(srv.url("bench/counted_raw"))
+                    counts[v] = proxy.take()
+            objects = len(srv.list_keys("bench/counted_store/"))
+        finally:
+            proxy.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     rate = {k: nbytes / t / 1e6 for k, t in med.items()}
     gib = nbytes / (1 << 30)

@@ -111,15 +111,16 @@ def _raise(exc: BaseException, root: str, doing: str):
 
 # -- whole objects ---------------------------------------------------------------------------------
 _CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                   "GOOGLE_APPLICATION_CREDENTIALS")
+                   "GOOGLE_APPLICATION_CREDENTIALS", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+                   "TENSORSTORE_GCS_HTTP_URL", "STORAGE_EMULATOR_HOST")
 _contexts: dict[tuple, object] = {}
 _contexts_lock = threading.Lock()
 
 
 def context():
-    """The ts.Context for object I/O of this process, one per credential environment: shared, so
-    connections are reused across the many small and ranged reads; keyed by the credential
-    variables, because a Context keeps the credentials it first resolved."""
+    """The ts.Context for object I/O of this process, one per storage environment: shared, so
+    connections are reused across the many small and ranged reads; keyed by the credential and
+    endpoint variables, because a Context keeps what it first resolved."""
     import tensorstore as ts
 
     key = tuple(os.environ.get(k) for k in _CREDENTIAL_ENV)
