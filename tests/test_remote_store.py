@@ -158,3 +158,13 @@ def test_demo_with_a_bucket_workdir(stores, tmp_path):
     assert "demo/work/logical/_METADATA" in keys and "demo/work/logical_again/_METADATA" in keys
     assert "demo/work/megatron_tp2_dp2/latest_checkpointed_iteration.txt" in keys
     assert os.listdir(tmp_path) == []
+
+
+def test_destination_overlapping_a_source_prefix_is_refused():
+    from bridge.errors import BridgeError
+    from bridge.store.remote import check_remote_sources
+
+    for dst, src in (("s3://bkt/a/b", "s3://bkt/a"), ("s3://bkt/a", "s3://bkt/a/b"), ("gs://bkt/x", "gs://bkt/x")):
+        with pytest.raises(BridgeError, match="overlaps the source"):
+            check_remote_sources(dst, [src])
+    check_remote_sources("s3://bkt/a", ["s3://bkt/ab", "gs://bkt/a", "s3://other/a", "/local/a"])  # no overlap
