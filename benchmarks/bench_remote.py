@@ -15,8 +15,9 @@ once more through a counting HTTP proxy in front of the server, which reports th
 checkpoint by kind (object stores bill per request) and per GiB, and the bytes moved each way. The last line, "SUMMARY {json}",
 has the medians, ratios and counts for scripts.
 
-The servers are single-process emulators on this host: absolute rates say little about a cloud
-store, the ratios and request counts do.
+The servers are single-process emulators on this host (moto keeps objects in memory here, as
+fake-gcs-server's file backend keeps them in the page cache): absolute rates say little about a
+cloud store, the ratios and request counts do.
 """
 
 from __future__ import annotations
@@ -171,15 +172,21 @@ def raw_read(url: str, arrays) -> None:
     assert all(len(f.result().value) > 0 for f in futs)
 
 
+def delete_all(url: str) -> None:
+    from bridge.store.kvstore import delete_prefix
+
+    delete_prefix(url)
+
+
 def run(server: str, mib: float, n_arrays: int, reps: int, writers: int) -> dict:
     from servers import S3Server, GcsServer, environ
 
     arrays = make_arrays(mib, n_arrays)
     nbytes = sum(a.nbytes for a in arrays.values())
-    srv_cls = S3Server if server == "s3" else GcsServer
+    make_server = (lambda: S3Server(memory_objects=True)) if server == "s3" else GcsServer
     times: dict[str, list[float]] = {v: [] for v in ("store_write", "raw_write", "store_read", "raw_read")}
     counts: dict[str, dict] = {}
-    with srv_cls() as srv, environ(**srv.env):
+    with make_server() as srv, environ(**srv.env):
         small = make_arrays(1, 2)  # warm-up, untimed: imports, connections, the server's first requests
         store_write(srv.url("bench/warm_store"), small, writers)
         store_read(srv.url("bench/warm_store"), small)
@@ -197,6 +204,8 @@ def run(server: str, mib: float, n_arrays: int, reps: int, writers: int) -> dict
                 t = time.perf_counter()
                 (store_read(url, arrays) if v == "store" else raw_read(url, arrays))
                 times[f"{v}_read"].append(time.perf_counter() - t)
+            for v in order:  # the server's memory / disk holds one rep at a time
+                delete_all(srv.url(f"bench/{v}{rep}"))
         proxy = CountingProxy(srv.endpoint)  # each variant once more, counted
         via = {"AWS_ENDPOINT_URL": proxy.url} if server == "s3" else \
             {"TENSORSTORE_GCS_HTTP_URL": proxy.url, "STORAGE_EMULATOR_HOST": proxy.url}

@@ -66,13 +66,16 @@ class S3Server:
     `.env`: endpoint, region and the keys of a user allowed everything on S3.
     `.nobody`: (key id, secret) of a user with no permission. `.url(bucket, key)`."""
 
-    def __init__(self, buckets=("bridge-test",)) -> None:
+    def __init__(self, buckets=("bridge-test",), memory_objects: bool = False) -> None:
         self.buckets = tuple(buckets)
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.env: dict[str, str] = {}
         self.nobody: tuple[str, str] = ("", "")
+        # moto spools objects over ~5 MiB to temporary files; a benchmark keeps them in memory so
+        # the host's disk does not take part in the comparison
+        self.memory_objects = memory_objects
 
     def __enter__(self) -> "S3Server":
         import boto3
@@ -80,6 +83,8 @@ class S3Server:
         # Requests moto serves before it starts checking credentials: the set-up below, exactly.
         setup_calls = len(self.buckets) + 6
         env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(setup_calls), "MOTO_PORT": str(self.port)}
+        if self.memory_objects:
+            env["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(1 << 30)
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
