@@ -111,7 +111,7 @@ def test_killed_writer_leaves_nothing_loadable_and_a_retry_cleans_it(stores, sch
     srv = stores[scheme]
     key = f"killed/{scheme}"
     dst = srv.url(key)
-    # A writer still running: its prefix is neither loadable nor taken over.
+    # A writer still running: its prefix is neither loadable nor taken over; SIGTERMed, it cleans up.
     p = run_writer(dst, "hang")
     try:
         left = srv.list_keys(key + "/")
@@ -122,9 +122,14 @@ def test_killed_writer_leaves_nothing_loadable_and_a_retry_cleans_it(stores, sch
         with pytest.raises(BridgeError) as e:
             save_checkpoint(dst, arrays())
         assert_one_line(e, "is being written by pid", str(p.pid))
+        # SIGTERM: the writer removes what it wrote (its claim last) and exits
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) != 0
+        assert srv.list_keys(key + "/") == []
     finally:
-        p.kill()
-        p.wait()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
     # Killed (SIGKILL: no cleanup ran): still nothing loadable; plain Orbax cannot load it either.
     p = run_writer(dst, "kill")
     assert p.wait() == -signal.SIGKILL
