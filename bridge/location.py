@@ -59,9 +59,9 @@ def scheme_of(location: str) -> str | None:
     return m.group(1).lower() if m else None
 
 
-def is_remote(location: str) -> bool:
-    """True for an object-storage URL (a string `location()` returned)."""
-    return scheme_of(location) in REMOTE_SCHEMES
+def is_remote(location) -> bool:
+    """True for an object-storage URL (a string; a Path or bytes is always local)."""
+    return isinstance(location, str) and scheme_of(location) in REMOTE_SCHEMES
 
 
 def _text(location: Location, what: str) -> str:

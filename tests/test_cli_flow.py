@@ -71,11 +71,12 @@ def test_python_entry_points_refuse_urls(logical, tmp_path, monkeypatch):
     from bridge.store.reader import open_checkpoint
     from bridge.store.verify import verify_checkpoint
     from converters.megatron.convert import convert
-    from converters.megatron.write import Target, to_megatron
+    from converters.megatron.write import MegatronTarget, to_megatron
 
     monkeypatch.chdir(tmp_path)
     calls = [lambda: convert(str(DEMO_SRC), "hdfs://b/x"), lambda: convert("az://b/x", "out"),
-             lambda: to_megatron(logical, "hdfs://b/x", Target(tp=1)), lambda: to_megatron("az://b/x", "out", Target(tp=1)),
+             lambda: to_megatron(logical, "hdfs://b/x", MegatronTarget(tp=1)),
+             lambda: to_megatron("az://b/x", "out", MegatronTarget(tp=1)),
              lambda: open_checkpoint("az://b/x"), lambda: verify_checkpoint("hdfs://b/x"),
              lambda: restore("az://b/x"), lambda: save("hdfs://b/x", params={}, opt_state=None, step=0)]
     for call in calls:
@@ -303,7 +304,8 @@ def test_demo_without_workdir_leaves_nothing_behind(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("module", ["bridge.location", "bridge.store.manager", "bridge.machine", "bridge.cast_check"])
+@pytest.mark.parametrize("module", ["bridge.location", "bridge.store.manager", "bridge.machine", "bridge.cast_check",
+                                    "bridge.dtypes", "bridge.units"])
 def test_docstring_examples(module):
     import doctest
     import importlib

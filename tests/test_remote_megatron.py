@@ -84,13 +84,13 @@ def test_to_megatron_on_s3_is_what_megatron_saved(stores, tmp_path):
 
     from converters.megatron.convert import ConvertOptions, convert
     from converters.megatron.dcp_reader import DcpCheckpoint
-    from converters.megatron.write import Target, to_megatron
+    from converters.megatron.write import MegatronTarget, to_megatron
 
     s3 = stores["s3"]
     theirs_dir = FIXTURES / "tp2" / "fully_reshardable"
     logical = s3.url("logical/tp2")
     convert(str(theirs_dir), logical, ConvertOptions(workers=1, show_progress=False))
-    res = to_megatron(logical, s3.url("megatron/tp2"), Target(tp=2), show_progress=False)
+    res = to_megatron(logical, s3.url("megatron/tp2"), MegatronTarget(tp=2), show_progress=False)
     assert res["dst"] == s3.url("megatron/tp2/iter_0000003")
     keys = s3.list_keys("megatron/tp2/")
     assert "megatron/tp2/latest_checkpointed_iteration.txt" in keys and not any("_gtpb_claim" in k for k in keys)
@@ -105,4 +105,4 @@ def test_to_megatron_on_s3_is_what_megatron_saved(stores, tmp_path):
     convert(s3.url("megatron/tp2"), s3.url("logical/tp2-back"), ConvertOptions(workers=1, show_progress=False))
     same_arrays(logical, s3.url("logical/tp2-back"))
     with pytest.raises(Exception, match="already exists"):
-        to_megatron(logical, s3.url("megatron/tp2"), Target(tp=2), show_progress=False)
+        to_megatron(logical, s3.url("megatron/tp2"), MegatronTarget(tp=2), show_progress=False)

@@ -229,7 +229,7 @@ def test_failure_midway_leaves_the_run_dir_as_it_was(logical, tmp_path, monkeypa
     """An error after part of the files are written: no iteration dir, no temp dir, tracker unchanged."""
     from bridge.errors import BridgeError
     from converters.megatron import write as megatron_write
-    from converters.megatron.write import Target, to_megatron
+    from converters.megatron.write import MegatronTarget, to_megatron
 
     run = tmp_path / "run"
     (run / "iter_0000001").mkdir(parents=True)
@@ -240,11 +240,11 @@ def test_failure_midway_leaves_the_run_dir_as_it_was(logical, tmp_path, monkeypa
 
     monkeypatch.setattr(megatron_write, "_objects", boom)
     with pytest.raises(BridgeError):
-        to_megatron(logical, str(run), Target(tp=1))
+        to_megatron(logical, str(run), MegatronTarget(tp=1))
     assert sorted(os.listdir(run)) == ["iter_0000001", TRACKER] and (run / TRACKER).read_text() == "1"
     fresh = tmp_path / "fresh"
     with pytest.raises(BridgeError):
-        to_megatron(logical, str(fresh), Target(tp=1))
+        to_megatron(logical, str(fresh), MegatronTarget(tp=1))
     assert not fresh.exists() and not _leftovers(tmp_path)
 
 

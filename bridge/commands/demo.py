@@ -42,8 +42,10 @@ def _force_host_devices() -> None:
 def _bits_equal(a, b) -> bool:
     import numpy as np
 
+    from bridge.dtypes import uint_view
+
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(uint_view(a), uint_view(b))
 
 
 def orbax_restore_check(path: str) -> tuple[int, int, str]:
@@ -57,7 +59,7 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
     from bridge.format.schema import ADAM_INDEX, OPT_STATE
     from bridge.jaxside.keypaths import nested_from_paths
     from bridge.store.reader import open_checkpoint
-    from bridge.store.specs import numpy_dtype
+    from bridge.dtypes import numpy_dtype
 
     devs = jax.devices()
     if len(devs) < DEVICES:
@@ -141,7 +143,7 @@ def run_in(work: Path | str, keep: bool) -> int:
     there when `keep`)."""
     from bridge.errors import BridgeError
     from converters.megatron.convert import ConvertOptions, convert
-    from converters.megatron.write import Target, to_megatron
+    from converters.megatron.write import MegatronTarget, to_megatron
 
     names = ("logical", "megatron_tp2_dp2", "logical_again")
     if isinstance(work, str) and is_remote(work):
@@ -170,7 +172,7 @@ def run_in(work: Path | str, keep: bool) -> int:
     rows.append(("restore" if is_remote(str(work)) else "Orbax restore", "logical", f"JAX 2x4 CPU mesh ({n} leaves)", nb, t2,
                  f"bit-exact vs TensorStore; e.g. {sample}"))
     r3, t3 = timed(lambda: to_megatron(str(outs["logical"]), str(outs["megatron_tp2_dp2"]),
-                                       Target(tp=2, dp=2, fmt="dp_reshardable", bucket_size=4000)))
+                                       MegatronTarget(tp=2, dp=2, fmt="dp_reshardable", bucket_size=4000)))
     rows.append(("to-megatron", "logical", "Megatron dp_reshardable TP=2 DP=2 (bucket 4000)", r3["bytes"], t3,
                  "DistOpt buffers rebuilt for the new layout"))
     r4, t4 = timed(lambda: convert(str(outs["megatron_tp2_dp2"]), str(outs["logical_again"]), ConvertOptions(workers=1)))

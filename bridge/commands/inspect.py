@@ -9,7 +9,8 @@ import sys
 from typing import Any
 
 from bridge.format.schema import split_role
-from bridge.inspect.format import fmt_num, fmt_shape, human_bytes, parse_size, summarize_value, table
+from bridge.inspect.format import fmt_num, fmt_shape, summarize_value, table
+from bridge.units import human_bytes, parse_size
 from bridge.inspect.open import CheckpointInfo, open_for_inspection
 from bridge.inspect.stream import DEFAULT_BUDGET, stream_stats
 from bridge.progress import progress

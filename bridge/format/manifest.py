@@ -83,14 +83,33 @@ class OptimizerConfig:
 
 
 @dataclass
+class MegatronParam:
+    """One Megatron parameter as convert found it, in registration order (to-megatron rebuilds the
+    run's parameter list, and so its DistributedOptimizer buffer layout, from these)."""
+
+    name: str                       # Megatron name without wrappers
+    key: str                        # its torch_dist key
+    shape: list[int]                # logical shape (without prepended layer / expert axes)
+    prepend: list[int]              # stacked layer / expert axes
+    tp_kind: str                    # "column", "row", "replicated", ...
+    gtp: Any = field(default=False, kw_only=True)   # optional, yet in this place of the JSON
+    expert: Any
+    dtype: str                      # the weight's dtype
+    optimized: bool = True          # has fp32 master and moments
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "MegatronParam":
+        return cls(**_known(cls, d))
+
+
+@dataclass
 class MegatronRecord:
     """What `convert` records about its Megatron source (`extra["megatron"]`): what `to-megatron`
     needs to write the run back (parameters, param groups, args, _extra_state keys) and the
     scheduler state the JAX side continues the learning-rate schedule from."""
 
     source_dir: str = ""
-    params: list[dict] = field(default_factory=list)            # per parameter: name, key, shape, prepend,
-    #                                                             tp_kind, gtp, expert, dtype, optimized
+    params: list[MegatronParam] = field(default_factory=list)
     param_groups: list[list[dict]] = field(default_factory=list)  # per chained optimizer, without their params
     extra_state_keys: list[str] = field(default_factory=list)
     extra_state_payload: str = "none"                           # "none" or "empty_uint8_tensor" (TE)
@@ -116,7 +135,14 @@ class MegatronRecord:
 
     @classmethod
     def from_json(cls, d: Mapping) -> "MegatronRecord":
-        return cls(**_known(cls, d))
+        """Parse what convert wrote; IntegrityError when a parameter record is malformed."""
+        known = _known(cls, d)
+        try:
+            known["params"] = [MegatronParam.from_json(p) for p in known.get("params") or []]
+        except (TypeError, AttributeError) as e:
+            raise IntegrityError(f"gtp_bridge manifest's megatron parameter list is malformed ({e}); "
+                                 f"the checkpoint metadata is damaged") from None
+        return cls(**known)
 
 
 @dataclass

@@ -78,16 +78,27 @@ def path_str(path: Sequence[str]) -> str:
     return "/".join(path)
 
 
+def strip_wrappers(key: str) -> str:
+    """Megatron key without its `module.` / `model.` wrapper prefixes (DDP, Float16Module, ...).
+
+    The one implementation: the live exporter (core) and the Megatron converters both need it.
+
+    >>> strip_wrappers("module.module.decoder.final_layernorm.weight")
+    'decoder.final_layernorm.weight'
+    """
+    parts = key.split(".")
+    while len(parts) > 1 and parts[0] in WRAPPER_PREFIXES:
+        parts = parts[1:]
+    return ".".join(parts)
+
+
 def megatron_key_to_path(key: str) -> Path:
     """Megatron parameter key -> tree path (wrapper prefixes removed, split on '.').
 
     >>> megatron_key_to_path("module.module.decoder.layers.0.mlp.linear_fc2.weight")
     ('decoder', 'layers', '0', 'mlp', 'linear_fc2', 'weight')
     """
-    parts = key.split(".")
-    while len(parts) > 1 and parts[0] in WRAPPER_PREFIXES:
-        parts = parts[1:]
-    return validate_path(parts)
+    return validate_path(strip_wrappers(key).split("."))
 
 
 def check_tree_paths(paths: Iterable[Sequence[str]]) -> None:

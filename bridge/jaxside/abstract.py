@@ -9,7 +9,6 @@ None]`, the structure Orbax records for `optax.adamw(...).init(params)`).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -20,14 +19,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from bridge.errors import BridgeError
 from bridge.location import is_remote, location
-from bridge.store.manager import ITEM, resolve as resolve_location
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.sharding_rules import ShardingRules, default_spec
-from bridge.store.reader import check_metadata
+from bridge.store.reader import open_root
 from bridge.format import schema
 from bridge.format.schema import ADAM_PATH as ADAM, COUNT_PATH as COUNT, MODEL_PATH as MODEL, STEP_PATH as STEP
 from bridge.format.schema import PARAMS_PATH as PARAMS  # noqa: F401 - tests and scripts take it from here
-from bridge.format.tree import parse_tree_metadata, validate_path
 from bridge.jaxside.naming import Group
 
 CASTABLE = (schema.PARAMS, schema.MODEL, schema.MU, schema.NU)   # roles `dtypes=` may cast, as messages list them
@@ -62,9 +59,10 @@ class StoredTree:
 def stored_arrays(directory: str | os.PathLike, *, allow_edited_metadata: bool | None = None) -> StoredTree:
     """Read a checkpoint's array metadata through Orbax (no data is read).
 
-    Raises BridgeError for a missing, uncommitted or non-Orbax directory, and IntegrityError for a
-    bridge checkpoint whose `_METADATA` was edited after commit (unless `allow_edited_metadata`,
-    or GTP_BRIDGE_ALLOW_EDITED_METADATA=1: see `bridge.store.reader.check_metadata`).
+    Opens by `bridge.store.reader.open_root`'s rules, the same as `open_checkpoint`: BridgeError
+    for a missing, uncommitted or non-Orbax directory, IntegrityError for a damaged one or a bridge
+    checkpoint whose `_METADATA` was edited after commit (unless `allow_edited_metadata`, or
+    GTP_BRIDGE_ALLOW_EDITED_METADATA=1).
     """
     if isinstance(directory, str) and is_remote(location(directory)):  # s3:// / gs:// (bridge.jaxside.remote)
         from bridge.jaxside.remote import stored_arrays_remote
@@ -72,18 +70,8 @@ def stored_arrays(directory: str | os.PathLike, *, allow_edited_metadata: bool |
         return stored_arrays_remote(location(directory), allow_edited_metadata)
     import orbax.checkpoint as ocp
 
-    # an Orbax manager root -> its latest step. Absolute: Orbax reads no metadata from a relative path
-    d = os.path.abspath(resolve_location(directory))
-    if not os.path.isfile(os.path.join(d, "_METADATA")) and os.path.isfile(os.path.join(d, ITEM, "_METADATA")):
-        d = os.path.join(d, ITEM)  # an Orbax CheckpointManager step directory
-    if d.rstrip("/").endswith(".orbax-checkpoint-tmp"):
-        raise BridgeError(f"{d} is an uncommitted checkpoint (tmp suffix); use the committed directory")
-    if not os.path.isdir(d):
-        raise BridgeError(f"checkpoint directory {d} does not exist; pass the path of a committed checkpoint")
-    if not os.path.isfile(os.path.join(d, "_METADATA")):
-        raise BridgeError(f"{d} has no _METADATA: not a committed Orbax checkpoint; pass a checkpoint directory")
-    _check_names(d)
-    check_metadata(d, allow_edited_metadata)
+    # the same rules as `open_checkpoint`; absolute, since Orbax reads no metadata from a relative path
+    d, _, _ = open_root(os.fspath(directory), allow_edited_metadata)
     meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(d).item_metadata
     arrays = {}
     for p, m in leaves_by_path(meta.tree).items():
@@ -91,20 +79,6 @@ def stored_arrays(directory: str | os.PathLike, *, allow_edited_metadata: bool |
             continue
         arrays[p] = StoredArray(p, tuple(int(s) for s in m.shape), np.dtype(m.dtype))
     return StoredTree(d, arrays, dict(meta.custom_metadata or {}))
-
-
-def _check_names(directory: str) -> None:
-    """Refuse array names that could escape the checkpoint (checkpoints are untrusted input),
-    before Orbax opens anything."""
-    try:
-        with open(os.path.join(directory, "_METADATA")) as f:
-            tree = json.load(f)["tree_metadata"]
-        arrays, empty = parse_tree_metadata(tree)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise BridgeError(f"{directory}/_METADATA is unreadable ({str(e).splitlines()[0]}); "
-                          f"the checkpoint is damaged") from None
-    for p in list(arrays) + list(empty):
-        validate_path(p)
 
 
 ShardingSource = Callable[[Path, tuple[int, ...]], Sharding]

@@ -87,7 +87,7 @@ def adam_hparams(manifest: Manifest | Mapping) -> AdamHParams:
                     for p in param_paths(k, orders)}
     return AdamHParams(lr=o.lr, b1=float(b1), b2=float(b2), eps=float(o.eps), weight_decay=float(o.weight_decay),
                        no_decay=frozenset(no_decay) if no_decay is not None else None,
-                       clip_grad=float(o.clip_grad) if getattr(o, "clip_grad", None) else None)
+                       clip_grad=float(o.clip_grad) if o.clip_grad else None)
 
 
 def megatron_default_no_decay(path: Path, shape: tuple[int, ...]) -> bool:

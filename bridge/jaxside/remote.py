@@ -36,7 +36,7 @@ def stored_arrays_remote(url: str, allow_edited_metadata: bool | None = None):
 
 
 def _np_dtype(name: str) -> np.dtype:
-    from bridge.store.specs import numpy_dtype
+    from bridge.dtypes import numpy_dtype
 
     return numpy_dtype(name)
 
@@ -83,14 +83,15 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
     from bridge.store.claim import claim_destination
     from bridge.store.commit import commit_checkpoint
     from bridge.store.plan import ArraySpec, make_write_plan
-    from bridge.store.specs import DEFAULT_INNER_CHUNK_BYTES, check_dtype
+    from bridge.dtypes import check_name
+    from bridge.store.specs import DEFAULT_INNER_CHUNK_BYTES
     from bridge.store.writer import CheckpointWriter
 
     if jax.process_count() > 1:
         raise BridgeError(f"{url}: saving to object storage from {jax.process_count()} JAX processes is not "
                           f"supported; save to a shared local path, or from one process")
     flat = {p: a for p, a in leaves_by_path(tree).items() if a is not None}
-    catalog = [ArraySpec(p, tuple(int(s) for s in np.shape(a)), check_dtype(np.dtype(a.dtype).name, "/".join(p)))
+    catalog = [ArraySpec(p, tuple(int(s) for s in np.shape(a)), check_name(np.dtype(a.dtype).name, "/".join(p)))
                for p, a in flat.items()]
     plan = make_write_plan(catalog, 1, empty_paths=adamw_empty_paths(),
                            inner_chunk_bytes=DEFAULT_INNER_CHUNK_BYTES if chunk_byte_size is None else chunk_byte_size)

@@ -29,13 +29,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bridge.dtypes import torch_dtype
 from bridge.errors import BridgeError
 from bridge.location import absolute, location
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
 from bridge.live.api import LiveRun, LocalParam
 from bridge.live.exchange import all_gather_json, collective_device, pack, start_all_to_all_bytes
-from bridge.live.holdings import (TORCH_DTYPES, Holding, holdings_signature, rank_holdings, refresh_holdings,
+from bridge.live.holdings import (Holding, RankSummary, holdings_signature, rank_holdings, refresh_holdings,
                                   tree_name)
 from bridge.live.plan import ExportPlan, PlanCache, Transfer, build_plan, choose_inner_bytes, plan_key
 from bridge.live.staging import WriteItem, stage_and_write
@@ -114,7 +115,7 @@ class _Local:
     """This rank's holdings template (pieces, no data) and summary for one holdings signature."""
 
     holdings: list[Holding]
-    summary: dict
+    summary: RankSummary
     key: str  # digest of the signature, exchanged instead of the summary when every rank has a plan
 
 
@@ -130,12 +131,12 @@ def clear_plan_cache() -> None:
     _PLAN_CACHE.clear()
 
 
-def _summary(params: Sequence[LocalParam], run: LiveRun, rank: int) -> tuple[list[Holding], dict]:
+def _summary(params: Sequence[LocalParam], run: LiveRun, rank: int) -> tuple[list[Holding], RankSummary]:
     holdings, catalog = rank_holdings(params, run.layout, rank, with_optim=run.optimizer is not None)
     fused = {path_str(megatron_key_to_path(p.geometry.name)): p.geometry.fused.to_json()
              for p in params if p.geometry.fused is not None}
     pads = sorted({p.geometry.pad_for_alignment for p in params if p.geometry.gtp})
-    return holdings, {"catalog": catalog, "holdings": [h.describe() for h in holdings], "fused": fused, "pads": pads}
+    return holdings, RankSummary(catalog, tuple(h.describe() for h in holdings), fused, tuple(pads))
 
 
 def _local(params: Sequence[LocalParam], run: LiveRun, rank: int) -> tuple[list[Holding], _Local]:
@@ -278,7 +279,7 @@ def writer_batch_bytes(inflight_bytes: int) -> int:
     return max(1, int(inflight_bytes) // 4)
 
 
-def _plan(summaries: Sequence[dict], run: LiveRun, world: int, target_chunk_bytes: int, compression: str | None,
+def _plan(summaries: Sequence[RankSummary], run: LiveRun, world: int, target_chunk_bytes: int, compression: str | None,
           inner_chunk_bytes: int | str | None) -> _Planned:
     """The global plan and the store's write plan from every rank's summary (pure; identical on every rank)."""
     plan = build_plan(summaries, tree_name, target_chunk_bytes)
@@ -298,8 +299,8 @@ def _plan(summaries: Sequence[dict], run: LiveRun, world: int, target_chunk_byte
                             compression=compression, inner_chunk_bytes=inner_chunk_bytes)
     fused: dict = {}
     for s in summaries:
-        fused.update(s["fused"])
-    pads = sorted({p for s in summaries for p in s["pads"]})
+        fused.update(s.fused)
+    pads = sorted({p for s in summaries for p in s.pads})
     return _Planned(plan, wplan, fused, pads, inner_chunk_bytes, plan.moved_bytes() > 0)
 
 
@@ -327,7 +328,7 @@ def _agree_plan(local: _Local | None, error: str | None, run: LiveRun, dst: str,
         clock.mark("gather")
         return planned, True
     with _collective("planning", rank, dst):
-        summaries = all_gather_json(local.summary, group, device)
+        summaries = [RankSummary.from_json(s) for s in all_gather_json(local.summary.to_json(), group, device)]
     clock.mark("gather")
     planned = _plan(summaries, run, world, target_chunk_bytes, compression, inner_chunk_bytes)
     _PLAN_CACHE.put(gkey, planned)
@@ -366,7 +367,7 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
         else:  # every owner holds all it writes (same on every rank): no collective
             recv, work = send, _NoWork()
     bytes_sent = send.numel()
-    dtypes = {a.name: TORCH_DTYPES[a.dtype] for a in plan.catalog}
+    dtypes = {a.name: torch_dtype(a.dtype) for a in plan.catalog}
     local_items = [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t)) for t in plan.sends(rank, rank)]
     batch = writer_batch_bytes(inflight_bytes) if inflight_bytes else default_batch_bytes()
     # Device data goes through the donated staging pipeline (_DEVICE_COMMITS + 2 pinned buffers of

@@ -24,7 +24,7 @@ from bridge.layout.rectangles import Piece
 from bridge.live.api import AdamConfig, LiveRun, LocalParam, QuantizedWeight, ReloadResult
 from bridge.live.fp8 import quantize_into
 from bridge.live.holdings import tree_name
-from bridge.torch_numpy import from_numpy
+from bridge.dtypes import from_numpy
 from bridge.progress import progress
 from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.format.schema import MODEL, PARAMS, SCALAR_PATHS, has_role

@@ -24,8 +24,8 @@ from bridge.store import specs
 from bridge.store.claim import TMP_SUFFIX
 from bridge.format.manifest import Manifest, manifest_from_custom
 from bridge.format.seal import CHECKSUM_KEY, metadata_problems
-from bridge.store.specs import numpy_dtype
-from bridge.format.tree import Path, parse_tree_metadata, path_str
+from bridge.dtypes import numpy_dtype
+from bridge.format.tree import Path, parse_tree_metadata, path_str, validate_path
 
 # Orbax item sub-directories (v1 `state/`, CheckpointManager `default/`) when given the step dir.
 ITEM_DIRS = ("state", "default")
@@ -60,6 +60,8 @@ def find_checkpoint_root(path: str) -> str:
     path = os.path.abspath(resolve(path))  # refuses URLs; an Orbax manager root -> its latest step
     if path.rstrip("/").endswith(TMP_SUFFIX):
         raise BridgeError(f"{path} is an uncommitted (temporary) checkpoint directory; it was never completed")
+    if not os.path.exists(path):
+        raise BridgeError(f"{path} is not a directory: it does not exist; pass a checkpoint directory")
     if not os.path.isdir(path):
         raise BridgeError(f"{path} is not a directory; pass a checkpoint directory")
     if os.path.isfile(os.path.join(path, "_METADATA")):
@@ -242,16 +244,36 @@ def check_metadata(root: str, allow_edited_metadata: bool | None = None) -> tupl
     return metadata, problems
 
 
+def open_root(path: str, allow_edited_metadata: bool | None = None) -> tuple[str, dict, list[str]]:
+    """The one set of rules for opening a committed checkpoint: (root, `_METADATA`, its problems).
+
+    Shared by `open_checkpoint` and the JAX side's `stored_arrays`, so both accept and refuse the
+    same directories: the location is resolved (an Orbax manager root -> its latest step, a step ->
+    its item sub-directory); temporary, missing, torch_dist and damaged directories are refused;
+    `_METADATA` edited after commit is refused unless allowed; every array name is checked
+    (checkpoints are untrusted) before anything opens an array.
+    """
+    root = find_checkpoint_root(path)
+    metadata, problems = check_metadata(root, allow_edited_metadata)
+    try:
+        arrays, empty = parse_tree_metadata(metadata["tree_metadata"])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise IntegrityError(f"{root}/_METADATA has no valid tree_metadata ({_one_line(e)}); "
+                             "the checkpoint is damaged") from None
+    for p in list(arrays) + list(empty):
+        validate_path(p)
+    return root, metadata, problems
+
+
 def open_checkpoint(path: str, *, allow_edited_metadata: bool | None = None) -> Checkpoint:
     """Open a committed checkpoint directory (never a `*.orbax-checkpoint-tmp` one).
 
     A bridge checkpoint whose `_METADATA` fails its checksum (any field edited, the manifest
     removed) is refused with an IntegrityError unless `allow_edited_metadata=True` (or the
     environment variable GTP_BRIDGE_ALLOW_EDITED_METADATA=1); the problems are then listed in
-    `Checkpoint.metadata_problems`.
+    `Checkpoint.metadata_problems`. The rules: `open_root`.
     """
-    root = find_checkpoint_root(path)
-    metadata, problems = check_metadata(root, allow_edited_metadata)
+    root, metadata, problems = open_root(path, allow_edited_metadata)
     if not problems:
         # a malformed manifest under a matching checksum is still damage: the Checkpoint raises
         return Checkpoint(root, metadata)

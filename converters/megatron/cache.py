@@ -158,7 +158,7 @@ def record_layout(ck, key: str, chunk) -> RecordLayout:
 
     import torch
 
-    from bridge.torch_numpy import numpy_dtype_of
+    from bridge.dtypes import numpy_dtype_of_torch
     from converters.megatron.dcp_reader import check_relative_path, open_range
 
     ref = chunk.storage
@@ -193,7 +193,7 @@ def record_layout(ck, key: str, chunk) -> RecordLayout:
             raise BridgeError(f"cannot read {what}: the tensor's bytes are not where its zip member says; damaged")
     finally:
         fd.close()
-    return RecordLayout(str(path), ref.offset + data + t.storage_offset() * item, item, numpy_dtype_of(t.dtype),
+    return RecordLayout(str(path), ref.offset + data + t.storage_offset() * item, item, numpy_dtype_of_torch(t.dtype),
                         ref.offset + member, info.file_size, info.CRC)
 
 
@@ -233,7 +233,7 @@ class ChunkCache:
         """Stored chunk `index` of tensor `key`, shaped as stored."""
         a = self._lru.get((key, index))
         if a is None:
-            from bridge.torch_numpy import to_numpy
+            from bridge.dtypes import to_numpy
 
             info = self.ck.tensors[key]
             a = to_numpy(self.ck.read_chunk(key, info.chunks[index]))
@@ -241,12 +241,42 @@ class ChunkCache:
             self._lru.put((key, index), a)
         return a
 
+    def object_tensor(self, key: str) -> np.ndarray:
+        """A state tensor inside a pickled object (dp_zero_gather_scatter; `plan.object_tensor_key`):
+        the object is read once and all its tensors kept, as it holds them together."""
+        from bridge.dtypes import to_numpy
+        from converters.megatron.plan import object_tensor_key, parse_object_tensor_key
+
+        a = self._lru.get((key, 0))
+        if a is None:
+            name, _gbuf, _dtype, _state = parse_object_tensor_key(key)
+            state = self.ck.read_object(name)
+            state = state[0] if isinstance(state, list) and len(state) == 1 else state
+            self.bytes_read += sum(r.length for _o, r in self.ck.objects[self.ck.object_key(name)].items)
+            for j, per_dtype in state.items():
+                if not isinstance(j, int):
+                    continue
+                for dt, tensors in per_dtype.items():
+                    dkey = "(" + ", ".join(str(x) for x in dt) + ")" if isinstance(dt, tuple) else str(dt)
+                    for st, t in tensors.items():
+                        if hasattr(t, "numel"):
+                            k = object_tensor_key(name, j, dkey, st)
+                            if self._lru.get((k, 0)) is None:
+                                self._lru.put((k, 0), to_numpy(t))
+            a = self._lru.get((key, 0))
+            if a is None:
+                raise BridgeError(f"{key}: no such tensor in the object; the checkpoint changed while converting")
+        return a
+
     def region(self, c) -> np.ndarray:
         """The source data of copy `c` (a `megatron_plan.Copy`), shaped like its logical box."""
-        chunk = self.ck.tensors[c.key].chunks[c.chunk]
-        if chunk.storage.length > self.max_bytes:
-            return self._ranged(c, chunk)
-        a = self.get(c.key, c.chunk)
+        if c.key not in self.ck.tensors:
+            a = self.object_tensor(c.key)
+        else:
+            chunk = self.ck.tensors[c.key].chunks[c.chunk]
+            if chunk.storage.length > self.max_bytes:
+                return self._ranged(c, chunk)
+            a = self.get(c.key, c.chunk)
         if c.flat:
             view = c.view or c.dst.shape
             a = a.reshape(-1)[c.flat_start:c.flat_start + prod(view)].reshape(view)

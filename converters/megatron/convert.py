@@ -31,39 +31,40 @@ from bridge.store.remote import check_remote_free
 from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, grid_shape
-from bridge.layout.parallel import ParallelLayout
 from bridge.format.scheduler import SchedulerRecord
 from bridge.progress import progress
 from bridge.store.claim import check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
-from bridge.format.manifest import MEGATRON_KEY, Manifest, MegatronRecord, OptimizerConfig, SourceLayout
+from bridge.format.manifest import (MEGATRON_KEY, Manifest, MegatronParam, MegatronRecord, OptimizerConfig,
+                                    SourceLayout)
 from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_DTYPE, SCALAR_PATHS, STATE_ROLE,
                                   adamw_empty_paths)
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
-from bridge.store.specs import numpy_dtype
+from bridge.dtypes import name_of_torch, numpy_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
-from converters.megatron.dcp_reader import DcpCheckpoint
+from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
 from converters.megatron.cache import ChunkCache
-from converters.megatron.format import (Hints, SourceCheckpoint, _plain, describe, optimizer_groups,
-                                        parse_groups_hyper, step_of)
+from converters.megatron.format import (Hints, SourceCheckpoint, describe, optimizer_groups,
+                                        parse_groups_hyper, plain_value, step_of)
 from converters.megatron.plan import (ROLES, Block, CopyIndex, Unit, assign_blocks, contributes, flat_copies,
-                                      literal, local_instances, model_space_copies, parse_dtype_key,
+                                      dp_group_places, literal, local_instances, model_space_copies,
+                                      model_space_copies_flat, object_tensor_key, parse_dtype_key,
                                       plan_blocks, rebuild_bucket_layout, role_path)
 
 MIN_BYTES_PER_WORKER = 1 << 30
 MIN_BATCH_BYTES = 1 << 20
 
-TORCH_TO_NP = {"torch.bfloat16": "bfloat16", "torch.float32": "float32", "torch.float16": "float16",
-               "torch.float64": "float64", "torch.int64": "int64", "torch.int32": "int32", "torch.uint8": "uint8"}
+#: source tensor dtypes convert accepts (weights, masters, moments, and the integer buffers Megatron keeps)
+CONVERTIBLE_DTYPES = ("bfloat16", "float32", "float16", "float64", "int64", "int32", "uint8")
 
 
 def np_dtype_name(torch_dtype: Any) -> str:
     """numpy dtype name of a torch dtype."""
-    s = str(torch_dtype)
-    if s not in TORCH_TO_NP:
-        raise BridgeError(f"unsupported tensor dtype {s} in the checkpoint")
-    return TORCH_TO_NP[s]
+    name = name_of_torch(torch_dtype)
+    if name not in CONVERTIBLE_DTYPES:
+        raise BridgeError(f"unsupported tensor dtype {torch_dtype} in the checkpoint")
+    return name
 
 
 
@@ -111,20 +112,27 @@ def build_units(src: SourceCheckpoint, hints: Hints) -> list[Unit]:
         dtypes = {MODEL: np_dtype_name(m.dtype), PARAMS: "float32", MU: "float32", NU: "float32"}
         u = Unit(name, arrays, dtypes, {MODEL: model_space_copies(m.key, m.info, m.geom, m.npre, m.legacy_padded,
                                                                   tp, gtp)}, stacked=len(m.geom.prepend))
-        if src.fmt == "fully_reshardable":
+        if src.fmt in ("fully_reshardable", "fully_sharded_model_space"):
             for role in OPTIMIZER_ROLES:
                 key = src.opt_keys.get((role, name))
                 if key is None:
                     continue
                 info = src.ck.tensors[key]
+                u.dtypes[role] = np_dtype_name(info.dtype)
+                if src.fmt == "fully_sharded_model_space":
+                    if m.legacy_padded:
+                        raise BridgeError(f"{key}: fully_sharded_model_space with a padded GTP grid; unknown format")
+                    u.copies[role] = model_space_copies_flat(key, info, m.info.shape, m.geom, m.npre)
+                    continue
                 if info.shape != m.info.shape:
                     raise BridgeError(f"{key}: stored shape {info.shape} differs from the model entry's "
                                       f"{m.info.shape}; unknown format")
-                u.dtypes[role] = np_dtype_name(info.dtype)
                 u.copies[role] = model_space_copies(key, info, m.geom, m.npre, m.legacy_padded, tp, gtp)
         units[name] = u
-    if src.fmt == "dp_reshardable":
+    if src.fmt in ("dp_reshardable", "fully_sharded_bucket_space"):
         add_dp_copies(src, units, hints)
+    elif src.fmt == "dp_zero_gather_scatter":
+        add_dp_zero_copies(src, units, hints)
     return list(units.values())
 
 
@@ -162,7 +170,7 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
     for d in src.dp_keys:
         by_bucket.setdefault((d.chain, d.dp_group_idx, d.gbuf, d.dtype, d.bucket), {})[d.state] = d.key
     buffers = sorted({k[:4] for k in by_bucket})
-    coords = _dp_group_coords(lay)
+    coords = {"dense": dp_group_places(lay), "expert": dp_group_places(lay, expert=True)}
     for chain, k, j, dtype_key in buffers:
         expert = split_expert and chain == chains[-1]
         prefix = f"chained_{chain}." if prefixed else ""
@@ -171,11 +179,11 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
         if ck_coords is None:
             raise BridgeError(f"{where}: dp_group_idx {k} does not exist for layout {lay.to_json()}; "
                               f"pass --tp/--gtp/--ep matching the run")
-        t, g, e = ck_coords
+        t, g, e, stage = ck_coords
         pdt, _gdt = parse_dtype_key(dtype_key)
         geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
                  and np_dtype_name(src.models[g_.name].dtype) == pdt]
-        insts = local_instances(geoms, lay, e)
+        insts = local_instances(geoms, lay, e, stage)
         gmap = {g_.name: g_ for g_ in geoms}
         sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
         numels = {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
@@ -191,9 +199,11 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
             for state, key in states.items():
                 role = STATE_ROLE[state]
                 info = ck.tensors[key]
-                if info.shape != (blay.numel_unpadded[b],):
+                # fully_sharded_bucket_space stores the padded bucket (garbage in the padding)
+                want = blay.per_bucket_numel()[b] if src.fmt == "fully_sharded_bucket_space" else blay.numel_unpadded[b]
+                if info.shape != (want,):
                     raise BridgeError(f"{key}: stored length {info.shape} differs from the rebuilt bucket "
-                                      f"({blay.numel_unpadded[b]}); pass --bucket-size / --pad-for-alignment")
+                                      f"({want}); pass --bucket-size / --pad-for-alignment")
                 for inst in insts:
                     p0, _p1, bid = blay.index[inst.label]
                     geom = gmap[inst.name]
@@ -206,22 +216,73 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
                         flat_copies(key, info.chunks, geom, tp, gtp, t, g, inst.index, p0 - b0))
 
 
+def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -> None:
+    """dp_zero_gather_scatter: each DistOpt group's buffers, gathered on its DP rank 0 into one object as
+    `{gbuf: {dtype: {param, exp_avg, exp_avg_sq: the buffer's buckets, unpadded, end to end}}}`.
+
+    The buffer layout is rebuilt as for dp_reshardable; a parameter at [p0, p1) of bucket b sits at
+    p0 - bucket start + (unpadded numels of the buckets before b) of the gathered tensors, which the
+    copies read through `object_tensor_key` (the chunk cache unpickles the object).
+    """
+    lay = src.layout
+    ck = src.ck
+    geoms_all = [m.geom for m in src.models.values()]
+    chains = sorted({z.chain for z in src.zero_keys})
+    split_expert = any(g.expert for g in geoms_all) and len(chains) > 1
+    coords = {"dense": dp_group_places(lay), "expert": dp_group_places(lay, expert=True)}
+    for z in src.zero_keys:
+        expert = split_expert and z.chain == chains[-1]
+        ck_coords = coords["expert" if expert else "dense"].get(z.dp_group_idx)
+        if ck_coords is None:
+            raise BridgeError(f"{z.key}: dp_group_idx {z.dp_group_idx} does not exist for layout {lay.to_json()}; "
+                              f"pass --tp/--gtp/--ep matching the run")
+        t, g, e, stage = ck_coords
+        state = ck.read_object(z.key)
+        state = state[0] if isinstance(state, list) and len(state) == 1 else state
+        if not isinstance(state, dict) or not state.get("buckets_coalesced"):
+            raise BridgeError(f"{z.key}: not a coalesced dp_zero_gather_scatter state (an older, per-bucket "
+                              f"layout?); unknown format")
+        for j in sorted(k for k in state if isinstance(k, int)):
+            for dtype_obj, tensors in state[j].items():
+                dtype_key = "(" + ", ".join(str(x) for x in dtype_obj) + ")" if isinstance(dtype_obj, tuple) \
+                    else str(dtype_obj)
+                where = f"{z.key} buffer {j} {dtype_key}"
+                pdt, _gdt = parse_dtype_key(dtype_key)
+                geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
+                         and np_dtype_name(src.models[g_.name].dtype) == pdt]
+                insts = local_instances(geoms, lay, e, stage)
+                gmap = {g_.name: g_ for g_ in geoms}
+                sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
+                numels = {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
+                dp_size = lay.edp if expert else lay.distopt_size
+                blay = rebuild_bucket_layout(insts, numels, dp_size, None, None, hints.bucket_size, where)
+                total = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None
+                if total != sum(blay.numel_unpadded):
+                    raise BridgeError(f"{where}: {total} elements gathered, the rebuilt buffer holds "
+                                      f"{sum(blay.numel_unpadded)} (buckets {list(blay.numel_unpadded)}); pass the "
+                                      f"run's --bucket-size (a run with overlap_grad_reduce has several buckets)")
+                before = [sum(blay.numel_unpadded[:b]) for b in range(len(blay.buckets))]
+                for st, role in STATE_ROLE.items():
+                    ten = tensors.get(st)
+                    if ten is None or tuple(getattr(ten, "shape", ())) != (total,):
+                        raise BridgeError(f"{where}: no {st} tensor of {total} elements; incomplete checkpoint")
+                    key = object_tensor_key(z.key, j, dtype_key, st)
+                    chunk = [ChunkInfo((0,), (total,), None)]
+                    for inst in insts:
+                        p0, _p1, bid = blay.index[inst.label]
+                        geom = gmap[inst.name]
+                        tp, gtp = sizes[inst.name]
+                        if not contributes(geom, tp, gtp, t, g):
+                            continue
+                        u = units[inst.name]
+                        u.dtypes[role] = np_dtype_name(ten.dtype)
+                        u.copies.setdefault(role, []).extend(
+                            flat_copies(key, chunk, geom, tp, gtp, t, g, inst.index, p0 - blay.buckets[bid][0] + before[bid]))
+
+
 def _maybe_object(ck: DcpCheckpoint, name: str):
     key = ck.object_key(name)
     return ck.read_object(key) if key is not None else None
-
-
-def _dp_group_coords(lay: ParallelLayout) -> dict[str, dict[int, tuple[int, int, int]]]:
-    """dp_group_idx -> (TP rank, GTP rank, EP rank) for the dense and the expert optimizer."""
-    dense: dict[int, tuple[int, int, int]] = {}
-    expert: dict[int, tuple[int, int, int]] = {}
-    for r in range(lay.world):
-        c = lay.coords(r)
-        if c.d == 0 and c.c == 0:
-            dense.setdefault(lay.dp_group_idx(r), (c.t, c.g, 0))
-        if c.ed == 0:
-            expert.setdefault(lay.expert_dp_group_idx(r), (c.et, c.eg, c.e))
-    return {"dense": dense, "expert": expert}
 
 
 def make_plan(units: Sequence[Unit], blocks: Sequence[Block], owners: Sequence[int], chunks: dict[str, tuple[int, ...]],
@@ -321,7 +382,7 @@ def is_defect_suspect(src: SourceCheckpoint) -> bool:
     """fully_reshardable saved with several DDP buckets (overlap_grad_reduce): 0.19.2's defect pattern."""
     if src.fmt != "fully_reshardable" or not src.args:
         return False
-    return bool(_plain(src.args.get("overlap_grad_reduce")))
+    return bool(plain_value(src.args.get("overlap_grad_reduce")))
 
 
 def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], plan: WritePlan, tmp: str,
@@ -442,10 +503,10 @@ def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | Non
              for m in src.models.values() if m.geom.fused is not None}
     params = []
     for m in src.models.values():
-        params.append({"name": m.name, "key": m.key, "shape": list(m.geom.shape), "prepend": list(m.geom.prepend),
-                       "tp_kind": m.geom.tp_kind, "gtp": m.geom.gtp, "expert": m.geom.expert,
-                       "dtype": np_dtype_name(m.dtype), "optimized": any(r != MODEL for r in
-                                                                         next(u for u in units if u.name == m.name).copies)})
+        copies = next(u for u in units if u.name == m.name).copies
+        params.append(MegatronParam(name=m.name, key=m.key, shape=list(m.geom.shape), prepend=list(m.geom.prepend),
+                                    tp_kind=m.geom.tp_kind, gtp=m.geom.gtp, expert=m.geom.expert,
+                                    dtype=np_dtype_name(m.dtype), optimized=any(r != MODEL for r in copies)))
     extra_keys = sorted(k for k in src.ck.objects if k.split("/", 1)[0].endswith("._extra_state"))
     payload = "none"
     if extra_keys:  # TE saves empty uint8 tensors, Megatron-local layers None: written back the same way
@@ -453,26 +514,26 @@ def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | Non
         first = first[0] if isinstance(first, list) and first else first
         if hasattr(first, "numel") and first.numel() == 0:
             payload = "empty_uint8_tensor"
-    keep_args = {k: _plain(v) for k, v in src.args.items() if isinstance(_plain(v), (int, float, str, bool, type(None)))}
+    keep_args = {k: plain_value(v) for k, v in src.args.items() if isinstance(plain_value(v), (int, float, str, bool, type(None)))}
     record = MegatronRecord(
         source_dir=str(src.ck.root), params=params,
-        param_groups=[[{k: _plain(v) for k, v in g.items() if k != "params"} for g in gs]  # foreign: torch group key
+        param_groups=[[{k: plain_value(v) for k, v in g.items() if k != "params"} for g in gs]  # foreign: torch group key
                       for gs in groups],
         extra_state_keys=extra_keys, extra_state_payload=payload, args=keep_args, inferred=list(src.inferred),
-        wd_mult_zero_params=wd_mult_zero, iteration=_plain(src.common.get("iteration")),
-        checkpoint_version=_plain(src.common.get("checkpoint_version")),
+        wd_mult_zero_params=wd_mult_zero, iteration=plain_value(src.common.get("iteration")),
+        checkpoint_version=plain_value(src.common.get("checkpoint_version")),
         scheduler=scheduler_record(src.common, src.args, step or 0))
     return Manifest(source=source, optimizer=opt, fused=fused, extra={MEGATRON_KEY: record.to_json()})
 
 
 def _first(d: dict, *names: str) -> Any:
     """The first of `names` present in `d` (Megatron renamed scheduler keys over versions)."""
-    return next((_plain(d[n]) for n in names if n in d), None)
+    return next((plain_value(d[n]) for n in names if n in d), None)
 
 
 def _clip_grad(args: dict) -> float | None:
     """Megatron's `clip_grad` from the saved args (None when the save carries no args)."""
-    v = _plain(args.get("clip_grad")) if args else None
+    v = plain_value(args.get("clip_grad")) if args else None
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
@@ -500,7 +561,7 @@ def scheduler_record(common: dict, args: dict, at_count: int) -> dict | None:
     sd = common.get("opt_param_scheduler", common.get("lr_scheduler"))
     if not isinstance(sd, dict):
         return None
-    a = lambda name, default=None: _plain(args.get(name, default))  # noqa: E731
+    a = lambda name, default=None: plain_value(args.get(name, default))  # noqa: E731
     gbs = a("global_batch_size")
     if a("train_iters"):
         wsd = a("lr_wsd_decay_iters") * gbs if a("lr_wsd_decay_iters") is not None and gbs else None
@@ -541,7 +602,7 @@ def budget_line(workers: int, budget: int, asked: int | None = None) -> str:
     >>> budget_line(1, 1 << 30, asked=8)
     'convert: 1 worker (of 8 asked: the checkpoint is too small for more), budget 1.0 GiB'
     """
-    from bridge.inspect.format import human_bytes
+    from bridge.units import human_bytes
 
     each = "" if workers == 1 else f" ({human_bytes(budget // workers)} each)"
     fewer = f" (of {asked} asked: the checkpoint is too small for more)" if asked is not None and asked > workers else ""

@@ -50,22 +50,27 @@ from bridge.format.manifest import Manifest, MegatronRecord
 from bridge.format import schema
 from bridge.format.schema import COUNT_PATH, MODEL, OPTIMIZER_ROLES, PARAMS, STEP_PATH, has_role, split_role
 from bridge.store.reader import Checkpoint, open_checkpoint
-from bridge.store.specs import numpy_dtype
+from bridge.dtypes import numpy_dtype, torch_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
-from bridge.torch_numpy import from_numpy
-from converters.megatron.format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
+from bridge.dtypes import from_numpy
+from converters.megatron.naming import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
-from converters.megatron.plan import is_scrambled_swiglu, local_instances, role_path
+from converters.megatron.plan import dp_group_places, is_scrambled_swiglu, local_instances, role_path, stage_layers
 from converters.megatron.rundir import plan_run_dir, write_tracker
-from converters.megatron.write_plan import (STATE_NAMES, DpJob, Group, ParamSpec, layout_limits, plan_groups,
+from converters.megatron.write_plan import (STATE_NAMES, DpJob, ChunkGroup, ParamSpec, layout_limits, plan_groups,
                                             shard_ranges)
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
+#: target megatron-core release -> the optimizer formats it loads that to-megatron writes. Up to 0.16
+#: the common state is read from `common.pt` beside the .distcp files (0.19 reads a DCP object);
+#: 0.14 loads only fully_sharded_model_space / dp_zero_gather_scatter / fully_sharded_bucket_space.
+RELEASES = {"0.14": (), "0.15": FORMATS, "0.16": FORMATS, "0.19": FORMATS}
+LEGACY_COMMON = ("0.14", "0.15", "0.16")
 ParamInfo = ParamSpec  # a parameter of the logical checkpoint as Megatron keys it
 
 
 @dataclass
-class Target:
+class MegatronTarget:
     """The layout and format to write."""
 
     tp: int
@@ -75,6 +80,8 @@ class Target:
     fmt: str = "fully_reshardable"
     pad_for_alignment: int | None = None
     bucket_size: int | None = None
+    release: str = "0.19"   # the megatron-core release that will load the output (major.minor)
+    pp: int = 1             # pipeline stages (even split of the layers, no virtual chunks)
 
 
 def default_budget() -> int:
@@ -105,12 +112,11 @@ def params_from_manifest(man: Manifest, arrays: dict, pad: int, gtp: int) -> lis
     out: list[ParamInfo] = []
     if recorded:
         for p in recorded:
-            name = strip_wrappers(p["name"])
+            name = strip_wrappers(p.name)
             spec = fused.get(path_str(megatron_key_to_path(name)))
-            geom = ParamGeometry(name, tuple(p["shape"]), p["tp_kind"], gtp=bool(p.get("gtp")) or is_gtp_weight(name),
-                                 pad_for_alignment=pad, prepend=tuple(p["prepend"]), fused=spec,
-                                 expert=bool(p["expert"]))
-            out.append(ParamInfo(name, geom, p["dtype"], bool(p.get("optimized", True))))
+            geom = ParamGeometry(name, tuple(p.shape), p.tp_kind, gtp=bool(p.gtp) or is_gtp_weight(name),
+                                 pad_for_alignment=pad, prepend=tuple(p.prepend), fused=spec, expert=bool(p.expert))
+            out.append(ParamInfo(name, geom, p.dtype, bool(p.optimized)))
         return out
     # Derived: every model/* (else params/*) array; fused sections regrouped by the manifest table.
     role = MODEL if has_role(arrays, MODEL) else PARAMS
@@ -145,7 +151,7 @@ def params_from_manifest(man: Manifest, arrays: dict, pad: int, gtp: int) -> lis
 
 
 # ---------------------------------------------------------------------------------------------
-# Target checks
+# MegatronTarget checks
 
 
 def check_target(params: Sequence[ParamInfo], lay: ParallelLayout) -> None:
@@ -310,7 +316,7 @@ class DcpIndex:
                 storage[MetadataIndex(w.fqn, torch.Size(w.offsets))] = _StorageInfo(w.rel, w.offset, w.length)
         for fqn, (dtype, shape) in self.tensors.items():
             cs = sorted(chunks[fqn], key=lambda w: w.offsets)
-            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=_torch_dtype(dtype)), torch.Size(shape),
+            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(dtype)), torch.Size(shape),
                                              [ChunkStorageMetadata(torch.Size(w.offsets), torch.Size(w.sizes))
                                               for w in cs])
         md = Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage,
@@ -318,10 +324,15 @@ class DcpIndex:
         return pickle.dumps(md), json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}).encode()
 
 
-def _torch_dtype(name: str):
+def _write_common_pt(root: str, common: dict) -> None:
+    """megatron-core <= 0.16's common state file: `torch.save` of the dict, beside the .distcp files."""
     import torch
 
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
+    path = os.path.join(root, "common.pt")
+    with open(path, "wb") as f:
+        torch.save(common, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +353,7 @@ class Stats:
         self.read_bytes += other.read_bytes
 
 
-def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None, workers: int | None = None,
+def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | None = None, workers: int | None = None,
                 weights_from_masters: bool = False, show_progress: bool | None = None) -> dict:
     """Write step N of logical checkpoint `src` for `target` as Megatron-LM's run directory layout.
 
@@ -358,6 +369,12 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
     workers = int(workers or default_workers())
     if target.fmt not in FORMATS:
         raise BridgeError(f"unknown --format {target.fmt!r}; use one of {list(FORMATS)}")
+    if target.release not in RELEASES:
+        raise BridgeError(f"unknown --megatron-core {target.release!r}; use one of {list(RELEASES)}")
+    if target.fmt not in RELEASES[target.release]:
+        raise BridgeError(f"megatron-core {target.release} does not load --format {target.fmt} (it loads "
+                          f"fully_sharded_model_space / dp_zero_gather_scatter, which to-megatron does not write "
+                          f"yet); target 0.15 or later")
     if workers < 1 or budget < 1:
         raise BridgeError(f"--workers {workers} / --budget {budget}: both must be positive")
     ck = open_checkpoint(src)
@@ -375,10 +392,14 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
         raise BridgeError(f"{src}: no model or params arrays; nothing to write")
     layout_limits(params, target.tp, target.gtp, target.dp, target.ep)
     try:
-        lay = ParallelLayout(tp=target.tp, gtp=target.gtp, dp=target.dp, ep=target.ep)
+        lay = ParallelLayout(tp=target.tp, gtp=target.gtp, dp=target.dp, ep=target.ep, pp=target.pp)
     except BridgeError as e:
         raise BridgeError(f"target layout: {e}") from None
     check_target(params, lay)
+    if lay.pp > 1:
+        for p in params:
+            if p.name.startswith("decoder.layers.") and p.geom.prepend:
+                stage_layers(p.geom.prepend[0], lay.pp, 0)  # an even split (raises naming the sizes)
     _check_arrays(src, params, arrays, derive)
     step = int(ck.read(STEP_PATH)) if STEP_PATH in arrays else int(man.optimizer.step or 0)
     count = int(ck.read(COUNT_PATH)) if COUNT_PATH in arrays else step
@@ -422,6 +443,9 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
                 for fqn, value in dp_objects:
                     index.written.append(files[0].obj(fqn, value))
                 for fqn, value in _objects(man, params, lay, target, step):
+                    if fqn.startswith("common_state/") and target.release in LEGACY_COMMON:
+                        _write_common_pt(claim.tmp, value)
+                        continue
                     index.written.append(files[0].obj(fqn, value))
                 nbytes = sum(f.bytes for f in files)
             finally:
@@ -518,7 +542,7 @@ def _read_boxes(ck: Checkpoint, reads: dict) -> dict:
     return out
 
 
-def _run_group(g: Group, ck: Checkpoint, f: DcpFile, stop: threading.Event) -> tuple[list[Written], Stats]:
+def _run_group(g: ChunkGroup, ck: Checkpoint, f: DcpFile, stop: threading.Event) -> tuple[list[Written], Stats]:
     """Read the group's boxes once, check weights against masters, assemble and write its chunks."""
     reads = g.reads()
     blocks = _read_boxes(ck, reads)
@@ -601,21 +625,6 @@ def _remove_if_empty(path: str) -> None:
         pass
 
 
-def _dp_coords(lay: ParallelLayout, expert: bool) -> dict[int, tuple[int, int, int]]:
-    """dp_group_idx -> (TP, GTP, EP) coordinates of its DP-rank-0 member (O(TP*GTP*EP), not O(world))."""
-    out: dict[int, tuple[int, int, int]] = {}
-    if expert:
-        for et in range(lay.etp):
-            for e in range(lay.ep):
-                for eg in range(lay.egtp):
-                    out.setdefault(lay.expert_dp_group_idx(lay.expert_rank(et=et, e=e, eg=eg, ed=0, p=0)), (et, eg, e))
-    else:
-        for t in range(lay.tp):
-            for g in range(lay.gtp):
-                out.setdefault(lay.dp_group_idx(lay.rank(t=t, g=g, c=0, d=0, p=0)), (t, g, 0))
-    return out
-
-
 def _domains(params: Sequence[ParamInfo], lay: ParallelLayout) -> list[tuple[bool, list[ParamInfo]]]:
     """(expert?, params) per chained optimizer: dense first, experts last when EP > 1."""
     opt = [p for p in params if p.optimized]
@@ -624,7 +633,7 @@ def _domains(params: Sequence[ParamInfo], lay: ParallelLayout) -> list[tuple[boo
     return [(False, opt)]
 
 
-def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: Target, man: Manifest, step: int,
+def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronTarget, man: Manifest, step: int,
              limit: int) -> tuple[list[DpJob], list[tuple[str, Any]]]:
     """dp_reshardable bucket jobs and per-dp_group_idx objects (buffer layout from bridge.layout)."""
     import torch
@@ -641,8 +650,8 @@ def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: Target, m
         geoms = [p.geom for p in plist]
         gmap = {gm.name: gm for gm in geoms}
         sizes = {n: lay.tp_gtp_sizes(gm.expert) for n, gm in gmap.items()}
-        for k, (t, g, e) in sorted(_dp_coords(lay, expert).items()):
-            insts = local_instances(geoms, lay, e)
+        for k, (t, g, e, stage) in sorted(dp_group_places(lay, expert).items()):
+            insts = local_instances(geoms, lay, e, stage)
             bparams = [BufferParam(i.label, gmap[i.name].physical_numel(*sizes[i.name])) for i in insts]
             blay = buffer_layout(bparams, target.bucket_size, dp_size)
             segs: dict[int, list[tuple[int, str, Box]]] = {b: [] for b in range(len(blay.buckets))}
@@ -740,7 +749,7 @@ def megatron_args(meg: MegatronRecord, params: Sequence[ParamInfo], lay: Paralle
     if recorded_iteration != step and isinstance(gbs, int) and not args.get("rampup_batch_size"):
         # Trained elsewhere since the source save: the data position follows the step.
         args["consumed_train_samples"] = step * gbs
-    args.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=1,
+    args.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
                 virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
                 context_parallel_size=1, gtp_weight_remat_size=lay.gtp,
                 tensor_parallel_num_weight_shards=lay.tp * lay.gtp, expert_model_parallel_size=lay.ep,
@@ -755,7 +764,7 @@ def megatron_args(meg: MegatronRecord, params: Sequence[ParamInfo], lay: Paralle
     return args
 
 
-def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, target: Target,
+def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronTarget,
              step: int) -> list[tuple[str, Any]]:
     """_extra_state objects (None, or TE's empty uint8 tensors, as the source saved them) and common_state."""
     import torch

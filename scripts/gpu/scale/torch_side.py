@@ -193,7 +193,7 @@ def main() -> None:
         return {"sd_build_seconds": t_sd, "save_seconds": t_save}
 
     def export(path: str):
-        r = export_megatron(model0, opt0, path)
+        r = export_megatron(path, model0, opt0)
         return {k: getattr(r, k) for k in ("bytes_written", "plan_s", "exchange_s", "write_s", "commit_s",
                                            "staging_peak_bytes", "arrays", "plan_cached", "timings",
                                            "inner_chunk_bytes", "staged_bytes")}
@@ -238,7 +238,7 @@ def main() -> None:
     res["fresh_build_seconds"] = time.perf_counter() - t
 
     def ours():
-        r = load_megatron(model1, opt1, live)
+        r = load_megatron(live, model1, opt1)
         return {"step": r.step}
 
     def megatrons():
