@@ -114,7 +114,7 @@ def main() -> None:
         shutil.rmtree(p, ignore_errors=True)
     nbytes = build_source(src, a.hidden, a.layers, a.vocab)
     t_load = time_dcp_load(src)
-    from bridge.inspect.format import parse_size
+    from bridge.units import parse_size
 
     budget = parse_size(a.budget) if a.budget else None
     t_conv1 = time_convert(src, dst, 1, budget)

@@ -200,12 +200,12 @@ def _exchange_busbw(params, run, reps: int, device, min_bytes: int = 64 << 20) -
     from bridge.dist import all_gather_flat, all_gather_json
     from bridge.live.exchange import all_to_all_bytes
     from bridge.live.export import _send_buffer, _summary
-    from bridge.live.holdings import tree_name
+    from bridge.live.holdings import RankSummary, tree_name
     from bridge.live.plan import build_plan
 
     rank, world = dist.get_rank(), dist.get_world_size()
     holdings, summary = _summary(params, run, rank)
-    plan = build_plan(all_gather_json({"error": None, **summary}), tree_name)
+    plan = build_plan([RankSummary.from_json(s) for s in all_gather_json(summary.to_json())], tree_name)
     size = max(sum(plan.send_splits(r)) for r in range(world))
     if size >= min_bytes:
         source = "plan"
@@ -271,7 +271,7 @@ def _verify(path: str, run, params) -> tuple[list[str], int]:
     from bridge.live.holdings import tree_name
     from bridge.store.reader import open_checkpoint
     from bridge.format.tree import name_to_path
-    from bridge.torch_numpy import to_numpy
+    from bridge.dtypes import to_numpy
 
     holdings, _ = _summary(params, run, dist.get_rank())
     ck = open_checkpoint(path)
@@ -294,18 +294,19 @@ def _store_only(run, params, args: dict, rank: int):
     in-flight budget as the export) and commits with `finalize`: what the export costs without the
     live part (holdings, plan, exchange, staging).
     """
-    from bridge.dist import all_gather_json
+    from bridge.dist import TorchCoordinator, all_gather_json
     from bridge.live.export import COUNT_PATH, STEP_PATH, _plan, _summary, writer_batch_bytes
-    from bridge.dist import TorchCoordinator
+    from bridge.live.holdings import RankSummary
     from bridge.store.commit import begin_checkpoint, finalize
     from bridge.format.manifest import Manifest
-    from bridge.store.specs import numpy_dtype
+    from bridge.dtypes import numpy_dtype
     from bridge.store.writer import CheckpointWriter
     from bridge.layout.boxes import Box
 
     world = dist.get_world_size()
     _, summary = _summary(params, run, rank)
-    planned = _plan(all_gather_json(summary), run, world, args["chunk"], None, args["inner"])
+    planned = _plan([RankSummary.from_json(s) for s in all_gather_json(summary.to_json())], run, world, args["chunk"],
+                    None, args["inner"])
     rng = np.random.default_rng(rank)
     dtypes = {a.name: numpy_dtype(a.dtype) for a in planned.plan.catalog}
     data = []

@@ -104,7 +104,7 @@ def _anchor_tomeg(conv: str, out: str) -> dict:
     reads = [s.read() for s in stores]  # all in flight at once: TensorStore parallelises
     arrays = [r.result() for r in reads]
     t_read = time.perf_counter() - t0
-    from bridge.torch_numpy import from_numpy
+    from bridge.dtypes import from_numpy
 
     sd = {".".join(p): from_numpy(a) for p, a in zip(paths, arrays)}
     t0 = time.perf_counter()

@@ -32,11 +32,11 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 
 def time_to_megatron(logical: str, run: str, tp: int, budget: int | None, workers: int | None) -> tuple[float, dict]:
-    from converters.megatron.write import Target, to_megatron
+    from converters.megatron.write import MegatronTarget, to_megatron
 
     shutil.rmtree(run, ignore_errors=True)
     t0 = time.perf_counter()
-    res = to_megatron(logical, run, Target(tp=tp), budget=budget, workers=workers, show_progress=False)
+    res = to_megatron(logical, run, MegatronTarget(tp=tp), budget=budget, workers=workers, show_progress=False)
     return time.perf_counter() - t0, res
 
 
@@ -44,9 +44,9 @@ def time_old(checkout: str, logical: str, run: str, tp: int, budget: int | None)
     """Wall time of another checkout's to-megatron (its own process; import time excluded)."""
     shutil.rmtree(run, ignore_errors=True)
     code = ("import sys, time, torch, tensorstore\n"   # imports outside the timed region, as in this process
-            "from converters.megatron.write import Target, to_megatron\n"
+            "from converters.megatron.write import MegatronTarget, to_megatron\n"
             "t0 = time.perf_counter()\n"
-            f"to_megatron({logical!r}, {run!r}, Target(tp={tp}), show_progress=False"
+            f"to_megatron({logical!r}, {run!r}, MegatronTarget(tp={tp}), show_progress=False"
             + (f", budget={budget})\n" if budget else ")\n") +
             "print(time.perf_counter() - t0)\n")
     env = dict(os.environ, PYTHONPATH=checkout)
@@ -57,7 +57,7 @@ def time_old(checkout: str, logical: str, run: str, tp: int, budget: int | None)
 def time_anchor(logical: str, out: str) -> tuple[float, float, int]:
     """Raw TensorStore read of every model/params/mu/nu array, then dcp.save of them as torch tensors."""
     from bridge.store.reader import open_checkpoint
-    from bridge.torch_numpy import from_numpy
+    from bridge.dtypes import from_numpy
 
     ck = open_checkpoint(logical)
     paths = [p for p, a in ck.arrays().items() if p[0] in ("model", "params", "opt_state") and len(a.shape) > 0]
@@ -88,7 +88,7 @@ def main() -> None:
     args = ap.parse_args()
     from bench_convert import build_source
 
-    from bridge.inspect.format import parse_size
+    from bridge.units import parse_size
     from converters.megatron.convert import ConvertOptions, convert
 
     root = args.dir or tempfile.mkdtemp(prefix="bench-to-megatron-")

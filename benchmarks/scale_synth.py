@@ -187,11 +187,9 @@ class _File:
         self.pos += len(data)
 
     def tensor(self, fqn: str, offsets: tuple[int, ...], a: np.ndarray) -> None:
-        import torch
+        from bridge.dtypes import from_numpy
 
-        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == ml_dtypes.bfloat16 \
-            else torch.from_numpy(np.ascontiguousarray(a))
-        self.blob(fqn, offsets, t)
+        self.blob(fqn, offsets, from_numpy(a))
 
     def close(self) -> None:
         self.f.flush()

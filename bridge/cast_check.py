@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bridge.dtypes import uint_view
 from bridge.layout.boxes import Box
 
 
@@ -16,9 +17,7 @@ def bits_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     >>> bits_equal(np.array([0.0, np.nan, 1.0], np.float32), np.array([-0.0, np.nan, 1.0], np.float32)).tolist()
     [False, True, True]
     """
-    ua = a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
-    ub = b.view(np.uint16 if b.dtype.itemsize == 2 else np.uint32)
-    eq = ua == ub
+    eq = uint_view(a) == uint_view(b)
     if not eq.all():
         eq |= np.isnan(a.astype(np.float32)) & np.isnan(b.astype(np.float32))
     return eq

@@ -23,18 +23,7 @@ from bridge import __version__
 from bridge.errors import BridgeError
 
 # Order is the order shown in --help.
-COMMANDS = ["convert", "to_megatron", "inspect", "verify", "diff", "demo"]
-
-# Shown in the top-level --help for a command whose parser epilog has no `gtp-bridge ...` example.
-FALLBACK_EXAMPLES = {
-    "convert": "gtp-bridge convert megatron_ckpt/iter_0000100 logical_ckpt/",
-    "to-megatron": "gtp-bridge to-megatron logical_ckpt/ megatron_out/ --tp 2 --gtp 2 --dp 2",
-    "inspect": "gtp-bridge inspect logical_ckpt/ --stats",
-    "verify": "gtp-bridge verify logical_ckpt/",
-    "diff": "gtp-bridge diff a/ b/ --ulp 2",
-    "demo": "gtp-bridge demo --workdir /tmp/gtp-demo",
-}
-
+COMMANDS = ["convert", "to_megatron", "maxtext", "inspect", "verify", "diff", "demo"]
 
 class _Parser(argparse.ArgumentParser):
     """ArgumentParser whose usage errors are one line (plus where to look), exit 2."""
@@ -54,13 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gtp-bridge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"bridge.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"bridge.commands.{name}":
-                continue  # command not built yet
-            raise
-        module.add_parser(sub)
+        importlib.import_module(f"bridge.commands.{name}").add_parser(sub)
     for p in sub.choices.values():
         if "--debug" in p._option_string_actions:
             continue
@@ -71,14 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def examples_text(choices: dict[str, argparse.ArgumentParser]) -> str:
-    """'examples:' block with the first example of each subcommand's epilog (or a fallback), aligned.
+    """'examples:' block with the first example of each subcommand's epilog, aligned.
 
     An epilog example line is `  gtp-bridge ...` optionally followed by two or more spaces and a comment.
     """
     pairs = []
-    for name, p in choices.items():
+    for p in choices.values():
         ex = next((ln.strip() for ln in (p.epilog or "").splitlines() if ln.strip().startswith("gtp-bridge ")), None)
-        ex = ex or FALLBACK_EXAMPLES.get(name)
         if ex:
             cmd, note = (re.split(r"\s{2,}", ex, maxsplit=1) + [""])[:2]
             pairs.append((cmd.strip(), note.strip()))

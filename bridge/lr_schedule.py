@@ -2,7 +2,8 @@
 
 Megatron's `OptimizerParamScheduler` counts *samples*: after each successful update it adds the
 global batch size to `num_steps`, and the next update uses `get_lr(num_steps)`. The converter records
-the scheduler state at the checkpoint (`extra.megatron.scheduler`, see `SchedulerRecord`) together
+the scheduler state at the checkpoint (`extra.megatron.scheduler`, see
+`bridge.format.scheduler.SchedulerRecord`) together
 with `at_count`, the optax/Adam count the restored state carries. An optax schedule is called with
 the count *before* the update it scales, so
 
@@ -18,87 +19,13 @@ anneal start) are decided exactly in integer count space; the ratios use the def
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
 from fractions import Fraction
 from typing import Any, Callable, Mapping
 
 from bridge.errors import BridgeError
+from bridge.format.scheduler import SchedulerRecord
 
-RECORD_VERSION = 1
-DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
-WD_STYLES = ("constant", "linear", "cosine")
 _I32 = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class SchedulerRecord:
-    """Megatron `OptimizerParamScheduler` state (all step quantities in samples) as the manifest keeps it.
-
-    `init_lr`, `wsd_decay_steps`, `lr_wsd_decay_style` are not in Megatron's scheduler state_dict;
-    the converter takes them from the run's args (`lr_warmup_init`, `lr_wsd_decay_iters` x
-    `global_batch_size` or `lr_wsd_decay_samples`, `lr_wsd_decay_style`).
-    """
-
-    max_lr: float
-    min_lr: float
-    lr_warmup_steps: float
-    lr_decay_steps: float
-    lr_decay_style: str
-    num_steps: int
-    increment: int
-    at_count: int
-    init_lr: float = 0.0
-    wsd_decay_steps: float | None = None
-    lr_wsd_decay_style: str | None = None
-    start_wd: float | None = None
-    end_wd: float | None = None
-    wd_incr_steps: float | None = None
-    wd_incr_style: str | None = None
-    rampup_samples: int | None = None
-    version: int = RECORD_VERSION
-
-    def to_json(self) -> dict:
-        """JSON-ready dict."""
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: Mapping) -> "SchedulerRecord":
-        """Parse and validate (Megatron's own constructor assertions); BridgeError when malformed."""
-        if not isinstance(d, Mapping):
-            raise BridgeError("manifest scheduler record is not a JSON object; re-convert the checkpoint")
-        if int(d.get("version", RECORD_VERSION)) > RECORD_VERSION:
-            raise BridgeError(f"manifest scheduler record version {d.get('version')} is newer than this gtp-bridge "
-                              f"supports ({RECORD_VERSION}); upgrade gtp-bridge")
-        names = {f.name for f in fields(cls)}
-        try:
-            rec = cls(**{k: v for k, v in d.items() if k in names})
-        except TypeError as e:
-            raise BridgeError(f"manifest scheduler record is incomplete ({e}); re-convert the checkpoint") from None
-        rec.validate()
-        return rec
-
-    def validate(self) -> None:
-        """Refuse what Megatron's scheduler would refuse, with one line naming the field."""
-        bad = None
-        if self.lr_decay_style not in DECAY_STYLES:
-            bad = f"lr_decay_style {self.lr_decay_style!r} is not one of {DECAY_STYLES}"
-        elif not (0.0 <= self.min_lr <= self.max_lr) or self.init_lr > self.max_lr:
-            bad = f"lrs must satisfy 0 <= min_lr <= max_lr and init_lr <= max_lr (got {self.min_lr}, {self.max_lr}, {self.init_lr})"
-        elif not (self.lr_decay_steps > 0 and self.lr_warmup_steps < self.lr_decay_steps):
-            bad = f"need 0 < lr_decay_steps and lr_warmup_steps < lr_decay_steps (got {self.lr_warmup_steps}, {self.lr_decay_steps})"
-        elif self.increment is None or int(self.increment) <= 0:
-            bad = f"increment (global batch size) must be a positive int, got {self.increment}"
-        elif self.rampup_samples is not None and self.num_steps < self.rampup_samples:
-            bad = (f"batch-size ramp-up was still running at the checkpoint ({self.num_steps} of "
-                   f"{self.rampup_samples} samples), so later increments are not the global batch size")
-        elif self.lr_decay_style == "WSD" and (self.wsd_decay_steps is None or self.wsd_decay_steps <= 0
-                                               or self.lr_wsd_decay_style not in WSD_STYLES):
-            bad = f"WSD needs wsd_decay_steps > 0 and lr_wsd_decay_style in {WSD_STYLES}"
-        elif self.wd_incr_style is not None and self.wd_incr_style not in WD_STYLES:
-            bad = f"wd_incr_style {self.wd_incr_style!r} is not one of {WD_STYLES}"
-        if bad:
-            raise BridgeError(f"manifest scheduler record: {bad}; fix the record or pass learning_rate= yourself")
 
 
 def _last_count_at_or_below(rec: SchedulerRecord, threshold: float) -> int:

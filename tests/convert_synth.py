@@ -143,8 +143,16 @@ def _to_torch(a: np.ndarray) -> torch.Tensor:
 # --- chunking -------------------------------------------------------------------------------
 
 
-def tp_chunks(name: str, full: np.ndarray, tp: int) -> list[tuple[int, tuple[int, ...], np.ndarray]]:
-    """(tp rank, offsets, data) chunks: per layer instance (stacked keys) and TP rank.
+def stage_of(name: str, layer: int | None, pp: int) -> int:
+    """Pipeline stage holding a param: layers split evenly, the embedding first, the rest last."""
+    if layer is not None:
+        return layer // (L // pp)
+    return 0 if name.startswith("embedding.") else pp - 1
+
+
+def tp_chunks(name: str, full: np.ndarray, tp: int, dp: int = 1, pp: int = 1) -> list[tuple[int, tuple[int, ...], np.ndarray]]:
+    """(writer rank, offsets, data) chunks: per layer instance (stacked keys) and TP rank; the writer
+    is rank t of the stage holding the instance (ranks: t + tp·d + tp·dp·p).
 
     SwiGLU fc1 is split per TP rank as Megatron does: rank t stores gate rows t·F/tp.. and up rows F + t·F/tp..
     """
@@ -155,16 +163,17 @@ def tp_chunks(name: str, full: np.ndarray, tp: int) -> list[tuple[int, tuple[int
     for layer in layers:
         inst = full[layer] if npre else full
         pre = (layer,) if npre else ()
+        base_rank = tp * dp * stage_of(name, layer, pp)
         for t in range(tp):
             if ax is None:
                 if t == 0:
-                    out.append((0, pre + (0,) * inst.ndim, inst[None] if npre else inst))
+                    out.append((base_rank, pre + (0,) * inst.ndim, inst[None] if npre else inst))
                 continue
             if name.endswith("linear_fc1.weight"):
                 n = F // tp
                 for base in (0, F):
                     sl = inst[base + t * n: base + (t + 1) * n]
-                    out.append((t, pre + (base + t * n,) + (0,) * (inst.ndim - 1), sl[None] if npre else sl))
+                    out.append((base_rank + t, pre + (base + t * n,) + (0,) * (inst.ndim - 1), sl[None] if npre else sl))
                 continue
             n = inst.shape[ax] // tp
             idx = [slice(None)] * inst.ndim
@@ -172,11 +181,12 @@ def tp_chunks(name: str, full: np.ndarray, tp: int) -> list[tuple[int, tuple[int
             offs = [0] * inst.ndim
             offs[ax] = t * n
             sl = inst[tuple(idx)]
-            out.append((t, pre + tuple(offs), sl[None] if npre else sl))
+            out.append((base_rank + t, pre + tuple(offs), sl[None] if npre else sl))
     return out
 
 
-def model_space_entries(st: dict[str, dict[str, np.ndarray]], tp: int, fully: bool) -> dict[str, list]:
+def model_space_entries(st: dict[str, dict[str, np.ndarray]], tp: int, fully: bool, dp: int = 1,
+                        pp: int = 1) -> dict[str, list]:
     """key -> [(writer rank, offsets, data)] for the model (and fully_reshardable optimizer) keys."""
     entries: dict[str, list] = {}
     roles = [("model", "")] + ([("params", "optimizer.state.param."), ("mu", "optimizer.state.exp_avg."),
@@ -185,22 +195,26 @@ def model_space_entries(st: dict[str, dict[str, np.ndarray]], tp: int, fully: bo
         fused = fuse(st[role])
         for name in ORDER:
             full = fused[name]
-            entries[prefix + name] = [(t, offs, data) for t, offs, data in tp_chunks(name, full, tp)]
+            entries[prefix + name] = tp_chunks(name, full, tp, dp, pp)
     return entries
 
 
-def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None) -> tuple[dict[str, list], dict[str, Any]]:
-    """dp_reshardable bucket tensors and per_bucket_numel objects, computed directly."""
+def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
+               pp: int = 1, bucket_space: bool = False) -> tuple[dict[str, list], dict[str, Any]]:
+    """dp_reshardable bucket tensors and per_bucket_numel objects, computed directly (one
+    DistOpt group per TP rank t and pipeline stage: dp_group_idx t + tp·stage)."""
     entries: dict[str, list] = {}
     objects: dict[str, Any] = {}
     div = math.lcm(dp, 128)
     fused = {r: fuse(st[r]) for r in ("params", "mu", "nu")}
-    for t in range(tp):
-        # the TP-local flat tensor of each runtime param instance, registration order
+    for t, stage in [(t, q) for q in range(pp) for t in range(tp)]:
+        # the TP-local flat tensor of each runtime param instance of the stage, registration order
         inst: list[tuple[str, dict[str, np.ndarray]]] = []
         stacked = [n for n in ORDER if n.startswith("decoder.layers.")]
         runtime = ([(ORDER[0], None)] + [(n, layer) for layer in range(L) for n in stacked]
                    + [(n, None) for n in ORDER[1 + len(stacked):]])
+        runtime = [(n, layer) for n, layer in runtime if stage_of(n, layer, pp) == stage]
+        k = t + tp * stage
         for name, layer in runtime:
             npre = 1 if layer is not None else 0
             if True:
@@ -242,19 +256,22 @@ def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None) -> tuple[di
             unpadded.append(unp)
             padded.append(pad_end - b0)
             s = (pad_end - b0) // dp
+            # fully_sharded_bucket_space (megatron-core <= 0.14) stores the padded bucket, with
+            # whatever the padding held (torch.empty); dp_reshardable the unpadded one
+            n = pad_end - b0 if bucket_space else unp
             for r, stname in (("params", "param"), ("mu", "exp_avg"), ("nu", "exp_avg_sq")):
-                world = np.zeros(unp, dtype=np.float32)
+                world = np.full(n, -7.5e30 if bucket_space else 0.0, dtype=np.float32)
                 for p, loc in items:
                     world[p - b0:p - b0 + loc[r].size] = loc[r]
-                key = (f"optimizer.distributed.dp_group_idx_{t}.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32)"
+                key = (f"optimizer.distributed.dp_group_idx_{k}.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32)"
                        f".bucket_idx_{b}.{stname}")
                 chunks = []
                 for d in range(dp):
-                    lo, hi = d * s, min((d + 1) * s, unp)
+                    lo, hi = d * s, min((d + 1) * s, n)
                     if hi > lo:
-                        chunks.append((t + tp * d, (lo,), world[lo:hi]))
+                        chunks.append((t + tp * d + tp * dp * stage, (lo,), world[lo:hi]))
                 entries[key] = chunks
-        pre = f"optimizer.distributed.dp_group_idx_{t}."
+        pre = f"optimizer.distributed.dp_group_idx_{k}."
         objects[pre + "per_bucket_numel"] = [{(torch.bfloat16, torch.float32): padded}]
         objects[pre + "per_bucket_numel_unpadded"] = [{(torch.bfloat16, torch.float32): unpadded}]
         objects[pre + "optimizer"] = {"param_groups": param_groups(step=3)}
@@ -268,15 +285,17 @@ def param_groups(step: int) -> list[dict]:
              "step": step, "params": list(range(10))}]
 
 
-def common_state(tp: int, dp: int, fmt: str, with_args: bool = True) -> dict:
+def common_state(tp: int, dp: int, fmt: str, with_args: bool = True, pp: int = 1) -> dict:
     cs: dict[str, Any] = {"iteration": 3, "checkpoint_version": 3.0}
     if with_args:
-        cs["args"] = argparse.Namespace(tensor_model_parallel_size=tp, data_parallel_size=dp, world_size=tp * dp,
-                                        pipeline_model_parallel_size=1, num_attention_heads=NQ, num_query_groups=NG,
+        cs["args"] = argparse.Namespace(tensor_model_parallel_size=tp, data_parallel_size=dp, world_size=tp * dp * pp,
+                                        pipeline_model_parallel_size=pp, num_attention_heads=NQ, num_query_groups=NG,
                                         group_query_attention=True, kv_channels=HD, hidden_size=H, ffn_hidden_size=F,
                                         swiglu=True, padded_vocab_size=V, num_layers=L, params_dtype=torch.bfloat16)
     if fmt == "fully_reshardable":
         cs["optimizer"] = {"optimizer": {"param_groups": param_groups(step=3)}, "param_state_sharding_type": fmt}
+    elif fmt == "fully_sharded_bucket_space":
+        cs["optimizer"] = {"param_state_sharding_type": fmt}
     return cs
 
 
@@ -337,16 +356,16 @@ def save(path: str, entries: dict, objects: dict, common: dict, world: int) -> N
 
 
 def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0, bucket_size: int | None = None,
-                    with_args: bool = True, dp_shapes: dict | None = None) -> dict[str, dict[str, np.ndarray]]:
+                    with_args: bool = True, dp_shapes: dict | None = None, pp: int = 1) -> dict[str, dict[str, np.ndarray]]:
     """Write a synthetic Megatron checkpoint and return its logical state (the reference)."""
     st = state(seed)
-    entries = model_space_entries(st, tp, fmt == "fully_reshardable")
+    entries = model_space_entries(st, tp, fmt == "fully_reshardable", dp, pp)
     objects: dict[str, Any] = {}
-    if fmt == "dp_reshardable":
-        e2, objects = dp_buffers(st, tp, dp, bucket_size)
+    if fmt in ("dp_reshardable", "fully_sharded_bucket_space"):
+        e2, objects = dp_buffers(st, tp, dp, bucket_size, pp, bucket_space=fmt == "fully_sharded_bucket_space")
         entries.update(e2)
     # dp bucket tensors' global length = unpadded numel
-    save(path, entries, objects, common_state(tp, dp, fmt, with_args), tp * dp)
+    save(path, entries, objects, common_state(tp, dp, fmt, with_args, pp), tp * dp * pp)
     with open(os.path.join(path, "metadata.json"), "w") as f:  # what dist_checkpointing.save adds
         f.write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
     return st

@@ -154,7 +154,7 @@ def logical_state(params: Mapping[Path, np.ndarray], step: int = 100, seed: int 
 def write_store_checkpoint(dst: str, arrays: Mapping[Path, np.ndarray], manifest=None, num_writers: int = 2) -> str:
     """Write `arrays` with the store's own writer (several writers, OCDBT merge, atomic commit)."""
     from bridge.store.commit import save_checkpoint
-    from bridge.format.tree import adamw_empty_paths
+    from bridge.format.schema import adamw_empty_paths
 
     empty = adamw_empty_paths() if any(p[0] == "opt_state" for p in arrays) else []
     return save_checkpoint(dst, dict(arrays), manifest, num_writers=num_writers, empty_paths=empty)

@@ -102,6 +102,24 @@ def test_manifest_records_source_and_hyperparameters(converted):
     assert args.clip_grad == 1.0 and m.optimizer.clip_grad == args.clip_grad
 
 
+def test_manifest_json_keeps_its_key_order(converted):
+    """_METADATA is written with JSON keys unsorted: the manifest keeps the order convert always wrote,
+    so checkpoints stay byte-identical across refactors (read raw, not through bridge.format)."""
+    import json
+
+    run = RUNS[0]
+    meta = json.load(open(os.path.join(converted[(run, "dp_reshardable")], "_METADATA")))
+    man = meta["custom_metadata"]["gtp_bridge"]
+    assert list(man) == ["format_version", "source", "optimizer", "fused", "arrays", "digest_algorithm", "extra"]
+    assert list(man["source"]) == ["framework", "tp", "gtp", "dp", "ep", "etp", "egtp", "pp", "cp", "pad_for_alignment",
+                                   "optimizer_format", "world_size"]
+    assert list(man["extra"]) == ["megatron"]
+    assert list(man["extra"]["megatron"])[:10] == [
+        "source_dir", "params", "param_groups", "extra_state_keys", "extra_state_payload", "args", "inferred",
+        "wd_mult_zero_params", "iteration", "checkpoint_version"]
+    assert man["extra"]["megatron"]["source_dir"].endswith(os.path.join(run, "dp_reshardable"))
+
+
 # --- synthetic multi-rank saves (real gloo ranks + dcp.save), built independently -----------------
 
 

@@ -12,8 +12,8 @@ import convert_reference as cref
 from bridge.cli import main
 from converters.megatron.dcp_reader import DcpCheckpoint
 from converters.megatron.convert import ConvertOptions, convert
-from converters.megatron.format import is_gtp_weight
-from converters.megatron.write import Target, to_megatron
+from converters.megatron.naming import is_gtp_weight
+from converters.megatron.write import MegatronTarget, to_megatron
 
 RUNS = cref.available_runs()
 pytestmark = pytest.mark.skipif(not {"tp2", "gtp2_local", "moe_ep2"} <= set(RUNS), reason="needs the real fixtures")
@@ -31,11 +31,11 @@ def logical(tmp_path_factory):
 
 
 @pytest.mark.parametrize("run,target", [
-    ("tp2", Target(tp=1, gtp=2, dp=1)),                              # TP -> legacy padded GTP grid (scrambled fc1)
-    ("gtp2_local", Target(tp=2, dp=2, fmt="dp_reshardable", bucket_size=1000)),  # GTP -> TP x DP buckets
-    ("gtp2_local", Target(tp=2, gtp=2)),
-    ("moe_ep2", Target(tp=1, dp=2, ep=1)),                           # chained -> experts in the dense buffer
-    ("moe_ep2", Target(tp=2, dp=2, ep=2, fmt="dp_reshardable")),     # chained dense + expert buckets
+    ("tp2", MegatronTarget(tp=1, gtp=2, dp=1)),                              # TP -> legacy padded GTP grid (scrambled fc1)
+    ("gtp2_local", MegatronTarget(tp=2, dp=2, fmt="dp_reshardable", bucket_size=1000)),  # GTP -> TP x DP buckets
+    ("gtp2_local", MegatronTarget(tp=2, gtp=2)),
+    ("moe_ep2", MegatronTarget(tp=1, dp=2, ep=1)),                           # chained -> experts in the dense buffer
+    ("moe_ep2", MegatronTarget(tp=2, dp=2, ep=2, fmt="dp_reshardable")),     # chained dense + expert buckets
 ])
 def test_round_trip_other_layout_is_identical(run, target, logical, tmp_path):
     to_megatron(logical[run], str(tmp_path / "mc"), target)
@@ -44,11 +44,11 @@ def test_round_trip_other_layout_is_identical(run, target, logical, tmp_path):
 
 
 @pytest.mark.parametrize("run,fmt,target", [
-    ("tp2", "fully_reshardable", Target(tp=2)),
-    ("moe_ep2", "fully_reshardable", Target(tp=1, dp=2, ep=2)),
-    ("tp2", "dp_reshardable", Target(tp=2, fmt="dp_reshardable")),
-    ("gtp2_te", "fully_reshardable", Target(tp=1, gtp=2)),           # 0.19.2 padded grid, TE extra state
-    ("gtp2_te", "dp_reshardable", Target(tp=1, gtp=2, fmt="dp_reshardable")),   # GTP-padded DistOpt buffers
+    ("tp2", "fully_reshardable", MegatronTarget(tp=2)),
+    ("moe_ep2", "fully_reshardable", MegatronTarget(tp=1, dp=2, ep=2)),
+    ("tp2", "dp_reshardable", MegatronTarget(tp=2, fmt="dp_reshardable")),
+    ("gtp2_te", "fully_reshardable", MegatronTarget(tp=1, gtp=2)),           # 0.19.2 padded grid, TE extra state
+    ("gtp2_te", "dp_reshardable", MegatronTarget(tp=1, gtp=2, fmt="dp_reshardable")),   # GTP-padded DistOpt buffers
 ])
 def test_same_layout_reproduces_megatrons_own_save(run, fmt, target, logical, tmp_path):
     """Written at the source's own layout, every tensor equals what Megatron-Core saved (read by dcp.load)."""

@@ -325,8 +325,12 @@ def _fuzz_inputs(tmp: Path) -> dict[str, list[bytes]]:
 
     from converters.megatron.dcp_reader import DcpCheckpoint
 
-    meta = [p.read_bytes() for p in sorted(FIXTURES.glob("*/*/.metadata"))]
+    # the first 18: plain DCP Metadata of the 0.19.2 runs (mutate_structure re-pickles them); the
+    # release_* saves (0.15-0.16 pickle megatron's MCoreMetadata) are byte-mutated seeds, last
+    runs = sorted(FIXTURES.glob("*/*/.metadata"))
+    meta = [p.read_bytes() for p in runs if not p.parts[-3].startswith("release_")]
     meta += [p.read_bytes() for p in sorted(SEEDS.glob("*.metadata"))]
+    meta += [p.read_bytes() for p in runs if p.parts[-3].startswith("release_")]
     objects, tensors = [(SEEDS / "forged_args_array.common_state").read_bytes()], []
     for run in ("tp2", "moe_ep2", "gtp2_te"):
         for fmt in ("fully_reshardable", "dp_reshardable"):

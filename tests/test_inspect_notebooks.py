@@ -12,7 +12,7 @@ import pytest
 
 from bridge.testing.demo_state import EXPLODED, adamw_steps, demo_params, logical_arrays
 from bridge.store.commit import save_checkpoint
-from bridge.format.tree import adamw_empty_paths
+from bridge.format.schema import adamw_empty_paths
 from inspect_fixtures import REPO, assert_stats_match, numpy_stats, run_notebook
 
 NOTEBOOKS = os.path.join(REPO, "notebooks")

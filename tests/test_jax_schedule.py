@@ -340,11 +340,11 @@ def test_converted_manifest_carries_the_schedule(converted_with_scheduler):
 def test_to_megatron_writes_megatrons_scheduler_state_back(converted_with_scheduler, tmp_path):
     """convert -> to-megatron gives back the scheduler state_dict Megatron saved (same count)."""
     from converters.megatron.dcp_reader import DcpCheckpoint
-    from converters.megatron.write import Target, to_megatron
+    from converters.megatron.write import MegatronTarget, to_megatron
 
     dst, kw, step = converted_with_scheduler
     out = str(tmp_path / "megatron")
-    to_megatron(dst, out, Target(tp=1))
+    to_megatron(dst, out, MegatronTarget(tp=1))
     got = DcpCheckpoint(out).common_state()["opt_param_scheduler"]
     # What the source checkpoint held (the fixture's Megatron state_dict), field by field.
     assert got == {"max_lr": kw["max_lr"], "lr_warmup_steps": kw["lr_warmup_steps"], "num_steps": step * GBS,

@@ -20,7 +20,7 @@ from bridge.store.commit import begin_checkpoint, commit_checkpoint
 from bridge.store.plan import ArraySpec, make_write_plan
 from bridge.store.reader import open_checkpoint
 from bridge.store.writer import CheckpointWriter
-from bridge.torch_numpy import from_numpy, to_numpy
+from bridge.dtypes import from_numpy, to_numpy
 
 A = ("params", "a")
 B = ("model", "b")

@@ -11,14 +11,14 @@ from bridge.layout import FusedSpec, ParallelLayout, ParamGeometry
 from bridge.layout.boxes import Box
 from bridge.live.api import LocalParam, OptimFragment, QuantizedWeight
 from bridge.live.fp8 import bind_optimizer_state, dequantize, quantize_into
-from bridge.live.holdings import rank_holdings, tree_name
+from bridge.live.holdings import RankSummary, rank_holdings, tree_name
 from bridge.live.plan import build_plan
 from bridge.live.staging import StagedWriter, WriteItem, split_rows
 
 
 def _summary(params, layout, rank, with_optim=True):
     hs, cat = rank_holdings(params, layout, rank, with_optim)
-    return {"catalog": cat, "holdings": [h.describe() for h in hs]}
+    return RankSummary(cat, tuple(h.describe() for h in hs))
 
 
 def _w(shape, fill=0.0):
@@ -60,7 +60,7 @@ def test_plan_names_missing_optimizer_state_and_disagreeing_replicas():
     sums = [_summary([LocalParam("w", geom, _w((4, 4)), frag)], lay, r) for r in range(2)]
     with pytest.raises(BridgeError, match=r"params\.w: no rank holds optimizer state for element \(2, 0\)"):
         build_plan(sums, tree_name)
-    sums[1] = {"catalog": {tree_name("model", "w"): [[4, 4], "float32"]}, "holdings": []}
+    sums[1] = RankSummary({tree_name("model", "w"): ((4, 4), "float32")}, ())
     with pytest.raises(BridgeError, match="model.w: rank 0 holds it as bfloat16"):
         build_plan(sums, tree_name)
 

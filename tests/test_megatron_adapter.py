@@ -28,8 +28,8 @@ from converters.megatron.live import (
     entries_from_description,
     map_params,
     param_geometry,
-    strip_wrappers,
 )
+from converters.megatron.naming import strip_wrappers
 from converters.megatron.dcp_reader import DcpCheckpoint
 
 FIX = Path(__file__).parent / "fixtures" / "megatron"
@@ -361,3 +361,22 @@ def test_adapter_doctests():
 
     res = doctest.testmod(mod)
     assert res.attempted >= 5 and res.failed == 0
+
+
+@pytest.mark.parametrize("fn", ["export_megatron", "load_megatron"])
+def test_old_argument_order_is_refused(fn, tmp_path):
+    """`fn(model, optimizer, path)` (the old order) is one clear error before anything is read or written."""
+    import converters.megatron.live as mod
+
+    with pytest.raises(BridgeError, match=fr"{fn}: the checkpoint path comes first.*the old order"):
+        getattr(mod, fn)(object(), object(), str(tmp_path / "ck"))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("module", ["converters.megatron.naming", "converters.megatron.format"])
+def test_megatron_naming_doctests(module):
+    import doctest
+    import importlib
+
+    res = doctest.testmod(importlib.import_module(module))
+    assert res.attempted > 0 and res.failed == 0

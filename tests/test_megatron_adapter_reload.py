@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bridge.live.api import LiveRun, LocalParam, OptimFragment
-from converters.megatron.live import strip_wrappers
+from converters.megatron.naming import strip_wrappers
 from bridge.live.reload import reload_state
 from test_megatron_adapter import Run
 

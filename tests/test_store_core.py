@@ -13,7 +13,7 @@ from bridge.layout.chunks import ArrayOwnership, ownership_from_claims, regular_
 from bridge.store import (ArraySpec, CheckpointWriter, begin_checkpoint, commit_checkpoint, make_write_plan,
                           megatron_key_to_path, open_checkpoint, save_checkpoint, tmp_dir_for)
 from bridge.store import digest as dg
-from bridge.format.manifest import seal_metadata
+from bridge.format.seal import seal_metadata
 from bridge.format.tree import path_to_name
 
 

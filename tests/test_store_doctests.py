@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 MODULES = ["bridge.layout.chunks", "bridge.format.tree", "bridge.store.specs", "bridge.store.plan", "bridge.store.claim",
-           "bridge.format.manifest",
+           "bridge.format.manifest", "bridge.format.seal", "bridge.format.schema",
            "bridge.store.digest", "bridge.store.verify", "bridge.store.commit",
            "bridge.store.staging", "bridge.store.writer", "bridge.dist"]
 

@@ -18,7 +18,7 @@ from bridge.layout.chunks import ArrayOwnership
 from bridge.store import ArraySpec, CheckpointWriter, begin_checkpoint, commit_checkpoint, make_write_plan
 from bridge.store import open_checkpoint
 from bridge.store.digest import digest_array, to_hex
-from bridge.store.specs import numpy_dtype
+from bridge.dtypes import numpy_dtype
 from bridge.store.staging import SlabPool, grid_cells, num_grid_cells
 from bridge.store.verify import verify_checkpoint
 

@@ -20,7 +20,7 @@ from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
 from bridge.store import ArraySpec, CheckpointWriter, begin_checkpoint, commit_checkpoint, make_write_plan
-from bridge.store.specs import numpy_dtype
+from bridge.dtypes import numpy_dtype
 from bridge.store.staging import SlabPool
 from bridge.store.verify import verify_checkpoint
 

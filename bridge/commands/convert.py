@@ -9,19 +9,33 @@ EPILOG = """examples:
   gtp-bridge convert runs/gpt/iter_0001000 ckpt/logical
   gtp-bridge convert runs/gpt ckpt/logical --workers 4 --budget 2G     # latest iteration
   gtp-bridge convert lib_ckpt out --kv-channels 128                      # no args saved: head dim
+  gtp-bridge convert lib_gtp out --num-attention-heads 32 --num-query-groups 8 --vocab-size 50304
+  gtp-bridge convert lib_ckpt out --model-config model.yaml              # facts from a file (Megatron names)
   gtp-bridge convert runs/gpt jax_ckpts --orbax-step-dir                # as step <iter> of an Orbax CheckpointManager
 """
 
 
 def add_hint_flags(p: argparse.ArgumentParser) -> None:
     """Flags that supply what a source checkpoint does not show."""
-    g = p.add_argument_group("facts the checkpoint may lack (only needed when it cannot be inferred)")
+    g = p.add_argument_group(
+        "facts the checkpoint may lack (read from its args, a Megatron-Bridge run_config.yaml or NeMo context/ "
+        "when saved; inferred from shapes and chunk offsets when possible; an error names the flag still needed)")
+    g.add_argument("--model-config", metavar="FILE",
+                   help="YAML or JSON file of model facts under Megatron argument names (flat, or under model:)")
     g.add_argument("--tp", type=int, help="tensor-parallel size of the run that saved SRC")
     g.add_argument("--gtp", type=int, help="GTP (weight-remat) size of the run")
     g.add_argument("--dp", type=int, help="data-parallel (replicate) size of the run")
     g.add_argument("--ep", type=int, help="expert-parallel size of the run")
+    g.add_argument("--pp", type=int, help="pipeline-parallel size of the run (even stages, no virtual chunks)")
     g.add_argument("--pad-for-alignment", type=int, help="GTP pad_for_alignment (default: inferred, else 16)")
-    g.add_argument("--bucket-size", type=int, help="DDP bucket size in elements (dp_reshardable)")
+    g.add_argument("--bucket-size", type=int, help="DDP bucket size in elements (dp_reshardable, dp_zero_gather_scatter)")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--ffn-hidden-size", type=int)
+    g.add_argument("--moe-ffn-hidden-size", type=int)
+    g.add_argument("--num-experts", type=int)
+    g.add_argument("--vocab-size", type=int,
+                   help="rows of the word embedding: the vocab the model was built with (Megatron-LM's padded vocab)")
     g.add_argument("--num-attention-heads", type=int)
     g.add_argument("--num-query-groups", type=int)
     g.add_argument("--kv-channels", type=int, help="attention head dim")
@@ -33,9 +47,13 @@ def add_hint_flags(p: argparse.ArgumentParser) -> None:
 def hints_from(args: argparse.Namespace):
     from converters.megatron.format import Hints
 
-    return Hints(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, pad_for_alignment=args.pad_for_alignment,
+    return Hints(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, pp=args.pp, pad_for_alignment=args.pad_for_alignment,
                  num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-                 kv_channels=args.kv_channels, swiglu=args.swiglu, bucket_size=args.bucket_size)
+                 kv_channels=args.kv_channels, swiglu=args.swiglu, bucket_size=args.bucket_size,
+                 model_only=getattr(args, "model_only", False), hidden_size=args.hidden_size,
+                 ffn_hidden_size=args.ffn_hidden_size, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                 vocab_size=args.vocab_size, num_layers=args.num_layers, num_experts=args.num_experts,
+                 model_config=args.model_config)
 
 
 def add_parser(sub) -> None:
@@ -58,18 +76,21 @@ def add_parser(sub) -> None:
     p.add_argument("--orbax-step-dir", "--orbax-manager", dest="orbax_manager", action="store_true",
                    help="DST is an Orbax CheckpointManager root (created if missing): write the checkpoint as its "
                         "step <iteration> (DST/<step>/default/), where CheckpointManager.latest_step() finds it")
+    p.add_argument("--model-only", action="store_true",
+                   help="convert the weights alone, leaving the checkpoint's optimizer state out (without it, a "
+                        "checkpoint whose optimizer state cannot be read is refused)")
     add_hint_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from bridge.inspect.format import parse_size
-    from bridge.location import local_path
+    from bridge.units import parse_size
+    from bridge.location import location
     from converters.megatron.convert import ConvertOptions, convert
     from converters.megatron.rundir import locate_megatron_dir
 
-    # before anything looks at them: a URL is refused in one line, never taken for a local path
-    args.src, args.dst = local_path(args.src, "source"), local_path(args.dst, "destination")
+    # before anything looks at them: an unknown scheme is refused in one line, never taken for a local path
+    args.src, args.dst = location(args.src, "source"), location(args.dst, "destination")
     found = locate_megatron_dir(args.src)  # a run directory: the iteration its tracker names
     if found.note:
         print(found.note)

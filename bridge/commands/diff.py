@@ -16,7 +16,8 @@ from typing import Any
 
 from bridge.commands.inspect import select
 from bridge.errors import BridgeError
-from bridge.inspect.format import fmt_num, fmt_shape, parse_size, table
+from bridge.inspect.format import fmt_num, fmt_shape, table
+from bridge.units import parse_size
 from bridge.inspect.open import open_for_inspection
 from bridge.inspect.stream import DEFAULT_BUDGET, stream_diff
 from bridge.progress import progress

@@ -8,7 +8,9 @@ import json
 import sys
 from typing import Any
 
-from bridge.inspect.format import fmt_num, fmt_shape, human_bytes, parse_size, summarize_value, table
+from bridge.format.schema import split_role
+from bridge.inspect.format import fmt_num, fmt_shape, summarize_value, table
+from bridge.units import human_bytes, parse_size
 from bridge.inspect.open import CheckpointInfo, open_for_inspection
 from bridge.inspect.stream import DEFAULT_BUDGET, stream_stats
 from bridge.progress import progress
@@ -84,14 +86,10 @@ def _record(a: Any, info: CheckpointInfo) -> dict[str, Any]:
     prov = info.record(a.name)
     if prov is not None:
         rec["manifest"] = prov
-    fused = _fused_section(a.path, (info.manifest or {}).get("fused") or {})
+    fused = _fused_section(a.path, info.checkpoint.manifest.fused if info.checkpoint.manifest is not None else {})
     if fused is not None:
         rec["fused"] = fused
     return rec
-
-
-# Tree prefixes in front of a parameter path (docs/format.md, logical tree).
-_PREFIXES = (("params",), ("model",), ("opt_state", "0", "mu"), ("opt_state", "0", "nu"))
 
 
 def _fused_section(path: tuple[str, ...], fused: dict) -> dict | None:
@@ -100,12 +98,12 @@ def _fused_section(path: tuple[str, ...], fused: dict) -> dict | None:
     >>> _fused_section(("params", "l", "qkv", "weight", "key"), {"l/qkv/weight": {"kind": "grouped"}})
     {'param': 'l/qkv/weight', 'section': 'key', 'kind': 'grouped'}
     """
-    for prefix in _PREFIXES:
-        if path[:len(prefix)] == prefix and len(path) > len(prefix) + 1:
-            param = "/".join(path[len(prefix):-1])
-            spec = fused.get(param)
-            if isinstance(spec, dict):
-                return {"param": param, "section": path[-1], "kind": spec.get("kind")}
+    found = split_role(path)  # (role, parameter path) of a per-parameter array
+    if found is not None and len(found[1]) > 1:
+        param = "/".join(found[1][:-1])
+        spec = fused.get(param)
+        if isinstance(spec, dict):
+            return {"param": param, "section": path[-1], "kind": spec.get("kind")}
     return None
 
 

@@ -27,8 +27,13 @@ def add_parser(sub) -> None:
     p.add_argument("--gtp", type=int, default=1, help="target GTP (weight-remat) size (default 1)")
     p.add_argument("--dp", type=int, default=1, help="target data-parallel (replicate) size (default 1)")
     p.add_argument("--ep", type=int, default=1, help="target expert-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="target pipeline-parallel size (default 1; an even split of the layers, no virtual chunks)")
     p.add_argument("--format", dest="fmt", default="fully_reshardable",
                    choices=["fully_reshardable", "dp_reshardable"], help="optimizer format (default fully_reshardable)")
+    p.add_argument("--megatron-core", dest="release", default="0.19", choices=["0.14", "0.15", "0.16", "0.19"],
+                   help="release that will load DST (default 0.19): 0.15 / 0.16 read the common state from common.pt; "
+                        "0.14 loads no format to-megatron writes (refused)")
     p.add_argument("--pad-for-alignment", type=int, help="GTP pad_for_alignment of the target run (default: source's, else 16)")
     p.add_argument("--bucket-size", type=int, help="DDP bucket size in elements (dp_reshardable; default one bucket)")
     p.add_argument("--budget", help="host memory for data in flight, e.g. 512M, 2G (default: a quarter of the "
@@ -41,19 +46,20 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bridge.inspect.format import human_bytes, parse_size
-    from converters.megatron.write import Target, to_megatron
+    from bridge.units import human_bytes, parse_size
+    from converters.megatron.write import MegatronTarget, to_megatron
 
-    res = to_megatron(args.src, args.dst, Target(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, fmt=args.fmt,
+    res = to_megatron(args.src, args.dst, MegatronTarget(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, fmt=args.fmt,
                                                   pad_for_alignment=args.pad_for_alignment,
-                                                  bucket_size=args.bucket_size),
+                                                  bucket_size=args.bucket_size, release=args.release, pp=args.pp),
                       budget=parse_size(args.budget) if args.budget else None, workers=args.workers,
                       weights_from_masters=args.weights_from_masters)
     lay = res["layout"]
     prev = res["tracker_previous"]
-    print(f"wrote {res['dst']} ({res['format']}, TP={lay['tp']} GTP={lay['gtp']} DP={lay['dp']} EP={lay['ep']}, "
-          f"world {lay['world']}, step {res['step']}): {res['params']} params, {res['bytes'] / 2**20:.1f} MiB; "
-          f"{res['tracker']} = {res['step']}" + (f" (was {prev})" if prev is not None else "")
+    print(f"wrote {res['dst']} ({res['format']}, TP={lay['tp']} GTP={lay['gtp']} DP={lay['dp']} EP={lay['ep']} "
+          f"PP={lay['pp']}, "
+          f"world {lay['world']}, step {res['step']}): {res['params']} params, {res['bytes'] / 2**20:.1f} MiB; "  # foreign: report keys
+          f"{res['tracker']} = {res['step']}" + (f" (was {prev})" if prev is not None else "")  # foreign: report keys
           + f"; load with --load {res['run_dir']}")
     how = "derived from the fp32 masters (bf16, round-to-nearest-even)" if res["weights_derived"] else \
         "stored weights, each checked equal to bf16(its fp32 master)"

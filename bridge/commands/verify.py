@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
                                    "compare it with the recorded shapes, dtypes and digests; check the metadata "
                                    "checksum. Exit 0 intact, 1 damaged (data or metadata), 2 bad usage (DIR is "
                                    "not a checkpoint directory).",
-                       epilog="example: gtp-bridge verify /ckpt/step_100",
+                       epilog="example:\n  gtp-bridge verify logical_ckpt/",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", help="checkpoint directory")
     p.add_argument("--threads", type=int, default=None, help="parallel reads (default: 2 per CPU, 4..32)")

@@ -1,22 +1,34 @@
 """The versioned manifest stored in `_METADATA["custom_metadata"]["gtp_bridge"]` (JSON only).
 
 One source of truth for provenance and semantics: source layout, optimizer hyper-parameters,
-fused section tables, per-array records (shape, dtype, digest) and free-form extras.
+fused section tables, per-array records (shape, dtype, digest) and extras. Writers build it from
+these dataclasses only (`Manifest`, `SourceLayout.of`, `OptimizerConfig`, `MegatronRecord`) and put
+it into custom_metadata with `custom_metadata`; readers get it back with `manifest_from_custom` /
+`as_manifest` and read the typed fields (`Manifest.megatron` for what convert recorded), so no
+module spells a manifest key. Field order is JSON key order on disk: append new fields last.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from bridge.errors import BridgeError, IntegrityError
 
 FORMAT_VERSION = 1
-MANIFEST_KEY = "gtp_bridge"
-CHECKSUM_KEY = "gtp_bridge_checksum"
-CHECKSUM_PREFIX = "sha256-all:"   # the checksum covers every field of _METADATA (older: tree + manifest only)
+MANIFEST_KEY = "gtp_bridge"               # custom_metadata[MANIFEST_KEY] holds the manifest
+
+# Keys of `OptimizerConfig.groups` entries and of `Manifest.extra` that gtp-bridge itself writes.
+GROUP_PARAMS = "params"                   # a group's parameters ("/"-joined param paths)
+MEGATRON_KEY = "megatron"                 # MegatronRecord: what convert recorded about the source run
+PREVIOUS_SOURCE_KEY = "previous_source"   # a JAX save-back: the SourceLayout of the checkpoint it restored
+OPTIMIZER_EXTRA_KEY = "optimizer_extra"   # live export: LiveRun.optimizer.extra, as given
+PADS_KEY = "pad_for_alignment_values"     # live export: every pad_for_alignment when params differ
+MAXTEXT_KEY = "maxtext"                   # the maxtext preset: the options it wrote a MaxText checkpoint with
+
+DEFAULT_BETAS = (0.9, 0.999)              # Megatron's --adam-beta1/2 and --adam-eps defaults
+DEFAULT_EPS = 1e-8
 
 
 @dataclass
@@ -36,6 +48,13 @@ class SourceLayout:
     optimizer_format: str = ""          # e.g. "fully_reshardable", "dp_reshardable", "legacy_gtp", "live"
     world_size: int = 1
 
+    @classmethod
+    def of(cls, layout: Any, framework: str, optimizer_format: str, pad_for_alignment: int = 0) -> "SourceLayout":
+        """The record of a `bridge.layout.ParallelLayout` (any object with its size attributes)."""
+        return cls(framework=framework, tp=layout.tp, gtp=layout.gtp, dp=layout.dp, ep=layout.ep, etp=layout.etp,
+                   egtp=layout.egtp, pp=layout.pp, cp=layout.cp, pad_for_alignment=pad_for_alignment,
+                   optimizer_format=optimizer_format, world_size=layout.world)
+
 
 @dataclass
 class OptimizerConfig:
@@ -51,6 +70,81 @@ class OptimizerConfig:
     no_decay: list[str] = field(default_factory=list)    # param paths ("/"-joined) without weight decay
     clip_grad: float | None = None                       # global-norm gradient clipping (Megatron clip_grad; 0/None = off)
 
+    def with_defaults(self, weight_decay: float) -> "OptimizerConfig":
+        """A copy with Megatron's defaults where the record has none (betas (0.9, 0.999), eps 1e-8)
+        and `weight_decay` where it records none: what every reader resumes with.
+
+        >>> o = OptimizerConfig(betas=[0.9, 0.95]).with_defaults(weight_decay=0.0)
+        >>> o.betas, o.eps, o.weight_decay
+        ((0.9, 0.95), 1e-08, 0.0)
+        """
+        return replace(self, betas=tuple(self.betas) if self.betas is not None else DEFAULT_BETAS,
+                       eps=self.eps if self.eps is not None else DEFAULT_EPS,
+                       weight_decay=self.weight_decay if self.weight_decay is not None else weight_decay)
+
+
+@dataclass
+class MegatronParam:
+    """One Megatron parameter as convert found it, in registration order (to-megatron rebuilds the
+    run's parameter list, and so its DistributedOptimizer buffer layout, from these)."""
+
+    name: str                       # Megatron name without wrappers
+    key: str                        # its torch_dist key
+    shape: list[int]                # logical shape (without prepended layer / expert axes)
+    prepend: list[int]              # stacked layer / expert axes
+    tp_kind: str                    # "column", "row", "replicated", ...
+    gtp: Any = field(default=False, kw_only=True)   # optional, yet in this place of the JSON
+    expert: Any
+    dtype: str                      # the weight's dtype
+    optimized: bool = True          # has fp32 master and moments
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "MegatronParam":
+        return cls(**_known(cls, d))
+
+
+@dataclass
+class MegatronRecord:
+    """What `convert` records about its Megatron source (`extra["megatron"]`): what `to-megatron`
+    needs to write the run back (parameters, param groups, args, _extra_state keys) and the
+    scheduler state the JAX side continues the learning-rate schedule from."""
+
+    source_dir: str = ""
+    params: list[MegatronParam] = field(default_factory=list)
+    param_groups: list[list[dict]] = field(default_factory=list)  # per chained optimizer, without their params
+    extra_state_keys: list[str] = field(default_factory=list)
+    extra_state_payload: str = "none"                           # "none" or "empty_uint8_tensor" (TE)
+    args: dict[str, Any] = field(default_factory=dict)          # the run's plain-valued args
+    inferred: list[str] = field(default_factory=list)           # what the converter had to infer
+    wd_mult_zero_params: list[str] = field(default_factory=list)
+    iteration: Any = None
+    checkpoint_version: Any = None
+    scheduler: dict | None = None                               # SchedulerRecord JSON; absent when the run had none
+
+    def to_json(self) -> dict:
+        """JSON-ready dict; no `scheduler` key when there is none (the converter never wrote one then).
+
+        >>> list(MegatronRecord(source_dir="ck").to_json())[:3], "scheduler" in MegatronRecord().to_json()
+        (['source_dir', 'params', 'param_groups'], False)
+        >>> Manifest(extra={MEGATRON_KEY: {"source_dir": "ck", "unknown": 1}}).megatron.source_dir
+        'ck'
+        """
+        d = asdict(self)
+        if d["scheduler"] is None:
+            del d["scheduler"]
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "MegatronRecord":
+        """Parse what convert wrote; IntegrityError when a parameter record is malformed."""
+        known = _known(cls, d)
+        try:
+            known["params"] = [MegatronParam.from_json(p) for p in known.get("params") or []]
+        except (TypeError, AttributeError) as e:
+            raise IntegrityError(f"gtp_bridge manifest's megatron parameter list is malformed ({e}); "
+                                 f"the checkpoint metadata is damaged") from None
+        return cls(**known)
+
 
 @dataclass
 class ArrayRecord:
@@ -59,6 +153,14 @@ class ArrayRecord:
     shape: tuple[int, ...]
     dtype: str
     digest: str | None = None
+
+    def to_json(self) -> dict:
+        """As the manifest stores it.
+
+        >>> ArrayRecord((2, 3), "float32").to_json()
+        {'shape': [2, 3], 'dtype': 'float32', 'digest': None}
+        """
+        return {"shape": [int(s) for s in self.shape], "dtype": self.dtype, "digest": self.digest}
 
 
 @dataclass
@@ -104,84 +206,38 @@ class Manifest:
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True)
 
+    def with_arrays(self, arrays: Mapping[str, ArrayRecord], digest_algorithm: str) -> "Manifest":
+        """A copy recording what the writer wrote: one ArrayRecord per Orbax name (digests in
+        `digest_algorithm`, "" when some writer could not digest)."""
+        return replace(self, arrays=dict(arrays), digest_algorithm=digest_algorithm)
+
+    @property
+    def megatron(self) -> MegatronRecord | None:
+        """What convert recorded about a Megatron source, or None (written by another writer)."""
+        rec = self.extra.get(MEGATRON_KEY) if isinstance(self.extra, Mapping) else None
+        return MegatronRecord.from_json(rec) if isinstance(rec, Mapping) else None
+
+
+def as_manifest(manifest: "Manifest | Mapping | None") -> "Manifest | None":
+    """Accept a Manifest, its JSON dict, or None."""
+    if manifest is None or isinstance(manifest, Manifest):
+        return manifest
+    return Manifest.from_json(manifest)
+
+
+def custom_metadata(manifest: Manifest) -> dict:
+    """`_METADATA`'s custom_metadata carrying `manifest` (before sealing)."""
+    return {MANIFEST_KEY: manifest.to_json()}
+
+
+def manifest_from_custom(custom: Any) -> Manifest | None:
+    """The manifest in a custom_metadata object; None when there is none (a plain Orbax checkpoint).
+    IntegrityError when it is there but malformed."""
+    raw = custom.get(MANIFEST_KEY) if isinstance(custom, Mapping) else None
+    return None if raw is None else Manifest.from_json(raw)
+
 
 def _known(cls, d: Mapping) -> dict:
     """Keep fields this version knows (older writers may lack some, newer minor ones may add some)."""
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in dict(d).items() if k in names}
-
-
-# -- the metadata checksum ------------------------------------------------------------------------
-def metadata_checksum(metadata: Mapping) -> str:
-    """Checksum of a whole `_METADATA` object (every field, except the checksum itself).
-
-    >>> m = {"tree_metadata": {}, "use_ocdbt": True, "custom_metadata": {"gtp_bridge": {}}}
-    >>> c = metadata_checksum(m)
-    >>> c.startswith(CHECKSUM_PREFIX), metadata_checksum({**m, "use_ocdbt": False}) == c
-    (True, False)
-    """
-    body = dict(metadata)
-    custom = body.get("custom_metadata")
-    if isinstance(custom, Mapping):
-        body["custom_metadata"] = {k: v for k, v in custom.items() if k != CHECKSUM_KEY}
-    return CHECKSUM_PREFIX + _sha256_json(body)
-
-
-def legacy_metadata_checksum(tree: Any, manifest_json: Any) -> str:
-    """The checksum of checkpoints written before it covered every field (tree + manifest only)."""
-    return _sha256_json({"tree_metadata": tree, MANIFEST_KEY: manifest_json})
-
-
-def _sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def seal_metadata(metadata: dict) -> str:
-    """Store the checksum of `metadata` in its custom_metadata (in place); returns the checksum."""
-    custom = metadata.setdefault("custom_metadata", {})
-    custom.pop(CHECKSUM_KEY, None)
-    checksum = metadata_checksum(json.loads(json.dumps(metadata)))  # as it reads back (tuples -> lists)
-    custom[CHECKSUM_KEY] = checksum
-    return checksum
-
-
-def metadata_problems(metadata: Mapping, checkpoint_metadata: Mapping | None) -> list[str]:
-    """What is wrong with a checkpoint's `_METADATA` (empty list: intact or not written by gtp-bridge).
-
-    `checkpoint_metadata` is `_CHECKPOINT_METADATA`, whose custom_metadata carries a copy of the
-    checksum: it tells a bridge checkpoint whose custom_metadata was removed from a plain Orbax one.
-    A checkpoint with neither checksum was never sealed by gtp-bridge and is not checked.
-
-    >>> m = {"tree_metadata": {}, "use_ocdbt": True, "custom_metadata": {"gtp_bridge": {}}}
-    >>> c = seal_metadata(m)
-    >>> metadata_problems(m, {"custom_metadata": {CHECKSUM_KEY: c}})
-    []
-    >>> metadata_problems({**m, "use_ocdbt": False}, None)
-    ['_METADATA was modified after commit (checksum mismatch)']
-    >>> metadata_problems({"tree_metadata": {}}, {"custom_metadata": {CHECKSUM_KEY: c}})[0]
-    '_METADATA has no custom_metadata.gtp_bridge (the manifest was removed)'
-    """
-    cm = checkpoint_metadata.get("custom_metadata") if isinstance(checkpoint_metadata, Mapping) else None
-    marker = cm.get(CHECKSUM_KEY) if isinstance(cm, Mapping) else None
-    custom = metadata.get("custom_metadata")
-    if custom is not None and not isinstance(custom, Mapping):
-        return ["_METADATA custom_metadata is not a JSON object"]
-    custom = custom or {}
-    stored = custom.get(CHECKSUM_KEY)
-    if marker is None and stored is None:
-        # Never sealed by gtp-bridge (every version of its writers seals): a plain Orbax checkpoint, possibly
-        # carrying a manifest written by another tool. Nothing to check against.
-        return []
-    problems = []
-    if MANIFEST_KEY not in custom:
-        problems.append("_METADATA has no custom_metadata.gtp_bridge (the manifest was removed)")
-    if not isinstance(stored, str):
-        problems.append("_METADATA has no gtp_bridge_checksum (the checksum was removed)")
-    else:
-        want = (metadata_checksum(metadata) if stored.startswith(CHECKSUM_PREFIX)
-                else legacy_metadata_checksum(metadata.get("tree_metadata"), custom.get(MANIFEST_KEY)))
-        if stored != want:
-            problems.append("_METADATA was modified after commit (checksum mismatch)")
-        elif marker is not None and marker != stored:
-            problems.append("_METADATA's checksum differs from the copy in _CHECKPOINT_METADATA (metadata replaced)")
-    return problems

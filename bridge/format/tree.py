@@ -10,14 +10,13 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from bridge.errors import BridgeError
-
-Path = tuple[str, ...]
+from bridge.format.schema import OPT_STATE, Path
 
 # Orbax key types (orbax/checkpoint/_src/tree/utils.py KeyType): 1 = sequence index, 2 = dict key.
 KEY_SEQUENCE = 1
 KEY_DICT = 2
 
-WRAPPER_PREFIXES = ("module", "model")
+WRAPPER_PREFIXES = ("module", "model")   # Megatron's DDP / Float16Module wrappers, not the model root
 
 
 def validate_component(component: str, path: Sequence[str] = ()) -> None:
@@ -79,16 +78,27 @@ def path_str(path: Sequence[str]) -> str:
     return "/".join(path)
 
 
+def strip_wrappers(key: str) -> str:
+    """Megatron key without its `module.` / `model.` wrapper prefixes (DDP, Float16Module, ...).
+
+    The one implementation: the live exporter (core) and the Megatron converters both need it.
+
+    >>> strip_wrappers("module.module.decoder.final_layernorm.weight")
+    'decoder.final_layernorm.weight'
+    """
+    parts = key.split(".")
+    while len(parts) > 1 and parts[0] in WRAPPER_PREFIXES:
+        parts = parts[1:]
+    return ".".join(parts)
+
+
 def megatron_key_to_path(key: str) -> Path:
     """Megatron parameter key -> tree path (wrapper prefixes removed, split on '.').
 
     >>> megatron_key_to_path("module.module.decoder.layers.0.mlp.linear_fc2.weight")
     ('decoder', 'layers', '0', 'mlp', 'linear_fc2', 'weight')
     """
-    parts = key.split(".")
-    while len(parts) > 1 and parts[0] in WRAPPER_PREFIXES:
-        parts = parts[1:]
-    return validate_path(parts)
+    return validate_path(strip_wrappers(key).split("."))
 
 
 def check_tree_paths(paths: Iterable[Sequence[str]]) -> None:
@@ -120,7 +130,7 @@ def key_types(path: Sequence[str]) -> list[int]:
     in_tuple = False
     for i, c in enumerate(path):
         if i == 0:
-            in_tuple = c == "opt_state"
+            in_tuple = c == OPT_STATE
             types.append(KEY_DICT)
         elif in_tuple and c.isdigit():
             types.append(KEY_SEQUENCE)
@@ -155,15 +165,6 @@ def _entry(path: Path, value: dict, types: Sequence[int] | None) -> tuple[str, d
         raise BridgeError(f"key types {types} do not match path {path_str(path)}")
     keys = [{"key": k, "key_type": int(t)} for k, t in zip(path, types)]
     return str(tuple(path)), {"key_metadata": keys, "value_metadata": value}
-
-
-def adamw_empty_paths(prefix: Sequence[str] = ("opt_state",)) -> list[Path]:
-    """Paths of the two `EmptyState()` nodes of `optax.adamw(lr_constant).init(params)`.
-
-    >>> adamw_empty_paths()
-    [('opt_state', '1'), ('opt_state', '2')]
-    """
-    return [tuple(prefix) + ("1",), tuple(prefix) + ("2",)]
 
 
 def tree_metadata(arrays: Iterable[tuple[Sequence[str], Sequence[int] | None]],

@@ -16,10 +16,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from bridge.dtypes import uint_view
 from bridge.inspect.stats import as_float
-
-_UINT_OF = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-
 
 def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Number of representable steps between a and b, element-wise, as uint64 (floats of one dtype, or ints).
@@ -36,10 +34,9 @@ def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if a.dtype.kind in "iub":
         a64, b64 = a.astype(np.int64), b.astype(np.int64)
         return np.abs(a64 - b64).astype(np.uint64)
-    ut = _UINT_OF[a.dtype.itemsize]
     sign = np.uint64(1) << np.uint64(8 * a.dtype.itemsize - 1)
-    ua = a.view(ut).astype(np.uint64)
-    ub = b.view(ut).astype(np.uint64)
+    ua = uint_view(a).astype(np.uint64)
+    ub = uint_view(b).astype(np.uint64)
     ma, mb = ua & ~sign, ub & ~sign           # magnitudes (bit patterns are monotone in |x|)
     same_sign = (ua & sign) == (ub & sign)
     return np.where(same_sign, np.maximum(ma, mb) - np.minimum(ma, mb), ma + mb)

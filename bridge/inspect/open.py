@@ -55,11 +55,9 @@ class CheckpointInfo:
 
     def record(self, name: str) -> dict | None:
         """The manifest's per-array record (shape, dtype, digest) of `name`, when the manifest has one."""
-        if not self.manifest:
-            return None
-        arrays = self.manifest.get("arrays") or {}
-        rec = arrays.get(name.replace("/", "."))
-        return rec if isinstance(rec, dict) else None
+        m = self.checkpoint.manifest
+        rec = m.arrays.get(name.replace("/", ".")) if m is not None else None
+        return rec.to_json() if rec is not None else None
 
 
 def open_for_inspection(directory: str | os.PathLike) -> CheckpointInfo:

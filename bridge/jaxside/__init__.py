@@ -7,7 +7,7 @@
     save(new_path, params=p, opt_state=s, step=n, manifest=state.manifest, plans=state.plans)
 
 Everything is read and written by Orbax; this package builds abstract trees, shardings and the
-optax mapping (see docs/ARCHITECTURE.md, "JAX side").
+optax mapping (docs/ARCHITECTURE.md maps the modules).
 """
 
 from bridge.errors import require

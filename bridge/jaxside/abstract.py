@@ -9,7 +9,6 @@ None]`, the structure Orbax records for `optax.adamw(...).init(params)`).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -19,16 +18,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from bridge.errors import BridgeError
-from bridge.store.manager import ITEM, resolve as resolve_location
+from bridge.location import is_remote, location
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.sharding_rules import ShardingRules, default_spec
-from bridge.store.reader import check_metadata
-from bridge.format.tree import parse_tree_metadata, validate_path
+from bridge.store.reader import open_root
+from bridge.format import schema
+from bridge.format.schema import ADAM_PATH as ADAM, COUNT_PATH as COUNT, MODEL_PATH as MODEL, STEP_PATH as STEP
+from bridge.format.schema import PARAMS_PATH as PARAMS  # noqa: F401 - tests and scripts take it from here
 from bridge.jaxside.naming import Group
 
-PARAMS, MODEL, STEP = ("params",), ("model",), ("step",)
-ADAM = ("opt_state", "0")
-MU, NU, COUNT = ADAM + ("mu",), ADAM + ("nu",), ADAM + ("count",)
+CASTABLE = (schema.PARAMS, schema.MODEL, schema.MU, schema.NU)   # roles `dtypes=` may cast, as messages list them
 
 
 @dataclass(frozen=True)
@@ -60,24 +59,19 @@ class StoredTree:
 def stored_arrays(directory: str | os.PathLike, *, allow_edited_metadata: bool | None = None) -> StoredTree:
     """Read a checkpoint's array metadata through Orbax (no data is read).
 
-    Raises BridgeError for a missing, uncommitted or non-Orbax directory, and IntegrityError for a
-    bridge checkpoint whose `_METADATA` was edited after commit (unless `allow_edited_metadata`,
-    or GTP_BRIDGE_ALLOW_EDITED_METADATA=1: see `bridge.store.reader.check_metadata`).
+    Opens by `bridge.store.reader.open_root`'s rules, the same as `open_checkpoint`: BridgeError
+    for a missing, uncommitted or non-Orbax directory, IntegrityError for a damaged one or a bridge
+    checkpoint whose `_METADATA` was edited after commit (unless `allow_edited_metadata`, or
+    GTP_BRIDGE_ALLOW_EDITED_METADATA=1).
     """
+    if isinstance(directory, str) and is_remote(location(directory)):  # s3:// / gs:// (bridge.jaxside.remote)
+        from bridge.jaxside.remote import stored_arrays_remote
+
+        return stored_arrays_remote(location(directory), allow_edited_metadata)
     import orbax.checkpoint as ocp
 
-    # refuses URLs; an Orbax manager root -> its latest step. Absolute: Orbax reads no metadata from a relative path
-    d = os.path.abspath(resolve_location(directory))
-    if not os.path.isfile(os.path.join(d, "_METADATA")) and os.path.isfile(os.path.join(d, ITEM, "_METADATA")):
-        d = os.path.join(d, ITEM)  # an Orbax CheckpointManager step directory
-    if d.rstrip("/").endswith(".orbax-checkpoint-tmp"):
-        raise BridgeError(f"{d} is an uncommitted checkpoint (tmp suffix); use the committed directory")
-    if not os.path.isdir(d):
-        raise BridgeError(f"checkpoint directory {d} does not exist; pass the path of a committed checkpoint")
-    if not os.path.isfile(os.path.join(d, "_METADATA")):
-        raise BridgeError(f"{d} has no _METADATA: not a committed Orbax checkpoint; pass a checkpoint directory")
-    _check_names(d)
-    check_metadata(d, allow_edited_metadata)
+    # the same rules as `open_checkpoint`; absolute, since Orbax reads no metadata from a relative path
+    d, _, _ = open_root(os.fspath(directory), allow_edited_metadata)
     meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(d).item_metadata
     arrays = {}
     for p, m in leaves_by_path(meta.tree).items():
@@ -85,20 +79,6 @@ def stored_arrays(directory: str | os.PathLike, *, allow_edited_metadata: bool |
             continue
         arrays[p] = StoredArray(p, tuple(int(s) for s in m.shape), np.dtype(m.dtype))
     return StoredTree(d, arrays, dict(meta.custom_metadata or {}))
-
-
-def _check_names(directory: str) -> None:
-    """Refuse array names that could escape the checkpoint (checkpoints are untrusted input),
-    before Orbax opens anything."""
-    try:
-        with open(os.path.join(directory, "_METADATA")) as f:
-            tree = json.load(f)["tree_metadata"]
-        arrays, empty = parse_tree_metadata(tree)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise BridgeError(f"{directory}/_METADATA is unreadable ({str(e).splitlines()[0]}); "
-                          f"the checkpoint is damaged") from None
-    for p in list(arrays) + list(empty):
-        validate_path(p)
 
 
 ShardingSource = Callable[[Path, tuple[int, ...]], Sharding]
@@ -174,7 +154,7 @@ class Target:
 
 
 def abstract_tree(stored: StoredTree, target: Target, dtypes: Mapping[str, Any] | None = None,
-                  items: tuple[str, ...] = ("params", "opt_state", "model", "step")) -> dict:
+                  items: tuple[str, ...] = schema.ROOTS) -> dict:
     """The abstract tree (ShapeDtypeStruct with shardings) restoring `items` of a stored checkpoint.
 
     Moments take their parameter's sharding; `dtypes` may cast "params", "model", "mu", "nu" on read.
@@ -182,26 +162,27 @@ def abstract_tree(stored: StoredTree, target: Target, dtypes: Mapping[str, Any] 
     items are requested, or with `partial_restore=True` otherwise.
     """
     dtypes = dict(dtypes or {})
-    bad = set(dtypes) - {"params", "model", "mu", "nu"}
+    bad = set(dtypes) - set(CASTABLE)
     if bad:
-        raise BridgeError(f"dtypes keys {sorted(bad)} unknown; use params, model, mu, nu")
+        raise BridgeError(f"dtypes keys {sorted(bad)} unknown; use {', '.join(CASTABLE)}")
     flat: dict[Path, Any] = {}
 
-    def add(prefix: Path, kind: str) -> None:
+    def add(role: str) -> None:
+        prefix = schema.role_path(role)
         for p, a in stored.section(prefix).items():
-            dt = np.dtype(dtypes[kind]) if kind in dtypes else a.dtype
+            dt = np.dtype(dtypes[role]) if role in dtypes else a.dtype
             flat[prefix + p] = jax.ShapeDtypeStruct(a.shape, dt, sharding=target.sharding(p, a.shape))
 
-    if "params" in items:
-        add(PARAMS, "params")
-    if "model" in items and stored.has(MODEL):
-        add(MODEL, "model")
-    if "opt_state" in items:
+    if schema.PARAMS in items:
+        add(schema.PARAMS)
+    if schema.MODEL in items and stored.has(MODEL):
+        add(schema.MODEL)
+    if schema.OPT_STATE in items:
         if not stored.has(ADAM):
             raise BridgeError(f"{stored.directory} holds no optimizer state; restore items without opt_state")
-        add(MU, "mu")
-        add(NU, "nu")
-    for p in ((COUNT,) if "opt_state" in items else ()) + ((STEP,) if "step" in items else ()):
+        add(schema.MU)
+        add(schema.NU)
+    for p in ((COUNT,) if schema.OPT_STATE in items else ()) + ((STEP,) if schema.STEP in items else ()):
         if p in stored.arrays:
             a = stored.arrays[p]
             flat[p] = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target.replicated())
@@ -211,7 +192,7 @@ def abstract_tree(stored: StoredTree, target: Target, dtypes: Mapping[str, Any] 
 def to_orbax_structure(flat: Mapping[Path, Any]) -> dict:
     """Nested dicts from full paths, with opt_state as the list `[adam, None, None]` Orbax records."""
     tree = nested_from_paths(flat)
-    if "opt_state" in tree:
-        adam = tree["opt_state"].get("0", {})
-        tree["opt_state"] = [adam, None, None]
+    if schema.OPT_STATE in tree:
+        adam = tree[schema.OPT_STATE].get(schema.ADAM_INDEX, {})
+        tree[schema.OPT_STATE] = [adam] + [None] * len(schema.ADAMW_EMPTY_INDICES)
     return tree

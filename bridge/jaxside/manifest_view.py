@@ -17,15 +17,8 @@ from typing import Any, Callable, Mapping
 
 from bridge.errors import BridgeError
 from bridge.jaxside.keypaths import Path, to_path
-from bridge.format.manifest import Manifest
+from bridge.format.manifest import GROUP_PARAMS, Manifest, as_manifest  # noqa: F401 - as_manifest: one parser, re-exported
 from bridge.jaxside.naming import Plan, leading_axes
-
-
-def as_manifest(manifest: Manifest | Mapping | None) -> Manifest | None:
-    """Accept a Manifest, its JSON dict, or None."""
-    if manifest is None or isinstance(manifest, Manifest):
-        return manifest
-    return Manifest.from_json(manifest)
 
 
 def _split(key: str) -> Path:
@@ -81,21 +74,20 @@ class AdamHParams:
 def adam_hparams(manifest: Manifest | Mapping) -> AdamHParams:
     """AdamW hyper-parameters from a manifest, with Megatron's defaults for absent ones."""
     m = as_manifest(manifest)
-    o = m.optimizer
+    o = m.optimizer.with_defaults(weight_decay=0.01)  # Megatron's --weight-decay default
     if o.name and o.name.lower() not in ("adam", "adamw", "fusedadam"):
         raise BridgeError(f"checkpoint optimizer is {o.name!r}, not Adam/AdamW; build the optax optimizer yourself")
-    b1, b2 = o.betas if o.betas is not None else (0.9, 0.999)  # Megatron --adam-beta1/2 defaults
+    b1, b2 = o.betas
     no_decay: set[Path] | None = None
     orders = section_orders(m)
     if o.no_decay:
         no_decay = {p for k in o.no_decay for p in param_paths(k, orders)}
-    elif any("wd_mult" in g and g.get("params") for g in o.groups):
-        no_decay = {p for g in o.groups if g.get("wd_mult", 1.0) == 0.0 for k in g.get("params", [])
+    elif any("wd_mult" in g and g.get(GROUP_PARAMS) for g in o.groups):
+        no_decay = {p for g in o.groups if g.get("wd_mult", 1.0) == 0.0 for k in g.get(GROUP_PARAMS, [])
                     for p in param_paths(k, orders)}
-    return AdamHParams(lr=o.lr, b1=float(b1), b2=float(b2), eps=float(o.eps if o.eps is not None else 1e-8),
-                       weight_decay=float(o.weight_decay if o.weight_decay is not None else 0.01),
+    return AdamHParams(lr=o.lr, b1=float(b1), b2=float(b2), eps=float(o.eps), weight_decay=float(o.weight_decay),
                        no_decay=frozenset(no_decay) if no_decay is not None else None,
-                       clip_grad=float(o.clip_grad) if getattr(o, "clip_grad", None) else None)
+                       clip_grad=float(o.clip_grad) if o.clip_grad else None)
 
 
 def megatron_default_no_decay(path: Path, shape: tuple[int, ...]) -> bool:
@@ -147,10 +139,11 @@ def plan_shape(plan: Plan, source: Path) -> tuple[int, ...]:
 
 def scheduler_of(manifest: Manifest | Mapping | None):
     """The Megatron scheduler record (`extra.megatron.scheduler`) as a SchedulerRecord, or None."""
-    from bridge.lr_schedule import SchedulerRecord
+    from bridge.format.scheduler import SchedulerRecord
 
     m = as_manifest(manifest)
-    rec = (m.extra.get("megatron") or {}).get("scheduler") if m is not None else None
+    meg = m.megatron if m is not None else None
+    rec = meg.scheduler if meg is not None else None
     return None if rec is None else SchedulerRecord.from_json(rec)
 
 
@@ -256,12 +249,12 @@ def _grouped_adamw(manifest: Manifest | Mapping, h: AdamHParams, lr: Any, groups
     label_of: dict[Path, str] = {}
     lrs: dict[str, Any] = {"default": lr}
     for i, g in enumerate(groups):
-        if not g.get("params"):
+        if not g.get(GROUP_PARAMS):
             raise BridgeError(f"manifest param group {i} with its own lr (lr_mult {g.get('lr_mult')}, max_lr "
                               f"{g.get('max_lr')}) lists no params; build the optimizer yourself with optax.multi_transform")
         label = f"group{i}"
         lrs[label] = group_lr(g)
-        for key in g["params"]:
+        for key in g[GROUP_PARAMS]:
             for p in param_paths(key, orders):
                 label_of[p] = label
     sources = plan_sources(plan)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from bridge.errors import BridgeError
+from bridge.format.schema import PARAMS_PATH
 
 Path = tuple[str, ...]
 
@@ -418,7 +419,7 @@ class NamingMap:
         return Group(g.sources, g.source_shapes, tuple(final), g.join_axis, unstack_axis, perm, g.stacked)
 
 
-def named_views(directory: str, naming: NamingMap, prefix: Path = ("params",)) -> dict[Path, Any]:
+def named_views(directory: str, naming: NamingMap, prefix: Path = PARAMS_PATH) -> dict[Path, Any]:
     """Lazy TensorStore views of the arrays under `prefix` of a checkpoint, presented by `naming`.
 
     Nothing is read until a view's `.read()`; joins, transposes and unstacking are TensorStore

@@ -21,9 +21,11 @@ from typing import Any, Callable, Mapping
 import jax
 
 from bridge.errors import BridgeError
+from bridge.format.schema import COUNT, MOMENTS, MU, NU
 from bridge.jaxside.keypaths import Path, path_str, to_path
 
-MOMENTS = ("mu", "nu")
+# The tree's Adam names are optax's own ScaleByAdamState fields (Orbax names leaves by attribute):
+# bridge.format.schema's MU, NU, COUNT are both.
 INJECTED = ("learning_rate", "b1", "b2", "eps", "eps_root", "weight_decay")
 
 
@@ -53,8 +55,8 @@ def classify(keypath: tuple) -> LeafRole | None:
             if key.name == "hyperparams" and i + 2 == len(keypath):
                 return LeafRole("hyper", name=to_path(keypath[i + 1:])[0])
     last = keypath[-1] if keypath else None
-    if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "count":
-        return LeafRole("count")
+    if isinstance(last, jax.tree_util.GetAttrKey) and last.name == COUNT:
+        return LeafRole(COUNT)
     return None
 
 
@@ -78,7 +80,7 @@ def check_template(template: Any, params: Mapping[Path, tuple[tuple[int, ...], A
     parameter must have both moments in the template. Raises BridgeError naming the first
     differing path.
     """
-    seen: dict[str, set[Path]] = {"mu": set(), "nu": set()}
+    seen: dict[str, set[Path]] = {m: set() for m in MOMENTS}
     for kp, role, leaf in template_roles(template):
         if role.kind not in MOMENTS:
             continue
@@ -108,11 +110,11 @@ def fill_template(template: Any, mu: Mapping[Path, Any], nu: Mapping[Path, Any],
     """
     leaves = []
     for kp, role, leaf in template_roles(template):
-        if role.kind == "mu":
+        if role.kind == MU:
             value = mu[role.param]
-        elif role.kind == "nu":
+        elif role.kind == NU:
             value = nu[role.param]
-        elif role.kind == "count":
+        elif role.kind == COUNT:
             value = count
         else:
             if hyper is None or role.name not in hyper:
@@ -135,12 +137,12 @@ def extract_adam(opt_state: Any) -> tuple[dict[Path, Any], dict[Path, Any], Any]
     for kp, role, leaf in template_roles(opt_state):
         where = path_str(to_path(kp))
         if role.kind in MOMENTS:
-            dest = mu if role.kind == "mu" else nu
+            dest = mu if role.kind == MU else nu
             if role.param in dest:
                 raise BridgeError(f"optimizer state holds two {role.kind} for {path_str(role.param)} (second at "
                                   f"{where}); the checkpoint stores one Adam state per parameter")
             dest[role.param] = leaf
-        elif role.kind == "count" and _is_adam_count(kp, opt_state):
+        elif role.kind == COUNT and _is_adam_count(kp, opt_state):
             counts.append((where, leaf))
     if not mu:
         raise BridgeError("optimizer state holds no Adam moments (mu/nu); save an optax.adamw/scale_by_adam state")
@@ -166,4 +168,4 @@ def _is_adam_count(keypath: tuple, tree: Any) -> bool:
             node = node[key.idx]
         else:
             return False
-    return hasattr(node, "mu") and hasattr(node, "nu")
+    return all(hasattr(node, m) for m in MOMENTS)

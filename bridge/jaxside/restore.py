@@ -26,16 +26,19 @@ import numpy as np
 from jax.sharding import NamedSharding, Sharding
 
 from bridge.errors import BridgeError
-from bridge.jaxside.abstract import (COUNT, MODEL, MU, NU, PARAMS, STEP, StoredTree, Target, stored_arrays,
-                                     to_orbax_structure)
-from bridge.jaxside.keypaths import Path, nested_from_paths
-from bridge.jaxside.manifest_view import adam_hparams, as_manifest, section_orders
-from bridge.jaxside.optax_state import MOMENTS, check_template, fill_template, template_roles
+from bridge.location import is_remote
+from bridge.format import schema
+from bridge.format.manifest import Manifest, manifest_from_custom
+from bridge.format.schema import (COUNT_PATH, MODEL, MODEL_PATH, MOMENTS, MU, MU_PATH, NU, NU_PATH, OPT_STATE, PARAMS,
+                                  PARAMS_PATH, STEP, STEP_PATH)
+from bridge.jaxside.abstract import CASTABLE, StoredTree, Target, stored_arrays, to_orbax_structure
+from bridge.jaxside.keypaths import Path, nested_from_paths, path_str
+from bridge.jaxside.manifest_view import adam_hparams, section_orders
+from bridge.jaxside.optax_state import check_template, fill_template, template_roles
 from bridge.jaxside.sharding_rules import ShardingRules
-from bridge.format.manifest import MANIFEST_KEY, Manifest
 from bridge.jaxside.naming import Group, NamingMap, Plan, jax_backend
 
-ITEMS = ("params", "opt_state", "model", "step")
+ITEMS = schema.ROOTS
 
 
 @dataclass
@@ -71,25 +74,25 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
     if bad:
         raise BridgeError(f"unknown items {sorted(bad)}; choose from {list(ITEMS)}")
     dtypes = dict(dtypes or {})
-    if set(dtypes) - {"params", "model", "mu", "nu"}:
-        raise BridgeError(f"dtypes keys {sorted(set(dtypes) - {'params', 'model', 'mu', 'nu'})} unknown; "
-                          f"use params, model, mu, nu")
+    if set(dtypes) - set(CASTABLE):
+        raise BridgeError(f"dtypes keys {sorted(set(dtypes) - set(CASTABLE))} unknown; use {', '.join(CASTABLE)}")
     stored = stored_arrays(directory)
     target = Target(mesh=mesh, rules=rules or ShardingRules(), shardings=shardings)
-    manifest = as_manifest(stored.custom_metadata.get(MANIFEST_KEY))
+    manifest = manifest_from_custom(stored.custom_metadata)
     naming = naming or NamingMap()
     orders = section_orders(manifest)
-    plans = {"params": naming.plan({p: a.shape for p, a in stored.section(PARAMS).items()}, orders)}
-    if "model" in items and stored.has(MODEL):
-        plans["model"] = naming.plan({p: a.shape for p, a in stored.section(MODEL).items()}, orders)
+    plans = {PARAMS: naming.plan({p: a.shape for p, a in stored.section(PARAMS_PATH).items()}, orders)}
+    if MODEL in items and stored.has(MODEL_PATH):
+        plans[MODEL] = naming.plan({p: a.shape for p, a in stored.section(MODEL_PATH).items()}, orders)
 
-    want_opt = "opt_state" in items or optimizer is not None
-    if want_opt and not stored.has(MU):
-        raise BridgeError(f"{stored.directory} holds no optimizer state (opt_state/0/mu); restore without opt_state")
-    moment_dtypes: dict[str, dict[Path, Any]] = {"mu": {}, "nu": {}}
-    moment_shardings: dict[str, dict[Path, Sharding]] = {"mu": {}, "nu": {}}
+    want_opt = OPT_STATE in items or optimizer is not None
+    if want_opt and not stored.has(MU_PATH):
+        raise BridgeError(f"{stored.directory} holds no optimizer state ({path_str(MU_PATH)}); "
+                          f"restore without {OPT_STATE}")
+    moment_dtypes: dict[str, dict[Path, Any]] = {m: {} for m in MOMENTS}
+    moment_shardings: dict[str, dict[Path, Sharding]] = {m: {} for m in MOMENTS}
     if optimizer is not None:
-        check_template(optimizer, {o: (s, None) for o, s in plans["params"].out_shapes().items()}, strict)
+        check_template(optimizer, {o: (s, None) for o, s in plans[PARAMS].out_shapes().items()}, strict)
         for _, role, leaf in template_roles(optimizer):
             if role.kind in MOMENTS:
                 moment_dtypes[role.kind][role.param] = leaf.dtype
@@ -100,18 +103,18 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
                     moment_shardings[role.kind][role.param] = sharding
 
     requests: list[tuple[Path, str, Plan, Any]] = []  # (stored prefix, kind, plan, dtype override)
-    if "params" in items:
-        requests.append((PARAMS, "params", plans["params"], dtypes.get("params")))
-    if "model" in plans:
-        requests.append((MODEL, "model", plans["model"], dtypes.get("model")))
+    if PARAMS in items:
+        requests.append((PARAMS_PATH, PARAMS, plans[PARAMS], dtypes.get(PARAMS)))
+    if MODEL in plans:
+        requests.append((MODEL_PATH, MODEL, plans[MODEL], dtypes.get(MODEL)))
     if want_opt:
-        requests.append((MU, "mu", plans["params"], dtypes.get("mu")))
-        requests.append((NU, "nu", plans["params"], dtypes.get("nu")))
-    scalars = ([COUNT] if want_opt else []) + ([STEP] if "step" in items else [])
+        requests.append((MU_PATH, MU, plans[PARAMS], dtypes.get(MU)))
+        requests.append((NU_PATH, NU, plans[PARAMS], dtypes.get(NU)))
+    scalars = ([COUNT_PATH] if want_opt else []) + ([STEP_PATH] if STEP in items else [])
     abstract, jobs = _plan_reads(stored, target, requests, moment_dtypes, moment_shardings, scalars)
     flat = _orbax_restore(stored, abstract, concurrent_gb)
 
-    results: dict[str, dict[Path, Any]] = {"params": {}, "model": {}, "mu": {}, "nu": {}}
+    results: dict[str, dict[Path, Any]] = {role: {} for role in CASTABLE}
     for prefix, kind, g, outs, _ in jobs:
         srcs = [flat[prefix + s] for s in g.sources]
         arrays = srcs if g.is_identity else _transform(g, tuple(outs))(*srcs)
@@ -119,12 +122,12 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
 
     opt_state = None
     if want_opt:
-        opt_state = _optimizer_state(stored, flat.get(COUNT), results, optimizer, manifest, target)
+        opt_state = _optimizer_state(stored, flat.get(COUNT_PATH), results, optimizer, manifest, target)
     return Restored(
-        params=nested_from_paths(results["params"]) if "params" in items else None,
+        params=nested_from_paths(results[PARAMS]) if PARAMS in items else None,
         opt_state=opt_state,
-        model=nested_from_paths(results["model"]) if "model" in plans else None,
-        step=flat.get(STEP) if "step" in items else None,
+        model=nested_from_paths(results[MODEL]) if MODEL in plans else None,
+        step=flat.get(STEP_PATH) if STEP in items else None,
         manifest=manifest,
         plans=plans,
     )
@@ -163,20 +166,24 @@ def _optimizer_state(stored: StoredTree, count: Any, results: Mapping[str, Mappi
                      manifest: Manifest | None, target: Target) -> Any:
     """The filled optax template, or the canonical adamw state when there is no template."""
     if count is None:
-        raise BridgeError(f"{stored.directory} has moments but no opt_state/0/count; the checkpoint is incomplete")
+        raise BridgeError(f"{stored.directory} has moments but no {path_str(COUNT_PATH)}; the checkpoint is incomplete")
     if optimizer is not None:
-        return fill_template(optimizer, results["mu"], results["nu"], count, _injectable_hyperparams(manifest),
+        return fill_template(optimizer, results[MU], results[NU], count, _injectable_hyperparams(manifest),
                              place=functools.partial(_place, replicated=target.replicated()))
     import optax
 
-    return (optax.ScaleByAdamState(count=count, mu=nested_from_paths(results["mu"]),
-                                   nu=nested_from_paths(results["nu"])),
+    return (optax.ScaleByAdamState(count=count, mu=nested_from_paths(results[MU]),
+                                   nu=nested_from_paths(results[NU])),
             optax.EmptyState(), optax.EmptyState())
 
 
 def _orbax_restore(stored: StoredTree, abstract: Mapping[Path, jax.ShapeDtypeStruct],
                    concurrent_gb: int | None = None) -> dict[Path, jax.Array]:
     """One Orbax restore of the requested arrays (partial when not everything is requested)."""
+    if is_remote(stored.directory):  # Orbax cannot open s3:// (and needs gcsfs for gs://)
+        from bridge.jaxside.remote import restore_remote
+
+        return restore_remote(stored.directory, abstract)
     import orbax.checkpoint as ocp
 
     from bridge.jaxside.keypaths import leaves_by_path

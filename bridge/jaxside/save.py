@@ -31,15 +31,16 @@ import numpy as np
 from bridge.dist import JaxCoordinator
 from bridge.errors import BridgeError
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str, to_path
-from bridge.jaxside.manifest_view import as_manifest
 from bridge.jaxside.optax_state import extract_adam
 from bridge.layout.boxes import Box
-from bridge.location import local_path
+from bridge.location import is_remote, location
 from bridge.progress import progress
 from bridge.store import digest as store_digest
 from bridge.store.claim import check_destination_free, claim_destination, tmp_dir_for
 from bridge.store.commit import publish_orbax_checkpoint
-from bridge.format.manifest import MANIFEST_KEY, ArrayRecord, Manifest, SourceLayout
+from bridge.format.manifest import (PREVIOUS_SOURCE_KEY, ArrayRecord, Manifest, SourceLayout, as_manifest,
+                                    custom_metadata)
+from bridge.format.schema import MODEL, MU, NU, OPT_STATE, PARAMS, SCALAR_DTYPE, STEP
 from bridge.store.specs import orbax_chunk_args
 from bridge.format.tree import check_tree_paths, path_to_name
 from bridge.jaxside.naming import Plan, jax_backend
@@ -66,7 +67,11 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     `chunk_byte_size` asks Orbax for inner chunks of that size (cheaper resharded reads later);
     `concurrent_gb` bounds Orbax's in-flight save bytes (host memory).
     """
-    directory = local_path(directory, "destination")  # a URL is refused, never taken for a local path
+    directory = location(directory, "destination")  # a path, s3:// or gs://; an unknown scheme is refused
+    remote = is_remote(directory)
+    if remote and orbax_manager:
+        raise BridgeError(f"{directory}: orbax_manager=True needs a local CheckpointManager root; save to the "
+                          f"step's own URL instead")
     if orbax_manager:
         return _save_as_manager_step(directory, int(jax.device_get(step)), params=params, opt_state=opt_state,
                                      step=step, model=model, manifest=manifest, plans=plans,
@@ -77,11 +82,11 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     import orbax.checkpoint as ocp
 
     d = os.fspath(directory)
-    check_destination_free(d)
+    check_destination_free(d)  # s3:// / gs:// too (bridge.store.remote.check_remote_free)
     plans = dict(plans or {})
     flat_params = leaves_by_path(params)
     mu, nu, count = extract_adam(opt_state)
-    for name, moments in (("mu", mu), ("nu", nu)):
+    for name, moments in ((MU, mu), (NU, nu)):
         if set(moments) != set(flat_params):
             odd = sorted(set(moments) ^ set(flat_params))[0]
             raise BridgeError(f"optimizer {name} and params differ at {path_str(odd)}; save the state trained "
@@ -90,36 +95,42 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
             if tuple(m.shape) != tuple(flat_params[p].shape):
                 raise BridgeError(f"optimizer {name} shape {tuple(m.shape)} at {path_str(p)} differs from the "
                                   f"param's {tuple(flat_params[p].shape)}")
-    logical = {
-        "params": _to_logical(flat_params, plans.get("params")),
-        "mu": _to_logical(mu, plans.get("params")),
-        "nu": _to_logical(nu, plans.get("params")),
+    logical = {  # role -> parameter path -> array
+        PARAMS: _to_logical(flat_params, plans.get(PARAMS)),
+        MU: _to_logical(mu, plans.get(PARAMS)),
+        NU: _to_logical(nu, plans.get(PARAMS)),
     }
     if with_model:
         if model is None:
             dtype = jnp.dtype(model_dtype) if model_dtype is not None else weight_dtype(as_manifest(manifest))
-            logical["model"] = {p: _cast(a, dtype) for p, a in logical["params"].items()}
+            logical[MODEL] = {p: _cast(a, dtype) for p, a in logical[PARAMS].items()}
         else:
-            logical["model"] = _to_logical(leaves_by_path(model), plans.get("model"))
+            logical[MODEL] = _to_logical(leaves_by_path(model), plans.get(MODEL))
             if not allow_inconsistent_model:
-                check_model_consistent(logical["model"], logical["params"])
+                check_model_consistent(logical[MODEL], logical[PARAMS])
     elif model is not None:
         raise BridgeError("model= was given with with_model=False; pass one or the other")
 
-    count = jnp.asarray(count, dtype=jnp.int32)
-    step = jnp.asarray(step, dtype=jnp.int32)
+    count = jnp.asarray(count, dtype=SCALAR_DTYPE)
+    step = jnp.asarray(step, dtype=SCALAR_DTYPE)
+    # Orbax names the leaves: the tree's schema (bridge.format.schema) is optax.adamw's state layout.
     tree: dict[str, Any] = {
-        "params": nested_from_paths(logical["params"]),
-        "opt_state": (optax.ScaleByAdamState(count=count, mu=nested_from_paths(logical["mu"]),
-                                             nu=nested_from_paths(logical["nu"])),
-                      optax.EmptyState(), optax.EmptyState()),
-        "step": step,
+        PARAMS: nested_from_paths(logical[PARAMS]),
+        OPT_STATE: (optax.ScaleByAdamState(count=count, mu=nested_from_paths(logical[MU]),
+                                           nu=nested_from_paths(logical[NU])),
+                    optax.EmptyState(), optax.EmptyState()),
+        STEP: step,
     }
     if with_model:
-        tree["model"] = nested_from_paths(logical["model"])
+        tree[MODEL] = nested_from_paths(logical[MODEL])
     check_tree_paths(leaves_by_path(tree))  # no '.' or '/' in names: Orbax joins names with '.'
 
     out = _manifest_for(tree, as_manifest(manifest), hyperparams, int(jax.device_get(count)))
+    if remote:  # Orbax cannot write s3:// (and needs gcsfs for gs://): the store's writer and commit
+        from bridge.jaxside.remote import save_remote
+
+        save_remote(d, tree, out, chunk_byte_size=chunk_byte_size)
+        return out
     # The store's inner-chunk policy (one layer / expert per inner chunk), as Orbax SaveArgs.
     save_args = jax.tree_util.tree_map_with_path(
         lambda kp, x: ocp.SaveArgs(**orbax_chunk_args(to_path(kp), np.ndim(x),
@@ -137,7 +148,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
                                               save_concurrent_gb=concurrent_gb)
         ck = ocp.Checkpointer(handler)
         ck.save(staging, args=ocp.args.PyTreeSave(tree, save_args=save_args,
-                                                  custom_metadata={MANIFEST_KEY: out.to_json()}))
+                                                  custom_metadata=custom_metadata(out)))
     except BaseException:
         for claim in held:
             claim.release()
@@ -170,20 +181,17 @@ def _manifest_for(tree: dict, base: Manifest | None, hyperparams: Mapping[str, A
                             pad_for_alignment=previous.pad_for_alignment)
     if base is not None:
         m.extra = dict(m.extra)
-        m.extra["previous_source"] = dataclasses.asdict(previous)
+        m.extra[PREVIOUS_SOURCE_KEY] = dataclasses.asdict(previous)
     for key, value in dict(hyperparams or {}).items():
         if key not in ("lr", "betas", "eps", "weight_decay", "no_decay"):
             raise BridgeError(f"unknown hyper-parameter {key!r}; use lr, betas, eps, weight_decay, no_decay")
         setattr(m.optimizer, key, tuple(value) if key == "betas" else value)
     m.optimizer.step = count
-    m.digest_algorithm = store_digest.ALGORITHM
-    m.arrays = {}
     leaves = leaves_by_path(tree)
     digests = _digests(list(leaves.values()))
-    for (path, arr), dig in zip(leaves.items(), digests):
-        m.arrays[path_to_name(path)] = ArrayRecord(tuple(int(s) for s in arr.shape), np.dtype(arr.dtype).name,
-                                                   store_digest.to_hex(dig))
-    return m
+    return m.with_arrays({path_to_name(path): ArrayRecord(tuple(int(s) for s in arr.shape), np.dtype(arr.dtype).name,
+                                                          store_digest.to_hex(dig))
+                          for (path, arr), dig in zip(leaves.items(), digests)}, store_digest.ALGORITHM)
 
 
 def _digests(arrays: list[jax.Array]) -> list[int]:
@@ -229,7 +237,7 @@ def _save_as_manager_step(root: str, number: int, **kwargs: Any) -> Manifest:
 def weight_dtype(base: Manifest | None) -> np.dtype:
     """The run's weight dtype: the one the base manifest records for its `model` arrays, else bfloat16."""
     found = {rec.dtype for name, rec in (base.arrays if base is not None else {}).items()
-             if name.split(".")[0] == "model"}
+             if name.split(".")[0] == MODEL}
     return jnp.dtype(found.pop()) if len(found) == 1 else jnp.dtype(jnp.bfloat16)
 
 
@@ -246,7 +254,7 @@ def check_model_consistent(model: Mapping[Path, Any], params: Mapping[Path, Any]
     """
     if set(model) != set(params):
         odd = sorted(set(model) ^ set(params))[0]
-        side = "model" if odd in model else "params"
+        side = MODEL if odd in model else PARAMS
         raise BridgeError(f"model and params differ in their arrays at {path_str(odd)} (only in {side}); "
                           f"omit model= to derive the weights from params")
     for p in sorted(params):

@@ -40,7 +40,7 @@ ROW_PARALLEL = ("linear_proj", "linear_fc2", "out_proj")
 class MeshAxes:
     """Which mesh axis plays which role; the first name present in the mesh wins."""
 
-    tp: tuple[str, ...] = ("tp", "model", "tensor")
+    tp: tuple[str, ...] = ("tp", "model", "tensor")  # foreign: mesh axis names
     fsdp: tuple[str, ...] = ("fsdp", "data", "dp")
     expert: tuple[str, ...] = ("ep", "expert", "experts")
 

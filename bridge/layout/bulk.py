@@ -1,8 +1,8 @@
 """Bulk planning helper: pause CPython's cyclic garbage collector.
 
 Planning 1024 ranks x 10,000 parameters allocates hundreds of thousands of small tuples (boxes,
-pieces) that stay alive; the cyclic collector then rescans them again and again (measured: about a
-third of planning CPU time, benchmarks/bench_planning.py). Layout planning creates no reference
+pieces) that stay alive; the cyclic collector then rescans them again and again, a large share of
+planning's CPU time (benchmarks/bench_planning.py). Layout planning creates no reference
 cycles, so pausing the collector loses nothing; it is restored (and not forced) on exit.
 
 >>> import gc

@@ -36,7 +36,7 @@ from bridge.layout.rectangles import trusted_box
 DEFAULT_TARGET_CHUNK_BYTES = 4 << 20
 
 
-class Transfer(NamedTuple):
+class RegionMove(NamedTuple):
     """Region `box` (global coordinates, inside one chunk) moves from rank `src` to owner `dst`."""
 
     box: Box
@@ -49,7 +49,7 @@ class OwnershipPlan:
     """Chunk grid + owners of one array and the transfers that make owners hold whole chunks."""
 
     ownership: ArrayOwnership
-    transfers: list[Transfer] = field(default_factory=list)
+    transfers: list[RegionMove] = field(default_factory=list)
 
     def moved_elements(self) -> int:
         return sum(t.box.size for t in self.transfers)
@@ -212,7 +212,7 @@ def plan_ownership(shape: Sequence[int], holdings, itemsize: int = 4, *,
         raise BridgeError(f"{name}: no rank holds region {_chunk_box(missing, chunk, shape)}; pass every rank's "
                           f"holdings (pieces must cover the array)")
     owners = np.zeros(grid, dtype=np.int32)
-    transfers: list[Transfer] = []
+    transfers: list[RegionMove] = []
     for key in sorted(parts):
         plist = parts[key]
         c0 = tuple(k * c for k, c in zip(key, chunk))
@@ -263,7 +263,7 @@ def _parts_by_chunk(hold: list[tuple[int, tuple, tuple, int]],
 
 
 def _chunk_transfers(plist: list[tuple[int, tuple, tuple, int]], owner: int, exact_cover: bool, c0: tuple,
-                     c1: tuple, load: dict[int, int], name: str) -> list[Transfer]:
+                     c1: tuple, load: dict[int, int], name: str) -> list[RegionMove]:
     """Transfers that bring the owner of chunk [c0, c1) what it lacks, from the least-loaded holders.
 
     `exact_cover`: the parts' volumes add up to the chunk's, so disjoint parts tile it and are
@@ -275,7 +275,7 @@ def _chunk_transfers(plist: list[tuple[int, tuple, tuple, int]], owner: int, exa
     [('[4:8]', 1, 0)]
     """
     if exact_cover and _disjoint(plist):
-        return [Transfer(trusted_box(st, sp), r, owner) for r, st, sp, _ in plist if r != owner]
+        return [RegionMove(trusted_box(st, sp), r, owner) for r, st, sp, _ in plist if r != owner]
     out = []
     needed = [(c0, c1)]
     for r, st, sp, _ in plist:
@@ -290,7 +290,7 @@ def _chunk_transfers(plist: list[tuple[int, tuple, tuple, int]], owner: int, exa
             if inter is None:
                 rest.append((n0, n1))
                 continue
-            out.append(Transfer(trusted_box(*inter), r, owner))
+            out.append(RegionMove(trusted_box(*inter), r, owner))
             rest.extend(_diff(n0, n1, st, sp))
         needed = rest
     if needed:

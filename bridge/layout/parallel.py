@@ -307,6 +307,32 @@ class ParallelLayout:
         """`dp_group_idx` of the expert DistOpt: rank in `tp-ep-gtp_remat-pp` (expert grid)."""
         return self.expert.group_rank(rank, "tp-ep-gtp_remat-pp")
 
+    def dp_group_coords(self, expert: bool = False) -> dict[int, tuple[int, int, int]]:
+        """`dp_group_idx` -> (TP, GTP, EP) coordinates of its DP-rank-0 member, dense or expert DistOpt.
+
+        A dp_reshardable checkpoint names its buffers by `dp_group_idx`; these coordinates say which
+        weight shards (and, for experts, which local experts) a buffer holds. Every pipeline stage
+        is visited; one member per group suffices (O(TP·GTP·EP·PP), not O(world)).
+
+        >>> sorted(ParallelLayout(tp=2, gtp=2, dp=2).dp_group_coords().items())
+        [(0, (0, 0, 0)), (1, (1, 0, 0)), (2, (0, 1, 0)), (3, (1, 1, 0))]
+        >>> ParallelLayout(tp=1, dp=4, ep=2).dp_group_coords(expert=True)
+        {0: (0, 0, 0), 1: (0, 0, 1)}
+        """
+        out: dict[int, tuple[int, int, int]] = {}
+        for p in range(self.pp):
+            if expert:
+                for et in range(self.etp):
+                    for e in range(self.ep):
+                        for eg in range(self.egtp):
+                            r = self.expert_rank(et=et, e=e, eg=eg, ed=0, p=p)
+                            out.setdefault(self.expert_dp_group_idx(r), (et, eg, e))
+            else:
+                for t in range(self.tp):
+                    for g in range(self.gtp):
+                        out.setdefault(self.dp_group_idx(self.rank(t=t, g=g, c=0, d=0, p=p)), (t, g, 0))
+        return out
+
     # --- convenience ---------------------------------------------------------------------------
     def shard_coords(self, rank: int, expert: bool = False) -> tuple[int, int]:
         """(TP rank, GTP rank) that decide which weight shard `rank` holds (expert grid if `expert`)."""

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
+from bridge.format.schema import MU, NU, PARAMS
+
 if TYPE_CHECKING:  # the layout engine is pure numpy; only annotations refer to it here
     import torch
 
@@ -97,7 +99,7 @@ class OptimFragment:
 
     def tensors(self) -> dict[str, "torch.Tensor"]:
         """The three state tensors by logical tree root (`params`, `mu`, `nu`)."""
-        return {"params": self.master, "mu": self.exp_avg, "nu": self.exp_avg_sq}
+        return {PARAMS: self.master, MU: self.exp_avg, NU: self.exp_avg_sq}
 
     def check(self, where: str, shard_numel: int) -> None:
         """Refuse a range outside the physical shard or state tensors of the wrong length."""

@@ -32,26 +32,26 @@ import torch
 import torch.distributed as dist
 
 from bridge.dist import TorchCoordinator
+from bridge.dtypes import torch_dtype
 from bridge.errors import BridgeError
-from bridge.location import local_path
+from bridge.location import location
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
 from bridge.live.api import LiveRun, LocalParam
 from bridge.live.exchange import pack, start_all_to_all_bytes
-from bridge.live.holdings import (TORCH_DTYPES, Holding, holdings_signature, rank_holdings, refresh_holdings,
+from bridge.live.holdings import (Holding, RankSummary, holdings_signature, rank_holdings, refresh_holdings,
                                   tree_name)
 from bridge.live.plan import ExportPlan, PlanCache, Transfer, build_plan, choose_inner_bytes, plan_key
 from bridge.live.staging import HostBuffers, StagedWriter, StagingStats, WriteItem
 from bridge.progress import progress
-from bridge.store.claim import held_claim
+from bridge.store.claim import held_destination
 from bridge.store.commit import begin_checkpoint, commit_checkpoint
-from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
+from bridge.format.manifest import (GROUP_PARAMS, OPTIMIZER_EXTRA_KEY, PADS_KEY, Manifest, OptimizerConfig,
+                                    SourceLayout)
+from bridge.format.schema import COUNT_PATH, SCALAR_DTYPE, STEP_PATH, adamw_empty_paths
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
-from bridge.format.tree import adamw_empty_paths, megatron_key_to_path, path_str
+from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter, default_batch_bytes
-
-COUNT_PATH = ("opt_state", "0", "count")
-STEP_PATH = ("step",)
 
 
 @dataclass(frozen=True)
@@ -142,16 +142,16 @@ class _Local:
     """This rank's holdings template (pieces, no data) and summary for one holdings signature."""
 
     holdings: list[Holding]
-    summary: dict
+    summary: RankSummary
     key: str  # digest of the signature, exchanged instead of the summary when every rank has a plan
 
 
-def _summary(params: Sequence[LocalParam], run: LiveRun, rank: int) -> tuple[list[Holding], dict]:
+def _summary(params: Sequence[LocalParam], run: LiveRun, rank: int) -> tuple[list[Holding], RankSummary]:
     holdings, catalog = rank_holdings(params, run.layout, rank, with_optim=run.optimizer is not None)
     fused = {path_str(megatron_key_to_path(p.geometry.name)): p.geometry.fused.to_json()
              for p in params if p.geometry.fused is not None}
     pads = sorted({p.geometry.pad_for_alignment for p in params if p.geometry.gtp})
-    return holdings, {"catalog": catalog, "holdings": [h.describe() for h in holdings], "fused": fused, "pads": pads}
+    return holdings, RankSummary(catalog, tuple(h.describe() for h in holdings), fused, tuple(pads))
 
 
 def _array_paths(key: str, fused: dict) -> list[str]:
@@ -171,23 +171,21 @@ def _array_paths(key: str, fused: dict) -> list[str]:
 
 def _manifest(run: LiveRun, fused: dict, pads: list) -> Manifest:
     lay = run.layout
-    src = SourceLayout(framework="torch-live", tp=lay.tp, gtp=lay.gtp, dp=lay.dp, ep=lay.ep, etp=lay.etp,
-                       egtp=lay.egtp, pp=lay.pp, cp=lay.cp, pad_for_alignment=pads[-1] if pads else 0,
-                       optimizer_format="distributed_optimizer", world_size=lay.world)
+    src = SourceLayout.of(lay, "torch-live", "distributed_optimizer", pads[-1] if pads else 0)
     opt = OptimizerConfig(step=int(run.step))
     if run.optimizer is not None:
         a = run.optimizer
         opt = OptimizerConfig(name="adamw", lr=float(a.lr), betas=tuple(float(b) for b in a.betas), eps=float(a.eps),
                               weight_decay=float(a.weight_decay), step=int(run.step),
-                              groups=[{"params": _array_paths(k, fused), "lr_mult": float(v)}
+                              groups=[{GROUP_PARAMS: _array_paths(k, fused), "lr_mult": float(v)}
                                       for k, v in sorted(a.lr_mult.items())],
                               no_decay=[p for k in a.no_decay for p in _array_paths(k, fused)],
                               clip_grad=None if a.clip_grad is None else float(a.clip_grad))
     extra = dict(run.extra)
     if run.optimizer is not None and run.optimizer.extra:
-        extra["optimizer_extra"] = dict(run.optimizer.extra)
+        extra[OPTIMIZER_EXTRA_KEY] = dict(run.optimizer.extra)
     if len(pads) > 1:
-        extra["pad_for_alignment_values"] = pads
+        extra[PADS_KEY] = pads
     return Manifest(source=src, optimizer=opt, fused=fused, extra=extra)
 
 
@@ -261,7 +259,7 @@ def writer_batch_bytes(inflight_bytes: int) -> int:
     return max(1, int(inflight_bytes) // 4)
 
 
-def _plan(summaries: Sequence[dict], run: LiveRun, world: int, target_chunk_bytes: int, compression: str | None,
+def _plan(summaries: Sequence[RankSummary], run: LiveRun, world: int, target_chunk_bytes: int, compression: str | None,
           inner_chunk_bytes: int | str | None) -> _Planned:
     """The global plan and the store's write plan from every rank's summary (pure; identical on every rank)."""
     plan = build_plan(summaries, tree_name, target_chunk_bytes)
@@ -271,9 +269,9 @@ def _plan(summaries: Sequence[dict], run: LiveRun, world: int, target_chunk_byte
         raise BridgeError(f"inner_chunk_bytes must be an int, None or 'auto', got {inner_chunk_bytes!r}")
     catalog = list(plan.catalog)
     ownership: dict[str, ArrayOwnership] = dict(plan.ownership)
-    scalars = [ArraySpec(STEP_PATH, (), "int32")]
+    scalars = [ArraySpec(STEP_PATH, (), SCALAR_DTYPE)]
     if run.optimizer is not None:
-        scalars.insert(0, ArraySpec(COUNT_PATH, (), "int32"))
+        scalars.insert(0, ArraySpec(COUNT_PATH, (), SCALAR_DTYPE))
     for spec in scalars:
         ownership[spec.name] = ArrayOwnership((), (), np.array(0, dtype=np.int32))
     wplan = make_write_plan(catalog + scalars, world, ownership,
@@ -281,8 +279,8 @@ def _plan(summaries: Sequence[dict], run: LiveRun, world: int, target_chunk_byte
                             compression=compression, inner_chunk_bytes=inner_chunk_bytes)
     fused: dict = {}
     for s in summaries:
-        fused.update(s["fused"])
-    pads = sorted({p for s in summaries for p in s["pads"]})
+        fused.update(s.fused)
+    pads = sorted({p for s in summaries for p in s.pads})
     return _Planned(plan, wplan, fused, pads, inner_chunk_bytes, plan.moved_bytes() > 0)
 
 
@@ -319,7 +317,7 @@ class Exporter:
                on_stage: Callable[[str], None] | None = None) -> ExportReport:
         """`export_state` with this exporter's caches (collective over `run.group`)."""
         opts = options or ExportOptions()
-        dst = local_path(dst, "export destination")  # a URL is refused, never taken for a local path
+        dst = location(dst, "export destination")  # a path, s3:// or gs://; an unknown scheme is refused
         coord = TorchCoordinator(run.group if run.group is not None else dist.group.WORLD, job=f"export to {dst}")
         clock = _Clock()
         holdings, planned, hit = self._agree_plan(params, run, coord, opts, clock)
@@ -331,7 +329,7 @@ class Exporter:
             written = _exchange_and_write(planned, holdings, run, tmp, coord, clock, on_stage, opts, self.buffers)
             clock.mark("barrier")
         except BaseException:
-            claim = held_claim(dst)  # rank 0's: nothing of this run stays
+            claim = held_destination(dst)  # rank 0's: nothing of this run stays
             if claim is not None:
                 claim.release()
             raise
@@ -387,7 +385,7 @@ class Exporter:
         if planned is not None:
             clock.mark("gather")
             return mine["holdings"], planned, True
-        summaries = coord.all_gather("planning", lambda: local.summary)
+        summaries = [RankSummary.from_json(s) for s in coord.all_gather("planning", lambda: local.summary.to_json())]
         clock.mark("gather")
         planned = _plan(summaries, run, world, opts.target_chunk_bytes, opts.compression, opts.inner_chunk_bytes)
         self._plans.put(gkey, planned)
@@ -455,7 +453,7 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
         else:  # every owner holds all it writes (same on every rank): no collective
             recv, work = send, _NoWork()
     bytes_sent = send.numel()
-    dtypes = {a.name: TORCH_DTYPES[a.dtype] for a in plan.catalog}
+    dtypes = {a.name: torch_dtype(a.dtype) for a in plan.catalog}
     local_items = attempt(lambda: [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t))
                                    for t in plan.sends(rank, rank)]) or []
     batch = writer_batch_bytes(opts.inflight_bytes) if opts.inflight_bytes else default_batch_bytes()
@@ -493,9 +491,9 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
             recv_items = _received_items(plan, recv, rank, dtypes)
             write_all(recv_items if on_host else local_items + recv_items)
             if rank == 0:
-                writer.write(STEP_PATH, Box((), ()), np.asarray(run.step, dtype=np.int32))
+                writer.write(STEP_PATH, Box((), ()), np.asarray(run.step, dtype=SCALAR_DTYPE))
                 if run.optimizer is not None:
-                    writer.write(COUNT_PATH, Box((), ()), np.asarray(run.step, dtype=np.int32))
+                    writer.write(COUNT_PATH, Box((), ()), np.asarray(run.step, dtype=SCALAR_DTYPE))
             clock.mark("write_recv")
             writer.finish()
 

@@ -3,36 +3,27 @@
 Every `LocalParam` gives up to four local flat tensors: the model weight shard (root `model`;
 FP8 dequantized to bf16) and the optimizer fragment's master / exp_avg / exp_avg_sq (roots
 `params`, `mu`, `nu`). The layout engine cuts each into `Piece`s (contiguous runs that are one
-box of one logical array; padding gives none). `Holding.describe()` is the JSON-safe summary
-all ranks exchange so that every rank computes the same global plan.
+box of one logical array; padding gives none). `Holding.describe()` gives its `HoldingSummary`;
+a rank's `RankSummary` (holdings, catalog, fused sections, pads) is what all ranks exchange (as
+JSON) so that every rank computes the same global plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from math import prod
 from typing import Sequence
 
 import torch
 
+from bridge.dtypes import FLOAT_NAMES, name_of_torch
 from bridge.errors import BridgeError
 from bridge.layout.rectangles import Piece
 from bridge.live.api import LocalParam, QuantizedWeight
+from bridge.format.schema import MODEL, OPTIMIZER_ROLES, role_path
 from bridge.format.tree import megatron_key_to_path, path_to_name
 
-# Logical tree roots: model weights, fp32 masters, Adam moments (optax.adamw state layout).
-ROOT_PATHS: dict[str, tuple[str, ...]] = {
-    "model": ("model",),
-    "params": ("params",),
-    "mu": ("opt_state", "0", "mu"),
-    "nu": ("opt_state", "0", "nu"),
-}
-ROOTS = tuple(ROOT_PATHS)
-
-_TORCH_TO_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-                  torch.float64: "float64"}
-TORCH_DTYPES: dict[str, torch.dtype] = {name: t for t, name in _TORCH_TO_NAME.items()}  # store name -> torch
 
 
 @lru_cache(maxsize=None)
@@ -42,15 +33,73 @@ def tree_name(root: str, array: str) -> str:
     >>> tree_name("mu", "module.decoder.layers.mlp.linear_fc1.weight.gate")
     'opt_state.0.mu.decoder.layers.mlp.linear_fc1.weight.gate'
     """
-    return path_to_name(ROOT_PATHS[root] + megatron_key_to_path(array))
+    return path_to_name(role_path(root, megatron_key_to_path(array)))
 
 
 def dtype_name(t: torch.dtype, what: str) -> str:
     """Store dtype name of a torch float dtype (BridgeError for anything else)."""
-    try:
-        return _TORCH_TO_NAME[t]
-    except KeyError:
-        raise BridgeError(f"{what}: dtype {t} cannot be stored; pass bf16/fp16/fp32 tensors or a QuantizedWeight") from None
+    name = name_of_torch(t)
+    if name not in FLOAT_NAMES:  # exported state is weights, masters and moments: floats only
+        raise BridgeError(f"{what}: dtype {t} cannot be stored; pass bf16/fp16/fp32 tensors or a QuantizedWeight")
+    return name
+
+
+@dataclass(frozen=True)
+class PieceSummary:
+    """One piece of a holding: elements [local_start, local_start + box size) are box [start, stop)
+    of logical array `array` (name without root)."""
+
+    array: str
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    local_start: int
+
+
+@dataclass(frozen=True)
+class HoldingSummary:
+    """What another rank needs to know about one holding: no data."""
+
+    root: str
+    param: str
+    dtype: str
+    main: bool | None  # the holding's main_replica
+    pieces: tuple[PieceSummary, ...]
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """Everything one rank contributes to the global plan.
+
+    `catalog`: Orbax name -> (shape, dtype) of every array its params belong to; `fused`: logical
+    path -> fused section table (JSON) of its fused params; `pads`: GTP pad_for_alignment values.
+
+    >>> s = RankSummary({tree_name(MODEL, "w"): ((4,), "bfloat16")},
+    ...                 (HoldingSummary(MODEL, "w", "bfloat16", None, (PieceSummary("w", (0,), (4,), 0),)),))
+    >>> RankSummary.from_json(s.to_json()) == s
+    True
+    """
+
+    catalog: dict[str, tuple[tuple[int, ...], str]]
+    holdings: tuple[HoldingSummary, ...]
+    fused: dict[str, dict] = field(default_factory=dict)
+    pads: tuple[int, ...] = ()
+
+    def to_json(self) -> dict:
+        """JSON-safe form for the all-gather (pieces as [array, start, stop, local_start])."""
+        return {"catalog": {n: [list(shape), dtype] for n, (shape, dtype) in self.catalog.items()},
+                "holdings": [{"root": h.root, "param": h.param, "dtype": h.dtype, "main": h.main,
+                              "pieces": [[p.array, list(p.start), list(p.stop), p.local_start] for p in h.pieces]}
+                             for h in self.holdings],
+                "fused": self.fused, "pads": list(self.pads)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RankSummary":
+        return cls({n: (tuple(int(x) for x in shape), dtype) for n, (shape, dtype) in d["catalog"].items()},
+                   tuple(HoldingSummary(h["root"], h["param"], h["dtype"], h["main"],
+                                        tuple(PieceSummary(a, tuple(st), tuple(sp), int(ls))
+                                              for a, st, sp, ls in h["pieces"]))
+                         for h in d["holdings"]),
+                   dict(d.get("fused", {})), tuple(d.get("pads", ())))
 
 
 @dataclass(eq=False)
@@ -66,12 +115,13 @@ class Holding:
 
     @property
     def dtype(self) -> str:
-        return _TORCH_TO_NAME[self.data.dtype]
+        return name_of_torch(self.data.dtype)
 
-    def describe(self) -> dict:
-        """JSON-safe summary (pieces as [array, start, stop, local_start])."""
-        return {"root": self.root, "param": self.param, "dtype": self.dtype, "main": self.main_replica,
-                "pieces": [[p.array, list(p.logical.start), list(p.logical.stop), p.local_start] for p in self.pieces]}
+    def describe(self) -> HoldingSummary:
+        """This holding without its data."""
+        return HoldingSummary(self.root, self.param, self.dtype, self.main_replica,
+                              tuple(PieceSummary(p.array, tuple(p.logical.start), tuple(p.logical.stop), p.local_start)
+                                    for p in self.pieces))
 
 
 def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -107,7 +157,7 @@ def param_holdings(p: LocalParam, run_layout, rank: int) -> list[Holding]:
             raise BridgeError(f"{where}: weight shard has shape {tuple(w.shape)}, the layout (TP={tp}, GTP={gtp}, "
                               f"t={t}, g={g}) gives {tuple(shape)}; pass the padded physical shard")
         dtype_name(w.dtype, where)
-        out.append(Holding("model", p.key, _flat(w, f"{where} weight"),
+        out.append(Holding(MODEL, p.key, _flat(w, f"{where} weight"),
                            geom.shard_pieces(tp, gtp, t, g, index), p.main_replica))
     o = p.optim
     if o is not None:
@@ -120,16 +170,16 @@ def param_holdings(p: LocalParam, run_layout, rank: int) -> list[Holding]:
 
 
 def rank_holdings(params: Sequence[LocalParam], run_layout, rank: int,
-                  with_optim: bool) -> tuple[list[Holding], dict[str, list]]:
-    """This rank's holdings (params as given, roots in ROOTS order) and its logical catalog.
+                  with_optim: bool) -> tuple[list[Holding], dict[str, tuple[tuple[int, ...], str]]]:
+    """This rank's holdings (params as given, roles in `bridge.format.schema.ROLES` order) and its logical catalog.
 
-    The catalog maps Orbax name -> [shape, dtype] for every array these params belong to: `model/...`
+    The catalog maps Orbax name -> (shape, dtype) for every array these params belong to: `model/...`
     when a weight is given, `params`/`mu`/`nu` when `with_optim` (even where this rank owns no
     fragment: the global coverage check then finds state nobody holds).
     """
     seen: set[tuple[str, tuple[int, ...]]] = set()
     out: list[Holding] = []
-    catalog: dict[str, list] = {}
+    catalog: dict[str, tuple[tuple[int, ...], str]] = {}
     for i, p in enumerate(params):
         ident = (p.key, tuple(p.index) or p.geometry.index)
         if ident in seen:
@@ -140,19 +190,19 @@ def rank_holdings(params: Sequence[LocalParam], run_layout, rank: int,
         mine = param_holdings(p, run_layout, rank)
         for h in mine:
             h.slot = i
-        if mine and not with_optim and any(h.root != "model" for h in mine):
+        if mine and not with_optim and any(h.root != MODEL for h in mine):
             raise BridgeError(f"rank {rank}: {p.key} carries optimizer state but the run has no optimizer config; "
                               "set LiveRun.optimizer (AdamConfig)")
         out.extend(mine)
         dtypes = {h.root: h.dtype for h in mine}
         for array, shape in p.geometry.logical_arrays().items():
-            if "model" in dtypes:
-                catalog[tree_name("model", array)] = [list(shape), dtypes["model"]]
+            if MODEL in dtypes:
+                catalog[tree_name(MODEL, array)] = (tuple(shape), dtypes[MODEL])
             if with_optim:
-                for root in ("params", "mu", "nu"):
-                    catalog.setdefault(tree_name(root, array), [list(shape), dtypes.get(root, "float32")])
-                    if root in dtypes:
-                        catalog[tree_name(root, array)][1] = dtypes[root]
+                for root in OPTIMIZER_ROLES:
+                    name = tree_name(root, array)
+                    if root in dtypes or name not in catalog:
+                        catalog[name] = (tuple(shape), dtypes.get(root, "float32"))
     return out, catalog
 
 
@@ -194,7 +244,7 @@ def refresh_holdings(template: Sequence[Holding], params: Sequence[LocalParam]) 
     out = []
     for h in template:
         p = params[h.slot]
-        if h.root == "model":
+        if h.root == MODEL:
             if h.slot not in weights:
                 weights[h.slot] = _flat(weight_tensor(p), f"{p.key} weight")
             data = weights[h.slot]

@@ -28,9 +28,11 @@ from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
 from bridge.layout.ownership import plan_ownership_many
-from bridge.live.holdings import ROOT_PATHS
+from bridge.format.schema import ROLE_ROOTS
+from bridge.live.holdings import RankSummary
 from bridge.store.plan import ArraySpec
-from bridge.store.specs import ITEMSIZE, inner_chunk_shape
+from bridge.dtypes import ITEMSIZE
+from bridge.store.specs import inner_chunk_shape
 from bridge.format.tree import name_to_path
 
 
@@ -111,11 +113,11 @@ def array_path(name: str) -> tuple[str, ...]:
     return name_to_path(name)
 
 
-def merge_catalogs(summaries: Sequence[dict]) -> list[ArraySpec]:
+def merge_catalogs(summaries: Sequence[RankSummary]) -> list[ArraySpec]:
     """Union of the ranks' catalogs in a deterministic order; disagreement is a BridgeError."""
     merged: dict[str, tuple[tuple[int, ...], str, int]] = {}
     for rank, s in enumerate(summaries):
-        for name, (shape, dtype) in s["catalog"].items():
+        for name, (shape, dtype) in s.catalog.items():
             shape = tuple(int(x) for x in shape)
             prev = merged.get(name)
             if prev is None:
@@ -123,7 +125,7 @@ def merge_catalogs(summaries: Sequence[dict]) -> list[ArraySpec]:
             elif prev[:2] != (shape, dtype):
                 raise BridgeError(f"{name}: rank {prev[2]} holds it as {prev[1]}{list(prev[0])}, rank {rank} as "
                                   f"{dtype}{list(shape)}; every rank must describe a parameter with the same geometry and dtype")
-    root_order = {ROOT_PATHS[r]: i for i, r in enumerate(ROOT_PATHS)}
+    root_order = {root: i for i, root in enumerate(ROLE_ROOTS.values())}
 
     def order(name: str):
         path = array_path(name)
@@ -135,19 +137,18 @@ def merge_catalogs(summaries: Sequence[dict]) -> list[ArraySpec]:
     return [ArraySpec(array_path(n), merged[n][0], merged[n][1]) for n in sorted(merged, key=order)]
 
 
-def collect_sources(summaries: Sequence[dict], tree_name) -> list[Source]:
+def collect_sources(summaries: Sequence[RankSummary], tree_name) -> list[Source]:
     """Every usable piece of every rank (copies marked `main_replica=False` are left out).
 
     `tree_name(root, array)` maps a holding's root and logical array to the Orbax name.
     """
     out = []
     for rank, s in enumerate(summaries):
-        for h_idx, h in enumerate(s["holdings"]):
-            if h["main"] is False:
+        for h_idx, h in enumerate(s.holdings):
+            if h.main is False:
                 continue
-            for p_idx, (array, start, stop, local_start) in enumerate(h["pieces"]):
-                out.append(Source(tree_name(h["root"], array), Box(tuple(start), tuple(stop)), rank, h_idx, p_idx,
-                                  int(local_start)))
+            for p_idx, pc in enumerate(h.pieces):
+                out.append(Source(tree_name(h.root, pc.array), Box(pc.start, pc.stop), rank, h_idx, p_idx, pc.local_start))
     return out
 
 
@@ -243,7 +244,7 @@ def route(sources: Sequence[Source], catalog: Sequence[ArraySpec],
     return ownership, out
 
 
-def build_plan(summaries: Sequence[dict], tree_name, target_chunk_bytes: int = 4 << 20) -> ExportPlan:
+def build_plan(summaries: Sequence[RankSummary], tree_name, target_chunk_bytes: int = 4 << 20) -> ExportPlan:
     """The global export plan from every rank's summary (identical on every rank)."""
     world = len(summaries)
     catalog = merge_catalogs(summaries)

@@ -24,9 +24,10 @@ from bridge.layout.rectangles import Piece
 from bridge.live.api import AdamConfig, LiveRun, LocalParam, QuantizedWeight, ReloadResult
 from bridge.live.fp8 import quantize_into
 from bridge.live.holdings import tree_name
-from bridge.torch_numpy import from_numpy
+from bridge.dtypes import from_numpy
 from bridge.progress import progress
 from bridge.store.reader import Checkpoint, open_checkpoint
+from bridge.format.schema import MODEL, PARAMS, SCALAR_PATHS, has_role
 from bridge.format.tree import name_to_path, path_str
 
 
@@ -53,7 +54,7 @@ def _jobs(p: LocalParam, run: LiveRun, have_model: bool) -> list[_Job]:
         if tuple(p.weight.shape) != tuple(shape):
             raise BridgeError(f"{where}: target weight has shape {tuple(p.weight.shape)}, the layout (TP={tp}, GTP={gtp}) "
                               f"gives the physical shard shape {tuple(shape)}; allocate it at that shape")
-        out.append(_Job(p, "model" if have_model else "params", geom.shard_pieces(tp, gtp, t, g, index), numel,
+        out.append(_Job(p, MODEL if have_model else PARAMS, geom.shard_pieces(tp, gtp, t, g, index), numel,
                         p.weight))
     o = p.optim
     if o is not None:
@@ -150,7 +151,7 @@ def reload_state(src: str, run: LiveRun, params: Sequence[LocalParam], *,
     optimizer settings.
     """
     ck = open_checkpoint(src)
-    have_model = any(p[0] == "model" for p in ck.paths())
+    have_model = has_role(ck.paths(), MODEL)
     jobs = [j for p in params for j in _jobs(p, run, have_model)]
     stores = _check_arrays(ck, jobs)
     total = 0
@@ -171,9 +172,9 @@ def reload_state(src: str, run: LiveRun, params: Sequence[LocalParam], *,
     m = ck.manifest
     opt = None
     if m is not None and m.optimizer.lr is not None:
-        o = m.optimizer
-        opt = AdamConfig(lr=o.lr, betas=tuple(o.betas) if o.betas else (0.9, 0.999), eps=o.eps if o.eps is not None else 1e-8,
-                         weight_decay=o.weight_decay or 0.0, no_decay=tuple(o.no_decay), clip_grad=o.clip_grad)
+        o = m.optimizer.with_defaults(weight_decay=0.0)
+        opt = AdamConfig(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, no_decay=tuple(o.no_decay),
+                         clip_grad=o.clip_grad)
     source = dict(vars(m.source)) if m is not None else {}
     return ReloadResult(step=step, optimizer=opt, source_layout=source, bytes_read=total)
 
@@ -181,9 +182,10 @@ def reload_state(src: str, run: LiveRun, params: Sequence[LocalParam], *,
 def _read_step(ck: Checkpoint) -> int:
     """optax `count` when present (completed optimizer steps), else the `step` leaf, else the manifest."""
     available = set(ck.paths())
-    for path in (("opt_state", "0", "count"), ("step",)):
+    for path in SCALAR_PATHS:
         if path in available:
             return int(np.asarray(ck.read(path)))
     if ck.manifest is not None and ck.manifest.optimizer.step is not None:
         return int(ck.manifest.optimizer.step)
-    raise BridgeError(f"checkpoint {ck.root} records no step (no opt_state/0/count, step, or manifest step)")
+    raise BridgeError(f"checkpoint {ck.root} records no step (no {', '.join(path_str(p) for p in SCALAR_PATHS)}, "
+                      f"or manifest step)")

@@ -30,7 +30,7 @@ import torch
 
 from bridge.layout.boxes import Box
 from bridge.store.staging import cells_are_row_runs, grid_cells
-from bridge.torch_numpy import numpy_dtype_of, to_numpy
+from bridge.dtypes import numpy_dtype_of_torch, to_numpy
 
 
 @dataclass(frozen=True)
@@ -348,7 +348,7 @@ class StagedWriter:
             off = 0
             for p in batches[k]:
                 nb = p.data.numel() * p.data.element_size()
-                arr = buf[off:off + nb].numpy().view(numpy_dtype_of(p.data.dtype)).reshape(p.box.shape)
+                arr = buf[off:off + nb].numpy().view(numpy_dtype_of_torch(p.data.dtype)).reshape(p.box.shape)
                 write(p.name, p.box, arr)
                 off += _slot(p)
                 self.staged_bytes += nb

@@ -1,6 +1,14 @@
 """The logical checkpoint store: Orbax-compatible TensorStore checkpoints written by many processes.
 
-Public API: see docs/ARCHITECTURE.md, section "Store API".
+Every writer plans the same catalog and writes only the chunks it owns; one commit publishes:
+
+    plan = make_write_plan([ArraySpec(("params", "w"), (1024, 512), "float32")], num_writers=2)
+    w = CheckpointWriter(begin_checkpoint(dst), plan, rank)    # begin: before any writer starts
+    for b in plan.lookup(("params", "w")).ownership.boxes_owned_by(rank):
+        w.write(("params", "w"), b, full[b.slices])
+    w.finish(); finalize(dst, plan, rank, Manifest())          # then: open_checkpoint(dst).read(("params", "w"))
+
+The modules and their roles: docs/ARCHITECTURE.md.
 """
 
 from bridge.store.claim import (Destination, DestinationClaim, check_destination_free, check_sources, claim_destination,
@@ -9,7 +17,8 @@ from bridge.store.commit import begin_checkpoint, commit_checkpoint, finalize, p
 from bridge.format.manifest import ArrayRecord, Manifest, OptimizerConfig, SourceLayout
 from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan
 from bridge.store.reader import ArrayInfo, Checkpoint, open_checkpoint
-from bridge.format.tree import adamw_empty_paths, megatron_key_to_path, name_to_path, path_to_name
+from bridge.format.schema import adamw_empty_paths
+from bridge.format.tree import megatron_key_to_path, name_to_path, path_to_name
 from bridge.store.writer import CheckpointWriter
 
 __all__ = [

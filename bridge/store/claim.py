@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Iterator, Protocol, Sequence
 
 from bridge.errors import BridgeError
+from bridge.location import is_remote
 from bridge.store.durable import fsync_path, fsync_tree, write_bytes_atomic
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -215,6 +216,8 @@ def check_sources(dst: str, sources: Iterable[str | os.PathLike] = ()) -> None:
     d = os.path.realpath(dst)
     t = os.path.realpath(tmp_dir_for(dst))
     for src in sources:
+        if is_remote(os.fspath(src)):
+            continue  # a URL never overlaps a local path
         s = os.path.realpath(os.fspath(src))
         if s == t:
             raise BridgeError(f"source {src} is the temporary directory of destination {dst}; "
@@ -257,7 +260,11 @@ def check_destination_free(dst: str | os.PathLike) -> None:
     Traceback (most recent call last):
     bridge.errors.BridgeError: destination / already exists; choose a new directory or remove it
     """
-    if os.path.lexists(dst):
+    if is_remote(os.fspath(dst)):
+        from bridge.store.remote import check_remote_free
+
+        check_remote_free(os.fspath(dst))
+    elif os.path.lexists(dst):
         raise BridgeError(f"destination {os.fspath(dst)} already exists; choose a new directory or remove it")
 
 
@@ -444,6 +451,15 @@ def held_claim(tmp_or_dst: str) -> DestinationClaim | None:
         return _HELD.get(p if p.endswith(TMP_SUFFIX) else p + TMP_SUFFIX)
 
 
+def held_destination(dst: str | os.PathLike) -> "Destination | None":
+    """The destination this process claimed at `dst` (a path or an s3:// / gs:// prefix), if any."""
+    if is_remote(os.fspath(dst)):
+        from bridge.store.remote import held_remote
+
+        return held_remote(os.fspath(dst))
+    return held_claim(os.fspath(dst))
+
+
 def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.PathLike] = ()) -> DestinationClaim:
     """Claim `dst` for this run; BridgeError (one line) when it cannot be claimed without risk.
 
@@ -452,6 +468,10 @@ def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
     reported on stderr). Use as a context manager: leaving it by an exception removes `claim.tmp`.
     SIGTERM / SIGHUP raise `Terminated` in the main thread while a claim is held, so cleanup runs.
     """
+    if is_remote(os.fspath(dst)):  # object storage: no rename, `_METADATA` written last (bridge.store.remote)
+        from bridge.store.remote import claim_remote
+
+        return claim_remote(os.fspath(dst), sources=[os.fspath(s) for s in sources])
     dst = os.path.abspath(os.fspath(dst)).rstrip("/")
     check_sources(dst, sources)
     _prune_finished()

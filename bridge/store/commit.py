@@ -23,7 +23,6 @@ file system one no-replace rename, so `dst` is either a complete checkpoint or a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -37,12 +36,15 @@ from bridge.errors import BridgeError
 from bridge.progress import progress
 from bridge.store import digest as dg
 from bridge.store import specs
-from bridge.store.claim import ClaimInfo, Destination, DestinationClaim, claim_destination, held_claim, tmp_dir_for
+from bridge.store.claim import (ClaimInfo, Destination, DestinationClaim, claim_destination, held_destination,
+                                tmp_dir_for)
 from bridge.store.durable import json_bytes
-from bridge.format.manifest import CHECKSUM_KEY, MANIFEST_KEY, ArrayRecord, Manifest, seal_metadata
+from bridge.format.manifest import ArrayRecord, Manifest, custom_metadata
+from bridge.format.seal import CHECKSUM_KEY, seal_metadata
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.format.tree import path_str, tree_metadata
-from bridge.store.writer import REPORT_DIR, CheckpointWriter, report_path
+from bridge.store.writer import REPORT_DIR, CheckpointWriter, report_key, report_path
+from bridge.location import absolute, basename, is_remote
 
 ITEM_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 COMMIT_MARKER = "commit_success.txt"
@@ -72,6 +74,8 @@ def checkpoint_metadata_json(init_ns: int, commit_ns: int | None = None, checksu
 # -- barrier -------------------------------------------------------------------------------------
 def wait_for_reports(tmp_dir: str, plan: WritePlan, timeout: float = 600.0, poll: float = 0.05) -> list[dict]:
     """File barrier: wait until every writer published its report; BridgeError naming the missing ones."""
+    if is_remote(tmp_dir):
+        return _remote_reports(tmp_dir, plan, timeout)
     deadline = time.monotonic() + timeout
     missing = list(range(plan.num_writers))
     wait = 0.001
@@ -87,7 +91,23 @@ def wait_for_reports(tmp_dir: str, plan: WritePlan, timeout: float = 600.0, poll
     reports = []
     for w in range(plan.num_writers):
         with open(report_path(tmp_dir, w)) as f:
-            r = json.load(f)
+            reports.append(json.load(f))
+    return _checked_reports(plan, reports)
+
+
+def _remote_reports(root: str, plan: WritePlan, timeout: float) -> list[dict]:
+    """`wait_for_reports` on object storage: poll for the report objects, then read them."""
+    from bridge.store import kvstore
+    from bridge.store.remote import wait_for_objects
+
+    keys = [report_key(w) for w in range(plan.num_writers)]
+    wait_for_objects(root, keys, timeout, "writers")
+    return _checked_reports(plan, [kvstore.read_json(root, k) for k in keys])
+
+
+def _checked_reports(plan: WritePlan, raw: Sequence[dict]) -> list[dict]:
+    reports = []
+    for w, r in enumerate(raw):
         if r.get("plan") != plan.fingerprint():
             raise BridgeError(f"writer {w} wrote with a different plan than the committer holds; "
                               "all writers must use the same WritePlan")
@@ -137,7 +157,7 @@ def metadata_json(plan: WritePlan, manifest: Manifest) -> dict:
     tree = tree_metadata([(ap.spec.path, ap.ownership.chunk_shape) for ap in plan.arrays.values()], plan.empty_paths)
     meta = {"tree_metadata": tree, "use_ocdbt": True, "use_zarr3": True,
             "store_array_data_equal_to_fill_value": True,
-            "custom_metadata": {MANIFEST_KEY: manifest.to_json()}}
+            "custom_metadata": custom_metadata(manifest)}
     return meta
 
 
@@ -185,7 +205,14 @@ def publish_orbax_checkpoint(claim: Destination, payload: str) -> str:
 def check_writer_databases(tmp_dir: str, plan: WritePlan) -> list[int]:
     """Every expected writer's database exists (a missing one is an error, never skipped)."""
     writers = expected_databases(plan)
-    missing = [w for w in writers if not os.path.isfile(os.path.join(specs.writer_db_dir(tmp_dir, w), "manifest.ocdbt"))]
+    if is_remote(tmp_dir):
+        from bridge.store import kvstore
+
+        have = set(kvstore.list_keys(tmp_dir, "ocdbt.process_"))
+        missing = [w for w in writers if f"ocdbt.process_{w}/manifest.ocdbt" not in have]
+    else:
+        missing = [w for w in writers
+                   if not os.path.isfile(os.path.join(specs.writer_db_dir(tmp_dir, w), "manifest.ocdbt"))]
     if missing:
         raise BridgeError(f"the databases of writers {missing} are missing from {tmp_dir} although their reports "
                           f"are there (removed by another process?); nothing was committed, rerun")
@@ -198,7 +225,7 @@ def merge_writer_databases(tmp_dir: str, writers: Sequence[int]) -> None:
     Every writer listed must have its database (BridgeError naming the missing ones)."""
     import tensorstore as ts
 
-    missing = [w for w in writers if not os.path.isdir(specs.writer_db_dir(tmp_dir, w))]
+    missing = [] if is_remote(tmp_dir) else [w for w in writers if not os.path.isdir(specs.writer_db_dir(tmp_dir, w))]
     if missing:
         raise BridgeError(f"writer databases {missing} are missing from {tmp_dir}; nothing was committed, rerun")
     ctx = ts.Context(specs.context_spec())
@@ -250,9 +277,16 @@ def check_stored_chunks(tmp_dir: str, plan: WritePlan) -> None:
 def _claim_for(dst: str, claim: DestinationClaim | None) -> DestinationClaim:
     """The claim on dst: the one given, the one this process holds, or (another process of the run
     made it) the one recorded in the temp directory."""
-    claim = claim or held_claim(dst)
+    claim = claim or held_destination(dst)
     if claim is not None:
         return claim
+    if is_remote(dst):
+        from bridge.store.remote import RemoteDestination, _load_claim
+
+        info = _load_claim(dst)
+        if info is None:
+            raise BridgeError(f"{dst} holds no gtp-bridge claim; call begin_checkpoint(dst) and run the writers first")
+        return RemoteDestination(dst, info)
     tmp = tmp_dir_for(dst)
     if not os.path.isdir(tmp):
         raise BridgeError(f"no checkpoint in progress at {tmp}; call begin_checkpoint(dst) and run the writers first")
@@ -269,7 +303,7 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
     stored, write sealed metadata, fsync, rename tmp -> dst (never over an existing dst).
 
     On any failure the run's temp directory is removed (by the process holding the claim)."""
-    dst = os.path.abspath(dst)
+    dst = absolute(dst)
     claim = _claim_for(dst, claim)
     tmp = claim.tmp
     init_ns = time.time_ns()
@@ -282,12 +316,17 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
         manifest = manifest if manifest is not None else Manifest()
         records = {name: ArrayRecord(ap.spec.shape, ap.spec.dtype, dg.to_hex(digests[name]) if algo else None)
                    for name, ap in plan.arrays.items()}
-        manifest = dataclasses.replace(manifest, arrays=records, digest_algorithm=algo)
+        manifest = manifest.with_arrays(records, algo)
         merge_writer_databases(tmp, check_writer_databases(tmp, plan))
         check_stored_chunks(tmp, plan)
         claim.check_owned()  # nobody replaced the directory while we merged
-        shutil.rmtree(os.path.join(tmp, REPORT_DIR))
         meta = metadata_json(plan, manifest)
+        if is_remote(tmp):
+            from bridge.store import kvstore
+
+            kvstore.delete_prefix(tmp, REPORT_DIR + "/")
+        else:
+            shutil.rmtree(os.path.join(tmp, REPORT_DIR))
     except BaseException:
         claim.release()
         raise
@@ -335,7 +374,7 @@ def save_checkpoint(dst: str, arrays: Mapping[Sequence[str] | str, np.ndarray], 
     plan = make_write_plan(catalog, num_writers, empty_paths=empty_paths, compression=compression)
     data = {spec.name: np.asarray(a) for spec, a in zip(catalog, arrays.values())}
     with claim_destination(dst) as claim:
-        with progress(plan.total_bytes, f"save {os.path.basename(dst)}") as bar:
+        with progress(plan.total_bytes, f"save {basename(dst)}") as bar:
             for w in range(num_writers):
                 writer = CheckpointWriter(claim.tmp, plan, w)
                 for name, ap in plan.arrays.items():

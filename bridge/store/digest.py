@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from bridge.dtypes import uint_view
 from bridge.layout.boxes import Box
 
 ALGORITHM = "gtpb-sum64-v2"
@@ -27,16 +28,6 @@ _LANES = {
     32: (np.uint32, np.uint32(0x9E3779B9), np.uint32(0x85EBCA6B), np.uint32(15)),
     64: (np.uint64, np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(31)),
 }
-_UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def element_bits(data: np.ndarray) -> np.ndarray:
-    """Reinterpret elements as unsigned integers of the same width (no value conversion)."""
-    data = np.asarray(data)
-    try:
-        return data.view(_UINT_OF_SIZE[data.dtype.itemsize])
-    except KeyError:
-        raise ValueError(f"cannot digest dtype {data.dtype} (itemsize {data.dtype.itemsize})") from None
 
 
 def digest_box(global_shape: Sequence[int], box: Box, data: np.ndarray) -> int:
@@ -54,7 +45,7 @@ def digest_box(global_shape: Sequence[int], box: Box, data: np.ndarray) -> int:
         raise ValueError(f"data shape {data.shape} != box shape {box.shape}")
     if box.empty:
         return 0
-    bits = element_bits(data)
+    bits = uint_view(data)
     lane = 64 if bits.itemsize == 8 else 32
     if not global_shape:
         return _mix_sum(bits.reshape(1, 1), [0], lane)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping, Sequence
 
+from bridge.dtypes import ITEMSIZE, check_name
 from bridge.errors import BridgeError
 from bridge.layout.chunks import ArrayOwnership, regular_ownership
 from bridge.store import specs
@@ -35,7 +36,7 @@ class ArraySpec:
         if any(s < 0 for s in shape):
             raise BridgeError(f"{path_str(self.path)}: negative dimension in shape {shape}")
         object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "dtype", specs.check_dtype(str(self.dtype), path_str(self.path)))
+        object.__setattr__(self, "dtype", check_name(str(self.dtype), path_str(self.path)))
 
     @cached_property  # looked up on every write: computed (and the path validated) once
     def name(self) -> str:
@@ -44,7 +45,7 @@ class ArraySpec:
 
     @property
     def itemsize(self) -> int:
-        return specs.ITEMSIZE[self.dtype]
+        return ITEMSIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:

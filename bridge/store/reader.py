@@ -19,11 +19,13 @@ import numpy as np
 
 from bridge.errors import BridgeError, IntegrityError
 from bridge.layout.boxes import Box
+from bridge.location import is_remote, location
 from bridge.store import specs
 from bridge.store.claim import TMP_SUFFIX
-from bridge.format.manifest import CHECKSUM_KEY, MANIFEST_KEY, Manifest, metadata_problems
-from bridge.store.specs import numpy_dtype
-from bridge.format.tree import Path, parse_tree_metadata, path_str
+from bridge.format.manifest import Manifest, manifest_from_custom
+from bridge.format.seal import CHECKSUM_KEY, metadata_problems
+from bridge.dtypes import numpy_dtype
+from bridge.format.tree import Path, parse_tree_metadata, path_str, validate_path
 
 # Orbax item sub-directories (v1 `state/`, CheckpointManager `default/`) when given the step dir.
 ITEM_DIRS = ("state", "default")
@@ -51,9 +53,15 @@ def find_checkpoint_root(path: str) -> str:
     """The directory holding `_METADATA`: `path` itself or its single Orbax item sub-directory."""
     from bridge.store.manager import resolve
 
+    if is_remote(path):
+        from bridge.store.remote import committed_root
+
+        return committed_root(location(path))
     path = os.path.abspath(resolve(path))  # refuses URLs; an Orbax manager root -> its latest step
     if path.rstrip("/").endswith(TMP_SUFFIX):
         raise BridgeError(f"{path} is an uncommitted (temporary) checkpoint directory; it was never completed")
+    if not os.path.exists(path):
+        raise BridgeError(f"{path} is not a directory: it does not exist; pass a checkpoint directory")
     if not os.path.isdir(path):
         raise BridgeError(f"{path} is not a directory; pass a checkpoint directory")
     if os.path.isfile(os.path.join(path, "_METADATA")):
@@ -92,15 +100,13 @@ class Checkpoint:
         self.fill_missing = not metadata.get("store_array_data_equal_to_fill_value", False)
         self.metadata_problems = list(problems)
         custom = metadata.get("custom_metadata") or {}
-        raw = custom.get(MANIFEST_KEY) if isinstance(custom, dict) else None
         self.manifest: Manifest | None = None
-        if raw is not None:
-            try:
-                self.manifest = Manifest.from_json(raw)
-            except IntegrityError as e:
-                if not problems:
-                    raise
-                self.metadata_problems.append(str(e))  # opened to inspect damage: the arrays stay readable
+        try:
+            self.manifest = manifest_from_custom(custom)
+        except IntegrityError as e:
+            if not problems:
+                raise
+            self.metadata_problems.append(str(e))  # opened to inspect damage: the arrays stay readable
         self.metadata_checksum: str | None = custom.get(CHECKSUM_KEY) if isinstance(custom, dict) else None
         self.context = ts.Context(specs.context_spec())
         self._info: dict[Path, ArrayInfo] = {}
@@ -193,18 +199,29 @@ def _array_info(t, zarr3: bool) -> ArrayInfo:
     return ArrayInfo(shape, dtype, chunks, chunks, comp.get("id") if comp else None)
 
 
+def _read_file(root: str, name: str) -> bytes:
+    """A small file of a checkpoint root (a local directory or an s3:// / gs:// prefix)."""
+    if is_remote(root):
+        from bridge.store import kvstore
+
+        data = kvstore.read_bytes(root, name)
+        if data is None:
+            raise FileNotFoundError(f"{root}/{name} does not exist")
+        return data
+    with open(os.path.join(root, name), "rb") as f:
+        return f.read()
+
+
 def read_metadata(root: str) -> tuple[dict, list[str]]:
     """`_METADATA` of a checkpoint root and the problems `metadata_problems` finds in it."""
     try:
-        with open(os.path.join(root, "_METADATA")) as f:
-            metadata = json.load(f)
+        metadata = json.loads(_read_file(root, "_METADATA"))
     except (OSError, ValueError) as e:
         raise IntegrityError(f"{root}/_METADATA is unreadable ({_one_line(e)}); the checkpoint is damaged") from e
     if not isinstance(metadata, dict):
         raise IntegrityError(f"{root}/_METADATA is not a JSON object; the checkpoint is damaged")
     try:
-        with open(os.path.join(root, "_CHECKPOINT_METADATA")) as f:
-            ckpt_meta = json.load(f)
+        ckpt_meta = json.loads(_read_file(root, "_CHECKPOINT_METADATA"))
     except (OSError, ValueError):
         ckpt_meta = None  # optional (older Orbax); the checksum in _METADATA still applies
     return metadata, metadata_problems(metadata, ckpt_meta)
@@ -227,16 +244,36 @@ def check_metadata(root: str, allow_edited_metadata: bool | None = None) -> tupl
     return metadata, problems
 
 
+def open_root(path: str, allow_edited_metadata: bool | None = None) -> tuple[str, dict, list[str]]:
+    """The one set of rules for opening a committed checkpoint: (root, `_METADATA`, its problems).
+
+    Shared by `open_checkpoint` and the JAX side's `stored_arrays`, so both accept and refuse the
+    same directories: the location is resolved (an Orbax manager root -> its latest step, a step ->
+    its item sub-directory); temporary, missing, torch_dist and damaged directories are refused;
+    `_METADATA` edited after commit is refused unless allowed; every array name is checked
+    (checkpoints are untrusted) before anything opens an array.
+    """
+    root = find_checkpoint_root(path)
+    metadata, problems = check_metadata(root, allow_edited_metadata)
+    try:
+        arrays, empty = parse_tree_metadata(metadata["tree_metadata"])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise IntegrityError(f"{root}/_METADATA has no valid tree_metadata ({_one_line(e)}); "
+                             "the checkpoint is damaged") from None
+    for p in list(arrays) + list(empty):
+        validate_path(p)
+    return root, metadata, problems
+
+
 def open_checkpoint(path: str, *, allow_edited_metadata: bool | None = None) -> Checkpoint:
     """Open a committed checkpoint directory (never a `*.orbax-checkpoint-tmp` one).
 
     A bridge checkpoint whose `_METADATA` fails its checksum (any field edited, the manifest
     removed) is refused with an IntegrityError unless `allow_edited_metadata=True` (or the
     environment variable GTP_BRIDGE_ALLOW_EDITED_METADATA=1); the problems are then listed in
-    `Checkpoint.metadata_problems`.
+    `Checkpoint.metadata_problems`. The rules: `open_root`.
     """
-    root = find_checkpoint_root(path)
-    metadata, problems = check_metadata(root, allow_edited_metadata)
+    root, metadata, problems = open_root(path, allow_edited_metadata)
     if not problems:
         # a malformed manifest under a matching checksum is still damage: the Checkpoint raises
         return Checkpoint(root, metadata)

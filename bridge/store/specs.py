@@ -1,5 +1,8 @@
 """PURE TensorStore spec builders for the logical checkpoint (no I/O, no tensorstore import).
 
+Roots are local paths or s3:// / gs:// URLs (`bridge.location`); the base kvstore under a root
+comes from `bridge.store.kvstore.base_kvstore` (which reads the storage environment).
+
 Layout written by the bridge (Orbax-compatible, see docs/orbax-tensorstore-optax.md §3.2):
 writer w puts every array's owned chunks into its own OCDBT database ``<tmp>/ocdbt.process_<w>/``;
 the array is zarr3 with one ``sharding_indexed`` codec: outer chunk = one owned block, inner
@@ -12,51 +15,23 @@ from __future__ import annotations
 from math import prod
 from typing import Sequence
 
-import numpy as np
-
+from bridge.dtypes import check_name
 from bridge.errors import BridgeError
+from bridge.store.kvstore import base_kvstore
 
-SUPPORTED_DTYPES = ("float64", "float32", "bfloat16", "float16", "int64", "int32", "int16", "int8",
-                    "uint64", "uint32", "uint16", "uint8", "bool")
-ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2,
-            "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1}
 COMPRESSIONS = (None, "zstd")
 # 1 MiB inner chunks: 512x512 fp32, so 8/16-way row or column shards of typical matrices read no
-# extra bytes; measured write CPU cost vs one inner chunk per shard: +0.03 s per 128 MiB.
+# extra bytes, for a small write CPU cost over one inner chunk per shard.
 DEFAULT_INNER_CHUNK_BYTES = 1 << 20
 OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000, "manifest_kind": "single"}
 # OCDBT starts writing a data file once this many bytes of a transaction are encoded, several at
 # once, while later shards are still being encoded (2 GiB, Orbax's value, means one file written by
 # one thread after all encoding). What is left when the transaction commits is written only after
-# every data file in flight has landed, so smaller files shorten each commit's serial tail: 16 vs
-# 64 MiB on the 32-CPU GPU host, 1 GiB in 128 MiB transactions 1.00 vs 1.30 s (raw TensorStore
-# 0.96 s, bench_ocdbt_commits), store 1.48 vs 1.42 GB/s at 2 GiB and 1.58 vs 1.59 at 4 GiB
-# (bench_store_write); 4 MiB files make the store 11% slower.
+# every data file in flight has landed, so smaller files shorten each commit's serial tail; much
+# smaller files cost more per file than they save (bench_ocdbt_commits, bench_store_write; figures
+# in the README's performance section).
 # A writer-side knob only: readers follow the B-tree, whatever the file sizes.
 TARGET_DATA_FILE_SIZE = 16 << 20
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    """The numpy dtype of a stored dtype name (bfloat16 through ml_dtypes).
-
-    >>> numpy_dtype("bfloat16").name, numpy_dtype("float32").name
-    ('bfloat16', 'float32')
-    """
-    import ml_dtypes  # registers bfloat16 with numpy
-
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
-def check_dtype(dtype: str, name: str = "array") -> str:
-    """Normalise a dtype name and refuse unsupported ones.
-
-    >>> check_dtype("float32")
-    'float32'
-    """
-    d = str(dtype)
-    if d not in SUPPORTED_DTYPES:
-        raise BridgeError(f"{name}: unsupported dtype {d!r}; use one of {', '.join(SUPPORTED_DTYPES)}")
-    return d
 
 
 def check_compression(compression: str | None) -> str | None:
@@ -71,7 +46,15 @@ def writer_db_dir(root: str, writer: int) -> str:
 
 
 def file_kvstore(path: str) -> dict:
-    return {"driver": "file", "path": path if path.endswith("/") else path + "/"}
+    """The base kvstore under `path`: a local directory, or an s3:// / gs:// prefix (see
+    `bridge.store.kvstore.base_kvstore`; the name stays for the local case, the common one).
+
+    >>> file_kvstore("/c/x")
+    {'driver': 'file', 'path': '/c/x/'}
+    >>> file_kvstore("s3://bkt/c/x")["path"]
+    'c/x/'
+    """
+    return base_kvstore(path)
 
 
 def ocdbt_kvstore(db_dir: str, key_prefix: str | None = None, *, write: bool = False) -> dict:
@@ -87,7 +70,8 @@ def ocdbt_kvstore(db_dir: str, key_prefix: str | None = None, *, write: bool = F
         # As Orbax: data files are written in place (content-addressed, referenced only once the
         # manifest commits, so a crash leaves unreferenced garbage, never a torn value); the manifest
         # keeps atomic replace. Writers create fresh databases, so the config is fixed, not read.
-        kv["base"]["file_io_locking"] = {"mode": "non_atomic"}
+        if kv["base"]["driver"] == "file":
+            kv["base"]["file_io_locking"] = {"mode": "non_atomic"}
         kv["manifest"] = file_kvstore(db_dir)
         kv.update({"config": dict(OCDBT_CONFIG), "assume_config": True, "target_data_file_size": TARGET_DATA_FILE_SIZE})
     return kv
@@ -207,7 +191,7 @@ def zarr3_metadata(shape: Sequence[int], dtype: str, chunk_shape: Sequence[int],
             raise BridgeError(f"inner chunk {tuple(inner)} does not divide outer chunk {tuple(outer)}")
     return {
         "shape": [int(s) for s in shape],
-        "data_type": check_dtype(dtype),
+        "data_type": check_name(dtype),
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": outer}},
         "chunk_key_encoding": {"name": "default"},
         "codecs": [{"name": "sharding_indexed", "configuration": {
@@ -252,6 +236,6 @@ def context_spec(io_concurrency: int = 64) -> dict:
     """Shared ts.Context resources (one Context must serve both sides of an OCDBT merge)."""
     # Chunk data is never cached (each byte is read once); OCDBT B-tree nodes are, as in Orbax.
     # TensorStore fsyncs every file it writes (file_io_sync, its default); leaving that to one
-    # parallel fsync pass at the end measured no faster (bench_store_write, 4 GiB on 32 CPUs).
+    # parallel fsync pass at the end measured no faster (bench_store_write).
     return {"file_io_concurrency": {"limit": io_concurrency}, "cache_pool": {"total_bytes_limit": 0},
             "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}}

@@ -6,8 +6,8 @@ inner chunk (~1 page fault per 4 KiB written); the writer (``staging=True``, the
 it instead into reused slabs, and TensorStore references each staged cell without copying it
 again (``can_reference_source_data_indefinitely``). A slab is refilled only once TensorStore
 dropped every reference to it (`Lease`), which may be later than the commit that wrote it.
-Measured on the 2-core VM (bench_store_write, store vs store_nostage): 1.09x
-with warm and 1.11x with cold free memory, 5% less peak RSS, ~10% more writer CPU.
+Reused slabs trade a little writer CPU for fewer page faults and less peak memory
+(`bench_store_write`, store vs store_nostage; figures in the README's performance section).
 
 `grid_cells` is pure index math; `Lease` and `SlabPool` hold memory only (no I/O).
 """

@@ -23,7 +23,7 @@ from bridge.layout.boxes import Box
 from bridge.progress import progress
 from bridge.store import digest as dg
 from bridge.store.reader import ArrayInfo, Checkpoint, open_checkpoint
-from bridge.store.specs import numpy_dtype
+from bridge.dtypes import numpy_dtype
 from bridge.format.tree import path_str
 
 READ_BLOCK_BYTES = 16 << 20

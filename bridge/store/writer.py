@@ -38,6 +38,7 @@ import numpy as np
 
 from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
+from bridge.location import is_remote
 from bridge.store import digest as dg
 from bridge.store import specs
 from bridge.store.durable import write_json_atomic
@@ -49,7 +50,7 @@ REPORT_DIR = "_gtp_bridge_writers"
 # Donated boxes at least this large are digested on a side thread (small ones: thread hand-off costs more).
 _ASYNC_DIGEST_BYTES = 256 << 10
 # Boxes whose inner-chunk cells average less than this are left to TensorStore to copy: per cell,
-# staging costs a TensorStore write call (~50 us), which only pays off for cells of this size.
+# staging costs one TensorStore write call, a fixed cost that only pays off for cells of this size.
 _MIN_STAGED_CELL_BYTES = 128 << 10
 # Boxes to be copied that are at most this large are copied here and referenced: waiting for
 # TensorStore's own copy is a hand-off to its threads and back, which costs more than the copy.
@@ -60,8 +61,8 @@ def default_batch_bytes() -> int:
     """Bytes per writer transaction when the caller does not say: 64 MiB, 128 MiB with >= 16 CPUs.
 
     Larger batches let OCDBT write more data files at once, which a many-core host with a deep disk
-    queue turns into throughput (bench_store_write, 4 GiB on 32 CPUs: 1.60 vs 1.42 GB/s); on a small
-    host the staging memory they touch costs more than they bring (2 CPUs: 0.68 vs 1.22 GB/s).
+    queue turns into throughput; on a small host the staging memory they touch costs more than they
+    bring (bench_store_write; figures in the README's performance section).
     """
     return (128 << 20) if (os.cpu_count() or 1) >= 16 else (64 << 20)
 
@@ -71,8 +72,12 @@ def _digest_cells(shape: Sequence[int], cells: Sequence[tuple[Box, np.ndarray]])
     return dg.combine([dg.digest_box(shape, cell, buf) for cell, buf in cells])
 
 
+def report_key(writer: int) -> str:
+    return f"{REPORT_DIR}/writer_{writer}.json"
+
+
 def report_path(tmp_dir: str, writer: int) -> str:
-    return os.path.join(tmp_dir, REPORT_DIR, f"writer_{writer}.json")
+    return os.path.join(tmp_dir, report_key(writer))
 
 
 class _BoxList:
@@ -201,9 +206,9 @@ class CheckpointWriter:
     """Writes the chunks `writer_id` owns into ``<tmp_dir>/ocdbt.process_<writer_id>/``.
 
     `commit_depth` = commits in flight while the next batch is staged. With 2, OCDBT sometimes
-    writes a transaction's data twice (an unreferenced copy: 1.14-1.55x the data on disk for
-    chunks written in pieces, tests/test_store_writer_scale.py), so 1 is the default; 2 only
-    where whole chunks are donated in one write each (the live export's GPU path).
+    writes a transaction's data twice (an unreferenced copy left on disk for chunks written in
+    pieces, tests/test_store_writer_scale.py), so 1 is the default; 2 only where whole chunks are
+    donated in one write each (the live export's GPU path).
     """
 
     def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int | None = None,
@@ -211,7 +216,10 @@ class CheckpointWriter:
                  drop_behind: bool = True, commit_depth: int = 1, btree_cache_bytes: int | None = None) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
-        if not os.path.isdir(tmp_dir):
+        self.remote = is_remote(tmp_dir)
+        if self.remote:
+            drop_behind = False  # no local files, no page cache to drop
+        elif not os.path.isdir(tmp_dir):
             raise BridgeError(f"checkpoint tmp dir {tmp_dir} does not exist; call begin_checkpoint(dst) first")
         import tensorstore as ts
 
@@ -368,8 +376,13 @@ class CheckpointWriter:
             own = st.plan.ownership
             mine = own.owners == self.writer_id
             report["arrays"][name] = {"covered": st.covered[mine].tolist(), "digest": dg.to_hex(st.digest)}
-        os.makedirs(os.path.join(self.tmp_dir, REPORT_DIR), exist_ok=True)
-        write_json_atomic(report_path(self.tmp_dir, self.writer_id), report)
+        if self.remote:
+            from bridge.store import kvstore
+
+            kvstore.write_json(self.tmp_dir, report_key(self.writer_id), report)
+        else:
+            os.makedirs(os.path.join(self.tmp_dir, REPORT_DIR), exist_ok=True)
+            write_json_atomic(report_path(self.tmp_dir, self.writer_id), report)
         self._finished = True
         return report
 
@@ -518,8 +531,8 @@ class CheckpointWriter:
         """Start the next transaction; the first one also binds every array this writer touches.
 
         Opening (or creating) an array waits on TensorStore's threads: once a batch is encoding
-        and writing, each open queues behind that work (measured 0.26 s of a 1 s export on 2
-        cores), so all opens happen before any data is in flight.
+        and writing, each open queues behind that work (a large share of a small export's time on a
+        small host), so all opens happen before any data is in flight.
         """
         self._txn = self._ts.Transaction(atomic=True)
         if self._issued == 0:  # every transaction begun before was committed (flush), so this is the first
@@ -529,12 +542,12 @@ class CheckpointWriter:
     def _bind(self, aps: Sequence[ArrayPlan]) -> list:
         """Open arrays `aps` in the current transaction (creating those whose metadata this writer owns).
 
-        The opens run concurrently (1000 arrays: 0.11 s instead of 0.23 s one after another on 2
-        cores). Each array is opened once per writer (``ts.open`` costs about a millisecond); later
+        The opens run concurrently: each mostly waits on TensorStore's threads, so waiting for all
+        at once costs little more than one. Each array is opened once per writer; later
         transactions rebind that handle, which is cheap. Arrays are created in a transaction of
         their own, committed before any data: created inside the first data transaction, OCDBT
         wrote the data of the next concurrent commits twice (same bytes, an unreferenced copy left
-        on disk: 1.25x for three 1 MiB chunks in three transactions, two commits in flight).
+        on disk).
         """
         ts = self._ts
         create = [ap for ap in aps if ap.meta_writer == self.writer_id and ap.spec.name not in self._created]

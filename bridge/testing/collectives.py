@@ -22,12 +22,12 @@ import torch.distributed as dist
 from bridge.errors import BridgeError
 from bridge.testing.model import EPComm, TPComm
 
-__all__ = ["Group", "RankGroups", "all_gather_into", "reduce_scatter_into", "all_reduce", "gtp_gather", "DistTPComm",
+__all__ = ["CommGroup", "RankGroups", "all_gather_into", "reduce_scatter_into", "all_reduce", "gtp_gather", "DistTPComm",
            "DistEPComm"]
 
 
 @dataclass(frozen=True)
-class Group:
+class CommGroup:
     """A process group with this rank's place in it (`pg` None when size 1 or not distributed)."""
 
     pg: Any
@@ -36,17 +36,17 @@ class Group:
     ranks: tuple[int, ...]
 
     @classmethod
-    def single(cls, rank: int = 0) -> "Group":
+    def single(cls, rank: int = 0) -> "CommGroup":
         return cls(None, 1, 0, (rank,))
 
 
-def _new_groups(all_groups: list[list[int]], rank: int, backend: str | None) -> Group:
+def _new_groups(all_groups: list[list[int]], rank: int, backend: str | None) -> CommGroup:
     """Create every group of one kind (all ranks call this identically); return `rank`'s."""
     mine = None
     for members in all_groups:
         pg = dist.new_group(members, backend=backend) if len(members) > 1 else None
         if rank in members:
-            mine = Group(pg, len(members), members.index(rank), tuple(members))
+            mine = CommGroup(pg, len(members), members.index(rank), tuple(members))
     if mine is None:
         raise BridgeError(f"rank {rank} is in none of the groups {all_groups}; build groups from the run's own layout")
     return mine
@@ -58,20 +58,20 @@ class RankGroups:
 
     rank: int
     world: int
-    tp: Group
-    gtp: Group
-    distopt: Group          # dense DistOpt sharding group (DP x CP, GTP excluded)
-    data: Group             # GTP x DP x CP: ranks that see different data
-    expert_tp: Group
-    expert_gtp: Group
-    expert_distopt: Group   # expert DP (EGTP excluded)
-    ep: Group
-    world_group: Group
+    tp: CommGroup
+    gtp: CommGroup
+    distopt: CommGroup          # dense DistOpt sharding group (DP x CP, GTP excluded)
+    data: CommGroup             # GTP x DP x CP: ranks that see different data
+    expert_tp: CommGroup
+    expert_gtp: CommGroup
+    expert_distopt: CommGroup   # expert DP (EGTP excluded)
+    ep: CommGroup
+    world_group: CommGroup
 
     @classmethod
     def single(cls) -> "RankGroups":
         """The unsharded reference: every group is this one rank."""
-        s = Group.single()
+        s = CommGroup.single()
         return cls(0, 1, s, s, s, s, s, s, s, s, s)
 
     @classmethod
@@ -97,13 +97,13 @@ class RankGroups:
             expert_gtp=_new_groups(e.groups("gtp_remat"), rank, backend),
             expert_distopt=_new_groups(e.groups("dp"), rank, backend),
             ep=_new_groups(e.groups("ep"), rank, backend),
-            world_group=Group(None if world == 1 else dist.group.WORLD, world, rank, tuple(range(world))),
+            world_group=CommGroup(None if world == 1 else dist.group.WORLD, world, rank, tuple(range(world))),
         )
 
 
 # --- plain collectives (no autograd) ---------------------------------------------------------------
 
-def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: CommGroup) -> None:
     """`out` = concatenation of every member's `inp` (1-D, member order)."""
     if group.size == 1:
         out.copy_(inp)
@@ -112,7 +112,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
     fn(out, inp.contiguous(), group=group.pg)
 
 
-def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: CommGroup) -> None:
     """`out` = this member's 1/size slice (dim 0) of the sum of every member's `inp`."""
     if group.size == 1:
         out.copy_(inp)
@@ -121,7 +121,7 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group) -> N
     fn(out, inp.contiguous(), group=group.pg)
 
 
-def all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: CommGroup, op: str = "sum") -> torch.Tensor:
     """In-place all-reduce (sum or max); returns `x`."""
     if group.size > 1:
         dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group.pg)
@@ -189,11 +189,11 @@ class _GTPGather(torch.autograd.Function):
         return out, None, None
 
 
-def gtp_gather(shard: torch.Tensor, group: Group, logical_rows: int) -> torch.Tensor:
+def gtp_gather(shard: torch.Tensor, group: CommGroup, logical_rows: int) -> torch.Tensor:
     """Differentiable GTP all-gather of a weight shard (padding rows stripped).
 
     >>> w = torch.arange(6.).view(3, 2).requires_grad_()
-    >>> full = gtp_gather(w, Group.single(), 2); full.sum().backward()
+    >>> full = gtp_gather(w, CommGroup.single(), 2); full.sum().backward()
     >>> full.shape, w.grad[:, 0].tolist()
     (torch.Size([2, 2]), [1.0, 1.0, 0.0])
     """
@@ -203,7 +203,7 @@ def gtp_gather(shard: torch.Tensor, group: Group, logical_rows: int) -> torch.Te
 class DistTPComm(TPComm):
     """`TPComm` over a TP process group."""
 
-    def __init__(self, group: Group):
+    def __init__(self, group: CommGroup):
         self.group = group
         self.size = group.size
         self.rank = group.rank
@@ -218,13 +218,13 @@ class DistTPComm(TPComm):
         return x if self.size == 1 else _GatherLastDim.apply(x, self.group)
 
 
-def _gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _gather_dim0(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     out = torch.empty((group.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     all_gather_into(out.view(-1), x.contiguous().view(-1), group)
     return out
 
 
-def _reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _reduce_scatter_dim0(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     out = torch.empty((x.shape[0] // group.size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     reduce_scatter_into(out.view(-1), x.contiguous().view(-1), group)
     return out
@@ -255,7 +255,7 @@ class _ScatterTokens(torch.autograd.Function):
 class DistEPComm(EPComm):
     """`EPComm` over an expert-parallel process group (all-gather token dispatcher)."""
 
-    def __init__(self, group: Group):
+    def __init__(self, group: CommGroup):
         self.group = group
         self.size = group.size
         self.rank = group.rank

@@ -16,7 +16,7 @@ import numpy as np
 
 from bridge.store.commit import save_checkpoint
 from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
-from bridge.format.tree import adamw_empty_paths
+from bridge.format.schema import adamw_empty_paths
 
 # AdamW hyper-parameters of the demo run (recorded in the manifest).
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1

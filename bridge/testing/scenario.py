@@ -113,8 +113,9 @@ def logical_from_assembled(assembled: Mapping, kinds: Sequence[str] = KINDS, pad
 
 def bits(a) -> np.ndarray:
     """Raw bits (NaN == NaN, -0.0 != 0.0) for bit-exact comparisons."""
-    a = np.ascontiguousarray(np.asarray(a))
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+    from bridge.dtypes import uint_view
+
+    return uint_view(np.ascontiguousarray(np.asarray(a)))
 
 
 def leaf(tree, name: str):

@@ -46,7 +46,7 @@ from bridge.layout.assemble import assemble_shard, split_local
 from bridge.layout.distopt import BufferKey, BufferLayout, DistOptParam, distopt_layouts, owned_ranges
 from bridge.live.api import AdamConfig, LiveRun, LocalParam, OptimFragment, QuantizedWeight
 from bridge.live.fp8 import bind_optimizer_state
-from bridge.testing.collectives import (DistEPComm, DistTPComm, Group, RankGroups, all_gather_into, all_reduce, gtp_gather,
+from bridge.testing.collectives import (DistEPComm, DistTPComm, CommGroup, RankGroups, all_gather_into, all_reduce, gtp_gather,
                                                reduce_scatter_into)
 from bridge.testing.model import EPComm, ModelConfig, ParamDef, batch, forward, init_logical, param_table
 
@@ -172,7 +172,7 @@ class _Slot:
 class _Buffer:
     key: BufferKey
     layout: BufferLayout
-    group: Group
+    group: CommGroup
     slots: list[_Slot]
     param_data: torch.Tensor
     grad_data: torch.Tensor

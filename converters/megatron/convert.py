@@ -26,41 +26,44 @@ import numpy as np
 
 from bridge.cast_check import bits_equal, cast_mismatch
 from bridge.errors import BridgeError, require
-from bridge.location import local_path
+from bridge.location import absolute, basename, is_remote, location
 from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, grid_shape
-from bridge.layout.parallel import ParallelLayout
-from bridge.lr_schedule import RECORD_VERSION
+from bridge.format.scheduler import SchedulerRecord
 from bridge.progress import progress
 from bridge.store.claim import check_destination_free, check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
-from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
+from bridge.format.manifest import (MEGATRON_KEY, Manifest, MegatronParam, MegatronRecord, OptimizerConfig,
+                                    SourceLayout)
+from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_DTYPE, SCALAR_PATHS, STATE_ROLE,
+                                  adamw_empty_paths)
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
-from bridge.store.specs import numpy_dtype
-from bridge.format.tree import adamw_empty_paths, megatron_key_to_path, path_str
+from bridge.dtypes import name_of_torch, numpy_dtype
+from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
-from converters.megatron.dcp_reader import DcpCheckpoint
-from converters.megatron.cache import ChunkCache
-from converters.megatron.format import (Hints, SourceCheckpoint, _plain, describe, optimizer_groups,
-                                        parse_groups_hyper, step_of)
+from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
+from converters.megatron.cache import ChunkCache, check_records
+from converters.megatron.format import (Hints, SourceCheckpoint, describe, optimizer_groups,
+                                        parse_groups_hyper, plain_value, step_of)
 from converters.megatron.plan import (ROLES, Block, CopyIndex, Unit, assign_blocks, contributes, flat_copies,
-                                      literal, local_instances, model_space_copies, parse_dtype_key,
+                                      dp_group_places, literal, local_instances, model_space_copies,
+                                      model_space_copies_flat, object_tensor_key, parse_dtype_key,
                                       plan_blocks, rebuild_bucket_layout, role_path)
 
 MIN_BYTES_PER_WORKER = 1 << 30
 MIN_BATCH_BYTES = 1 << 20
 
-TORCH_TO_NP = {"torch.bfloat16": "bfloat16", "torch.float32": "float32", "torch.float16": "float16",
-               "torch.float64": "float64", "torch.int64": "int64", "torch.int32": "int32", "torch.uint8": "uint8"}
+#: source tensor dtypes convert accepts (weights, masters, moments, and the integer buffers Megatron keeps)
+CONVERTIBLE_DTYPES = ("bfloat16", "float32", "float16", "float64", "int64", "int32", "uint8")
 
 
 def np_dtype_name(torch_dtype: Any) -> str:
     """numpy dtype name of a torch dtype."""
-    s = str(torch_dtype)
-    if s not in TORCH_TO_NP:
-        raise BridgeError(f"unsupported tensor dtype {s} in the checkpoint")
-    return TORCH_TO_NP[s]
+    name = name_of_torch(torch_dtype)
+    if name not in CONVERTIBLE_DTYPES:
+        raise BridgeError(f"unsupported tensor dtype {torch_dtype} in the checkpoint")
+    return name
 
 
 
@@ -105,23 +108,30 @@ def build_units(src: SourceCheckpoint, hints: Hints) -> list[Unit]:
     for name, m in src.models.items():
         tp, gtp = lay.tp_gtp_sizes(m.geom.expert)
         arrays = m.geom.logical_arrays()
-        dtypes = {"model": np_dtype_name(m.dtype), "params": "float32", "mu": "float32", "nu": "float32"}
-        u = Unit(name, arrays, dtypes, {"model": model_space_copies(m.key, m.info, m.geom, m.npre, m.legacy_padded,
-                                                                      tp, gtp)}, stacked=len(m.geom.prepend))
-        if src.fmt == "fully_reshardable":
-            for role in ("params", "mu", "nu"):
+        dtypes = {MODEL: np_dtype_name(m.dtype), PARAMS: "float32", MU: "float32", NU: "float32"}
+        u = Unit(name, arrays, dtypes, {MODEL: model_space_copies(m.key, m.info, m.geom, m.npre, m.legacy_padded,
+                                                                  tp, gtp)}, stacked=len(m.geom.prepend))
+        if src.fmt in ("fully_reshardable", "fully_sharded_model_space"):
+            for role in OPTIMIZER_ROLES:
                 key = src.opt_keys.get((role, name))
                 if key is None:
                     continue
                 info = src.ck.tensors[key]
+                u.dtypes[role] = np_dtype_name(info.dtype)
+                if src.fmt == "fully_sharded_model_space":
+                    if m.legacy_padded:
+                        raise BridgeError(f"{key}: fully_sharded_model_space with a padded GTP grid; unknown format")
+                    u.copies[role] = model_space_copies_flat(key, info, m.info.shape, m.geom, m.npre)
+                    continue
                 if info.shape != m.info.shape:
                     raise BridgeError(f"{key}: stored shape {info.shape} differs from the model entry's "
                                       f"{m.info.shape}; unknown format")
-                u.dtypes[role] = np_dtype_name(info.dtype)
                 u.copies[role] = model_space_copies(key, info, m.geom, m.npre, m.legacy_padded, tp, gtp)
         units[name] = u
-    if src.fmt == "dp_reshardable":
+    if src.fmt in ("dp_reshardable", "fully_sharded_bucket_space"):
         add_dp_copies(src, units, hints)
+    elif src.fmt == "dp_zero_gather_scatter":
+        add_dp_zero_copies(src, units, hints)
     return list(units.values())
 
 
@@ -159,7 +169,7 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
     for d in src.dp_keys:
         by_bucket.setdefault((d.chain, d.dp_group_idx, d.gbuf, d.dtype, d.bucket), {})[d.state] = d.key
     buffers = sorted({k[:4] for k in by_bucket})
-    coords = _dp_group_coords(lay)
+    coords = {"dense": dp_group_places(lay), "expert": dp_group_places(lay, expert=True)}
     for chain, k, j, dtype_key in buffers:
         expert = split_expert and chain == chains[-1]
         prefix = f"chained_{chain}." if prefixed else ""
@@ -168,11 +178,11 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
         if ck_coords is None:
             raise BridgeError(f"{where}: dp_group_idx {k} does not exist for layout {lay.to_json()}; "
                               f"pass --tp/--gtp/--ep matching the run")
-        t, g, e = ck_coords
+        t, g, e, stage = ck_coords
         pdt, _gdt = parse_dtype_key(dtype_key)
         geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
                  and np_dtype_name(src.models[g_.name].dtype) == pdt]
-        insts = local_instances(geoms, lay, e)
+        insts = local_instances(geoms, lay, e, stage)
         gmap = {g_.name: g_ for g_ in geoms}
         sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
         numels = {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
@@ -186,11 +196,13 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
             if states is None:
                 raise BridgeError(f"{where}: bucket {b} is missing from the checkpoint (missing shard?)")
             for state, key in states.items():
-                role = {"param": "params", "exp_avg": "mu", "exp_avg_sq": "nu"}[state]
+                role = STATE_ROLE[state]
                 info = ck.tensors[key]
-                if info.shape != (blay.numel_unpadded[b],):
+                # fully_sharded_bucket_space stores the padded bucket (garbage in the padding)
+                want = blay.per_bucket_numel()[b] if src.fmt == "fully_sharded_bucket_space" else blay.numel_unpadded[b]
+                if info.shape != (want,):
                     raise BridgeError(f"{key}: stored length {info.shape} differs from the rebuilt bucket "
-                                      f"({blay.numel_unpadded[b]}); pass --bucket-size / --pad-for-alignment")
+                                      f"({want}); pass --bucket-size / --pad-for-alignment")
                 for inst in insts:
                     p0, _p1, bid = blay.index[inst.label]
                     geom = gmap[inst.name]
@@ -203,22 +215,73 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
                         flat_copies(key, info.chunks, geom, tp, gtp, t, g, inst.index, p0 - b0))
 
 
+def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -> None:
+    """dp_zero_gather_scatter: each DistOpt group's buffers, gathered on its DP rank 0 into one object as
+    `{gbuf: {dtype: {param, exp_avg, exp_avg_sq: the buffer's buckets, unpadded, end to end}}}`.
+
+    The buffer layout is rebuilt as for dp_reshardable; a parameter at [p0, p1) of bucket b sits at
+    p0 - bucket start + (unpadded numels of the buckets before b) of the gathered tensors, which the
+    copies read through `object_tensor_key` (the chunk cache unpickles the object).
+    """
+    lay = src.layout
+    ck = src.ck
+    geoms_all = [m.geom for m in src.models.values()]
+    chains = sorted({z.chain for z in src.zero_keys})
+    split_expert = any(g.expert for g in geoms_all) and len(chains) > 1
+    coords = {"dense": dp_group_places(lay), "expert": dp_group_places(lay, expert=True)}
+    for z in src.zero_keys:
+        expert = split_expert and z.chain == chains[-1]
+        ck_coords = coords["expert" if expert else "dense"].get(z.dp_group_idx)
+        if ck_coords is None:
+            raise BridgeError(f"{z.key}: dp_group_idx {z.dp_group_idx} does not exist for layout {lay.to_json()}; "
+                              f"pass --tp/--gtp/--ep matching the run")
+        t, g, e, stage = ck_coords
+        state = ck.read_object(z.key)
+        state = state[0] if isinstance(state, list) and len(state) == 1 else state
+        if not isinstance(state, dict) or not state.get("buckets_coalesced"):
+            raise BridgeError(f"{z.key}: not a coalesced dp_zero_gather_scatter state (an older, per-bucket "
+                              f"layout?); unknown format")
+        for j in sorted(k for k in state if isinstance(k, int)):
+            for dtype_obj, tensors in state[j].items():
+                dtype_key = "(" + ", ".join(str(x) for x in dtype_obj) + ")" if isinstance(dtype_obj, tuple) \
+                    else str(dtype_obj)
+                where = f"{z.key} buffer {j} {dtype_key}"
+                pdt, _gdt = parse_dtype_key(dtype_key)
+                geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
+                         and np_dtype_name(src.models[g_.name].dtype) == pdt]
+                insts = local_instances(geoms, lay, e, stage)
+                gmap = {g_.name: g_ for g_ in geoms}
+                sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
+                numels = {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
+                dp_size = lay.edp if expert else lay.distopt_size
+                blay = rebuild_bucket_layout(insts, numels, dp_size, None, None, hints.bucket_size, where)
+                total = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None
+                if total != sum(blay.numel_unpadded):
+                    raise BridgeError(f"{where}: {total} elements gathered, the rebuilt buffer holds "
+                                      f"{sum(blay.numel_unpadded)} (buckets {list(blay.numel_unpadded)}); pass the "
+                                      f"run's --bucket-size (a run with overlap_grad_reduce has several buckets)")
+                before = [sum(blay.numel_unpadded[:b]) for b in range(len(blay.buckets))]
+                for st, role in STATE_ROLE.items():
+                    ten = tensors.get(st)
+                    if ten is None or tuple(getattr(ten, "shape", ())) != (total,):
+                        raise BridgeError(f"{where}: no {st} tensor of {total} elements; incomplete checkpoint")
+                    key = object_tensor_key(z.key, j, dtype_key, st)
+                    chunk = [ChunkInfo((0,), (total,), None)]
+                    for inst in insts:
+                        p0, _p1, bid = blay.index[inst.label]
+                        geom = gmap[inst.name]
+                        tp, gtp = sizes[inst.name]
+                        if not contributes(geom, tp, gtp, t, g):
+                            continue
+                        u = units[inst.name]
+                        u.dtypes[role] = np_dtype_name(ten.dtype)
+                        u.copies.setdefault(role, []).extend(
+                            flat_copies(key, chunk, geom, tp, gtp, t, g, inst.index, p0 - blay.buckets[bid][0] + before[bid]))
+
+
 def _maybe_object(ck: DcpCheckpoint, name: str):
     key = ck.object_key(name)
     return ck.read_object(key) if key is not None else None
-
-
-def _dp_group_coords(lay: ParallelLayout) -> dict[str, dict[int, tuple[int, int, int]]]:
-    """dp_group_idx -> (TP rank, GTP rank, EP rank) for the dense and the expert optimizer."""
-    dense: dict[int, tuple[int, int, int]] = {}
-    expert: dict[int, tuple[int, int, int]] = {}
-    for r in range(lay.world):
-        c = lay.coords(r)
-        if c.d == 0 and c.c == 0:
-            dense.setdefault(lay.dp_group_idx(r), (c.t, c.g, 0))
-        if c.ed == 0:
-            expert.setdefault(lay.expert_dp_group_idx(r), (c.et, c.eg, c.e))
-    return {"dense": dense, "expert": expert}
 
 
 def make_plan(units: Sequence[Unit], blocks: Sequence[Block], owners: Sequence[int], chunks: dict[str, tuple[int, ...]],
@@ -242,8 +305,8 @@ def make_plan(units: Sequence[Unit], blocks: Sequence[Block], owners: Sequence[i
                 catalog.append(ArraySpec(p, shape, u.dtypes[role]))
                 ownership[p] = ArrayOwnership(shape, chunks[arr], grids[arr])
                 stacked[p] = u.stacked   # inner chunks: one layer (expert) each, as the source stacks them
-    for p in (("opt_state", "0", "count"), ("step",)):
-        catalog.append(ArraySpec(p, (), "int32"))
+    for p in SCALAR_PATHS:
+        catalog.append(ArraySpec(p, (), SCALAR_DTYPE))
         ownership[p] = ArrayOwnership((), (), np.array(0, dtype=np.int32))
     return make_write_plan(catalog, workers, ownership, empty_paths=adamw_empty_paths(), stacked=stacked)
 
@@ -258,25 +321,27 @@ class ShareSplit:
 
 
 def split_share(share: int) -> ShareSplit:
-    """A twelfth each for the block being filled and the source chunks kept, a sixteenth for the
+    """A sixteenth each for the block being filled and the source chunks kept, a twentieth for the
     writer's batch (at least MIN_BATCH_BYTES).
 
     Each costs several times its nominal size (resident bytes measured on the CPU): the writer
     holds a batch filling and one committing, each up to a block beyond its size, plus TensorStore's
     encoded shards (~3x batch + block); a block is assembled next to its master check's cast
     (~1.4x); whole-chunk reads decode next to the raw record (~1.6x). With these fractions the sum
-    stays near two thirds of the share, the rest covers allocator slack.
+    stays near half the share, the rest covers allocator slack and the per-process state that
+    grows with the share (on the GPU host, 8 workers at 2 GiB each peaked at 2.73 GiB with twelfths
+    and a sixteenth: 0.23 GiB over the 0.5 GiB + share bound).
 
     The batch floor: every transaction adds OCDBT B-tree nodes that later commits rewrite, and
     below about 1 MiB of data per commit they outgrow the data on disk.
 
     >>> split_share(192 << 20)
-    ShareSplit(block=16777216, cache=16777216, inflight=12582912)
+    ShareSplit(block=12582912, cache=12582912, inflight=10066329)
     >>> split_share(1 << 20).inflight == MIN_BATCH_BYTES
     True
     """
-    q = max(1, share // 12)
-    return ShareSplit(block=q, cache=q, inflight=max(share // 16, MIN_BATCH_BYTES))
+    q = max(1, share // 16)
+    return ShareSplit(block=q, cache=q, inflight=max(share // 20, MIN_BATCH_BYTES))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,13 +383,15 @@ def is_defect_suspect(src: SourceCheckpoint) -> bool:
     """fully_reshardable saved with several DDP buckets (overlap_grad_reduce): 0.19.2's defect pattern."""
     if src.fmt != "fully_reshardable" or not src.args:
         return False
-    return bool(_plain(src.args.get("overlap_grad_reduce")))
+    return bool(plain_value(src.args.get("overlap_grad_reduce")))
 
 
 def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], plan: WritePlan, tmp: str,
-               writer_id: int, share: int, force: bool, defect_suspect: bool, step: int, on_progress=None) -> tuple[list[str], int]:
+               writer_id: int, share: int, force: bool, defect_suspect: bool, step: int,
+               on_progress=None) -> tuple[list[str], int, dict]:
     """One writer's work: assemble each of its blocks (one outer chunk, every role), check it and
-    write it whole. Returns (warnings, source bytes read)."""
+    write it whole. Returns (warnings, source bytes read, CRC-32 spans of the records read by
+    ranges: `check_records` must pass on them before the output is committed)."""
     mem = split_share(share)
     return_freed_memory()
     ck = DcpCheckpoint(src_root)
@@ -346,7 +413,7 @@ def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], p
 
 
 def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, Unit], blocks: Sequence[Block],
-                  writer_id: int, force: bool, defect_suspect: bool, step: int, on_progress) -> tuple[list[str], int]:
+                  writer_id: int, force: bool, defect_suspect: bool, step: int, on_progress) -> tuple[list[str], int, dict]:
     warnings: list[str] = []
     index: tuple[int, CopyIndex] | None = None
     for b in blocks:
@@ -354,18 +421,18 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
         if index is None or index[0] != b.unit:
             index = (b.unit, CopyIndex(unit))
         bufs = {role: fill_block(cache, index[1], unit, role, b) for role in unit.copies}
-        if "params" in bufs and "model" in bufs:
-            check_master(b.array, bufs["params"], bufs["model"], b.box, force, defect_suspect, warnings)
+        if PARAMS in bufs and MODEL in bufs:
+            check_master(b.array, bufs[PARAMS], bufs[MODEL], b.box, force, defect_suspect, warnings)
         for role, buf in bufs.items():
             # donated: a fresh buffer per block, never touched again, so the writer need not copy it
             writer.write(role_path(role, b.array), b.box, buf, donate=True)
             if on_progress:
                 on_progress(buf.nbytes)
     if writer_id == 0:
-        for p in (("opt_state", "0", "count"), ("step",)):
-            writer.write(p, Box((), ()), np.asarray(step, dtype=np.int32))
+        for p in SCALAR_PATHS:
+            writer.write(p, Box((), ()), np.asarray(step, dtype=SCALAR_DTYPE))
     writer.finish()
-    return warnings, cache.bytes_read
+    return warnings, cache.bytes_read, cache.crcs.spans()
 
 
 def fill_block(cache: ChunkCache, index: CopyIndex, unit: Unit, role: str, b: Block) -> np.ndarray:
@@ -405,9 +472,8 @@ def die_with_parent() -> None:
 def _worker_main(q, src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step) -> None:  # pragma: no cover - subprocess
     die_with_parent()
     try:
-        warns, nread = run_blocks(src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step,
-                                  on_progress=lambda n: q.put(("p", w, n)))
-        q.put(("ok", w, (warns, nread)))
+        q.put(("ok", w, run_blocks(src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step,
+                                   on_progress=lambda n: q.put(("p", w, n)))))
     except BridgeError as e:
         q.put(("err", w, f"writer {w}: {e}"))
     except BaseException as e:  # noqa: BLE001 - report any crash as one line
@@ -422,9 +488,7 @@ def _worker_main(q, src_root, units, blocks, plan, tmp, w, share, force, defect_
 def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | None, groups: list[list[dict]]) -> Manifest:
     """Provenance, hyper-parameters, fused section tables and what to-megatron needs."""
     lay = src.layout
-    source = SourceLayout(framework="megatron", tp=lay.tp, gtp=lay.gtp, dp=lay.dp, ep=lay.ep, etp=lay.etp,
-                          egtp=lay.egtp, pp=lay.pp, cp=lay.cp, pad_for_alignment=src.pad_for_alignment,
-                          optimizer_format=src.format_label, world_size=lay.world)
+    source = SourceLayout.of(lay, "megatron", src.format_label, src.pad_for_alignment)
     hyper = parse_groups_hyper(groups)
     # Megatron puts biases and 1-D params in the wd_mult=0 group (its default no_weight_decay_cond);
     # they are "no decay" when that group's effective weight_decay (what the inner optimizer used) is 0.
@@ -441,10 +505,10 @@ def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | Non
              for m in src.models.values() if m.geom.fused is not None}
     params = []
     for m in src.models.values():
-        params.append({"name": m.name, "key": m.key, "shape": list(m.geom.shape), "prepend": list(m.geom.prepend),
-                       "tp_kind": m.geom.tp_kind, "gtp": m.geom.gtp, "expert": m.geom.expert,
-                       "dtype": np_dtype_name(m.dtype), "optimized": any(r != "model" for r in
-                                                                         next(u for u in units if u.name == m.name).copies)})
+        copies = next(u for u in units if u.name == m.name).copies
+        params.append(MegatronParam(name=m.name, key=m.key, shape=list(m.geom.shape), prepend=list(m.geom.prepend),
+                                    tp_kind=m.geom.tp_kind, gtp=m.geom.gtp, expert=m.geom.expert,
+                                    dtype=np_dtype_name(m.dtype), optimized=any(r != MODEL for r in copies)))
     extra_keys = sorted(k for k in src.ck.objects if k.split("/", 1)[0].endswith("._extra_state"))
     payload = "none"
     if extra_keys:  # TE saves empty uint8 tensors, Megatron-local layers None: written back the same way
@@ -452,65 +516,66 @@ def build_manifest(src: SourceCheckpoint, units: Sequence[Unit], step: int | Non
         first = first[0] if isinstance(first, list) and first else first
         if hasattr(first, "numel") and first.numel() == 0:
             payload = "empty_uint8_tensor"
-    keep_args = {k: _plain(v) for k, v in src.args.items() if isinstance(_plain(v), (int, float, str, bool, type(None)))}
-    extra = {"megatron": {
-        "source_dir": str(src.ck.root),
-        "params": params,
-        "param_groups": [[{k: _plain(v) for k, v in g.items() if k != "params"} for g in gs] for gs in groups],
-        "extra_state_keys": extra_keys,
-        "extra_state_payload": payload,
-        "args": keep_args,
-        "inferred": list(src.inferred),
-        "wd_mult_zero_params": wd_mult_zero,
-        "iteration": _plain(src.common.get("iteration")),
-        "checkpoint_version": _plain(src.common.get("checkpoint_version")),
-    }}
-    sched = scheduler_record(src.common, src.args, step or 0)
-    if sched is not None:
-        extra["megatron"]["scheduler"] = sched
-    return Manifest(source=source, optimizer=opt, fused=fused, extra=extra)
+    keep_args = {k: plain_value(v) for k, v in src.args.items() if isinstance(plain_value(v), (int, float, str, bool, type(None)))}
+    record = MegatronRecord(
+        source_dir=str(src.ck.root), params=params,
+        param_groups=[[{k: plain_value(v) for k, v in g.items() if k != "params"} for g in gs]  # foreign: torch group key
+                      for gs in groups],
+        extra_state_keys=extra_keys, extra_state_payload=payload, args=keep_args, inferred=list(src.inferred),
+        wd_mult_zero_params=wd_mult_zero, iteration=plain_value(src.common.get("iteration")),
+        checkpoint_version=plain_value(src.common.get("checkpoint_version")),
+        scheduler=scheduler_record(src.common, src.args, step or 0))
+    return Manifest(source=source, optimizer=opt, fused=fused, extra={MEGATRON_KEY: record.to_json()})
 
 
 def _first(d: dict, *names: str) -> Any:
     """The first of `names` present in `d` (Megatron renamed scheduler keys over versions)."""
-    return next((_plain(d[n]) for n in names if n in d), None)
+    return next((plain_value(d[n]) for n in names if n in d), None)
 
 
 def _clip_grad(args: dict) -> float | None:
     """Megatron's `clip_grad` from the saved args (None when the save carries no args)."""
-    v = _plain(args.get("clip_grad")) if args else None
+    v = plain_value(args.get("clip_grad")) if args else None
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+# SchedulerRecord fields read from Megatron's scheduler state_dict -> its key names, oldest first
+# (as `OptimizerParamScheduler.load_state_dict` accepts them).
+SCHEDULER_STATE_KEYS = {
+    "max_lr": ("start_lr", "max_lr"), "min_lr": ("min_lr",),
+    "lr_warmup_steps": ("warmup_iter", "warmup_steps", "lr_warmup_steps"),
+    "lr_decay_steps": ("end_iter", "decay_steps", "lr_decay_steps"),
+    "lr_decay_style": ("decay_style", "lr_decay_style"), "num_steps": ("num_iters", "num_steps"),
+    "start_wd": ("start_wd",), "end_wd": ("end_wd",), "wd_incr_steps": ("wd_incr_steps",),
+    "wd_incr_style": ("wd_incr_style",),
+}
 
 
 def scheduler_record(common: dict, args: dict, at_count: int) -> dict | None:
     """Megatron's `OptimizerParamScheduler` state (+ the args it needs) as JSON, or None when absent.
 
-    Fields are `bridge.lr_schedule.SchedulerRecord`'s; old key names are read the way
-    `OptimizerParamScheduler.load_state_dict` reads them. Step quantities are in samples;
-    `increment` (samples per iteration) is `global_batch_size`; `at_count` is the Adam count written
-    to `opt_state/0/count`.
+    The JSON of a `bridge.format.scheduler.SchedulerRecord` (built from it, so it has exactly its
+    fields); old key names are read the way `OptimizerParamScheduler.load_state_dict` reads them.
+    Step quantities are in samples; `increment` (samples per iteration) is `global_batch_size`;
+    `at_count` is the Adam count written to `opt_state/0/count`. Not validated here: a record the
+    JAX side cannot use is refused there, with the field named, only when it is used.
     """
     sd = common.get("opt_param_scheduler", common.get("lr_scheduler"))
     if not isinstance(sd, dict):
         return None
-    a = lambda name, default=None: _plain(args.get(name, default))  # noqa: E731
+    a = lambda name, default=None: plain_value(args.get(name, default))  # noqa: E731
     gbs = a("global_batch_size")
     if a("train_iters"):
         wsd = a("lr_wsd_decay_iters") * gbs if a("lr_wsd_decay_iters") is not None and gbs else None
     else:
         wsd = a("lr_wsd_decay_samples")
     ramp = a("rampup_batch_size")
-    return {"version": RECORD_VERSION, "max_lr": _first(sd, "start_lr", "max_lr"), "min_lr": _first(sd, "min_lr"),
-            "lr_warmup_steps": _first(sd, "warmup_iter", "warmup_steps", "lr_warmup_steps"),
-            "lr_decay_steps": _first(sd, "end_iter", "decay_steps", "lr_decay_steps"),
-            "lr_decay_style": _first(sd, "decay_style", "lr_decay_style"),
-            "num_steps": _first(sd, "num_iters", "num_steps"),
-            "start_wd": _first(sd, "start_wd"), "end_wd": _first(sd, "end_wd"),
-            "wd_incr_steps": _first(sd, "wd_incr_steps"), "wd_incr_style": _first(sd, "wd_incr_style"),
-            "init_lr": float(a("lr_warmup_init", 0.0) or 0.0), "wsd_decay_steps": wsd,
-            "lr_wsd_decay_style": a("lr_wsd_decay_style"), "increment": int(gbs) if gbs else None,
-            "rampup_samples": int(ramp[2]) if isinstance(ramp, list) and len(ramp) == 3 else None,
-            "at_count": int(at_count)}
+    from_state = {name: _first(sd, *keys) for name, keys in SCHEDULER_STATE_KEYS.items()}
+    rec = SchedulerRecord(**from_state, init_lr=float(a("lr_warmup_init", 0.0) or 0.0), wsd_decay_steps=wsd,
+                          lr_wsd_decay_style=a("lr_wsd_decay_style"), increment=int(gbs) if gbs else None,
+                          rampup_samples=int(ramp[2]) if isinstance(ramp, list) and len(ramp) == 3 else None,
+                          at_count=int(at_count))
+    return rec.to_json()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,7 +604,7 @@ def budget_line(workers: int, budget: int, asked: int | None = None) -> str:
     >>> budget_line(1, 1 << 30, asked=8)
     'convert: 1 worker (of 8 asked: the checkpoint is too small for more), budget 1.0 GiB'
     """
-    from bridge.inspect.format import human_bytes
+    from bridge.units import human_bytes
 
     each = "" if workers == 1 else f" ({human_bytes(budget // workers)} each)"
     fewer = f" (of {asked} asked: the checkpoint is too small for more)" if asked is not None and asked > workers else ""
@@ -549,12 +614,13 @@ def budget_line(workers: int, budget: int, asked: int | None = None) -> str:
 
 def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> ConvertResult:
     """Convert a torch_dist checkpoint at `src_dir` into a logical checkpoint at `dst`."""
-    src_dir, dst = local_path(src_dir, "source"), local_path(dst, "destination"); require("convert", "torch")
+    src_dir, dst = location(src_dir, "source"), location(dst, "destination"); require("convert", "torch")
     opts = opts or ConvertOptions()
     hints = opts.hints or Hints()
-    dst = os.path.abspath(dst)
-    check_destination_free(dst)
-    check_sources(dst, [src_dir])
+    dst = absolute(dst)
+    check_destination_free(dst)  # s3:// / gs:// too (bridge.store.remote.check_remote_free)
+    if not is_remote(dst):
+        check_sources(dst, [src_dir])
     asked_workers = default_workers() if opts.workers is None else opts.workers
     if asked_workers < 1:
         raise BridgeError(f"--workers must be >= 1, got {asked_workers}")
@@ -566,7 +632,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     groups = optimizer_groups(src)
     step = step_of(src, groups)
     units = build_units(src, hints)
-    if src.fmt != "model_only" and not any("params" in u.copies for u in units):
+    if src.fmt != "model_only" and not any(PARAMS in u.copies for u in units):
         raise BridgeError(f"{ck.root}: optimizer entries match no model parameter; unknown format")
     # A worker process costs seconds to start (torch + TensorStore imports): give each at least
     # min_worker_bytes of work, so small checkpoints convert in-process.
@@ -585,15 +651,18 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     # The claim makes DST this run's alone; leaving the block by an error, Ctrl-C or SIGTERM removes
     # the temp directory (after _run_parallel has killed the workers writing into it).
     with claim_destination(dst, sources=[src_dir, str(ck.root)]) as claim:
-        with progress(total_bytes, f"convert {os.path.basename(dst)}", enabled=opts.show_progress) as bar:
+        with progress(total_bytes, f"convert {basename(dst)}", enabled=opts.show_progress) as bar:
             per = [[b for b, w in zip(blocks, owners) if w == i] for i in range(workers)]
             if workers == 1:
-                warns, _ = run_blocks(str(ck.root), dict(enumerate(units)), per[0], plan, claim.tmp, 0, share,
-                                      opts.force, suspect, step or 0, on_progress=bar.update)
-                warnings += warns
+                results = [run_blocks(str(ck.root), dict(enumerate(units)), per[0], plan, claim.tmp, 0, share,
+                                      opts.force, suspect, step or 0, on_progress=bar.update)]
             else:
-                warnings += _run_parallel(str(ck.root), units, per, plan, claim.tmp, share, opts.force, suspect,
-                                          step or 0, bar)
+                results = _run_parallel(str(ck.root), units, per, plan, claim.tmp, share, opts.force, suspect,
+                                        step or 0, bar)
+        warnings += [w for r in results for w in r[0]]
+        # Records read by ranges were CRC'd span by span as their bytes came in (one read of each
+        # byte); their CRC-32s are complete and compared here, before anything is committed.
+        check_records([r[2] for r in results], window=min(share, 8 << 20))
         commit_checkpoint(dst, plan, manifest, timeout=60.0, claim=claim)
     for w in warnings:
         print(f"gtp-bridge: warning: {w}", file=sys.stderr)
@@ -602,7 +671,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
 
 
 def _run_parallel(root: str, units: Sequence[Unit], per: list[list[Block]], plan: WritePlan, tmp: str, share: int,
-                  force: bool, suspect: bool, step: int, bar) -> list[str]:
+                  force: bool, suspect: bool, step: int, bar) -> list[tuple]:
     # spawn: TensorStore aborts in a forked child once the parent has used it
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -642,4 +711,4 @@ def _run_parallel(root: str, units: Sequence[Unit], per: list[list[Block]], plan
                 p.join()
     if errors:
         raise BridgeError(errors[0])
-    return [x for w in sorted(done) for x in done[w][0]]
+    return [done[w] for w in sorted(done)]

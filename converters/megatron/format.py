@@ -18,10 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from bridge.errors import BridgeError
+from bridge.format import schema
 from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry, gtp_shard_dim0
+from converters.megatron import model_facts
 from converters.megatron.dcp_reader import DcpCheckpoint, InertStub, TensorInfo
+from converters.megatron.naming import (is_gtp_weight, is_routed_expert, module_of, num_prepend_axes, strip_wrappers,
+                                        tp_kind_by_name)
 
 OPT_STATE_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
 DP_TENSOR_RE = re.compile(
@@ -30,82 +34,25 @@ DP_TENSOR_RE = re.compile(
 DP_OBJECT_RE = re.compile(
     r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
     r"(optimizer|grad_scaler|per_bucket_numel|per_bucket_numel_unpadded|param_state)(?:/.*)?$")
-WRAPPERS = ("module", "model")
-STATE_ROLE = {"param": "params", "fp32_param": "params", "exp_avg": "mu", "exp_avg_sq": "nu"}
+DP_ZERO_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.param_state$")
 
-# Megatron module names -> TP kind (megatron-layout.md §2.1). Used when chunks cannot show it
-# (a TP=1 source) and to decide what GTP shards.
-COLUMN_MODULES = ("linear_qkv", "linear_fc1", "in_proj", "output_layer", "linear_q", "linear_kv",
-                  "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
-ROW_MODULES = ("linear_proj", "linear_fc2", "out_proj")
-
-
-def strip_wrappers(key: str) -> str:
-    """Megatron key without `module.` / `model.` wrapper prefixes.
-
-    >>> strip_wrappers("module.module.decoder.final_layernorm.weight")
-    'decoder.final_layernorm.weight'
-    """
-    parts = key.split(".")
-    while len(parts) > 1 and parts[0] in WRAPPERS:
-        parts = parts[1:]
-    return ".".join(parts)
-
-
-def is_routed_expert(name: str) -> bool:
-    """Routed-expert parameter (expert buffer, expert grid); shared experts are dense.
-
-    >>> is_routed_expert("decoder.layers.mlp.experts.linear_fc1.weight"), is_routed_expert("decoder.layers.mlp.shared_experts.linear_fc1.weight")
-    (True, False)
-    """
-    return ".experts." in name and ".shared_experts." not in name
-
-
-def num_prepend_axes(name: str) -> int:
-    """Stacked leading axes of a key: the layer axis of `decoder.layers.<path>` and the expert axis.
-
-    >>> num_prepend_axes("decoder.layers.mlp.experts.linear_fc1.weight"), num_prepend_axes("decoder.layers.3.mixer.in_proj.weight")
-    (2, 0)
-    """
-    n = 0
-    m = re.search(r"(^|\.)layers\.([^.]+)\.", name)
-    if m and not m.group(2).isdigit():
-        n += 1
-    if is_routed_expert(name):
-        parts = name.split(".")
-        i = parts.index("experts")
-        # `experts.local_experts.<i>` (per-expert keys) carry no expert axis
-        if not (i + 2 < len(parts) and parts[i + 1] == "local_experts" and parts[i + 2].isdigit()):
-            n += 1
-    return n
-
-
-def module_of(name: str) -> str:
-    """The module component holding a parameter (`...linear_fc1.weight` -> `linear_fc1`)."""
-    parts = name.split(".")
-    return parts[-2] if len(parts) >= 2 else ""
-
-
-def tp_kind_by_name(name: str) -> str:
-    """TP kind from Megatron naming: column / row / vocab / replicated.
-
-    >>> [tp_kind_by_name(n) for n in ("decoder.layers.linear_proj.weight", "decoder.layers.linear_proj.bias", "embedding.word_embeddings.weight")]
-    ['row', 'replicated', 'vocab']
-    """
-    mod, leaf = module_of(name), name.split(".")[-1]
-    if mod == "word_embeddings":
-        return "vocab"
-    if mod in COLUMN_MODULES and leaf in ("weight", "bias"):
-        return "column"
-    if mod in ROW_MODULES and leaf == "weight":
-        return "row"
-    return "replicated"
-
-
-def is_gtp_weight(name: str) -> bool:
-    """Parameters GTP shards in 0.19.2: the `weight` of wrapped linears and the vocab embedding."""
-    mod, leaf = module_of(name), name.split(".")[-1]
-    return leaf == "weight" and (mod in COLUMN_MODULES or mod in ROW_MODULES or mod == "word_embeddings")
+#: megatron-core's `distrib_optim_sharding_type` values -> the releases that save them (read from
+#: each release's DistributedOptimizer.sharded_state_dict and the saves in tests/fixtures/megatron/release_*)
+SAVED_BY = {
+    "fully_sharded_model_space": "megatron-core 0.14-0.15 (the default of DistributedOptimizer.sharded_state_dict "
+                                 "there; 0.16+ refuse to save it)",
+    "fully_sharded_bucket_space": "megatron-core <= 0.14 (deprecated)",
+    "dp_zero_gather_scatter": "megatron-core 0.14-0.19 (gathered on DP rank 0)",
+    "dp_reshardable": "megatron-core >= 0.15",
+    "fully_reshardable": "megatron-core >= 0.15",
+    "fsdp_dtensor": "Megatron-FSDP (megatron-core >= 0.14)",
+}
+#: optimizer formats convert reads (the rest are refused, naming what they are)
+READABLE = ("fully_reshardable", "dp_reshardable", "fully_sharded_model_space", "dp_zero_gather_scatter",
+            "fully_sharded_bucket_space")
+#: formats whose DP-sharded state is stored per DDP bucket (flat), rebuilt through the buffer layout
+BUCKETED = ("dp_reshardable", "fully_sharded_bucket_space", "dp_zero_gather_scatter")
+STATE_ROLE = {**schema.STATE_ROLE, "fp32_param": schema.PARAMS}  # older saves name the fp32 master so
 
 
 def _as_dict(obj: Any) -> dict:
@@ -178,11 +125,20 @@ class DpBucketKey:
 
 
 @dataclass
+class DpZeroKey:
+    """One dp_zero_gather_scatter object: a whole DistOpt group's state gathered on its DP rank 0."""
+
+    key: str           # object name, without the /shard_ suffix
+    chain: int
+    dp_group_idx: int
+
+
+@dataclass
 class SourceCheckpoint:
     """Everything convert needs to know about a torch_dist checkpoint before reading data."""
 
     ck: DcpCheckpoint
-    fmt: str                                        # fully_reshardable | dp_reshardable | model_only
+    fmt: str                                        # one of READABLE, or model_only
     args: dict
     common: dict
     layout: ParallelLayout
@@ -190,6 +146,7 @@ class SourceCheckpoint:
     models: dict[str, ModelEntry]                   # logical name -> entry (registration order)
     opt_keys: dict[tuple[str, str], str] = field(default_factory=dict)   # (role, name) -> stored key
     dp_keys: list[DpBucketKey] = field(default_factory=list)
+    zero_keys: list[DpZeroKey] = field(default_factory=list)
     chained: bool = False
     inferred: list[str] = field(default_factory=list)  # what was inferred (for the manifest / report)
 
@@ -212,12 +169,34 @@ class Hints:
     gtp: int | None = None
     dp: int | None = None
     ep: int | None = None
+    pp: int | None = None
     pad_for_alignment: int | None = None
     num_attention_heads: int | None = None
     num_query_groups: int | None = None
     kv_channels: int | None = None
     swiglu: bool | None = None
     bucket_size: int | None = None
+    model_only: bool = False     # convert the weights only, leaving the optimizer state out on purpose
+    hidden_size: int | None = None
+    ffn_hidden_size: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    vocab_size: int | None = None           # the embedding's rows (Megatron's padded vocab)
+    num_layers: int | None = None
+    num_experts: int | None = None
+    model_config: str | None = None         # YAML / JSON file of Megatron-named model facts
+
+    def as_facts(self) -> dict[str, Any]:
+        """The flags given, under Megatron argument names (`model_facts.FLAG_OF`)."""
+        pairs = (("tensor_model_parallel_size", self.tp), ("gtp_weight_remat_size", self.gtp),
+                 ("expert_model_parallel_size", self.ep), ("data_parallel_size", self.dp),
+                 ("pipeline_model_parallel_size", self.pp),
+                 ("gtp_remat_pad_for_alignment", self.pad_for_alignment),
+                 ("num_attention_heads", self.num_attention_heads), ("num_query_groups", self.num_query_groups),
+                 ("kv_channels", self.kv_channels), ("swiglu", self.swiglu), ("hidden_size", self.hidden_size),
+                 ("ffn_hidden_size", self.ffn_hidden_size), ("moe_ffn_hidden_size", self.moe_ffn_hidden_size),
+                 ("padded_vocab_size", self.vocab_size), ("num_layers", self.num_layers),
+                 ("num_experts", self.num_experts), ("ddp_bucket_size", self.bucket_size))
+        return {k: v for k, v in pairs if v is not None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,16 +228,45 @@ def _distinct_offsets(info: TensorInfo, axis: int) -> int:
 
 def infer_tp(infos: Iterable[tuple[str, TensorInfo, int]]) -> int:
     """TP from chunk offsets: the most pieces any row-parallel weight is cut into along dim 1,
-    else the most along dim 0 of a column-parallel key (no GTP)."""
+    else (no row-parallel weight at all) the most along dim 0 of a column-parallel key. Dim 0 of
+    column keys is also where GTP cuts, so it is not used when row-parallel weights show TP."""
     row = col = 1
+    seen_row = False
     for name, info, npre in infos:
         kind = tp_kind_by_name(name)
         if kind == "row" and len(info.shape) > npre + 1:
+            seen_row = True
             row = max(row, _distinct_offsets(info, npre + 1))
         elif kind in ("column", "vocab") and len(info.shape) > npre and module_of(name) != "linear_fc1":
             # (SwiGLU fc1 stores gate and up halves as separate chunks: not a TP cut)
             col = max(col, _distinct_offsets(info, npre))
-    return row if row > 1 else col
+    return row if row > 1 or seen_row else col
+
+
+def infer_gtp(infos: Iterable[tuple[str, TensorInfo, int]]) -> int:
+    """GTP from chunk offsets: 0.19.2 saves each GTP rank's shard of a dense row-parallel weight as
+    its own chunk along dim 0, which TP never cuts (TP cuts dim 1)."""
+    g = 1
+    for name, info, npre in infos:
+        if tp_kind_by_name(name) == "row" and not is_routed_expert(name) and len(info.shape) > npre + 1:
+            g = max(g, _distinct_offsets(info, npre))
+    return g
+
+
+def infer_ep(src_dp: list["DpBucketKey"], zero: list["DpZeroKey"], layout: ParallelLayout, has_expert: bool) -> int | None:
+    """EP from a bucketed save's expert optimizer (the last of a chain): one dp_group_idx per
+    (expert TP, EP, GTP, PP) rank, so EP = their count / (ETP·EGTP·PP). None when it does not show."""
+    chains = sorted({d.chain for d in src_dp} | {z.chain for z in zero})
+    if not has_expert:
+        return 1
+    if not chains:
+        return None
+    if len(chains) == 1:   # EP=1: experts share the dense buffer, one optimizer
+        return 1
+    idx = {d.dp_group_idx for d in src_dp if d.chain == chains[-1]} | {z.dp_group_idx for z in zero
+                                                                        if z.chain == chains[-1]}
+    per = layout.etp * layout.egtp * layout.pp
+    return len(idx) // per if idx and len(idx) % per == 0 else None
 
 
 def fused_spec(name: str, rows: int, args: dict, hints: Hints, shapes: dict[str, tuple[int, ...]]) -> FusedSpec | None:
@@ -293,8 +301,9 @@ def fused_spec(name: str, rows: int, args: dict, hints: Hints, shapes: dict[str,
             kv = rows - heads * hd
             groups = kv // (2 * hd) if kv > 0 and kv % (2 * hd) == 0 else None
         if not (heads and groups and hd):
-            raise BridgeError(f"{name}: the checkpoint has no args, and {rows} qkv rows fit several head layouts; "
-                              f"pass --kv-channels (head dim) or --num-query-groups")
+            need = [n for n, v in (("num_attention_heads", heads), ("num_query_groups", groups),
+                                   ("kv_channels", hd)) if not v]
+            raise model_facts.missing(f"{name}: {rows} qkv rows fit several head layouts", need)
         spec = FusedSpec.qkv(int(heads), int(groups), int(hd))
         if spec.rows != rows:
             raise BridgeError(f"{name}: {rows} qkv rows do not match heads={heads}, groups={groups}, head_dim={hd} "
@@ -303,7 +312,97 @@ def fused_spec(name: str, rows: int, args: dict, hints: Hints, shapes: dict[str,
     return None
 
 
-def _layout_from(args: dict, hints: Hints, tp_inferred: int, world: int, inferred: list[str]) -> ParallelLayout:
+def recorded_sharding_types(obj: Any, depth: int = 0) -> set[str]:
+    """Every `param_state_sharding_type` in the common state's (possibly chained) optimizer dicts.
+
+    >>> sorted(recorded_sharding_types({"optimizer": {0: {"param_state_sharding_type": "dp_reshardable"}}}))
+    ['dp_reshardable']
+    """
+    out: set[str] = set()
+    if depth > 6:
+        return out
+    if isinstance(obj, dict):
+        v = obj.get("param_state_sharding_type")
+        if v is not None:
+            out.add(v if isinstance(v, str) else repr(v)[:60])
+        for k, x in obj.items():
+            if k not in ("param_groups", "state", "param_state", "param_state_sharding_type"):
+                out |= recorded_sharding_types(x, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj[:64]:
+            out |= recorded_sharding_types(x, depth + 1)
+    return out
+
+
+def zero_keys_of(ck: DcpCheckpoint) -> list[DpZeroKey]:
+    """The dp_zero_gather_scatter `param_state` objects of a checkpoint."""
+    out = []
+    for name in dict.fromkeys(ck.object_names()):
+        m = DP_ZERO_RE.match(name)
+        if m:
+            out.append(DpZeroKey(name, int(m.group(1) or 0), int(m.group(2))))
+    return out
+
+
+def format_by_keys(opt: dict[tuple[str, str], str], dp: list[DpBucketKey], zero: list[DpZeroKey],
+                   stored_opt_keys: Iterable[str]) -> str:
+    """The optimizer format the entry names show (bucket tensors of dp_reshardable and
+    fully_sharded_bucket_space look alike: the recorded type tells them apart)."""
+    kinds = [k for k, there in (("opt", opt), ("dp", dp), ("zero", zero)) if there]
+    if len(kinds) > 1:
+        raise BridgeError(f"holds optimizer entries of several formats ({', '.join(kinds)}); unknown format")
+    if opt:
+        return "fully_sharded_model_space" if any(".fp32_param." in k for k in stored_opt_keys) else "fully_reshardable"
+    if dp:
+        return "dp_reshardable"
+    if zero:
+        return "dp_zero_gather_scatter"
+    return "model_only"
+
+
+def decide_format(root: Any, recorded: set[str], by_keys: str, evidence: str, model_only: bool,
+                  inferred: list[str]) -> str:
+    """The format to convert, or a refusal that says what the checkpoint looks like.
+
+    A checkpoint with optimizer state never converts without it unless asked (`--model-only`).
+
+    >>> decide_format("ck", {"dp_reshardable"}, "dp_reshardable", "", False, [])
+    'dp_reshardable'
+    >>> decide_format("ck", {"fully_sharded_bucket_space"}, "dp_reshardable", "", False, [])
+    'fully_sharded_bucket_space'
+    """
+    unknown = sorted(t for t in recorded if t not in READABLE)
+    if model_only:
+        what = (next(iter(recorded)) if len(recorded) == 1 else by_keys) if (recorded or by_keys != "model_only") \
+            else ""
+        inferred.append(f"model_only: optimizer state ({what or evidence or 'none'}) left out (--model-only)")
+        return "model_only"
+    if unknown:
+        t = unknown[0]
+        raise BridgeError(f"{root}: optimizer state saved as {t!r} ({SAVED_BY.get(t, 'not a megatron-core format')}), "
+                          f"which convert cannot read; re-save with dp_reshardable, or pass --model-only to convert "
+                          f"the weights without the optimizer state")
+    if len(recorded) > 1:
+        raise BridgeError(f"{root}: optimizers saved in several formats {sorted(recorded)}; unknown format")
+    if recorded:
+        t = next(iter(recorded))
+        same = t == by_keys or (t == "fully_sharded_bucket_space" and by_keys == "dp_reshardable")
+        if not same:
+            have = "no optimizer entries" if by_keys == "model_only" else f"entries of {by_keys}"
+            raise BridgeError(f"{root}: holds optimizer state ({evidence or 'common_state'}) but, while common_state "
+                              f"records optimizer format {t!r} ({SAVED_BY.get(t, '?')}), the checkpoint holds {have}: "
+                              f"incomplete or mixed checkpoint, refusing rather than converting without it; copy the "
+                              f"complete save, or pass --model-only to convert the weights alone")
+        return t
+    if by_keys == "model_only" and evidence:
+        raise BridgeError(f"{root}: holds optimizer state ({evidence}) but none of the optimizer entries of a known "
+                          f"format ({', '.join(READABLE)}); unknown optimizer format, refusing rather than converting "
+                          f"without it (pass --model-only to convert the weights alone)")
+    return by_keys
+
+
+def _layout_from(args: dict, hints: Hints, tp_inferred: int, world: int, inferred: list[str],
+                 gtp_inferred: int = 1) -> ParallelLayout:
     def pick(flag: str, *names: str, default: int | None = None) -> int | None:
         v = getattr(hints, flag)
         if v is not None:
@@ -320,11 +419,14 @@ def _layout_from(args: dict, hints: Hints, tp_inferred: int, world: int, inferre
     gtp = pick("gtp", "gtp_weight_remat_size")
     if gtp is None and args.get("tensor_parallel_num_weight_shards"):
         gtp = int(args["tensor_parallel_num_weight_shards"]) // tp
+    if gtp is None and gtp_inferred > 1:
+        gtp = gtp_inferred
+        inferred.append(f"gtp={gtp} (chunk offsets: row-parallel weights cut along dim 0)")
     gtp = gtp or 1
     ep = pick("ep", "expert_model_parallel_size", default=1)
     etp = pick("tp", "expert_tensor_parallel_size", default=tp)
     dp = pick("dp", "data_parallel_size")
-    pp = int(args.get("pipeline_model_parallel_size") or 1)
+    pp = pick("pp", "pipeline_model_parallel_size", default=1)
     cp = int(args.get("context_parallel_size") or 1)
     if dp is None:
         model = tp * gtp * pp * cp
@@ -340,34 +442,63 @@ def _layout_from(args: dict, hints: Hints, tp_inferred: int, world: int, inferre
 def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
     """Interpret a DCP checkpoint as a Megatron-Core save (format, layout, geometry per key)."""
     hints = hints or Hints()
-    if not (ck.root / "metadata.json").is_file():
+    if not ck.has_file("metadata.json"):
         raise BridgeError(f"{ck.root}: a DCP checkpoint without metadata.json, so not written by Megatron-Core "
                           f"dist_checkpointing (unknown format); convert reads torch_dist saves only")
     common = ck.common_state()
-    args = checked_args(_as_dict(common.get("args")), ck.root)
+    saved_args = checked_args(_as_dict(common.get("args")), ck.root)
+    facts = model_facts.gather(ck.root, saved_args, hints.as_facts(), hints.model_config)
+    args = checked_args(facts.values, ck.root)
     it = common.get("iteration")
     if it is not None and (type(it) is not int or it < 0):
         raise BridgeError(f"{ck.root}: common_state iteration is {type(it).__name__} {str(it)[:40]}, not a step count; "
                           f"the checkpoint is damaged")
     model_keys, opt, dp, _other = classify_keys(ck)
-    if not model_keys and not opt and not dp:
+    zero = zero_keys_of(ck)
+    if not model_keys and not opt and not dp and not zero:
         raise BridgeError(f"{ck.root}: a DCP checkpoint without Megatron model or optimizer entries "
                           f"(unknown format); only Megatron-Core torch_dist saves can be converted")
-    if opt and dp:
-        raise BridgeError(f"{ck.root}: holds both fully_reshardable and dp_reshardable optimizer entries; "
-                          f"unknown format")
-    fmt = "fully_reshardable" if opt else "dp_reshardable" if dp else "model_only"
+    try:
+        by_keys = format_by_keys(opt, dp, zero, opt.values())
+    except BridgeError as e:
+        raise BridgeError(f"{ck.root}: {e}") from None
+    inferred: list[str] = facts.notes()
+    fmt = decide_format(ck.root, recorded_sharding_types(common.get("optimizer")), by_keys,
+                        _evidence(ck, common), hints.model_only, inferred)
+    if fmt == "model_only":
+        opt, dp, zero = {}, [], []
     if not model_keys:
         raise BridgeError(f"{ck.root}: optimizer state without model weights; convert needs the model entries "
                           f"(save the model with the optimizer)")
-    inferred: list[str] = []
     names = {strip_wrappers(k): k for k in model_keys}
     if len(names) != len(model_keys):
         raise BridgeError(f"{ck.root}: two model keys differ only by a module./model. prefix; unknown format")
     npres = {n: num_prepend_axes(n) for n in names}
     tp_inf = infer_tp((n, ck.tensors[k], npres[n]) for n, k in names.items())
     world = (max(ck.writer_ranks()) + 1) if ck.writer_ranks() else 1
-    layout = _layout_from(args, hints, tp_inf, world, inferred)
+    gtp_inf = infer_gtp((n, ck.tensors[k], npres[n]) for n, k in names.items())
+    has_expert = any(is_routed_expert(n) for n in names)
+    if has_expert and hints.ep is None and args.get("expert_model_parallel_size") is None:
+        probe = _layout_from(args, hints, tp_inf, world, [], gtp_inf)
+        ep = infer_ep(dp, zero, probe, True)
+        if ep is not None:
+            args = dict(args, expert_model_parallel_size=ep)
+            inferred.append(f"ep={ep} (" + ("one optimizer: experts in the dense buffer" if ep == 1 else
+                                             "dp_group_idx of the expert optimizer") + ")")
+        elif fmt in BUCKETED:
+            raise model_facts.missing(f"{ck.root}: expert-parallel size", ["expert_model_parallel_size"])
+        else:
+            inferred.append(f"ep unknown ({fmt} stores experts globally, so it is not needed to convert); "
+                            f"recorded as 1")
+    layout = _layout_from(args, hints, tp_inf, world, inferred, gtp_inf)
+    if layout.pp > 1 and fmt in BUCKETED:
+        # each stage's buffers hold its own layers; chunks of a virtual pipeline or uneven first /
+        # last stages place them otherwise
+        for a in ("virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+                  "decoder_last_pipeline_num_layers", "num_layers_per_virtual_pipeline_stage"):
+            if args.get(a):
+                raise BridgeError(f"{ck.root}: {fmt} saved with {a}={args[a]}; only even pipeline stages without "
+                                  f"virtual chunks are supported (re-save as fully_reshardable)")
     if layout.gtp == 1 and tp_inf > 1 and tp_inf != layout.tp:
         raise BridgeError(f"{ck.root}: the run's TP={layout.tp} (from args or --tp) disagrees with the chunk offsets, "
                           f"which show TP={tp_inf}; pass the right --tp")
@@ -387,7 +518,7 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
         expert = is_routed_expert(n)
         tp, gtp = layout.tp_gtp_sizes(expert)
         gtp_w = is_gtp_weight(n) and gtp > 1
-        logical = logical_shape(n, stored, args, layout, expert)
+        logical = logical_shape(n, stored, args, layout, expert, shapes, inferred)
         # 0.19.2 stores every GTP-sharded weight in its padded grid (§2.5 A; SwiGLU fc1 scrambled, §6.3),
         # which equals the logical layout only when there is no padding and no fused halves
         legacy = logical != stored or (gtp_w and stored != ())
@@ -408,8 +539,9 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
                                  fused=spec, expert=expert)
             pad_known = True
         models[n] = ModelEntry(k, n, info, npre, geom, legacy)
-    src = SourceCheckpoint(ck, fmt, args, common, layout, pad, models, opt, dp,
-                           chained=any(d.chain for d in dp) or any(m.geom.expert for m in models.values()),
+    src = SourceCheckpoint(ck, fmt, args, common, layout, pad, models, opt, dp, zero,
+                           chained=any(d.chain for d in dp) or any(z.chain for z in zero)
+                           or any(m.geom.expert for m in models.values()),
                            inferred=inferred)
     missing = sorted({n for (_r, n) in opt} - set(models))
     if missing:
@@ -418,7 +550,7 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
     return src
 
 
-FULLY_ROLES = (("params", "fp32 master (optimizer.state.param)"), ("mu", "exp_avg"), ("nu", "exp_avg_sq"))
+FULLY_ROLES = ((schema.PARAMS, "fp32 master (optimizer.state.param)"), (schema.MU, "exp_avg"), (schema.NU, "exp_avg_sq"))
 DP_STATES = ("param", "exp_avg", "exp_avg_sq")
 
 
@@ -432,14 +564,12 @@ def check_complete(src: SourceCheckpoint) -> None:
     """
     root = src.ck.root
     if src.fmt == "model_only":
-        evidence = optimizer_evidence(src)
-        if evidence:
-            raise BridgeError(f"{root}: holds optimizer state ({evidence}) but none of the optimizer tensors that "
-                              f"convert reads (fully_reshardable / dp_reshardable); unknown optimizer format, "
-                              f"refusing rather than converting without it")
-        src.inferred.append("model_only (no optimizer state in the checkpoint)")
+        if not any(x.startswith("model_only") for x in src.inferred):
+            src.inferred.append("model_only (no optimizer state in the checkpoint)")
         return
-    if src.fmt == "fully_reshardable":
+    if src.fmt == "dp_zero_gather_scatter":
+        pass  # one object per DistOpt group; its buffers are checked against the rebuilt layout
+    elif src.fmt in ("fully_reshardable", "fully_sharded_model_space"):
         for name in src.models:
             absent = [label for role, label in FULLY_ROLES if (role, name) not in src.opt_keys]
             if absent:
@@ -470,10 +600,10 @@ def check_complete(src: SourceCheckpoint) -> None:
                           f"common_state or the dp_group_idx objects): incomplete checkpoint")
     for ci, gs in enumerate(groups):
         for gi, g in enumerate(gs):
-            if not isinstance(g, dict) or _plain(g.get("step")) is None:
+            if not isinstance(g, dict) or plain_value(g.get("step")) is None:
                 raise BridgeError(f"{root}: param group {gi} of optimizer {ci} has no 'step' (the Adam bias-correction "
                                   f"count): incomplete checkpoint")
-            step = _plain(g["step"])
+            step = plain_value(g["step"])
             if type(step) not in (int, float) or not 0 <= step < 1 << 53 or step != int(step):
                 raise BridgeError(f"{root}: param group {gi} of optimizer {ci} has step {str(step)[:40]!r}, not a "
                                   f"step count; the checkpoint is damaged")
@@ -481,42 +611,94 @@ def check_complete(src: SourceCheckpoint) -> None:
 
 def optimizer_evidence(src: SourceCheckpoint) -> str:
     """What shows that an optimizer was saved (tensor or object keys, common_state's `optimizer`), or ''."""
-    keys = [k for k in src.ck.tensors if k.startswith(("optimizer.", "chained_"))]
-    keys += [k for k in src.ck.object_names() if k.startswith(("optimizer.", "chained_")) or DP_OBJECT_RE.match(k)]
+    return _evidence(src.ck, src.common)
+
+
+def _evidence(ck: DcpCheckpoint, common: dict) -> str:
+    keys = [k for k in ck.tensors if k.startswith(("optimizer.", "chained_"))]
+    keys += [k for k in ck.object_names() if k.startswith(("optimizer.", "chained_")) or DP_OBJECT_RE.match(k)]
     if keys:
         return f"entry {keys[0]}"
-    if src.common.get("optimizer") is not None:
+    if common.get("optimizer") is not None:
         return "common_state['optimizer']"
     return ""
 
 
-def logical_shape(name: str, stored: tuple[int, ...], args: dict, layout: ParallelLayout, expert: bool) -> tuple[int, ...]:
+def _sibling(shapes: dict[str, tuple[int, ...]], name: str, module: str) -> tuple[int, ...] | None:
+    """Stored per-instance shape of `module`.weight in the same block as `name`."""
+    return shapes.get(name.rsplit(".", 2)[0] + f".{module}.weight")
+
+
+def _hidden(shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """The hidden size from a weight whose column axis is the model width and never padded."""
+    for n, s in shapes.items():
+        if module_of(n) in ("word_embeddings", "linear_qkv", "linear_fc1") and n.endswith(".weight") and len(s) == 2:
+            return s[1]
+    return None
+
+
+def logical_shape(name: str, stored: tuple[int, ...], args: dict, layout: ParallelLayout, expert: bool,
+                  shapes: dict[str, tuple[int, ...]] | None = None, inferred: list[str] | None = None) -> tuple[int, ...]:
     """Logical per-instance shape of a key; differs from `stored` only for the padded GTP grid.
 
-    Needs the model dims from `args` when GTP > 1 (the padded grid hides them, §2.5 A).
+    The padded grid hides the row count of every GTP-sharded weight (§2.5 A), so it comes from the
+    model facts, else from an unpadded axis of another weight (the width from embedding / qkv / fc1
+    columns, the FFN size from fc2's columns, the head dim from linear_proj's columns); a fact
+    neither recorded nor inferable is an error naming the flag that supplies it.
     """
     tp, gtp = layout.tp_gtp_sizes(expert)
     if gtp == 1 or not is_gtp_weight(name) or not stored:
         return stored
+    shapes = shapes or {}
+    notes = inferred if inferred is not None else []
+
+    def note(fact: str) -> None:
+        if fact not in notes:
+            notes.append(fact)
+
     mod = module_of(name)
     h = args.get("hidden_size")
+    if h is None and (h := _hidden(shapes)) is not None:
+        note(f"hidden_size={h} (embedding / qkv / fc1 columns)")
     want: int | None = None
     if mod == "linear_qkv":
-        heads, groups = args.get("num_attention_heads"), args.get("num_query_groups") or args.get("num_attention_heads")
-        hd = args.get("kv_channels") or (h // heads if h and heads else None)
-        if heads and groups and hd:
-            want = (heads + 2 * groups) * hd
+        heads = args.get("num_attention_heads")
+        groups = args.get("num_query_groups") if args.get("group_query_attention", True) else heads
+        hd = args.get("kv_channels")
+        proj = _sibling(shapes, name, "linear_proj")
+        if hd is None and heads and proj is not None:
+            hd = proj[-1] // heads
+            note(f"kv_channels={hd} (linear_proj columns / heads)")
+        if not (heads and groups and hd):
+            need = [n for n, v in (("num_attention_heads", heads), ("num_query_groups", groups), ("kv_channels", hd))
+                    if not v]
+            raise model_facts.missing(f"{name} (GTP={gtp} padded rows)", need)
+        want = (heads + 2 * groups) * hd
     elif mod == "linear_fc1":
-        f = args.get("moe_ffn_hidden_size") if expert and args.get("moe_ffn_hidden_size") else args.get("ffn_hidden_size")
-        if f:
-            want = f * (2 if args.get("swiglu", args.get("gated_linear_unit")) else 1)
+        fname = "moe_ffn_hidden_size" if expert and args.get("moe_ffn_hidden_size") else "ffn_hidden_size"
+        f = args.get(fname)
+        fc2 = _sibling(shapes, name, "linear_fc2")
+        if f is None and fc2 is not None:
+            f = fc2[-1]
+            note(f"{fname}={f} (linear_fc2 columns)")
+        if not f:
+            raise model_facts.missing(f"{name} (GTP={gtp} padded rows)", [fname])
+        gated = args.get("swiglu", args.get("gated_linear_unit"))
+        if gated is None:
+            # padding adds fewer rows than the FFN size except in toy models: say so
+            gated = stored[0] >= 2 * f
+            note(f"swiglu={gated} (linear_fc1 rows {stored[0]} vs ffn {f})")
+        want = f * (2 if gated else 1)
     elif mod in ("linear_proj", "linear_fc2", "out_proj"):
+        if h is None:
+            raise model_facts.missing(f"{name} (GTP={gtp} padded rows)", ["hidden_size"])
         want = h
     elif mod in ("word_embeddings", "output_layer"):
         want = args.get("padded_vocab_size")
+        if want is None:
+            raise model_facts.missing(f"{name} (GTP={gtp} padded rows)", ["padded_vocab_size"])
     if want is None:
-        raise BridgeError(f"{name}: GTP={gtp} checkpoint without the model dims in common_state args; cannot tell "
-                          f"padding from data (re-save through the training loop, which stores args)")
+        raise BridgeError(f"{name}: GTP={gtp} padded rows of an unknown module; cannot tell padding from data")
     return (int(want),) + stored[1:]
 
 
@@ -562,8 +744,8 @@ def find_param_groups(obj: Any, depth: int = 0) -> list[list[dict]]:
 def optimizer_groups(src: SourceCheckpoint) -> list[list[dict]]:
     """Param groups per chained optimizer (fully_reshardable: common_state; dp: the dp_group_idx_0 objects)."""
     groups = find_param_groups(src.common.get("optimizer"))
-    if not groups and src.fmt == "dp_reshardable":
-        chains = sorted({d.chain for d in src.dp_keys})
+    if not groups and src.fmt in BUCKETED:
+        chains = sorted({d.chain for d in src.dp_keys} | {z.chain for z in src.zero_keys})
         for c in chains:
             prefix = f"chained_{c}." if any(k.startswith("chained_") for k in src.ck.objects) else ""
             cands = [k for k in src.ck.object_names() if k.startswith(f"{prefix}optimizer.distributed.dp_group_idx_")
@@ -574,11 +756,17 @@ def optimizer_groups(src: SourceCheckpoint) -> list[list[dict]]:
     return groups
 
 
-def _plain(v: Any, depth: int = 0) -> Any:
+def plain_value(v: Any, depth: int = 0) -> Any:
+    """A common-state value as plain Python: scalars kept, one-element tensors `.item()`-ed, lists
+    recursed (bounded depth: the file is untrusted), anything else its `repr`.
+
+    >>> plain_value([1, (2.5, "a")]), plain_value({"a": 1})
+    ([1, [2.5, 'a']], "{'a': 1}")
+    """
     if isinstance(v, (bool, int, float, str)) or v is None:
         return v
     if isinstance(v, (list, tuple)) and depth < 8:
-        return [_plain(x, depth + 1) for x in v]
+        return [plain_value(x, depth + 1) for x in v]
     if hasattr(v, "item") and getattr(v, "numel", lambda: 2)() == 1:
         return v.item()
     return repr(v)
@@ -586,7 +774,7 @@ def _plain(v: Any, depth: int = 0) -> Any:
 
 def step_of(src: SourceCheckpoint, groups: list[list[dict]]) -> int | None:
     """Completed optimizer steps: `step` of the param groups, else `iteration`."""
-    steps = [int(_plain(g["step"])) for gs in groups for g in gs if "step" in g and _plain(g["step"]) is not None]
+    steps = [int(plain_value(g["step"])) for gs in groups for g in gs if "step" in g and plain_value(g["step"]) is not None]
     if steps:
         return max(steps)
     it = src.common.get("iteration", src.args.get("iteration"))
@@ -610,17 +798,17 @@ def parse_groups_hyper(groups: list[list[dict]]) -> dict:
     first = flat[0][1]
     out: dict = {}
     if "lr" in first:
-        out["lr"] = float(_plain(first["lr"]))
+        out["lr"] = float(plain_value(first["lr"]))
     if "betas" in first:
-        out["betas"] = tuple(float(b) for b in _plain(first["betas"]))
+        out["betas"] = tuple(float(b) for b in plain_value(first["betas"]))
     if "eps" in first:
-        out["eps"] = float(_plain(first["eps"]))
-    wds = [float(_plain(g["weight_decay"])) for _, g in flat if "weight_decay" in g]
+        out["eps"] = float(plain_value(first["eps"]))
+    wds = [float(plain_value(g["weight_decay"])) for _, g in flat if "weight_decay" in g]
     if wds:
         out["weight_decay"] = max(wds)
     summary = []
     for ci, g in flat:
-        rec = {k: _plain(g[k]) for k in HYPER_KEYS if k in g}
+        rec = {k: plain_value(g[k]) for k in HYPER_KEYS if k in g}
         rec["optimizer"] = ci
         if isinstance(g.get("params"), (list, tuple)):
             rec["num_params"] = len(g["params"])

@@ -34,24 +34,25 @@ own save keeps the main copy. DP replicas are identical; the exporter elects amo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from bridge.errors import BridgeError
 from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
-from bridge.format.tree import megatron_key_to_path
+from converters.megatron.naming import is_routed_expert, logical_key, module_of
 
 if TYPE_CHECKING:
     from bridge.live.api import AdamConfig, LiveRun, LocalParam, ReloadResult
+    from bridge.live.export import ExportReport
 
 __all__ = [
     "EntryRecord",
     "ParamRecord",
     "ModelDims",
     "ParamMapping",
-    "strip_wrappers",
     "map_params",
     "adam_config_from_groups",
     "common_step",
@@ -60,18 +61,6 @@ __all__ = [
     "export_megatron",
     "load_megatron",
 ]
-
-WRAPPERS = ("module", "model")
-
-
-def strip_wrappers(name: str) -> str:
-    """A parameter / state-dict name without `module.` / `model.` wrapper prefixes.
-
-    >>> strip_wrappers("module.module.decoder.layers.0.mlp.linear_fc1.weight")
-    'decoder.layers.0.mlp.linear_fc1.weight'
-    """
-    return ".".join(megatron_key_to_path(name))
-
 
 # ------------------------------------------------------------------------------------------------
 # Pure records
@@ -179,20 +168,11 @@ class ParamMapping:
         return self.geometry.index
 
 
-def _is_routed_expert(key: str) -> bool:
-    return ".experts." in key and ".shared_experts." not in key
-
-
-def _module(key: str) -> str:
-    parts = key.split(".")
-    return parts[-2] if len(parts) >= 2 else ""
-
-
 def _tp_kind(p: ParamRecord, key: str) -> str:
     if not p.tensor_model_parallel:
         return "replicated"
     if p.partition_dim == 0:
-        return "vocab" if _module(key) == "word_embeddings" else "column"
+        return "vocab" if module_of(key) == "word_embeddings" else "column"
     if p.partition_dim == 1:
         return "row"
     raise BridgeError(f"{p.name}: tensor-parallel parameter with partition_dim={p.partition_dim}; "
@@ -208,7 +188,7 @@ def _fused(p: ParamRecord, e: EntryRecord, key: str, rows: int, dims: ModelDims 
     if e.factory is not None:
         raise BridgeError(f"{p.name}: unsupported sharded-state-dict factory {e.factory!r} (key {e.key}); "
                           "only SwiGLU linear_fc1 factories are mapped")
-    if _module(key) == "linear_qkv" and key.split(".")[-1] in ("weight", "bias"):
+    if module_of(key) == "linear_qkv" and key.split(".")[-1] in ("weight", "bias"):
         if dims is None:
             raise BridgeError(f"{p.name}: fused qkv needs the head layout; pass ModelDims (num_attention_heads, "
                               "num_query_groups, kv_channels)")
@@ -234,9 +214,9 @@ def param_geometry(p: ParamRecord, e: EntryRecord, layout: ParallelLayout, dims:
     >>> key, g.shape, g.tp_kind, g.prepend, g.index
     ('decoder.layers.self_attention.linear_proj.weight', (24, 24), 'row', (2,), (1,))
     """
-    key = strip_wrappers(e.key)
+    key = logical_key(e.key)
     where = f"rank {rank}: {p.name}"
-    expert = _is_routed_expert(key)
+    expert = is_routed_expert(key)
     tp, gtp = layout.tp_gtp_sizes(expert)
     kind = _tp_kind(p, key)
     shape = tuple(p.shape)
@@ -282,12 +262,12 @@ def map_params(entries: Iterable[EntryRecord], params: Iterable[ParamRecord], la
     it); entries of non-parameters (buffers, `_extra_state`) are skipped.
     """
     params = list(params)
-    by_name = {strip_wrappers(p.name): p for p in params}
+    by_name = {logical_key(p.name): p for p in params}
     if len(by_name) != len(params):
         raise BridgeError(f"rank {rank}: two parameters share a name once wrapper prefixes are removed")
     bound: dict[str, EntryRecord] = {}
     for e in entries:
-        target = strip_wrappers(e.backlink) if e.backlink else strip_wrappers(e.name)
+        target = logical_key(e.backlink) if e.backlink else logical_key(e.name)
         if e.backlink and target not in by_name:
             raise BridgeError(f"rank {rank}: model entry {e.key} points (backlink) at {e.backlink}, which is not a "
                               "parameter of this model")
@@ -600,17 +580,38 @@ def local_params(model: Any, optimizer: Any, *, metadata: Mapping[str, Any] | No
     return out, run
 
 
-def export_megatron(model: Any, optimizer: Any, path: str, **kwargs: Any) -> Any:
-    """Write the logical checkpoint of a live Megatron run to `path` (collective over all ranks).
+def _check_order(fn: str, dst: Any, model: Any, optimizer: Any) -> None:
+    """A clear error for the old argument order `fn(model, optimizer, path)`."""
+    if not isinstance(dst, (str, os.PathLike)):
+        old = " (the old order: model, optimizer, path)" if isinstance(optimizer, (str, os.PathLike)) else ""
+        raise BridgeError(f"{fn}: the checkpoint path comes first, like export_state / reload_state: "
+                          f"{fn}(path, model, optimizer){old}")
 
-    Keyword arguments other than the adapter's (`metadata`, `dims`, `pad_for_alignment`, `group`,
-    `extra`) go to `bridge.live.export.export_state`.
+
+def export_megatron(dst: str, model: Any, optimizer: Any, *,
+                    metadata: Mapping[str, Any] | None = None, dims: ModelDims | None = None,
+                    pad_for_alignment: int | None = None, group: Any = None, extra: Mapping[str, Any] | None = None,
+                    inflight_bytes: int | None = None, target_chunk_bytes: int = 4 << 20,
+                    compression: str | None = None, timeout: float = 600.0, digest: bool = True,
+                    inner_chunk_bytes: int | str | None = "auto",
+                    on_stage: Callable[[str], None] | None = None, exporter: Any = None) -> "ExportReport":
+    """Write the logical checkpoint of a live Megatron run to `dst` (collective over `group`'s ranks).
+
+    The arguments follow `bridge.live.export.export_state(dst, run, params, ...)`, with the live
+    model and optimizer in place of `run` and `params`. The adapter's own: `metadata` (the model's
+    `sharded_state_dict` metadata), `dims` (qkv head layout; default from the model's config),
+    `pad_for_alignment` (default: the run's), `group` (process group; None: the world), `extra`
+    (recorded in the manifest). The others are `export_state`'s, passed through (`exporter`: a
+    `bridge.live.export.Exporter` that keeps the plan for the next export).
     """
-    from bridge.live import export as live_export
+    from bridge.live.export import export_state
 
-    own = {k: kwargs.pop(k) for k in ("metadata", "dims", "pad_for_alignment", "group", "extra") if k in kwargs}
-    params, run = local_params(model, optimizer, for_export=True, **own)
-    return live_export.export_state(path, run, params, **kwargs)
+    _check_order("export_megatron", dst, model, optimizer)
+    params, run = local_params(model, optimizer, for_export=True, metadata=metadata, dims=dims,
+                               pad_for_alignment=pad_for_alignment, group=group, extra=extra)
+    return export_state(dst, run, params, inflight_bytes=inflight_bytes, target_chunk_bytes=target_chunk_bytes,
+                        compression=compression, timeout=timeout, digest=digest, inner_chunk_bytes=inner_chunk_bytes,
+                        on_stage=on_stage, exporter=exporter)
 
 
 def _ensure_optimizer_state(optimizer: Any) -> None:
@@ -643,18 +644,23 @@ def _set_step(optimizer: Any, step: int) -> None:
                     st["step"].fill_(float(step))
 
 
-def load_megatron(model: Any, optimizer: Any, path: str, **kwargs: Any) -> "ReloadResult":
-    """Fill a live Megatron model + DistributedOptimizer (any layout) from a logical checkpoint.
+def load_megatron(src: str, model: Any, optimizer: Any, *,
+                  metadata: Mapping[str, Any] | None = None, dims: ModelDims | None = None,
+                  pad_for_alignment: int | None = None, group: Any = None, extra: Mapping[str, Any] | None = None,
+                  inflight_bytes: int = 256 << 20) -> "ReloadResult":
+    """Fill a live Megatron model + DistributedOptimizer (any layout) from the logical checkpoint `src`.
 
     Each rank reads only the boxes of its own shards and fragments (`bridge.live.reload`). The
     bf16 weights, fp32 masters and moments are written in place; the step is set on every group /
-    state. Training continues as after Megatron's own load.
+    state. Training continues as after Megatron's own load. Arguments as `export_megatron`'s, and
+    `inflight_bytes` as `bridge.live.reload.reload_state`'s.
     """
-    from bridge.live import reload as live_reload
+    from bridge.live.reload import reload_state
 
-    own = {k: kwargs.pop(k) for k in ("metadata", "dims", "pad_for_alignment", "group", "extra") if k in kwargs}
+    _check_order("load_megatron", src, model, optimizer)
     _ensure_optimizer_state(optimizer)
-    params, run = local_params(model, optimizer, **own)
-    result = live_reload.reload_state(path, run, params, **kwargs)
+    params, run = local_params(model, optimizer, metadata=metadata, dims=dims, pad_for_alignment=pad_for_alignment,
+                               group=group, extra=extra)
+    result = reload_state(src, run, params, inflight_bytes=inflight_bytes)
     _set_step(optimizer, result.step)
     return result

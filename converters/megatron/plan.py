@@ -21,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from bridge.dtypes import ITEMSIZE
 from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import grid_shape
@@ -28,21 +29,19 @@ from bridge.layout.distopt import BufferLayout, BufferParam, buffer_layout
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
 from bridge.layout.rectangles import RowRun
+from bridge.format import schema
+from bridge.format.schema import ROLES  # noqa: F401 - the roles a Unit copies, in write order
 from bridge.format.tree import megatron_key_to_path
 from converters.megatron.dcp_reader import ChunkInfo, TensorInfo
 
-ROLES = ("model", "params", "mu", "nu")
-
 
 def role_path(role: str, array: str) -> tuple[str, ...]:
-    """Tree path of a logical array in one role.
+    """Tree path of a logical array (a Megatron key, sections dotted) in one role.
 
     >>> role_path("mu", "decoder.layers.mlp.linear_fc1.weight.gate")
     ('opt_state', '0', 'mu', 'decoder', 'layers', 'mlp', 'linear_fc1', 'weight', 'gate')
     """
-    p = megatron_key_to_path(array)
-    return {"model": ("model",), "params": ("params",), "mu": ("opt_state", "0", "mu"),
-            "nu": ("opt_state", "0", "nu")}[role] + p
+    return schema.role_path(role, megatron_key_to_path(array))
 
 
 @dataclass(frozen=True)
@@ -114,9 +113,6 @@ class Unit:
     @property
     def nbytes(self) -> int:
         return sum(prod(s) for s in self.arrays.values()) * self.element_bytes()
-
-
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,26 +320,86 @@ class Instance:
         return self.name + "".join(f"[{i}]" for i in self.index)
 
 
-def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, e: int) -> list[Instance]:
-    """A rank's parameters of one DistOpt buffer in registration order (EP rank `e`).
+def stage_layers(num_layers: int, pp: int, p: int) -> range:
+    """Layers of pipeline stage `p` (Megatron's even split; uneven first/last stages are refused
+    where the run records them).
 
-    Stacked keys expand layer-major (all of layer 0's params, then layer 1's...); inside a layer,
-    params keep the checkpoint's key order, and a run of routed-expert keys expands expert-major
-    over the rank's local experts (`local_experts.<i>.linear_fc1`, `.linear_fc2`, then i+1).
+    >>> stage_layers(8, 4, 1), stage_layers(2, 1, 0)
+    (range(2, 4), range(0, 2))
+    """
+    if num_layers % pp:
+        raise BridgeError(f"{num_layers} layers do not split evenly over {pp} pipeline stages; uneven stages "
+                          f"(decoder_first/last_pipeline_num_layers) are not supported")
+    n = num_layers // pp
+    return range(p * n, (p + 1) * n)
+
+
+def on_stage(name: str, pp: int, p: int) -> bool:
+    """Whether a non-layer parameter lives on stage `p`: the embedding on the first stage, the final
+    norm and output layer on the last (Megatron's pre_process / post_process).
+
+    >>> [on_stage(n, 2, 1) for n in ("embedding.word_embeddings.weight", "output_layer.weight")]
+    [False, True]
+    """
+    if pp == 1:
+        return True
+    if name.startswith("embedding."):
+        return p == 0
+    return p == pp - 1
+
+
+def dp_group_stages(layout: ParallelLayout, expert: bool = False) -> dict[int, int]:
+    """`dp_group_idx` -> the pipeline stage of its members (a DistOpt group lies inside one stage).
+
+    >>> dp_group_stages(ParallelLayout(tp=2, dp=2, pp=2))
+    {0: 0, 1: 0, 2: 1, 3: 1}
+    """
+    out: dict[int, int] = {}
+    for p in range(layout.pp):   # one DP-rank-0 member per group, as ParallelLayout.dp_group_coords visits them
+        if expert:
+            ranks = [layout.expert_rank(et=et, e=e, eg=eg, ed=0, p=p) for et in range(layout.etp)
+                     for e in range(layout.ep) for eg in range(layout.egtp)]
+            idxs = [layout.expert_dp_group_idx(r) for r in ranks]
+        else:
+            idxs = [layout.dp_group_idx(layout.rank(t=t, g=g, c=0, d=0, p=p)) for t in range(layout.tp)
+                    for g in range(layout.gtp)]
+        for idx in idxs:
+            out.setdefault(idx, p)
+    return out
+
+
+def dp_group_places(layout: ParallelLayout, expert: bool = False) -> dict[int, tuple[int, int, int, int]]:
+    """`dp_group_idx` -> (TP, GTP, EP rank, PP stage): `ParallelLayout.dp_group_coords` plus the stage.
+
+    >>> dp_group_places(ParallelLayout(tp=2, pp=2))
+    {0: (0, 0, 0, 0), 1: (1, 0, 0, 0), 2: (0, 0, 0, 1), 3: (1, 0, 0, 1)}
+    """
+    stages = dp_group_stages(layout, expert)
+    return {k: (t, g, e, stages[k]) for k, (t, g, e) in layout.dp_group_coords(expert).items()}
+
+
+def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, e: int, p: int = 0) -> list[Instance]:
+    """A rank's parameters of one DistOpt buffer in registration order (EP rank `e`, PP stage `p`).
+
+    Stacked keys expand layer-major (all of layer 0's params, then layer 1's...) over the stage's
+    layers; inside a layer, params keep the checkpoint's key order, and a run of routed-expert keys
+    expands expert-major over the rank's local experts (`local_experts.<i>.linear_fc1`, `.linear_fc2`,
+    then i+1). Non-layer params are kept on the stage that holds them (`on_stage`).
     """
     out: list[Instance] = []
     i = 0
     while i < len(geoms):
         g = geoms[i]
         if not g.prepend:
-            out.append(Instance(g.name, ()))
+            if on_stage(g.name, layout.pp, p):
+                out.append(Instance(g.name, ()))
             i += 1
             continue
         j = i
         while j < len(geoms) and geoms[j].prepend and geoms[j].prepend[0] == g.prepend[0]:
             j += 1
         block = geoms[i:j]
-        for layer in range(g.prepend[0]):
+        for layer in stage_layers(g.prepend[0], layout.pp, p):
             k = 0
             while k < len(block):
                 b = block[k]
@@ -438,3 +494,108 @@ def literal(s: str):
         return ast.literal_eval(s)
     except (ValueError, SyntaxError):
         return s
+
+
+# ---------------------------------------------------------------------------------------------
+# fully_sharded_model_space (megatron-core <= 0.15): flattened ranges of each rank's local shard
+
+
+def flat_range_boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Elements [lo, hi) of a row-major array of `shape` as contiguous boxes: (start, box shape, flat offset
+    of the box's first element relative to `lo`), in order; at most 2·ndim - 1 boxes.
+
+    >>> flat_range_boxes((3, 4), 2, 11)      # rest of row 0, row 1, start of row 2
+    [((0, 2), (1, 2), 0), ((1, 0), (1, 4), 2), ((2, 0), (1, 3), 6)]
+    >>> flat_range_boxes((2, 2, 3), 0, 12), flat_range_boxes((5,), 1, 3)
+    ([((0, 0, 0), (2, 2, 3), 0)], [((1,), (2,), 0)])
+    """
+    shape = tuple(int(s) for s in shape)
+    out: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+
+    def rec(prefix: tuple[int, ...], sub: tuple[int, ...], a: int, b: int, base: int) -> None:
+        if a >= b:
+            return
+        if not sub:
+            out.append((prefix, (1,) * len(prefix), base))
+            return
+        inner = prod(sub[1:])
+        lead = (1,) * len(prefix)
+        row = a // inner
+        if a % inner:                      # a partial first row
+            end = min(b, (row + 1) * inner)
+            rec(prefix + (row,), sub[1:], a - row * inner, end - row * inner, base)
+            base, a, row = base + end - a, end, row + 1
+        full = (b - a) // inner
+        if full and a < b:
+            out.append((prefix + (row,) + (0,) * (len(sub) - 1), lead + (full,) + sub[1:], base))
+            base, a, row = base + full * inner, a + full * inner, row + full
+        if a < b:                          # a partial last row
+            rec(prefix + (row,), sub[1:], 0, b - a, base)
+
+    if not 0 <= lo <= hi <= prod(shape):
+        raise BridgeError(f"flat range [{lo}, {hi}) outside an array of shape {shape}")
+    rec((), shape, lo, hi, 0)
+    return out
+
+
+def model_space_local_shape(key: str, stored: Sequence[int], model_shape: Sequence[int]) -> tuple[int, ...]:
+    """Local shard shape of a flattened model-space entry: megatron-core stores a tensor of global shape
+    G cut into shards of shape g as `G // g + (prod(g),)` (one leading index per shard, the shard's
+    flat elements last; `nd_flattened_tensor_reformulated_global_shape`).
+
+    >>> model_space_local_shape("k", (2, 2, 1, 960), (2, 80, 24))
+    (1, 40, 24)
+    """
+    stored, model_shape = tuple(stored), tuple(model_shape)
+    frag = stored[:-1]
+    ok = len(stored) == len(model_shape) + 1 and all(f > 0 and m % f == 0 for f, m in zip(frag, model_shape))
+    local = tuple(m // f for f, m in zip(frag, model_shape)) if ok else ()
+    if not ok or prod(local) != stored[-1]:
+        raise BridgeError(f"{key}: stored shape {stored} is not the flattened layout of the model entry's "
+                          f"{model_shape} (shards x flat elements); unknown format")
+    return local
+
+
+def model_space_copies_flat(key: str, info: TensorInfo, model_shape: Sequence[int], geom: ParamGeometry,
+                            npre: int) -> list[Copy]:
+    """Copies of a `fully_sharded_model_space` optimizer entry: each stored chunk is the flat range
+    [f0, f1) (last axis) of the local shard at the chunk's leading indices; its row-major pieces are
+    boxes of the model entry's global tensor, which map to logical arrays as model entries do."""
+    local = model_space_local_shape(key, info.shape, model_shape)
+    runs = logical_row_runs(geom)
+    out: list[Copy] = []
+    for i, ch in enumerate(info.chunks):
+        lead, f0, n = ch.offsets[:-1], ch.offsets[-1], ch.sizes[-1]
+        if any(s != 1 for s in ch.sizes[:-1]):
+            raise BridgeError(f"{key}: chunk {ch.offsets} spans {ch.sizes[:-1]} shards; unknown format")
+        origin = tuple(j * g for j, g in zip(lead, local))
+        for start, shape, off in flat_range_boxes(local, f0, f0 + n):
+            glob = ChunkInfo(tuple(o + s for o, s in zip(origin, start)), shape, ch.storage)
+            for c in box_copies(key, i, glob, runs, npre):
+                out.append(Copy(key, i, c.array, c.dst, c.src, off, shape))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# dp_zero_gather_scatter: tensors inside a pickled object
+
+OBJECT_TENSOR_SEP = "#"
+
+
+def object_tensor_key(obj: str, gbuf: int, dtype_key: str, state: str) -> str:
+    """Copy key of one gathered state tensor inside a dp_zero_gather_scatter object.
+
+    >>> object_tensor_key("optimizer.distributed.dp_group_idx_0.param_state", 0, "(torch.bfloat16, torch.float32)", "param")
+    'optimizer.distributed.dp_group_idx_0.param_state#0#(torch.bfloat16, torch.float32)#param'
+    >>> parse_object_tensor_key(_)
+    ('optimizer.distributed.dp_group_idx_0.param_state', 0, '(torch.bfloat16, torch.float32)', 'param')
+    """
+    return OBJECT_TENSOR_SEP.join((obj, str(gbuf), dtype_key, state))
+
+
+def parse_object_tensor_key(key: str) -> tuple[str, int, str, str] | None:
+    """(object, buffer, dtype key, state) of an `object_tensor_key`, None for a plain tensor key."""
+    parts = key.split(OBJECT_TENSOR_SEP)
+    if len(parts) != 4 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1]), parts[2], parts[3]

@@ -35,7 +35,7 @@ import numpy as np
 
 from bridge.cast_check import cast_mismatch
 from bridge.errors import BridgeError, require
-from bridge.location import local_path
+from bridge.location import is_remote, location
 from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
 from bridge.layout.distopt import buffer_layout, BufferParam
@@ -44,25 +44,33 @@ from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
 from bridge.progress import progress
 from bridge.store.claim import claim_destination
+from bridge.store.remote import claim_remote
 from bridge.store.durable import fsync_path
-from bridge.format.manifest import Manifest
+from bridge.format.manifest import Manifest, MegatronRecord
+from bridge.format import schema
+from bridge.format.schema import COUNT_PATH, MODEL, OPTIMIZER_ROLES, PARAMS, STEP_PATH, has_role, split_role
 from bridge.store.reader import Checkpoint, open_checkpoint
-from bridge.store.specs import numpy_dtype
+from bridge.dtypes import numpy_dtype, torch_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
-from bridge.torch_numpy import from_numpy
-from converters.megatron.format import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
+from bridge.dtypes import from_numpy
+from converters.megatron.naming import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
-from converters.megatron.plan import is_scrambled_swiglu, local_instances, role_path
+from converters.megatron.plan import dp_group_places, is_scrambled_swiglu, local_instances, role_path, stage_layers
 from converters.megatron.rundir import plan_run_dir, write_tracker
-from converters.megatron.write_plan import (STATE_NAMES, DpJob, Group, ParamSpec, layout_limits, plan_groups,
+from converters.megatron.write_plan import (STATE_NAMES, DpJob, ChunkGroup, ParamSpec, layout_limits, plan_groups,
                                             shard_ranges)
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
+#: target megatron-core release -> the optimizer formats it loads that to-megatron writes. Up to 0.16
+#: the common state is read from `common.pt` beside the .distcp files (0.19 reads a DCP object);
+#: 0.14 loads only fully_sharded_model_space / dp_zero_gather_scatter / fully_sharded_bucket_space.
+RELEASES = {"0.14": (), "0.15": FORMATS, "0.16": FORMATS, "0.19": FORMATS}
+LEGACY_COMMON = ("0.14", "0.15", "0.16")
 ParamInfo = ParamSpec  # a parameter of the logical checkpoint as Megatron keys it
 
 
 @dataclass
-class Target:
+class MegatronTarget:
     """The layout and format to write."""
 
     tp: int
@@ -72,6 +80,8 @@ class Target:
     fmt: str = "fully_reshardable"
     pad_for_alignment: int | None = None
     bucket_size: int | None = None
+    release: str = "0.19"   # the megatron-core release that will load the output (major.minor)
+    pp: int = 1             # pipeline stages (even split of the layers, no virtual chunks)
 
 
 def default_budget() -> int:
@@ -97,51 +107,51 @@ def manifest_of(ck: Checkpoint) -> Manifest:
 def params_from_manifest(man: Manifest, arrays: dict, pad: int, gtp: int) -> list[ParamInfo]:
     """Parameters in registration order: the recorded Megatron list, else derived from the tree."""
     fused = {k: FusedSpec.from_json(v) for k, v in man.fused.items()}
-    recorded = man.extra.get("megatron", {}).get("params") if isinstance(man.extra, dict) else None
+    meg = man.megatron or MegatronRecord()
+    recorded = meg.params
     out: list[ParamInfo] = []
     if recorded:
         for p in recorded:
-            name = strip_wrappers(p["name"])
+            name = strip_wrappers(p.name)
             spec = fused.get(path_str(megatron_key_to_path(name)))
-            geom = ParamGeometry(name, tuple(p["shape"]), p["tp_kind"], gtp=bool(p.get("gtp")) or is_gtp_weight(name),
-                                 pad_for_alignment=pad, prepend=tuple(p["prepend"]), fused=spec,
-                                 expert=bool(p["expert"]))
-            out.append(ParamInfo(name, geom, p["dtype"], bool(p.get("optimized", True))))
+            geom = ParamGeometry(name, tuple(p.shape), p.tp_kind, gtp=bool(p.gtp) or is_gtp_weight(name),
+                                 pad_for_alignment=pad, prepend=tuple(p.prepend), fused=spec, expert=bool(p.expert))
+            out.append(ParamInfo(name, geom, p.dtype, bool(p.optimized)))
         return out
     # Derived: every model/* (else params/*) array; fused sections regrouped by the manifest table.
-    role = "model" if any(p[0] == "model" for p in arrays) else "params"
+    role = MODEL if has_role(arrays, MODEL) else PARAMS
     # Megatron's weights are bf16 (fp16 runs say so in their args); derived from masters when absent.
-    args = (man.extra.get("megatron") or {}).get("args") or {} if isinstance(man.extra, dict) else {}
-    weight_dtype = "float16" if args.get("fp16") else "bfloat16"
+    weight_dtype = "float16" if (meg.args or {}).get("fp16") else "bfloat16"
     seen: set[str] = set()
-    for path, info in arrays.items():
-        if path[0] != role:
+    for full, info in arrays.items():
+        found = split_role(full)
+        if found is None or found[0] != role:
             continue
-        name = ".".join(path[1:])
-        parent = ".".join(path[1:-1])
-        spec = fused.get("/".join(path[1:-1]))
-        if spec is not None and path[-1] in spec.names:
+        param = found[1]
+        name = ".".join(param)
+        parent = ".".join(param[:-1])
+        spec = fused.get("/".join(param[:-1]))
+        if spec is not None and param[-1] in spec.names:
             if parent in seen:
                 continue
             seen.add(parent)
             npre = num_prepend_axes(parent)
-            first = arrays[(role,) + path[1:-1] + (spec.names[0],)]
+            first = arrays[schema.role_path(role, param[:-1] + (spec.names[0],))]
             shape = (spec.rows,) + tuple(first.shape[npre + 1:])
             geom = ParamGeometry(parent, shape, "column", gtp=is_gtp_weight(parent), pad_for_alignment=pad,
                                  prepend=tuple(first.shape[:npre]), fused=spec, expert=is_routed_expert(parent))
-            out.append(ParamInfo(parent, geom, weight_dtype, ("params",) + path[1:] in arrays))
+            out.append(ParamInfo(parent, geom, weight_dtype, schema.role_path(PARAMS, param) in arrays))
             continue
         npre = num_prepend_axes(name)
         kind = tp_kind_by_name(name) if len(info.shape) > npre else "replicated"
         geom = ParamGeometry(name, tuple(info.shape[npre:]), kind, gtp=is_gtp_weight(name), pad_for_alignment=pad,
                              prepend=tuple(info.shape[:npre]), expert=is_routed_expert(name))
-        out.append(ParamInfo(name, geom, weight_dtype,
-                             ("params",) + path[1:] in arrays))
+        out.append(ParamInfo(name, geom, weight_dtype, schema.role_path(PARAMS, param) in arrays))
     return out
 
 
 # ---------------------------------------------------------------------------------------------
-# Target checks
+# MegatronTarget checks
 
 
 def check_target(params: Sequence[ParamInfo], lay: ParallelLayout) -> None:
@@ -209,6 +219,58 @@ class DcpFile:
             self.f.close()
 
 
+class RemoteDcpFile:
+    """`DcpFile` for an s3:// / gs:// prefix: blobs collect in memory and go out as whole objects
+    of about `part_bytes` (`__<i>_<j>.distcp`, j = 0, 1, ...; DCP's metadata names each blob's
+    object), so memory stays bounded however much one worker writes."""
+
+    def __init__(self, root: str, index: int, part_bytes: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.root, self.index, self.part_bytes = root, index, max(1, part_bytes)
+        self.part = 0
+        self.rel = f"__{index}_0.distcp"
+        self.f = io.BytesIO()
+        self.bytes = 0
+
+    def _roll(self) -> None:
+        if self.f.tell() >= self.part_bytes:
+            self._put()
+            self.part += 1
+            self.rel = f"__{self.index}_{self.part}.distcp"
+
+    def _put(self) -> None:
+        from bridge.store import kvstore
+
+        if self.f.tell():
+            kvstore.write_bytes(self.root, self.rel, self.f.getbuffer().tobytes())
+        self.f = io.BytesIO()
+
+    def tensor(self, fqn: str, offsets: Sequence[int], tensor: Any) -> Written:
+        off = self.f.tell()
+        self.torch.save(tensor, self.f)
+        n = self.f.tell() - off
+        self.bytes += n
+        w = Written(fqn, tuple(int(o) for o in offsets), tuple(int(s) for s in tensor.shape), self.rel, off, n)
+        self._roll()
+        return w
+
+    def obj(self, fqn: str, value: Any) -> Written:
+        off = self.f.tell()
+        self.torch.save([value], self.f)
+        n = self.f.tell() - off
+        self.bytes += n
+        w = Written(fqn, None, None, self.rel, off, n)
+        self._roll()
+        return w
+
+    def close(self) -> None:
+        if self.f is not None:
+            self._put()
+            self.f = None
+
+
 class DcpIndex:
     """The DCP `Metadata` being collected (main thread only)."""
 
@@ -220,6 +282,20 @@ class DcpIndex:
         self.tensors.setdefault(fqn, (dtype, tuple(int(s) for s in shape)))
 
     def write(self, root: str) -> None:
+        """`.metadata` and `metadata.json` into directory `root` (fsync'd)."""
+        md, mj = self.encode()
+        with open(os.path.join(root, ".metadata"), "wb") as f:
+            f.write(md)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(os.path.join(root, "metadata.json"), "wb") as f:
+            f.write(mj)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(root)
+
+    def encode(self) -> tuple[bytes, bytes]:
+        """(`.metadata`, `metadata.json`) as bytes."""
         import pickle
 
         import torch
@@ -240,26 +316,23 @@ class DcpIndex:
                 storage[MetadataIndex(w.fqn, torch.Size(w.offsets))] = _StorageInfo(w.rel, w.offset, w.length)
         for fqn, (dtype, shape) in self.tensors.items():
             cs = sorted(chunks[fqn], key=lambda w: w.offsets)
-            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=_torch_dtype(dtype)), torch.Size(shape),
+            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(dtype)), torch.Size(shape),
                                              [ChunkStorageMetadata(torch.Size(w.offsets), torch.Size(w.sizes))
                                               for w in cs])
         md = Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage,
                       storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4())), version="1.0.0")
-        with open(os.path.join(root, ".metadata"), "wb") as f:
-            pickle.dump(md, f)
-            f.flush()
-            os.fsync(f.fileno())
-        with open(os.path.join(root, "metadata.json"), "w") as f:
-            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_path(root)
+        return pickle.dumps(md), json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}).encode()
 
 
-def _torch_dtype(name: str):
+def _write_common_pt(root: str, common: dict) -> None:
+    """megatron-core <= 0.16's common state file: `torch.save` of the dict, beside the .distcp files."""
     import torch
 
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
+    path = os.path.join(root, "common.pt")
+    with open(path, "wb") as f:
+        torch.save(common, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +353,7 @@ class Stats:
         self.read_bytes += other.read_bytes
 
 
-def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None, workers: int | None = None,
+def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | None = None, workers: int | None = None,
                 weights_from_masters: bool = False, show_progress: bool | None = None) -> dict:
     """Write step N of logical checkpoint `src` for `target` as Megatron-LM's run directory layout.
 
@@ -290,22 +363,28 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
     Without `model` arrays (or with `weights_from_masters`) the weights are bf16(fp32 masters),
     rounded to nearest even as Megatron's optimizer does; otherwise each weight is checked to be that.
     """
-    src, dst = local_path(src, "source"), local_path(dst, "destination")
+    src, dst = location(src, "source"), location(dst, "destination")
     require("to-megatron", "torch")
     budget = int(budget or default_budget())
     workers = int(workers or default_workers())
     if target.fmt not in FORMATS:
         raise BridgeError(f"unknown --format {target.fmt!r}; use one of {list(FORMATS)}")
+    if target.release not in RELEASES:
+        raise BridgeError(f"unknown --megatron-core {target.release!r}; use one of {list(RELEASES)}")
+    if target.fmt not in RELEASES[target.release]:
+        raise BridgeError(f"megatron-core {target.release} does not load --format {target.fmt} (it loads "
+                          f"fully_sharded_model_space / dp_zero_gather_scatter, which to-megatron does not write "
+                          f"yet); target 0.15 or later")
     if workers < 1 or budget < 1:
         raise BridgeError(f"--workers {workers} / --budget {budget}: both must be positive")
     ck = open_checkpoint(src)
     man = manifest_of(ck)
     arrays = ck.arrays()
-    has_model = any(p[0] == "model" for p in arrays)
+    has_model = has_role(arrays, MODEL)
     derive = weights_from_masters or not has_model
     pad = target.pad_for_alignment if target.pad_for_alignment is not None else (man.source.pad_for_alignment or 16)
     params = params_from_manifest(man, arrays, pad, target.gtp)
-    if target.fmt == "dp_reshardable" and not (man.extra.get("megatron") or {}).get("params"):
+    if target.fmt == "dp_reshardable" and not (man.megatron and man.megatron.params):
         raise BridgeError(f"{src}: dp_reshardable needs Megatron's parameter registration order, which this "
                           f"checkpoint's manifest does not record (not written by convert); use "
                           f"--format fully_reshardable")
@@ -313,30 +392,40 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
         raise BridgeError(f"{src}: no model or params arrays; nothing to write")
     layout_limits(params, target.tp, target.gtp, target.dp, target.ep)
     try:
-        lay = ParallelLayout(tp=target.tp, gtp=target.gtp, dp=target.dp, ep=target.ep)
+        lay = ParallelLayout(tp=target.tp, gtp=target.gtp, dp=target.dp, ep=target.ep, pp=target.pp)
     except BridgeError as e:
         raise BridgeError(f"target layout: {e}") from None
     check_target(params, lay)
+    if lay.pp > 1:
+        for p in params:
+            if p.name.startswith("decoder.layers.") and p.geom.prepend:
+                stage_layers(p.geom.prepend[0], lay.pp, 0)  # an even split (raises naming the sizes)
     _check_arrays(src, params, arrays, derive)
-    step = int(ck.read(("step",))) if ("step",) in arrays else int(man.optimizer.step or 0)
-    count = int(ck.read(("opt_state", "0", "count"))) if ("opt_state", "0", "count") in arrays else step
+    step = int(ck.read(STEP_PATH)) if STEP_PATH in arrays else int(man.optimizer.step or 0)
+    count = int(ck.read(COUNT_PATH)) if COUNT_PATH in arrays else step
     if count != step:
-        raise BridgeError(f"{src}: step {step} and opt_state/0/count {count} differ; the checkpoint is inconsistent")
+        raise BridgeError(f"{src}: step {step} and {path_str(COUNT_PATH)} {count} differ; the checkpoint is inconsistent")
     where = plan_run_dir(dst, step)
     return_freed_memory()
     limit = max(1, budget // workers)
     groups = plan_groups(params, lay, target.fmt, derive=derive, limit=limit)
     dp_jobs, dp_objects = (_plan_dp(params, lay, target, man, step, limit) if target.fmt == "dp_reshardable"
                            else ([], []))
-    created_run = not os.path.lexists(where.run_dir)
+    remote = is_remote(where.iter_dir)
+    created_run = not remote and not os.path.lexists(where.run_dir)
     stats = Stats()
-    os.makedirs(where.run_dir, exist_ok=True)
+    if not remote:
+        os.makedirs(where.run_dir, exist_ok=True)
     published = False
     try:
         # The claim: exclusive temp dir next to the iteration dir, removed on any error / SIGINT /
-        # SIGTERM, no-replace rename when complete (bridge.store.claim).
-        with claim_destination(where.iter_dir, sources=[src]) as claim:
-            files = [DcpFile(claim.tmp, f"__{i}_0.distcp") for i in range(workers)]
+        # SIGTERM, no-replace rename when complete (bridge.store.claim); on object storage the
+        # iteration prefix itself, `.metadata` written last (bridge.store.remote).
+        claim = (claim_remote(where.iter_dir, sources=[src], marker=".metadata") if remote
+                 else claim_destination(where.iter_dir, sources=[src]))
+        with claim:
+            files = [RemoteDcpFile(claim.tmp, i, max(1 << 20, min(limit, 256 << 20))) if remote
+                     else DcpFile(claim.tmp, f"__{i}_0.distcp") for i in range(workers)]
             try:
                 index = DcpIndex()
                 for g in groups:
@@ -354,25 +443,37 @@ def to_megatron(src: str, dst: str, target: Target, *, budget: int | None = None
                 for fqn, value in dp_objects:
                     index.written.append(files[0].obj(fqn, value))
                 for fqn, value in _objects(man, params, lay, target, step):
+                    if fqn.startswith("common_state/") and target.release in LEGACY_COMMON:
+                        _write_common_pt(claim.tmp, value)
+                        continue
                     index.written.append(files[0].obj(fqn, value))
                 nbytes = sum(f.bytes for f in files)
             finally:
                 for f in files:
                     f.close()
-            index.write(claim.tmp)
-            claim.publish()
+            if remote:
+                md, mj = index.encode()
+                claim.publish(files=[("metadata.json", mj), (".metadata", md)])
+            else:
+                index.write(claim.tmp)
+                claim.publish()
             published = True
         write_tracker(where.run_dir, step)  # only now: the iteration directory is complete
     except BaseException:
-        if published:  # the tracker could not be set: take the iteration back out (the command failed)
+        if published and remote:
+            from bridge.store import kvstore
+
+            kvstore.delete_prefix(where.iter_dir)
+        elif published:  # the tracker could not be set: take the iteration back out (the command failed)
             shutil.rmtree(where.iter_dir, ignore_errors=True)
         if created_run:
             _remove_if_empty(where.run_dir)
         raise
     return {"dst": where.iter_dir, "run_dir": where.run_dir, "tracker": where.tracker,
             "tracker_previous": where.previous, "layout": lay.to_json(), "format": target.fmt, "bytes": nbytes,
-            "params": len(params), "step": step, "weights_derived": derive, "budget": budget, "workers": workers,
-            "scheduler": bool(isinstance(man.extra, dict) and (man.extra.get("megatron") or {}).get("scheduler")),
+            "params": len(params), "step": step,  # foreign: report keys (commands/to_megatron.py)
+            "weights_derived": derive, "budget": budget, "workers": workers,
+            "scheduler": bool(man.megatron and man.megatron.scheduler),
             "elements_read": stats.read, "elements_needed": stats.needed, "bytes_read": stats.read_bytes}
 
 
@@ -380,13 +481,13 @@ def _check_arrays(src: str, params: Sequence[ParamInfo], arrays: dict, derive: b
     """Every array the output takes exists with the recorded shape."""
     for p in params:
         for arr, want in p.geom.logical_arrays().items():
-            roles = ("params", "mu", "nu") if p.optimized else ()
+            roles = OPTIMIZER_ROLES if p.optimized else ()
             if not (derive and p.optimized):
-                roles = ("model",) + roles
+                roles = (MODEL,) + roles
             for role in roles:
                 path = role_path(role, arr)
                 if path not in arrays:
-                    how = " (and no fp32 master to derive it from)" if role == "model" else ""
+                    how = " (and no fp32 master to derive it from)" if role == MODEL else ""
                     raise BridgeError(f"{src}: array {path_str(path)} is missing{how}; the checkpoint is incomplete")
                 if tuple(arrays[path].shape) != tuple(want):
                     raise BridgeError(f"{path_str(path)}: shape {arrays[path].shape} differs from the recorded "
@@ -441,7 +542,7 @@ def _read_boxes(ck: Checkpoint, reads: dict) -> dict:
     return out
 
 
-def _run_group(g: Group, ck: Checkpoint, f: DcpFile, stop: threading.Event) -> tuple[list[Written], Stats]:
+def _run_group(g: ChunkGroup, ck: Checkpoint, f: DcpFile, stop: threading.Event) -> tuple[list[Written], Stats]:
     """Read the group's boxes once, check weights against masters, assemble and write its chunks."""
     reads = g.reads()
     blocks = _read_boxes(ck, reads)
@@ -524,21 +625,6 @@ def _remove_if_empty(path: str) -> None:
         pass
 
 
-def _dp_coords(lay: ParallelLayout, expert: bool) -> dict[int, tuple[int, int, int]]:
-    """dp_group_idx -> (TP, GTP, EP) coordinates of its DP-rank-0 member (O(TP*GTP*EP), not O(world))."""
-    out: dict[int, tuple[int, int, int]] = {}
-    if expert:
-        for et in range(lay.etp):
-            for e in range(lay.ep):
-                for eg in range(lay.egtp):
-                    out.setdefault(lay.expert_dp_group_idx(lay.expert_rank(et=et, e=e, eg=eg, ed=0, p=0)), (et, eg, e))
-    else:
-        for t in range(lay.tp):
-            for g in range(lay.gtp):
-                out.setdefault(lay.dp_group_idx(lay.rank(t=t, g=g, c=0, d=0, p=0)), (t, g, 0))
-    return out
-
-
 def _domains(params: Sequence[ParamInfo], lay: ParallelLayout) -> list[tuple[bool, list[ParamInfo]]]:
     """(expert?, params) per chained optimizer: dense first, experts last when EP > 1."""
     opt = [p for p in params if p.optimized]
@@ -547,7 +633,7 @@ def _domains(params: Sequence[ParamInfo], lay: ParallelLayout) -> list[tuple[boo
     return [(False, opt)]
 
 
-def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: Target, man: Manifest, step: int,
+def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronTarget, man: Manifest, step: int,
              limit: int) -> tuple[list[DpJob], list[tuple[str, Any]]]:
     """dp_reshardable bucket jobs and per-dp_group_idx objects (buffer layout from bridge.layout)."""
     import torch
@@ -564,8 +650,8 @@ def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: Target, m
         geoms = [p.geom for p in plist]
         gmap = {gm.name: gm for gm in geoms}
         sizes = {n: lay.tp_gtp_sizes(gm.expert) for n, gm in gmap.items()}
-        for k, (t, g, e) in sorted(_dp_coords(lay, expert).items()):
-            insts = local_instances(geoms, lay, e)
+        for k, (t, g, e, stage) in sorted(dp_group_places(lay, expert).items()):
+            insts = local_instances(geoms, lay, e, stage)
             bparams = [BufferParam(i.label, gmap[i.name].physical_numel(*sizes[i.name])) for i in insts]
             blay = buffer_layout(bparams, target.bucket_size, dp_size)
             segs: dict[int, list[tuple[int, str, Box]]] = {b: [] for b in range(len(blay.buckets))}
@@ -579,7 +665,7 @@ def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: Target, m
                 # a range's fp32 chunk plus the segments read into it (TensorStore's 2x while reading)
                 ranges = shard_ranges(unp, blay.shard_size(b), dp_size, max(1, limit // 12))
                 ordered = sorted(segs[b], key=lambda s: s[0])
-                for role in ("params", "mu", "nu"):
+                for role in OPTIMIZER_ROLES:
                     fqn = (f"{prefix}optimizer.distributed.dp_group_idx_{k}.gbuf_idx_0.dtype_{key_dt}"
                            f".bucket_idx_{b}.{STATE_NAMES[role]}")
                     jobs.append(DpJob(fqn, unp, ranges, [(o, role_path(role, a), box) for o, a, box in ordered]))
@@ -593,22 +679,22 @@ def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: Target, m
 
 def _param_groups(man: Manifest, step: int) -> list[dict]:
     """Megatron param groups (identifier keys + hyper-parameters) with `step` set."""
-    saved = man.extra.get("megatron", {}).get("param_groups") if isinstance(man.extra, dict) else None
+    saved = man.megatron.param_groups if man.megatron else None
     flat = [dict(g) for gs in (saved or []) for g in gs]
     if not flat:
-        o = man.optimizer
+        o = man.optimizer.with_defaults(weight_decay=0.0)
         lr = o.lr if o.lr is not None else 0.0
         base = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
-                "default_config": True, "max_lr": lr, "min_lr": lr, "lr": lr, "betas": tuple(o.betas or (0.9, 0.999)),
-                "eps": o.eps if o.eps is not None else 1e-8, "weight_decay": o.weight_decay or 0.0}
-        flat = [base, dict(base, wd_mult=0.0, weight_decay=0.0 if o.no_decay else (o.weight_decay or 0.0))]
+                "default_config": True, "max_lr": lr, "min_lr": lr, "lr": lr, "betas": o.betas,
+                "eps": o.eps, "weight_decay": o.weight_decay}
+        flat = [base, dict(base, wd_mult=0.0, weight_decay=0.0 if o.no_decay else o.weight_decay)]
     out = []
     for g in flat:
         g = {k: (tuple(v) if k == "betas" and isinstance(v, list) else v) for k, v in g.items()
-             if k not in ("params", "num_params", "optimizer")}
+             if k not in ("params", "num_params", "optimizer")}  # foreign: torch group keys
         # An int: TransformerEngine's FusedAdam passes the group step to its kernel, which refuses a
         # float (seen with TE 2.20 after loading a float step); torch Adam's load path takes either.
-        g["step"] = int(step)
+        g["step"] = int(step)  # foreign: torch group key
         out.append(g)
     return out
 
@@ -618,14 +704,15 @@ def _groups_for(groups: list[dict], expert: bool, chained: bool) -> list[dict]:
     out, seen = [], set()
     for g in groups:
         g = dict(g, is_expert_parallel=expert) if chained else dict(g)
-        key = json.dumps({k: g.get(k) for k in sorted(g) if k not in ("step",)}, sort_keys=True, default=str)
+        key = json.dumps({k: g.get(k) for k in sorted(g) if k != "step"},  # foreign: torch group key
+                         sort_keys=True, default=str)
         if key not in seen:
             seen.add(key)
             out.append(g)
     return out
 
 
-def megatron_args(meg: dict, params: Sequence[ParamInfo], lay: ParallelLayout, fmt: str, step: int) -> dict:
+def megatron_args(meg: MegatronRecord, params: Sequence[ParamInfo], lay: ParallelLayout, fmt: str, step: int) -> dict:
     """`common_state["args"]` for the target: the source's args, model dims the geometry shows when
     the source saved none, and everything Megatron-LM 0.19.2 reads back about the layout set to it.
 
@@ -633,7 +720,7 @@ def megatron_args(meg: dict, params: Sequence[ParamInfo], lay: ParallelLayout, f
     be present), uses tensor/pipeline sizes, world_size and data_parallel_size to decide whether RNG
     and rerun state are loaded, and `load_args_from_checkpoint` may take the parallel sizes from here.
     """
-    args = dict(meg.get("args") or {})
+    args = dict(meg.args or {})
     for p in params:  # model dims the fused section tables know (a library-style source saved no args)
         spec = p.geom.fused
         if spec is None:
@@ -657,12 +744,12 @@ def megatron_args(meg: dict, params: Sequence[ParamInfo], lay: ParallelLayout, f
     experts = [g.prepend[1] for g in by_name.values() if g.expert and len(g.prepend) >= 2]
     if experts:
         args.setdefault("num_experts", max(experts))
-    recorded_iteration = meg.get("iteration")
+    recorded_iteration = meg.iteration
     gbs = args.get("global_batch_size")
     if recorded_iteration != step and isinstance(gbs, int) and not args.get("rampup_batch_size"):
         # Trained elsewhere since the source save: the data position follows the step.
         args["consumed_train_samples"] = step * gbs
-    args.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=1,
+    args.update(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
                 virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
                 context_parallel_size=1, gtp_weight_remat_size=lay.gtp,
                 tensor_parallel_num_weight_shards=lay.tp * lay.gtp, expert_model_parallel_size=lay.ep,
@@ -677,14 +764,14 @@ def megatron_args(meg: dict, params: Sequence[ParamInfo], lay: ParallelLayout, f
     return args
 
 
-def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, target: Target,
+def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronTarget,
              step: int) -> list[tuple[str, Any]]:
     """_extra_state objects (None, or TE's empty uint8 tensors, as the source saved them) and common_state."""
     import torch
 
     out: list[tuple[str, Any]] = []
-    meg = man.extra.get("megatron", {}) if isinstance(man.extra, dict) else {}
-    extra_keys = list(meg.get("extra_state_keys") or [])
+    meg = man.megatron or MegatronRecord()
+    extra_keys = list(meg.extra_state_keys or [])
     if not extra_keys:  # synthesise the keys a run would save for its linears (per stacked instance)
         seen = set()
         for p in params:
@@ -695,7 +782,7 @@ def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, ta
                     off = ".".join(str(i) for i in index) if index else "0"
                     shp = ".".join(str(n) for n in p.geom.prepend) if index else "1"
                     extra_keys.append(f"{mod}._extra_state/shard_{off}_{shp}")
-    empty = meg.get("extra_state_payload") == "empty_uint8_tensor"
+    empty = meg.extra_state_payload == "empty_uint8_tensor"
     for k in extra_keys:
         out.append((k, torch.empty(0, dtype=torch.uint8) if empty else None))
     domains = _domains(params, lay)
@@ -713,9 +800,9 @@ def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, ta
                      {i: {"param_state_sharding_type": target.fmt} for i in range(len(domains))})
     common = {"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": step,
               "optimizer": optimizer, "content_metadata": content}
-    if meg.get("scheduler"):  # Megatron resumes its lr / wd schedule from this (else it restarts warmup)
+    if meg.scheduler:  # Megatron resumes its lr / wd schedule from this (else it restarts warmup)
         from bridge.lr_schedule import scheduler_state_dict
 
-        common["opt_param_scheduler"] = scheduler_state_dict(meg["scheduler"], step)
+        common["opt_param_scheduler"] = scheduler_state_dict(meg.scheduler, step)
     out.append(("common_state/shard_0_1", common))
     return out

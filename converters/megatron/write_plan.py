@@ -2,7 +2,7 @@
 units of work that read each logical array's boxes once and fit a memory budget.
 
 A `ChunkJob` is one DCP tensor chunk (fqn, global offset, shape) and the `Take`s that fill it. A
-`Group` is the chunks of one parameter for a run of stacked instances (all roles together, so the
+`ChunkGroup` is the chunks of one parameter for a run of stacked instances (all roles together, so the
 bf16 weights can be checked against the fp32 masters of the same elements); its reads are one
 bounding box per logical array, kept exact (no element read that no chunk needs). An instance too
 large for the budget is split by target box, then by rows (DCP lets a tensor be stored in any
@@ -16,16 +16,17 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from bridge.dtypes import ITEMSIZE
 from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
 from bridge.layout.legacy import legacy_box_map, legacy_shape
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
 from converters.megatron.dcp_reader import ChunkInfo, StorageRef
+from bridge.format.schema import MODEL, OPTIMIZER_ROLES, PARAMS, ROLE_STATE, in_role, to_role
 from converters.megatron.plan import box_copies, is_scrambled_swiglu, logical_row_runs, role_path
 
-STATE_NAMES = {"params": "param", "mu": "exp_avg", "nu": "exp_avg_sq"}
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+STATE_NAMES = ROLE_STATE  # role -> the `optimizer.state.<name>.<param>` name Megatron saves it under
 READ_FACTOR = 2  # host bytes per byte read while a TensorStore read is in flight
 MAX_WORLD = 1 << 20  # beyond any machine Megatron-Core runs on; a typo like --dp 100000000 is caught at once
 
@@ -57,7 +58,7 @@ class ChunkJob:
 
 
 @dataclass
-class Group:
+class ChunkGroup:
     """Chunks written from one read of a bounding box of each logical array they need."""
 
     name: str
@@ -92,7 +93,7 @@ class Group:
     def nbytes(self) -> int:
         """Host memory while the group is processed: what is read, counted twice (TensorStore holds
         the stored bytes while it fills the result), plus the chunks."""
-        read = sum(b.size * (4 if t[0] != "model" else 2) for t, b in self.reads().items())
+        read = sum(b.size * (2 if in_role(t, MODEL) else 4) for t, b in self.reads().items())
         return READ_FACTOR * read + sum(c.nbytes for c in self.chunks)
 
 
@@ -106,7 +107,7 @@ def union(a: Box, b: Box) -> Box:
 
 
 # ---------------------------------------------------------------------------------------------
-# Target chunk boxes (one stacked instance)
+# Target-layout chunk boxes (one stacked instance)
 
 
 def stored_shape(geom: ParamGeometry, tp: int, gtp: int) -> tuple[int, ...]:
@@ -215,13 +216,13 @@ class ParamSpec:
 
 def roles_of(p: ParamSpec, fmt: str) -> list[tuple[str, str, str]]:
     """(role, fqn, dtype) of the model-space tensors written for `p`."""
-    out = [("model", p.name, p.dtype)]
+    out = [(MODEL, p.name, p.dtype)]
     if fmt == "fully_reshardable" and p.optimized:
-        out += [(r, f"optimizer.state.{STATE_NAMES[r]}.{p.name}", "float32") for r in ("params", "mu", "nu")]
+        out += [(r, f"optimizer.state.{STATE_NAMES[r]}.{p.name}", "float32") for r in OPTIMIZER_ROLES]
     return out
 
 
-def _items(p: ParamSpec, lay: ParallelLayout, fmt: str, derive: bool, limit: int) -> Iterable[Group]:
+def _items(p: ParamSpec, lay: ParallelLayout, fmt: str, derive: bool, limit: int) -> Iterable[ChunkGroup]:
     """Smallest units: all roles of one (instance, target box[, row slab]); split until under `limit`."""
     g = p.geom
     tp, gtp = lay.tp_gtp_sizes(g.expert)
@@ -238,29 +239,29 @@ def _items(p: ParamSpec, lay: ParallelLayout, fmt: str, derive: bool, limit: int
             rows = chunk_box.shape[npre] if chunk_box.ndim > npre else 1
             rows_per = max(1, limit // max(1, chunk_box.size // rows * per_element))
             for sub in split_rows(chunk_box, npre, -(-rows // rows_per)):
-                item = Group(p.name)
+                item = ChunkGroup(p.name)
                 for role, fqn, dt in roles:
-                    src = "params" if (role == "model" and derive) else role
+                    src = PARAMS if (role == MODEL and derive) else role
                     takes = chunk_takes(g, tp, gtp, role, fqn, sub, source_role=src)
                     item.chunks.append(ChunkJob(fqn, sub.start, sub.shape, dt, takes, cast=src != role, global_shape=full))
                 if check:
                     model_takes = item.chunks[0].takes
                     if fmt != "fully_reshardable":
-                        item.check_takes = [Take(("params",) + t.array[1:], t.logical, t.dst) for t in model_takes]
-                    item.checks = sorted({(t.array, ("params",) + t.array[1:]) for t in model_takes})
+                        item.check_takes = [Take(to_role(t.array, PARAMS), t.logical, t.dst) for t in model_takes]
+                    item.checks = sorted({(t.array, to_role(t.array, PARAMS)) for t in model_takes})
                 yield item
 
 
 class _Merger:
     """Running reads / needed counts of a growing group (merging stays linear in the items)."""
 
-    def __init__(self, item: Group) -> None:
-        self.group = Group(item.name, list(item.chunks), list(item.checks), list(item.check_takes))
+    def __init__(self, item: ChunkGroup) -> None:
+        self.group = ChunkGroup(item.name, list(item.chunks), list(item.checks), list(item.check_takes))
         self.reads = item.reads()
         self.need = item.needed()
         self.bytes = item.nbytes
 
-    def try_add(self, item: Group, limit: int) -> bool:
+    def try_add(self, item: ChunkGroup, limit: int) -> bool:
         reads = dict(self.reads)
         for a, b in item.reads().items():
             reads[a] = b if a not in reads else union(reads[a], b)
@@ -277,10 +278,10 @@ class _Merger:
 
 
 def plan_groups(params: Sequence[ParamSpec], lay: ParallelLayout, fmt: str, *, derive: bool,
-                limit: int) -> list[Group]:
+                limit: int) -> list[ChunkGroup]:
     """Model-space work in groups of at most `limit` bytes (unless one item alone is larger),
     each reading exact bounding boxes (merging stops where a box would cover unneeded elements)."""
-    out: list[Group] = []
+    out: list[ChunkGroup] = []
     for p in params:
         cur: _Merger | None = None
         for item in _items(p, lay, fmt, derive, limit):

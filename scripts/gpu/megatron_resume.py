@@ -251,7 +251,7 @@ def main() -> int:
         check("control state", bad0 > 0, f"before the load {bad0}/{n0} tensors differ from the checkpoint "
                                          f"(the state comparison can fail)")
         man = open_checkpoint(a.logical).manifest
-        recorded = bool(((man.extra or {}).get("megatron") or {}).get("scheduler"))
+        recorded = bool(man.megatron and man.megatron.scheduler)
         res["scheduler_recorded"] = recorded
         if not recorded:
             # pretrain() passes its scheduler, and 0.19.2 then needs `opt_param_scheduler` in the checkpoint
@@ -268,7 +268,7 @@ def main() -> int:
                                            f"checkpoint bit for bit" + (f"; {msgs}" if msgs else ""))
         res["scheduler_num_steps"] = getattr(scheduler, "num_steps", None)
         if recorded:
-            want = man.extra["megatron"]["scheduler"].get("num_steps")
+            want = man.megatron.scheduler.get("num_steps")
             check("scheduler", scheduler.num_steps == want, f"scheduler num_steps {scheduler.num_steps}, recorded {want}")
         res["adam_steps_after_load"] = adam_steps(optimizer, tinygpt)
         res["param_group_steps_after_load"] = sorted({g.get("step") for o in tinygpt.optimizer_list(optimizer)

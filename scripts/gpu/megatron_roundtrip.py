@@ -149,7 +149,7 @@ def step_and_record(model, optimizer, d: str, res: dict, prefix: str = "") -> No
 
     res[prefix + "next_losses"] = [tinygpt.train_step(model, optimizer, STEPS)]
     res[prefix + "step3"] = dict(tinygpt.LAST_STEP)
-    export_megatron(model, optimizer, os.path.join(d, prefix + "live_after"))
+    export_megatron(os.path.join(d, prefix + "live_after"), model, optimizer)
     export_grads(model, optimizer, os.path.join(d, prefix + "live_grads"))
     res[prefix + "next_losses"].append(tinygpt.train_step(model, optimizer, STEPS + 1))
 
@@ -202,7 +202,7 @@ def main() -> None:
         live = os.path.join(d, "live")
         times = {"live_export": [], "dp_reshardable": [], "fully_reshardable": []}
         exporter = Exporter()  # the repeated exports reuse the plan, as a run exporting every N steps
-        times["live_export"].append(_timed(lambda: export_megatron(model, optimizer, live, exporter=exporter)))
+        times["live_export"].append(_timed(lambda: export_megatron(live, model, optimizer, exporter=exporter)))
         params, lrun = local_params(model, optimizer, for_export=True)
         res["readback_mismatches"] = check_export_against_live(live, params, lrun)
         res["step"] = lrun.step
@@ -212,7 +212,7 @@ def main() -> None:
                 sd = tinygpt.build_state_dict(run_cfg, model, gpt, optimizer, fmt, STEPS)
                 times[fmt].append(_timed(lambda: tinygpt.save(sd, p, fmt)))
         for i in range(1, REPEATS + 1):
-            times["live_export"].append(_timed(lambda: export_megatron(model, optimizer, os.path.join(d, f"live_{i}"),
+            times["live_export"].append(_timed(lambda: export_megatron(os.path.join(d, f"live_{i}"), model, optimizer,
                                                                        exporter=exporter)))
         res["seconds"] = times
         warm = {k: statistics.median(v[1:]) for k, v in times.items()}
@@ -223,9 +223,9 @@ def main() -> None:
         src = a.src
         d = os.path.join(a.out, f"load_{a.layout}")
         os.makedirs(d, exist_ok=True)
-        r = load_megatron(model, optimizer, os.path.join(src, "live"))
+        r = load_megatron(os.path.join(src, "live"), model, optimizer)
         res["loaded_step"] = r.step
-        export_megatron(model, optimizer, os.path.join(d, "reexport"))
+        export_megatron(os.path.join(d, "reexport"), model, optimizer)
         if rank == 0:
             res["reexport_vs_source"] = compare_checkpoints(os.path.join(src, "live"), os.path.join(d, "reexport"),
                                                             exact=True)
@@ -234,7 +234,7 @@ def main() -> None:
         # Our load must leave exactly the state Megatron's does, and the next step must agree.
         try:
             model_b, optimizer_b = megatron_own_load(run_cfg, os.path.join(src, "fully_reshardable"))
-            export_megatron(model_b, optimizer_b, os.path.join(d, "own_reexport"))
+            export_megatron(os.path.join(d, "own_reexport"), model_b, optimizer_b)
             step_and_record(model_b, optimizer_b, d, res, prefix="own_")
         except (Exception, BaseException) as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):

@@ -25,7 +25,7 @@ step() {
   local t=$(( max < l - 5 ? max : l - 5 )) t1; t1=$(date +%s)
   timeout "$t" "$@" > "$logs/$name.log" 2>&1; local rc=$?
   echo "=== $name rc=$rc $(( $(date +%s) - t1 ))s (limit ${t}s, t+$(( $(date +%s) - T0 ))s)" | tee -a "$out/steps.txt"
-  grep -E '^\[(op|measure|offline|step|gen)\]|converted vs|SKIPPED|Error|error:|Traceback|^[a-z_]+: ' "$logs/$name.log" \
+  grep -E '^\[(op|measure|offline|step|gen|sweep)\]|^\| |converted vs|SKIPPED|Error|error:|Traceback|^[a-z_]+: ' "$logs/$name.log" \
     | grep -v '^{"bench' | cut -c1-400 | tail -25
   return $rc
 }

@@ -58,7 +58,7 @@ def main() -> None:
         with RssSampler() as s:
             t0 = time.perf_counter()
             try:
-                r = load_megatron(model, opt, src)
+                r = load_megatron(src, model, opt)
                 sync()
                 rec["ok"], rec["step"] = True, r.step
             except Exception as e:  # noqa: BLE001

@@ -6,9 +6,17 @@
     offline.py anchor SRC RAW --json F     torch.distributed.checkpoint load of every tensor of the
                                            torch_dist checkpoint SRC into CPU tensors (page cache dropped
                                            first), then a raw write of the same bytes (tofile + fsync)
+    offline.py rawread DIR --json F        every file under DIR read with 8 threads, 16 MiB at a time, page
+                                           cache dropped first (bench_scale.raw_read): the disk's rate,
+                                           verify's anchor
+    offline.py verify CKPT --json F        verify in-process, cold then warm (disk-bound or not)
     offline.py jax CKPT --json F           JAX restore onto a 1-GPU mesh: bridge.jaxside.restore vs
-                                           plain Orbax, cold (page cache dropped) then warm; bit-exact
-                                           agreement of the restored arrays
+                                           plain Orbax, cold (page cache dropped before each), in the
+                                           order A B B A after one untimed warm-up restore (the first
+                                           restore of a process pays for growing the GPU allocator and
+                                           Orbax's/TensorStore's first use); per restore also the bytes
+                                           read (/proc/self/io) and the time in the Orbax read itself;
+                                           bit-exact agreement of the restored arrays
 """
 
 from __future__ import annotations
@@ -30,6 +38,11 @@ from scale_measure import drop_caches  # noqa: E402 (one implementation for ever
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
+def _io() -> dict:
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (ln.split(":") for ln in f)}
+
+
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * PAGE
@@ -39,6 +52,15 @@ def append(path: str, rec: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(rec, default=str) + "\n")
     print("[offline]", json.dumps(rec, default=str)[:1500], flush=True)
+
+
+def cmd_rawread(a) -> int:
+    from bench_scale import raw_read
+
+    dropped = drop_caches()
+    r = raw_read(a.paths[0], min(8, os.cpu_count() or 1))
+    append(a.json, dict(r, what="raw_read", path=a.paths[0], dropped_caches=dropped, GBps=r["bytes"] / r["seconds"] / 1e9))
+    return 0
 
 
 def cmd_compare(a) -> int:
@@ -112,61 +134,28 @@ def cmd_anchor(a) -> int:
     return 0
 
 
-def _ts_bytes_read() -> int:
-    import tensorstore as ts
-
-    total = 0
-    for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
-        total += sum(int(v.get("value", 0)) for v in m["values"])
-    return total
-
-
 def cmd_verify(a) -> int:
-    """`gtp-bridge verify`'s own code path (bridge.store.verify.verify_checkpoint), with per-array
-    timing and TensorStore's file-bytes-read counter; prints a line per array so a run cut short
-    still shows how far it got."""
-    from math import prod
-
+    """`gtp-bridge verify`'s code path (bridge.store.verify.verify_checkpoint) in this process,
+    twice: page cache dropped (every byte from the disk), then warm (no byte from the disk). Equal
+    times mean verify is bound by its own processing, not by the disk. Time, bytes read through
+    read(2)/pread(2) (rchar) and from the disk (read_bytes)."""
     import bridge.store.verify as v
     from bridge.store.reader import open_checkpoint
 
     path = a.paths[0]
-    rec: dict = {"what": "verify", "path": path, "dropped_caches": drop_caches()}
-    t0, b0 = time.perf_counter(), _ts_bytes_read()
-    ck = open_checkpoint(path)
-    records = ck.manifest.arrays if ck.manifest else {}
-    rec["logical_bytes"] = sum(ck.info(p).nbytes for p in ck.paths())
-    rec["arrays"] = len(ck.paths())
-    damaged, per = {}, []
-    done = 0
-    for p in sorted(ck.paths(), key=lambda p: -ck.info(p).nbytes):
-        ta, ba = time.perf_counter(), _ts_bytes_read()
-        info = ck.info(p)
-        prob = v._check_array(ck, p, records.get(".".join(p)), ck.manifest is not None, _NoBar())
-        done += info.nbytes
-        row = {"array": ".".join(p), "shape": info.shape, "inner_chunk": info.inner_chunk_shape,
-               "blocks": len(v.row_blocks(info.shape, max(1, info.nbytes // max(1, prod(info.shape))))),
-               "bytes": info.nbytes, "read": _ts_bytes_read() - ba, "seconds": time.perf_counter() - ta,
-               "problem": prob}
-        per.append(row)
-        if prob:
-            damaged[row["array"]] = prob
-        print(f"[verify-array] {row['array']} {info.shape} inner {info.inner_chunk_shape} blocks {row['blocks']}: "
-              f"{row['seconds']:.2f} s, read {row['read'] / 2**20:.0f} MiB of {info.nbytes / 2**20:.0f} MiB "
-              f"(elapsed {time.perf_counter() - t0:.1f} s, {done / 2**30:.2f} GiB checked) {prob or ''}", flush=True)
-    rec["seconds"] = time.perf_counter() - t0
-    rec["file_bytes_read"] = _ts_bytes_read() - b0
-    rec["read_over_logical"] = rec["file_bytes_read"] / max(1, rec["logical_bytes"])
-    rec["damaged"] = damaged
-    rec["ok"] = not damaged
-    rec["slowest"] = sorted(per, key=lambda r: -r["seconds"])[:6]
-    append(a.json, rec)
-    return 0 if rec["ok"] else 1
-
-
-class _NoBar:
-    def update(self, n) -> None:
-        pass
+    open_checkpoint(path)  # TensorStore initialised and the libraries loaded before either run
+    for mode in ("cold", "warm"):
+        rec: dict = {"what": "verify_inprocess", "mode": mode, "path": path,
+                     "dropped_caches": drop_caches() if mode == "cold" else False}
+        io0, t0 = _io(), time.perf_counter()
+        res = v.verify_checkpoint(path, show_progress=False)
+        rec["seconds"] = time.perf_counter() - t0
+        io1 = _io()
+        rec.update(ok=res.ok, checked=res.checked, bytes=res.bytes_read, rchar=io1["rchar"] - io0["rchar"],
+                   read_bytes=io1["read_bytes"] - io0["read_bytes"], GBps=res.bytes_read / rec["seconds"] / 1e9,
+                   damaged=dict(list(res.damaged.items())[:5]))
+        append(a.json, rec)
+    return 0
 
 
 def _bits_equal(x, y) -> bool:
@@ -241,73 +230,101 @@ def cmd_jax(a) -> int:
         return {"params": o["params"], "mu": o["opt_state"][0]["mu"], "nu": o["opt_state"][0]["nu"],
                 "model": o["model"], "step": o["step"]}
 
-    variants = [("bridge_restore_params_mu_nu", bridge_part, "params_opt"),
-                ("orbax_pytree_partial_params_mu_nu", orbax_part, "params_opt"),
-                ("bridge_restore_all_items", bridge_full, "full"),
-                ("orbax_standard_checkpointer_all", standard_full, "full")]
+    variants = {"bridge_restore_params_mu_nu": (bridge_part, "params_opt"),
+                "orbax_pytree_partial_params_mu_nu": (orbax_part, "params_opt"),
+                "bridge_restore_all_items": (bridge_full, "full"),
+                "orbax_standard_checkpointer_all": (standard_full, "full")}
+    import collections
+
+    import jax.monitoring as mon
+
+    events: collections.Counter = collections.Counter()
+    mon.register_event_duration_secs_listener(lambda name, d, **kw: events.__setitem__(name, events[name] + d))
+    # Untimed warm-up: one full restore brings the GPU allocator to size and initialises Orbax and
+    # TensorStore, so neither side of a pair pays for that alone. Then A B B A: each library once
+    # first and once second in each pair.
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax.tree.leaves(bridge_full()))
+    append(a.json, {"what": "jax_warmup", "seconds": time.perf_counter() - t0})
+    order = ["bridge_restore_params_mu_nu", "orbax_pytree_partial_params_mu_nu",
+             "orbax_pytree_partial_params_mu_nu", "bridge_restore_params_mu_nu",
+             "bridge_restore_all_items", "orbax_standard_checkpointer_all",
+             "orbax_standard_checkpointer_all", "bridge_restore_all_items"]
     results = {}
-    rounds = [("cold", True), ("warm", False)]
     deadline = time.time() + a.budget_s
-    for rnd, cold in rounds:
-        for name, fn, kind in variants:
-            if time.time() > deadline:
-                append(a.json, {"what": "jax_restore", "name": name, "round": rnd, "skipped": "time budget"})
-                continue
-            rec = {"what": "jax_restore", "name": name, "round": rnd, "bytes": nbytes[kind]}
-            if cold:
-                rec["dropped_caches"] = drop_caches()
-            r0 = rss()
-            t0 = time.perf_counter()
+    for i, name in enumerate(order):
+        fn, kind = variants[name]
+        if time.time() > deadline:
+            append(a.json, {"what": "jax_restore", "name": name, "round": "cold", "skipped": "time budget"})
+            continue
+        rec = {"what": "jax_restore", "name": name, "round": "cold", "position": i, "bytes": nbytes[kind],
+               "dropped_caches": drop_caches()}
+        r0, io0 = rss(), _io()
+        events.clear()
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+            jax.block_until_ready(jax.tree.leaves(out))
+            rec["seconds"] = time.perf_counter() - t0
+            rec["GBps"] = nbytes[kind] / rec["seconds"] / 1e9
+            rec["ok"] = True
+            rec["leaves"] = len(jax.tree.leaves(out))
+            rec["device"] = str(next(iter(jax.tree.leaves(out)[0].devices())))
+        except Exception as e:  # noqa: BLE001
+            rec["seconds"] = time.perf_counter() - t0
+            rec["ok"] = False
+            rec["error"] = f"{type(e).__name__}: {e}"[:1500]
+            rec["traceback_tail"] = traceback.format_exc()[-2500:]
+            out = None
+        io1 = _io()
+        rec["rchar"], rec["read_bytes"] = io1["rchar"] - io0["rchar"], io1["read_bytes"] - io0["read_bytes"]
+        rec["orbax_read_s"] = events.get("/jax/orbax/read/total_duration_secs")
+        rec["compile_s"] = sum(v for k, v in events.items() if "compil" in k)
+        rec["rss_growth"] = rss() - r0
+        append(a.json, rec)
+        if out is not None and name not in results:
+            results[name] = out
+        del out
+    # bit-exact agreement of what the two libraries restored
+    for x, y in (("bridge_restore_params_mu_nu", "orbax_pytree_partial_params_mu_nu"),
+                 ("bridge_restore_all_items", "orbax_standard_checkpointer_all"),
+                 ("bridge_restore_params_mu_nu", "bridge_restore_all_items")):
+        if x in results and y in results:
             try:
-                out = fn()
-                jax.block_until_ready(jax.tree.leaves(out))
-                rec["seconds"] = time.perf_counter() - t0
-                rec["GBps"] = nbytes[kind] / rec["seconds"] / 1e9
-                rec["ok"] = True
-                rec["leaves"] = len(jax.tree.leaves(out))
-                rec["device"] = str(next(iter(jax.tree.leaves(out)[0].devices())))
+                bx, by = _by_path({k: results[x][k] for k in ("params", "mu", "nu")}), \
+                    _by_path({k: results[y][k] for k in ("params", "mu", "nu")})
+                if "model" in results[x] and "model" in results[y]:
+                    bx.update(_by_path({"model": results[x]["model"]}))
+                    by.update(_by_path({"model": results[y]["model"]}))
+                bad = sorted(k for k in set(bx) | set(by)
+                             if k not in bx or k not in by or not _bits_equal(bx[k], by[k]))
+                append(a.json, {"what": "jax_agree", "a": x, "b": y, "leaves": len(bx), "ok": not bad,
+                                "differ": bad[:10]})
             except Exception as e:  # noqa: BLE001
-                rec["seconds"] = time.perf_counter() - t0
-                rec["ok"] = False
-                rec["error"] = f"{type(e).__name__}: {e}"[:1500]
-                rec["traceback_tail"] = traceback.format_exc()[-2500:]
-                out = None
-            rec["rss_growth"] = rss() - r0
-            append(a.json, rec)
-            if rnd == "cold" and out is not None:
-                results[name] = out
-            del out
-        if rnd == "cold":
-            # bit-exact agreement of what the two libraries restored
-            for x, y in (("bridge_restore_params_mu_nu", "orbax_pytree_partial_params_mu_nu"),
-                         ("bridge_restore_all_items", "orbax_standard_checkpointer_all"),
-                         ("bridge_restore_params_mu_nu", "bridge_restore_all_items")):
-                if x in results and y in results:
-                    try:
-                        bx, by = _by_path({k: results[x][k] for k in ("params", "mu", "nu")}), \
-                            _by_path({k: results[y][k] for k in ("params", "mu", "nu")})
-                        if "model" in results[x] and "model" in results[y]:
-                            bx.update(_by_path({"model": results[x]["model"]}))
-                            by.update(_by_path({"model": results[y]["model"]}))
-                        bad = sorted(k for k in set(bx) | set(by)
-                                     if k not in bx or k not in by or not _bits_equal(bx[k], by[k]))
-                        append(a.json, {"what": "jax_agree", "a": x, "b": y, "leaves": len(bx), "ok": not bad,
-                                        "differ": bad[:10]})
-                    except Exception as e:  # noqa: BLE001
-                        append(a.json, {"what": "jax_agree", "a": x, "b": y, "error": f"{type(e).__name__}: {e}"})
-            results.clear()
+                append(a.json, {"what": "jax_agree", "a": x, "b": y, "error": f"{type(e).__name__}: {e}"})
+    results.clear()
+    times: dict = {}
+    for ln in open(a.json):
+        r = json.loads(ln)
+        if r.get("what") == "jax_restore" and r.get("ok") and r.get("position") is not None:
+            times.setdefault(r["name"], []).append(r["seconds"])
+    for x, y in (("bridge_restore_params_mu_nu", "orbax_pytree_partial_params_mu_nu"),
+                 ("bridge_restore_all_items", "orbax_standard_checkpointer_all")):
+        if times.get(x) and times.get(y):
+            append(a.json, {"what": "jax_ratio", "a": x, "b": y, "a_s": times[x], "b_s": times[y],
+                            "ratio_of_means": (sum(times[x]) / len(times[x])) / (sum(times[y]) / len(times[y]))})
     return 0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=["compare", "digests", "anchor", "jax", "verify"])
+    ap.add_argument("cmd", choices=["compare", "digests", "anchor", "jax", "verify", "rawread"])
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--json", required=True)
     ap.add_argument("--budget-s", type=float, default=150.0)
     a = ap.parse_args()
     sys.exit({"compare": cmd_compare, "digests": cmd_digests, "anchor": cmd_anchor, "jax": cmd_jax,
-              "verify": cmd_verify}[a.cmd](a))
+              "verify": cmd_verify, "rawread": cmd_rawread}[a.cmd](a))
 
 
 if __name__ == "__main__":

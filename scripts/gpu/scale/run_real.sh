@@ -5,11 +5,16 @@
 # (default 560); steps that would not fit are skipped and named in steps.txt.
 #   1. train 2 steps, live export (export_megatron), Megatron's own dp_reshardable save (torch_side.py)
 #   2. `gtp-bridge convert` of the save at DEFAULT settings (measured: time, peak RSS, bytes)
-#   3. bit-exact comparison of the converted checkpoint with the live export (offline.py compare)
-#   4. `gtp-bridge verify` of the conversion (measured: time, bytes read)
-#   5. load_megatron of the conversion vs of the live export: time, bytes read, states bit-exact (load_probe.py)
-#   6. convert's anchor: dcp.load of the save + a raw write of the same bytes (offline.py anchor)
-#   7. JAX restore of the conversion vs plain Orbax, if time remains (offline.py jax)
+#   3. its per-array digests equal the live export's (offline.py digests), `gtp-bridge verify` of the conversion (measured: time, bytes read), then its anchor: a raw
+#      read of the conversion's files (offline.py rawread), then verify in-process cold and warm
+#      (offline.py verify)
+#   4. convert's anchor: dcp.load of the save + a raw write of the same bytes (offline.py anchor)
+#   5. JAX restore of the conversion vs plain Orbax (offline.py jax)
+#   6. the convert sweep (benchmarks/scale_sweep.py, SP_GRID, default 32M:1,64M:2,256M:4): each
+#      output verified, its digests equal to the live export's, bytes on disk, peak RSS vs share
+#   7. bit-exact comparison of the default conversion with the live export (offline.py compare)
+#   8. load_megatron of the conversion vs of the live export: time, bytes read, states bit-exact (load_probe.py)
+# Steps 6-8 run only if time remains (SP_DEADLINE); each skipped step is named in steps.txt.
 # CPU dry run (tiny sizes, CUDA patched out by cpu/cpu_patch.py, megatron-core on PYTHONPATH):
 #   SP_CPU=1 SP_LAYERS=2 SP_HIDDEN=64 SP_FFN=176 SP_HEADS=4 SP_GROUPS=2 SP_VOCAB=512 SP_SEQ=32 \
 #   SP_PYTHON=.venv/bin/python SP_SITE=/path/to/megatron-site bash scripts/gpu/scale/run_real.sh
@@ -35,14 +40,22 @@ step convert 200 50 $M --name convert_defaults --drop-caches --log "$logs/conver
   -- $PY -m bridge.cli convert "$D/dp" "$C"
 usage
 if [ -d "$C" ]; then
-  step compare 100 40 $O compare "$D/live" "$C" --json "$J"
+  step digests 30 10 $O digests "$D/live" "$C" --json "$J"
   step verify 150 30 $M --name verify_converted --drop-caches --log "$logs/verify.cli.log" \
     -- $PY -m bridge.cli verify "$C"
-  step load_probe 150 60 $TR $LP --conv "$C" --live "$D/live" --json "$out/load_probe.json"
+  step rawread 60 20 $O rawread "$C" --json "$J"
+  step verify_inproc 60 30 $O verify "$C" --json "$J"
 fi
 step anchor 120 60 $O anchor "$D/dp" "$D/raw" --json "$J"
 rm -rf "$D/raw"
-[ -d "$C" ] && step jax 90 60 $O jax "$C" --json "$J" --budget-s 45
+[ -d "$C" ] && step jax 110 60 $O jax "$C" --json "$J" --budget-s 75
+if [ -d "$C" ]; then  # the sweep's outputs go next to the default one: the disk holds dp, live, conv + one
+  step sweep 240 60 $PY benchmarks/scale_sweep.py --src "$D/dp" --ref "$D/live" --dir "$D/sweep" \
+    --grid "${SP_GRID:-32M:1,64M:2,256M:4}" --json "$out/sweep.jsonl" --deadline "$(( $(left) - 10 < 230 ? $(left) - 10 : 230 ))"
+  rm -rf "$D/sweep"
+  step compare 100 40 $O compare "$D/live" "$C" --json "$J"
+  step load_probe 150 60 $TR $LP --conv "$C" --live "$D/live" --json "$out/load_probe.json"
+fi
 usage
 rm -rf "$D"
 finish

@@ -196,7 +196,7 @@ def main() -> None:
     exporter = Exporter()  # keeps the plan between exports (the warm ones reuse it)
 
     def export(path: str):
-        r = export_megatron(model0, opt0, path, exporter=exporter)
+        r = export_megatron(path, model0, opt0, exporter=exporter)
         return {**{k: getattr(r, k) for k in ("bytes_written", "plan_cached", "timings", "inner_chunk_bytes")},
                 "staging_peak_bytes": r.staging.peak_bytes, "staged_bytes": r.staging.staged_bytes}
 
@@ -240,7 +240,7 @@ def main() -> None:
     res["fresh_build_seconds"] = time.perf_counter() - t
 
     def ours():
-        r = load_megatron(model1, opt1, live)
+        r = load_megatron(live, model1, opt1)
         return {"step": r.step}
 
     def megatrons():

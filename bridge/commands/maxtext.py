@@ -1,0 +1,105 @@
+"""`gtp-bridge to-maxtext SRC ROOT` and `gtp-bridge from-maxtext SRC DST`: the maxtext preset (issue #22)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+TO_EPILOG = """examples:
+  gtp-bridge to-maxtext logical_ckpt/ maxtext_run/checkpoints          # MaxText resumes with run_name=maxtext_run
+  gtp-bridge to-maxtext logical_ckpt/ ckpts --decoder-block llama2    # MaxText's llama2 block: query scale folded
+
+The step directory is <ROOT>/<step - 1> (MaxText's naming: the last step index taken) holding
+items/ (MaxText's train state: params, adamw state, step) and gtp_bridge_maxtext.json. The printed
+key=value overrides make MaxText build this model and optimizer (pass them on its command line with
+base_output_directory/run_name so that its checkpoint_dir is ROOT). --decoder-block qwen2 (default)
+is MaxText's llama layer with the attention's 1/sqrt(head_dim) applied in the op: the state is
+carried over exactly. llama2 folds it into the query kernel and its moments (forward exact, the
+Adam trajectory is not). docs/maxtext.md has the mapping table.
+"""
+
+FROM_EPILOG = """examples:
+  gtp-bridge from-maxtext maxtext_run/checkpoints logical_ckpt/       # latest step; a run we started
+  gtp-bridge from-maxtext ckpts/1200 logical/ --lr 3e-4 --betas 0.9,0.95   # MaxText's own run
+  gtp-bridge to-megatron logical_ckpt/ megatron_run/ --tp 2            # then on to Megatron-Core
+
+SRC is a MaxText checkpoint root (its latest step), a step directory or its items/ directory. A
+step written by to-maxtext, or saved by a MaxText run resumed from one, carries the hyper-parameters
+and Megatron's records; for any other MaxText checkpoint give its AdamW settings (--lr, --betas,
+--eps, --weight-decay; norms are Megatron's no-decay set).
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("to-maxtext", help="logical checkpoint -> MaxText train-state checkpoint (maxtext preset)",
+                       description="Write a logical checkpoint of a llama-style model (RMSNorm, SwiGLU, GQA, RoPE, "
+                                   "no biases) as a MaxText 0.2.5 train-state checkpoint: params and Adam state, "
+                                   "as a step of a MaxText checkpoint root.",
+                       epilog=TO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", metavar="SRC", help="logical checkpoint directory (with Adam state)")
+    p.add_argument("root", metavar="ROOT", help="MaxText checkpoint root (its checkpoint_dir); created if missing")
+    p.add_argument("--decoder-block", default="qwen2", choices=["qwen2", "llama2"],
+                   help="MaxText decoder block (default qwen2: exact; llama2 folds the query scale)")
+    p.add_argument("--unscanned", action="store_true", help="MaxText scan_layers=false (decoder/layers_<i>/...)")
+    p.add_argument("--overrides-json", metavar="FILE", help="also write MaxText's config overrides to FILE (JSON)")
+    p.set_defaults(func=run_to)
+
+    q = sub.add_parser("from-maxtext", help="MaxText train-state checkpoint -> logical checkpoint (maxtext preset)",
+                       description="Read a MaxText 0.2.5 train-state checkpoint of a llama-family model (params and "
+                                   "adamw state) into a logical checkpoint that to-megatron takes.",
+                       epilog=FROM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument("src", metavar="SRC", help="MaxText checkpoint root, step directory or items/ directory")
+    q.add_argument("dst", metavar="DST", help="new logical checkpoint directory")
+    q.add_argument("--lr", type=float, help="learning rate (a MaxText run we did not start)")
+    q.add_argument("--betas", default=None, metavar="B1,B2", help="Adam betas (default 0.9,0.95: MaxText's)")
+    q.add_argument("--eps", type=float, default=None, help="Adam eps (default 1e-8)")
+    q.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay (default 0.1, MaxText's)")
+    q.add_argument("--clip-grad", type=float, default=None, help="global-norm clipping threshold (default none)")
+    q.add_argument("--decoder-block", choices=["qwen2", "llama2"], default=None,
+                   help="the MaxText block the run used (llama2: the query scale is unfolded); default from the "
+                        "checkpoint's sidecar, else qwen2")
+    q.set_defaults(func=run_from)
+
+
+def run_to(args: argparse.Namespace) -> int:
+    from bridge.jaxside.presets.maxtext_ckpt import write_maxtext
+
+    w = write_maxtext(args.src, args.root, decoder_block=args.decoder_block, scan_layers=not args.unscanned)
+    d = w.dims
+    print(f"wrote {w.step_dir} (MaxText step dir {w.step - 1 if w.step else 0}, resumes at step {w.step}): "
+          f"{d.layers} layers, hidden {d.hidden}, {d.heads} heads / {d.kv_heads} kv, head dim {d.head_dim}, "
+          f"ffn {d.ffn}, vocab {d.vocab}{' (tied)' if d.tied else ''}; block {w.options.decoder_block}"
+          f"{', scanned' if w.options.scan_layers else ', unscanned'}")
+    if args.overrides_json:
+        with open(args.overrides_json, "w") as f:
+            json.dump(w.overrides, f, indent=1)
+    print("MaxText overrides: " + " ".join(f"{k}={json.dumps(v) if isinstance(v, (list, bool)) else v}"
+                                           for k, v in w.overrides.items()))
+    return 0
+
+
+def run_from(args: argparse.Namespace) -> int:
+    from bridge.errors import BridgeError
+    from bridge.jaxside.presets.maxtext import Hyper, Options
+    from bridge.jaxside.presets.maxtext_ckpt import read_maxtext
+
+    given = {k: getattr(args, k) for k in ("eps", "weight_decay", "clip_grad") if getattr(args, k) is not None}
+    if args.betas is not None:
+        try:
+            given["b1"], given["b2"] = (float(x) for x in args.betas.split(","))
+        except ValueError:
+            raise BridgeError(f"--betas {args.betas!r}: give two numbers, e.g. --betas 0.9,0.95") from None
+    hyper = None
+    if args.lr is not None:
+        hyper = Hyper(lr=args.lr, b1=given.get("b1", 0.9), b2=given.get("b2", 0.95), eps=given.get("eps", 1e-8),
+                      weight_decay=given.get("weight_decay", 0.1), clip_grad=given.get("clip_grad"))
+    elif given:
+        raise BridgeError("--betas/--eps/--weight-decay/--clip-grad need --lr (they replace the recorded settings)")
+    opts = Options(decoder_block=args.decoder_block) if args.decoder_block else None
+    res = read_maxtext(args.src, args.dst, hyper=hyper, options=opts)
+    d = res["dims"]
+    how = "sidecar of the run gtp-bridge wrote" if res["sidecar"] else "the given AdamW settings"
+    print(f"wrote {res['dst']} from {res['items']} (step {res['trained_steps']}, Adam count {res['adam_count']}): "
+          f"{d['layers']} "
+          f"layers, hidden {d['hidden']}, vocab {d['vocab']}; hyper-parameters from {how}")
+    return 0

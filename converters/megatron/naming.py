@@ -1,0 +1,97 @@
+"""Megatron-Core parameter naming: wrapper prefixes, routed experts, stacked axes, module components
+and the TP kind / GTP sharding they imply.
+
+The one place the converters read meaning out of a Megatron key. Wrapper stripping itself lives
+in the core (`bridge.format.tree`), because the live exporter needs it too and the core never
+imports `converters`; it is re-exported here so Megatron code has one naming module to import.
+"""
+
+from __future__ import annotations
+
+import re
+
+from bridge.format.tree import WRAPPER_PREFIXES as WRAPPERS
+from bridge.format.tree import megatron_key_to_path, path_to_name, strip_wrappers
+
+__all__ = ["WRAPPERS", "COLUMN_MODULES", "ROW_MODULES", "strip_wrappers", "logical_key", "is_routed_expert", "module_of",
+           "num_prepend_axes", "tp_kind_by_name", "is_gtp_weight"]
+
+
+def logical_key(name: str) -> str:
+    """`strip_wrappers`, checked to be usable as a tree path (the live adapter's keys become paths).
+
+    >>> logical_key("module.module.decoder.layers.0.mlp.linear_fc1.weight")
+    'decoder.layers.0.mlp.linear_fc1.weight'
+    >>> logical_key("module.a..b")
+    Traceback (most recent call last):
+    ...
+    bridge.errors.BridgeError: empty tree name component in path ('a', '', 'b'): remove it
+    """
+    return path_to_name(megatron_key_to_path(name))
+
+
+def is_routed_expert(name: str) -> bool:
+    """Routed-expert parameter (expert buffer, expert grid); shared experts are dense.
+
+    >>> is_routed_expert("decoder.layers.mlp.experts.linear_fc1.weight"), is_routed_expert("decoder.layers.mlp.shared_experts.linear_fc1.weight")
+    (True, False)
+    """
+    return ".experts." in name and ".shared_experts." not in name
+
+
+def module_of(name: str) -> str:
+    """The module component holding a parameter.
+
+    >>> module_of("decoder.layers.mlp.linear_fc1.weight"), module_of("weight")
+    ('linear_fc1', '')
+    """
+    parts = name.split(".")
+    return parts[-2] if len(parts) >= 2 else ""
+
+
+# Megatron module names -> TP kind (megatron-layout.md §2.1). Used when chunks cannot show it
+# (a TP=1 source) and to decide what GTP shards.
+COLUMN_MODULES = ("linear_qkv", "linear_fc1", "in_proj", "output_layer", "linear_q", "linear_kv",
+                  "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
+ROW_MODULES = ("linear_proj", "linear_fc2", "out_proj")
+
+
+def num_prepend_axes(name: str) -> int:
+    """Stacked leading axes of a key: the layer axis of `decoder.layers.<path>` and the expert axis.
+
+    >>> num_prepend_axes("decoder.layers.mlp.experts.linear_fc1.weight"), num_prepend_axes("decoder.layers.3.mixer.in_proj.weight")
+    (2, 0)
+    """
+    n = 0
+    m = re.search(r"(^|\.)layers\.([^.]+)\.", name)
+    if m and not m.group(2).isdigit():
+        n += 1
+    if is_routed_expert(name):
+        parts = name.split(".")
+        i = parts.index("experts")
+        # `experts.local_experts.<i>` (per-expert keys) carry no expert axis
+        if not (i + 2 < len(parts) and parts[i + 1] == "local_experts" and parts[i + 2].isdigit()):
+            n += 1
+    return n
+
+
+def tp_kind_by_name(name: str) -> str:
+    """TP kind from Megatron naming: column / row / vocab / replicated.
+
+    >>> [tp_kind_by_name(n) for n in ("decoder.layers.linear_proj.weight", "decoder.layers.linear_proj.bias", "embedding.word_embeddings.weight")]
+    ['row', 'replicated', 'vocab']
+    """
+    mod, leaf = module_of(name), name.split(".")[-1]
+    if mod == "word_embeddings":
+        return "vocab"
+    if mod in COLUMN_MODULES and leaf in ("weight", "bias"):
+        return "column"
+    if mod in ROW_MODULES and leaf == "weight":
+        return "row"
+    return "replicated"
+
+
+def is_gtp_weight(name: str) -> bool:
+    """Parameters GTP shards in 0.19.2: the `weight` of wrapped linears and the vocab embedding."""
+    mod, leaf = module_of(name), name.split(".")[-1]
+    return leaf == "weight" and (mod in COLUMN_MODULES or mod in ROW_MODULES or mod == "word_embeddings")
