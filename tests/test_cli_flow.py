@@ -45,24 +45,25 @@ def logical(tmp_path_factory):
     return d
 
 
-# --- item 3: a URL is refused in one line, never taken for a local path -------------------------------------
+# --- item 3: an unknown URL scheme is refused in one line, never taken for a local path -----------------------
+# (s3:// and gs:// are storage locations since issue 20: tests/test_remote_*.py)
 
 @pytest.mark.parametrize("argv", [
-    ["convert", str(DEMO_SRC), "s3://bucket/x"],
-    ["convert", "gs://bucket/megatron/iter_0000001", "out"],
-    ["to-megatron", "LOGICAL", "s3://bucket/megatron", "--tp", "1"],
-    ["to-megatron", "s3://bucket/logical", "out", "--tp", "1"],
-    ["inspect", "gs://bucket/ckpt"],
-    ["verify", "gs://bucket/ckpt"],
-    ["diff", "LOGICAL", "s3://bucket/other"],
-    ["demo", "--workdir", "s3://bucket/demo"],
+    ["convert", str(DEMO_SRC), "hdfs://bucket/x"],
+    ["convert", "az://bucket/megatron/iter_0000001", "out"],
+    ["to-megatron", "LOGICAL", "hdfs://bucket/megatron", "--tp", "1"],
+    ["to-megatron", "hdfs://bucket/logical", "out", "--tp", "1"],
+    ["inspect", "az://bucket/ckpt"],
+    ["verify", "az://bucket/ckpt"],
+    ["diff", "LOGICAL", "hdfs://bucket/other"],
+    ["demo", "--workdir", "hdfs://bucket/demo"],
 ])
 def test_url_is_refused_in_one_line_and_nothing_is_written(argv, logical, tmp_path):
     argv = [logical if a == "LOGICAL" else a for a in argv]
     scheme = next(a for a in argv if "://" in a).split("://")[0]
     r = cli(*argv, cwd=tmp_path)
-    one_line_error(r, f"remote storage ({scheme}://) is not supported yet; copy the checkpoint to a local path")
-    assert os.listdir(tmp_path) == []  # no ./s3:/bucket/x, no ./out
+    one_line_error(r, f"unknown storage scheme {scheme}://; use a local path, s3:// or gs://")
+    assert os.listdir(tmp_path) == []  # no ./hdfs:/bucket/x, no ./out
 
 
 def test_python_entry_points_refuse_urls(logical, tmp_path, monkeypatch):
@@ -73,12 +74,13 @@ def test_python_entry_points_refuse_urls(logical, tmp_path, monkeypatch):
     from converters.megatron.write import MegatronTarget, to_megatron
 
     monkeypatch.chdir(tmp_path)
-    calls = [lambda: convert(str(DEMO_SRC), "s3://b/x"), lambda: convert("gs://b/x", "out"),
-             lambda: to_megatron(logical, "s3://b/x", MegatronTarget(tp=1)), lambda: to_megatron("s3://b/x", "out", MegatronTarget(tp=1)),
-             lambda: open_checkpoint("gs://b/x"), lambda: verify_checkpoint("s3://b/x"),
-             lambda: restore("gs://b/x"), lambda: save("s3://b/x", params={}, opt_state=None, step=0)]
+    calls = [lambda: convert(str(DEMO_SRC), "hdfs://b/x"), lambda: convert("az://b/x", "out"),
+             lambda: to_megatron(logical, "hdfs://b/x", MegatronTarget(tp=1)),
+             lambda: to_megatron("az://b/x", "out", MegatronTarget(tp=1)),
+             lambda: open_checkpoint("az://b/x"), lambda: verify_checkpoint("hdfs://b/x"),
+             lambda: restore("az://b/x"), lambda: save("hdfs://b/x", params={}, opt_state=None, step=0)]
     for call in calls:
-        with pytest.raises(BridgeError, match=r"remote storage \((s3|gs)://\) is not supported yet"):
+        with pytest.raises(BridgeError, match=r"unknown storage scheme (hdfs|az)://"):
             call()
     assert os.listdir(tmp_path) == []
 
@@ -90,8 +92,8 @@ def test_live_entry_points_refuse_urls(tmp_path, monkeypatch):
     from bridge.live.reload import reload_state
 
     monkeypatch.chdir(tmp_path)
-    for call in (lambda: export_state("s3://b/x", None, []), lambda: reload_state("gs://b/x", None, [])):
-        with pytest.raises(BridgeError, match="remote storage"):
+    for call in (lambda: export_state("hdfs://b/x", None, []), lambda: reload_state("az://b/x", None, [])):
+        with pytest.raises(BridgeError, match="unknown storage scheme"):
             call()
     assert os.listdir(tmp_path) == []
 
@@ -314,7 +316,7 @@ def test_docstring_examples(module):
 
 @pytest.mark.parametrize("location,message", [
     ("s3://bucket/x", "remote storage (s3://)"), ("GS://bucket/x", "remote storage (gs://)"),
-    ("hdfs://nn/x", "remote storage (hdfs://)"), ("file://host/x", "file:///path"),
+    ("hdfs://nn/x", "unknown storage scheme hdfs://"), ("file://host/x", "file:///path"),
     (b"/tmp/a\xff", "not valid UTF-8"), ("/tmp/a\udcff", "not valid UTF-8"), ("/tmp/a\x00b", "NUL byte"),
     ("", "empty"), (3, "must be a path"),
 ])

@@ -320,10 +320,11 @@ def test_edited_manifest_is_refused_before_the_run_dir_is_touched(logical, tmp_p
     assert sorted(os.listdir(run)) == ["iter_0000001", TRACKER] and (run / TRACKER).read_text() == "1"
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/run", "gs://b/run/iter_0000003"])
+@pytest.mark.parametrize("url", ["hdfs://bucket/run", "az://b/run/iter_0000003"])
 def test_a_url_dst_is_refused_not_made_a_local_dir(logical, tmp_path, monkeypatch, capsys, url):
+    """An unknown scheme (s3:// and gs:// are storage locations: tests/test_remote_megatron.py)."""
     monkeypatch.chdir(tmp_path)
     assert main(["to-megatron", logical, url, "--tp", "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and f"({url.split('://')[0]}://) is not supported" in err
-    assert os.listdir(tmp_path) == []   # no ./s3:/bucket/run
+    assert "\n" not in err and f"unknown storage scheme {url.split('://')[0]}://" in err
+    assert os.listdir(tmp_path) == []   # no ./hdfs:/bucket/run

@@ -85,12 +85,12 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from bridge.units import parse_size
-    from bridge.location import local_path
+    from bridge.location import location
     from converters.megatron.convert import ConvertOptions, convert
     from converters.megatron.rundir import locate_megatron_dir
 
-    # before anything looks at them: a URL is refused in one line, never taken for a local path
-    args.src, args.dst = local_path(args.src, "source"), local_path(args.dst, "destination")
+    # before anything looks at them: an unknown scheme is refused in one line, never taken for a local path
+    args.src, args.dst = location(args.src, "source"), location(args.dst, "destination")
     found = locate_megatron_dir(args.src)  # a run directory: the iteration its tracker names
     if found.note:
         print(found.note)

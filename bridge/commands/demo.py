@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bridge.location import is_remote, location
+
 DEMO_SRC = Path(__file__).resolve().parent.parent / "demo_data" / "gtp2_local"
 DEVICES = 8
 
@@ -75,13 +77,18 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
             spec[0] = "data"              # and the leading (layer / row) dim 2 ways
         return NamedSharding(mesh, P(*spec))
 
-    nested = nested_from_paths({p: jax.ShapeDtypeStruct(tuple(info.shape), numpy_dtype(info.dtype),
-                                                        sharding=sharding(tuple(info.shape)))
-                                for p, info in arrays.items()})
-    opt = nested.pop(OPT_STATE)
-    nested[OPT_STATE] = [opt[ADAM_INDEX], None, None]   # optax.adamw(...).init(params): (ScaleByAdamState, Empty, Empty)
-    restored = ocp.StandardCheckpointer().restore(os.path.abspath(path), nested)
-    restored[OPT_STATE] = {ADAM_INDEX: restored[OPT_STATE][0]}
+    abstract = {p: jax.ShapeDtypeStruct(tuple(info.shape), numpy_dtype(info.dtype), sharding=sharding(tuple(info.shape)))
+                for p, info in arrays.items()}
+    if is_remote(path):  # Orbax cannot open s3:// URLs: the bridge's TensorStore restore (bridge.jaxside.remote)
+        from bridge.jaxside.remote import restore_remote
+
+        restored = nested_from_paths(restore_remote(path, abstract))
+    else:
+        nested = nested_from_paths(abstract)
+        opt = nested.pop(OPT_STATE)
+        nested[OPT_STATE] = [opt[ADAM_INDEX], None, None]   # optax.adamw(...).init(params): (ScaleByAdamState, Empty, Empty)
+        restored = ocp.StandardCheckpointer().restore(os.path.abspath(path), nested)
+        restored[OPT_STATE] = {ADAM_INDEX: restored[OPT_STATE][0]}
     n = nbytes = 0
     sample = ""
     for p in arrays:
@@ -114,15 +121,16 @@ def same_checkpoints(a: str, b: str) -> int:
 def run(args: argparse.Namespace) -> int:
     _force_host_devices()
     from bridge.errors import BridgeError, require
-    from bridge.location import local_path
 
     require("demo", "torch", "jax", "orbax.checkpoint", "optax")
     if not (DEMO_SRC / ".metadata").is_file():
         raise BridgeError(f"embedded demo checkpoint missing at {DEMO_SRC}; reinstall gtp-bridge from the repository")
     if args.workdir is not None:
-        work = Path(local_path(args.workdir, "--workdir"))
-        work.mkdir(parents=True, exist_ok=True)
-        return run_in(work, keep=True)
+        work = location(args.workdir, "--workdir")
+        if is_remote(work):  # a bucket prefix: every step reads and writes there
+            return run_in(work, keep=True)
+        Path(work).mkdir(parents=True, exist_ok=True)
+        return run_in(Path(work), keep=True)
     work = Path(tempfile.mkdtemp(prefix="gtp-bridge-demo-"))
     try:
         return run_in(work, keep=False)
@@ -130,14 +138,22 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)  # the outputs were only there to be checked
 
 
-def run_in(work: Path, keep: bool) -> int:
-    """The demo's steps with their outputs under `work` (kept there when `keep`)."""
+def run_in(work: Path | str, keep: bool) -> int:
+    """The demo's steps with their outputs under `work` (a directory, or an s3:// / gs:// prefix; kept
+    there when `keep`)."""
     from bridge.errors import BridgeError
     from converters.megatron.convert import ConvertOptions, convert
     from converters.megatron.write import MegatronTarget, to_megatron
 
-    outs = {k: work / k for k in ("logical", "megatron_tp2_dp2", "logical_again")}
-    taken = [str(p) for p in outs.values() if p.exists()]
+    names = ("logical", "megatron_tp2_dp2", "logical_again")
+    if isinstance(work, str) and is_remote(work):
+        from bridge.store import kvstore
+
+        outs = {k: f"{work}/{k}" for k in names}
+        taken = [u for u in outs.values() if kvstore.list_keys(u)]
+    else:
+        outs = {k: work / k for k in names}
+        taken = [str(p) for p in outs.values() if p.exists()]
     if taken:
         raise BridgeError(f"demo outputs already exist ({taken[0]}); choose an empty --workdir")
     rows = []
@@ -153,7 +169,7 @@ def run_in(work: Path, keep: bool) -> int:
                  f"logical ({r1.arrays} arrays)", r1.bytes, t1,
                  "padding dropped, SwiGLU halves unscrambled; bf16 weight == bf16(fp32 master) for every param"))
     (n, nb, sample), t2 = timed(lambda: orbax_restore_check(str(outs["logical"])))
-    rows.append(("Orbax restore", "logical", f"JAX 2x4 CPU mesh ({n} leaves)", nb, t2,
+    rows.append(("restore" if is_remote(str(work)) else "Orbax restore", "logical", f"JAX 2x4 CPU mesh ({n} leaves)", nb, t2,
                  f"bit-exact vs TensorStore; e.g. {sample}"))
     r3, t3 = timed(lambda: to_megatron(str(outs["logical"]), str(outs["megatron_tp2_dp2"]),
                                        MegatronTarget(tp=2, dp=2, fmt="dp_reshardable", bucket_size=4000)))

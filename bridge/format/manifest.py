@@ -25,6 +25,7 @@ MEGATRON_KEY = "megatron"                 # MegatronRecord: what convert recorde
 PREVIOUS_SOURCE_KEY = "previous_source"   # a JAX save-back: the SourceLayout of the checkpoint it restored
 OPTIMIZER_EXTRA_KEY = "optimizer_extra"   # live export: LiveRun.optimizer.extra, as given
 PADS_KEY = "pad_for_alignment_values"     # live export: every pad_for_alignment when params differ
+MAXTEXT_KEY = "maxtext"                   # the maxtext preset: the options it wrote a MaxText checkpoint with
 
 DEFAULT_BETAS = (0.9, 0.999)              # Megatron's --adam-beta1/2 and --adam-eps defaults
 DEFAULT_EPS = 1e-8

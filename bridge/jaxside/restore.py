@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding, Sharding
 
 from bridge.errors import BridgeError
+from bridge.location import is_remote
 from bridge.format import schema
 from bridge.format.manifest import Manifest, manifest_from_custom
 from bridge.format.schema import (COUNT_PATH, MODEL, MODEL_PATH, MOMENTS, MU, MU_PATH, NU, NU_PATH, OPT_STATE, PARAMS,
@@ -179,6 +180,10 @@ def _optimizer_state(stored: StoredTree, count: Any, results: Mapping[str, Mappi
 def _orbax_restore(stored: StoredTree, abstract: Mapping[Path, jax.ShapeDtypeStruct],
                    concurrent_gb: int | None = None) -> dict[Path, jax.Array]:
     """One Orbax restore of the requested arrays (partial when not everything is requested)."""
+    if is_remote(stored.directory):  # Orbax cannot open s3:// (and needs gcsfs for gs://)
+        from bridge.jaxside.remote import restore_remote
+
+        return restore_remote(stored.directory, abstract)
     import orbax.checkpoint as ocp
 
     from bridge.jaxside.keypaths import leaves_by_path

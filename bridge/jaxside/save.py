@@ -32,7 +32,7 @@ from bridge.errors import BridgeError
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str, to_path
 from bridge.jaxside.optax_state import extract_adam
 from bridge.layout.boxes import Box
-from bridge.location import local_path
+from bridge.location import is_remote, location
 from bridge.progress import progress
 from bridge.store import digest as store_digest
 from bridge.store.claim import claim_destination, tmp_dir_for
@@ -66,7 +66,11 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     `chunk_byte_size` asks Orbax for inner chunks of that size (cheaper resharded reads later);
     `concurrent_gb` bounds Orbax's in-flight save bytes (host memory).
     """
-    directory = local_path(directory, "destination")  # a URL is refused, never taken for a local path
+    directory = location(directory, "destination")  # a path, s3:// or gs://; an unknown scheme is refused
+    remote = is_remote(directory)
+    if remote and orbax_manager:
+        raise BridgeError(f"{directory}: orbax_manager=True needs a local CheckpointManager root; save to the "
+                          f"step's own URL instead")
     if orbax_manager:
         return _save_as_manager_step(directory, int(jax.device_get(step)), params=params, opt_state=opt_state,
                                      step=step, model=model, manifest=manifest, plans=plans,
@@ -77,7 +81,11 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     import orbax.checkpoint as ocp
 
     d = os.fspath(directory)
-    if os.path.lexists(d):
+    if remote:
+        from bridge.store.remote import check_remote_free
+
+        check_remote_free(d)
+    elif os.path.lexists(d):
         raise BridgeError(f"destination {d} exists; choose a new directory (checkpoints are never overwritten)")
     plans = dict(plans or {})
     flat_params = leaves_by_path(params)
@@ -122,6 +130,11 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     check_tree_paths(leaves_by_path(tree))  # no '.' or '/' in names: Orbax joins names with '.'
 
     out = _manifest_for(tree, as_manifest(manifest), hyperparams, int(jax.device_get(count)))
+    if remote:  # Orbax cannot write s3:// (and needs gcsfs for gs://): the store's writer and commit
+        from bridge.jaxside.remote import save_remote
+
+        save_remote(d, tree, out, chunk_byte_size=chunk_byte_size)
+        return out
     # The store's inner-chunk policy (one layer / expert per inner chunk), as Orbax SaveArgs.
     save_args = jax.tree_util.tree_map_with_path(
         lambda kp, x: ocp.SaveArgs(**orbax_chunk_args(to_path(kp), np.ndim(x),

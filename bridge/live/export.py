@@ -19,7 +19,6 @@ directory, and the others fail in the next collective or the commit barrier.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from itertools import product
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ import torch.distributed as dist
 
 from bridge.dtypes import torch_dtype
 from bridge.errors import BridgeError
-from bridge.location import local_path
+from bridge.location import absolute, location
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
 from bridge.live.api import LiveRun, LocalParam
@@ -467,7 +466,7 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
     dtypes and optimizer ranges (values may differ) with the same options reuses it.
     Returns this rank's `ExportReport`; raises BridgeError on every rank if any rank's input is bad.
     """
-    dst = local_path(dst, "export destination")  # a URL is refused, never taken for a local path
+    dst = location(dst, "export destination")  # a path, s3:// or gs://; an unknown scheme is refused
     group = run.group
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -508,7 +507,7 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], *, inflig
         path = finalize(dst, wplan, rank, manifest, timeout=timeout)
     clock.mark("commit")
     st = clock.steps
-    return ExportReport(path=path or os.path.abspath(dst), rank=rank, bytes_written=written.bytes_written,
+    return ExportReport(path=path or absolute(dst), rank=rank, bytes_written=written.bytes_written,
                         bytes_sent=written.bytes_sent, bytes_received=sum(plan.recv_splits(rank)),
                         plan_s=clock.total("holdings", "gather", "plan", "begin"),
                         exchange_s=clock.total("pack", "exchange_wait"),

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Iterator
 
 from bridge.errors import BridgeError
+from bridge.location import is_remote
 from bridge.store.durable import fsync_path, fsync_tree
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -215,6 +216,8 @@ def check_sources(dst: str, sources: Iterable[str | os.PathLike] = ()) -> None:
     d = os.path.realpath(dst)
     t = os.path.realpath(tmp_dir_for(dst))
     for src in sources:
+        if is_remote(os.fspath(src)):
+            continue  # a URL never overlaps a local path
         s = os.path.realpath(os.fspath(src))
         if s == t:
             raise BridgeError(f"source {src} is the temporary directory of destination {dst}; "
@@ -411,6 +414,10 @@ def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
     reported on stderr). Use as a context manager: leaving it by an exception removes `claim.tmp`.
     SIGTERM / SIGHUP raise `Terminated` in the main thread while a claim is held, so cleanup runs.
     """
+    if is_remote(os.fspath(dst)):  # object storage: no rename, `_METADATA` written last (bridge.store.remote)
+        from bridge.store.remote import claim_remote
+
+        return claim_remote(os.fspath(dst), sources=[os.fspath(s) for s in sources])
     dst = os.path.abspath(os.fspath(dst)).rstrip("/")
     check_sources(dst, sources)
     _prune_finished()

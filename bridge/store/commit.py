@@ -37,7 +37,9 @@ from bridge.format.manifest import ArrayRecord, Manifest, custom_metadata
 from bridge.format.seal import CHECKSUM_KEY, seal_metadata
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.format.tree import path_str, tree_metadata
-from bridge.store.writer import REPORT_DIR, CheckpointWriter, report_path
+from bridge.store.writer import REPORT_DIR, CheckpointWriter, report_key, report_path
+from bridge.location import absolute, basename, is_remote
+from bridge.store.remote import held_remote
 
 ITEM_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 
@@ -64,7 +66,7 @@ def begin_checkpoint(dst: str, sources: Sequence[str] = ()) -> str:
     dist.broadcast_object_list(err, src=0)
     if err[0] is not None:
         raise BridgeError(err[0])
-    return tmp_dir_for(dst)
+    return dst.rstrip("/") if is_remote(dst) else tmp_dir_for(dst)  # object storage: writers write under dst
 
 
 def checkpoint_metadata_json(init_ns: int, commit_ns: int | None = None, checksum: str | None = None) -> dict:
@@ -84,6 +86,8 @@ def dist_initialized() -> bool:
 
 def wait_for_reports(tmp_dir: str, plan: WritePlan, timeout: float = 600.0, poll: float = 0.05) -> list[dict]:
     """File barrier: wait until every writer published its report; BridgeError naming the missing ones."""
+    if is_remote(tmp_dir):
+        return _remote_reports(tmp_dir, plan, timeout)
     deadline = time.monotonic() + timeout
     missing = list(range(plan.num_writers))
     wait = 0.001
@@ -99,7 +103,23 @@ def wait_for_reports(tmp_dir: str, plan: WritePlan, timeout: float = 600.0, poll
     reports = []
     for w in range(plan.num_writers):
         with open(report_path(tmp_dir, w)) as f:
-            r = json.load(f)
+            reports.append(json.load(f))
+    return _checked_reports(plan, reports)
+
+
+def _remote_reports(root: str, plan: WritePlan, timeout: float) -> list[dict]:
+    """`wait_for_reports` on object storage: poll for the report objects, then read them."""
+    from bridge.store import kvstore
+    from bridge.store.remote import wait_for_objects
+
+    keys = [report_key(w) for w in range(plan.num_writers)]
+    wait_for_objects(root, keys, timeout, "writers")
+    return _checked_reports(plan, [kvstore.read_json(root, k) for k in keys])
+
+
+def _checked_reports(plan: WritePlan, raw: Sequence[dict]) -> list[dict]:
+    reports = []
+    for w, r in enumerate(raw):
         if r.get("plan") != plan.fingerprint():
             raise BridgeError(f"writer {w} wrote with a different plan than the committer holds; "
                               "all writers must use the same WritePlan")
@@ -175,7 +195,14 @@ def seal_checkpoint(directory: str) -> str:
 def check_writer_databases(tmp_dir: str, plan: WritePlan) -> list[int]:
     """Every expected writer's database exists (a missing one is an error, never skipped)."""
     writers = expected_databases(plan)
-    missing = [w for w in writers if not os.path.isfile(os.path.join(specs.writer_db_dir(tmp_dir, w), "manifest.ocdbt"))]
+    if is_remote(tmp_dir):
+        from bridge.store import kvstore
+
+        have = set(kvstore.list_keys(tmp_dir, "ocdbt.process_"))
+        missing = [w for w in writers if f"ocdbt.process_{w}/manifest.ocdbt" not in have]
+    else:
+        missing = [w for w in writers
+                   if not os.path.isfile(os.path.join(specs.writer_db_dir(tmp_dir, w), "manifest.ocdbt"))]
     if missing:
         raise BridgeError(f"the databases of writers {missing} are missing from {tmp_dir} although their reports "
                           f"are there (removed by another process?); nothing was committed, rerun")
@@ -188,7 +215,7 @@ def merge_writer_databases(tmp_dir: str, writers: Sequence[int]) -> None:
     Every writer listed must have its database (BridgeError naming the missing ones)."""
     import tensorstore as ts
 
-    missing = [w for w in writers if not os.path.isdir(specs.writer_db_dir(tmp_dir, w))]
+    missing = [] if is_remote(tmp_dir) else [w for w in writers if not os.path.isdir(specs.writer_db_dir(tmp_dir, w))]
     if missing:
         raise BridgeError(f"writer databases {missing} are missing from {tmp_dir}; nothing was committed, rerun")
     ctx = ts.Context(specs.context_spec())
@@ -240,9 +267,16 @@ def check_stored_chunks(tmp_dir: str, plan: WritePlan) -> None:
 def _claim_for(dst: str, claim: DestinationClaim | None) -> DestinationClaim:
     """The claim on dst: the one given, the one this process holds, or (another process of the run
     made it) the one recorded in the temp directory."""
-    claim = claim or held_claim(dst)
+    claim = claim or (held_remote(dst) if is_remote(dst) else held_claim(dst))
     if claim is not None:
         return claim
+    if is_remote(dst):
+        from bridge.store.remote import RemoteDestination, _load_claim
+
+        info = _load_claim(dst)
+        if info is None:
+            raise BridgeError(f"{dst} holds no gtp-bridge claim; call begin_checkpoint(dst) and run the writers first")
+        return RemoteDestination(dst, info)
     tmp = tmp_dir_for(dst)
     if not os.path.isdir(tmp):
         raise BridgeError(f"no checkpoint in progress at {tmp}; call begin_checkpoint(dst) and run the writers first")
@@ -259,7 +293,7 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
     stored, write sealed metadata, fsync, rename tmp -> dst (never over an existing dst).
 
     On any failure the run's temp directory is removed (by the process holding the claim)."""
-    dst = os.path.abspath(dst)
+    dst = absolute(dst)
     claim = _claim_for(dst, claim)
     tmp = claim.tmp
     init_ns = time.time_ns()
@@ -276,8 +310,10 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
         merge_writer_databases(tmp, check_writer_databases(tmp, plan))
         check_stored_chunks(tmp, plan)
         claim.check_owned()  # nobody replaced the directory while we merged
-        shutil.rmtree(os.path.join(tmp, REPORT_DIR))
         meta = metadata_json(plan, manifest)
+        if is_remote(tmp):
+            return _publish_remote(claim, init_ns, meta)
+        shutil.rmtree(os.path.join(tmp, REPORT_DIR))
         write_json_atomic(os.path.join(tmp, "_METADATA"), meta)
         write_json_atomic(os.path.join(tmp, "_CHECKPOINT_METADATA"),
                           checkpoint_metadata_json(init_ns, time.time_ns(), meta["custom_metadata"][CHECKSUM_KEY]))
@@ -288,6 +324,18 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
         claim.release()
         raise
     return claim.publish(fsync=False)  # removes the claim's files itself if it fails
+
+
+def _publish_remote(claim, init_ns: int, meta: dict) -> str:
+    """Object storage: reports removed, then the metadata objects, `_METADATA` last (the claim's publish)."""
+    from bridge.store import kvstore
+
+    kvstore.delete_prefix(claim.tmp, REPORT_DIR + "/")
+    cmeta = checkpoint_metadata_json(init_ns, time.time_ns(), meta["custom_metadata"][CHECKSUM_KEY])
+    files = [("_CHECKPOINT_METADATA", json.dumps(cmeta).encode()),
+             ("commit_success.txt", f"Checkpoint commit was successful to {claim.dst}".encode()),
+             ("_METADATA", json.dumps(meta).encode())]
+    return claim.publish(files=files)
 
 
 def finalize(dst: str, plan: WritePlan, writer_id: int, manifest: Manifest | None = None, *,
@@ -310,7 +358,7 @@ def finalize(dst: str, plan: WritePlan, writer_id: int, manifest: Manifest | Non
         dist.broadcast_object_list(err, src=0)
         if err[0] is not None:
             raise BridgeError(err[0])
-        return os.path.abspath(dst)
+        return absolute(dst)
     if writer_id == 0:
         return commit_checkpoint(dst, plan, manifest, timeout=timeout)
     return None
@@ -341,7 +389,7 @@ def save_checkpoint(dst: str, arrays: Mapping[Sequence[str] | str, np.ndarray], 
     plan = make_write_plan(catalog, num_writers, empty_paths=empty_paths, compression=compression)
     data = {spec.name: np.asarray(a) for spec, a in zip(catalog, arrays.values())}
     with claim_destination(dst) as claim:
-        with progress(plan.total_bytes, f"save {os.path.basename(dst)}") as bar:
+        with progress(plan.total_bytes, f"save {basename(dst)}") as bar:
             for w in range(num_writers):
                 writer = CheckpointWriter(claim.tmp, plan, w)
                 for name, ap in plan.arrays.items():

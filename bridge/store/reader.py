@@ -19,6 +19,7 @@ import numpy as np
 
 from bridge.errors import BridgeError, IntegrityError
 from bridge.layout.boxes import Box
+from bridge.location import is_remote, location
 from bridge.store import specs
 from bridge.store.claim import TMP_SUFFIX
 from bridge.format.manifest import Manifest, manifest_from_custom
@@ -52,6 +53,10 @@ def find_checkpoint_root(path: str) -> str:
     """The directory holding `_METADATA`: `path` itself or its single Orbax item sub-directory."""
     from bridge.store.manager import resolve
 
+    if is_remote(path):
+        from bridge.store.remote import committed_root
+
+        return committed_root(location(path))
     path = os.path.abspath(resolve(path))  # refuses URLs; an Orbax manager root -> its latest step
     if path.rstrip("/").endswith(TMP_SUFFIX):
         raise BridgeError(f"{path} is an uncommitted (temporary) checkpoint directory; it was never completed")
@@ -194,18 +199,29 @@ def _array_info(t, zarr3: bool) -> ArrayInfo:
     return ArrayInfo(shape, dtype, chunks, chunks, comp.get("id") if comp else None)
 
 
+def _read_file(root: str, name: str) -> bytes:
+    """A small file of a checkpoint root (a local directory or an s3:// / gs:// prefix)."""
+    if is_remote(root):
+        from bridge.store import kvstore
+
+        data = kvstore.read_bytes(root, name)
+        if data is None:
+            raise FileNotFoundError(f"{root}/{name} does not exist")
+        return data
+    with open(os.path.join(root, name), "rb") as f:
+        return f.read()
+
+
 def read_metadata(root: str) -> tuple[dict, list[str]]:
     """`_METADATA` of a checkpoint root and the problems `metadata_problems` finds in it."""
     try:
-        with open(os.path.join(root, "_METADATA")) as f:
-            metadata = json.load(f)
+        metadata = json.loads(_read_file(root, "_METADATA"))
     except (OSError, ValueError) as e:
         raise IntegrityError(f"{root}/_METADATA is unreadable ({_one_line(e)}); the checkpoint is damaged") from e
     if not isinstance(metadata, dict):
         raise IntegrityError(f"{root}/_METADATA is not a JSON object; the checkpoint is damaged")
     try:
-        with open(os.path.join(root, "_CHECKPOINT_METADATA")) as f:
-            ckpt_meta = json.load(f)
+        ckpt_meta = json.loads(_read_file(root, "_CHECKPOINT_METADATA"))
     except (OSError, ValueError):
         ckpt_meta = None  # optional (older Orbax); the checksum in _METADATA still applies
     return metadata, metadata_problems(metadata, ckpt_meta)

@@ -1,5 +1,8 @@
 """PURE TensorStore spec builders for the logical checkpoint (no I/O, no tensorstore import).
 
+Roots are local paths or s3:// / gs:// URLs (`bridge.location`); the base kvstore under a root
+comes from `bridge.store.kvstore.base_kvstore` (which reads the storage environment).
+
 Layout written by the bridge (Orbax-compatible, see docs/orbax-tensorstore-optax.md §3.2):
 writer w puts every array's owned chunks into its own OCDBT database ``<tmp>/ocdbt.process_<w>/``;
 the array is zarr3 with one ``sharding_indexed`` codec: outer chunk = one owned block, inner
@@ -14,6 +17,7 @@ from typing import Sequence
 
 from bridge.dtypes import check_name
 from bridge.errors import BridgeError
+from bridge.store.kvstore import base_kvstore
 
 COMPRESSIONS = (None, "zstd")
 # 1 MiB inner chunks: 512x512 fp32, so 8/16-way row or column shards of typical matrices read no
@@ -42,7 +46,15 @@ def writer_db_dir(root: str, writer: int) -> str:
 
 
 def file_kvstore(path: str) -> dict:
-    return {"driver": "file", "path": path if path.endswith("/") else path + "/"}
+    """The base kvstore under `path`: a local directory, or an s3:// / gs:// prefix (see
+    `bridge.store.kvstore.base_kvstore`; the name stays for the local case, the common one).
+
+    >>> file_kvstore("/c/x")
+    {'driver': 'file', 'path': '/c/x/'}
+    >>> file_kvstore("s3://bkt/c/x")["path"]
+    'c/x/'
+    """
+    return base_kvstore(path)
 
 
 def ocdbt_kvstore(db_dir: str, key_prefix: str | None = None, *, write: bool = False) -> dict:
@@ -58,7 +70,8 @@ def ocdbt_kvstore(db_dir: str, key_prefix: str | None = None, *, write: bool = F
         # As Orbax: data files are written in place (content-addressed, referenced only once the
         # manifest commits, so a crash leaves unreferenced garbage, never a torn value); the manifest
         # keeps atomic replace. Writers create fresh databases, so the config is fixed, not read.
-        kv["base"]["file_io_locking"] = {"mode": "non_atomic"}
+        if kv["base"]["driver"] == "file":
+            kv["base"]["file_io_locking"] = {"mode": "non_atomic"}
         kv["manifest"] = file_kvstore(db_dir)
         kv.update({"config": dict(OCDBT_CONFIG), "assume_config": True, "target_data_file_size": TARGET_DATA_FILE_SIZE})
     return kv

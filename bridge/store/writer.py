@@ -38,6 +38,7 @@ import numpy as np
 
 from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
+from bridge.location import is_remote
 from bridge.store import digest as dg
 from bridge.store import specs
 from bridge.store.durable import write_json_atomic
@@ -71,8 +72,12 @@ def _digest_cells(shape: Sequence[int], cells: Sequence[tuple[Box, np.ndarray]])
     return dg.combine([dg.digest_box(shape, cell, buf) for cell, buf in cells])
 
 
+def report_key(writer: int) -> str:
+    return f"{REPORT_DIR}/writer_{writer}.json"
+
+
 def report_path(tmp_dir: str, writer: int) -> str:
-    return os.path.join(tmp_dir, REPORT_DIR, f"writer_{writer}.json")
+    return os.path.join(tmp_dir, report_key(writer))
 
 
 class _BoxList:
@@ -211,7 +216,10 @@ class CheckpointWriter:
                  drop_behind: bool = True, commit_depth: int = 1, btree_cache_bytes: int | None = None) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
-        if not os.path.isdir(tmp_dir):
+        self.remote = is_remote(tmp_dir)
+        if self.remote:
+            drop_behind = False  # no local files, no page cache to drop
+        elif not os.path.isdir(tmp_dir):
             raise BridgeError(f"checkpoint tmp dir {tmp_dir} does not exist; call begin_checkpoint(dst) first")
         import tensorstore as ts
 
@@ -368,8 +376,13 @@ class CheckpointWriter:
             own = st.plan.ownership
             mine = own.owners == self.writer_id
             report["arrays"][name] = {"covered": st.covered[mine].tolist(), "digest": dg.to_hex(st.digest)}
-        os.makedirs(os.path.join(self.tmp_dir, REPORT_DIR), exist_ok=True)
-        write_json_atomic(report_path(self.tmp_dir, self.writer_id), report)
+        if self.remote:
+            from bridge.store import kvstore
+
+            kvstore.write_json(self.tmp_dir, report_key(self.writer_id), report)
+        else:
+            os.makedirs(os.path.join(self.tmp_dir, REPORT_DIR), exist_ok=True)
+            write_json_atomic(report_path(self.tmp_dir, self.writer_id), report)
         self._finished = True
         return report
 

@@ -4,7 +4,6 @@ records too large to hold (pure index math first, then I/O)."""
 from __future__ import annotations
 
 import io
-import os
 import struct
 import zlib
 from collections import OrderedDict
@@ -15,6 +14,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from bridge.errors import BridgeError
+from converters.megatron.dcp_reader import open_range
 
 
 class ArrayLRU:
@@ -108,9 +108,10 @@ def split_box_reads(shape: Sequence[int], start: Sequence[int], stop: Sequence[i
 
 
 class _Window(io.RawIOBase):
-    """Bytes [offset, offset + length) of a file as a read-only seekable file (pread, no buffering)."""
+    """Bytes [offset, offset + length) of a file as a read-only seekable file (pread, no buffering);
+    `fd` is a `dcp_reader.RangeReader` (a local file or an object)."""
 
-    def __init__(self, fd: int, offset: int, length: int) -> None:
+    def __init__(self, fd, offset: int, length: int) -> None:
         self.fd, self.base, self.length, self.pos = fd, offset, length, 0
 
     def readable(self) -> bool:
@@ -128,7 +129,7 @@ class _Window(io.RawIOBase):
 
     def readinto(self, b) -> int:
         n = max(0, min(len(b), self.length - self.pos))
-        data = os.pread(self.fd, n, self.base + self.pos) if n else b""
+        data = self.fd.pread(n, self.base + self.pos) if n else b""
         b[:len(data)] = data
         self.pos += len(data)
         return len(data)
@@ -160,12 +161,12 @@ def record_layout(ck, key: str, chunk) -> RecordLayout:
     import torch
 
     from bridge.dtypes import numpy_dtype_of_torch
-    from converters.megatron.dcp_reader import check_relative_path
+    from converters.megatron.dcp_reader import check_relative_path, open_range
 
     ref = chunk.storage
     what = f"{key} chunk {chunk.offsets} in {ref.relative_path}"
     path = check_relative_path(ck.root, ref.relative_path, str(ck.root))
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_range(path)
     try:
         try:
             t = torch.load(_Window(fd, ref.offset, ref.length), map_location="meta", weights_only=True)
@@ -183,7 +184,7 @@ def record_layout(ck, key: str, chunk) -> RecordLayout:
         if t.dtype != ti.dtype or t.numel() != chunk.numel or not t.is_contiguous() or data is None:
             raise BridgeError(f"cannot read {what}: stored tensor {t.dtype} {tuple(t.shape)} (contiguous: "
                               f"{t.is_contiguous()}) does not match .metadata's {ti.dtype} {chunk.sizes}; damaged")
-        head = os.pread(fd, 30, ref.offset + info.header_offset)
+        head = fd.pread(30, ref.offset + info.header_offset)
         if len(head) < 30 or head[:4] != b"PK\x03\x04" or info.compress_type != zipfile.ZIP_STORED:
             raise BridgeError(f"cannot read {what}: the tensor's zip member is damaged or compressed")
         n, m = struct.unpack("<HH", head[26:30])
@@ -193,19 +194,19 @@ def record_layout(ck, key: str, chunk) -> RecordLayout:
                 or (t.storage_offset() + t.numel()) * item > nbytes:
             raise BridgeError(f"cannot read {what}: the tensor's bytes are not where its zip member says; damaged")
     finally:
-        os.close(fd)
+        fd.close()
     return RecordLayout(str(path), ref.offset + data + t.storage_offset() * item, item, numpy_dtype_of_torch(t.dtype),
                         ref.offset + member, info.file_size, info.CRC, what)
 
 
 def crc_of_range(path: str, lo: int, hi: int, window: int, what: str) -> int:
-    """CRC-32 of bytes [lo, hi) of a file, read `window` bytes at a time."""
+    """CRC-32 of bytes [lo, hi) of a file (local or object storage), read `window` bytes at a time."""
     crc, pos = 0, lo
-    with open(path, "rb", buffering=0) as f:
+    with open_range(path) as f:
         buf = bytearray(max(1 << 16, min(window, hi - lo)))
         mv = memoryview(buf)
         while pos < hi:
-            n = os.preadv(f.fileno(), [mv[:min(len(buf), hi - pos)]], pos)
+            n = f.readinto(mv[:min(len(buf), hi - pos)], pos)
             if n <= 0:
                 raise BridgeError(f"{what}: truncated while reading at byte {pos}")
             crc = zlib.crc32(mv[:n], crc)
@@ -458,12 +459,11 @@ class ChunkCache:
         box = c.src_box()
         out = np.empty(box.shape, dtype=lay.dtype)
         slack = max(1, (1 << 20) // lay.itemsize)   # read up to 1 MiB of unneeded bytes rather than split
-        with open(lay.path, "rb", buffering=0) as f:
+        with open_range(lay.path) as f:
             for start, stop in split_box_reads(shape, box.start, box.stop, slack):
                 lo, hi = flat_span(shape, start, stop)
                 span = np.empty(hi - lo, dtype=lay.dtype)
-                got = os.preadv(f.fileno(), [memoryview(span.view(np.uint8))],
-                                lay.data_offset + (base + lo) * lay.itemsize)
+                got = f.readinto(span.view(np.uint8), lay.data_offset + (base + lo) * lay.itemsize)
                 if got != span.nbytes:
                     raise BridgeError(f"{c.key}: truncated record in {chunk.storage.relative_path}")
                 self.crcs.add(lay, lay.data_offset + (base + lo) * lay.itemsize, span.view(np.uint8))

@@ -26,7 +26,8 @@ import numpy as np
 
 from bridge.cast_check import bits_equal, cast_mismatch
 from bridge.errors import BridgeError, require
-from bridge.location import local_path
+from bridge.location import absolute, basename, is_remote, location
+from bridge.store.remote import check_remote_free
 from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, grid_shape
@@ -614,13 +615,16 @@ def budget_line(workers: int, budget: int, asked: int | None = None) -> str:
 
 def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> ConvertResult:
     """Convert a torch_dist checkpoint at `src_dir` into a logical checkpoint at `dst`."""
-    src_dir, dst = local_path(src_dir, "source"), local_path(dst, "destination"); require("convert", "torch")
+    src_dir, dst = location(src_dir, "source"), location(dst, "destination"); require("convert", "torch")
     opts = opts or ConvertOptions()
     hints = opts.hints or Hints()
-    dst = os.path.abspath(dst)
-    if os.path.lexists(dst):
+    dst = absolute(dst)
+    if is_remote(dst):
+        check_remote_free(dst)  # early, before any work (the claim checks again)
+    elif os.path.lexists(dst):
         raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
-    check_sources(dst, [src_dir])
+    else:
+        check_sources(dst, [src_dir])
     asked_workers = default_workers() if opts.workers is None else opts.workers
     if asked_workers < 1:
         raise BridgeError(f"--workers must be >= 1, got {asked_workers}")
@@ -651,7 +655,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     # The claim makes DST this run's alone; leaving the block by an error, Ctrl-C or SIGTERM removes
     # the temp directory (after _run_parallel has killed the workers writing into it).
     with claim_destination(dst, sources=[src_dir, str(ck.root)]) as claim:
-        with progress(total_bytes, f"convert {os.path.basename(dst)}", enabled=opts.show_progress) as bar:
+        with progress(total_bytes, f"convert {basename(dst)}", enabled=opts.show_progress) as bar:
             per = [[b for b, w in zip(blocks, owners) if w == i] for i in range(workers)]
             if workers == 1:
                 results = [run_blocks(str(ck.root), dict(enumerate(units)), per[0], plan, claim.tmp, 0, share,

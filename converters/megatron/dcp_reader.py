@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from bridge.errors import BridgeError
+from bridge.location import is_remote, local_path
 
 # ---------------------------------------------------------------------------------------------
 # Restricted unpickling
@@ -1193,6 +1194,10 @@ def check_relative_path(root: Path, rel: str, what: str) -> Path:
     p = Path(rel)
     if p.is_absolute() or ".." in p.parts or rel.startswith(("/", "\\")):
         raise BridgeError(f"{what}: file name {rel!r} escapes the checkpoint directory; refusing")
+    if isinstance(root, str) and is_remote(root):
+        if "\\" in rel or any(c in ("", ".") for c in rel.split("/")):
+            raise BridgeError(f"{what}: file name {rel!r} is not a plain object name; refusing")
+        return f"{root}/{rel}"  # an object key: no symlinks to follow
     full = root / p
     try:
         real_root = os.path.realpath(root)
@@ -1204,8 +1209,11 @@ def check_relative_path(root: Path, rel: str, what: str) -> Path:
     return full
 
 
-def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """The directory holding `.metadata`: SRC itself, or SRC's latest `iter_*` (Megatron save dir)."""
+def resolve_checkpoint_dir(path: str | os.PathLike) -> Path | str:
+    """The directory holding `.metadata`: SRC itself, or SRC's latest `iter_*` (Megatron save dir).
+    For an s3:// / gs:// SRC, the prefix (a URL string) found the same way."""
+    if isinstance(path, str) and is_remote(path):
+        return _resolve_remote_dir(path)
     root = Path(path)
     if not root.exists():
         raise BridgeError(f"{root}: no such directory; give the torch_dist checkpoint directory (iter_<N>)")
@@ -1229,6 +1237,150 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
                       f"iter_<N> directory that Megatron-Core wrote")
 
 
+def _resolve_remote_dir(url: str) -> str:
+    from bridge.store.kvstore import ObjectPath
+
+    url = ObjectPath(url)  # a str with the Path methods readers use on a checkpoint directory
+    src = ObjectSource(url)
+    if src.read_whole(".metadata") is not None:
+        return url
+    text = (src.read_whole("latest_checkpointed_iteration.txt") or b"").decode(errors="replace").strip()
+    cand = f"{url}/iter_{int(text):07d}" if text.isdigit() else f"{url}/release" if text == "release" else None
+    if cand is not None and ObjectSource(cand).read_whole(".metadata") is not None:
+        return ObjectPath(cand)
+    from bridge.store.remote import CLAIM_KEY
+
+    if src.read_whole(CLAIM_KEY) is not None:
+        raise BridgeError(f"{url} is a partial checkpoint (its writer never committed: no .metadata); "
+                          f"rerun the write, which removes it")
+    raise BridgeError(f"{url}: not a torch_dist checkpoint (no .metadata object); point SRC at the "
+                      f"iter_<N> prefix that Megatron-Core wrote")
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte sources: where the files of a checkpoint are read from (a local directory or an object
+# store prefix), by byte ranges, so a large record is never read whole.
+# ---------------------------------------------------------------------------------------------
+
+
+class RangeReader:
+    """Byte ranges of one file or object: `pread(n, offset)`, `readinto(buffer, offset)` (may return
+    fewer bytes at the end), `close()`. Local files through pread; objects through TensorStore's
+    kvstore with a byte range per call (one request each)."""
+
+    def __init__(self, location: str) -> None:
+        self.location = location
+        self.remote = is_remote(location)
+        if self.remote:
+            from bridge.store import kvstore
+
+            parent, _, self.key = location.rpartition("/")
+            self._store = kvstore.open_store(parent)
+            self.fd = -1
+        else:
+            self.fd = os.open(location, os.O_RDONLY)
+
+    def pread(self, n: int, offset: int) -> bytes:
+        if not self.remote:
+            return os.pread(self.fd, n, offset)
+        if n <= 0:
+            return b""
+        try:
+            r = self._store.read(self.key, byte_range=slice(offset, offset + n)).result()
+        except ValueError as e:
+            if "OUT_OF_RANGE" in str(e) or "InvalidRange" in str(e) or "416" in str(e):
+                return b""  # past the end: a truncated object, reported by the caller
+            from bridge.store.kvstore import storage_error
+
+            raise storage_error(e, self.location, "read") from None
+        if r.state != "value":
+            raise BridgeError(f"missing shard file {self.location}; copy the complete checkpoint")
+        return bytes(r.value)
+
+    def readinto(self, buf, offset: int) -> int:
+        mv = memoryview(buf).cast("B")
+        if not self.remote:
+            got = 0
+            while got < len(mv):  # one pread moves at most ~2 GiB
+                n = os.preadv(self.fd, [mv[got:]], offset + got)
+                if n <= 0:
+                    break
+                got += n
+            return got
+        data = self.pread(len(mv), offset)
+        mv[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "RangeReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_range(location: str | os.PathLike) -> RangeReader:
+    """A RangeReader over a local file path or an s3:// / gs:// object URL."""
+    return RangeReader(os.fspath(location))
+
+
+class FileSource:
+    """The files of a local checkpoint directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def location(self, rel: str) -> str:
+        return str(check_relative_path(self.root, rel, str(self.root)))
+
+    def read_whole(self, rel: str) -> bytes | None:
+        p = self.root / rel
+        return p.read_bytes() if p.is_file() else None
+
+    def check_length(self, rel: str, end: int) -> None:
+        """BridgeError when file `rel` is missing or shorter than `end` bytes."""
+        p = self.root / rel
+        if not p.is_file():
+            raise BridgeError(f"missing shard file {p} (named in .metadata); copy the complete checkpoint")
+        size = p.stat().st_size
+        if size < end:
+            raise BridgeError(f"truncated shard file {p}: {size} bytes, .metadata needs {end}; "
+                              f"copy the complete checkpoint")
+
+
+class ObjectSource:
+    """The objects under an s3:// / gs:// prefix holding a torch_dist checkpoint."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def location(self, rel: str) -> str:
+        return check_relative_path(self.root, rel, self.root)
+
+    def read_whole(self, rel: str) -> bytes | None:
+        from bridge.store import kvstore
+
+        return kvstore.read_bytes(self.root, rel)
+
+    def check_length(self, rel: str, end: int) -> None:
+        """BridgeError when object `rel` is missing or shorter than `end` bytes (reads its last needed byte)."""
+        where = self.location(rel)
+        with open_range(where) as r:
+            if end > 0 and len(r.pread(1, end - 1)) != 1:
+                raise BridgeError(f"truncated shard file {where}: shorter than the {end} bytes .metadata needs; "
+                                  f"copy the complete checkpoint")
+            if end == 0 and self.read_whole(rel) is None:
+                raise BridgeError(f"missing shard file {where} (named in .metadata); copy the complete checkpoint")
+
+
+def source_of(root: Path | str) -> FileSource | ObjectSource:
+    return ObjectSource(root) if isinstance(root, str) and is_remote(root) else FileSource(Path(root))
+
+
 class DcpCheckpoint:
     """A read-only view of a `torch_dist` directory: entries, chunks, safe reads.
 
@@ -1237,10 +1389,16 @@ class DcpCheckpoint:
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
+        if not isinstance(path, str) or not is_remote(path):
+            path = local_path(path, "source")
         self.root = resolve_checkpoint_dir(path)
-        meta_path = self.root / ".metadata"
+        self.source = source_of(self.root)
+        meta_path = f"{self.root}/.metadata"
+        raw = self.source.read_whole(".metadata")
+        if raw is None:
+            raise BridgeError(f"{meta_path} is missing; the checkpoint is incomplete")
         # the walk for cycles/deep nesting is skipped: every field used below is type-checked instead
-        self.metadata = safe_loads(meta_path.read_bytes(), f"{meta_path}", check=False)
+        self.metadata = safe_loads(raw, f"{meta_path}", check=False)
         self.backend = self._read_backend()
         try:
             self.tensors, self.objects = _interpret_metadata(self.metadata, self.root, str(meta_path))
@@ -1255,13 +1413,14 @@ class DcpCheckpoint:
     # -- validation ----------------------------------------------------------------------------
 
     def _read_backend(self) -> str:
-        mj = self.root / "metadata.json"
-        if not mj.is_file():
+        mj = f"{self.root}/metadata.json"
+        text = self.source.read_whole("metadata.json")
+        if text is None:
             return "torch_dist"  # dcp.save without megatron writes no metadata.json
         import json
 
         try:
-            backend = json.loads(mj.read_text()).get("sharded_backend", "torch_dist")
+            backend = json.loads(text).get("sharded_backend", "torch_dist")
         except (ValueError, AttributeError):
             raise BridgeError(f"{mj}: not valid JSON; the checkpoint is damaged") from None
         if backend != "torch_dist":
@@ -1274,14 +1433,12 @@ class DcpCheckpoint:
         for ref in self.all_refs():
             need[ref.relative_path] = max(need.get(ref.relative_path, 0), ref.offset + ref.length)
         for rel, end in sorted(need.items()):
-            p = self.root / rel
-            if not p.is_file():
-                raise BridgeError(f"missing shard file {p} (named in .metadata); copy the complete checkpoint")
-            size = p.stat().st_size
-            if size < end:
-                raise BridgeError(f"truncated shard file {p}: {size} bytes, .metadata needs {end}; "
-                                  f"copy the complete checkpoint")
+            self.source.check_length(rel, end)
         self.files = sorted(need)
+
+    def has_file(self, rel: str) -> bool:
+        """True when the checkpoint holds file `rel` (e.g. Megatron's metadata.json)."""
+        return self.source.read_whole(rel) is not None
 
     def all_refs(self) -> Iterator[StorageRef]:
         for t in self.tensors.values():
@@ -1295,12 +1452,11 @@ class DcpCheckpoint:
 
     def read_bytes(self, ref: StorageRef) -> bytearray:
         """The raw bytes of one stored item."""
-        p = check_relative_path(self.root, ref.relative_path, str(self.root))
+        p = self.source.location(ref.relative_path)
         data = bytearray(ref.length)  # writable, so tensors can share it without a copy
         try:
-            with open(p, "rb") as f:
-                f.seek(ref.offset)
-                got = f.readinto(data)
+            with open_range(p) as f:
+                got = f.readinto(data, ref.offset) if ref.length else 0
         except FileNotFoundError:
             raise BridgeError(f"missing shard file {p}; copy the complete checkpoint") from None
         if got != ref.length:

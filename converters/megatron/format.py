@@ -442,7 +442,7 @@ def _layout_from(args: dict, hints: Hints, tp_inferred: int, world: int, inferre
 def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
     """Interpret a DCP checkpoint as a Megatron-Core save (format, layout, geometry per key)."""
     hints = hints or Hints()
-    if not (ck.root / "metadata.json").is_file():
+    if not ck.has_file("metadata.json"):
         raise BridgeError(f"{ck.root}: a DCP checkpoint without metadata.json, so not written by Megatron-Core "
                           f"dist_checkpointing (unknown format); convert reads torch_dist saves only")
     common = ck.common_state()

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 from bridge.errors import BridgeError
-from bridge.location import local_path
+from bridge.location import is_remote, location
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -118,7 +118,9 @@ def locate_megatron_dir(path: str) -> Resolved:
     A run directory without a tracker is refused, listing its `iter_*` directories, rather than
     guessed: Megatron-LM itself would not load any of them.
     """
-    path = local_path(path, "source")
+    path = location(path, "source")
+    if is_remote(path):
+        return Resolved(path)  # the reader finds a run prefix's tracker itself (dcp_reader)
     if not os.path.isdir(path) or is_checkpoint_dir(path):
         return Resolved(path)  # missing, a file, or the checkpoint itself: the reader's messages apply
     it = read_tracker(path)
@@ -156,7 +158,7 @@ class RunDirTarget:
 
     @property
     def tracker(self) -> str:
-        return os.path.join(self.run_dir, TRACKER_NAME)
+        return f"{self.run_dir}/{TRACKER_NAME}"
 
 
 def plan_run_dir(dst: str, iteration: int) -> RunDirTarget:
@@ -165,7 +167,10 @@ def plan_run_dir(dst: str, iteration: int) -> RunDirTarget:
     DST is either the run directory (new, empty, or a Megatron run directory: one with a tracker or
     `iter_*` directories) or an `iter_<step, 7 digits>` directory in one, whose number must be `iteration`.
     """
-    dst = os.path.abspath(local_path(dst, "destination")).rstrip("/") or "/"
+    dst = location(dst, "destination")
+    if is_remote(dst):
+        return _plan_remote_run_dir(dst, iteration)
+    dst = os.path.abspath(dst).rstrip("/") or "/"
     name = os.path.basename(dst)
     named = parse_iteration_dir_name(name)
     if named is not None:
@@ -195,6 +200,36 @@ def plan_run_dir(dst: str, iteration: int) -> RunDirTarget:
     return RunDirTarget(run_dir, iter_dir, iteration, previous)
 
 
+def _plan_remote_run_dir(dst: str, iteration: int) -> RunDirTarget:
+    """`plan_run_dir` for an s3:// / gs:// DST: the same rules over the objects under the prefix."""
+    from bridge.store import kvstore
+
+    parent, _, name = dst.rpartition("/")
+    named = parse_iteration_dir_name(name)
+    if named is not None and name != iteration_dir_name(iteration):
+        raise BridgeError(f"DST {dst} names iteration {named} but the checkpoint is at step {iteration}: Megatron-LM "
+                          f"would look for {iteration_dir_name(iteration)}; name DST "
+                          f"{parent}/{iteration_dir_name(iteration)} or give the run prefix {parent}")
+    run_dir = parent if named is not None else dst
+    iter_dir = f"{run_dir}/{iteration_dir_name(iteration)}"
+    keys = kvstore.list_keys(run_dir)
+    top = {k.split("/", 1)[0] for k in keys}
+    if ".metadata" in top or "metadata.json" in top:
+        raise BridgeError(f"{run_dir} is itself a checkpoint; give a new run prefix, or its parent run prefix")
+    if top and named is None and TRACKER_NAME not in top and \
+            not any(parse_iteration_dir_name(n) is not None for n in top):
+        raise BridgeError(f"{run_dir} holds objects but is not a Megatron run prefix (no {TRACKER_NAME}, no iter_* "
+                          f"prefixes); give a new prefix")
+    done = f"{iteration_dir_name(iteration)}/.metadata" in keys
+    if done:
+        raise BridgeError(f"{iter_dir} already exists; remove it or write to another run prefix")
+    # objects of a killed earlier run under iter_dir: the claim decides about them
+    raw = kvstore.read_bytes(run_dir, TRACKER_NAME)
+    previous = parse_tracker(raw[:4096].decode("utf-8", errors="replace"), f"{run_dir}/{TRACKER_NAME}") \
+        if raw is not None else None
+    return RunDirTarget(run_dir, iter_dir, iteration, previous)
+
+
 def write_tracker(run_dir: str, iteration: int) -> None:
     """Set the tracker atomically (temp file + fsync + rename + directory fsync).
 
@@ -203,6 +238,11 @@ def write_tracker(run_dir: str, iteration: int) -> None:
     """
     from bridge.store.durable import fsync_path
 
+    if is_remote(run_dir):  # one PUT replaces an object atomically
+        from bridge.store import kvstore
+
+        kvstore.write_bytes(run_dir, TRACKER_NAME, tracker_text(iteration).encode())
+        return
     path = os.path.join(run_dir, TRACKER_NAME)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:

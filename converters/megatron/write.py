@@ -35,7 +35,7 @@ import numpy as np
 
 from bridge.cast_check import cast_mismatch
 from bridge.errors import BridgeError, require
-from bridge.location import local_path
+from bridge.location import is_remote, location
 from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
 from bridge.layout.distopt import buffer_layout, BufferParam
@@ -44,6 +44,7 @@ from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
 from bridge.progress import progress
 from bridge.store.claim import claim_destination
+from bridge.store.remote import claim_remote
 from bridge.store.durable import fsync_path
 from bridge.format.manifest import Manifest, MegatronRecord
 from bridge.format import schema
@@ -218,6 +219,58 @@ class DcpFile:
             self.f.close()
 
 
+class RemoteDcpFile:
+    """`DcpFile` for an s3:// / gs:// prefix: blobs collect in memory and go out as whole objects
+    of about `part_bytes` (`__<i>_<j>.distcp`, j = 0, 1, ...; DCP's metadata names each blob's
+    object), so memory stays bounded however much one worker writes."""
+
+    def __init__(self, root: str, index: int, part_bytes: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.root, self.index, self.part_bytes = root, index, max(1, part_bytes)
+        self.part = 0
+        self.rel = f"__{index}_0.distcp"
+        self.f = io.BytesIO()
+        self.bytes = 0
+
+    def _roll(self) -> None:
+        if self.f.tell() >= self.part_bytes:
+            self._put()
+            self.part += 1
+            self.rel = f"__{self.index}_{self.part}.distcp"
+
+    def _put(self) -> None:
+        from bridge.store import kvstore
+
+        if self.f.tell():
+            kvstore.write_bytes(self.root, self.rel, self.f.getbuffer().tobytes())
+        self.f = io.BytesIO()
+
+    def tensor(self, fqn: str, offsets: Sequence[int], tensor: Any) -> Written:
+        off = self.f.tell()
+        self.torch.save(tensor, self.f)
+        n = self.f.tell() - off
+        self.bytes += n
+        w = Written(fqn, tuple(int(o) for o in offsets), tuple(int(s) for s in tensor.shape), self.rel, off, n)
+        self._roll()
+        return w
+
+    def obj(self, fqn: str, value: Any) -> Written:
+        off = self.f.tell()
+        self.torch.save([value], self.f)
+        n = self.f.tell() - off
+        self.bytes += n
+        w = Written(fqn, None, None, self.rel, off, n)
+        self._roll()
+        return w
+
+    def close(self) -> None:
+        if self.f is not None:
+            self._put()
+            self.f = None
+
+
 class DcpIndex:
     """The DCP `Metadata` being collected (main thread only)."""
 
@@ -229,6 +282,20 @@ class DcpIndex:
         self.tensors.setdefault(fqn, (dtype, tuple(int(s) for s in shape)))
 
     def write(self, root: str) -> None:
+        """`.metadata` and `metadata.json` into directory `root` (fsync'd)."""
+        md, mj = self.encode()
+        with open(os.path.join(root, ".metadata"), "wb") as f:
+            f.write(md)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(os.path.join(root, "metadata.json"), "wb") as f:
+            f.write(mj)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(root)
+
+    def encode(self) -> tuple[bytes, bytes]:
+        """(`.metadata`, `metadata.json`) as bytes."""
         import pickle
 
         import torch
@@ -254,15 +321,7 @@ class DcpIndex:
                                               for w in cs])
         md = Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage,
                       storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4())), version="1.0.0")
-        with open(os.path.join(root, ".metadata"), "wb") as f:
-            pickle.dump(md, f)
-            f.flush()
-            os.fsync(f.fileno())
-        with open(os.path.join(root, "metadata.json"), "w") as f:
-            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_path(root)
+        return pickle.dumps(md), json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}).encode()
 
 
 def _write_common_pt(root: str, common: dict) -> None:
@@ -304,7 +363,7 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
     Without `model` arrays (or with `weights_from_masters`) the weights are bf16(fp32 masters),
     rounded to nearest even as Megatron's optimizer does; otherwise each weight is checked to be that.
     """
-    src, dst = local_path(src, "source"), local_path(dst, "destination")
+    src, dst = location(src, "source"), location(dst, "destination")
     require("to-megatron", "torch")
     budget = int(budget or default_budget())
     workers = int(workers or default_workers())
@@ -352,15 +411,21 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
     groups = plan_groups(params, lay, target.fmt, derive=derive, limit=limit)
     dp_jobs, dp_objects = (_plan_dp(params, lay, target, man, step, limit) if target.fmt == "dp_reshardable"
                            else ([], []))
-    created_run = not os.path.lexists(where.run_dir)
+    remote = is_remote(where.iter_dir)
+    created_run = not remote and not os.path.lexists(where.run_dir)
     stats = Stats()
-    os.makedirs(where.run_dir, exist_ok=True)
+    if not remote:
+        os.makedirs(where.run_dir, exist_ok=True)
     published = False
     try:
         # The claim: exclusive temp dir next to the iteration dir, removed on any error / SIGINT /
-        # SIGTERM, no-replace rename when complete (bridge.store.claim).
-        with claim_destination(where.iter_dir, sources=[src]) as claim:
-            files = [DcpFile(claim.tmp, f"__{i}_0.distcp") for i in range(workers)]
+        # SIGTERM, no-replace rename when complete (bridge.store.claim); on object storage the
+        # iteration prefix itself, `.metadata` written last (bridge.store.remote).
+        claim = (claim_remote(where.iter_dir, sources=[src], marker=".metadata") if remote
+                 else claim_destination(where.iter_dir, sources=[src]))
+        with claim:
+            files = [RemoteDcpFile(claim.tmp, i, max(1 << 20, min(limit, 256 << 20))) if remote
+                     else DcpFile(claim.tmp, f"__{i}_0.distcp") for i in range(workers)]
             try:
                 index = DcpIndex()
                 for g in groups:
@@ -386,12 +451,20 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
             finally:
                 for f in files:
                     f.close()
-            index.write(claim.tmp)
-            claim.publish()
+            if remote:
+                md, mj = index.encode()
+                claim.publish(files=[("metadata.json", mj), (".metadata", md)])
+            else:
+                index.write(claim.tmp)
+                claim.publish()
             published = True
         write_tracker(where.run_dir, step)  # only now: the iteration directory is complete
     except BaseException:
-        if published:  # the tracker could not be set: take the iteration back out (the command failed)
+        if published and remote:
+            from bridge.store import kvstore
+
+            kvstore.delete_prefix(where.iter_dir)
+        elif published:  # the tracker could not be set: take the iteration back out (the command failed)
             shutil.rmtree(where.iter_dir, ignore_errors=True)
         if created_run:
             _remove_if_empty(where.run_dir)

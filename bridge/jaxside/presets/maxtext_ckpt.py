@@ -26,7 +26,7 @@ import numpy as np
 
 from bridge.errors import BridgeError
 from bridge.format import schema
-from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
+from bridge.format.manifest import MAXTEXT_KEY, MEGATRON_KEY, Manifest, MegatronRecord, OptimizerConfig, SourceLayout
 from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, active_table, adamw_mask_patterns, decayed,
                                            from_maxtext, maxtext_overrides, to_maxtext)
 from bridge.location import local_path
@@ -61,8 +61,8 @@ class Written:
 
 
 def _megatron_args(man: Manifest | None) -> dict:
-    extra = man.extra if man is not None and isinstance(man.extra, dict) else {}
-    return dict((extra.get("megatron") or {}).get("args") or {})
+    meg = man.megatron if man is not None else None
+    return dict((meg.args if meg is not None else None) or {})
 
 
 def _head_dim(man: Manifest | None, args: Mapping) -> int:
@@ -327,7 +327,7 @@ def _manifest_for(dims: Dims, hyper: Hyper, count: int, base: Mapping | None, op
         man.optimizer.step = count
         man.fused = {**fused, **man.fused}
         man.extra = dict(man.extra)
-        man.extra["maxtext"] = {"options": asdict(opts)}
+        man.extra[MAXTEXT_KEY] = {"options": asdict(opts)}
         return man
     no_decay = ["/".join(p) for p in hyper.no_decay]
     return Manifest(source=SourceLayout(framework="maxtext", optimizer_format="maxtext"),
@@ -335,8 +335,8 @@ def _manifest_for(dims: Dims, hyper: Hyper, count: int, base: Mapping | None, op
                                               weight_decay=hyper.weight_decay, step=count, no_decay=no_decay,
                                               clip_grad=hyper.clip_grad),
                     fused=fused,
-                    extra={"megatron": {"args": llama_args(dims, rotary_base, norm_epsilon)},
-                           "maxtext": {"options": asdict(opts)}})
+                    extra={MEGATRON_KEY: MegatronRecord(args=llama_args(dims, rotary_base, norm_epsilon)).to_json(),
+                           MAXTEXT_KEY: {"options": asdict(opts)}})
 
 
 def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Options | None = None,

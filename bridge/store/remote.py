@@ -1,0 +1,287 @@
+"""Commit on object storage (s3://, gs://), where there is no rename.
+
+Everything of a run is written under the final prefix itself; `_METADATA` is written last, and a
+prefix counts as a checkpoint only once it has one (our readers check it; Orbax restores only
+from `_METADATA` too). Orbax commits on GCS the same way (a marker written last instead of a
+rename: `CommitFileTemporaryPath`).
+
+    DST/_gtpb_claim.json        first: who writes DST (host, pid, run id); written only if absent
+    DST/ocdbt.process_<w>/...   the writers' databases, then the merged root database, reports
+    DST/_CHECKPOINT_METADATA, DST/commit_success.txt
+    DST/_METADATA               last: from here on DST is a committed checkpoint
+    (the claim object is then deleted)
+
+A prefix with our claim and no `_METADATA` is a partial checkpoint: readers refuse it (`verify`,
+`inspect`, `restore` name it as never completed), and a retry removes it when its writer is
+provably gone (same host, process dead or machine rebooted); otherwise the retry is refused,
+naming the writer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict
+from typing import Iterable, Sequence
+
+from bridge.errors import BridgeError, IntegrityError
+from bridge.location import is_remote, parse_url
+from bridge.store import kvstore as kv
+from bridge.store import claim as local_claim
+from bridge.store.claim import ClaimInfo
+
+CLAIM_KEY = "_gtpb_claim.json"
+_HELD: dict[str, "RemoteDestination"] = {}   # dst URL -> claim held by this process (guarded by claim's lock)
+METADATA = "_METADATA"
+
+
+def _load_claim(dst: str) -> ClaimInfo | None:
+    data = kv.read_bytes(dst, CLAIM_KEY)
+    if data is None:
+        return None
+    try:
+        d = json.loads(data)
+        info = ClaimInfo(**{k: d[k] for k in ClaimInfo.__dataclass_fields__})
+    except (ValueError, TypeError, KeyError):
+        return None
+    return info if info.tool == local_claim.TOOL else None
+
+
+def _writer_gone(info: ClaimInfo) -> bool:
+    """True only when the claiming process provably no longer exists (this host; dead or rebooted)."""
+    if info.host != socket.gethostname():
+        return False
+    if info.boot_id and info.boot_id != local_claim._boot_id():
+        return True
+    return not local_claim._alive(info.pid, info.pid_start)
+
+
+def check_remote_sources(dst: str, sources: Iterable[str]) -> None:
+    """A destination prefix may not contain a source, nor lie inside one."""
+    d = parse_url(dst)
+    for s in sources:
+        s = str(s)
+        if not is_remote(s):
+            continue
+        u = parse_url(s)
+        if u.scheme == d.scheme and u.bucket == d.bucket and (
+                (u.key + "/").startswith(d.key + "/") or (d.key + "/").startswith(u.key + "/")):
+            raise BridgeError(f"destination {dst} overlaps the source {s}; choose a destination outside it")
+
+
+class RemoteDestination:
+    """This run's hold on an object-storage prefix: writers write under `tmp` (= `dst`), `publish()`
+    writes the metadata files, `_METADATA` last; `release()` removes what this run wrote.
+
+    The `bridge.store.claim.Destination` of locations without rename."""
+
+    def __init__(self, dst: str, info: ClaimInfo, marker: str = METADATA) -> None:
+        self.marker = marker
+        self.dst = dst.rstrip("/")
+        self.tmp = self.dst
+        self.info = info
+        self.published = False
+        self.released = False
+
+    @property
+    def run_id(self) -> str:
+        return self.info.run_id
+
+    def __enter__(self) -> "RemoteDestination":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.published:
+            self.release(reason=local_claim._reason(exc))
+
+    def owned(self) -> bool:
+        other = _load_claim(self.dst)
+        return other is not None and other.run_id == self.run_id
+
+    def check_owned(self) -> None:
+        if not self.owned():
+            raise BridgeError(f"{self.dst} no longer holds this run's claim (removed or taken over by another run); "
+                              f"nothing was committed, rerun")
+
+    def publish(self, payload: str | None = None, *, files: Sequence[tuple[str, bytes]] = (),
+                fsync: bool = True) -> str:
+        """Write `files` (name, bytes) in order, the marker (`_METADATA`) after all others, then drop
+        the claim. Returns DST.
+
+        `payload` must be DST itself (there is no temporary directory to publish from); `fsync` has
+        no meaning here: an object is durable once its PUT returned."""
+        if payload is not None and payload.rstrip("/") != self.dst:
+            raise BridgeError(f"publish: {payload} is not this run's destination {self.dst}")
+        try:
+            self.check_owned()
+            if kv.exists(self.dst, self.marker):
+                raise BridgeError(f"destination {self.dst} already exists; choose a new directory or remove it")
+            ordered = [f for f in files if f[0] != self.marker] + [f for f in files if f[0] == self.marker]
+            for name, data in ordered:
+                kv.write_bytes(self.dst, name, data)
+            self.published = True
+        except BaseException:
+            self.release()
+            raise
+        # Committed. The claim object is only bookkeeping now; a failure to delete it is harmless.
+        try:
+            kv.delete_prefix(self.dst, CLAIM_KEY)
+        except BridgeError:
+            pass
+        self._forget()
+        return self.dst
+
+    def release(self, reason: str = "") -> None:
+        """Delete every object under DST if DST still holds this run's claim (never anyone else's)."""
+        if self.released or self.published:
+            return
+        self.released = True
+        self._forget()
+        if os.getpid() != self.info.pid:
+            return  # a child process never cleans its parent's claim
+        if self.remove_objects() and reason:
+            print(f"gtp-bridge: {reason}; removed this run's objects under {self.dst}", file=sys.stderr)
+
+    def remove_objects(self) -> bool:
+        """Delete every object under DST if DST still holds this claim; True when it did."""
+        try:
+            if not self.owned():
+                return False
+            # Everything but the claim first: until the claim goes, a later run knows whose leftovers these are.
+            for key in kv.list_keys(self.dst):
+                if key != CLAIM_KEY:
+                    kv.delete_prefix(self.dst, key)
+            kv.delete_prefix(self.dst, CLAIM_KEY)
+        except BridgeError as e:
+            print(f"gtp-bridge: could not remove the objects under {self.dst}: {e}", file=sys.stderr)
+            return False
+        return True
+
+    def _forget(self) -> None:
+        with local_claim._HELD_LOCK:
+            if _HELD.get(self.dst) is self:
+                del _HELD[self.dst]
+            empty = not _HELD and not local_claim._HELD
+        if empty:
+            local_claim._restore_signal_handlers()
+
+
+def check_remote_free(dst: str) -> None:
+    """BridgeError when DST holds a committed checkpoint (same wording as a local destination)."""
+    if kv.exists(dst, METADATA):
+        raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
+
+
+def claim_remote(dst: str, *, sources: Iterable[str] = (), marker: str = METADATA) -> RemoteDestination:
+    """Claim the prefix `dst` for this run; BridgeError (one line) when that is not safe.
+
+    `marker` is the object whose presence makes the prefix complete: `_METADATA` for a logical
+    checkpoint, `.metadata` for a torch_dist one (written last by `publish`).
+
+    Refuses a committed checkpoint at DST, a prefix holding objects that are not a gtp-bridge
+    partial checkpoint, and a partial checkpoint whose writer may still run. Removes (and says so
+    on stderr) a partial checkpoint whose writer is provably gone."""
+    dst = dst.rstrip("/")
+    check_remote_sources(dst, sources)
+    keys = kv.list_keys(dst)  # the first request: bad credentials / bucket / permission fail here
+    if marker in keys:
+        raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
+    if keys:
+        info = _load_claim(dst)
+        if info is None:
+            raise BridgeError(f"destination {dst} holds {len(keys)} objects that are not a gtp-bridge checkpoint; "
+                              f"choose an empty prefix or remove them")
+        if not _writer_gone(info):
+            raise BridgeError(f"destination {dst} is being written by {info.describe()} (or that run was killed "
+                              f"on another host); wait for it, or remove the prefix if no run is writing it")
+        print(f"gtp-bridge: removing the partial checkpoint left at {dst} by a killed run ({info.describe()})",
+              file=sys.stderr)
+        if not RemoteDestination(dst, info, marker).remove_objects():
+            raise BridgeError(f"could not remove the partial checkpoint at {dst}; remove the prefix and rerun")
+    info = ClaimInfo.mine(dst)
+    if not kv.write_bytes(dst, CLAIM_KEY, json.dumps(asdict(info)).encode(), if_absent=True):
+        raise BridgeError(f"destination {dst} is being claimed by another run at the same time; "
+                          f"choose another destination")
+    if _load_claim(dst) is None or _load_claim(dst).run_id != info.run_id:
+        raise BridgeError(f"destination {dst} was claimed by another run at the same time; choose another destination")
+    dest = RemoteDestination(dst, info, marker)
+    with local_claim._HELD_LOCK:
+        _HELD[dest.dst] = dest
+    local_claim._install_signal_handlers()  # SIGTERM raises, so the `with` block's release runs
+    return dest
+
+
+def held_remote(dst: str) -> RemoteDestination | None:
+    """The claim this process holds on the prefix `dst`, if any."""
+    with local_claim._HELD_LOCK:
+        return _HELD.get(dst.rstrip("/"))
+
+
+@atexit.register
+def _release_all_at_exit() -> None:
+    with local_claim._HELD_LOCK:
+        held = list(_HELD.values())
+    for dest in held:
+        dest.release(reason="exiting before the commit")
+
+
+def committed_root(root: str) -> str:
+    """`root` (a URL) if it holds a committed checkpoint; else BridgeError / IntegrityError saying why.
+
+    An Orbax item sub-prefix (`state/`, `default/`) holding `_METADATA` is accepted as well."""
+    keys = set(kv.list_keys(root))
+    if METADATA in keys:
+        return root
+    for item in ("state", "default"):
+        if f"{item}/{METADATA}" in keys:
+            return f"{root}/{item}"
+    if CLAIM_KEY in keys:
+        raise IntegrityError(f"{root} is a partial checkpoint (its writer never committed: no _METADATA); "
+                             f"rerun the write, which removes it")
+    if ".metadata" in keys:
+        raise BridgeError(f"{root} is a torch_dist (Megatron/DCP) checkpoint, not a logical one; "
+                          f"convert it first: gtp-bridge convert {root} OUT")
+    if any(k in keys for k in ("_CHECKPOINT_METADATA", "manifest.ocdbt", "commit_success.txt")):
+        raise IntegrityError(f"{root}/_METADATA is missing; the checkpoint is damaged")
+    if not keys:
+        raise BridgeError(f"{root} does not exist (no objects under it); pass a checkpoint location")
+    raise BridgeError(f"{root} has no _METADATA: not a committed Orbax checkpoint")
+
+
+def wait_for_objects(root: str, keys: Sequence[str], timeout: float, what: str) -> None:
+    """Poll until every object in `keys` exists under `root` (the writers' barrier without a shared
+    file system); BridgeError naming the missing ones after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    missing = list(keys)
+    wait = 0.01
+    while missing:
+        have = set(kv.list_keys(root, _common_prefix(missing)))
+        missing = [k for k in missing if k not in have]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise BridgeError(f"{what} {missing} did not finish within {timeout:.0f} s (crashed or still writing); "
+                              f"nothing was committed, rerun the save")
+        time.sleep(wait)
+        wait = min(0.5, wait * 2)
+
+
+def _common_prefix(keys: Sequence[str]) -> str:
+    """Longest common leading directory of `keys` ('' if none).
+
+    >>> _common_prefix(["r/writer_0.json", "r/writer_1.json"])
+    'r/'
+    """
+    if not keys:
+        return ""
+    first = keys[0]
+    n = len(first)
+    for k in keys[1:]:
+        n = min(n, len(k))
+        while first[:n] != k[:n]:
+            n -= 1
+    return first[:first[:n].rfind("/") + 1]
