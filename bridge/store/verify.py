@@ -3,8 +3,10 @@
 Each stored byte is read once: an array is read in blocks aligned to its stored chunks (whole
 inner chunks, never a block that cuts one). TensorStore reads blocks of all arrays in parallel into
 a fixed set of reused buffers (bounded memory; a fresh array per block would be page-faulted in and
-unmapped again every time), and a thread pool digests each block as its read completes (TensorStore
-and the digest release the GIL). A damaged array is reported by name and never hides the others.
+unmapped again every time), and a thread pool digests each block as its read completes. The GIL is
+the shared resource to spare: TensorStore's workers never need it (see `_Block`), and the digest
+takes it a few dozen times per block (`DIGEST_STEP`) on at most one thread per core. A damaged array
+is reported by name and never hides the others.
 """
 
 from __future__ import annotations
