@@ -9,7 +9,7 @@ DistOpt fragments of its buffer) and, interleaved over `--reps` repetitions (ord
   export         `bridge.live.export_state` (holdings, plan, one all_to_all to chunk owners,
                  owned-chunk writes, OCDBT merge, _METADATA, fsync, atomic rename); the plan is
                  reused from the earlier export (a run exports every N steps with one layout);
-  export_replan  the same after `clear_plan_cache()` (what a first export costs);
+  export_replan  the same after `Exporter.clear_cache()` (what a first export costs);
   store          the store alone: `CheckpointWriter` writes of the same boxes from host memory with
                  the same write plan + `finalize` (export minus everything live: shows our overhead);
   dcp            `torch.distributed.checkpoint.save` of the same tensors (weight shards keyed by
@@ -197,7 +197,8 @@ def _exchange_busbw(params, run, reps: int, device, min_bytes: int = 64 << 20) -
     (owners already hold almost everything) the same `all_to_all_bytes` path with uniform splits
     of `min_bytes`, so the figure measures the exchange mechanism. `source` says which.
     """
-    from bridge.live.exchange import all_gather_flat, all_gather_json, all_to_all_bytes
+    from bridge.dist import all_gather_flat, all_gather_json
+    from bridge.live.exchange import all_to_all_bytes
     from bridge.live.export import _send_buffer, _summary
     from bridge.live.holdings import RankSummary, tree_name
     from bridge.live.plan import build_plan
@@ -293,7 +294,7 @@ def _store_only(run, params, args: dict, rank: int):
     in-flight budget as the export) and commits with `finalize`: what the export costs without the
     live part (holdings, plan, exchange, staging).
     """
-    from bridge.live.exchange import all_gather_json
+    from bridge.dist import TorchCoordinator, all_gather_json
     from bridge.live.export import COUNT_PATH, STEP_PATH, _plan, _summary, writer_batch_bytes
     from bridge.live.holdings import RankSummary
     from bridge.store.commit import begin_checkpoint, finalize
@@ -316,17 +317,18 @@ def _store_only(run, params, args: dict, rank: int):
             data.append((t.array, t.box, raw.view(dt).reshape(t.box.shape)))
 
     def write(path: str) -> None:
-        tmp = begin_checkpoint(path)
+        coord = TorchCoordinator(dist.group.WORLD)
+        tmp = begin_checkpoint(path, coordinator=coord)
         batch = writer_batch_bytes(args["inflight"]) if args["inflight"] else None  # None: the export's default
         w = CheckpointWriter(tmp, planned.wplan, rank, inflight_bytes=batch,
-                             compute_digest=args["digest"])
+                             compute_digest=args["digest"], staging=not args.get("writer_nostage"))
         for name, box, arr in data:
             w.write(name, box, arr, donate=True)
         if rank == 0:
             for p in (STEP_PATH, COUNT_PATH):
                 w.write(p, Box((), ()), np.asarray(10, dtype=np.int32))
         w.finish()
-        finalize(path, planned.wplan, rank, Manifest())
+        finalize(path, planned.wplan, rank, Manifest(), coordinator=coord)
 
     return write
 
@@ -341,7 +343,7 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
 
     from bridge.layout import ParallelLayout
     from bridge.live.api import AdamConfig, LiveRun
-    from bridge.live.export import clear_plan_cache, export_state
+    from bridge.live.export import Exporter, ExportOptions
 
     torch.set_num_threads(1)
     if args.get("writer_timeline"):
@@ -350,15 +352,13 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     if args.get("target_file"):  # diagnostic: OCDBT data file size (how many files a commit writes at once)
         from bridge.store import specs
         specs.TARGET_DATA_FILE_SIZE = args["target_file"]
-    if args.get("writer_nostage"):  # diagnostic: TensorStore copies inner chunks itself (export and store alone)
-        import functools
-
-        from bridge.live import export as ex
-        from bridge.store import writer as wr
-        ex.CheckpointWriter = wr.CheckpointWriter = functools.partial(wr.CheckpointWriter, staging=False)
-    if args.get("device_commits"):  # diagnostic: writer commits in flight while device data is staged
-        from bridge.live import export as ex
-        ex._DEVICE_COMMITS = args["device_commits"]
+    # diagnostics: TensorStore copies inner chunks itself (export and store alone); writer commits in
+    # flight while device data is staged
+    opts = ExportOptions(inflight_bytes=args["inflight"], target_chunk_bytes=args["chunk"],
+                         inner_chunk_bytes=args["inner"], digest=args["digest"],
+                         writer_staging=not args.get("writer_nostage"),
+                         **({"device_commits": args["device_commits"]} if args.get("device_commits") else {}))
+    exporter = Exporter()
     device = torch.device("cpu")
     if args["backend"] == "nccl":
         device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -387,12 +387,10 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
             _TIMELINE.clear()
             if name in ("export", "export_replan"):
                 if name == "export_replan":
-                    clear_plan_cache()
+                    exporter.clear_cache()
 
                 def go():
-                    return export_state(path, run, params, inflight_bytes=args["inflight"],
-                                        target_chunk_bytes=args["chunk"], inner_chunk_bytes=args["inner"],
-                                        digest=args["digest"])
+                    return exporter.export(path, run, params, opts)
 
                 t, m, rep_ = _timed(go, device)
                 written = rep_.bytes_written
@@ -400,9 +398,10 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
                     (steps if name == "export" else steps_replan).append(rep_.timings)
                     if name == "export":
                         cached.append(rep_.plan_cached)
-                        extra = {"write_calls": rep_.write_calls, "staging_peak_bytes": rep_.staging_peak_bytes,
-                                 "bytes_sent": rep_.bytes_sent, "staged_bytes": rep_.staged_bytes,
-                                 "donated_staging": rep_.donated_staging, "inner": rep_.inner_chunk_bytes}
+                        extra = {"write_calls": rep_.staging.write_calls,
+                                 "staging_peak_bytes": rep_.staging.peak_bytes, "bytes_sent": rep_.bytes_sent,
+                                 "staged_bytes": rep_.staging.staged_bytes, "donated_staging": rep_.staging.donated,
+                                 "inner": rep_.inner_chunk_bytes}
             elif name == "store":
                 t, m, _ = _timed(lambda: store_write(path), device)
             elif name == "dcp":
@@ -437,7 +436,7 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     mine = {"t": res, "mem": mem, "written": written, "state_bytes": state_bytes, "reload": reload_fig,
             "steps": steps, "steps_replan": steps_replan, "cached": cached, "extra": extra, "dcp_bytes": dcp_bytes,
             "timeline": timeline}
-    from bridge.live.exchange import all_gather_json
+    from bridge.dist import all_gather_json
     from bridge.live.export import TIMING_STEPS
 
     allr = all_gather_json(mine)

@@ -17,7 +17,7 @@ import importlib
 import logging
 import re
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from bridge import __version__
 from bridge.errors import BridgeError
@@ -72,10 +72,15 @@ def examples_text(choices: dict[str, argparse.ArgumentParser]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse, run the subcommand, turn errors into one line and an exit code."""
+    return run(build_parser, argv)
+
+
+def run(make_parser: Callable[[], argparse.ArgumentParser], argv: list[str] | None = None) -> int:
+    """`main` with the parser `make_parser()` builds: its subcommand's errors become one line and an exit code."""
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     _show_notes()
     try:
-        parser = build_parser()
+        parser = make_parser()
         args = parser.parse_args(argv)
         if not getattr(args, "command", None):
             parser.print_help(sys.stderr)

@@ -67,18 +67,17 @@ def test_bad_input_one_line_exit_2_and_debug_traceback(tmp_path, ck):
         assert r.returncode != 0 and "Traceback" in r.stderr and "BridgeError" in r.stderr
 
 
-def test_unexpected_exception_is_one_line_unless_debug(monkeypatch, capsys):
+def test_unexpected_exception_is_one_line_unless_debug(capsys):
     def boom(args):
         raise ValueError("synthetic failure\nsecond line")
 
     parser = cli.build_parser()
-    monkeypatch.setattr(cli, "build_parser", lambda: parser)
     parser._subparsers._group_actions[0].choices["inspect"].set_defaults(func=boom)
-    assert cli.main(["inspect", "x"]) == 2
+    assert cli.run(lambda: parser, ["inspect", "x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unexpected ValueError: synthetic failure" in err and "--debug" in err
     with pytest.raises(ValueError):
-        cli.main(["--debug", "inspect", "x"])
+        cli.run(lambda: parser, ["--debug", "inspect", "x"])
 
 
 def test_help_shows_an_example_for_every_command():

@@ -42,9 +42,10 @@ def _copy_into(dst_params, src_params) -> None:
 def _export_series(rank, world, root):
     from bridge.layout import ParallelLayout
     from bridge.live.api import AdamConfig, LiveRun
-    from bridge.live.export import clear_plan_cache, export_state
+    from bridge.live.export import Exporter, ExportOptions
 
-    clear_plan_cache()
+    exporter = Exporter()
+    opts = ExportOptions(inflight_bytes=4096, target_chunk_bytes=64)
     out = []
     kept = {}
     for tag, model, (tp, gtp, dp, a) in EXPORTS:
@@ -55,7 +56,7 @@ def _export_series(rank, world, root):
         else:
             params, _ = local_params(model, tp, gtp, dp, a, rank, FP8)
         kept[tag] = params
-        rep = export_state(f"{root}/{tag}", run, params, inflight_bytes=4096, target_chunk_bytes=64)
+        rep = exporter.export(f"{root}/{tag}", run, params, opts)
         out.append({"tag": tag, "cached": rep.plan_cached, "plan_s": rep.timings["plan"]})
     return out
 

@@ -1,9 +1,10 @@
 """The donated staging pipeline (the GPU export path) through a real CheckpointWriter, on the CPU.
 
-`stage_and_write(..., stage_cpu=True)` sends CPU tensors through the same reused host buffers as
-CUDA tensors take on a GPU machine; with `flush` the buffers are donated to the writer and only
+`StagedWriter(..., stage_all=True)` sends CPU tensors through the same reused host buffers as
+CUDA tensors take on a GPU machine; donated, the buffers are handed to the writer and only
 refilled once the writer has committed them. Read back with the store reader and compared with
-the source arrays; a control run whose flush does not commit shows the check catches early reuse.
+the source arrays; a control run whose writer's flush does not commit shows the check catches
+early reuse.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
-from bridge.live.staging import WriteItem, stage_and_write
+from bridge.live.staging import StagedWriter, WriteItem
 from bridge.store.commit import begin_checkpoint, commit_checkpoint
 from bridge.store.plan import ArraySpec, make_write_plan
 from bridge.store.reader import open_checkpoint
@@ -58,40 +59,40 @@ def _plan(src: dict, inner_chunk_bytes: int, chunk_rows: int | None = None):
                            inner_chunk_bytes=inner_chunk_bytes)
 
 
-def _chunks(plan):
-    """The store's outer chunks a box touches (what the live export passes as `chunks`)."""
-    def chunks(name, box):
-        sl = plan.lookup(name).ownership.chunks_touching(box)
-        return [(name, i) for i in range(sl[0].start, sl[0].stop)]   # row-block chunks
-    return chunks
+class _Watched:
+    """A real CheckpointWriter that counts its flushes and copied writes; `commit=False` (the
+    control) makes its background flush a no-op, as a writer that never commits in between."""
+
+    def __init__(self, writer: CheckpointWriter, commit: bool = True) -> None:
+        self.w, self.plan, self.commit = writer, writer.plan, commit
+        self.flushes, self.copied = 0, []
+
+    def write(self, name, box, data, donate=False):
+        if not donate:
+            self.copied.append(name)
+        self.w.write(name, box, data, donate=donate)
+
+    def flush(self, wait=True):
+        if not wait:
+            self.flushes += 1
+        if self.commit:
+            self.w.flush(wait=wait)
+
+    def finish(self):
+        return self.w.finish()
 
 
 def _export(dst: str, flush_commits: bool, depth: int = 1, part: int = 2048):
     src = _sources()
     plan = _plan(src, 512, chunk_rows=8)
     tmp = begin_checkpoint(dst)
-    writer = CheckpointWriter(tmp, plan, 0, inflight_bytes=1 << 20, commit_depth=depth)
-    flushes = []
-
-    def flush():
-        flushes.append(1)
-        if flush_commits:
-            writer.flush(wait=False)
-
-    copied = []
-
-    def write_copy(n, b, a):
-        copied.append(n)
-        writer.write(n, b, a)
-
-    peak = stage_and_write(_items(src), write_copy, budget_bytes=(depth + 2) * part,
-                           write_cpu=lambda n, b, a: writer.write(n, b, a, donate=True), flush=flush,
-                           stage_cpu=True, commits_in_flight=depth,
-                           drain=writer.flush if flush_commits else flush, chunks=_chunks(plan))
-    writer.finish()
+    writer = _Watched(CheckpointWriter(tmp, plan, 0, inflight_bytes=1 << 20, commit_depth=depth), flush_commits)
+    staged = StagedWriter(writer, (depth + 2) * part, commits_in_flight=depth, stage_all=True, cut_cells=False)
+    staged.write_items(_items(src))
+    staged.finish()
     commit_checkpoint(dst, plan)
     ck = open_checkpoint(dst)
-    return src, {p: ck.read(p) for p in src}, len(flushes), peak, copied
+    return src, {p: ck.read(p) for p in src}, writer.flushes, staged.peak_bytes, writer.copied
 
 
 def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
@@ -131,17 +132,16 @@ def test_control_reusing_donated_buffers_before_commit_corrupts(tmp_path):
 def test_copying_staging_path_round_trips(tmp_path, budget):
     """Without `flush` (a writer that copies) two buffers are reused at once; every element lands once."""
     src = _sources()
-    out = {".".join(p): np.zeros_like(a) for p, a in src.items()}
-    calls = []
-
-    def write(n, b, a):
-        calls.append(n)
-        out[n][b.slices] = a  # copies, as the contract of the copying path requires
-
-    stage_and_write(_items(src), write, budget_bytes=budget, stage_cpu=True)
-    assert len(calls) > len(_items(src)) or budget > 64
+    dst = str(tmp_path / "ck")
+    plan = _plan(src, 512, chunk_rows=8)
+    writer = _Watched(CheckpointWriter(begin_checkpoint(dst), plan, 0, inflight_bytes=1 << 20))
+    StagedWriter(writer, budget, donate=False, stage_all=True).write_items(_items(src))
+    writer.finish()
+    commit_checkpoint(dst, plan)
+    assert len(writer.copied) > len(_items(src)) or budget > 64
+    ck = open_checkpoint(dst)
     for p, a in src.items():
-        assert _same_bits(out[".".join(p)], a), p
+        assert _same_bits(ck.read(p), a), p
 
 
 def _export_staged(rank, world, dst, commits=1):
@@ -149,15 +149,14 @@ def _export_staged(rank, world, dst, commits=1):
     from test_live_export import FP8, MODEL, STEP, local_params
 
     from bridge.layout import ParallelLayout
-    from bridge.live import export as ex
     from bridge.live.api import AdamConfig, LiveRun
+    from bridge.live.export import ExportOptions, export_state
 
-    ex._STAGE_ALL = True
-    ex._DEVICE_COMMITS = commits
     params, _ = local_params(MODEL, 1, 2, 2, 4, rank, FP8)
     run = LiveRun(ParallelLayout(tp=1, gtp=2, dp=2), rank, STEP, AdamConfig(lr=1e-3))
-    rep = ex.export_state(dst, run, params, inflight_bytes=3 * 1024, target_chunk_bytes=64)
-    return {"peak": rep.staging_peak_bytes, "calls": rep.write_calls}
+    rep = export_state(dst, run, params, ExportOptions(inflight_bytes=3 * 1024, target_chunk_bytes=64,
+                                                       stage_all=True, device_commits=commits))
+    return {"peak": rep.staging.peak_bytes, "calls": rep.staging.write_calls}
 
 
 @pytest.mark.parametrize("commits", [1, 2])
@@ -192,22 +191,26 @@ def test_cells_cut_before_staging_are_written_without_a_second_copy(tmp_path):
     plan = _plan(src, 256 << 10, chunk_rows=256)   # chunks of 512-768 KiB: whole in a 1 MiB buffer
     inner = {".".join(p): plan.lookup(p).inner_chunk_shape for p in src}
 
+    class Boxes(_Watched):
+        """Records the boxes handed to the writer."""
+
+        def __init__(self, writer):
+            super().__init__(writer)
+            self.boxes = []
+
+        def write(self, name, box, data, donate=False):
+            self.boxes.append((name, box))
+            super().write(name, box, data, donate)
+
     def export(dst, cut):
-        writer = CheckpointWriter(begin_checkpoint(dst), plan, 0, inflight_bytes=1 << 20, commit_depth=2)
-        boxes = []
-
-        def write_donated(n, b, a):
-            boxes.append((n, b))
-            writer.write(n, b, a, donate=True)
-
+        writer = Boxes(CheckpointWriter(begin_checkpoint(dst), plan, 0, inflight_bytes=1 << 20, commit_depth=2))
         items = [WriteItem(".".join(p), Box((r, 0), (r + 256, a.shape[1])), from_numpy(a[r:r + 256].copy()))
                  for p, a in src.items() for r in range(0, a.shape[0], 256)]
-        stage_and_write(items, None, budget_bytes=4 << 20, write_cpu=write_donated,
-                        flush=lambda: writer.flush(wait=False), stage_cpu=True, commits_in_flight=2,
-                        drain=writer.flush, cell_shape=inner.__getitem__ if cut else None, chunks=_chunks(plan))
-        writer.finish()
+        staged = StagedWriter(writer, 4 << 20, commits_in_flight=2, stage_all=True, cut_cells=cut)
+        staged.write_items(items)
+        staged.finish()
         commit_checkpoint(dst, plan)
-        return writer.bytes_staged, boxes
+        return writer.w.bytes_staged, writer.boxes
 
     staged, boxes = export(str(tmp_path / "cut"), True)
     assert staged == 0

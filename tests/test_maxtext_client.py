@@ -160,6 +160,11 @@ def test_back_through_to_megatron(trip, tmp_path):
         assert np.array_equal(again[p], a), p
         n += 1
     assert n >= 3 * 12 + 2
+    keep = os.environ.get("MAXTEXT_KEEP_MEGATRON")   # for the device check: Megatron loads this run dir
+    if keep:
+        import shutil
+
+        shutil.copytree(run_dir, keep, dirs_exist_ok=True)
 
 
 def test_fresh_maxtext_run_converts_to_megatron(trip, tmp_path):

@@ -58,7 +58,7 @@ def _export_worker(rank, world, name, dst):
     run = Run(name)
     params, lrun = replay_local_params(run, rank)
     rep = export_state(dst, lrun, params)
-    return {"arrays": rep.arrays, "bytes_written": rep.bytes_written}
+    return {"bytes_written": rep.bytes_written}
 
 
 def _read_all(path: str) -> dict[str, np.ndarray]:

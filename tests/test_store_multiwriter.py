@@ -174,16 +174,19 @@ def _dist_writer(dst: str, rank: int, world: int, port: int) -> None:
     """torch.distributed (gloo) rank: begin + write + finalize use the process group as barrier."""
     import torch.distributed as dist
 
+    from bridge.dist import TorchCoordinator
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        coord = TorchCoordinator(dist.group.WORLD)
         plan, data = make_plan_for(world)
-        tmp = begin_checkpoint(dst)
+        tmp = begin_checkpoint(dst, coordinator=coord)
         w = CheckpointWriter(tmp, plan, rank)
         for ap in plan.arrays.values():
             for box in ap.ownership.boxes_owned_by(rank):
                 w.write(ap.spec.path, box, np.array(data[ap.spec.path][box.slices]))
         w.finish()
-        assert finalize(dst, plan, rank, Manifest()) == os.path.abspath(dst)
+        assert finalize(dst, plan, rank, Manifest(), coordinator=coord) == os.path.abspath(dst)
         assert os.path.isdir(dst)          # every rank sees the committed checkpoint
     finally:
         dist.destroy_process_group()

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bridge.dist import JaxCoordinator
 from bridge.errors import BridgeError
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str, to_path
 from bridge.jaxside.optax_state import extract_adam
@@ -35,8 +36,8 @@ from bridge.layout.boxes import Box
 from bridge.location import is_remote, location
 from bridge.progress import progress
 from bridge.store import digest as store_digest
-from bridge.store.claim import claim_destination, tmp_dir_for
-from bridge.store.commit import seal_checkpoint
+from bridge.store.claim import check_destination_free, claim_destination, tmp_dir_for
+from bridge.store.commit import publish_orbax_checkpoint
 from bridge.format.manifest import (PREVIOUS_SOURCE_KEY, ArrayRecord, Manifest, SourceLayout, as_manifest,
                                     custom_metadata)
 from bridge.format.schema import MODEL, MU, NU, OPT_STATE, PARAMS, SCALAR_DTYPE, STEP
@@ -81,12 +82,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     import orbax.checkpoint as ocp
 
     d = os.fspath(directory)
-    if remote:
-        from bridge.store.remote import check_remote_free
-
-        check_remote_free(d)
-    elif os.path.lexists(d):
-        raise BridgeError(f"destination {d} exists; choose a new directory (checkpoints are never overwritten)")
+    check_destination_free(d)  # s3:// / gs:// too (bridge.store.remote.check_remote_free)
     plans = dict(plans or {})
     flat_params = leaves_by_path(params)
     mu, nu, count = extract_adam(opt_state)
@@ -139,10 +135,13 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     save_args = jax.tree_util.tree_map_with_path(
         lambda kp, x: ocp.SaveArgs(**orbax_chunk_args(to_path(kp), np.ndim(x),
                                                       None if chunk_byte_size is None else int(chunk_byte_size))), tree)
-    # One claim per save (bridge.store.claim, as every writer): process 0 claims `d`; Orbax commits
-    # (its own tmp + rename) into a sub-directory of the claim; we seal _METADATA with the store's
-    # checksum and publish it to `d` with a no-replace rename, so `d` only ever appears complete.
-    claim = _claim_on_process_0(d)
+    # One claim and one commit per save, as every writer (bridge.store): process 0 claims `d`; Orbax
+    # writes (its own tmp + rename) into a sub-directory of the claim; process 0 then commits it with
+    # the store's `publish_orbax_checkpoint` (sealed _METADATA, no-replace publish), so `d` only ever
+    # appears complete.
+    coord = JaxCoordinator(job=f"save to {d}")
+    held = []
+    coord.broadcast("the start", lambda: held.append(claim_destination(d)))  # no process writes unless claimed
     staging = os.path.join(tmp_dir_for(d), "item")
     try:
         handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
@@ -150,41 +149,13 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
         ck = ocp.Checkpointer(handler)
         ck.save(staging, args=ocp.args.PyTreeSave(tree, save_args=save_args,
                                                   custom_metadata=custom_metadata(out)))
-        if claim is not None:
-            seal_checkpoint(staging)
-            claim.publish(payload=staging)
     except BaseException:
-        if claim is not None:
+        for claim in held:
             claim.release()
         raise
-    _barrier("gtpb-save-done")
+    # every process returns once the checkpoint is published, or raises what failed
+    coord.broadcast("the commit", lambda: publish_orbax_checkpoint(held[0], staging))
     return out
-
-
-def _claim_on_process_0(d: str):
-    """Process 0 claims `d`; every process raises if that failed (no process starts writing)."""
-    claim, err = None, ""
-    if jax.process_index() == 0:
-        try:
-            claim = claim_destination(d)
-        except BridgeError as e:
-            err = str(e)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        failed = int(multihost_utils.broadcast_one_to_all(np.int32(1 if err else 0)))
-        if failed and not err:
-            err = f"process 0 could not claim the destination {d} (see its error); nothing was written"
-    if err:
-        raise BridgeError(err)
-    return claim
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
 
 
 def _to_logical(flat: dict[Path, Any], plan: Plan | None) -> dict[Path, Any]:
@@ -255,16 +226,11 @@ def _save_as_manager_step(root: str, number: int, **kwargs: Any) -> Manifest:
     """`save` into a hidden staging step of manager root `root`, then commit it as `root/<number>`."""
     from bridge.store import manager
 
+    coord = JaxCoordinator(job=f"save to {root}")
     manager.check_step_free(root, number)  # on every process, so that all refuse together
-    if jax.process_index() == 0:
-        item = manager.staging_item_dir(root, str(number))
-    else:
-        item = manager.staging_item_path(root, str(number))
-    _barrier("gtpb-save-manager-staging")
+    item = coord.broadcast("the start", lambda: manager.staging_item_dir(root, str(number)))
     out = save(item, **kwargs)
-    if jax.process_index() == 0:
-        manager.commit_step(item, number)
-    _barrier("gtpb-save-manager-done")
+    coord.broadcast("the commit", lambda: manager.commit_step(item, number))
     return out
 
 

@@ -1,6 +1,6 @@
 """Live export / reload inside torch.distributed (torch is imported here only).
 
-    from bridge.live import export_state, reload_state, LocalParam, LiveRun
+    from bridge.live import export_state, Exporter, ExportOptions, reload_state, LocalParam, LiveRun
 
 The names are resolved lazily so that `bridge.live.api` (plain dataclasses) stays cheap to import.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 _EXPORTS = {
     "export_state": "bridge.live.export", "ExportReport": "bridge.live.export",
+    "ExportOptions": "bridge.live.export", "Exporter": "bridge.live.export",
     "reload_state": "bridge.live.reload",
     "LocalParam": "bridge.live.api", "OptimFragment": "bridge.live.api", "QuantizedWeight": "bridge.live.api",
     "LiveRun": "bridge.live.api", "AdamConfig": "bridge.live.api", "ReloadResult": "bridge.live.api",

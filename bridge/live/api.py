@@ -144,9 +144,8 @@ class AdamConfig:
 class LiveRun:
     """Run-level facts shared by every `LocalParam` of one rank.
 
-    `group` is the process group spanning the layout's ranks (None = the default world group; the
-    store's commit barrier uses the world group, so pass None or the world); `rank` is this
-    process's rank in it. `step` is the number of completed optimizer steps (optax `count`).
+    `group` is the process group spanning the layout's ranks (None = the default world group; any
+    subgroup works: the export's ranks talk over it only); `rank` is this process's rank in it. `step` is the number of completed optimizer steps (optax `count`).
     `device` is informational: collectives run where the group's backend needs them (NCCL: the
     current CUDA device; gloo: CPU), tensors stay where the run keeps them.
     """

@@ -8,7 +8,6 @@ size exchange is needed. NCCL when the buffers are on a CUDA device, gloo on CPU
 
 from __future__ import annotations
 
-import json
 from typing import Any, Sequence
 
 import torch
@@ -63,47 +62,3 @@ def all_to_all_bytes(send: torch.Tensor, send_splits: Sequence[int], recv_splits
     recv, work = start_all_to_all_bytes(send, send_splits, recv_splits, group)
     work.wait()
     return recv
-
-
-def all_gather_flat(local: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """`all_gather_into_tensor` of equal-sized flat buffers: result[r*n:(r+1)*n] = rank r's buffer."""
-    world = dist.get_world_size(group)
-    out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, local.reshape(-1).contiguous(), group=group)
-    return out
-
-
-def collective_device(group: Any = None) -> torch.device:
-    """Where this group's collectives must run: the current CUDA device for NCCL, else cpu."""
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_gather_json(obj: Any, group: Any = None, device: torch.device | None = None,
-                    inline_bytes: int = 1024) -> list[Any]:
-    """Every rank's JSON-serialisable `obj`, in group-rank order.
-
-    One all-gather of fixed `inline_bytes + 8`-byte slots (length header + payload) when every
-    rank's JSON fits, else a second all-gather sized to the largest (every rank learns that from
-    the headers, so all ranks take the same path). JSON, not pickle: the payload is plan metadata
-    and must never execute code on a peer.
-    """
-    device = device or collective_device(group)
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    slot = torch.zeros(8 + inline_bytes, dtype=torch.uint8)
-    slot[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-    if len(data) <= inline_bytes and data:
-        slot[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    first = all_gather_flat(slot.to(device), group).cpu().reshape(-1, 8 + inline_bytes)
-    sizes = first[:, :8].contiguous().view(torch.int64).reshape(-1).tolist()
-    if max(sizes) <= inline_bytes:
-        rows = first[:, 8:].numpy()
-    else:
-        buf = torch.zeros(max(sizes), dtype=torch.uint8)
-        if data:
-            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        rows = all_gather_flat(buf.to(device), group).cpu().numpy().reshape(len(sizes), -1)
-    return [json.loads(rows[r, : sizes[r]].tobytes().decode()) for r in range(len(sizes))]

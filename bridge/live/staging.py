@@ -1,15 +1,18 @@
-"""Device -> host staging for writes: pinned buffers, overlapped copies, a bounded in-flight budget.
+"""Device -> host staging inside the writer: pinned buffers, overlapped copies, a bounded in-flight budget.
 
-Each write item is a contiguous tensor holding one box of one array. CPU tensors are handed to
-the writer as numpy views (no copy). CUDA tensors are copied on a side stream into pinned host
-buffers that are kept across exports, while the writer consumes the previous buffer:
-- donated (a writer whose `flush(wait=False)` commits in the background with at most d commits
-  outstanding): d + 2 buffers sharing the budget, each cut into whole inner chunks of the store
-  (`split_cells`) and handed to the writer without a copy, a flush after each, and a buffer
-  refilled only once the commit that references it has landed (and the writer saw TensorStore
-  let go of it). A buffer holds whole outer chunks only (`chunk_groups`): the store writes each
-  chunk within one transaction; a chunk larger than a buffer takes the copying path;
-- copying (any other writer): two buffers of `budget // 2`, reused as soon as `write` returns.
+`StagedWriter` wraps the store's `CheckpointWriter` (as torch DCP puts staging in its storage
+writer): the export hands it write items (contiguous tensors, each one box of one array) and it
+decides how each reaches the store. CPU tensors go to the writer as numpy views (donated: no
+copy). CUDA tensors are copied on a side stream into pinned host buffers that are kept across
+exports (`HostBuffers`), while the writer consumes the previous buffer:
+- donated (the writer commits in the background, `flush(wait=False)` with at most d =
+  `commits_in_flight` commits outstanding): d + 2 buffers sharing the budget, each cut into whole
+  inner chunks of the store (`split_cells`) and handed to the writer without a copy, a flush after
+  each, and a buffer refilled only once the commit that references it has landed (and the writer
+  saw TensorStore let go of it). A buffer holds whole outer chunks only (`chunk_groups`): the
+  store writes each chunk within one transaction; a chunk larger than a buffer takes the copying path;
+- copying (`donate=False`): two buffers of `budget // 2`, reused as soon as the writer's `write`
+  returns (it copies).
 Items larger than one buffer are split into row slabs first, so host memory for staging never
 exceeds the budget whatever the model size.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from math import prod
+from itertools import product
 from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -63,74 +67,6 @@ def split_rows(item: WriteItem, max_elems: int) -> Iterator[WriteItem]:
         for part in split_rows(sub, max_elems):
             s0 = item.box.start[0] + r
             yield WriteItem(item.name, Box((s0,) + part.box.start, (s0 + 1,) + part.box.stop), part.data.unsqueeze(0))
-
-
-def stage_and_write(items: Iterable[WriteItem], write: Callable[[str, Box, np.ndarray], None],
-                    budget_bytes: int, on_bytes: Callable[[int], None] | None = None,
-                    write_cpu: Callable[[str, Box, np.ndarray], None] | None = None,
-                    flush: Callable[[], None] | None = None, stage_cpu: bool = False,
-                    stats: dict | None = None, commits_in_flight: int = 1,
-                    drain: Callable[[], None] | None = None,
-                    cell_shape: Callable[[str], Sequence[int]] | None = None,
-                    chunks: Callable[[str, Box], Iterable[Hashable]] | None = None) -> int:
-    """Feed every item to `write(name, box, ndarray)`; returns the peak staging bytes used.
-
-    CPU items go to `write_cpu` when given: a writer that may keep referencing the numpy view
-    (no copy) because the caller keeps the items alive until the writer has finished.
-    CUDA items are copied to host buffers first. Without `flush` they go to `write`, which must
-    copy before returning (two pinned buffers of half the budget, reused at once). With `flush`
-    and `write_cpu` the staged arrays are donated too (no second copy on the host): with
-    d = `commits_in_flight`, d + 2 pinned buffers sharing the budget, `flush()` after each buffer's
-    writes, and a buffer is refilled only after the d-th flush after its own has returned. `flush`
-    must guarantee that when it returns all but the last d - 1 earlier flushes' data has been
-    committed (the store writer's `flush(wait=False)` with ``commit_depth=d``); `drain()` (default
-    `flush`) at the end must commit everything, so no staged buffer is referenced when this
-    returns. `cell_shape(name)` (the store's inner chunk of array `name`) cuts staged items into
-    inner chunks first (`split_cells`). `chunks(name, box)` (the store's outer chunks a box
-    touches) keeps each chunk's pieces in one donated buffer, hence one writer transaction
-    (`chunk_groups`); pieces of chunks larger than a buffer go through `write` (which copies)
-    with no flush between them. With `flush`, CPU items are staged as well when any item is on
-    the device, so no flush splits a chunk between them. `stage_cpu=True` sends CPU items
-    through the same buffers (tests of the staging pipeline on machines without a GPU). `stats`
-    (optional) accumulates "d2h_wait_s" (time blocked on copies) and "staged_bytes".
-    """
-    budget_bytes = max(3, int(budget_bytes))
-    items = list(items)
-    if flush is not None and write_cpu is not None and any(it.data.is_cuda for it in items):
-        stage_cpu = True
-    cpu: list[WriteItem] = []
-    dev: list[WriteItem] = []
-    for it in items:
-        (dev if it.data.is_cuda or stage_cpu else cpu).append(it)
-    for it in cpu:
-        (write_cpu or write)(it.name, it.box, to_numpy(it.data))  # to_numpy makes it contiguous
-        if on_bytes:
-            on_bytes(it.data.numel() * it.data.element_size())
-    if not dev:
-        return 0
-    if cell_shape is not None:
-        dev = [c for it in dev for c in split_cells(it, cell_shape(it.name))]
-    stats = stats if stats is not None else {}
-    if flush is not None and write_cpu is not None:
-        n = max(1, int(commits_in_flight)) + 2
-        part = budget_bytes // n
-        if chunks is None:
-            return _stage(_batches(dev, part), write_cpu, part, n, on_bytes, flush, stats, n - 2, drain)
-        fit: list[list[WriteItem]] = []
-        big: list[WriteItem] = []
-        for g in chunk_groups(dev, chunks):
-            if sum(_slot(it) for it in g) <= part:
-                fit.append(g)
-            else:
-                big.extend(g)
-        peak = 0
-        if big:  # copied by the writer, which flushes only between complete chunks
-            peak = _stage(_batches(big, budget_bytes // 2), write, budget_bytes // 2, 2, on_bytes, None, stats)
-        if fit:
-            peak = max(peak, _stage(_grouped_batches(fit, part), write_cpu, part, n, on_bytes, flush, stats,
-                                    n - 2, drain))
-        return peak
-    return _stage(_batches(dev, budget_bytes // 2), write, budget_bytes // 2, 2, on_bytes, None, stats)
 
 
 def chunk_groups(items: Sequence[WriteItem], chunks: Callable[[str, Box], Iterable[Hashable]]) -> list[list[WriteItem]]:
@@ -210,16 +146,23 @@ def _batches(items: list[WriteItem], half: int) -> list[list[WriteItem]]:
     return _grouped_batches(parts, half)
 
 
-_PINNED: list[torch.Tensor] = []  # one set, reused across exports: pinning host memory is slow
+class HostBuffers:
+    """One set of host staging buffers, reused across exports (pinning host memory is slow).
 
+    The exporter owns one; at most one set is kept, so the budget bounds pinned memory too.
+    """
 
-def _host_buffers(need: int, limit: int, count: int, use: int, pinned: bool) -> list[torch.Tensor]:
-    """`use` host buffers of at least `need` bytes (reused when the kept set fits `limit`, else `count` new)."""
-    ok = (len(_PINNED) >= use and need <= _PINNED[0].numel() <= limit and _PINNED[0].is_pinned() == pinned)
-    if not ok:
-        _PINNED.clear()  # keep at most one set: the budget bounds pinned memory too
-        _PINNED.extend(torch.empty(need, dtype=torch.uint8, pin_memory=pinned) for _ in range(max(count, use)))
-    return _PINNED[:use]
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor] = []
+
+    def get(self, need: int, limit: int, count: int, use: int, pinned: bool) -> list[torch.Tensor]:
+        """`use` host buffers of at least `need` bytes (reused when the kept set fits `limit`, else `count` new)."""
+        b = self._bufs
+        ok = len(b) >= use and need <= b[0].numel() <= limit and b[0].is_pinned() == pinned
+        if not ok:
+            b.clear()
+            b.extend(torch.empty(need, dtype=torch.uint8, pin_memory=pinned) for _ in range(max(count, use)))
+        return b[:use]
 
 
 class _Copier:
@@ -254,57 +197,175 @@ class _Copier:
             ev.synchronize()
 
 
-def _stage(batches: list[list[WriteItem]], write, part: int, nbuf: int, on_bytes, flush, stats: dict,
-           lag: int = 1, drain=None) -> int:
-    """Copy `batches` (each at most `part` bytes) through `nbuf` reused host buffers into `write`.
+@dataclass(frozen=True)
+class StagingStats:
+    """A `StagedWriter`'s counters: writer writes, staging buffer bytes used, bytes copied device ->
+    host, seconds blocked on those copies, whether staged buffers were donated to the writer."""
 
-    Without `flush`, `write` copies before returning, so a buffer is free again as soon as its
-    batch is written: batch k+1's copy overlaps batch k's writes. With `flush` (donated buffers,
-    `lag` commits left in flight), the buffer of batch k-lag is free once the flush after batch k
-    returned (its commit is done), so with lag + 2 buffers batch k+1's copy still overlaps batch
-    k's writes.
+    write_calls: int
+    peak_bytes: int
+    staged_bytes: int
+    d2h_wait_s: float
+    donated: bool
+
+
+class StagedWriter:
+    """A store writer (`CheckpointWriter`) with the staging policy inside: feed it `WriteItem`s.
+
+    `budget_bytes` bounds the host staging buffers. With `donate` (the writer commits in the
+    background with `commits_in_flight` commits outstanding) staged buffers are handed to the
+    writer without a copy and CPU items are donated as numpy views: the caller keeps every item
+    alive until `finish()` returns. Without it the writer copies everything it is given.
+    `stage_all` sends CPU items through the buffers as well, as CUDA items go on a GPU machine (tests
+    of that path without a GPU); with `donate`, CPU items are staged too whenever some item of a
+    call is on the device, so no flush splits a chunk between them. `cut_cells` cuts staged items
+    into the store's inner chunks first (`split_cells`: the writer then references them).
+
+    The writer's invariant holds: a buffer handed to it is refilled only once the commit that
+    references it landed and TensorStore let go of it (the writer's `flush` returns only then).
+    Counters for the report: `calls` (writer writes), `peak_bytes` (staging buffers used),
+    `staged_bytes` (copied device -> host), `d2h_wait_s` (blocked on those copies).
     """
-    drain = drain or flush
-    size = max(sum(_slot(p) for p in b) for b in batches)
-    size = min(part, -(-size // (1 << 20)) * (1 << 20)) if size < part else size  # round up: reuse across calls
-    cuda = any(p.data.is_cuda for b in batches for p in b)
-    bufs = _host_buffers(size, max(size, part), nbuf, min(nbuf, len(batches)), pinned=cuda)
-    n = len(bufs)
-    size = bufs[0].numel()
-    copier = _Copier(cuda)
-    pending: dict[int, object] = {}
 
-    def launch(k: int) -> None:
-        if k < len(batches):
-            pending[k] = copier.start(bufs[k % n], batches[k])
+    def __init__(self, writer, budget_bytes: int, *, commits_in_flight: int = 1, donate: bool = True,
+                 stage_all: bool = False, cut_cells: bool = True, buffers: HostBuffers | None = None,
+                 on_bytes: Callable[[int], None] | None = None) -> None:
+        self.writer = writer
+        self.budget_bytes = max(3, int(budget_bytes))
+        self.commits_in_flight = max(1, int(commits_in_flight))
+        self.donate = donate
+        self.stage_all = stage_all
+        self.cut_cells = cut_cells
+        self.buffers = buffers if buffers is not None else HostBuffers()
+        self.on_bytes = on_bytes
+        self.calls = 0
+        self.peak_bytes = 0
+        self.staged_bytes = 0
+        self.d2h_wait_s = 0.0
+        self.donated = False   # some staged buffer was donated to the writer
 
-    if flush is None:
-        launch(0)
-    else:  # donated: every buffer starts free
-        for k in range(n):
-            launch(k)
-    for k in range(len(batches)):
-        if flush is None and n > 1:
-            launch(k + 1)  # into the buffer of batch k+1-n <= k-1, already written (the writer copied it)
-        t0 = time.perf_counter()
-        copier.wait(pending.pop(k))
-        stats["d2h_wait_s"] = stats.get("d2h_wait_s", 0.0) + time.perf_counter() - t0
-        buf = bufs[k % n]
-        off = 0
-        for p in batches[k]:
-            nb = p.data.numel() * p.data.element_size()
-            arr = buf[off:off + nb].numpy().view(numpy_dtype_of_torch(p.data.dtype)).reshape(p.box.shape)
-            write(p.name, p.box, arr)
-            off += _slot(p)
-            stats["staged_bytes"] = stats.get("staged_bytes", 0) + nb
-            if on_bytes:
-                on_bytes(nb)
-        if flush is not None:
-            flush()  # batch k-lag's commit is done: its buffer may be refilled
-            if k >= lag:
-                launch(k - lag + n)
-        elif n == 1:
-            launch(k + 1)
-    if flush is not None:
-        drain()  # every batch's commit is done: the buffers are free when this returns
-    return size * n
+    # -- the writer's side ----------------------------------------------------------------------
+    def write(self, name, box: Box, array: np.ndarray) -> None:
+        """One write the writer copies (the caller may reuse `array` at once)."""
+        self.calls += 1
+        self.writer.write(name, box, array)
+
+    def _write_donated(self, name, box: Box, array: np.ndarray) -> None:
+        self.calls += 1
+        self.writer.write(name, box, array, donate=True)
+
+    def _flush(self) -> None:
+        self.writer.flush(wait=False)  # returns once all but the last d - 1 earlier flushes committed
+
+    def _drain(self) -> None:
+        self.writer.flush()  # every commit landed: no staged buffer is referenced any more
+
+    def finish(self) -> dict:
+        """Flush and publish the writer's report (see `CheckpointWriter.finish`)."""
+        return self.writer.finish()
+
+    def stats(self) -> StagingStats:
+        return StagingStats(self.calls, self.peak_bytes, self.staged_bytes, self.d2h_wait_s, self.donated)
+
+    # -- staging -------------------------------------------------------------------------------
+    def write_items(self, items: Iterable[WriteItem]) -> None:
+        """Write every item (in order; a chunk's pieces together) by the policy above."""
+        items = list(items)
+        stage_cpu = self.stage_all or (self.donate and any(it.data.is_cuda for it in items))
+        cpu: list[WriteItem] = []
+        dev: list[WriteItem] = []
+        for it in items:
+            (dev if it.data.is_cuda or stage_cpu else cpu).append(it)
+        write_cpu = self._write_donated if self.donate else self.write
+        for it in cpu:
+            write_cpu(it.name, it.box, to_numpy(it.data))  # to_numpy makes it contiguous
+            if self.on_bytes:
+                self.on_bytes(it.data.numel() * it.data.element_size())
+        if not dev:
+            return
+        plan = self.writer.plan
+        if self.cut_cells:
+            dev = [c for it in dev for c in split_cells(it, plan.lookup(it.name).inner_chunk_shape)]
+        budget = self.budget_bytes
+        if not self.donate:
+            self._peak(self._stage(_batches(dev, budget // 2), budget // 2, 2, donated=False))
+            return
+        n = self.commits_in_flight + 2
+        part = budget // n
+        fit: list[list[WriteItem]] = []
+        big: list[WriteItem] = []
+        for g in chunk_groups(dev, lambda name, box: _chunks_touching(plan, name, box)):
+            if sum(_slot(it) for it in g) <= part:
+                fit.append(g)
+            else:
+                big.extend(g)
+        if big:  # copied by the writer, which flushes only between complete chunks
+            self._peak(self._stage(_batches(big, budget // 2), budget // 2, 2, donated=False))
+        if fit:
+            self._peak(self._stage(_grouped_batches(fit, part), part, n, donated=True))
+            self.donated = True
+
+    def _peak(self, nbytes: int) -> None:
+        self.peak_bytes = max(self.peak_bytes, nbytes)
+
+    def _stage(self, batches: list[list[WriteItem]], part: int, nbuf: int, donated: bool) -> int:
+        """Copy `batches` (each at most `part` bytes) through `nbuf` reused host buffers into the writer;
+        returns the buffer bytes used.
+
+        Copying, the writer copies before `write` returns, so a buffer is free again as soon as its
+        batch is written: batch k+1's copy overlaps batch k's writes. Donated (`lag` = nbuf - 2
+        commits left in flight), the buffer of batch k-lag is free once the flush after batch k
+        returned (its commit is done), so with lag + 2 buffers batch k+1's copy still overlaps
+        batch k's writes.
+        """
+        write = self._write_donated if donated else self.write
+        lag = nbuf - 2
+        size = max(sum(_slot(p) for p in b) for b in batches)
+        size = min(part, -(-size // (1 << 20)) * (1 << 20)) if size < part else size  # round up: reuse across calls
+        cuda = any(p.data.is_cuda for b in batches for p in b)
+        bufs = self.buffers.get(size, max(size, part), nbuf, min(nbuf, len(batches)), pinned=cuda)
+        n = len(bufs)
+        size = bufs[0].numel()
+        copier = _Copier(cuda)
+        pending: dict[int, object] = {}
+
+        def launch(k: int) -> None:
+            if k < len(batches):
+                pending[k] = copier.start(bufs[k % n], batches[k])
+
+        if not donated:
+            launch(0)
+        else:  # donated: every buffer starts free
+            for k in range(n):
+                launch(k)
+        for k in range(len(batches)):
+            if not donated and n > 1:
+                launch(k + 1)  # into the buffer of batch k+1-n <= k-1, already written (the writer copied it)
+            t0 = time.perf_counter()
+            copier.wait(pending.pop(k))
+            self.d2h_wait_s += time.perf_counter() - t0
+            buf = bufs[k % n]
+            off = 0
+            for p in batches[k]:
+                nb = p.data.numel() * p.data.element_size()
+                arr = buf[off:off + nb].numpy().view(numpy_dtype_of_torch(p.data.dtype)).reshape(p.box.shape)
+                write(p.name, p.box, arr)
+                off += _slot(p)
+                self.staged_bytes += nb
+                if self.on_bytes:
+                    self.on_bytes(nb)
+            if donated:
+                self._flush()  # batch k-lag's commit is done: its buffer may be refilled
+                if k >= lag:
+                    launch(k - lag + n)
+            elif n == 1:
+                launch(k + 1)
+        if donated:
+            self._drain()  # every batch's commit is done: the buffers are free when this returns
+        return size * n
+
+
+def _chunks_touching(plan, name: str, box: Box) -> list[tuple[str, tuple[int, ...]]]:
+    """The outer chunks (array name, grid index) `box` of array `name` touches in write plan `plan`."""
+    sl = plan.lookup(name).ownership.chunks_touching(box)
+    return [(name, idx) for idx in product(*(range(s.start, s.stop) for s in sl))]

@@ -11,8 +11,9 @@ Every writer plans the same catalog and writes only the chunks it owns; one comm
 The modules and their roles: docs/ARCHITECTURE.md.
 """
 
-from bridge.store.claim import DestinationClaim, check_sources, claim_destination, tmp_dir_for
-from bridge.store.commit import begin_checkpoint, commit_checkpoint, finalize, save_checkpoint
+from bridge.store.claim import (Destination, DestinationClaim, check_destination_free, check_sources, claim_destination,
+                                tmp_dir_for)
+from bridge.store.commit import begin_checkpoint, commit_checkpoint, finalize, publish_checkpoint, save_checkpoint
 from bridge.format.manifest import ArrayRecord, Manifest, OptimizerConfig, SourceLayout
 from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan
 from bridge.store.reader import ArrayInfo, Checkpoint, open_checkpoint
@@ -21,9 +22,10 @@ from bridge.format.tree import megatron_key_to_path, name_to_path, path_to_name
 from bridge.store.writer import CheckpointWriter
 
 __all__ = [
-    "ArrayInfo", "ArrayPlan", "ArrayRecord", "ArraySpec", "Checkpoint", "CheckpointWriter", "DestinationClaim",
+    "ArrayInfo", "ArrayPlan", "ArrayRecord", "ArraySpec", "Checkpoint", "CheckpointWriter", "Destination",
+    "DestinationClaim",
     "Manifest", "OptimizerConfig", "SourceLayout", "WritePlan", "adamw_empty_paths", "begin_checkpoint",
-    "check_sources", "claim_destination", "commit_checkpoint",
-    "finalize", "make_write_plan", "megatron_key_to_path", "name_to_path", "open_checkpoint", "path_to_name",
+    "check_destination_free", "check_sources", "claim_destination", "commit_checkpoint",
+    "finalize", "publish_checkpoint", "make_write_plan", "megatron_key_to_path", "name_to_path", "open_checkpoint", "path_to_name",
     "save_checkpoint", "tmp_dir_for",
 ]

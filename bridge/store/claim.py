@@ -39,11 +39,11 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Protocol, Sequence
 
 from bridge.errors import BridgeError
 from bridge.location import is_remote
-from bridge.store.durable import fsync_path, fsync_tree
+from bridge.store.durable import fsync_path, fsync_tree, write_bytes_atomic
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 CLAIM_FILE = ".gtpb-claim.json"
@@ -252,6 +252,46 @@ def rename_noreplace(src: str, dst: str) -> None:
 
 
 # -- the claim ---------------------------------------------------------------------------------
+def check_destination_free(dst: str | os.PathLike) -> None:
+    """BridgeError when `dst` exists (checkpoints are never overwritten): the one check and wording
+    of every writer, made early (before any work) and again when the destination is claimed.
+
+    >>> check_destination_free("/")
+    Traceback (most recent call last):
+    bridge.errors.BridgeError: destination / already exists; choose a new directory or remove it
+    """
+    if is_remote(os.fspath(dst)):
+        from bridge.store.remote import check_remote_free
+
+        check_remote_free(os.fspath(dst))
+    elif os.path.lexists(dst):
+        raise BridgeError(f"destination {os.fspath(dst)} already exists; choose a new directory or remove it")
+
+
+class Destination(Protocol):
+    """Where one run writes a checkpoint and how it becomes visible: the seam of the commit.
+
+    `DestinationClaim` (a local file system: write into DST's temp directory, publish by one
+    no-replace rename) is one; a location without rename (object storage) provides another whose
+    `tmp` is DST's own prefix and whose `publish` writes `files` in order, `_METADATA` last (a
+    reader takes a prefix with `_METADATA` for committed). `bridge.store.commit.publish_checkpoint`
+    is the one commit every writer ends with; it calls `publish` and, on failure, `release`.
+    """
+
+    dst: str   # where the checkpoint appears
+    tmp: str   # where this run's writers write
+
+    def check_owned(self) -> None:
+        """BridgeError unless the destination is still this run's."""
+
+    def publish(self, payload: str | None = None, *, files: Sequence[tuple[str, bytes]] = (),
+                fsync: bool = True) -> str:
+        """Write `files` (in order) into `payload` (default `tmp`) and make it the checkpoint at `dst`."""
+
+    def release(self, reason: str = "") -> None:
+        """Remove what this run wrote (never anyone else's files)."""
+
+
 _HELD: dict[str, "DestinationClaim"] = {}   # tmp path -> claim held by this process
 _HELD_LOCK = threading.Lock()
 _PREVIOUS_HANDLERS: dict[int, object] = {}
@@ -307,14 +347,19 @@ class DestinationClaim:
             raise BridgeError(f"temporary directory {self.tmp} no longer holds this run's claim (removed or "
                               f"replaced by another process); nothing was committed, rerun")
 
-    def publish(self, payload: str | None = None, *, fsync: bool = True) -> str:
-        """Atomically rename `payload` (default: the whole temp directory) to DST, never replacing an
-        existing DST; on any failure what this run created is removed. Returns DST."""
+    def publish(self, payload: str | None = None, *, files: Sequence[tuple[str, bytes]] = (),
+                fsync: bool = True) -> str:
+        """Write `files` (name, bytes; in order) into `payload` (default: the whole temp directory),
+        fsync it and atomically rename it to DST, never replacing an existing DST; on any failure
+        what this run created is removed. Returns DST. (The finalisation step of a local
+        `Destination`; see bridge.store.commit.publish_checkpoint.)"""
         try:
             self.check_owned()
             src = self.tmp if payload is None else os.path.abspath(payload)
             if payload is not None and not _inside(os.path.realpath(src), os.path.realpath(self.tmp)):
                 raise BridgeError(f"publish: {payload} is not inside this run's temporary directory {self.tmp}")
+            for name, data in files:
+                write_bytes_atomic(os.path.join(src, name), data, fsync=False)  # fsync'd with the tree
             if fsync:
                 fsync_tree(src)
             self._drop_hold()
@@ -406,6 +451,15 @@ def held_claim(tmp_or_dst: str) -> DestinationClaim | None:
         return _HELD.get(p if p.endswith(TMP_SUFFIX) else p + TMP_SUFFIX)
 
 
+def held_destination(dst: str | os.PathLike) -> "Destination | None":
+    """The destination this process claimed at `dst` (a path or an s3:// / gs:// prefix), if any."""
+    if is_remote(os.fspath(dst)):
+        from bridge.store.remote import held_remote
+
+        return held_remote(os.fspath(dst))
+    return held_claim(os.fspath(dst))
+
+
 def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.PathLike] = ()) -> DestinationClaim:
     """Claim `dst` for this run; BridgeError (one line) when it cannot be claimed without risk.
 
@@ -423,8 +477,7 @@ def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
     _prune_finished()
     tmp = tmp_dir_for(dst)
     with _parent_lock(dst):
-        if os.path.lexists(dst):
-            raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
+        check_destination_free(dst)
         if os.path.lexists(tmp):
             _take_over_stale(dst, tmp)
         try:

@@ -1,4 +1,4 @@
-"""Commit: barrier, coverage check, OCDBT merge, Orbax metadata, fsync, atomic rename.
+"""Commit: barrier, coverage check, OCDBT merge, Orbax metadata, fsync, atomic publish.
 
 Protocol (W writers, any number of processes)::
 
@@ -9,11 +9,16 @@ Protocol (W writers, any number of processes)::
 or, in one process, `with claim_destination(dst, sources=[src]) as claim:` ... writers on
 `claim.tmp` ... `commit_checkpoint(dst, plan, manifest, claim=claim)`.
 
-`finalize(dst, plan, writer_id, manifest)` wraps the last step for every writer: with
-torch.distributed initialised it barriers, rank 0 commits and the outcome is broadcast; without
-it, writer 0 waits (file barrier with a timeout) for the other writers' reports and commits.
-A directory is only ever renamed to `dst` after every check passed, so `dst` is either a complete
-checkpoint or absent.
+`finalize(dst, plan, writer_id, manifest, coordinator=...)` wraps the last step for every writer:
+with a `bridge.dist.TorchCoordinator` the writers of its group meet, rank 0 commits and every rank
+returns dst or raises the same error naming the failing rank; with the default
+`LocalCoordinator` (writers that do not talk) writer 0 waits (file barrier with a timeout) for the
+other writers' reports and commits. The store never reads torch's global process-group state.
+
+Every writer of a logical checkpoint (this store, the JAX save through Orbax) ends with the one
+commit, `publish_checkpoint`: seal `_METADATA`, copy its checksum into `_CHECKPOINT_METADATA`, and
+let the claim (`bridge.store.claim.Destination`) make it visible, `_METADATA` last; on a local
+file system one no-replace rename, so `dst` is either a complete checkpoint or absent.
 """
 
 from __future__ import annotations
@@ -21,69 +26,52 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from typing import Mapping, Sequence
 
 import numpy as np
 
+from bridge.dist import Coordinator, LocalCoordinator
 from bridge.errors import BridgeError
 from bridge.progress import progress
 from bridge.store import digest as dg
 from bridge.store import specs
-from bridge.store.claim import ClaimInfo, DestinationClaim, claim_destination, held_claim, tmp_dir_for
-from bridge.store.durable import fsync_tree, write_json_atomic
+from bridge.store.claim import (ClaimInfo, Destination, DestinationClaim, claim_destination, held_destination,
+                                tmp_dir_for)
+from bridge.store.durable import json_bytes
 from bridge.format.manifest import ArrayRecord, Manifest, custom_metadata
 from bridge.format.seal import CHECKSUM_KEY, seal_metadata
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.format.tree import path_str, tree_metadata
 from bridge.store.writer import REPORT_DIR, CheckpointWriter, report_key, report_path
 from bridge.location import absolute, basename, is_remote
-from bridge.store.remote import held_remote
 
 ITEM_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
+COMMIT_MARKER = "commit_success.txt"
 
 
-def begin_checkpoint(dst: str, sources: Sequence[str] = ()) -> str:
+def begin_checkpoint(dst: str, sources: Sequence[str] = (), *, coordinator: Coordinator | None = None) -> str:
     """Claim `dst` for this run (`bridge.store.claim.claim_destination`) and return its temp directory.
 
     Refuses an existing `dst`, a `dst` overlapping one of `sources`, and a temp directory that is
-    not provably a stale one of ours. Under torch.distributed every rank calls it: rank 0 claims,
-    the outcome is broadcast and all ranks return the same temp path (or raise the same error).
-    Without it, call it once before starting the writer processes. The claim is released (its
-    directory removed) when `commit_checkpoint` fails, on SIGTERM/SIGINT, or at exit.
+    not provably a stale one of ours. With a `TorchCoordinator` every rank of its group calls it:
+    rank 0 claims and all ranks return the same temp path (or raise the same error). Without one,
+    call it once before starting the writer processes. The claim is released (its directory
+    removed) when `commit_checkpoint` fails, on SIGTERM/SIGINT, or at exit.
     """
-    if not dist_initialized():
-        return claim_destination(dst, sources=sources).tmp
-    import torch.distributed as dist
-
-    err = [None]
-    if dist.get_rank() == 0:
-        try:
-            claim_destination(dst, sources=sources)
-        except BridgeError as e:
-            err = [str(e)]
-    dist.broadcast_object_list(err, src=0)
-    if err[0] is not None:
-        raise BridgeError(err[0])
-    return dst.rstrip("/") if is_remote(dst) else tmp_dir_for(dst)  # object storage: writers write under dst
+    coord = coordinator or LocalCoordinator()
+    return coord.broadcast("the start", lambda: claim_destination(dst, sources=sources).tmp)
 
 
 def checkpoint_metadata_json(init_ns: int, commit_ns: int | None = None, checksum: str | None = None) -> dict:
-    """`_CHECKPOINT_METADATA` as Orbax's StandardCheckpointer writes it; its custom_metadata keeps a
-    copy of `_METADATA`'s checksum, so a removed manifest is told apart from a plain Orbax checkpoint."""
+    """`_CHECKPOINT_METADATA` as Orbax's StandardCheckpointer writes it (`publish_checkpoint` adds
+    `_METADATA`'s checksum to its custom_metadata)."""
     return {"item_handlers": ITEM_HANDLER, "metrics": {}, "performance_metrics": {},
             "init_timestamp_nsecs": init_ns, "commit_timestamp_nsecs": commit_ns,
             "custom_metadata": {CHECKSUM_KEY: checksum} if checksum else {}}
 
 
 # -- barrier -------------------------------------------------------------------------------------
-def dist_initialized() -> bool:
-    """True when torch.distributed has a process group (never imports torch: that costs seconds)."""
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
-
-
 def wait_for_reports(tmp_dir: str, plan: WritePlan, timeout: float = 600.0, poll: float = 0.05) -> list[dict]:
     """File barrier: wait until every writer published its report; BridgeError naming the missing ones."""
     if is_remote(tmp_dir):
@@ -165,31 +153,53 @@ def expected_databases(plan: WritePlan) -> list[int]:
 
 
 def metadata_json(plan: WritePlan, manifest: Manifest) -> dict:
-    """`_METADATA` in Orbax's schema, the manifest in custom_metadata, sealed with its checksum."""
+    """`_METADATA` in Orbax's schema, the manifest in custom_metadata (`publish_checkpoint` seals it)."""
     tree = tree_metadata([(ap.spec.path, ap.ownership.chunk_shape) for ap in plan.arrays.values()], plan.empty_paths)
     meta = {"tree_metadata": tree, "use_ocdbt": True, "use_zarr3": True,
             "store_array_data_equal_to_fill_value": True,
             "custom_metadata": custom_metadata(manifest)}
-    seal_metadata(meta)
     return meta
 
 
 # -- I/O -------------------------------------------------------------------------------------------
-def seal_checkpoint(directory: str) -> str:
-    """Seal a checkpoint another writer (Orbax) produced: the checksum of every `_METADATA` field
-    goes into its custom_metadata and, as a copy, into `_CHECKPOINT_METADATA`'s. Returns it."""
-    path = os.path.join(directory, "_METADATA")
-    with open(path) as f:
-        meta = json.load(f)
-    checksum = seal_metadata(meta)
-    write_json_atomic(path, meta)
-    cpath = os.path.join(directory, "_CHECKPOINT_METADATA")
-    if os.path.isfile(cpath):
-        with open(cpath) as f:
-            cmeta = json.load(f)
-        cmeta["custom_metadata"] = {**(cmeta.get("custom_metadata") or {}), CHECKSUM_KEY: checksum}
-        write_json_atomic(cpath, cmeta)
-    return checksum
+def publish_checkpoint(claim: Destination, metadata: dict, checkpoint_metadata: dict | None, *,
+                       payload: str | None = None, marker: bool = False) -> str:
+    """The one atomic commit of every writer: seal `metadata` (`_METADATA`; its checksum also goes
+    into `checkpoint_metadata`'s custom_metadata, so a removed manifest is told apart from a plain
+    Orbax checkpoint), then `claim.publish` the payload (default: the claim's temp directory) with
+    `_CHECKPOINT_METADATA`, the commit marker when asked, and `_METADATA` last. Returns DST; on any
+    failure the claim is released (nothing of this run stays)."""
+    try:
+        checksum = seal_metadata(metadata)
+        files = []
+        if checkpoint_metadata is not None:
+            checkpoint_metadata["custom_metadata"] = {**(checkpoint_metadata.get("custom_metadata") or {}),
+                                                      CHECKSUM_KEY: checksum}
+            files.append(("_CHECKPOINT_METADATA", json_bytes(checkpoint_metadata)))
+        if marker:
+            files.append((COMMIT_MARKER, f"Checkpoint commit was successful to {claim.dst}".encode()))
+        files.append(("_METADATA", json_bytes(metadata)))
+        return claim.publish(payload, files=files)
+    except BaseException:
+        claim.release()
+        raise
+
+
+def publish_orbax_checkpoint(claim: Destination, payload: str) -> str:
+    """`publish_checkpoint` for a checkpoint another writer (Orbax) produced in `payload` (inside the
+    claim's temp directory): its own `_METADATA` / `_CHECKPOINT_METADATA`, sealed."""
+    try:
+        with open(os.path.join(payload, "_METADATA")) as f:
+            meta = json.load(f)
+        cpath = os.path.join(payload, "_CHECKPOINT_METADATA")
+        cmeta = None
+        if os.path.isfile(cpath):
+            with open(cpath) as f:
+                cmeta = json.load(f)
+    except BaseException:
+        claim.release()
+        raise
+    return publish_checkpoint(claim, meta, cmeta, payload=payload)
 
 
 def check_writer_databases(tmp_dir: str, plan: WritePlan) -> list[int]:
@@ -267,7 +277,7 @@ def check_stored_chunks(tmp_dir: str, plan: WritePlan) -> None:
 def _claim_for(dst: str, claim: DestinationClaim | None) -> DestinationClaim:
     """The claim on dst: the one given, the one this process holds, or (another process of the run
     made it) the one recorded in the temp directory."""
-    claim = claim or (held_remote(dst) if is_remote(dst) else held_claim(dst))
+    claim = claim or held_destination(dst)
     if claim is not None:
         return claim
     if is_remote(dst):
@@ -312,56 +322,31 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
         claim.check_owned()  # nobody replaced the directory while we merged
         meta = metadata_json(plan, manifest)
         if is_remote(tmp):
-            return _publish_remote(claim, init_ns, meta)
-        shutil.rmtree(os.path.join(tmp, REPORT_DIR))
-        write_json_atomic(os.path.join(tmp, "_METADATA"), meta)
-        write_json_atomic(os.path.join(tmp, "_CHECKPOINT_METADATA"),
-                          checkpoint_metadata_json(init_ns, time.time_ns(), meta["custom_metadata"][CHECKSUM_KEY]))
-        with open(os.path.join(tmp, "commit_success.txt"), "w") as f:
-            f.write(f"Checkpoint commit was successful to {dst}")
-        fsync_tree(tmp)
+            from bridge.store import kvstore
+
+            kvstore.delete_prefix(tmp, REPORT_DIR + "/")
+        else:
+            shutil.rmtree(os.path.join(tmp, REPORT_DIR))
     except BaseException:
         claim.release()
         raise
-    return claim.publish(fsync=False)  # removes the claim's files itself if it fails
-
-
-def _publish_remote(claim, init_ns: int, meta: dict) -> str:
-    """Object storage: reports removed, then the metadata objects, `_METADATA` last (the claim's publish)."""
-    from bridge.store import kvstore
-
-    kvstore.delete_prefix(claim.tmp, REPORT_DIR + "/")
-    cmeta = checkpoint_metadata_json(init_ns, time.time_ns(), meta["custom_metadata"][CHECKSUM_KEY])
-    files = [("_CHECKPOINT_METADATA", json.dumps(cmeta).encode()),
-             ("commit_success.txt", f"Checkpoint commit was successful to {claim.dst}".encode()),
-             ("_METADATA", json.dumps(meta).encode())]
-    return claim.publish(files=files)
+    return publish_checkpoint(claim, meta, checkpoint_metadata_json(init_ns, time.time_ns()),
+                              marker=True)  # releases the claim itself if it fails
 
 
 def finalize(dst: str, plan: WritePlan, writer_id: int, manifest: Manifest | None = None, *,
-             timeout: float = 600.0) -> str | None:
-    """Called by every writer after `finish()`: barrier, then writer 0 commits.
+             timeout: float = 600.0, coordinator: Coordinator | None = None) -> str | None:
+    """Called by every writer after `finish()`: the writers meet, then writer 0 commits.
 
-    With torch.distributed initialised all ranks return dst or raise the same error; otherwise
-    writers other than 0 return None at once (writer 0 waits for their reports).
+    With a `TorchCoordinator` (its rank = `writer_id`) all ranks return dst or raise the same
+    error naming the failing rank; with the default `LocalCoordinator` writers other than 0
+    return None at once (writer 0 waits for their reports: the file barrier).
     """
-    if dist_initialized():
-        import torch.distributed as dist
-
-        dist.barrier()
-        err = [None]
-        if writer_id == 0:
-            try:
-                commit_checkpoint(dst, plan, manifest, timeout=timeout)
-            except BridgeError as e:
-                err = [str(e)]
-        dist.broadcast_object_list(err, src=0)
-        if err[0] is not None:
-            raise BridgeError(err[0])
-        return absolute(dst)
-    if writer_id == 0:
-        return commit_checkpoint(dst, plan, manifest, timeout=timeout)
-    return None
+    coord = coordinator or LocalCoordinator(writer_id, plan.num_writers)
+    if coord.rank != writer_id:
+        raise BridgeError(f"writer {writer_id} finalizes as rank {coord.rank} of its coordinator; they must agree")
+    coord.all_gather("writing", lambda: None)  # the one barrier: every writer's report is published
+    return coord.broadcast("the commit", lambda: commit_checkpoint(dst, plan, manifest, timeout=timeout))
 
 
 def catalog_of(arrays: Mapping[Sequence[str] | str, np.ndarray]) -> list[ArraySpec]:

@@ -8,11 +8,22 @@ import os
 
 def write_json_atomic(path: str, obj) -> None:
     """Write JSON via tmp file + fsync + rename (a reader never sees half a file)."""
+    write_bytes_atomic(path, json_bytes(obj))
+
+
+def json_bytes(obj) -> bytes:
+    """`obj` as the JSON bytes the store writes (json.dump streams through the pure-Python encoder: 3x slower)."""
+    return json.dumps(obj).encode()
+
+
+def write_bytes_atomic(path: str, data: bytes, *, fsync: bool = True) -> None:
+    """Write `data` via tmp file (+ fsync) + rename (a reader never sees half a file)."""
     tmp = path + ".part"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj))  # json.dump streams through the pure-Python encoder: 3x slower
-        f.flush()
-        os.fsync(f.fileno())
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

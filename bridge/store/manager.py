@@ -101,11 +101,6 @@ def staging_item_dir(root: str, tag: str) -> str:
     return os.path.join(staging, ITEM)
 
 
-def staging_item_path(root: str, tag: str) -> str:
-    """The path `staging_item_dir` returns, without touching the disk (for the other processes)."""
-    return os.path.join(local_path(root), STAGING_PREFIX + tag, ITEM)
-
-
 def check_step_free(root: str, step: int) -> None:
     """BridgeError when `root/<step>` exists (checkpoints are never overwritten)."""
     if int(step) < 0:
@@ -120,21 +115,26 @@ def commit_step(item_dir: str, step: int) -> str:
     Writes the step metadata Orbax's CheckpointManager reads, then renames the staging directory to
     `root/<step>` in one step (a crash leaves only the hidden staging directory).
     """
+    from bridge.store.claim import rename_noreplace
+    from bridge.store.durable import fsync_path, write_json_atomic
+
     staging = os.path.dirname(os.path.abspath(item_dir))
     root = os.path.dirname(staging)
     final = os.path.join(root, str(int(step)))
     try:
         check_step_free(root, step)
-    except BridgeError:
+        now = time.time_ns()
+        meta = {"item_handlers": {ITEM: PYTREE_HANDLER}, "metrics": {}, "performance_metrics": {},
+                "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}
+        write_json_atomic(os.path.join(staging, STEP_METADATA), meta)
+        try:
+            rename_noreplace(staging, final)  # a step another process made meanwhile is never replaced
+        except FileExistsError:
+            check_step_free(root, step)  # raises, in the one wording
+            raise
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    now = time.time_ns()
-    meta = {"item_handlers": {ITEM: PYTREE_HANDLER}, "metrics": {}, "performance_metrics": {},
-            "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}
-    from bridge.store.durable import fsync_path, write_json_atomic
-
-    write_json_atomic(os.path.join(staging, STEP_METADATA), meta)
-    os.rename(staging, final)
     fsync_path(root)
     return final
 

@@ -27,13 +27,12 @@ import numpy as np
 from bridge.cast_check import bits_equal, cast_mismatch
 from bridge.errors import BridgeError, require
 from bridge.location import absolute, basename, is_remote, location
-from bridge.store.remote import check_remote_free
 from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, grid_shape
 from bridge.format.scheduler import SchedulerRecord
 from bridge.progress import progress
-from bridge.store.claim import check_sources, claim_destination
+from bridge.store.claim import check_destination_free, check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
 from bridge.format.manifest import (MEGATRON_KEY, Manifest, MegatronParam, MegatronRecord, OptimizerConfig,
                                     SourceLayout)
@@ -619,11 +618,8 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     opts = opts or ConvertOptions()
     hints = opts.hints or Hints()
     dst = absolute(dst)
-    if is_remote(dst):
-        check_remote_free(dst)  # early, before any work (the claim checks again)
-    elif os.path.lexists(dst):
-        raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
-    else:
+    check_destination_free(dst)  # s3:// / gs:// too (bridge.store.remote.check_remote_free)
+    if not is_remote(dst):
         check_sources(dst, [src_dir])
     asked_workers = default_workers() if opts.workers is None else opts.workers
     if asked_workers < 1:

@@ -594,14 +594,15 @@ def export_megatron(dst: str, model: Any, optimizer: Any, *,
                     inflight_bytes: int | None = None, target_chunk_bytes: int = 4 << 20,
                     compression: str | None = None, timeout: float = 600.0, digest: bool = True,
                     inner_chunk_bytes: int | str | None = "auto",
-                    on_stage: Callable[[str], None] | None = None) -> "ExportReport":
+                    on_stage: Callable[[str], None] | None = None, exporter: Any = None) -> "ExportReport":
     """Write the logical checkpoint of a live Megatron run to `dst` (collective over `group`'s ranks).
 
     The arguments follow `bridge.live.export.export_state(dst, run, params, ...)`, with the live
     model and optimizer in place of `run` and `params`. The adapter's own: `metadata` (the model's
     `sharded_state_dict` metadata), `dims` (qkv head layout; default from the model's config),
     `pad_for_alignment` (default: the run's), `group` (process group; None: the world), `extra`
-    (recorded in the manifest). The others are `export_state`'s, passed through.
+    (recorded in the manifest). The others are `export_state`'s, passed through (`exporter`: a
+    `bridge.live.export.Exporter` that keeps the plan for the next export).
     """
     from bridge.live.export import export_state
 
@@ -610,7 +611,7 @@ def export_megatron(dst: str, model: Any, optimizer: Any, *,
                                pad_for_alignment=pad_for_alignment, group=group, extra=extra)
     return export_state(dst, run, params, inflight_bytes=inflight_bytes, target_chunk_bytes=target_chunk_bytes,
                         compression=compression, timeout=timeout, digest=digest, inner_chunk_bytes=inner_chunk_bytes,
-                        on_stage=on_stage)
+                        on_stage=on_stage, exporter=exporter)
 
 
 def _ensure_optimizer_state(optimizer: Any) -> None:

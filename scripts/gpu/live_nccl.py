@@ -153,6 +153,7 @@ def main(argv=None) -> int:
         print(f"FAIL spawn: {traceback.format_exc().strip().splitlines()[-1]}")
         return 1
     print(f"workers done in {time.perf_counter() - t0:.1f} s ({a.backend}, world {a.world})")
+    from bridge.live.export import phase_seconds
     from bridge.testing.scenario import check_scenario
 
     device = torch.device("cuda", 0) if a.backend == "nccl" else torch.device("cpu")
@@ -165,6 +166,7 @@ def main(argv=None) -> int:
             problems += world1_problems(held, device)
             facts = json.load(open(os.path.join(out, "facts.rank0.json")))
             ex = facts["export"]
+            ph = phase_seconds(ex["timings"])
             extra = ""
             if a.world == 4:
                 jp, where = jax_problems(dst, held, a.world)
@@ -173,8 +175,8 @@ def main(argv=None) -> int:
             line = (f"export rank0 {ex['bytes_written'] / 2**10:.1f} KiB written, sent {ex['bytes_sent']} B "
                     f"(to GTP peers {ex['sent_by_group']['gtp']} B, DP peers {ex['sent_by_group']['distopt']} B, "
                     f"others {ex['sent_by_group']['other']} B), "
-                    f"plan {ex['plan_s']:.3f}s exchange {ex['exchange_s']:.3f}s write {ex['write_s']:.3f}s "
-                    f"commit {ex['commit_s']:.3f}s; reloads: "
+                    f"plan {ph['plan']:.3f}s exchange {ph['exchange']:.3f}s write {ph['write']:.3f}s "
+                    f"commit {ph['commit']:.3f}s; reloads: "
                     + ", ".join(f"{t} read {facts[t]['bytes_read']} B" for t in sc["targets"]) + extra)
             if problems:
                 failed += 1
