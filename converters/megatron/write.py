@@ -682,7 +682,7 @@ def _param_groups(man: Manifest, step: int) -> list[dict]:
     saved = man.megatron.param_groups if man.megatron else None
     flat = [dict(g) for gs in (saved or []) for g in gs]
     if not flat:
-        o = man.optimizer.with_defaults(weight_decay=0.0)
+        o = man.optimizer.with_defaults()
         lr = o.lr if o.lr is not None else 0.0
         base = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
                 "default_config": True, "max_lr": lr, "min_lr": lr, "lr": lr, "betas": o.betas,
