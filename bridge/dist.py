@@ -124,7 +124,35 @@ class LocalCoordinator:
         yield
 
 
-class TorchCoordinator:
+class _Exchanging:
+    """`all_gather` / `broadcast` of coordinators that exchange every rank's outcome (`_exchange`)."""
+
+    rank: int
+    job: str
+    #: one process and nobody to tell: its error raises as it is, not as a CollectiveError
+    solo_error_as_is = False
+
+    def _exchange(self, stage: str, mine: dict) -> list[dict]:
+        raise NotImplementedError
+
+    def all_gather(self, stage: str, fn: Callable[[], T]) -> list[T | None]:
+        mine, err = _attempt(fn)
+        outcomes = self._exchange(stage, mine)
+        failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
+        if failures:
+            try:
+                if self.solo_error_as_is and len(outcomes) == 1:
+                    raise err
+                raise CollectiveError(stage, failures, self.job) from err
+            finally:
+                del err  # see _attempt
+        return [o["ok"] for o in outcomes]
+
+    def broadcast(self, stage: str, fn: Callable[[], T], src: int = 0) -> T | None:
+        return self.all_gather(stage, fn if self.rank == src else (lambda: None))[src]
+
+
+class TorchCoordinator(_Exchanging):
     """The ranks of torch.distributed process group `group` (required: the store never assumes the world).
 
     `job` prefixes every error line (e.g. "export to /ckpt"). Values travel as JSON, never pickle:
@@ -146,20 +174,9 @@ class TorchCoordinator:
                               "that contains it")
         self.device = device if device is not None else collective_device(group)
 
-    def all_gather(self, stage: str, fn: Callable[[], T]) -> list[T | None]:
-        mine, err = _attempt(fn)
+    def _exchange(self, stage: str, mine: dict) -> list[dict]:
         with self.guard(stage):
-            outcomes = all_gather_json(mine, self.group, self.device)
-        failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
-        if failures:
-            try:
-                raise CollectiveError(stage, failures, self.job) from err
-            finally:
-                del err  # see _attempt
-        return [o["ok"] for o in outcomes]
-
-    def broadcast(self, stage: str, fn: Callable[[], T], src: int = 0) -> T | None:
-        return self.all_gather(stage, fn if self.rank == src else (lambda: None))[src]
+            return all_gather_json(mine, self.group, self.device)
 
     @contextmanager
     def guard(self, stage: str) -> Iterator[None]:
@@ -174,7 +191,7 @@ class TorchCoordinator:
                               f"({first}); nothing was committed, rerun") from e
 
 
-class JaxCoordinator:
+class JaxCoordinator(_Exchanging):
     """The processes of a (multi-process) JAX run: `jax.process_index()` of `jax.process_count()`.
 
     Values travel as JSON through `multihost_utils.process_allgather`; with one process nothing
@@ -187,21 +204,10 @@ class JaxCoordinator:
         self.job = job
         self.rank, self.world = jax.process_index(), jax.process_count()
 
-    def all_gather(self, stage: str, fn: Callable[[], T]) -> list[T | None]:
-        mine, err = _attempt(fn)
-        outcomes = [mine] if self.world == 1 else _jax_all_gather_json(mine)
-        failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
-        if failures:
-            try:
-                if self.world == 1:
-                    raise err  # nobody else to tell: the error as it is
-                raise CollectiveError(stage, failures, self.job) from err
-            finally:
-                del err  # see _attempt
-        return [o["ok"] for o in outcomes]
+    solo_error_as_is = True
 
-    def broadcast(self, stage: str, fn: Callable[[], T], src: int = 0) -> T | None:
-        return self.all_gather(stage, fn if self.rank == src else (lambda: None))[src]
+    def _exchange(self, stage: str, mine: dict) -> list[dict]:
+        return [mine] if self.world == 1 else _jax_all_gather_json(mine)
 
     @contextmanager
     def guard(self, stage: str) -> Iterator[None]:
