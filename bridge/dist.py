@@ -22,8 +22,9 @@ jax by `JaxCoordinator` only.
 from __future__ import annotations
 
 import json
+import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Protocol, TypeVar
+from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 from bridge.errors import BridgeError
 
@@ -75,6 +76,32 @@ def _attempt(fn: Callable[[], T]) -> tuple[dict, Exception | None]:
         return {"ok": fn()}, None
     except Exception as e:  # BaseException (Ctrl-C, SIGTERM) leaves at once: no collective after it
         return {"error": error_line(e)}, e
+
+
+def wait_for_writers(missing_of: Callable[[list], list], writers: Sequence, timeout: float, what: str,
+                     first: float, longest: float) -> None:
+    """The writers' barrier without a collective: poll `missing_of(still missing)` (sleeping `first`
+    seconds, doubling up to `longest`) until nothing is missing; BridgeError naming the missing
+    `what` after `timeout` seconds.
+
+    >>> wait_for_writers(lambda left: [w for w in left if w != 0], [0, 1], 1.0, "writers", 0.001, 0.05)
+    Traceback (most recent call last):
+    ...
+    bridge.errors.BridgeError: writers [1] did not finish within 1 s (crashed or still writing); nothing was committed, rerun the save
+    >>> wait_for_writers(lambda left: [], [0, 1], 1.0, "writers", 0.001, 0.05)
+    """
+    deadline = time.monotonic() + timeout
+    missing = list(writers)
+    wait = first
+    while missing:
+        missing = missing_of(missing)
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise BridgeError(f"{what} {missing} did not finish within {timeout:.0f} s (crashed or still writing); "
+                              f"nothing was committed, rerun the save")
+        time.sleep(wait)
+        wait = min(longest, wait * 2)
 
 
 class Coordinator(Protocol):
