@@ -115,6 +115,16 @@ def test_doctests():
     assert res.attempted >= 10 and res.failed == 0, res
 
 
+def test_schedule_note_says_when_maxtexts_constant_lr_departs_from_megatrons_schedule():
+    """Worked examples in `schedule_note`'s docstring: warmup, cosine decay, and a constant run (no note)."""
+    import doctest
+
+    from bridge.jaxside.presets import maxtext_ckpt
+
+    out = doctest.testmod(maxtext_ckpt)
+    assert out.attempted >= 5 and out.failed == 0, out
+
+
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_mapping_matches_independent_index_formulas(tied, interleaved):

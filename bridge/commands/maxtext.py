@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 TO_EPILOG = """examples:
   gtp-bridge to-maxtext logical_ckpt/ maxtext_run/checkpoints          # MaxText resumes with run_name=maxtext_run
@@ -70,6 +71,8 @@ def run_to(args: argparse.Namespace) -> int:
           f"{d.layers} layers, hidden {d.hidden}, {d.heads} heads / {d.kv_heads} kv, head dim {d.head_dim}, "
           f"ffn {d.ffn}, vocab {d.vocab}{' (tied)' if d.tied else ''}; block {w.options.decoder_block}"
           f"{', scanned' if w.options.scan_layers else ', unscanned'}")
+    for note in w.notes:
+        print(f"gtp-bridge: note: {note}", file=sys.stderr)
     if args.overrides_json:
         with open(args.overrides_json, "w") as f:
             json.dump(w.overrides, f, indent=1)

@@ -55,6 +55,39 @@ class Written:
     overrides: dict
     dims: Dims
     options: Options
+    notes: tuple[str, ...] = ()
+
+
+def schedule_note(rec, count: int) -> str | None:
+    """Why MaxText's constant learning rate departs from the Megatron run's schedule after `count`, or None.
+
+    The preset continues at the recorded lr (MaxText's WSD with no warmup and no decay), which is exact
+    only where Megatron's own lr and weight decay stay constant from `count` on.
+
+    >>> from bridge.format.scheduler import SchedulerRecord
+    >>> r = SchedulerRecord(1e-3, 1e-5, 800, 8000, "cosine", num_steps=1600, increment=8, at_count=200)
+    >>> schedule_note(r, 200).startswith("the Megatron run decays its learning rate (cosine to 1e-05")
+    True
+    >>> schedule_note(r, 50).startswith("the Megatron run is still warming up")   # sample 400 of 800
+    True
+    >>> schedule_note(SchedulerRecord(1e-3, 1e-3, 0, 0, "constant", num_steps=80, increment=8, at_count=10), 10)
+    """
+    from bridge.lr_schedule import samples_at
+
+    if rec is None:
+        return None
+    samples = samples_at(rec, count)
+    if samples < float(rec.lr_warmup_steps):
+        return (f"the Megatron run is still warming up its learning rate (sample {samples} of "
+                f"{rec.lr_warmup_steps}); MaxText continues at the constant recorded lr instead")
+    if rec.lr_decay_style != "constant" and samples < float(rec.lr_decay_steps):
+        return (f"the Megatron run decays its learning rate ({rec.lr_decay_style} to {rec.min_lr} by sample "
+                f"{rec.lr_decay_steps}, now {samples}); MaxText continues at the constant recorded lr instead "
+                f"(set MaxText's lr schedule yourself to follow it)")
+    if rec.wd_incr_style not in (None, "constant") and rec.wd_incr_steps and samples < float(rec.wd_incr_steps):
+        return (f"the Megatron run changes its weight decay ({rec.wd_incr_style} to {rec.end_wd}); MaxText "
+                f"continues at the constant recorded weight decay instead")
+    return None
 
 
 # ------------------------------------------------------------------------------------ logical side
@@ -239,7 +272,11 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan
     from bridge.store.durable import write_json_atomic
 
     write_json_atomic(os.path.join(step_dir, SIDECAR), sidecar)
-    return Written(step_dir=step_dir, step=step, overrides=overrides, dims=dims, options=opts)
+    from bridge.jaxside.manifest_view import scheduler_of
+
+    note = schedule_note(scheduler_of(man), count)
+    return Written(step_dir=step_dir, step=step, overrides=overrides, dims=dims, options=opts,
+                   notes=(note,) if note else ())
 
 
 # ------------------------------------------------------------------------------------ the way back
