@@ -21,6 +21,15 @@ GTP entries) or, without one, for the parameter whose state-dict name it carries
 is keyed by the live parameter object. Checkpoint copies are never matched by tensor identity.
 A parameter without an entry, or an entry naming no parameter, is a `BridgeError` naming it.
 
+Pipeline stages (PP > 1): each stage passes its own model chunk and optimizer. Its layers are
+named locally (`decoder.layers.0...` on every stage) but its model entries carry the global layer
+offset (Megatron's `get_transformer_layer_offset`), so the stacked-axes index of every parameter
+is global and the exporter / reload need no stage arithmetic: the logical checkpoint is the same
+whatever PP (even or uneven split) wrote it. The embedding lives on the first stage, the final
+norm and an untied output layer on the last; a tied output layer on the last stage is bound to
+the embedding's key as a replica Megatron does not write (`replica_id[0] = 1`), so export leaves
+it out and reload fills it. Virtual pipeline chunks are refused.
+
 Writer election: one `LocalParam` carries both the weight (replicated across DP) and this rank's
 optimizer fragment (unique to it), so Megatron's `replica_id` cannot become one `main_replica`
 flag. Instead, for export, copies that are TP / GTP replicas (`replica_id[:2] != (0, 0)`: layer
@@ -427,8 +436,10 @@ def live_layout() -> tuple[ParallelLayout, int]:
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()
-    if pp != 1:
-        raise BridgeError(f"pipeline parallel size {pp}: the adapter handles PP=1 runs")
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() if pp > 1 else None
+    if vpp is not None and vpp > 1:
+        raise BridgeError(f"virtual pipeline size {vpp}: the adapter handles one model chunk per pipeline stage; "
+                          "export / load from a run without --num-layers-per-virtual-pipeline-stage")
     layout = ParallelLayout(tp=tp, gtp=gtp or 1, cp=cp, pp=pp, dp=world // (tp * (gtp or 1) * cp * pp),
                             ep=ps.get_expert_model_parallel_world_size(),
                             etp=ps.get_expert_tensor_parallel_world_size(), egtp=egtp or 1)
