@@ -10,7 +10,8 @@ the fragments are cut from that stage's buffer laid out alone (`bridge.layout.di
 from the masters / moments the PP1 ranks' reference dumps hold.
 
 Checked: (1) the adapter's `map_params` gives every stage's parameter its global layer index;
-(2) `export_state` over a gloo world of 2·W ranks writes, bit for bit, what `gtp-bridge convert`
+(2) `export_state` over a gloo world of 2·W ranks (the stages' optimizer settings merged by
+`pipeline_adam_config`, as `export_megatron` does) writes, bit for bit, what `gtp-bridge convert`
 makes of the same run's PP1 `dp_reshardable` save; (3) `reload_state` of that converted checkpoint
 fills every PP2 rank's weights and per-stage fragments bit-exactly with the PP1 dump's values.
 """
@@ -91,6 +92,14 @@ class Staged:
                 origin[local] = n
         return map_params(entries, params, self.layout, self.run.dims, self.run.pad, rank), origin
 
+    def main_copy(self, key: str, index: tuple[int, ...]) -> tuple[int, str]:
+        """(PP1 rank, param name) of the copy of a logical instance Megatron writes."""
+        for r in range(self.w1):
+            for m in self.run.mapping(r):
+                if (m.key, m.index) == (key, index) and m.model_parallel_main:
+                    return r, m.param
+        raise AssertionError(f"no main copy of {key}{list(index)}")
+
     def full_state(self, r: int, pp1_name: str) -> dict[str, torch.Tensor]:
         """The flat fp32 master / moments of PP1 rank r's shard of a param, joined from its DP group's dumps."""
         key = strip_wrappers(pp1_name)
@@ -122,9 +131,11 @@ class Staged:
         ranges = self.stage_fragments(rank, maps, origin)
         out, want = [], {}
         for m in maps:
-            name = origin[m.param]
-            live = ref["params"][name]["live"]
-            full = self.full_state(r, name)
+            # A TP / GTP replica Megatron does not write need not equal the main copy (module
+            # docstring of converters.megatron.live); reload fills it with the main copy's values.
+            src, name = (r, origin[m.param]) if m.model_parallel_main else self.main_copy(m.key, m.index)
+            live = self.run.refs[src]["params"][name]["live"]
+            full = self.full_state(src, name)
             f0, f1 = ranges.get(m.param, (0, 0))
             want[m.param] = (live, {k: t[f0:f1].clone() for k, t in full.items()})
             if zero:
@@ -179,7 +190,13 @@ def test_stage_params_get_global_layer_indices(name):
 def _export_worker(rank, world, name, dst):
     from bridge.live.export import export_state
 
+    from dataclasses import replace
+
+    from converters.megatron.live import pipeline_adam_config
+
     params, lrun, _ = Staged(name).local_params(rank)
+    # As export_megatron at PP > 1: each stage's optimizer knows only its own no-decay keys.
+    lrun = replace(lrun, optimizer=pipeline_adam_config(lrun.optimizer))
     rep = export_state(dst, lrun, params)
     return {"bytes_written": rep.bytes_written}
 

@@ -65,6 +65,8 @@ __all__ = [
     "map_params",
     "adam_config_from_groups",
     "common_step",
+    "merge_adam_configs",
+    "pipeline_adam_config",
     "entries_from_description",
     "local_params",
     "export_megatron",
@@ -379,6 +381,56 @@ def adam_config_from_groups(groups: Sequence[Mapping[str, Any]], keys: Sequence[
                       no_decay=tuple(sorted(no_decay)), lr_mult=lr_mult, extra=dict(extra or {}))
 
 
+def merge_adam_configs(configs: Sequence["AdamConfig"]) -> "AdamConfig":
+    """One `AdamConfig` for the whole run from each pipeline stage's (each stage's optimizer sees
+    only its own parameters): no-decay keys and lr multipliers are united, the rest must agree.
+    A stage holding only no-decay parameters reports weight decay 0; it does not count.
+
+    >>> from bridge.live.api import AdamConfig
+    >>> c = merge_adam_configs([AdamConfig(0.01, weight_decay=0.1, no_decay=("a",)),
+    ...                         AdamConfig(0.01, weight_decay=0.0, no_decay=("b",), lr_mult={"c": 2.0})])
+    >>> c.weight_decay, c.no_decay, dict(c.lr_mult)
+    (0.1, ('a', 'b'), {'c': 2.0})
+    """
+    if not configs:
+        raise BridgeError("no optimizer configuration to merge")
+    first = configs[0]
+    for c in configs[1:]:
+        for f in ("lr", "betas", "eps", "clip_grad"):
+            if getattr(c, f) != getattr(first, f):
+                raise BridgeError(f"pipeline stages disagree on the optimizer's {f} ({getattr(first, f)} vs "
+                                  f"{getattr(c, f)}); the logical checkpoint records one Adam configuration")
+    wds = sorted({float(c.weight_decay) for c in configs if c.weight_decay})
+    if len(wds) > 1:
+        raise BridgeError(f"pipeline stages disagree on the weight decay {wds}; the logical checkpoint records one")
+    lr_mult: dict[str, float] = {}
+    for c in configs:
+        for k, v in c.lr_mult.items():
+            if lr_mult.setdefault(k, float(v)) != float(v):
+                raise BridgeError(f"{k}: pipeline stages give lr multipliers {lr_mult[k]} and {v}")
+    return replace(first, weight_decay=wds[0] if wds else 0.0, lr_mult=lr_mult,
+                   no_decay=tuple(sorted({k for c in configs for k in c.no_decay})))
+
+
+def pipeline_adam_config(adam: "AdamConfig", group: Any = None) -> "AdamConfig":
+    """`merge_adam_configs` over every rank of `group` (collective; None: the world): at PP > 1
+    each rank's optimizer knows only its stage's no-decay keys and lr multipliers."""
+    import json
+
+    import torch.distributed as dist
+
+    mine = json.dumps({"lr": adam.lr, "betas": list(adam.betas), "eps": adam.eps, "weight_decay": adam.weight_decay,
+                       "no_decay": list(adam.no_decay), "lr_mult": dict(adam.lr_mult), "clip_grad": adam.clip_grad})
+    got: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, mine, group=group)
+    configs = []
+    for g in got:
+        d = json.loads(g)
+        configs.append(replace(adam, lr=d["lr"], betas=tuple(d["betas"]), eps=d["eps"], weight_decay=d["weight_decay"],
+                               no_decay=tuple(d["no_decay"]), lr_mult=d["lr_mult"], clip_grad=d["clip_grad"]))
+    return merge_adam_configs(configs)
+
+
 def common_step(steps: Iterable[int | float], where: str = "optimizer") -> int:
     """The one completed-step count all optimizer groups / states agree on.
 
@@ -618,6 +670,8 @@ def export_megatron(dst: str, model: Any, optimizer: Any, options: "ExportOption
     _check_order("export_megatron", dst, model, optimizer)
     params, run = local_params(model, optimizer, for_export=True, metadata=metadata, dims=dims,
                                pad_for_alignment=pad_for_alignment, group=group, extra=extra)
+    if run.layout.pp > 1:
+        run = replace(run, optimizer=pipeline_adam_config(run.optimizer, group))
     return export_state(dst, run, params, options, exporter=exporter, on_stage=on_stage)
 
 
