@@ -663,7 +663,8 @@ def export_megatron(dst: str, model: Any, optimizer: Any, options: "ExportOption
     write, `exporter` (`Exporter`) keeps the plan for the next export. The adapter's own keywords:
     `metadata` (the model's `sharded_state_dict` metadata), `dims` (qkv head layout; default from the
     model's config), `pad_for_alignment` (default: the run's), `group` (process group; None: the
-    world), `extra` (recorded in the manifest).
+    world), `extra` (recorded in the manifest). At PP > 1 every stage calls it with its own model
+    chunk and optimizer; the stages' optimizer settings are merged (`pipeline_adam_config`).
     """
     from bridge.live.export import export_state
 
