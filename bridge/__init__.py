@@ -41,6 +41,8 @@ _LAZY = {
     "export_megatron": ("converters.megatron.live", "export_megatron"),
     "load_megatron": ("converters.megatron.live", "load_megatron"),
     "export_state": ("bridge.live.export", "export_state"),
+    "ExportOptions": ("bridge.live.export", "ExportOptions"),
+    "Exporter": ("bridge.live.export", "Exporter"),
     "reload_state": ("bridge.live.reload", "reload_state"),
     "LiveRun": ("bridge.live.api", "LiveRun"),
     "LocalParam": ("bridge.live.api", "LocalParam"),

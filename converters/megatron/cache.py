@@ -365,7 +365,7 @@ def check_records(parts: Sequence[dict[RecordLayout, list[Span]]], window: int =
 # A block is filled from up to four records at once (model, params, mu, nu: the optimizer's three
 # come from three bucket records): a record is read whole only when that many fit the cache
 # together, else the blocks taking turns evict each other's records and every block re-reads them
-# whole (2.6x the state read on the GPU host with 160 MB buckets and a 128 MiB cache).
+# whole (several times the state read with bucket-sized records; README, tuning constants).
 WHOLE_RECORDS = 16
 
 

@@ -329,8 +329,8 @@ def split_share(share: int) -> ShareSplit:
     encoded shards (~3x batch + block); a block is assembled next to its master check's cast
     (~1.4x); whole-chunk reads decode next to the raw record (~1.6x). With these fractions the sum
     stays near half the share, the rest covers allocator slack and the per-process state that
-    grows with the share (on the GPU host, 8 workers at 2 GiB each peaked at 2.73 GiB with twelfths
-    and a sixteenth: 0.23 GiB over the 0.5 GiB + share bound).
+    grows with the share (larger fractions overshot the 0.5 GiB + share bound on the GPU host;
+    README, tuning constants).
 
     The batch floor: every transaction adds OCDBT B-tree nodes that later commits rewrite, and
     below about 1 MiB of data per commit they outgrow the data on disk.

@@ -46,7 +46,7 @@ from converters.megatron.naming import is_routed_expert, logical_key, module_of
 
 if TYPE_CHECKING:
     from bridge.live.api import AdamConfig, LiveRun, LocalParam, ReloadResult
-    from bridge.live.export import ExportReport
+    from bridge.live.export import Exporter, ExportOptions, ExportReport
 
 __all__ = [
     "EntryRecord",
@@ -588,30 +588,26 @@ def _check_order(fn: str, dst: Any, model: Any, optimizer: Any) -> None:
                           f"{fn}(path, model, optimizer){old}")
 
 
-def export_megatron(dst: str, model: Any, optimizer: Any, *,
+def export_megatron(dst: str, model: Any, optimizer: Any, options: "ExportOptions | None" = None, *,
+                    exporter: "Exporter | None" = None, on_stage: Callable[[str], None] | None = None,
                     metadata: Mapping[str, Any] | None = None, dims: ModelDims | None = None,
-                    pad_for_alignment: int | None = None, group: Any = None, extra: Mapping[str, Any] | None = None,
-                    inflight_bytes: int | None = None, target_chunk_bytes: int = 4 << 20,
-                    compression: str | None = None, timeout: float = 600.0, digest: bool = True,
-                    inner_chunk_bytes: int | str | None = "auto",
-                    on_stage: Callable[[str], None] | None = None, exporter: Any = None) -> "ExportReport":
+                    pad_for_alignment: int | None = None, group: Any = None,
+                    extra: Mapping[str, Any] | None = None) -> "ExportReport":
     """Write the logical checkpoint of a live Megatron run to `dst` (collective over `group`'s ranks).
 
-    The arguments follow `bridge.live.export.export_state(dst, run, params, ...)`, with the live
-    model and optimizer in place of `run` and `params`. The adapter's own: `metadata` (the model's
-    `sharded_state_dict` metadata), `dims` (qkv head layout; default from the model's config),
-    `pad_for_alignment` (default: the run's), `group` (process group; None: the world), `extra`
-    (recorded in the manifest). The others are `export_state`'s, passed through (`exporter`: a
-    `bridge.live.export.Exporter` that keeps the plan for the next export).
+    As `bridge.live.export.export_state(dst, run, params, options, *, exporter, on_stage)`, with the
+    live model and optimizer in place of `run` and `params`: `options` (`ExportOptions`) say how to
+    write, `exporter` (`Exporter`) keeps the plan for the next export. The adapter's own keywords:
+    `metadata` (the model's `sharded_state_dict` metadata), `dims` (qkv head layout; default from the
+    model's config), `pad_for_alignment` (default: the run's), `group` (process group; None: the
+    world), `extra` (recorded in the manifest).
     """
     from bridge.live.export import export_state
 
     _check_order("export_megatron", dst, model, optimizer)
     params, run = local_params(model, optimizer, for_export=True, metadata=metadata, dims=dims,
                                pad_for_alignment=pad_for_alignment, group=group, extra=extra)
-    return export_state(dst, run, params, inflight_bytes=inflight_bytes, target_chunk_bytes=target_chunk_bytes,
-                        compression=compression, timeout=timeout, digest=digest, inner_chunk_bytes=inner_chunk_bytes,
-                        on_stage=on_stage, exporter=exporter)
+    return export_state(dst, run, params, options, exporter=exporter, on_stage=on_stage)
 
 
 def _ensure_optimizer_state(optimizer: Any) -> None:
