@@ -147,23 +147,22 @@ TIMELINE_METHODS = ("write", "_store", "_issue", "flush", "_await_commits", "_dr
 _TIMELINE: dict[str, float] = {}
 
 
-def _trace_writer_methods() -> None:
-    import functools
-
+def timed_writer_class() -> type:
+    """A `CheckpointWriter` subclass adding the seconds spent in each TIMELINE_METHODS to _TIMELINE;
+    handed to the export as `ExportOptions(writer_class=...)` and used by the store variant."""
     from bridge.store.writer import CheckpointWriter
 
-    def wrap(name, fn):
-        @functools.wraps(fn)
-        def timed(*a, **k):
+    def timed(name):
+        def method(self, *a, **k):
             t0 = time.perf_counter()
             try:
-                return fn(*a, **k)
+                return getattr(super(cls, self), name)(*a, **k)
             finally:
                 _TIMELINE[name] = _TIMELINE.get(name, 0.0) + time.perf_counter() - t0
-        return timed
+        return method
 
-    for name in TIMELINE_METHODS:
-        setattr(CheckpointWriter, name, wrap(name, getattr(CheckpointWriter, name)))
+    cls = type("TimedCheckpointWriter", (CheckpointWriter,), {name: timed(name) for name in TIMELINE_METHODS})
+    return cls
 
 
 def _timed(fn, device):
@@ -287,7 +286,7 @@ def _verify(path: str, run, params) -> tuple[list[str], int]:
     return bad[:5], n
 
 
-def _store_only(run, params, args: dict, rank: int):
+def _store_only(run, params, args: dict, rank: int, writer_class: type):
     """The store alone on the same boxes: this rank's export write plan and owned boxes, data from host memory.
 
     Returns a function that writes them with `CheckpointWriter` (donated, digests on, same chunking and
@@ -300,7 +299,6 @@ def _store_only(run, params, args: dict, rank: int):
     from bridge.store.commit import begin_checkpoint, finalize
     from bridge.format.manifest import Manifest
     from bridge.dtypes import numpy_dtype
-    from bridge.store.writer import CheckpointWriter
     from bridge.layout.boxes import Box
 
     world = dist.get_world_size()
@@ -320,8 +318,8 @@ def _store_only(run, params, args: dict, rank: int):
         coord = TorchCoordinator(dist.group.WORLD)
         tmp = begin_checkpoint(path, coordinator=coord)
         batch = writer_batch_bytes(args["inflight"]) if args["inflight"] else None  # None: the export's default
-        w = CheckpointWriter(tmp, planned.wplan, rank, inflight_bytes=batch,
-                             compute_digest=args["digest"], staging=not args.get("writer_nostage"))
+        w = writer_class(tmp, planned.wplan, rank, inflight_bytes=batch, compute_digest=args["digest"],
+                         staging=not args.get("writer_nostage"), target_data_file_size=args.get("target_file"))
         for name, box, arr in data:
             w.write(name, box, arr, donate=True)
         if rank == 0:
@@ -346,17 +344,17 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     from bridge.live.export import Exporter, ExportOptions
 
     torch.set_num_threads(1)
-    if args.get("writer_timeline"):
-        _trace_writer_methods()
+    from bridge.store.writer import CheckpointWriter
+
+    writer_class = timed_writer_class() if args.get("writer_timeline") else CheckpointWriter
     timeline: dict[str, list] = {"export": [], "store": []}
-    if args.get("target_file"):  # diagnostic: OCDBT data file size (how many files a commit writes at once)
-        from bridge.store import specs
-        specs.TARGET_DATA_FILE_SIZE = args["target_file"]
     # diagnostics: TensorStore copies inner chunks itself (export and store alone); writer commits in
     # flight while device data is staged
     opts = ExportOptions(inflight_bytes=args["inflight"], target_chunk_bytes=args["chunk"],
                          inner_chunk_bytes=args["inner"], digest=args["digest"],
-                         writer_staging=not args.get("writer_nostage"),
+                         writer_staging=not args.get("writer_nostage"), writer_class=writer_class,
+                         # diagnostic: OCDBT data file size (how many files a commit writes at once)
+                         target_data_file_size=args.get("target_file"),
                          **({"device_commits": args["device_commits"]} if args.get("device_commits") else {}))
     exporter = Exporter()
     device = torch.device("cpu")
@@ -370,7 +368,7 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     run = LiveRun(layout, rank, 10, AdamConfig(lr=1e-4))
     state_bytes = sum(p.weight.numel() * 2 + (3 * 4 * p.optim.numel if p.optim else 0) for p in params)
     dcp_sd = dcp_state_dict(params, layout, rank)
-    store_write = _store_only(run, params, args, rank)
+    store_write = _store_only(run, params, args, rank, writer_class)
     root = args["dir"]
     res: dict[str, list] = {k: [] for k in VARIANTS}
     mem: dict[str, list] = {k: [] for k in VARIANTS}

@@ -124,8 +124,7 @@ def store_worker(rank, world, shapes, out_dir, barrier, q, extra):
     opts = {k: v for k, v in extra.items() if k not in ("donate", "diag", "settle", "warm_bytes")}
     opts.update(diag.get("writer", {}))
     if "target_file" in diag:  # OCDBT data file size: how many files a commit writes in parallel
-        from bridge.store import specs
-        specs.TARGET_DATA_FILE_SIZE = diag["target_file"]
+        opts["target_data_file_size"] = diag["target_file"]
     w = CheckpointWriter(tmp_dir_for(out_dir), plan, rank, **opts)
     for i, s in enumerate(shapes):
         r0 = rank * (s[0] // 2)

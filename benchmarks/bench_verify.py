@@ -1,6 +1,7 @@
 """`verify` vs a raw TensorStore read of the same arrays and a raw read of the files, and the bytes each reads.
 
     python benchmarks/bench_verify.py [--mib 256] [--layers 16] [--threads N] [--reps 3] [--dir /tmp/x] [--cold]
+                                      [--baseline OLD_VERIFY_PY]
 
 Writes a synthetic checkpoint of `--mib` MiB of float32 stacked-layer arrays (shape
 (layers, rows, cols)) in two chunk layouts, half the bytes each: inner chunks spanning every layer
@@ -9,7 +10,9 @@ live export writes, (1, 512, 512)). Then, interleaved over `--reps`:
 - **verify**: `bridge.store.verify.verify_checkpoint` (every byte read, digested, compared);
 - **raw**: plain TensorStore opens of the same arrays and one whole-array `read()` each, all
   issued at once (no digest): the anchor;
-- **files**: every file of the checkpoint read with 8 threads, 16 MiB at a time (the disk's rate).
+- **files**: every file of the checkpoint read with 8 threads, 16 MiB at a time (the disk's rate);
+- **baseline** (with `--baseline FILE`, e.g. `git show <commit>:bridge/store/verify.py > old.py`):
+  that file's `verify_checkpoint`, interleaved with this tree's (an A/B of two versions in one process).
 Reported: median wall times, their ratios, CPU seconds (user + system, all threads) and bytes read
 by the process (/proc/self/io rchar) over the arrays' bytes. CPU seconds show the per-byte overhead
 that limits a machine with many cores. Page cache state is the same for all: warm (the checkpoint
@@ -114,6 +117,17 @@ def files_read(dst: str, threads: int = 8) -> int:
         return sum(ex.map(one, sorted(names, key=os.path.getsize, reverse=True)))
 
 
+def load_module(path: str, name: str):
+    """A module from a file (an older verify.py, for an A/B in one process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256)
@@ -122,6 +136,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--cold", action="store_true", help="drop the page cache before each run (root only)")
+    ap.add_argument("--baseline", default=None, help="an older verify.py to time against this tree's")
     args = ap.parse_args()
     if args.cold and os.geteuid() != 0:
         ap.error("--cold needs root (it writes /proc/sys/vm/drop_caches)")
@@ -129,7 +144,8 @@ def main() -> None:
     try:
         dst, nbytes = build(root, args.mib, args.layers)
         raw_read(dst)  # warm the page cache equally for both
-        modes = ("verify", "raw", "files")
+        modes = ("verify", "raw", "files") + (("baseline",) if args.baseline else ())
+        base = load_module(args.baseline, "baseline_verify") if args.baseline else None
         times: dict = {m: [] for m in modes}
         cpus: dict = {m: [] for m in modes}
         reads: dict = {m: [] for m in modes}
@@ -138,8 +154,9 @@ def main() -> None:
                 if args.cold:
                     drop_caches()
                 r0, c0, t0 = rchar(), cpu_seconds(), time.perf_counter()
-                if mode == "verify":
-                    res = verify_checkpoint(dst, threads=args.threads, show_progress=False)
+                if mode in ("verify", "baseline"):
+                    fn = verify_checkpoint if mode == "verify" else base.verify_checkpoint
+                    res = fn(dst, threads=args.threads, show_progress=False)
                     assert res.ok, res
                 elif mode == "raw":
                     raw_read(dst)
@@ -156,6 +173,8 @@ def main() -> None:
             print(f"{m:7s} {t[m]:7.3f} s  {nbytes / t[m] / 2**30:6.2f} GiB/s  CPU {statistics.median(cpus[m]):6.2f} s  "
                   f"bytes read {statistics.median(reads[m]) / nbytes:.3f}x")
         print(f"verify / raw time: {t['verify'] / t['raw']:.2f}x; verify / files time: {t['verify'] / t['files']:.2f}x")
+        if base is not None:
+            print(f"verify / baseline time: {t['verify'] / t['baseline']:.2f}x")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

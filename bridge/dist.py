@@ -22,8 +22,9 @@ jax by `JaxCoordinator` only.
 from __future__ import annotations
 
 import json
+import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Protocol, TypeVar
+from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 from bridge.errors import BridgeError
 
@@ -77,6 +78,32 @@ def _attempt(fn: Callable[[], T]) -> tuple[dict, Exception | None]:
         return {"error": error_line(e)}, e
 
 
+def wait_for_writers(missing_of: Callable[[list], list], writers: Sequence, timeout: float, what: str,
+                     first: float, longest: float) -> None:
+    """The writers' barrier without a collective: poll `missing_of(still missing)` (sleeping `first`
+    seconds, doubling up to `longest`) until nothing is missing; BridgeError naming the missing
+    `what` after `timeout` seconds.
+
+    >>> wait_for_writers(lambda left: [w for w in left if w != 0], [0, 1], 1.0, "writers", 0.001, 0.05)
+    Traceback (most recent call last):
+    ...
+    bridge.errors.BridgeError: writers [1] did not finish within 1 s (crashed or still writing); nothing was committed, rerun the save
+    >>> wait_for_writers(lambda left: [], [0, 1], 1.0, "writers", 0.001, 0.05)
+    """
+    deadline = time.monotonic() + timeout
+    missing = list(writers)
+    wait = first
+    while missing:
+        missing = missing_of(missing)
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise BridgeError(f"{what} {missing} did not finish within {timeout:.0f} s (crashed or still writing); "
+                              f"nothing was committed, rerun the save")
+        time.sleep(wait)
+        wait = min(longest, wait * 2)
+
+
 class Coordinator(Protocol):
     """The processes of one save: this one is `rank` of `world`."""
 
@@ -124,7 +151,35 @@ class LocalCoordinator:
         yield
 
 
-class TorchCoordinator:
+class _Exchanging:
+    """`all_gather` / `broadcast` of coordinators that exchange every rank's outcome (`_exchange`)."""
+
+    rank: int
+    job: str
+    #: one process and nobody to tell: its error raises as it is, not as a CollectiveError
+    solo_error_as_is = False
+
+    def _exchange(self, stage: str, mine: dict) -> list[dict]:
+        raise NotImplementedError
+
+    def all_gather(self, stage: str, fn: Callable[[], T]) -> list[T | None]:
+        mine, err = _attempt(fn)
+        outcomes = self._exchange(stage, mine)
+        failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
+        if failures:
+            try:
+                if self.solo_error_as_is and len(outcomes) == 1:
+                    raise err
+                raise CollectiveError(stage, failures, self.job) from err
+            finally:
+                del err  # see _attempt
+        return [o["ok"] for o in outcomes]
+
+    def broadcast(self, stage: str, fn: Callable[[], T], src: int = 0) -> T | None:
+        return self.all_gather(stage, fn if self.rank == src else (lambda: None))[src]
+
+
+class TorchCoordinator(_Exchanging):
     """The ranks of torch.distributed process group `group` (required: the store never assumes the world).
 
     `job` prefixes every error line (e.g. "export to /ckpt"). Values travel as JSON, never pickle:
@@ -146,20 +201,9 @@ class TorchCoordinator:
                               "that contains it")
         self.device = device if device is not None else collective_device(group)
 
-    def all_gather(self, stage: str, fn: Callable[[], T]) -> list[T | None]:
-        mine, err = _attempt(fn)
+    def _exchange(self, stage: str, mine: dict) -> list[dict]:
         with self.guard(stage):
-            outcomes = all_gather_json(mine, self.group, self.device)
-        failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
-        if failures:
-            try:
-                raise CollectiveError(stage, failures, self.job) from err
-            finally:
-                del err  # see _attempt
-        return [o["ok"] for o in outcomes]
-
-    def broadcast(self, stage: str, fn: Callable[[], T], src: int = 0) -> T | None:
-        return self.all_gather(stage, fn if self.rank == src else (lambda: None))[src]
+            return all_gather_json(mine, self.group, self.device)
 
     @contextmanager
     def guard(self, stage: str) -> Iterator[None]:
@@ -174,7 +218,7 @@ class TorchCoordinator:
                               f"({first}); nothing was committed, rerun") from e
 
 
-class JaxCoordinator:
+class JaxCoordinator(_Exchanging):
     """The processes of a (multi-process) JAX run: `jax.process_index()` of `jax.process_count()`.
 
     Values travel as JSON through `multihost_utils.process_allgather`; with one process nothing
@@ -187,21 +231,10 @@ class JaxCoordinator:
         self.job = job
         self.rank, self.world = jax.process_index(), jax.process_count()
 
-    def all_gather(self, stage: str, fn: Callable[[], T]) -> list[T | None]:
-        mine, err = _attempt(fn)
-        outcomes = [mine] if self.world == 1 else _jax_all_gather_json(mine)
-        failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
-        if failures:
-            try:
-                if self.world == 1:
-                    raise err  # nobody else to tell: the error as it is
-                raise CollectiveError(stage, failures, self.job) from err
-            finally:
-                del err  # see _attempt
-        return [o["ok"] for o in outcomes]
+    solo_error_as_is = True
 
-    def broadcast(self, stage: str, fn: Callable[[], T], src: int = 0) -> T | None:
-        return self.all_gather(stage, fn if self.rank == src else (lambda: None))[src]
+    def _exchange(self, stage: str, mine: dict) -> list[dict]:
+        return [mine] if self.world == 1 else _jax_all_gather_json(mine)
 
     @contextmanager
     def guard(self, stage: str) -> Iterator[None]:

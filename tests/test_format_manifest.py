@@ -46,9 +46,9 @@ def test_malformed_parameter_record_is_one_line_integrity_error():
 
 
 def test_optimizer_defaults_fill_only_what_is_missing():
-    o = OptimizerConfig(lr=0.1, betas=None, eps=None, weight_decay=None).with_defaults(weight_decay=0.01)
+    o = OptimizerConfig(lr=0.1, betas=None, eps=None, weight_decay=None).with_defaults()
     assert (o.betas, o.eps, o.weight_decay) == ((0.9, 0.999), 1e-8, 0.01)
-    o = OptimizerConfig(betas=[0.8, 0.9], eps=1e-6, weight_decay=0.0).with_defaults(weight_decay=0.01)
+    o = OptimizerConfig(betas=[0.8, 0.9], eps=1e-6, weight_decay=0.0).with_defaults()
     assert (o.betas, o.eps, o.weight_decay) == ((0.8, 0.9), 1e-6, 0.0)   # a recorded 0.0 stays 0.0
 
 

@@ -225,49 +225,59 @@ def test_resolve_megatron_dir(tmp_path):
         resolve_megatron_dir(str(run))
 
 
-def test_failure_midway_leaves_the_run_dir_as_it_was(logical, tmp_path, monkeypatch):
+def test_failure_midway_leaves_the_run_dir_as_it_was(logical, tmp_path):
     """An error after part of the files are written: no iteration dir, no temp dir, tracker unchanged."""
     from bridge.errors import BridgeError
-    from converters.megatron import write as megatron_write
-    from converters.megatron.write import MegatronTarget, to_megatron
+    from converters.megatron.write import DcpFile, MegatronTarget, to_megatron
 
     run = tmp_path / "run"
     (run / "iter_0000001").mkdir(parents=True)
     (run / TRACKER).write_text("1")
 
-    def boom(*a, **k):
-        raise BridgeError("disk full (simulated after the tensors were written)")
+    class FullDisk(DcpFile):
+        """Objects (extra_state, common_state) go after every tensor: fail there."""
 
-    monkeypatch.setattr(megatron_write, "_objects", boom)
-    with pytest.raises(BridgeError):
-        to_megatron(logical, str(run), MegatronTarget(tp=1))
+        def obj(self, fqn, value):
+            raise BridgeError("disk full (simulated after the tensors were written)")
+
+    with pytest.raises(BridgeError, match="disk full"):
+        to_megatron(logical, str(run), MegatronTarget(tp=1), open_file=FullDisk)
     assert sorted(os.listdir(run)) == ["iter_0000001", TRACKER] and (run / TRACKER).read_text() == "1"
     fresh = tmp_path / "fresh"
-    with pytest.raises(BridgeError):
-        to_megatron(logical, str(fresh), MegatronTarget(tp=1))
+    with pytest.raises(BridgeError, match="disk full"):
+        to_megatron(logical, str(fresh), MegatronTarget(tp=1), open_file=FullDisk)
     assert not fresh.exists() and not _leftovers(tmp_path)
+
+
+def _cli_to_megatron(logical: str, run, tensor_hook: str) -> str:
+    """A program that runs to-megatron through the command line's error handling (`bridge.cli.run`,
+    exit 130 on Ctrl-C; SIGTERM exits 143) with `tensor_hook` run in each `.distcp` tensor write,
+    passed through `to_megatron(open_file=...)`."""
+    return (
+        "import argparse, os, signal, sys\n"
+        "from bridge.cli import run\n"
+        "from converters.megatron.write import DcpFile, MegatronTarget, to_megatron\n"
+        "class Hooked(DcpFile):\n"
+        "    def tensor(self, *a, **k):\n"
+        + "".join(f"        {line}\n" for line in tensor_hook.splitlines()) +
+        "def parser():\n"
+        "    p = argparse.ArgumentParser()\n"
+        f"    p.set_defaults(command='to-megatron', func=lambda args: to_megatron({logical!r}, {str(run)!r}, "
+        "MegatronTarget(tp=1), open_file=Hooked) and 0)\n"
+        "    return p\n"
+        "sys.exit(run(parser, []))\n"
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_midway_leaves_no_temp_dir(logical, tmp_path, sig):
     """SIGTERM / SIGINT while the .distcp files are being written: the CLI exits, nothing is left behind."""
     run = tmp_path / "run"
-    code = (
-        "import os, signal, sys, torch.distributed.checkpoint\n"
-        "import converters.megatron.write as mw\n"
-        "from bridge.cli import main\n"
-        # the class / method that writes a tensor blob (DcpWriter.tensor_chunk before the threaded writer)
-        "cls, meth = (mw.DcpFile, 'tensor') if hasattr(mw, 'DcpFile') else (mw.DcpWriter, 'tensor_chunk')\n"
-        "orig = getattr(cls, meth)\n"
-        "sent = []\n"
-        "def chunk(self, *a, **k):\n"
-        "    if not sent:  # one signal, as from one Ctrl-C / one kill\n"
-        "        sent.append(1)\n"
-        f"        os.kill(os.getpid(), {int(sig)})\n"
-        "    return orig(self, *a, **k)\n"
-        "setattr(cls, meth, chunk)\n"
-        f"sys.exit(main(['to-megatron', {logical!r}, {str(run)!r}, '--tp', '1']))\n"
-    )
+    code = _cli_to_megatron(logical, run, (
+        "if not getattr(Hooked, 'sent', False):  # one signal, as from one Ctrl-C / one kill\n"
+        "    Hooked.sent = True\n"
+        f"    os.kill(os.getpid(), {int(sig)})\n"
+        "return super().tensor(*a, **k)"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode in (130, 143, -int(sig)) and proc.returncode != 0, proc.stderr[-2000:]
@@ -278,18 +288,9 @@ def test_signal_midway_leaves_no_temp_dir(logical, tmp_path, sig):
 def test_a_killed_runs_temp_dir_is_removed_by_the_next_run(logical, tmp_path):
     """SIGKILL cannot be caught: the next run to the same DST recognises the dead run's temp and removes it."""
     run = tmp_path / "run"
-    code = (
-        "import os, signal, sys\n"
-        "import converters.megatron.write as mw\n"
-        "from bridge.cli import main\n"
-        "cls, meth = (mw.DcpFile, 'tensor') if hasattr(mw, 'DcpFile') else (mw.DcpWriter, 'tensor_chunk')\n"
-        "orig = getattr(cls, meth)\n"
-        "def chunk(self, *a, **k):\n"
-        "    r = orig(self, *a, **k)\n"
-        "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "setattr(cls, meth, chunk)\n"
-        f"sys.exit(main(['to-megatron', {logical!r}, {str(run)!r}, '--tp', '1']))\n"
-    )
+    code = _cli_to_megatron(logical, run, (
+        "super().tensor(*a, **k)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL

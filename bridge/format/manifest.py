@@ -27,8 +27,9 @@ OPTIMIZER_EXTRA_KEY = "optimizer_extra"   # live export: LiveRun.optimizer.extra
 PADS_KEY = "pad_for_alignment_values"     # live export: every pad_for_alignment when params differ
 MAXTEXT_KEY = "maxtext"                   # the maxtext preset: the options it wrote a MaxText checkpoint with
 
-DEFAULT_BETAS = (0.9, 0.999)              # Megatron's --adam-beta1/2 and --adam-eps defaults
-DEFAULT_EPS = 1e-8
+DEFAULT_BETAS = (0.9, 0.999)              # Megatron's --adam-beta1/2, --adam-eps and --weight-decay defaults
+DEFAULT_EPS = 1e-8                        # (megatron-core OptimizerConfig: adam_beta1/2, adam_eps, weight_decay)
+DEFAULT_WEIGHT_DECAY = 0.01
 
 
 @dataclass
@@ -70,17 +71,18 @@ class OptimizerConfig:
     no_decay: list[str] = field(default_factory=list)    # param paths ("/"-joined) without weight decay
     clip_grad: float | None = None                       # global-norm gradient clipping (Megatron clip_grad; 0/None = off)
 
-    def with_defaults(self, weight_decay: float) -> "OptimizerConfig":
-        """A copy with Megatron's defaults where the record has none (betas (0.9, 0.999), eps 1e-8)
-        and `weight_decay` where it records none: what every reader resumes with.
+    def with_defaults(self) -> "OptimizerConfig":
+        """A copy with Megatron's defaults where the record has none (betas (0.9, 0.999), eps 1e-8,
+        weight decay 0.01): what every reader (JAX restore, reload, to-megatron) resumes with. One
+        rule for all, so a checkpoint resumes with the same hyper-parameters whichever side reads it.
 
-        >>> o = OptimizerConfig(betas=[0.9, 0.95]).with_defaults(weight_decay=0.0)
+        >>> o = OptimizerConfig(betas=[0.9, 0.95]).with_defaults()
         >>> o.betas, o.eps, o.weight_decay
-        ((0.9, 0.95), 1e-08, 0.0)
+        ((0.9, 0.95), 1e-08, 0.01)
         """
         return replace(self, betas=tuple(self.betas) if self.betas is not None else DEFAULT_BETAS,
                        eps=self.eps if self.eps is not None else DEFAULT_EPS,
-                       weight_decay=self.weight_decay if self.weight_decay is not None else weight_decay)
+                       weight_decay=self.weight_decay if self.weight_decay is not None else DEFAULT_WEIGHT_DECAY)
 
 
 @dataclass

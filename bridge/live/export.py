@@ -76,6 +76,10 @@ class ExportOptions:
     stage_all: bool = False
     # Diagnostics: False lets TensorStore copy inner chunks itself (`CheckpointWriter(staging=False)`).
     writer_staging: bool = True
+    # Diagnostics: OCDBT data file size (None: the store's default, `specs.TARGET_DATA_FILE_SIZE`), and
+    # the writer class (a `CheckpointWriter` subclass, e.g. one timing its methods: bench_live_export).
+    target_data_file_size: int | None = None
+    writer_class: type[CheckpointWriter] = CheckpointWriter
 
 
 @dataclass(frozen=True)
@@ -468,8 +472,9 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
         # CPU items (views of the holdings and of `recv`) stay alive until the writer has finished, so
         # it references them instead of copying (donate); so does every staged buffer.
         writer = attempt(lambda: StagedWriter(
-            CheckpointWriter(tmp, wplan, rank, inflight_bytes=batch, compute_digest=opts.digest,
-                             commit_depth=depth, staging=opts.writer_staging),
+            opts.writer_class(tmp, wplan, rank, inflight_bytes=batch, compute_digest=opts.digest,
+                              commit_depth=depth, staging=opts.writer_staging,
+                              target_data_file_size=opts.target_data_file_size),
             (depth + 2) * batch, commits_in_flight=depth, stage_all=opts.stage_all, buffers=buffers,
             on_bytes=bar.update))
 

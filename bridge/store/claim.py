@@ -39,7 +39,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator, Protocol, Sequence
+from typing import Iterable, Iterator, Protocol, Self, Sequence
 
 from bridge.errors import BridgeError
 from bridge.location import is_remote
@@ -292,6 +292,28 @@ class Destination(Protocol):
         """Remove what this run wrote (never anyone else's files)."""
 
 
+class HeldDestination:
+    """What every `Destination` shares: the run id, and a `with` block that releases the destination
+    unless it was published (on an error, SIGINT or SIGTERM: `Terminated`)."""
+
+    info: ClaimInfo
+    published: bool
+
+    @property
+    def run_id(self) -> str:
+        return self.info.run_id
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.published:
+            self.release(reason=_reason(exc))
+
+    def release(self, reason: str = "") -> None:
+        raise NotImplementedError
+
+
 _HELD: dict[str, "DestinationClaim"] = {}   # tmp path -> claim held by this process
 _HELD_LOCK = threading.Lock()
 _PREVIOUS_HANDLERS: dict[int, object] = {}
@@ -314,7 +336,7 @@ def _parent_lock(dst: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-class DestinationClaim:
+class DestinationClaim(HeldDestination):
     """This run's exclusive hold on `dst`: write into `.tmp`, then `publish()`; `release()` undoes."""
 
     def __init__(self, dst: str, info: ClaimInfo) -> None:
@@ -325,17 +347,6 @@ class DestinationClaim:
         self.released = False
         self._hold: ClaimHold | None = None
         self.thread = threading.get_ident()
-
-    @property
-    def run_id(self) -> str:
-        return self.info.run_id
-
-    def __enter__(self) -> "DestinationClaim":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if not self.published:
-            self.release(reason=_reason(exc))
 
     def owned(self) -> bool:
         """True while `tmp` still holds this run's claim."""

@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from bridge.dist import Coordinator, LocalCoordinator
+from bridge.dist import Coordinator, LocalCoordinator, wait_for_writers
 from bridge.errors import BridgeError
 from bridge.progress import progress
 from bridge.store import digest as dg
@@ -76,18 +76,9 @@ def wait_for_reports(tmp_dir: str, plan: WritePlan, timeout: float = 600.0, poll
     """File barrier: wait until every writer published its report; BridgeError naming the missing ones."""
     if is_remote(tmp_dir):
         return _remote_reports(tmp_dir, plan, timeout)
-    deadline = time.monotonic() + timeout
-    missing = list(range(plan.num_writers))
-    wait = 0.001
-    while True:
-        missing = [w for w in missing if not os.path.exists(report_path(tmp_dir, w))]
-        if not missing:
-            break
-        if time.monotonic() > deadline:
-            raise BridgeError(f"writers {missing} did not finish within {timeout:.0f} s (crashed or still writing); "
-                              f"nothing was committed, rerun the save")
-        time.sleep(wait)
-        wait = min(poll, wait * 2)  # start at 1 ms: writers usually finish together, so most waits are short
+    # start at 1 ms: writers usually finish together, so most waits are short
+    wait_for_writers(lambda left: [w for w in left if not os.path.exists(report_path(tmp_dir, w))],
+                     range(plan.num_writers), timeout, "writers", 0.001, poll)
     reports = []
     for w in range(plan.num_writers):
         with open(report_path(tmp_dir, w)) as f:

@@ -264,15 +264,18 @@ class ObjectPath(str):
         return self.is_file() or self.is_dir()
 
     def is_dir(self) -> bool:
+        return bool(self._below()[1])
+
+    def _below(self) -> tuple[str, list[bytes]]:
+        """(this path as a key prefix, ending in "/"; the keys of every object below it)."""
         store, key = _object(self)
         import tensorstore as ts
 
         prefix = key.rstrip("/") + "/"
         try:
-            keys = store.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
+            return prefix, store.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
         except ValueError as e:
             _raise(e, str(self), "list")
-        return bool(keys)
 
     def read_bytes(self) -> bytes:
         data = self._read()
@@ -303,13 +306,6 @@ class ObjectPath(str):
         """Direct children (objects or prefixes) whose name matches `pattern` (fnmatch)."""
         import fnmatch
 
-        store, key = _object(self)
-        import tensorstore as ts
-
-        prefix = key.rstrip("/") + "/"
-        try:
-            keys = store.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
-        except ValueError as e:
-            _raise(e, str(self), "list")
+        prefix, keys = self._below()
         names = sorted({k.decode()[len(prefix):].split("/", 1)[0] for k in keys})
         return [self / n for n in names if fnmatch.fnmatch(n, pattern)]

@@ -24,10 +24,10 @@ import json
 import os
 import socket
 import sys
-import time
 from dataclasses import asdict
 from typing import Iterable, Sequence
 
+from bridge.dist import wait_for_writers
 from bridge.errors import BridgeError, IntegrityError
 from bridge.location import is_remote, parse_url
 from bridge.store import kvstore as kv
@@ -73,7 +73,7 @@ def check_remote_sources(dst: str, sources: Iterable[str]) -> None:
             raise BridgeError(f"destination {dst} overlaps the source {s}; choose a destination outside it")
 
 
-class RemoteDestination:
+class RemoteDestination(local_claim.HeldDestination):
     """This run's hold on an object-storage prefix: writers write under `tmp` (= `dst`), `publish()`
     writes the metadata files, `_METADATA` last; `release()` removes what this run wrote.
 
@@ -86,17 +86,6 @@ class RemoteDestination:
         self.info = info
         self.published = False
         self.released = False
-
-    @property
-    def run_id(self) -> str:
-        return self.info.run_id
-
-    def __enter__(self) -> "RemoteDestination":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if not self.published:
-            self.release(reason=local_claim._reason(exc))
 
     def owned(self) -> bool:
         other = _load_claim(self.dst)
@@ -255,19 +244,11 @@ def committed_root(root: str) -> str:
 def wait_for_objects(root: str, keys: Sequence[str], timeout: float, what: str) -> None:
     """Poll until every object in `keys` exists under `root` (the writers' barrier without a shared
     file system); BridgeError naming the missing ones after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    missing = list(keys)
-    wait = 0.01
-    while missing:
-        have = set(kv.list_keys(root, _common_prefix(missing)))
-        missing = [k for k in missing if k not in have]
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            raise BridgeError(f"{what} {missing} did not finish within {timeout:.0f} s (crashed or still writing); "
-                              f"nothing was committed, rerun the save")
-        time.sleep(wait)
-        wait = min(0.5, wait * 2)
+    def missing_of(left: list) -> list:
+        have = set(kv.list_keys(root, _common_prefix(left)))
+        return [k for k in left if k not in have]
+
+    wait_for_writers(missing_of, keys, timeout, what, 0.01, 0.5)
 
 
 def _common_prefix(keys: Sequence[str]) -> str:

@@ -57,7 +57,8 @@ def file_kvstore(path: str) -> dict:
     return base_kvstore(path)
 
 
-def ocdbt_kvstore(db_dir: str, key_prefix: str | None = None, *, write: bool = False) -> dict:
+def ocdbt_kvstore(db_dir: str, key_prefix: str | None = None, *, write: bool = False,
+                  target_data_file_size: int | None = None) -> dict:
     """OCDBT kvstore over the database in `db_dir`; `key_prefix` = array name (adds a trailing '/').
 
     >>> ocdbt_kvstore("/c/ocdbt.process_1", "params.w")["path"]
@@ -73,7 +74,7 @@ def ocdbt_kvstore(db_dir: str, key_prefix: str | None = None, *, write: bool = F
         if kv["base"]["driver"] == "file":
             kv["base"]["file_io_locking"] = {"mode": "non_atomic"}
         kv["manifest"] = file_kvstore(db_dir)
-        kv.update({"config": dict(OCDBT_CONFIG), "assume_config": True, "target_data_file_size": TARGET_DATA_FILE_SIZE})
+        kv.update({"config": dict(OCDBT_CONFIG), "assume_config": True, "target_data_file_size": int(target_data_file_size or TARGET_DATA_FILE_SIZE)})
     return kv
 
 
@@ -204,11 +205,14 @@ def zarr3_metadata(shape: Sequence[int], dtype: str, chunk_shape: Sequence[int],
 
 def array_write_spec(root: str, writer: int, name: str, shape: Sequence[int], dtype: str,
                      chunk_shape: Sequence[int], inner_chunk_shape: Sequence[int],
-                     compression: str | None = None, checksum: bool = True) -> dict:
-    """Spec for writer `writer` to write array `name` into its own OCDBT database under `root`."""
+                     compression: str | None = None, checksum: bool = True,
+                     target_data_file_size: int | None = None) -> dict:
+    """Spec for writer `writer` to write array `name` into its own OCDBT database under `root`
+    (`target_data_file_size`: None for `TARGET_DATA_FILE_SIZE`)."""
     return {
         "driver": "zarr3",
-        "kvstore": ocdbt_kvstore(writer_db_dir(root, writer), name, write=True),
+        "kvstore": ocdbt_kvstore(writer_db_dir(root, writer), name, write=True,
+                                 target_data_file_size=target_data_file_size),
         "metadata": zarr3_metadata(shape, dtype, chunk_shape, inner_chunk_shape, compression, checksum),
         # Orbax declares store_array_data_equal_to_fill_value: all-zero chunks must still be stored.
         "store_data_equal_to_fill_value": True,

@@ -3,8 +3,10 @@
 Each stored byte is read once: an array is read in blocks aligned to its stored chunks (whole
 inner chunks, never a block that cuts one). TensorStore reads blocks of all arrays in parallel into
 a fixed set of reused buffers (bounded memory; a fresh array per block would be page-faulted in and
-unmapped again every time), and a thread pool digests each block as its read completes (TensorStore
-and the digest release the GIL). A damaged array is reported by name and never hides the others.
+unmapped again every time), and a thread pool digests each block as its read completes. The GIL is
+the shared resource to spare: TensorStore's workers never need it (see `_Block`), and the digest
+takes it a few dozen times per block (`DIGEST_STEP`) on at most one thread per core. A damaged array
+is reported by name and never hides the others.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from bridge.dtypes import numpy_dtype
 from bridge.format.tree import path_str
 
 READ_BLOCK_BYTES = 16 << 20
+# Elements per digest step (see digest.digest_box): 4 MiB of float32, so a 16 MiB block takes a
+# few dozen numpy calls, not hundreds, each a GIL round trip among all the digesting threads.
+DIGEST_STEP = 1 << 20
 
 
 @dataclass
@@ -109,10 +114,16 @@ def default_threads() -> int:
     return max(4, min(32, 2 * (os.cpu_count() or 2)))
 
 
+def digest_threads(reads: int) -> int:
+    """Threads that digest blocks: one per core at most (more only queue for the GIL), <= reads."""
+    return max(1, min(reads, os.cpu_count() or 1))
+
+
 def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int = READ_BLOCK_BYTES,
                       show_progress: bool | None = None) -> VerifyResult:
     """Re-read every array once, in parallel; compare with the manifest (shape, dtype, digest).
 
+    `threads`: blocks read at once (default `default_threads()`); as many reused buffers.
     Never raises for damage: problems are in the result (`damaged` by array, `metadata_problems`).
     Raises BridgeError only when `path` is not a checkpoint directory at all.
     """
@@ -127,6 +138,10 @@ def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int
         for name in sorted(set(records) - stored):
             res.damaged[path_str(name.split("."))] = "listed in the manifest but missing from the tree"
     expect = ck.manifest is not None
+    try:
+        ck.open_many(ck.paths())  # all opens at once; an array that fails is named by _check_info below
+    except IntegrityError:
+        pass
     infos: dict = {}
     for p in ck.paths():
         res.checked += 1
@@ -147,11 +162,26 @@ def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int
     return res
 
 
+@dataclass
+class _Block:
+    """One block in flight: the TensorStore read into `data` (a view of `buf`) and the TensorStore
+    array wrapping `data`, kept referenced here until the read is done and digested: were the read the
+    last holder of that wrapper, a TensorStore worker would take the GIL to release the numpy array
+    and stall behind the digesting threads."""
+
+    path: tuple
+    box: Box
+    buf: np.ndarray
+    data: np.ndarray
+    target: object = None
+    read: object = None
+
+
 def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
               show_progress: bool | None) -> tuple[dict, dict, int]:
-    """Read and digest every array's blocks, `threads` blocks in flight, each read by TensorStore
-    into one of `threads` reused buffers of block_bytes (memory stays ~threads x block_bytes and no
-    block is allocated and page-faulted anew); `threads` workers digest blocks as their reads land.
+    """Read and digest every array's blocks: `threads` blocks read at once by TensorStore into reused
+    buffers of block_bytes (memory ~threads x block_bytes, no block allocated and page-faulted anew);
+    `digest_threads` workers digest blocks as their reads land, in large steps (few GIL round trips).
     Returns (path -> partial digests, path -> first failure, bytes read)."""
     import tensorstore as ts
 
@@ -160,23 +190,24 @@ def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
     partial: dict = {p: [] for p in infos}
     failed: dict = {}
     free: queue.SimpleQueue = queue.SimpleQueue()
-    for _ in range(threads):
-        free.put(np.empty(block_bytes, np.uint8))
+    made = 0  # buffers allocated so far (on demand, at most `threads`)
 
-    def digest_one(p, box, pending_write, buf, data):
+    def digest_one(blk: _Block) -> int:
         try:
-            pending_write.result()
+            blk.read.result()
         except BaseException:
             # TensorStore may still hold this buffer after a failed read: it is never handed out again
-            if buf.nbytes == block_bytes:
+            blk.target = None
+            if blk.buf.nbytes == block_bytes:
                 free.put(np.empty(block_bytes, np.uint8))
             raise
         try:
-            partial[p].append(dg.digest_box(infos[p].shape, box, data))
-            return data.nbytes
+            partial[blk.path].append(dg.digest_box(infos[blk.path].shape, blk.box, blk.data, step=DIGEST_STEP))
+            return blk.data.nbytes
         finally:
-            if buf.nbytes == block_bytes:
-                free.put(buf)
+            blk.target = None
+            if blk.buf.nbytes == block_bytes:
+                free.put(blk.buf)
 
     nread = 0
     pending: dict = {}
@@ -195,7 +226,7 @@ def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
             bar.update(n)
 
     with progress(sum(i.nbytes for i in infos.values()), "verify", enabled=show_progress) as bar, \
-            ThreadPoolExecutor(threads, thread_name_prefix="verify") as pool:
+            ThreadPoolExecutor(digest_threads(threads), thread_name_prefix="verify") as pool:
         for p, box in jobs:
             if pending:
                 collect(block=False)
@@ -207,12 +238,15 @@ def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
                 while pending:
                     collect(block=True)
                 buf = np.empty(nb, np.uint8)
+            elif made < threads and free.empty():
+                buf, made = np.empty(block_bytes, np.uint8), made + 1
             else:
                 buf = free.get()
             data = buf[:nb].view(numpy_dtype(info.dtype)).reshape(box.shape)
+            blk = _Block(p, box, buf, data, ts.array(data, copy=False, write=True))
             t = ck.open(p)
-            write = ts.array(data, copy=False, write=True).write(t[box.slices] if box.ndim else t)
-            pending[pool.submit(digest_one, p, box, write, buf, data)] = (p, box)
+            blk.read = blk.target.write(t[box.slices] if box.ndim else t)
+            pending[pool.submit(digest_one, blk)] = (p, box)
         while pending:
             collect(block=True)
     return partial, failed, nread

@@ -217,12 +217,14 @@ class CheckpointWriter:
     `commit_depth` = commits in flight while the next batch is staged. With 2, OCDBT sometimes
     writes a transaction's data twice (an unreferenced copy left on disk for chunks written in
     pieces, tests/test_store_writer_scale.py), so 1 is the default; 2 only where whole chunks are
-    donated in one write each (the live export's GPU path).
+    donated in one write each (the live export's GPU path). `target_data_file_size`: OCDBT data file
+    size (None: `specs.TARGET_DATA_FILE_SIZE`; benchmarks vary it).
     """
 
     def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int | None = None,
                  compute_digest: bool = True, threads: int | None = None, staging: bool = True,
-                 drop_behind: bool = True, commit_depth: int = 1, btree_cache_bytes: int | None = None) -> None:
+                 drop_behind: bool = True, commit_depth: int = 1, btree_cache_bytes: int | None = None,
+                 target_data_file_size: int | None = None) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
         self.remote = is_remote(tmp_dir)
@@ -238,6 +240,7 @@ class CheckpointWriter:
         self.writer_id = writer_id
         self.inflight_bytes = max(1, int(inflight_bytes or default_batch_bytes(self.remote)))
         self.compute_digest = compute_digest
+        self.target_data_file_size = target_data_file_size
         ctx = specs.context_spec()
         if btree_cache_bytes is not None:  # a bounded-memory caller (convert) caps the OCDBT B-tree node cache
             ctx["cache_pool#ocdbt"] = {"total_bytes_limit": int(btree_cache_bytes)}
@@ -595,4 +598,5 @@ class CheckpointWriter:
     def _spec(self, ap: ArrayPlan) -> dict:
         return specs.array_write_spec(self.tmp_dir, self.writer_id, ap.spec.name, ap.spec.shape, ap.spec.dtype,
                                       ap.ownership.chunk_shape, ap.inner_chunk_shape, self.plan.compression,
-                                      checksum=self.plan.checksum)
+                                      checksum=self.plan.checksum,
+                                      target_data_file_size=self.target_data_file_size)

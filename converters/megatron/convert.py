@@ -30,6 +30,7 @@ from bridge.location import absolute, basename, is_remote, location
 from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, grid_shape
+from bridge.layout.parallel import ParallelLayout
 from bridge.format.scheduler import SchedulerRecord
 from bridge.progress import progress
 from bridge.store.claim import check_destination_free, check_sources, claim_destination
@@ -154,6 +155,19 @@ def _per_bucket(obj: Any, gbuf: int, dtype_key: str, what: str) -> list[int] | N
     raise BridgeError(f"{what}: no bucket numels for dtype {dtype_key}; unknown format")
 
 
+def _buffer_params(src: SourceCheckpoint, geoms_all: Sequence, lay: ParallelLayout, expert: bool, split_expert: bool,
+                   pdt: str, e: int, stage: int) -> tuple[list, dict, dict, dict]:
+    """One DistOpt buffer's parameters (param dtype `pdt`; only the expert or only the dense ones when
+    `split_expert`) at EP rank `e` of PP stage `stage`: (instances in buffer order, geometry by name,
+    (tp, gtp) by name, physical numel by instance)."""
+    geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
+             and np_dtype_name(src.models[g_.name].dtype) == pdt]
+    insts = local_instances(geoms, lay, e, stage)
+    gmap = {g_.name: g_ for g_ in geoms}
+    sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
+    return insts, gmap, sizes, {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
+
+
 def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -> None:
     """Rebuild every dp_reshardable buffer and add the copies of its buckets to the units."""
     lay = src.layout
@@ -180,12 +194,7 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
                               f"pass --tp/--gtp/--ep matching the run")
         t, g, e, stage = ck_coords
         pdt, _gdt = parse_dtype_key(dtype_key)
-        geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
-                 and np_dtype_name(src.models[g_.name].dtype) == pdt]
-        insts = local_instances(geoms, lay, e, stage)
-        gmap = {g_.name: g_ for g_ in geoms}
-        sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
-        numels = {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
+        insts, gmap, sizes, numels = _buffer_params(src, geoms_all, lay, expert, split_expert, pdt, e, stage)
         obj_pre = f"{prefix}optimizer.distributed.dp_group_idx_{k}."
         unp = _per_bucket(_maybe_object(ck, obj_pre + "per_bucket_numel_unpadded"), j, dtype_key, where)
         pad = _per_bucket(_maybe_object(ck, obj_pre + "per_bucket_numel"), j, dtype_key, where)
@@ -247,12 +256,7 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
                     else str(dtype_obj)
                 where = f"{z.key} buffer {j} {dtype_key}"
                 pdt, _gdt = parse_dtype_key(dtype_key)
-                geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
-                         and np_dtype_name(src.models[g_.name].dtype) == pdt]
-                insts = local_instances(geoms, lay, e, stage)
-                gmap = {g_.name: g_ for g_ in geoms}
-                sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
-                numels = {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
+                insts, gmap, sizes, numels = _buffer_params(src, geoms_all, lay, expert, split_expert, pdt, e, stage)
                 dp_size = lay.edp if expert else lay.distopt_size
                 blay = rebuild_bucket_layout(insts, numels, dp_size, None, None, hints.bucket_size, where)
                 total = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None

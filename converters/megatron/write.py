@@ -28,7 +28,7 @@ import threading
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -186,14 +186,15 @@ class Written:
 
 
 class DcpFile:
-    """One `.distcp` file of independent `torch.save` blobs; used by one thread at a time."""
+    """`.distcp` file number `index` (`__<index>_0.distcp`) in directory `root`: independent
+    `torch.save` blobs; used by one thread at a time."""
 
-    def __init__(self, root: str, rel: str) -> None:
+    def __init__(self, root: str, index: int) -> None:
         import torch
 
         self.torch = torch
-        self.rel = rel
-        self.f = open(os.path.join(root, rel), "wb")
+        self.rel = f"__{index}_0.distcp"
+        self.f = open(os.path.join(root, self.rel), "wb")
         self.bytes = 0
 
     def tensor(self, fqn: str, offsets: Sequence[int], tensor: Any) -> Written:
@@ -269,6 +270,19 @@ class RemoteDcpFile:
         if self.f is not None:
             self._put()
             self.f = None
+
+
+#: Opens file `index` of the output in the temporary directory (or object prefix) `root`; the
+#: writer's one seam, as torch DCP takes a StorageWriter: `to_megatron(open_file=...)`.
+OpenFile = Callable[[str, int], "DcpFile | RemoteDcpFile"]
+
+
+def default_open_file(remote: bool, limit: int) -> OpenFile:
+    """`DcpFile`, or for s3:// / gs:// a `RemoteDcpFile` putting objects of about `limit` (1..256 MiB)."""
+    if remote:
+        part = max(1 << 20, min(limit, 256 << 20))
+        return lambda root, index: RemoteDcpFile(root, index, part)
+    return DcpFile
 
 
 class DcpIndex:
@@ -354,7 +368,8 @@ class Stats:
 
 
 def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | None = None, workers: int | None = None,
-                weights_from_masters: bool = False, show_progress: bool | None = None) -> dict:
+                weights_from_masters: bool = False, show_progress: bool | None = None,
+                open_file: OpenFile | None = None) -> dict:
     """Write step N of logical checkpoint `src` for `target` as Megatron-LM's run directory layout.
 
     DST is the run directory or its `iter_<step, 7 digits>` (see `megatron_rundir.plan_run_dir`); the
@@ -362,6 +377,8 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
     is `latest_checkpointed_iteration.txt` set to N (atomically), so `--load RUN` finds it.
     Without `model` arrays (or with `weights_from_masters`) the weights are bf16(fp32 masters),
     rounded to nearest even as Megatron's optimizer does; otherwise each weight is checked to be that.
+    `open_file` opens each worker's `.distcp` file (default `default_open_file`): a caller may pass
+    its own, e.g. one whose writes fail midway.
     """
     src, dst = location(src, "source"), location(dst, "destination")
     require("to-megatron", "torch")
@@ -424,8 +441,8 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
         claim = (claim_remote(where.iter_dir, sources=[src], marker=".metadata") if remote
                  else claim_destination(where.iter_dir, sources=[src]))
         with claim:
-            files = [RemoteDcpFile(claim.tmp, i, max(1 << 20, min(limit, 256 << 20))) if remote
-                     else DcpFile(claim.tmp, f"__{i}_0.distcp") for i in range(workers)]
+            opener = open_file or default_open_file(remote, limit)
+            files = [opener(claim.tmp, i) for i in range(workers)]
             try:
                 index = DcpIndex()
                 for g in groups:
@@ -682,7 +699,7 @@ def _param_groups(man: Manifest, step: int) -> list[dict]:
     saved = man.megatron.param_groups if man.megatron else None
     flat = [dict(g) for gs in (saved or []) for g in gs]
     if not flat:
-        o = man.optimizer.with_defaults(weight_decay=0.0)
+        o = man.optimizer.with_defaults()
         lr = o.lr if o.lr is not None else 0.0
         base = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
                 "default_config": True, "max_lr": lr, "min_lr": lr, "lr": lr, "betas": o.betas,

@@ -1,7 +1,8 @@
 # Sourced by run.sh and run_real.sh (repository root on the device machine).
 # Sets up the environment, the deadline and `step NAME MAX NEED CMD...`: runs CMD (output to
 # $logs/NAME.log) under min(MAX, time left - 5) seconds, or skips it, saying so, when less than
-# NEED seconds are left before the deadline (SP_DEADLINE seconds from the start, default 560).
+# NEED seconds are left before the deadline (SP_DEADLINE seconds from the start, default 560) or
+# when NAME is in SP_SKIP (space-separated step names).
 set -u
 T0=$(date +%s)
 DEADLINE=$(( T0 + ${SP_DEADLINE:-560} ))
@@ -19,6 +20,9 @@ left() { echo $(( DEADLINE - $(date +%s) )); }
 step() {
   local name=$1 max=$2 need=$3; shift 3
   local l; l=$(left)
+  if [[ " ${SP_SKIP:-} " == *" $name "* ]]; then
+    echo "=== $name SKIPPED (SP_SKIP)" | tee -a "$out/steps.txt"; return 99
+  fi
   if [ "$l" -lt "$need" ]; then
     echo "=== $name SKIPPED (only ${l}s left before the deadline, needs ${need}s)" | tee -a "$out/steps.txt"; return 99
   fi

@@ -9,7 +9,9 @@
     offline.py rawread DIR --json F        every file under DIR read with 8 threads, 16 MiB at a time, page
                                            cache dropped first (bench_scale.raw_read): the disk's rate,
                                            verify's anchor
-    offline.py verify CKPT --json F        verify in-process, cold then warm (disk-bound or not)
+    offline.py verify CKPT --json F        verify in-process, cold then warm (disk-bound or not);
+               [--baseline OLD_VERIFY_PY]  warm A B B A against an older verify.py;
+               [--reads-only]              a warm run with the digest skipped (the reads' own rate)
     offline.py jax CKPT --json F           JAX restore onto a 1-GPU mesh: bridge.jaxside.restore vs
                                            plain Orbax, cold (page cache dropped before each), in the
                                            order A B B A after one untimed warm-up restore (the first
@@ -134,26 +136,60 @@ def cmd_anchor(a) -> int:
     return 0
 
 
+def _load_module(path: str, name: str):
+    """A module from a file (an older verify.py for an A/B in one process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def cmd_verify(a) -> int:
-    """`gtp-bridge verify`'s code path (bridge.store.verify.verify_checkpoint) in this process,
-    twice: page cache dropped (every byte from the disk), then warm (no byte from the disk). Equal
-    times mean verify is bound by its own processing, not by the disk. Time, bytes read through
-    read(2)/pread(2) (rchar) and from the disk (read_bytes)."""
+    """`gtp-bridge verify`'s code path (bridge.store.verify.verify_checkpoint) in this process:
+    page cache dropped (every byte from the disk), then warm (no byte from the disk). Equal times
+    mean verify is bound by its own processing, not by the disk. Time, CPU seconds (all threads),
+    bytes read through read(2)/pread(2) (rchar) and from the disk (read_bytes).
+    With --baseline FILE (an older bridge/store/verify.py): warm runs of both in the order A B B A.
+    With --reads-only: also a warm run with the digest skipped (TensorStore's reads alone)."""
+    import resource
+
     import bridge.store.verify as v
+    from bridge.store import digest as dg
     from bridge.store.reader import open_checkpoint
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
 
     path = a.paths[0]
     open_checkpoint(path)  # TensorStore initialised and the libraries loaded before either run
-    for mode in ("cold", "warm"):
+    base = _load_module(a.baseline, "baseline_verify") if a.baseline else None
+    runs = [("cold", v), ("warm", v)]
+    if base is not None:
+        runs += [("warm_baseline", base), ("warm", v), ("warm", v), ("warm_baseline", base)]
+    if a.reads_only:
+        runs += [("warm_reads_only", v)]
+    for mode, mod in runs:
         rec: dict = {"what": "verify_inprocess", "mode": mode, "path": path,
+                     "code": a.baseline if mod is base else "this tree",
                      "dropped_caches": drop_caches() if mode == "cold" else False}
-        io0, t0 = _io(), time.perf_counter()
-        res = v.verify_checkpoint(path, show_progress=False)
-        rec["seconds"] = time.perf_counter() - t0
+        real = dg.digest_box
+        if mode == "warm_reads_only":
+            dg.digest_box = lambda *args, **kw: 0
+        try:
+            io0, c0, t0 = _io(), cpu(), time.perf_counter()
+            res = mod.verify_checkpoint(path, show_progress=False)
+            rec["seconds"] = time.perf_counter() - t0
+            rec["cpu_seconds"] = cpu() - c0
+        finally:
+            dg.digest_box = real
         io1 = _io()
         rec.update(ok=res.ok, checked=res.checked, bytes=res.bytes_read, rchar=io1["rchar"] - io0["rchar"],
                    read_bytes=io1["read_bytes"] - io0["read_bytes"], GBps=res.bytes_read / rec["seconds"] / 1e9,
-                   damaged=dict(list(res.damaged.items())[:5]))
+                   damaged=dict(list(res.damaged.items())[:5]) if mode != "warm_reads_only" else {})
         append(a.json, rec)
     return 0
 
@@ -322,6 +358,8 @@ def main() -> None:
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--json", required=True)
     ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--baseline", default=None, help="verify: an older verify.py to A/B against (warm)")
+    ap.add_argument("--reads-only", action="store_true", help="verify: also a warm run without the digest")
     a = ap.parse_args()
     sys.exit({"compare": cmd_compare, "digests": cmd_digests, "anchor": cmd_anchor, "jax": cmd_jax,
               "verify": cmd_verify, "rawread": cmd_rawread}[a.cmd](a))

@@ -14,7 +14,10 @@
 #      output verified, its digests equal to the live export's, bytes on disk, peak RSS vs share
 #   7. bit-exact comparison of the default conversion with the live export (offline.py compare)
 #   8. load_megatron of the conversion vs of the live export: time, bytes read, states bit-exact (load_probe.py)
-# Steps 6-8 run only if time remains (SP_DEADLINE); each skipped step is named in steps.txt.
+# Steps 6-8 run only if time remains (SP_DEADLINE); each skipped step is named in steps.txt, as is
+# each step named in SP_SKIP (e.g. SP_SKIP="jax compare load_probe"). SP_VERIFY_BASELINE=FILE (an
+# older bridge/store/verify.py) adds warm A B B A runs against it and a reads-only run to step 3;
+# SP_PYSPY=BINARY (py-spy) records which threads hold the GIL during a verify (after step 8).
 # CPU dry run (tiny sizes, CUDA patched out by cpu/cpu_patch.py, megatron-core on PYTHONPATH):
 #   SP_CPU=1 SP_LAYERS=2 SP_HIDDEN=64 SP_FFN=176 SP_HEADS=4 SP_GROUPS=2 SP_VOCAB=512 SP_SEQ=32 \
 #   SP_PYTHON=.venv/bin/python SP_SITE=/path/to/megatron-site bash scripts/gpu/scale/run_real.sh
@@ -44,7 +47,7 @@ if [ -d "$C" ]; then
   step verify 150 30 $M --name verify_converted --drop-caches --log "$logs/verify.cli.log" \
     -- $PY -m bridge.cli verify "$C"
   step rawread 60 20 $O rawread "$C" --json "$J"
-  step verify_inproc 60 30 $O verify "$C" --json "$J"
+  step verify_inproc 90 30 $O verify "$C" --json "$J" ${SP_VERIFY_BASELINE:+--baseline "$SP_VERIFY_BASELINE" --reads-only}
 fi
 step anchor 120 60 $O anchor "$D/dp" "$D/raw" --json "$J"
 rm -rf "$D/raw"
@@ -55,6 +58,10 @@ if [ -d "$C" ]; then  # the sweep's outputs go next to the default one: the disk
   rm -rf "$D/sweep"
   step compare 100 40 $O compare "$D/live" "$C" --json "$J"
   step load_probe 150 60 $TR $LP --conv "$C" --live "$D/live" --json "$out/load_probe.json"
+  if [ -n "${SP_PYSPY:-}" ]; then  # where verify's threads spend their time, warm (who holds the GIL)
+    step verify_profile 40 25 "$SP_PYSPY" record -r 200 --gil --native -f raw -o "$out/verify_gil.txt" \
+      -- $O verify "$C" --json "$logs/verify_profile.jsonl"
+  fi
 fi
 usage
 rm -rf "$D"
