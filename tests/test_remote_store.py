@@ -35,6 +35,20 @@ def cli(*argv, cwd, env=None):
                           cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, timeout=600)
 
 
+def cli_here(*argv, cwd, capsys, monkeypatch):
+    """`cli` in this process (`bridge.cli.main`, the function the console script calls): the same
+    exit code and output, without a second interpreter's start-up and imports."""
+    from types import SimpleNamespace
+
+    from bridge.cli import main
+
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+
 def one_line_error(r, text):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("gtp-bridge: error:")]
@@ -75,18 +89,18 @@ def same_as_reference(dst, local_reference):
     return len(want)
 
 
-def test_cli_convert_verify_inspect_diff_on_s3(stores, local_reference, tmp_path):
+def test_cli_convert_verify_inspect_diff_on_s3(stores, local_reference, tmp_path, capsys, monkeypatch):
     srv = stores["s3"]
     dst = srv.url("runs/convert-cli")
-    r = cli("convert", DEMO_SRC, dst, cwd=tmp_path)
+    r = cli_here("convert", DEMO_SRC, dst, cwd=tmp_path, capsys=capsys, monkeypatch=monkeypatch)
     assert r.returncode == 0, r.stderr
     assert f"-> {dst}:" in r.stdout
     assert os.listdir(tmp_path) == []  # nothing written locally for a URL
     n = same_as_reference(dst, local_reference)
     check_committed_layout(srv, "runs/convert-cli")
-    r = cli("verify", dst, cwd=tmp_path)
+    r = cli_here("verify", dst, cwd=tmp_path, capsys=capsys, monkeypatch=monkeypatch)
     assert r.returncode == 0 and f"OK: {n} arrays intact" in r.stdout, r.stdout + r.stderr
-    r = cli("convert", DEMO_SRC, dst, cwd=tmp_path)
+    r = cli_here("convert", DEMO_SRC, dst, cwd=tmp_path, capsys=capsys, monkeypatch=monkeypatch)
     one_line_error(r, f"destination {dst} already exists")
     assert os.listdir(tmp_path) == []
     # inspect and diff (the notebooks' opener and the diff command's report), in-process
@@ -128,11 +142,11 @@ def test_store_save_multiwriter_roundtrip(stores):
             assert np.array_equal(ck.read(tuple(k.split("/"))), a), (scheme, k)
 
 
-def test_unknown_scheme_and_bucket_root_refused(tmp_path):
+def test_unknown_scheme_and_bucket_root_refused(tmp_path, capsys, monkeypatch):
     from bridge.errors import BridgeError
     from bridge.location import location
 
-    r = cli("convert", DEMO_SRC, "s3://bucket", cwd=tmp_path)
+    r = cli_here("convert", DEMO_SRC, "s3://bucket", cwd=tmp_path, capsys=capsys, monkeypatch=monkeypatch)
     one_line_error(r, "name a prefix inside the bucket")
     assert os.listdir(tmp_path) == []
     for url, text in (("msc://profile/ckpt", "multi-storage-client profile"), ("s3://Bad_Bucket/x", "valid bucket"),

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from bridge.dist import TorchCoordinator
 from bridge.dtypes import torch_dtype
 from bridge.errors import BridgeError
-from bridge.location import location
+from bridge.location import is_remote, location
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
 from bridge.live.api import LiveRun, LocalParam
@@ -60,7 +60,8 @@ class ExportOptions:
 
     # Host memory: writer transactions of a quarter of it (host data: one filling, two committing)
     # and, for CUDA tensors, four pinned staging buffers of one transaction each; None: four of the
-    # store's `default_batch_bytes()` (256 MiB, 512 MiB with >= 16 CPUs).
+    # store's `default_batch_bytes()` (larger on object storage, where a transaction's data files are
+    # the PUTs in flight).
     inflight_bytes: int | None = None
     target_chunk_bytes: int = 4 << 20   # outer (write) chunk size
     compression: str | None = None
@@ -460,7 +461,7 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
     dtypes = {a.name: torch_dtype(a.dtype) for a in plan.catalog}
     local_items = attempt(lambda: [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t))
                                    for t in plan.sends(rank, rank)]) or []
-    batch = writer_batch_bytes(opts.inflight_bytes) if opts.inflight_bytes else default_batch_bytes()
+    batch = writer_batch_bytes(opts.inflight_bytes) if opts.inflight_bytes else default_batch_bytes(is_remote(tmp))
     # Device data goes through the donated staging pipeline (device_commits + 2 pinned buffers of one
     # batch, each refilled once its commit landed). Host data is donated as is: two in flight.
     # CPU holdings with a device exchange (NCCL) stage everything after the exchange, so that no

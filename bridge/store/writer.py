@@ -57,14 +57,23 @@ _MIN_STAGED_CELL_BYTES = 128 << 10
 _COPY_HERE_BYTES = 256 << 10
 
 
-def default_batch_bytes() -> int:
-    """Bytes per writer transaction when the caller does not say: 64 MiB, 128 MiB with >= 16 CPUs.
+def default_batch_bytes(remote: bool = False) -> int:
+    """Bytes per writer transaction when the caller does not say: 64 MiB, 128 MiB with >= 16 CPUs;
+    four times that on object storage (`remote`).
 
     Larger batches let OCDBT write more data files at once, which a many-core host with a deep disk
     queue turns into throughput; on a small host the staging memory they touch costs more than they
-    bring (bench_store_write; figures in the README's performance section).
+    bring (bench_store_write; figures in the README's performance section). On object storage each
+    data file is one PUT whose latency, not the host, bounds it, and one database commits its
+    transactions one after another (a second commit in flight does not start its PUTs early): the
+    PUTs in flight are the data files of one transaction, so a transaction must hold about as many
+    files as an object store wants requests in flight (bench_remote).
+
+    >>> default_batch_bytes(remote=True) // default_batch_bytes()
+    4
     """
-    return (128 << 20) if (os.cpu_count() or 1) >= 16 else (64 << 20)
+    local = (128 << 20) if (os.cpu_count() or 1) >= 16 else (64 << 20)
+    return 4 * local if remote else local
 
 
 def _digest_cells(shape: Sequence[int], cells: Sequence[tuple[Box, np.ndarray]]) -> int:
@@ -229,7 +238,7 @@ class CheckpointWriter:
         self.tmp_dir = tmp_dir
         self.plan = plan
         self.writer_id = writer_id
-        self.inflight_bytes = max(1, int(inflight_bytes or default_batch_bytes()))
+        self.inflight_bytes = max(1, int(inflight_bytes or default_batch_bytes(self.remote)))
         self.compute_digest = compute_digest
         self.target_data_file_size = target_data_file_size
         ctx = specs.context_spec()

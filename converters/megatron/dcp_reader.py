@@ -1263,10 +1263,14 @@ def _resolve_remote_dir(url: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+# Remote reads smaller than this fetch this much from their offset (one request instead of many).
+_READ_AHEAD = 64 << 10
+
+
 class RangeReader:
     """Byte ranges of one file or object: `pread(n, offset)`, `readinto(buffer, offset)` (may return
     fewer bytes at the end), `close()`. Local files through pread; objects through TensorStore's
-    kvstore with a byte range per call (one request each)."""
+    kvstore with a byte range per call (one request each; small reads share a read-ahead window)."""
 
     def __init__(self, location: str) -> None:
         self.location = location
@@ -1276,6 +1280,7 @@ class RangeReader:
 
             parent, _, self.key = location.rpartition("/")
             self._store = kvstore.open_store(parent)
+            self._window: tuple[int, bytes] = (0, b"")   # (offset, bytes) of the last read-ahead
             self.fd = -1
         else:
             self.fd = os.open(location, os.O_RDONLY)
@@ -1285,8 +1290,24 @@ class RangeReader:
             return os.pread(self.fd, n, offset)
         if n <= 0:
             return b""
+        if n < _READ_AHEAD:
+            # Parsing a record's zip (torch.load) makes ~25 small reads around it (end record,
+            # directory, header, pickle), each a request on an object store: one window around the
+            # first serves the rest. A window past the object's end is refused by the store: then
+            # one ending at the read, then exactly the read.
+            w_off, w = self._window
+            if w_off <= offset and offset + n <= w_off + len(w):
+                return w[offset - w_off:offset - w_off + n]
+            for lo in dict.fromkeys((max(0, offset - _READ_AHEAD // 2), max(0, offset + n - _READ_AHEAD))):
+                w = self._range(lo, lo + _READ_AHEAD)
+                if w:
+                    self._window = (lo, w)
+                    return w[offset - lo:offset - lo + n]
+        return self._range(offset, offset + n)
+
+    def _range(self, lo: int, hi: int) -> bytes:
         try:
-            r = self._store.read(self.key, byte_range=slice(offset, offset + n)).result()
+            r = self._store.read(self.key, byte_range=slice(lo, hi)).result()
         except ValueError as e:
             if "OUT_OF_RANGE" in str(e) or "InvalidRange" in str(e) or "416" in str(e):
                 return b""  # past the end: a truncated object, reported by the caller
