@@ -1,6 +1,7 @@
 """The live adapter at PP=2 on the CPU: real PP1 fixture ranks re-cut into two pipeline stages.
 
-No real PP save exists yet (it needs two GPUs: issue #23), so each rank of a PP=2 run is rebuilt
+Runs: `tp2` (TP2), `dp2` (DP2: each stage's DistOpt buffer splits differently from the PP1 one),
+`moe_ep2` (EP2, dense and expert buffers per stage). No real PP save exists yet (it needs two GPUs: issue #23), so each rank of a PP=2 run is rebuilt
 from a recorded PP=1 fixture run (`tests/fixtures/megatron/<run>`) the way Megatron-Core 0.19.2
 builds a stage: the stage keeps its own layers, named locally (`decoder.layers.0...` on every
 stage) while their model entries keep the global layer offset (`TransformerBlock.sharded_state_dict`:
@@ -26,11 +27,13 @@ import numpy as np
 import pytest
 import torch
 
+from bridge.errors import BridgeError
 from bridge.layout.distopt import BufferParam, buffer_layout, owners_of
 from bridge.layout.parallel import ParallelLayout
-from bridge.live.api import LiveRun, LocalParam, OptimFragment
 from bridge.store.reader import open_checkpoint
-from converters.megatron.live import EntryRecord, ParamRecord, adam_config_from_groups, entries_from_description, map_params
+from bridge.live.api import AdamConfig, LiveRun, LocalParam, OptimFragment
+from converters.megatron.live import (EntryRecord, ParamRecord, adam_config_from_groups, entries_from_description,
+                                      map_params, merge_adam_configs)
 from converters.megatron.naming import strip_wrappers
 from test_live_sharding import spawn
 from test_megatron_adapter import Run
@@ -39,7 +42,7 @@ pytestmark = pytest.mark.slow
 
 PP = 2
 LAYER = re.compile(r"^((?:module\.)*decoder\.layers\.)(\d+)\.")
-ROLES = (("param", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+ROLES = ("param", "exp_avg", "exp_avg_sq")  # the reference dump's names of a fragment's tensors
 
 
 def _place(name: str, num_layers: int, p: int) -> str | None:
@@ -49,7 +52,7 @@ def _place(name: str, num_layers: int, p: int) -> str | None:
     if m is None:
         bare = strip_wrappers(name)
         first = bare.startswith("embedding.")
-        return name if (p == 0) == first or (PP == 1) else None
+        return name if (p == 0) == first else None
     g = int(m.group(2))
     if not p * per <= g < (p + 1) * per:
         return None
@@ -58,7 +61,6 @@ def _place(name: str, num_layers: int, p: int) -> str | None:
 
 class Staged:
     """A PP1 fixture run seen as a PP=2 run of twice the world (order tp-cp-ep-dp-pp: rank = r + W·p)."""
-
     def __init__(self, name: str) -> None:
         self.run = Run(name)
         lay = self.run.layout
@@ -100,28 +102,35 @@ class Staged:
                     return r, m.param
         raise AssertionError(f"no main copy of {key}{list(index)}")
 
-    def full_state(self, r: int, pp1_name: str) -> dict[str, torch.Tensor]:
-        """The flat fp32 master / moments of PP1 rank r's shard of a param, joined from its DP group's dumps."""
+    def full_state(self, r: int, pp1_name: str, expert: bool) -> dict[str, torch.Tensor]:
+        """The flat fp32 master / moments of PP1 rank r's shard of a param, joined from its DistOpt group's dumps."""
         key = strip_wrappers(pp1_name)
         numel = int(np.prod(self.run.refs[r]["params"][pp1_name]["shape"]))
-        out = {k: torch.full((numel,), float("nan")) for k, _ in ROLES}
-        for peer in self.run.layout.distopt_group(r):
+        out = {k: torch.full((numel,), float("nan")) for k in ROLES}
+        lay = self.run.layout
+        for peer in (lay.expert_distopt_group(r) if expert else lay.distopt_group(r)):
             for o in self.run.refs[peer]["optimizers"]:
                 for n, rec in o["params"].items():
                     if strip_wrappers(n) == key:
                         f0, f1 = rec["range"]["param"]
-                        for k, src in ROLES:
-                            out[k][f0:f1] = rec[src].reshape(-1)
+                        for k in ROLES:
+                            out[k][f0:f1] = rec[k].reshape(-1)
         assert not any(t.isnan().any() for t in out.values()), f"{key}: the PP1 dumps do not cover it"
         return out
 
     def stage_fragments(self, rank: int, maps, origin) -> dict[str, tuple[int, int]]:
-        """This rank's fragment range of each param in its stage's own DistOpt buffer (one bucket)."""
+        """This rank's fragment range of each param in its stage's own DistOpt buffers (dense, expert;
+        one bucket each)."""
         r, _p = self.source(rank)
         numels = {m.param: int(np.prod(self.run.refs[r]["params"][origin[m.param]]["shape"])) for m in maps}
-        buf = buffer_layout([BufferParam(m.param, numels[m.param]) for m in maps], None, self.layout.dp)
-        me = self.layout.distopt_group(rank).index(rank)
-        return {m.param: rng for m in maps for d, rng in owners_of(buf, m.param) if d == me}
+        out = {}
+        for expert in (False, True):
+            mine = [m for m in maps if m.geometry.expert == expert]
+            group = (self.layout.expert_distopt_group if expert else self.layout.distopt_group)(rank)
+            if mine:
+                buf = buffer_layout([BufferParam(m.param, numels[m.param]) for m in mine], None, len(group))
+                out.update({m.param: rng for m in mine for d, rng in owners_of(buf, m.param) if d == group.index(rank)})
+        return out
 
     def local_params(self, rank: int, zero: bool = False) -> tuple[list[LocalParam], LiveRun, dict]:
         """LocalParams of a PP2 rank: the PP1 dump's data (or zeros, for reload) in the stage's shapes."""
@@ -135,11 +144,11 @@ class Staged:
             # docstring of converters.megatron.live); reload fills it with the main copy's values.
             src, name = (r, origin[m.param]) if m.model_parallel_main else self.main_copy(m.key, m.index)
             live = self.run.refs[src]["params"][name]["live"]
-            full = self.full_state(src, name)
+            full = self.full_state(src, name, m.geometry.expert)
             f0, f1 = ranges.get(m.param, (0, 0))
             want[m.param] = (live, {k: t[f0:f1].clone() for k, t in full.items()})
             if zero:
-                w, st = torch.zeros_like(live), {k: torch.zeros(f1 - f0) for k, _ in ROLES}
+                w, st = torch.zeros_like(live), {k: torch.zeros(f1 - f0) for k in ROLES}
             else:
                 w, st = live, want[m.param][1]
             frag = OptimFragment(f0, f1, st["param"], st["exp_avg"], st["exp_avg_sq"]) if f1 > f0 else None
@@ -158,7 +167,7 @@ class Staged:
         return out, lrun, want
 
 
-NAMES = ["tp2", "dp2"]
+NAMES = ["tp2", "dp2", "moe_ep2"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -177,7 +186,7 @@ def test_stage_params_get_global_layer_indices(name):
             else:  # local name on the stage, global index in the checkpoint
                 per = s.layers // PP
                 local = int(LAYER.match(m.param).group(2))
-                assert local < per and m.index == (int(g.group(2)),) == (p * per + local,), m.param
+                assert local < per and m.index[0] == int(g.group(2)) == p * per + local, m.param
             seen[(m.key, m.index)] = seen.get((m.key, m.index), 0) + 1
     # Every logical instance of the PP1 run is held by the PP2 world, as often as PP1 held it.
     want: dict[tuple[str, tuple[int, ...]], int] = {}
@@ -250,3 +259,13 @@ def test_reload_pp1_checkpoint_into_pp2_stages(name, tmp_path):
                     ref = frag[{"params": "param", "mu": "exp_avg", "nu": "exp_avg_sq"}[k]]
                     assert t.numel() == ref.numel() > 0, f"{what} {k}"
                     assert t.view(torch.int32).equal(ref.view(torch.int32)), f"{what} {k}"
+
+
+def test_stage_optimizer_settings_must_agree():
+    a = AdamConfig(0.01, weight_decay=0.1, no_decay=("x",))
+    with pytest.raises(BridgeError, match="pipeline stages disagree on the optimizer's betas"):
+        merge_adam_configs([a, AdamConfig(0.01, betas=(0.9, 0.95), weight_decay=0.1)])
+    with pytest.raises(BridgeError, match="disagree on the weight decay"):
+        merge_adam_configs([a, AdamConfig(0.01, weight_decay=0.05)])
+    with pytest.raises(BridgeError, match="lr multipliers 2.0 and 3.0"):
+        merge_adam_configs([AdamConfig(0.01, lr_mult={"k": 2.0}), AdamConfig(0.01, lr_mult={"k": 3.0})])
