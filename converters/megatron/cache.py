@@ -370,7 +370,7 @@ WHOLE_RECORDS = 16
 
 
 class ChunkCache:
-    """Stored chunks of one DCP checkpoint, read for copies (`megatron_plan.Copy`).
+    """Stored chunks of one DCP checkpoint, read for copies (`converters.megatron.plan.Copy`).
 
     A chunk whose record fits a quarter of `max_bytes` (`WHOLE_RECORDS`) is read whole, once,
     CRC-checked, and kept (least recently used out); a larger one is never held whole: each copy reads only the bytes of its
@@ -427,7 +427,7 @@ class ChunkCache:
         return a
 
     def region(self, c) -> np.ndarray:
-        """The source data of copy `c` (a `megatron_plan.Copy`), shaped like its logical box."""
+        """The source data of copy `c` (a `converters.megatron.plan.Copy`), shaped like its logical box."""
         if c.key not in self.ck.tensors:
             a = self.object_tensor(c.key)
         else:

@@ -1,6 +1,6 @@
 """Megatron-Core `torch_dist` checkpoint -> logical checkpoint (the `convert` command's engine).
 
-Steps: describe the source (`megatron_format.describe`), plan copies per parameter
+Steps: describe the source (`converters.megatron.format.describe`), plan copies per parameter
 (`megatron_plan`), cut every logical array on an outer chunk grid sized from each worker's share
 of the budget (`plan_blocks`), give contiguous runs of chunks to writer processes, then every
 worker streams: for each of its chunks, fill it in all four roles from the stored chunks (a

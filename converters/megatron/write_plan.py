@@ -206,7 +206,7 @@ def chunk_takes(geom: ParamGeometry, tp: int, gtp: int, role: str, fqn: str, chu
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """What planning needs of one parameter (see megatron_write.ParamInfo)."""
+    """What planning needs of one parameter of the logical checkpoint, as Megatron keys it."""
 
     name: str
     geom: ParamGeometry
