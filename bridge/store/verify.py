@@ -120,10 +120,12 @@ def digest_threads(reads: int) -> int:
 
 
 def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int = READ_BLOCK_BYTES,
-                      show_progress: bool | None = None) -> VerifyResult:
+                      show_progress: bool | None = None, digests: bool = True) -> VerifyResult:
     """Re-read every array once, in parallel; compare with the manifest (shape, dtype, digest).
 
     `threads`: blocks read at once (default `default_threads()`); as many reused buffers.
+    `digests=False` reads every byte but computes no digest: it checks structure and readability only
+    (a diagnostic of the reads' own rate, `scripts/gpu/scale/offline.py verify --reads-only`).
     Never raises for damage: problems are in the result (`damaged` by array, `metadata_problems`).
     Raises BridgeError only when `path` is not a checkpoint directory at all.
     """
@@ -148,14 +150,15 @@ def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int
         problem = _check_info(ck, p, records.get(".".join(p)), expect, infos)
         if problem:
             res.damaged[path_str(p)] = problem
-    partial, failed, res.bytes_read = _read_all(ck, infos, threads or default_threads(), block_bytes, show_progress)
+    partial, failed, res.bytes_read = _read_all(ck, infos, threads or default_threads(), block_bytes, show_progress,
+                                                digests)
     for p, why in failed.items():
         res.damaged[path_str(p)] = why
     for p, info in infos.items():
         if p in failed:
             continue
         record = records.get(".".join(p))
-        if record is not None and record.digest is not None and ck.manifest.digest_algorithm == dg.ALGORITHM:
+        if digests and record is not None and record.digest is not None and ck.manifest.digest_algorithm == dg.ALGORITHM:
             got = dg.to_hex(dg.combine(partial[p]))
             if got != record.digest:
                 res.damaged[path_str(p)] = f"content digest {got} != recorded {record.digest}"
@@ -178,7 +181,7 @@ class _Block:
 
 
 def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
-              show_progress: bool | None) -> tuple[dict, dict, int]:
+              show_progress: bool | None, digests: bool = True) -> tuple[dict, dict, int]:
     """Read and digest every array's blocks: `threads` blocks read at once by TensorStore into reused
     buffers of block_bytes (memory ~threads x block_bytes, no block allocated and page-faulted anew);
     `digest_threads` workers digest blocks as their reads land, in large steps (few GIL round trips).
@@ -202,7 +205,8 @@ def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
                 free.put(np.empty(block_bytes, np.uint8))
             raise
         try:
-            partial[blk.path].append(dg.digest_box(infos[blk.path].shape, blk.box, blk.data, step=DIGEST_STEP))
+            if digests:
+                partial[blk.path].append(dg.digest_box(infos[blk.path].shape, blk.box, blk.data, step=DIGEST_STEP))
             return blk.data.nbytes
         finally:
             blk.target = None
