@@ -72,3 +72,27 @@ def test_tensorstore_never_takes_the_gil_to_release_a_read_buffer(tmp_path, monk
     assert len(released_on) == 12
     foreign = [t.name for t in released_on if isinstance(t, threading._DummyThread)]
     assert not foreign, f"{len(foreign)} of 12 read buffers released on TensorStore threads"
+
+
+def test_reads_only_verify_reads_every_byte_and_skips_only_the_digest(tmp_path):
+    """`digests=False` (the reads-only diagnostic) reads the same bytes and still reports a missing
+    array; only the content comparison is skipped, which the default run makes (a flipped digest)."""
+    import json
+
+    from bridge.store.verify import verify_checkpoint
+
+    rng = np.random.default_rng(5)
+    arrays = {("params", f"w{i}"): rng.standard_normal((4, 64, 64)).astype(np.float32) for i in range(2)}
+    dst = _save(str(tmp_path / "ck"), arrays, {p: (1, 64, 64) for p in arrays}, {p: 0 for p in arrays})
+    full, reads = verify_checkpoint(dst), verify_checkpoint(dst, digests=False)
+    assert full.ok and reads.ok
+    assert reads.bytes_read == full.bytes_read == sum(a.nbytes for a in arrays.values())
+    # a wrong recorded digest: the default run reports it, the reads-only run by design does not
+    meta = tmp_path / "ck" / "_METADATA"
+    doc = json.loads(meta.read_text())
+    rec = doc["custom_metadata"]["gtp_bridge"]["arrays"]["params.w0"]
+    rec["digest"] = "0" * len(rec["digest"])
+    meta.write_text(json.dumps(doc))
+    edited, edited_reads = verify_checkpoint(dst), verify_checkpoint(dst, digests=False)
+    assert "content digest" in edited.damaged.get("params/w0", ""), edited.damaged
+    assert edited_reads.metadata_problems and not edited_reads.damaged
