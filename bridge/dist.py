@@ -21,6 +21,8 @@ jax by `JaxCoordinator` only.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import json
 import time
 from contextlib import contextmanager
@@ -151,7 +153,7 @@ class LocalCoordinator:
         yield
 
 
-class _Exchanging:
+class _Exchanging(ABC):
     """`all_gather` / `broadcast` of coordinators that exchange every rank's outcome (`_exchange`)."""
 
     rank: int
@@ -159,8 +161,9 @@ class _Exchanging:
     #: one process and nobody to tell: its error raises as it is, not as a CollectiveError
     solo_error_as_is = False
 
+    @abstractmethod
     def _exchange(self, stage: str, mine: dict) -> list[dict]:
-        raise NotImplementedError
+        """Every rank's outcome of `stage` (`mine` from this rank), in rank order."""
 
     def all_gather(self, stage: str, fn: Callable[[], T]) -> list[T | None]:
         mine, err = _attempt(fn)

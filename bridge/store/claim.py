@@ -24,6 +24,8 @@ process of a killed run (an orphaned worker) still writes into is never taken fo
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import atexit
 import ctypes
 import errno
@@ -292,7 +294,7 @@ class Destination(Protocol):
         """Remove what this run wrote (never anyone else's files)."""
 
 
-class HeldDestination:
+class HeldDestination(ABC):
     """What every `Destination` shares: the run id, and a `with` block that releases the destination
     unless it was published (on an error, SIGINT or SIGTERM: `Terminated`)."""
 
@@ -310,8 +312,9 @@ class HeldDestination:
         if not self.published:
             self.release(reason=_reason(exc))
 
+    @abstractmethod
     def release(self, reason: str = "") -> None:
-        raise NotImplementedError
+        """Remove what this run wrote unless it was published (each storage knows its own)."""
 
 
 _HELD: dict[str, "DestinationClaim"] = {}   # tmp path -> claim held by this process
