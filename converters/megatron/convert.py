@@ -41,6 +41,7 @@ from bridge.format.manifest import (MEGATRON_KEY, Manifest, MegatronParam, Megat
 from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_DTYPE, SCALAR_PATHS, STATE_ROLE,
                                   adamw_empty_paths)
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
+from bridge.store.staging import cells_are_row_runs
 from bridge.dtypes import name_of_torch, numpy_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
@@ -421,20 +422,53 @@ def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], p
         raise
 
 
+class BlockBuffers:
+    """One reusable buffer per role, for blocks the writer copies anyway.
+
+    A block whose inner chunks are runs of its rows is handed to the writer as is (donated: a fresh
+    buffer, never touched again, TensorStore references it). Any other block is copied by the writer
+    chunk by chunk before `write` returns (its staging), so its buffer is refilled by the next
+    block: no fresh memory, whose first touch (page faults, pages the VM must hand back) costs
+    more than the copy itself.
+
+    >>> p = BlockBuffers(); a = p.take("mu", (2, 3), np.float32); b = p.take("mu", (3,), np.float32)
+    >>> a.shape, b.shape, np.shares_memory(a, b)
+    ((2, 3), (3,), True)
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def take(self, role: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        buf = self._bufs.get(role)
+        if buf is None or buf.nbytes < n:
+            self._bufs.pop(role, None)   # the smaller one goes before the larger one is allocated
+            buf = self._bufs[role] = np.empty(n, dtype=np.uint8)
+        return buf[:n].view(dtype).reshape(shape)
+
+
 def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, Unit], blocks: Sequence[Block],
                   writer_id: int, force: bool, defect_suspect: bool, step: int, on_progress) -> tuple[list[str], int, dict]:
     warnings: list[str] = []
     index: tuple[int, CopyIndex] | None = None
+    pool = BlockBuffers()
     for b in blocks:
         unit = units[b.unit]
         if index is None or index[0] != b.unit:
             index = (b.unit, CopyIndex(unit))
-        bufs = {role: fill_block(cache, index[1], unit, role, b) for role in unit.copies}
+        donate = {role: cells_are_row_runs(b.box, writer.plan.lookup(role_path(role, b.array)).inner_chunk_shape)
+                  for role in unit.copies}
+        bufs = {role: fill_block(cache, index[1], unit, role, b,
+                                 out=None if donate[role] else pool.take(role, b.box.shape, numpy_dtype(unit.dtypes[role])))
+                for role in unit.copies}
         if PARAMS in bufs and MODEL in bufs:
             check_master(b.array, bufs[PARAMS], bufs[MODEL], b.box, force, defect_suspect, warnings)
         for role, buf in bufs.items():
-            # donated: a fresh buffer per block, never touched again, so the writer need not copy it
-            writer.write(role_path(role, b.array), b.box, buf, donate=True)
+            # donated: a fresh buffer, never touched again, so the writer need not copy it; else the
+            # writer copies it before returning and the pool's buffer takes the next block
+            writer.write(role_path(role, b.array), b.box, buf, donate=donate[role])
             if on_progress:
                 on_progress(buf.nbytes)
     if writer_id == 0:
@@ -444,9 +478,11 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
     return warnings, cache.bytes_read, cache.crcs.spans()
 
 
-def fill_block(cache: ChunkCache, index: CopyIndex, unit: Unit, role: str, b: Block) -> np.ndarray:
-    """One role of a block, assembled from the stored chunks; every element must be filled."""
-    buf = np.empty(b.box.shape, dtype=numpy_dtype(unit.dtypes[role]))
+def fill_block(cache: ChunkCache, index: CopyIndex, unit: Unit, role: str, b: Block,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """One role of a block, assembled from the stored chunks (into `out` when given); every element
+    must be filled."""
+    buf = np.empty(b.box.shape, dtype=numpy_dtype(unit.dtypes[role])) if out is None else out
     n = 0
     for c in index.clipped(role, b.array, b.box):
         cache.region_into(c, buf[c.dst.relative_to(b.box).slices])
