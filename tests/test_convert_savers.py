@@ -29,6 +29,7 @@ from bridge.cli import main
 from bridge.errors import BridgeError
 from bridge.store.reader import open_checkpoint
 from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.dcp_reader import DcpCheckpoint
 from converters.megatron.format import Hints
 import convert_reference as cref
 from test_convert_megatron import assert_matches
@@ -123,6 +124,13 @@ def test_release_fixtures_cover_every_format_each_release_saves():
     assert "flattened_range is not supported" in errors["release_0_16_1"]["fully_sharded_model_space"][0]
     assert "flattened_range is not supported" in errors["release_0_19_2"]["fully_sharded_model_space"][0]
     assert errors["release_0_14_0"]["fully_sharded_bucket_space"]   # 0.14's torch_dist save asserts
+    # ... unless each bucket holds one parameter and no padding (run.json: bucket_size 1, sizes x 128),
+    # the layout its torch_dist conversion takes; stored per DP rank, (1, bucket numel)
+    assert have["release_0_14_0_bucket_space"] == {"fully_sharded_bucket_space"}
+    assert errors["release_0_14_0_bucket_space"] == {"fully_sharded_bucket_space": []}
+    md = DcpCheckpoint(os.path.join(cref.FIXTURES, "release_0_14_0_bucket_space", "fully_sharded_bucket_space"))
+    shapes = {tuple(md.tensors[k].shape) for k in md.tensors if ".bucket_idx_" in k}
+    assert len(shapes) > 1 and all(len(s) == 2 and s[0] == 1 for s in shapes), shapes
 
 
 @pytest.mark.parametrize("run", ["release_0_14_0", "release_0_15_3"])

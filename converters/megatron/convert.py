@@ -45,7 +45,8 @@ from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
 from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
 from converters.megatron.cache import ChunkCache, check_records
-from converters.megatron.format import (Hints, SourceCheckpoint, describe, optimizer_groups,
+from converters.megatron.format import (Hints, SourceCheckpoint, bucket_space_flat_chunks, describe,
+                                        optimizer_groups,
                                         parse_groups_hyper, plain_value, step_of)
 from converters.megatron.plan import (ROLES, Block, CopyIndex, Unit, assign_blocks, contributes, flat_copies,
                                       dp_group_places, literal, local_instances, model_space_copies,
@@ -207,9 +208,13 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
             for state, key in states.items():
                 role = STATE_ROLE[state]
                 info = ck.tensors[key]
-                # fully_sharded_bucket_space stores the padded bucket (garbage in the padding)
-                want = blay.per_bucket_numel()[b] if src.fmt == "fully_sharded_bucket_space" else blay.numel_unpadded[b]
-                if info.shape != (want,):
+                chunks = info.chunks
+                if src.fmt == "fully_sharded_bucket_space":
+                    # the padded bucket (garbage in the padding), 1-D or per DP rank (0.14)
+                    want = blay.per_bucket_numel()[b]
+                    chunks = bucket_space_flat_chunks(key, info, want, dp_size)
+                elif info.shape != (blay.numel_unpadded[b],):
+                    want = blay.numel_unpadded[b]
                     raise BridgeError(f"{key}: stored length {info.shape} differs from the rebuilt bucket "
                                       f"({want}); pass --bucket-size / --pad-for-alignment")
                 for inst in insts:
@@ -221,7 +226,7 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
                     u = units[inst.name]
                     u.dtypes[role] = np_dtype_name(info.dtype)
                     u.copies.setdefault(role, []).extend(
-                        flat_copies(key, info.chunks, geom, tp, gtp, t, g, inst.index, p0 - b0))
+                        flat_copies(key, chunks, geom, tp, gtp, t, g, inst.index, p0 - b0))
 
 
 def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -> None:
