@@ -278,6 +278,25 @@ def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
     return entries, objects
 
 
+def gathered(entries: dict[str, list], objects: dict[str, Any]) -> tuple[dict[str, list], dict[str, Any]]:
+    """dp_reshardable's buckets (`dp_buffers`) as dp_zero_gather_scatter saves them: per DistOpt group,
+    one `param_state` object holding each state's unpadded buckets end to end (what DP rank 0
+    gathers, `buckets_coalesced`), no bucket tensors and no per_bucket_numel objects."""
+    per: dict[str, dict[str, list]] = {}
+    for key, chunks in entries.items():
+        pre, rest = key.split(".gbuf_idx_0.", 1)
+        b, stname = rest.split(".bucket_idx_", 1)[1].split(".")
+        world = np.concatenate([d for _w, _o, d in sorted(chunks, key=lambda c: c[1])])
+        per.setdefault(pre, {}).setdefault(stname, []).append((int(b), world))
+    out = {k: v for k, v in objects.items() if k.endswith(".optimizer")}
+    for pre, states in per.items():
+        tensors: dict[str, Any] = {st: torch.from_numpy(np.concatenate([w for _b, w in sorted(bs, key=lambda x: x[0])]))
+                                   for st, bs in states.items()}
+        tensors["numel_unpadded"] = int(tensors["param"].numel())
+        out[pre + ".param_state"] = [{"buckets_coalesced": True, 0: {(torch.bfloat16, torch.float32): tensors}}]
+    return {}, out
+
+
 def param_groups(step: int) -> list[dict]:
     return [{"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD, "wd_mult": 1.0, "lr_mult": 1.0,
              "step": step, "params": list(range(12))},
@@ -294,7 +313,7 @@ def common_state(tp: int, dp: int, fmt: str, with_args: bool = True, pp: int = 1
                                         swiglu=True, padded_vocab_size=V, num_layers=L, params_dtype=torch.bfloat16)
     if fmt == "fully_reshardable":
         cs["optimizer"] = {"optimizer": {"param_groups": param_groups(step=3)}, "param_state_sharding_type": fmt}
-    elif fmt == "fully_sharded_bucket_space":
+    elif fmt in ("fully_sharded_bucket_space", "dp_zero_gather_scatter"):
         cs["optimizer"] = {"param_state_sharding_type": fmt}
     return cs
 
@@ -325,9 +344,18 @@ def _save_rank(rank: int, world: int, port: int, path: str, entries: dict, shape
             torch.save(obj, buf)
             sd[k] = buf
     dist.barrier()
-    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint import DefaultSavePlanner, save
 
-    save(sd, checkpoint_id=path)
+    class Planner(DefaultSavePlanner):
+        """dp_zero_gather_scatter's gathered objects stored as Megatron's planner (MCoreSavePlanner)
+        stores every ShardedObject: the archive itself, not torch.save'd again into a pickled BytesIO."""
+
+        def transform_object(self, write_item, object):
+            if write_item.index.fqn.endswith(".param_state"):
+                return object
+            return super().transform_object(write_item, object)
+
+    save(sd, checkpoint_id=path, planner=Planner())
     # Every rank leaves DCP's last collective before any tears gloo down: an early destroy while a
     # peer is still inside it aborts that peer ("terminate called without an active exception").
     dist.barrier()
@@ -361,8 +389,10 @@ def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0
     st = state(seed)
     entries = model_space_entries(st, tp, fmt == "fully_reshardable", dp, pp)
     objects: dict[str, Any] = {}
-    if fmt in ("dp_reshardable", "fully_sharded_bucket_space"):
+    if fmt in ("dp_reshardable", "fully_sharded_bucket_space", "dp_zero_gather_scatter"):
         e2, objects = dp_buffers(st, tp, dp, bucket_size, pp, bucket_space=fmt == "fully_sharded_bucket_space")
+        if fmt == "dp_zero_gather_scatter":
+            e2, objects = gathered(e2, objects)
         entries.update(e2)
     # dp bucket tensors' global length = unpadded numel
     save(path, entries, objects, common_state(tp, dp, fmt, with_args, pp), tp * dp * pp)

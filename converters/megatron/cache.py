@@ -9,7 +9,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from math import prod
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 
@@ -384,6 +384,7 @@ class ChunkCache:
         self.max_bytes = max(1, max_bytes)
         self._lru = ArrayLRU(self.max_bytes)
         self._layouts: dict[tuple[str, int], RecordLayout] = {}
+        self._objects: dict[str, Any] = {}   # object name -> locatable; object tensor key -> (ObjectTensor, chunk)
         self.crcs = RecordCrcs()
         self.bytes_read = 0
 
@@ -421,15 +422,67 @@ class ChunkCache:
                             k = object_tensor_key(name, j, dkey, st)
                             if self._lru.get((k, 0)) is None:
                                 self._lru.put((k, 0), to_numpy(t))
-            a = self._lru.get((key, 0))
+                            if k == key:   # the cache may be too small to keep it
+                                a = to_numpy(t)
             if a is None:
                 raise BridgeError(f"{key}: no such tensor in the object; the checkpoint changed while converting")
         return a
 
+    def located_object_tensor(self, key: str) -> tuple | None:
+        """A state tensor inside a pickled object, located (`object_layout.ObjectTensor`) with a one-chunk
+        view of it for `_ranged`; None when the object's archive cannot be located (an archive nested
+        in a pickle: DCP's default planner), which `object_tensor` then reads whole. Each object's
+        pickle is parsed once, no tensor data read: at scale dp_zero_gather_scatter's object is the
+        whole optimizer state of a TP x PP rank."""
+        from converters.megatron.dcp_reader import ChunkInfo, StorageRef
+        from converters.megatron.object_layout import ObjectTensor, object_tensors
+        from converters.megatron.plan import object_tensor_key, parse_object_tensor_key
+
+        name, _gbuf, _dtype, _state = parse_object_tensor_key(key)
+        if name not in self._objects:
+            state = object_tensors(self.ck, name)
+            self._objects[name] = state is not None
+            state = state[0] if isinstance(state, list) and len(state) == 1 else state
+            for j, per_dtype in (state.items() if isinstance(state, dict) else ()):
+                for dt, tensors in (per_dtype.items() if isinstance(j, int) and isinstance(per_dtype, dict) else ()):
+                    dkey = "(" + ", ".join(str(x) for x in dt) + ")" if isinstance(dt, tuple) else str(dt)
+                    for st, t in (tensors.items() if isinstance(tensors, dict) else ()):
+                        if isinstance(t, ObjectTensor):
+                            ref = StorageRef(t.layout.path, t.layout.member_offset, t.layout.member_size)
+                            self._objects[object_tensor_key(name, j, dkey, st)] = (t, ChunkInfo((0,), (t.numel,), ref))
+        if not self._objects[name]:
+            return None
+        got = self._objects.get(key)
+        if got is None:
+            raise BridgeError(f"{key}: no such tensor in the object; the checkpoint changed while converting")
+        self._layouts[(key, 0)] = got[0].layout
+        return got
+
+    def _object_region(self, c) -> np.ndarray:
+        """`region` of a copy from a tensor inside a pickled object: a large tensor's bytes read for
+        this copy only, a small one read alone once and kept."""
+        from bridge.layout.boxes import Box
+        from converters.megatron.plan import Copy
+
+        got = self.located_object_tensor(c.key)
+        if got is None:
+            a = self.object_tensor(c.key)
+        else:
+            t, chunk = got
+            if t.numel * t.layout.itemsize > self.max_bytes // WHOLE_RECORDS:
+                return self._ranged(c, chunk)
+            a = self._lru.get((c.key, 0))
+            if a is None:
+                a = self._ranged(Copy(c.key, 0, c.array, Box((0,), (t.numel,)), flat_start=0), chunk)
+                self._lru.put((c.key, 0), a)
+        view = c.view or c.dst.shape
+        a = a.reshape(-1)[c.flat_start:c.flat_start + prod(view)].reshape(view)
+        return a if not c.src else a[tuple(slice(x, y) for x, y in c.src)].reshape(c.dst.shape)
+
     def region(self, c) -> np.ndarray:
         """The source data of copy `c` (a `converters.megatron.plan.Copy`), shaped like its logical box."""
         if c.key not in self.ck.tensors:
-            a = self.object_tensor(c.key)
+            return self._object_region(c)
         else:
             chunk = self.ck.tensors[c.key].chunks[c.chunk]
             if chunk.storage.length > self.max_bytes // WHOLE_RECORDS:

@@ -44,6 +44,7 @@ from bridge.dtypes import name_of_torch, numpy_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
 from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
+from converters.megatron.object_layout import object_tensors
 from converters.megatron.cache import ChunkCache, check_records
 from converters.megatron.format import (Hints, SourceCheckpoint, bucket_space_flat_chunks, describe,
                                         optimizer_groups,
@@ -235,7 +236,8 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
 
     The buffer layout is rebuilt as for dp_reshardable; a parameter at [p0, p1) of bucket b sits at
     p0 - bucket start + (unpadded numels of the buckets before b) of the gathered tensors, which the
-    copies read through `object_tensor_key` (the chunk cache unpickles the object).
+    copies read through `object_tensor_key` (the chunk cache reads each copy's bytes from where the
+    object's pickle puts the tensor: `object_layout`).
     """
     lay = src.layout
     ck = src.ck
@@ -250,7 +252,9 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
             raise BridgeError(f"{z.key}: dp_group_idx {z.dp_group_idx} does not exist for layout {lay.to_json()}; "
                               f"pass --tp/--gtp/--ep matching the run")
         t, g, e, stage = ck_coords
-        state = ck.read_object(z.key)
+        state = object_tensors(ck, z.key)   # tensors located, not read: the object can be huge
+        if state is None:
+            state = ck.read_object(z.key)
         state = state[0] if isinstance(state, list) and len(state) == 1 else state
         if not isinstance(state, dict) or not state.get("buckets_coalesced"):
             raise BridgeError(f"{z.key}: not a coalesced dp_zero_gather_scatter state (an older, per-bucket "
