@@ -200,7 +200,7 @@ def model_space_entries(st: dict[str, dict[str, np.ndarray]], tp: int, fully: bo
 
 
 def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
-               pp: int = 1, bucket_space: bool = False) -> tuple[dict[str, list], dict[str, Any]]:
+               pp: int = 1, bucket_space: bool = False, per_rank: bool = False) -> tuple[dict[str, list], dict[str, Any]]:
     """dp_reshardable bucket tensors and per_bucket_numel objects, computed directly (one
     DistOpt group per TP rank t and pipeline stage: dp_group_idx t + tp·stage)."""
     entries: dict[str, list] = {}
@@ -268,8 +268,12 @@ def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
                 chunks = []
                 for d in range(dp):
                     lo, hi = d * s, min((d + 1) * s, n)
-                    if hi > lo:
-                        chunks.append((t + tp * d + tp * dp * stage, (lo,), world[lo:hi]))
+                    w = t + tp * d + tp * dp * stage
+                    if per_rank:   # megatron-core 0.14's torch_dist: (dp, s), each rank's row in pieces
+                        mid = lo + (hi - lo) // 3
+                        chunks += [(w, (d, 0), world[lo:mid].reshape(1, -1)), (w, (d, mid - lo), world[mid:hi].reshape(1, -1))]
+                    elif hi > lo:
+                        chunks.append((w, (lo,), world[lo:hi]))
                 entries[key] = chunks
         pre = f"optimizer.distributed.dp_group_idx_{k}."
         objects[pre + "per_bucket_numel"] = [{(torch.bfloat16, torch.float32): padded}]
@@ -384,13 +388,16 @@ def save(path: str, entries: dict, objects: dict, common: dict, world: int) -> N
 
 
 def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0, bucket_size: int | None = None,
-                    with_args: bool = True, dp_shapes: dict | None = None, pp: int = 1) -> dict[str, dict[str, np.ndarray]]:
-    """Write a synthetic Megatron checkpoint and return its logical state (the reference)."""
+                    with_args: bool = True, dp_shapes: dict | None = None, pp: int = 1,
+                    per_rank: bool = False) -> dict[str, dict[str, np.ndarray]]:
+    """Write a synthetic Megatron checkpoint and return its logical state (the reference). `per_rank`:
+    fully_sharded_bucket_space's buckets stored (dp, bucket numel / dp) as megatron-core 0.14 does."""
     st = state(seed)
     entries = model_space_entries(st, tp, fmt == "fully_reshardable", dp, pp)
     objects: dict[str, Any] = {}
     if fmt in ("dp_reshardable", "fully_sharded_bucket_space", "dp_zero_gather_scatter"):
-        e2, objects = dp_buffers(st, tp, dp, bucket_size, pp, bucket_space=fmt == "fully_sharded_bucket_space")
+        e2, objects = dp_buffers(st, tp, dp, bucket_size, pp, bucket_space=fmt == "fully_sharded_bucket_space",
+                                 per_rank=per_rank)
         if fmt == "dp_zero_gather_scatter":
             e2, objects = gathered(e2, objects)
         entries.update(e2)

@@ -393,12 +393,15 @@ def test_to_megatron_pp2_round_trips(fmt, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_synthetic_fully_sharded_bucket_space_converts(tmp_path):
-    """megatron-core 0.14's fully_sharded_bucket_space (no real save: 0.14.0's torch_dist save of it
-    fails at world 1): padded buckets, garbage in the padding, DP-sharded, several buckets."""
+@pytest.mark.parametrize("per_rank", [False, True], ids=["1d", "per_rank"])
+def test_synthetic_fully_sharded_bucket_space_converts(tmp_path, per_rank):
+    """fully_sharded_bucket_space beyond the real save (`release_0_14_0_bucket_space`: DP1, one
+    parameter per bucket): padded buckets, garbage in the padding, DP-sharded, several buckets, stored
+    1-D or per DP rank, (dp, bucket numel / dp) with each row in pieces, as megatron-core 0.14 does."""
     import convert_synth as synth
 
-    st = synth.make_checkpoint(str(tmp_path / "bs"), "fully_sharded_bucket_space", tp=1, dp=2, bucket_size=300)
+    st = synth.make_checkpoint(str(tmp_path / "bs"), "fully_sharded_bucket_space", tp=1, dp=2, bucket_size=300,
+                               per_rank=per_rank)
     res = convert(str(tmp_path / "bs"), str(tmp_path / "out"), ConvertOptions(workers=1))
     assert res.source_format == "fully_sharded_bucket_space"
     assert_matches(str(tmp_path / "out"), {r: dict(v) for r, v in st.items()}, 3)
