@@ -22,6 +22,12 @@ from test_convert_memory import MIB, SLACK, peak_rss
 torch = pytest.importorskip("torch")
 
 
+def only(per_dtype: dict) -> dict:
+    """The state tensors of the one (param, grad) dtype pair of a gathered buffer."""
+    assert len(per_dtype) == 1 and "bfloat16" in str(next(iter(per_dtype)))
+    return next(iter(per_dtype.values()))
+
+
 @pytest.fixture(scope="module")
 def zero_tp2_dp2(tmp_path_factory):
     d = tmp_path_factory.mktemp("zero") / "ck"
@@ -34,8 +40,8 @@ def test_object_tensors_located_without_reading(zero_tp2_dp2):
     d, _ = zero_tp2_dp2
     ck = DcpCheckpoint(str(d))
     name = "optimizer.distributed.dp_group_idx_1.param_state"
-    located = object_tensors(ck, name)[0][0][(torch.bfloat16, torch.float32)]
-    whole = ck.read_object(name)[0][0][(torch.bfloat16, torch.float32)]   # the object read whole: the reference
+    located = only(object_tensors(ck, name)[0][0])
+    whole = only(ck.read_object(name)[0][0])   # the object read whole: the reference
     assert set(located) == set(whole) == {"param", "exp_avg", "exp_avg_sq", "numel_unpadded"}
     for st in ("param", "exp_avg", "exp_avg_sq"):
         t = located[st]
@@ -66,7 +72,7 @@ def test_damaged_object_tensor_is_refused(zero_tp2_dp2, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(d, bad)
     t = object_tensors(DcpCheckpoint(str(bad)), "optimizer.distributed.dp_group_idx_0.param_state")
-    lay = t[0][0][(torch.bfloat16, torch.float32)]["exp_avg"].layout
+    lay = only(t[0][0])["exp_avg"].layout
     with open(lay.path, "r+b") as f:
         f.seek(lay.data_offset + 8)
         b = f.read(1)
@@ -135,3 +141,31 @@ def test_gathered_object_larger_than_the_budget_is_streamed(tmp_path_factory, tm
     peak = peak_rss(str(d / "big"), str(tmp_path / "big"), 1, budget)
     assert peak - fixed <= budget + SLACK, (f"largest process peaked {(peak - fixed) / MIB:.0f} MiB above the fixed "
                                             f"cost, budget {budget / MIB:.0f} MiB")
+
+
+@pytest.mark.parametrize("budget", [64 << 10, 64 << 20])   # object tensors read by byte ranges / whole
+def test_dp_zero_convert_never_imports_torch(tmp_path, budget):
+    """A real megatron-core 0.16.1 dp_zero_gather_scatter save: the object's tensors are located and
+    read without torch in any of convert's processes (as the other formats, test_torch_free_reader),
+    and the conversion equals the run's live dump."""
+    import os
+    import subprocess
+    import sys
+
+    import convert_reference as cref
+    from test_convert_megatron import assert_matches as matches
+    from test_torch_free_reader import _CONVERT, _PROBE, CODE, FIXTURES
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_PROBE)
+    log, out = tmp_path / "imports.log", tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{CODE}", GTP_TORCH_PROBE=str(log), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _CONVERT, str(FIXTURES / "megatron" / "release_0_16_1" /
+                        "dp_zero_gather_scatter"), str(out), str(budget)],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=str(CODE))
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = log.read_text()
+    assert "START" in text and "TORCH" not in text, text[:4000]
+    ref, step = cref.load_reference("release_0_16_1")
+    matches(str(out), ref, step)

@@ -280,8 +280,10 @@ def test_missing_step_refused(tmp_path):
     import io
     import torch
 
+    from converters.megatron.torch_archive import to_torch
+
     src = copy_base(tmp_path, CRC_BASE)
-    cs = DcpCheckpoint(src).common_state()
+    cs = to_torch(DcpCheckpoint(src).common_state())  # torch values again, to torch.save it
     for g in cs["optimizer"]["optimizer"]["param_groups"]:
         del g["step"]
     buf = io.BytesIO()
@@ -304,7 +306,9 @@ def test_model_only_is_reported_and_hidden_optimizer_refused(tmp_path):
     import io
     import torch
 
-    cs = DcpCheckpoint(src).common_state()
+    from converters.megatron.torch_archive import to_torch
+
+    cs = to_torch(DcpCheckpoint(src).common_state())  # torch values again, to torch.save it
     del cs["optimizer"]
     buf = io.BytesIO()
     torch.save([cs], buf)
@@ -437,6 +441,7 @@ def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs i
     import converters.megatron.dcp_reader as R
     from bridge.errors import BridgeError
     from converters.megatron.format import describe
+    from converters.megatron.torch_archive import to_torch
 
     torch.ones(4096).sum()
     R._globals()
@@ -505,7 +510,7 @@ def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs i
         cs_pkl = zipfile.ZipFile(io.BytesIO(cs_blob)).read(cs_member)
         cs_odd = [None, -1, 2 ** 70, "x", [], 1.5, True, {}, torch.float32, numpy.float64(2.0), numpy.arange(3)]
 
-        cs0 = R.DcpCheckpoint(full).common_state()
+        cs0 = to_torch(R.DcpCheckpoint(full).common_state())
 
         def odd_common_state() -> bytes:
             cs = copy.deepcopy(cs0)

@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from bridge.cast_check import bits_equal, cast_mismatch
-from bridge.errors import BridgeError, require
+from bridge.errors import BridgeError
 from bridge.location import absolute, basename, is_remote, location
 from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
@@ -627,7 +627,7 @@ def budget_line(workers: int, budget: int, asked: int | None = None) -> str:
 
 def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> ConvertResult:
     """Convert a torch_dist checkpoint at `src_dir` into a logical checkpoint at `dst`."""
-    src_dir, dst = location(src_dir, "source"), location(dst, "destination"); require("convert", "torch")
+    src_dir, dst = location(src_dir, "source"), location(dst, "destination")
     opts = opts or ConvertOptions()
     hints = opts.hints or Hints()
     dst = absolute(dst)
