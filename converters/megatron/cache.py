@@ -386,9 +386,10 @@ class ChunkCache:
                     for st, t in tensors.items():
                         if hasattr(t, "numel"):
                             k = object_tensor_key(name, j, dkey, st)
+                            if k == key:  # kept here: its siblings may evict it from a small cache
+                                a = t.numpy()
                             if self._lru.get((k, 0)) is None:
                                 self._lru.put((k, 0), t.numpy())
-            a = self._lru.get((key, 0))
             if a is None:
                 raise BridgeError(f"{key}: no such tensor in the object; the checkpoint changed while converting")
         return a
