@@ -291,3 +291,16 @@ def test_out_of_range_offset_and_foreign_storage_refused():
     pkl_flip[i] ^= 0x20   # one bit of the pickle: its CRC-32 no longer matches
     with pytest.raises(BridgeError, match=r"rec: CRC-32 mismatch in zip member '.*data\.pkl'"):
         _layout(bytes(pkl_flip))
+
+
+def test_dp_zero_object_larger_than_the_cache_converts(tmp_path):
+    """dp_zero_gather_scatter keeps a group's state in one pickled object, read whole (as ArchiveTensors)
+    then cut into the cache: at a budget whose cache holds fewer of its tensors than it has, the one
+    asked for was evicted by its siblings ("no such tensor in the object"). Now equal to a roomy run."""
+    from converters.megatron.convert import ConvertOptions, convert
+
+    src = str(FIXTURES / "megatron" / "release_0_15_3" / "dp_zero_gather_scatter")
+    roomy, tight = str(tmp_path / "roomy"), str(tmp_path / "tight")
+    convert(src, roomy, ConvertOptions(workers=1))
+    convert(src, tight, ConvertOptions(workers=1, budget=256 << 10))
+    cref.assert_same_checkpoint(tight, roomy)

@@ -19,7 +19,7 @@ Tensor records are unpickled by the same reader (not `torch.load`), sharing the 
 
 torch is never imported to read a checkpoint: torch's classes and rebuild functions are allow-listed
 by name and build inert values (`converters.megatron.torch_archive`: a tensor is an `ArchiveTensor`
-whose `.numpy()` views the record's bytes), so convert's processes stay ~0.5 GiB smaller. The
+whose `.numpy()` views the record's bytes), so convert's processes stay hundreds of MiB smaller. The
 functions named `*torch*` (`safe_torch_load_tensor`, `read_chunk`, `read_full`) convert to torch at
 their edge, for callers that want tensors.
 """

@@ -6,8 +6,9 @@ dtype, layout, memory format or device is a small frozen record (`TorchDtype("bf
 (key, dtype, bytes shared with the archive buffer), element offset, shape and stride. `.numpy()`
 views its bytes without a copy (dtypes through `bridge.dtypes`, bf16 through ml_dtypes).
 
-torch costs ~0.5 GiB of resident memory once imported; convert's processes read every record this
-way and so never import it. Code that wants torch objects converts at its edge (`to_torch`).
+Importing torch adds hundreds of MiB to a process's resident memory (issue 16's per-process bound);
+convert's processes read every record this way and so never import it. Code that wants torch
+objects converts at its edge (`to_torch`).
 """
 
 from __future__ import annotations
