@@ -30,6 +30,7 @@
 #   SP_PYTHON=.venv/bin/python SP_SITE=/path/to/megatron-site bash scripts/gpu/scale/run_real.sh
 source scripts/gpu/scale/lib.sh
 env_info
+compile_tree
 O="$PY scripts/gpu/scale/offline.py"
 J=$out/offline.jsonl
 TR="$PY -m torch.distributed.run --standalone --nproc-per-node 1"
