@@ -218,7 +218,8 @@ def test_blocks_filled_by_ranges_equal_whole_chunk_fills(sources, fmt, block_byt
 
 def test_ranged_reads_land_in_the_block(tp1_source):
     """A TP=1 source's records read by ranges into whole-array blocks go straight into the block:
-    filling one allocates the block and nothing of a region's size besides (before, each region was
+    filling one (the records' layouts already parsed) allocates the block and nothing of a region's
+    size besides (before, each region was
     read into a temporary, copied into a region array, then into the block: 2 extra copies of every
     byte and twice a region's size of fresh memory)."""
     import tracemalloc
@@ -234,6 +235,7 @@ def test_ranged_reads_land_in_the_block(tp1_source):
             nbytes = b.box.size * np.dtype(units[b.unit].dtypes[role]).itemsize
             if nbytes < 256 << 10:
                 continue
+            fill_block(cache, indexes[b.unit], units[b.unit], role, b)  # each record's layout parsed once
             tracemalloc.start()
             try:
                 buf = fill_block(cache, indexes[b.unit], units[b.unit], role, b)
