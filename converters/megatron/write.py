@@ -19,6 +19,7 @@ bf16(its fp32 master) on the way; without `model` arrays the weights are derived
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import json
 import os
@@ -185,9 +186,34 @@ class Written:
     length: int
 
 
+def _sync_file_range() -> Callable[[int, int, int], Any] | None:
+    """libc's sync_file_range (Linux), or None where there is none."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range() if os.name == "posix" else None
+SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+WRITEBACK_BYTES = 64 << 20  # start the disk writing once this much of a file is dirty
+
+
 class DcpFile:
     """`.distcp` file number `index` (`__<index>_0.distcp`) in directory `root`: independent
-    `torch.save` blobs; used by one thread at a time."""
+    `torch.save` blobs; used by one thread at a time.
+
+    The disk starts writing each blob's pages as soon as there are `WRITEBACK_BYTES` of them
+    (sync_file_range, not waiting): on a host whose dirty-page limits exceed the output, the
+    kernel would otherwise hold every byte until `close`'s fsync, which then writes the whole file
+    after all reading is done instead of while the next blobs are read."""
 
     def __init__(self, root: str, index: int) -> None:
         import torch
@@ -196,6 +222,7 @@ class DcpFile:
         self.rel = f"__{index}_0.distcp"
         self.f = open(os.path.join(root, self.rel), "wb")
         self.bytes = 0
+        self.flushed = 0  # the file's bytes before this offset have had writeback started
 
     def tensor(self, fqn: str, offsets: Sequence[int], tensor: Any) -> Written:
         # Straight into the file, as DCP's own _write_item does (no in-memory copy of the blob).
@@ -203,7 +230,16 @@ class DcpFile:
         self.torch.save(tensor, self.f)
         n = self.f.tell() - off
         self.bytes += n
+        self._writeback(off + n)
         return Written(fqn, tuple(int(o) for o in offsets), tuple(int(s) for s in tensor.shape), self.rel, off, n)
+
+    def _writeback(self, end: int) -> None:
+        if _SYNC_FILE_RANGE is None or end - self.flushed < WRITEBACK_BYTES:
+            return
+        self.f.flush()
+        # A hint only: a failure here (an fs without it) leaves the work to close()'s fsync.
+        _SYNC_FILE_RANGE(self.f.fileno(), self.flushed, end - self.flushed, SYNC_FILE_RANGE_WRITE)
+        self.flushed = end
 
     def obj(self, fqn: str, value: Any) -> Written:
         buf = io.BytesIO()
@@ -434,6 +470,7 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
     if not remote:
         os.makedirs(where.run_dir, exist_ok=True)
     published = False
+    importer = _import_dcp_meanwhile()
     try:
         # The claim: exclusive temp dir next to the iteration dir, removed on any error / SIGINT /
         # SIGTERM, no-replace rename when complete (bridge.store.claim); on object storage the
@@ -486,12 +523,37 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
         if created_run:
             _remove_if_empty(where.run_dir)
         raise
+    finally:
+        if importer is not None:
+            importer.join()
     return {"dst": where.iter_dir, "run_dir": where.run_dir, "tracker": where.tracker,
             "tracker_previous": where.previous, "layout": lay.to_json(), "format": target.fmt, "bytes": nbytes,
             "params": len(params), "step": step,  # foreign: report keys (commands/to_megatron.py)
             "weights_derived": derive, "budget": budget, "workers": workers,
             "scheduler": bool(man.megatron and man.megatron.scheduler),
             "elements_read": stats.read, "elements_needed": stats.needed, "bytes_read": stats.read_bytes}
+
+
+def _import_dcp_meanwhile() -> threading.Thread | None:
+    """Import torch.distributed.checkpoint (needed only for the `.metadata` at the end; most of a
+    second of CPU) on a thread while the arrays are read and written: `DcpIndex.encode`'s own import
+    then finds it done, or waits on the import lock for the rest. An error is left for that import
+    to raise. The caller joins the thread before returning (no import running at interpreter exit)."""
+    import sys
+
+    name = "torch.distributed.checkpoint.filesystem"
+    if name in sys.modules:
+        return None
+
+    def load() -> None:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 (raised again, with its message, by encode's import)
+            pass
+
+    t = threading.Thread(target=load, name="to-megatron-import", daemon=True)
+    t.start()
+    return t
 
 
 def _check_arrays(src: str, params: Sequence[ParamInfo], arrays: dict, derive: bool) -> None:

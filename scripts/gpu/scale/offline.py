@@ -21,6 +21,15 @@
                                            re-read (measure.py --warm-imports); each a fresh process measured
                                            (wall, CPU, peak RSS, bytes); the second conversion's digests
                                            equal the first's (DST kept, DST_b removed)
+    offline.py tomeg CONV DST --json F     `gtp-bridge to-megatron --tp 2 CONV DST`'s code path in this process
+                                           (converters.megatron.write.to_megatron at the CLI's defaults), timed
+                                           after the imports; DST removed after
+    offline.py tomeg_anchor CONV OUT --json F  to-megatron's anchor in this process (bench_scale._anchor_tomeg:
+                                           raw TensorStore read of every array + dcp.save); OUT removed after
+    offline.py tomeg_ab CONV DST --json F  to-megatron vs its anchor in the order A B B A, as convert_ab: API,
+                                           anchor, anchor, API (each a fresh process, page cache dropped and
+                                           libraries re-read before it, timed in-process after the imports),
+                                           then the CLI once (process start included: a second figure)
     offline.py layer_read CONV LIVE --json F  one layer of the largest stacked array of CONV in a fresh
                                            context: bytes TensorStore read vs the layer's bytes; exact vs LIVE
     offline.py jax CKPT --json F           JAX restore onto a 1-GPU mesh: bridge.jaxside.restore vs
@@ -212,6 +221,78 @@ def cmd_convert_ab(a) -> int:
         append(a.json, {"what": "convert_ab_ratio", "convert_s": conv_s, "anchor_s": anchor_s,
                         "ratio_of_means": (sum(conv_s) / len(conv_s)) / (sum(anchor_s) / len(anchor_s))})
     return 0 if len(conv_s) == 2 and len(anchor_s) == 2 else 1
+
+
+def cmd_tomeg(a) -> int:
+    # the libraries the anchor imports before its clock starts (torch, DCP, TensorStore), so both
+    # sides are timed warm; the CLI figure (tomeg_ab's last run) includes them
+    import tensorstore  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+
+    from converters.megatron.write import MegatronTarget, to_megatron
+
+    src, dst = a.paths
+    t0 = time.perf_counter()
+    r = to_megatron(src, dst, MegatronTarget(tp=a.tp), show_progress=False)
+    rec = {"what": "tomeg_api", "src": src, "tp": a.tp, "seconds_in_process": time.perf_counter() - t0,
+           "workers": r["workers"], "budget": r["budget"], "bytes": r["bytes"], "bytes_read": r["bytes_read"],
+           "elements_read": r["elements_read"], "elements_needed": r["elements_needed"]}
+    shutil.rmtree(dst, ignore_errors=True)
+    append(a.json, rec)
+    return 0
+
+
+def cmd_tomeg_anchor(a) -> int:
+    from bench_scale import _anchor_tomeg
+
+    conv, out = a.paths
+    r = _anchor_tomeg(conv, out)
+    shutil.rmtree(out, ignore_errors=True)
+    append(a.json, dict(r, what="tomeg_anchor", anchor_seconds=r["ts_read_s"] + r["dcp_save_s"]))
+    return 0
+
+
+def cmd_tomeg_ab(a) -> int:
+    """A B B A: API to-megatron, anchor, anchor, API; then the CLI once (see the module docstring)."""
+    import scale_measure as sm
+
+    conv, dst = a.paths
+    py = sys.executable
+    me = os.path.abspath(__file__)
+    tp = ["--tp", str(a.tp)]
+    steps = [("tomeg_api", [py, me, "tomeg", conv, dst, "--json", a.json] + tp),
+             ("tomeg_anchor", [py, me, "tomeg_anchor", conv, dst + "_anchor", "--json", a.json]),
+             ("tomeg_anchor", [py, me, "tomeg_anchor", conv, dst + "_anchor", "--json", a.json]),
+             ("tomeg_api", [py, me, "tomeg", conv, dst, "--json", a.json] + tp),
+             ("tomeg_cli", [py, "-m", "bridge.cli", "to-megatron", conv, dst] + tp)]
+    api_s, anchor_s, cli_s = [], [], []
+    for i, (kind, argv) in enumerate(steps):
+        rec: dict = {"what": "tomeg_ab", "position": i, "kind": kind, "dropped_caches": sm.drop_caches()}
+        rec["warm_imports"] = sm.measure([py, "-c", sm.WARM_IMPORTS], timeout=120).rc == 0
+        r = sm.measure(argv, timeout=a.step_timeout)
+        rec.update(rc=r.rc, wall_seconds=r.seconds, cpu_seconds=r.cpu_seconds, peak_process_rss=r.peak_process_rss,
+                   peak_tree_rss=r.peak_tree_rss, io=r.io, timed_out=r.timed_out)
+        if r.rc != 0:
+            rec["tail"] = r.output[-1500:]
+        if r.rc == 0 and kind == "tomeg_api":
+            got = _last(a.json, "tomeg_api")
+            rec.update(seconds=got["seconds_in_process"], workers=got["workers"], budget=got["budget"])
+            api_s.append(got["seconds_in_process"])
+        elif r.rc == 0 and kind == "tomeg_anchor":
+            got = _last(a.json, "tomeg_anchor")
+            rec.update(seconds=got["anchor_seconds"], ts_read_s=got["ts_read_s"], dcp_save_s=got["dcp_save_s"])
+            anchor_s.append(got["anchor_seconds"])
+        elif r.rc == 0:
+            rec["seconds"] = r.seconds
+            cli_s.append(r.seconds)
+        shutil.rmtree(dst, ignore_errors=True)
+        append(a.json, rec)
+    if api_s and anchor_s:
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        append(a.json, {"what": "tomeg_ab_ratio", "api_s": api_s, "anchor_s": anchor_s, "cli_s": cli_s,
+                        "ratio_of_means": mean(api_s) / mean(anchor_s),
+                        "cli_over_anchor": mean(cli_s) / mean(anchor_s) if cli_s else None})
+    return 0 if len(api_s) == 2 and len(anchor_s) == 2 else 1
 
 
 def cmd_layer_read(a) -> int:
@@ -458,17 +539,19 @@ def cmd_jax(a) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("cmd", choices=["compare", "digests", "anchor", "jax", "verify", "rawread", "convert", "convert_ab",
-                                    "layer_read"])
+                                    "layer_read", "tomeg", "tomeg_anchor", "tomeg_ab"])
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--json", required=True)
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--baseline", default=None, help="verify: an older verify.py to A/B against (warm)")
     ap.add_argument("--reads-only", action="store_true", help="verify: also a warm run without the digest")
-    ap.add_argument("--step-timeout", type=float, default=150.0, help="convert_ab: limit of each measured run")
+    ap.add_argument("--step-timeout", type=float, default=150.0, help="convert_ab / tomeg_ab: limit of each measured run")
+    ap.add_argument("--tp", type=int, default=2, help="tomeg / tomeg_ab: target tensor-parallel size")
     a = ap.parse_args()
     sys.exit({"compare": cmd_compare, "digests": cmd_digests, "anchor": cmd_anchor, "jax": cmd_jax,
               "verify": cmd_verify, "rawread": cmd_rawread, "convert": cmd_convert, "convert_ab": cmd_convert_ab,
-              "layer_read": cmd_layer_read}[a.cmd](a))
+              "layer_read": cmd_layer_read, "tomeg": cmd_tomeg, "tomeg_anchor": cmd_tomeg_anchor,
+              "tomeg_ab": cmd_tomeg_ab}[a.cmd](a))
 
 
 if __name__ == "__main__":
