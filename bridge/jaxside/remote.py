@@ -84,7 +84,7 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
     from bridge.store.commit import commit_checkpoint
     from bridge.store.plan import ArraySpec, make_write_plan
     from bridge.dtypes import check_name
-    from bridge.store.specs import DEFAULT_INNER_CHUNK_BYTES
+    from bridge.store.specs import DEFAULT_INNER_CHUNK_BYTES, max_chunk_bytes
     from bridge.store.writer import CheckpointWriter
 
     if jax.process_count() > 1:
@@ -94,7 +94,8 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
     catalog = [ArraySpec(p, tuple(int(s) for s in np.shape(a)), check_name(np.dtype(a.dtype).name, "/".join(p)))
                for p, a in flat.items()]
     plan = make_write_plan(catalog, 1, empty_paths=adamw_empty_paths(),
-                           inner_chunk_bytes=DEFAULT_INNER_CHUNK_BYTES if chunk_byte_size is None else chunk_byte_size)
+                           inner_chunk_bytes=DEFAULT_INNER_CHUNK_BYTES if chunk_byte_size is None else chunk_byte_size,
+                           max_chunk_bytes=max_chunk_bytes(url))
     by_name = {spec.name: flat[tuple(spec.path)] for spec in catalog}
     with claim_destination(url) as claim:
         with progress(plan.total_bytes, "save") as bar:

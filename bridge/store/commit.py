@@ -92,8 +92,11 @@ def _remote_reports(root: str, plan: WritePlan, timeout: float) -> list[dict]:
     from bridge.store.remote import wait_for_objects
 
     keys = [report_key(w) for w in range(plan.num_writers)]
-    wait_for_objects(root, keys, timeout, "writers")
-    return _checked_reports(plan, [kvstore.read_json(root, k) for k in keys])
+    reports = kvstore.read_json_many(root, keys)  # usually all there: no listing, one GET each
+    if any(r is None for r in reports):
+        wait_for_objects(root, keys, timeout, "writers")
+        reports = kvstore.read_json_many(root, keys)
+    return _checked_reports(plan, reports)
 
 
 def _checked_reports(plan: WritePlan, raw: Sequence[dict]) -> list[dict]:
@@ -315,7 +318,7 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
         if is_remote(tmp):
             from bridge.store import kvstore
 
-            kvstore.delete_prefix(tmp, REPORT_DIR + "/")
+            kvstore.delete_keys(tmp, [report_key(w) for w in range(plan.num_writers)])
         else:
             shutil.rmtree(os.path.join(tmp, REPORT_DIR))
     except BaseException:
@@ -362,7 +365,8 @@ def save_checkpoint(dst: str, arrays: Mapping[Sequence[str] | str, np.ndarray], 
     True
     """
     catalog = catalog_of(arrays)
-    plan = make_write_plan(catalog, num_writers, empty_paths=empty_paths, compression=compression)
+    plan = make_write_plan(catalog, num_writers, empty_paths=empty_paths, compression=compression,
+                           max_chunk_bytes=specs.max_chunk_bytes(dst))
     data = {spec.name: np.asarray(a) for spec, a in zip(catalog, arrays.values())}
     with claim_destination(dst) as claim:
         with progress(plan.total_bytes, f"save {basename(dst)}") as bar:

@@ -21,7 +21,7 @@ import json
 import os
 import re
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 from bridge.errors import BridgeError
 from bridge.location import is_remote, parse_url
@@ -150,6 +150,16 @@ def read_bytes(root: str, key: str) -> bytes | None:
     return bytes(r.value) if r.state == "value" else None
 
 
+def read_json_many(root: str, keys: Sequence[str]) -> list:
+    """`read_json` of every key in `keys`, the reads issued at once (None for a missing object)."""
+    store = open_store(root)
+    try:
+        got = [f.result() for f in [store.read(k) for k in keys]]
+    except ValueError as e:
+        _raise(e, root, "read objects of")
+    return [json.loads(bytes(r.value)) if r.state == "value" else None for r in got]
+
+
 def exists(root: str, key: str) -> bool:
     return read_bytes(root, key) is not None
 
@@ -196,6 +206,17 @@ def delete_prefix(root: str, prefix: str = "") -> None:
     try:
         rng = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)) if prefix else ts.KvStore.KeyRange()
         store.delete_range(rng).result()
+    except ValueError as e:
+        _raise(e, root, "delete objects under")
+
+
+def delete_keys(root: str, keys: Sequence[str]) -> None:
+    """Delete the objects `keys` under `root` (absent ones are no error): one DELETE each, issued
+    at once, where `delete_prefix` would list first."""
+    store = open_store(root)
+    try:
+        for f in [store.write(k, None) for k in keys]:
+            f.result()
     except ValueError as e:
         _raise(e, root, "delete objects under")
 

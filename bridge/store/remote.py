@@ -118,7 +118,7 @@ class RemoteDestination(local_claim.HeldDestination):
             raise
         # Committed. The claim object is only bookkeeping now; a failure to delete it is harmless.
         try:
-            kv.delete_prefix(self.dst, CLAIM_KEY)
+            kv.delete_keys(self.dst, [CLAIM_KEY])
         except BridgeError:
             pass
         self._forget()
@@ -141,10 +141,8 @@ class RemoteDestination(local_claim.HeldDestination):
             if not self.owned():
                 return False
             # Everything but the claim first: until the claim goes, a later run knows whose leftovers these are.
-            for key in kv.list_keys(self.dst):
-                if key != CLAIM_KEY:
-                    kv.delete_prefix(self.dst, key)
-            kv.delete_prefix(self.dst, CLAIM_KEY)
+            kv.delete_keys(self.dst, [k for k in kv.list_keys(self.dst) if k != CLAIM_KEY])
+            kv.delete_keys(self.dst, [CLAIM_KEY])
         except BridgeError as e:
             print(f"gtp-bridge: could not remove the objects under {self.dst}: {e}", file=sys.stderr)
             return False
@@ -195,7 +193,8 @@ def claim_remote(dst: str, *, sources: Iterable[str] = (), marker: str = METADAT
     if not kv.write_bytes(dst, CLAIM_KEY, json.dumps(asdict(info)).encode(), if_absent=True):
         raise BridgeError(f"destination {dst} is being claimed by another run at the same time; "
                           f"choose another destination")
-    if _load_claim(dst) is None or _load_claim(dst).run_id != info.run_id:
+    held = _load_claim(dst)  # read back: TensorStore's S3 conditional create is a HEAD then a PUT: of two racing runs the last PUT wins
+    if held is None or held.run_id != info.run_id:
         raise BridgeError(f"destination {dst} was claimed by another run at the same time; choose another destination")
     dest = RemoteDestination(dst, info, marker)
     with local_claim._HELD_LOCK:
