@@ -220,13 +220,20 @@ def _release_all_at_exit() -> None:
 def committed_root(root: str) -> str:
     """`root` (a URL) if it holds a committed checkpoint; else BridgeError / IntegrityError saying why.
 
-    An Orbax item sub-prefix (`state/`, `default/`) holding `_METADATA` is accepted as well."""
+    An Orbax item sub-prefix (`state/`, `default/`) holding `_METADATA` is accepted as well, and an
+    Orbax CheckpointManager root stands for its latest committed step (`bridge.store.manager`)."""
     keys = set(kv.list_keys(root))
     if METADATA in keys:
         return root
     for item in ("state", "default"):
         if f"{item}/{METADATA}" in keys:
             return f"{root}/{item}"
+    from bridge.store.manager import ITEM, latest_step_note, steps_of_keys
+
+    steps = steps_of_keys(keys)  # an Orbax CheckpointManager root: its latest committed step
+    if steps:
+        latest_step_note(root, steps, f"{root}/{steps[-1]}")
+        return f"{root}/{steps[-1]}/{ITEM}"
     if CLAIM_KEY in keys:
         raise IntegrityError(f"{root} is a partial checkpoint (its writer never committed: no _METADATA); "
                              f"rerun the write, which removes it")
