@@ -12,7 +12,7 @@ The environment configures remote stores as the clouds' own tools do:
 >>> base_kvstore("/ckpt/a")
 {'driver': 'file', 'path': '/ckpt/a/'}
 >>> base_kvstore("gs://bkt/runs/a/")
-{'driver': 'gcs', 'bucket': 'bkt', 'path': 'runs/a/'}
+{'driver': 'gcs', 'bucket': 'bkt', 'path': 'runs/a/', 'gcs_request_retries': {'max_retries': 8, 'initial_delay': '0.2s', 'max_delay': '8s'}}
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _gcs_spec(bucket: str, key: str) -> dict:
     if emulator and not os.environ.get("TENSORSTORE_GCS_HTTP_URL"):
         # One variable for every client: TensorStore reads its own name for the same thing.
         os.environ["TENSORSTORE_GCS_HTTP_URL"] = emulator if "://" in emulator else f"http://{emulator}"
-    return {"driver": "gcs", "bucket": bucket, "path": key}
+    return {"driver": "gcs", "bucket": bucket, "path": key, "gcs_request_retries": dict(_RETRIES)}
 
 
 def base_kvstore(root: str) -> dict:

@@ -1,0 +1,138 @@
+"""The claim's conditional create against a GCS server that enforces it (issue 20).
+
+TensorStore's gcs driver creates an object only if absent by a media upload with
+`ifGenerationMatch=0`. fake-gcs-server (v1.54) enforces that precondition on multipart uploads
+but ignores it on media uploads, and gcp-storage-emulator ignores it altogether, so against either
+as they are a lost race would go unnoticed. Here TensorStore's media uploads pass through a small
+proxy that resends each as a multipart upload with the same query (the precondition included):
+the decision to refuse is the server's own precondition check, and the request TensorStore sent
+is the one judged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import http.server
+import json
+import os
+import sys
+import threading
+import uuid
+from urllib.parse import parse_qs, urlencode, urlsplit
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from servers import environ, remote_servers  # noqa: E402
+
+from bridge.errors import BridgeError  # noqa: E402
+
+
+class MediaToMultipart:
+    """HTTP forwarder to `upstream` that turns JSON-API media uploads into multipart uploads."""
+
+    def __init__(self, upstream: str) -> None:
+        u = urlsplit(upstream)
+        host, port = u.hostname, u.port
+        self.rewritten = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _forward(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else b""
+                path, _, query = self.path.partition("?")
+                q = parse_qs(query)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "content-length")}
+                target = self.path
+                if self.command == "POST" and path.startswith("/upload/") and q.get("uploadType") == ["media"]:
+                    name = q.pop("name")[0]
+                    q["uploadType"] = ["multipart"]
+                    b = uuid.uuid4().hex
+                    ctype = headers.pop("Content-Type", headers.pop("content-type", "application/octet-stream"))
+                    body = (f"--{b}\r\nContent-Type: application/json\r\n\r\n{json.dumps({'name': name})}\r\n"
+                            f"--{b}\r\nContent-Type: {ctype}\r\n\r\n").encode() + body + f"\r\n--{b}--\r\n".encode()
+                    headers["Content-Type"] = f"multipart/related; boundary={b}"
+                    target = f"{path}?{urlencode(q, doseq=True)}"
+                    outer.rewritten += 1
+                conn = http.client.HTTPConnection(host, port, timeout=60)
+                conn.request(self.command, target, body=body or None, headers=headers)
+                r = conn.getresponse()
+                data = r.read()
+                self.send_response(r.status, r.reason)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """The GCS emulator reached through the adapter (the environment points every client at it)."""
+    with remote_servers() as servers:
+        gs = servers["gs"]
+        proxy = MediaToMultipart(gs.endpoint)
+        try:
+            with environ(TENSORSTORE_GCS_HTTP_URL=proxy.url, STORAGE_EMULATOR_HOST=proxy.url):
+                yield gs, proxy
+        finally:
+            proxy.close()
+
+
+def test_create_if_absent_is_refused_by_the_server_when_the_object_exists(gcs):
+    from bridge.store import kvstore as kv
+
+    gs, proxy = gcs
+    root = gs.url("claims/plain")
+    before = proxy.rewritten
+    assert kv.write_bytes(root, "k", b"first", if_absent=True) is True
+    assert kv.write_bytes(root, "k", b"second", if_absent=True) is False
+    assert kv.read_bytes(root, "k") == b"first"
+    assert proxy.rewritten - before == 2  # both went to the server as conditional uploads
+
+
+def test_a_claim_that_lost_the_race_is_refused_and_the_winners_claim_kept(gcs, monkeypatch):
+    """Interleaving: our run lists DST empty, then another run's claim lands, then ours is created
+    only-if-absent. The server refuses ours (412): one line, the other run's claim untouched."""
+    from bridge.store import kvstore as kv
+    from bridge.store import remote
+    from bridge.store.claim import ClaimInfo
+
+    gs, _ = gcs
+    dst = gs.url("claims/race")
+    other = dataclasses.replace(ClaimInfo.mine(dst), run_id="other-run", pid=1)
+    theirs = json.dumps(dataclasses.asdict(other)).encode()
+    listed = []
+
+    def listed_before_their_claim(root, prefix=""):
+        listed.append(root)
+        assert kv.write_bytes(dst, remote.CLAIM_KEY, theirs)  # their claim lands after our listing
+        return []
+
+    monkeypatch.setattr(remote.kv, "list_keys", listed_before_their_claim)
+    with pytest.raises(BridgeError, match="being claimed by another run at the same time") as exc:
+        remote.claim_remote(dst)
+    monkeypatch.undo()
+    assert listed == [dst] and "\n" not in str(exc.value)
+    assert kv.read_bytes(dst, remote.CLAIM_KEY) == theirs
+    assert remote.held_remote(dst) is None
