@@ -1,12 +1,16 @@
-"""The claim's conditional create against a GCS server that enforces it (issue 20).
+"""The claim's conditional create against servers that enforce it (issue 20): of two runs claiming
+one prefix at the same time, the server refuses the second create, and that run stops in one line.
 
-TensorStore's gcs driver creates an object only if absent by a media upload with
-`ifGenerationMatch=0`. fake-gcs-server (v1.54) enforces that precondition on multipart uploads
-but ignores it on media uploads, and gcp-storage-emulator ignores it altogether, so against either
-as they are a lost race would go unnoticed. Here TensorStore's media uploads pass through a small
-proxy that resends each as a multipart upload with the same query (the precondition included):
-the decision to refuse is the server's own precondition check, and the request TensorStore sent
-is the one judged.
+TensorStore creates an object only if absent with a precondition the server checks: on S3 a HEAD,
+then a PUT with `If-None-Match: *` (moto enforces it); on GCS a media upload with
+`ifGenerationMatch=0`. fake-gcs-server (v1.54) enforces that precondition on multipart uploads but
+ignores it on media uploads, and gcp-storage-emulator ignores it altogether, so against either as
+they are a lost race would go unnoticed: here TensorStore's media uploads pass through a small
+proxy that resends each as a multipart upload with the same query (the precondition included).
+Either way the decision to refuse is the server's own precondition check on the request
+TensorStore sent. The other run's claim is made to land at the worst moment: on S3 between our
+HEAD and our PUT (the proxy writes it as soon as it answered the HEAD), on GCS between our listing
+and our create.
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ from servers import environ, remote_servers  # noqa: E402
 from bridge.errors import BridgeError  # noqa: E402
 
 
-class MediaToMultipart:
-    """HTTP forwarder to `upstream` that turns JSON-API media uploads into multipart uploads."""
+class Forwarder:
+    """HTTP forwarder to `upstream`; `multipart`: GCS JSON-API media uploads are resent as multipart
+    uploads; `after(command, path)` runs once a response went back to the client."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, multipart: bool = False) -> None:
         u = urlsplit(upstream)
         host, port = u.hostname, u.port
         self.rewritten = 0
+        self.after = lambda command, path: None
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -51,7 +57,8 @@ class MediaToMultipart:
                 q = parse_qs(query)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "content-length")}
                 target = self.path
-                if self.command == "POST" and path.startswith("/upload/") and q.get("uploadType") == ["media"]:
+                if multipart and self.command == "POST" and path.startswith("/upload/") and \
+                        q.get("uploadType") == ["media"]:
                     name = q.pop("name")[0]
                     q["uploadType"] = ["multipart"]
                     b = uuid.uuid4().hex
@@ -73,7 +80,9 @@ class MediaToMultipart:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
+                self.wfile.flush()
                 conn.close()
+                outer.after(self.command, path)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
@@ -87,19 +96,24 @@ class MediaToMultipart:
 
 
 @pytest.fixture(scope="module")
-def gcs():
-    """The GCS emulator reached through the adapter (the environment points every client at it)."""
+def servers():
     with remote_servers() as servers:
-        gs = servers["gs"]
-        proxy = MediaToMultipart(gs.endpoint)
-        try:
-            with environ(TENSORSTORE_GCS_HTTP_URL=proxy.url, STORAGE_EMULATOR_HOST=proxy.url):
-                yield gs, proxy
-        finally:
-            proxy.close()
+        yield servers
 
 
-def test_create_if_absent_is_refused_by_the_server_when_the_object_exists(gcs):
+@pytest.fixture()
+def gcs(servers):
+    """The GCS emulator reached through the adapter (the environment points every client at it)."""
+    gs = servers["gs"]
+    proxy = Forwarder(gs.endpoint, multipart=True)
+    try:
+        with environ(TENSORSTORE_GCS_HTTP_URL=proxy.url, STORAGE_EMULATOR_HOST=proxy.url):
+            yield gs, proxy
+    finally:
+        proxy.close()
+
+
+def test_gcs_create_if_absent_is_refused_by_the_server_when_the_object_exists(gcs):
     from bridge.store import kvstore as kv
 
     gs, proxy = gcs
@@ -111,17 +125,15 @@ def test_create_if_absent_is_refused_by_the_server_when_the_object_exists(gcs):
     assert proxy.rewritten - before == 2  # both went to the server as conditional uploads
 
 
-def test_a_claim_that_lost_the_race_is_refused_and_the_winners_claim_kept(gcs, monkeypatch):
+def test_gcs_claim_that_lost_the_race_is_refused_and_the_winners_claim_kept(gcs, monkeypatch):
     """Interleaving: our run lists DST empty, then another run's claim lands, then ours is created
     only-if-absent. The server refuses ours (412): one line, the other run's claim untouched."""
     from bridge.store import kvstore as kv
     from bridge.store import remote
-    from bridge.store.claim import ClaimInfo
 
     gs, _ = gcs
     dst = gs.url("claims/race")
-    other = dataclasses.replace(ClaimInfo.mine(dst), run_id="other-run", pid=1)
-    theirs = json.dumps(dataclasses.asdict(other)).encode()
+    theirs = _their_claim(dst)
     listed = []
 
     def listed_before_their_claim(root, prefix=""):
@@ -134,5 +146,41 @@ def test_a_claim_that_lost_the_race_is_refused_and_the_winners_claim_kept(gcs, m
         remote.claim_remote(dst)
     monkeypatch.undo()
     assert listed == [dst] and "\n" not in str(exc.value)
+    assert kv.read_bytes(dst, remote.CLAIM_KEY) == theirs
+    assert remote.held_remote(dst) is None
+
+
+def _their_claim(dst: str) -> bytes:
+    from bridge.store.claim import ClaimInfo
+
+    return json.dumps(dataclasses.asdict(dataclasses.replace(ClaimInfo.mine(dst), run_id="other-run", pid=1))).encode()
+
+
+def test_s3_claim_whose_put_lost_the_race_is_refused(servers):
+    """The other run's claim lands between our HEAD (absent) and our PUT: moto refuses our PUT
+    (If-None-Match: *), the claim fails in one line and theirs stays."""
+    from bridge.store import kvstore as kv
+    from bridge.store import remote
+
+    s3 = servers["s3"]
+    dst = s3.url("claims/race-s3")
+    theirs = _their_claim(dst)
+    key = f"claims/race-s3/{remote.CLAIM_KEY}"
+    proxy = Forwarder(s3.endpoint)
+    landed = []
+
+    def after(command, path):
+        if command == "HEAD" and path.endswith(remote.CLAIM_KEY) and not landed:
+            s3.client().put_object(Bucket=s3.buckets[0], Key=key, Body=theirs)
+            landed.append(path)
+
+    proxy.after = after
+    try:
+        with environ(AWS_ENDPOINT_URL=proxy.url):
+            with pytest.raises(BridgeError, match="being claimed by another run at the same time") as exc:
+                remote.claim_remote(dst)
+    finally:
+        proxy.close()
+    assert landed and "\n" not in str(exc.value)
     assert kv.read_bytes(dst, remote.CLAIM_KEY) == theirs
     assert remote.held_remote(dst) is None
