@@ -193,7 +193,7 @@ def claim_remote(dst: str, *, sources: Iterable[str] = (), marker: str = METADAT
     if not kv.write_bytes(dst, CLAIM_KEY, json.dumps(asdict(info)).encode(), if_absent=True):
         raise BridgeError(f"destination {dst} is being claimed by another run at the same time; "
                           f"choose another destination")
-    held = _load_claim(dst)  # read back: TensorStore's S3 conditional create is a HEAD then a PUT: of two racing runs the last PUT wins
+    held = _load_claim(dst)  # read back: a store that ignores the create's precondition lets the last PUT win
     if held is None or held.run_id != info.run_id:
         raise BridgeError(f"destination {dst} was claimed by another run at the same time; choose another destination")
     dest = RemoteDestination(dst, info, marker)
