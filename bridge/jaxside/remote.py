@@ -106,18 +106,20 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
     by_name = {spec.name: flat[tuple(spec.path)] for spec in catalog}
     tmp = begin_checkpoint(url, coordinator=coord)
 
-    def write() -> None:
+    def write() -> dict:
         with progress(plan.bytes_of_writer(rank), "save" if world == 1 else f"save (process {rank})") as bar:
             writer = CheckpointWriter(tmp, plan, rank)
             for name, ap in plan.arrays.items():
                 for box, host in _owned_blocks(by_name[name], ap.ownership, rank):
                     writer.write(name, box, host)
                     bar.update(host.nbytes)
-            writer.finish()
+            return writer.finish(publish=False)
 
     try:
-        coord.all_gather("writing", write)  # a failing process's error reaches every process
-        coord.broadcast("the commit", lambda: commit_checkpoint(url, plan, manifest))
+        # every writer's report reaches process 0 through the coordinator (no report objects), and a
+        # failing process's error reaches every process
+        reports = coord.all_gather("writing", write)
+        coord.broadcast("the commit", lambda: commit_checkpoint(url, plan, manifest, reports=reports))
     except BaseException:
         held = held_remote(url)  # process 0's claim (a failed commit released it already)
         if held is not None:

@@ -292,9 +292,12 @@ def _claim_for(dst: str, claim: DestinationClaim | None) -> DestinationClaim:
 
 
 def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = None, *, timeout: float = 600.0,
-                      claim: DestinationClaim | None = None) -> str:
+                      claim: DestinationClaim | None = None, reports: Sequence[dict] | None = None) -> str:
     """Wait for all writers, check coverage and every writer's database, merge, check every chunk is
     stored, write sealed metadata, fsync, rename tmp -> dst (never over an existing dst).
+
+    `reports`: every writer's report (`CheckpointWriter.finish(publish=False)`), when the writers ran
+    in this process: no barrier, and no report files or objects written, read and removed.
 
     On any failure the run's temp directory is removed (by the process holding the claim)."""
     dst = absolute(dst)
@@ -303,7 +306,10 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
     init_ns = time.time_ns()
     try:
         claim.check_owned()
-        reports = wait_for_reports(tmp, plan, timeout)
+        handed = reports is not None
+        reports = _checked_reports(plan, reports) if handed else wait_for_reports(tmp, plan, timeout)
+        if len(reports) != plan.num_writers:
+            raise BridgeError(f"{len(reports)} writer reports for {plan.num_writers} writers; pass every writer's")
         digests = check_coverage(plan, reports)
         algos = {r["digest_algorithm"] for r in reports}
         algo = algos.pop() if len(algos) == 1 else ""
@@ -315,7 +321,9 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
         check_stored_chunks(tmp, plan)
         claim.check_owned()  # nobody replaced the directory while we merged
         meta = metadata_json(plan, manifest)
-        if is_remote(tmp):
+        if handed:
+            pass
+        elif is_remote(tmp):
             from bridge.store import kvstore
 
             kvstore.delete_keys(tmp, [report_key(w) for w in range(plan.num_writers)])
@@ -370,6 +378,7 @@ def save_checkpoint(dst: str, arrays: Mapping[Sequence[str] | str, np.ndarray], 
     data = {spec.name: np.asarray(a) for spec, a in zip(catalog, arrays.values())}
     with claim_destination(dst) as claim:
         with progress(plan.total_bytes, f"save {basename(dst)}") as bar:
+            reports = []
             for w in range(num_writers):
                 writer = CheckpointWriter(claim.tmp, plan, w)
                 for name, ap in plan.arrays.items():
@@ -377,5 +386,5 @@ def save_checkpoint(dst: str, arrays: Mapping[Sequence[str] | str, np.ndarray], 
                         block = data[name][box.slices]
                         writer.write(name, box, block)
                         bar.update(block.nbytes)
-                writer.finish()
-        return commit_checkpoint(dst, plan, manifest, timeout=10.0, claim=claim)
+                reports.append(writer.finish(publish=False))
+        return commit_checkpoint(dst, plan, manifest, timeout=10.0, claim=claim, reports=reports)

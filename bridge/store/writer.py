@@ -365,8 +365,10 @@ class CheckpointWriter:
             raise BridgeError(f"writer {self.writer_id}: committing writes to {self.tmp_dir} failed: "
                               f"{' '.join(str(e).split())}") from e
 
-    def finish(self) -> dict:
-        """Create metadata of arrays this writer is responsible for, flush, and publish its report."""
+    def finish(self, publish: bool = True) -> dict:
+        """Create metadata of arrays this writer is responsible for, flush, and publish its report
+        (for the committer's barrier); returns the report. `publish=False`: only return it, for a
+        committer in this process that is handed the reports (`commit_checkpoint(reports=...)`)."""
         if self._finished:
             raise BridgeError(f"writer {self.writer_id}: finish() called twice")
         for ap in self.plan.arrays.values():
@@ -388,7 +390,9 @@ class CheckpointWriter:
             own = st.plan.ownership
             mine = own.owners == self.writer_id
             report["arrays"][name] = {"covered": st.covered[mine].tolist(), "digest": dg.to_hex(st.digest)}
-        if self.remote:
+        if not publish:
+            pass
+        elif self.remote:
             from bridge.store import kvstore
 
             kvstore.write_json(self.tmp_dir, report_key(self.writer_id), report)
