@@ -37,17 +37,17 @@ TARGET_DATA_FILE_SIZE = 16 << 20
 
 def max_chunk_bytes(root: str) -> int:
     """Largest outer chunk a writer that chooses its own chunking (`make_write_plan`'s
-    `max_chunk_bytes`) uses under `root`: 1 GiB locally, half the data-file target on object storage.
+    `max_chunk_bytes`) uses under `root`: 1 GiB locally, the data-file target on object storage.
 
     A chunk is one OCDBT value, never split across data files. On object storage each data file is
     one PUT, and OCDBT sends the file still open when a transaction commits only after every other
-    file landed: chunks of half the target fill files of about the target size, so a transaction
-    is many PUTs at once with a small last one (and a reader decodes many shards in parallel).
+    file landed: chunks of the target size make files of about that size, so a transaction is many
+    PUTs at once with a small last one (and a reader decodes many shards in parallel).
 
     >>> max_chunk_bytes("/ckpt/a") >> 20, max_chunk_bytes("s3://bkt/a") >> 20
-    (1024, 8)
+    (1024, 16)
     """
-    return TARGET_DATA_FILE_SIZE // 2 if is_remote(root) else 1 << 30
+    return TARGET_DATA_FILE_SIZE if is_remote(root) else 1 << 30
 
 
 def check_compression(compression: str | None) -> str | None:
