@@ -200,7 +200,7 @@ def model_space_entries(st: dict[str, dict[str, np.ndarray]], tp: int, fully: bo
 
 
 def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
-               pp: int = 1, bucket_space: bool = False) -> tuple[dict[str, list], dict[str, Any]]:
+               pp: int = 1, bucket_space: bool = False, per_rank: bool = False) -> tuple[dict[str, list], dict[str, Any]]:
     """dp_reshardable bucket tensors and per_bucket_numel objects, computed directly (one
     DistOpt group per TP rank t and pipeline stage: dp_group_idx t + tp·stage)."""
     entries: dict[str, list] = {}
@@ -268,14 +268,37 @@ def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
                 chunks = []
                 for d in range(dp):
                     lo, hi = d * s, min((d + 1) * s, n)
-                    if hi > lo:
-                        chunks.append((t + tp * d + tp * dp * stage, (lo,), world[lo:hi]))
+                    w = t + tp * d + tp * dp * stage
+                    if per_rank:   # megatron-core 0.14's torch_dist: (dp, s), each rank's row in pieces
+                        mid = lo + (hi - lo) // 3
+                        chunks += [(w, (d, 0), world[lo:mid].reshape(1, -1)), (w, (d, mid - lo), world[mid:hi].reshape(1, -1))]
+                    elif hi > lo:
+                        chunks.append((w, (lo,), world[lo:hi]))
                 entries[key] = chunks
         pre = f"optimizer.distributed.dp_group_idx_{k}."
         objects[pre + "per_bucket_numel"] = [{(torch.bfloat16, torch.float32): padded}]
         objects[pre + "per_bucket_numel_unpadded"] = [{(torch.bfloat16, torch.float32): unpadded}]
         objects[pre + "optimizer"] = {"param_groups": param_groups(step=3)}
     return entries, objects
+
+
+def gathered(entries: dict[str, list], objects: dict[str, Any]) -> tuple[dict[str, list], dict[str, Any]]:
+    """dp_reshardable's buckets (`dp_buffers`) as dp_zero_gather_scatter saves them: per DistOpt group,
+    one `param_state` object holding each state's unpadded buckets end to end (what DP rank 0
+    gathers, `buckets_coalesced`), no bucket tensors and no per_bucket_numel objects."""
+    per: dict[str, dict[str, list]] = {}
+    for key, chunks in entries.items():
+        pre, rest = key.split(".gbuf_idx_0.", 1)
+        b, stname = rest.split(".bucket_idx_", 1)[1].split(".")
+        world = np.concatenate([d for _w, _o, d in sorted(chunks, key=lambda c: c[1])])
+        per.setdefault(pre, {}).setdefault(stname, []).append((int(b), world))
+    out = {k: v for k, v in objects.items() if k.endswith(".optimizer")}
+    for pre, states in per.items():
+        tensors: dict[str, Any] = {st: torch.from_numpy(np.concatenate([w for _b, w in sorted(bs, key=lambda x: x[0])]))
+                                   for st, bs in states.items()}
+        tensors["numel_unpadded"] = int(tensors["param"].numel())
+        out[pre + ".param_state"] = [{"buckets_coalesced": True, 0: {(torch.bfloat16, torch.float32): tensors}}]
+    return {}, out
 
 
 def param_groups(step: int) -> list[dict]:
@@ -294,7 +317,7 @@ def common_state(tp: int, dp: int, fmt: str, with_args: bool = True, pp: int = 1
                                         swiglu=True, padded_vocab_size=V, num_layers=L, params_dtype=torch.bfloat16)
     if fmt == "fully_reshardable":
         cs["optimizer"] = {"optimizer": {"param_groups": param_groups(step=3)}, "param_state_sharding_type": fmt}
-    elif fmt == "fully_sharded_bucket_space":
+    elif fmt in ("fully_sharded_bucket_space", "dp_zero_gather_scatter"):
         cs["optimizer"] = {"param_state_sharding_type": fmt}
     return cs
 
@@ -325,9 +348,18 @@ def _save_rank(rank: int, world: int, port: int, path: str, entries: dict, shape
             torch.save(obj, buf)
             sd[k] = buf
     dist.barrier()
-    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint import DefaultSavePlanner, save
 
-    save(sd, checkpoint_id=path)
+    class Planner(DefaultSavePlanner):
+        """dp_zero_gather_scatter's gathered objects stored as Megatron's planner (MCoreSavePlanner)
+        stores every ShardedObject: the archive itself, not torch.save'd again into a pickled BytesIO."""
+
+        def transform_object(self, write_item, object):
+            if write_item.index.fqn.endswith(".param_state"):
+                return object
+            return super().transform_object(write_item, object)
+
+    save(sd, checkpoint_id=path, planner=Planner())
     # Every rank leaves DCP's last collective before any tears gloo down: an early destroy while a
     # peer is still inside it aborts that peer ("terminate called without an active exception").
     dist.barrier()
@@ -356,13 +388,18 @@ def save(path: str, entries: dict, objects: dict, common: dict, world: int) -> N
 
 
 def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0, bucket_size: int | None = None,
-                    with_args: bool = True, dp_shapes: dict | None = None, pp: int = 1) -> dict[str, dict[str, np.ndarray]]:
-    """Write a synthetic Megatron checkpoint and return its logical state (the reference)."""
+                    with_args: bool = True, dp_shapes: dict | None = None, pp: int = 1,
+                    per_rank: bool = False) -> dict[str, dict[str, np.ndarray]]:
+    """Write a synthetic Megatron checkpoint and return its logical state (the reference). `per_rank`:
+    fully_sharded_bucket_space's buckets stored (dp, bucket numel / dp) as megatron-core 0.14 does."""
     st = state(seed)
     entries = model_space_entries(st, tp, fmt == "fully_reshardable", dp, pp)
     objects: dict[str, Any] = {}
-    if fmt in ("dp_reshardable", "fully_sharded_bucket_space"):
-        e2, objects = dp_buffers(st, tp, dp, bucket_size, pp, bucket_space=fmt == "fully_sharded_bucket_space")
+    if fmt in ("dp_reshardable", "fully_sharded_bucket_space", "dp_zero_gather_scatter"):
+        e2, objects = dp_buffers(st, tp, dp, bucket_size, pp, bucket_space=fmt == "fully_sharded_bucket_space",
+                                 per_rank=per_rank)
+        if fmt == "dp_zero_gather_scatter":
+            e2, objects = gathered(e2, objects)
         entries.update(e2)
     # dp bucket tensors' global length = unpadded numel
     save(path, entries, objects, common_state(tp, dp, fmt, with_args, pp), tp * dp * pp)
