@@ -22,8 +22,9 @@ import json
 import os
 import sys
 import threading
+import urllib.request
 import uuid
-from urllib.parse import parse_qs, urlencode, urlsplit
+from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import pytest
 
@@ -125,27 +126,32 @@ def test_gcs_create_if_absent_is_refused_by_the_server_when_the_object_exists(gc
     assert proxy.rewritten - before == 2  # both went to the server as conditional uploads
 
 
-def test_gcs_claim_that_lost_the_race_is_refused_and_the_winners_claim_kept(gcs, monkeypatch):
-    """Interleaving: our run lists DST empty, then another run's claim lands, then ours is created
-    only-if-absent. The server refuses ours (412): one line, the other run's claim untouched."""
+def test_gcs_claim_that_lost_the_race_is_refused_and_the_winners_claim_kept(gcs):
+    """The other run's claim lands between our listing (DST empty) and our create: the server refuses
+    our create (412), the claim fails in one line and theirs stays."""
     from bridge.store import kvstore as kv
     from bridge.store import remote
 
-    gs, _ = gcs
+    gs, proxy = gcs
     dst = gs.url("claims/race")
     theirs = _their_claim(dst)
-    listed = []
+    landed = []
 
-    def listed_before_their_claim(root, prefix=""):
-        listed.append(root)
-        assert kv.write_bytes(dst, remote.CLAIM_KEY, theirs)  # their claim lands after our listing
-        return []
+    def after(command, path):
+        if command == "GET" and path.endswith(f"/b/{gs.buckets[0]}/o") and not landed:  # our listing
+            name = quote(f"claims/race/{remote.CLAIM_KEY}", safe="")
+            req = urllib.request.Request(f"{gs.endpoint}/upload/storage/v1/b/{gs.buckets[0]}/o?uploadType=media&"
+                                         f"name={name}", data=theirs, method="POST")
+            urllib.request.urlopen(req, timeout=10).read()
+            landed.append(path)
 
-    monkeypatch.setattr(remote.kv, "list_keys", listed_before_their_claim)
-    with pytest.raises(BridgeError, match="being claimed by another run at the same time") as exc:
-        remote.claim_remote(dst)
-    monkeypatch.undo()
-    assert listed == [dst] and "\n" not in str(exc.value)
+    proxy.after = after
+    try:
+        with pytest.raises(BridgeError, match="being claimed by another run at the same time") as exc:
+            remote.claim_remote(dst)
+    finally:
+        proxy.after = lambda command, path: None
+    assert landed and "\n" not in str(exc.value)
     assert kv.read_bytes(dst, remote.CLAIM_KEY) == theirs
     assert remote.held_remote(dst) is None
 
