@@ -568,16 +568,21 @@ class CheckpointWriter:
         ts = self._ts
         create = [ap for ap in aps if ap.meta_writer == self.writer_id and ap.spec.name not in self._created]
         if create:
-            meta = ts.Transaction(atomic=True)
+            # On object storage with one commit in flight the arrays are created in the data
+            # transaction: a transaction of their own costs several sequential requests there.
+            fold = self.remote and self.commit_depth == 1 and self._txn is not None
+            meta = self._txn if fold else ts.Transaction(atomic=True)
             futs = [ts.open(self._spec(ap), create=True, context=self.context, transaction=meta) for ap in create]
             made = [self._opened(ap, fut) for ap, fut in zip(create, futs)]
             try:
-                meta.commit_async().result()
+                if not fold:
+                    meta.commit_async().result()
             except Exception as e:
                 raise BridgeError(f"writer {self.writer_id}: creating {len(create)} arrays in {self.tmp_dir} failed: "
                                   f"{' '.join(str(e).split())}") from e
-            for ap, st in zip(create, made):
-                self._base[ap.spec.name] = st.with_transaction(None)
+            if not fold:  # (folded: opened below with the plan's metadata, like arrays made elsewhere)
+                for ap, st in zip(create, made):
+                    self._base[ap.spec.name] = st.with_transaction(None)
             self._created.update(ap.spec.name for ap in create)
         # assume_metadata: no I/O, the plan fixes the metadata
         futs = [(ap, None if ap.spec.name in self._base else
