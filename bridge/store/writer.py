@@ -563,7 +563,8 @@ class CheckpointWriter:
         transactions rebind that handle, which is cheap. Arrays are created in a transaction of
         their own, committed before any data: created inside the first data transaction, OCDBT
         wrote the data of the next concurrent commits twice (same bytes, an unreferenced copy left
-        on disk).
+        on disk). On object storage with one commit in flight (no concurrent commits) they are
+        created inside it.
         """
         ts = self._ts
         create = [ap for ap in aps if ap.meta_writer == self.writer_id and ap.spec.name not in self._created]
