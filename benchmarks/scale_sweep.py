@@ -112,7 +112,7 @@ def convert_argv(src: str, out: str, budget: str, workers: int, min_worker_bytes
 
 
 def run_setting(src: str, out: str, budget: str, workers: int, state: int, logs: str, timeout: float,
-                exact, min_worker_bytes: int | None = None) -> dict:
+                exact, min_worker_bytes: int | None = None, early=None) -> dict:
     from bridge.store.verify import verify_checkpoint
 
     shutil.rmtree(out, ignore_errors=True)
@@ -131,6 +131,8 @@ def run_setting(src: str, out: str, budget: str, workers: int, state: int, logs:
         rec["output_tail"] = r.output[-1500:]
         return rec
     rec["disk_over_state"] = sm.du(out) / state
+    if early is not None:  # the conversion's own figures, kept even if the checks below run out of time
+        early(dict(rec, what="sweep_convert"))
     t0 = time.perf_counter()
     v = verify_checkpoint(out, show_progress=False)
     rec["verify"] = {"ok": v.ok, "damaged": dict(list(v.damaged.items())[:5]), "seconds": time.perf_counter() - t0}
@@ -147,7 +149,8 @@ def main() -> None:
     ap.add_argument("--ref", default=None, help="with --src: a checkpoint of the same state (digests compared)")
     ap.add_argument("--dir", required=True, help="scratch directory")
     ap.add_argument("--grid", default="32M:1,64M:2,256M:4,default:8")
-    ap.add_argument("--json", default=None, help="append one JSON line per setting to this file")
+    ap.add_argument("--json", default=None, help="append per setting a line once converted (what=sweep_convert) "
+                                                  "and one once checked (what=sweep)")
     ap.add_argument("--deadline", type=float, default=3600.0, help="seconds from start; later settings are skipped")
     ap.add_argument("--min-worker-bytes", type=int, default=None,
                     help="convert through the API with this ConvertOptions.min_worker_bytes (default: the CLI)")
@@ -188,13 +191,21 @@ def main() -> None:
             print(f"SKIPPED {budget}:{workers} ({left:.0f} s left)", flush=True)
             results.append({"what": "sweep", "budget": budget, "workers_asked": workers, "skipped": True})
             continue
+        def write(rec: dict) -> None:
+            if a.json:
+                with open(a.json, "a") as f:
+                    f.write(json.dumps(rec, default=str) + "\n")
+
+        def early(rec: dict) -> None:
+            write(rec)
+            print(f"[sweep] {budget}:{workers} converted: {rec['seconds']:.1f} s, peak RSS "
+                  f"{rec['peak_process_rss'] / GiB:.3f} GiB (bound {rec.get('rss_bound', 0) / GiB:.3f}), "
+                  f"disk {rec['disk_over_state']:.3f}x; verifying", flush=True)
+
         rec = run_setting(src, os.path.join(a.dir, "conv"), budget, workers, state, logs, left - 10, exact,
-                          a.min_worker_bytes)
+                          a.min_worker_bytes, early)
         results.append(rec)
-        line = json.dumps(rec, default=str)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(line + "\n")
+        write(rec)
         print(f"[sweep] {budget}:{workers} rc={rec['rc']} {rec['seconds']:.1f} s, workers {rec.get('workers')}, "
               f"share {rec.get('share', 0) / GiB:.3f} GiB, peak RSS {rec['peak_process_rss'] / GiB:.3f} GiB "
               f"(bound {rec.get('rss_bound', 0) / GiB:.3f}; tree {rec['peak_tree_rss'] / GiB:.2f}), "
