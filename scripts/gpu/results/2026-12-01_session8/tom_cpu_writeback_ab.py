@@ -1,3 +1,5 @@
+# CPU A/B harness (session 8, tom): to-megatron of /tmp/tom/conv into /tmp/tom/tm, in-process; NOWB=1 disables the
+# early writeback. argv[1]: workers (default: the CLI default). Needs root to drop the page cache.
 import time, sys, os, shutil
 import torch, torch.distributed.checkpoint, tensorstore
 import converters.megatron.write as w
