@@ -21,8 +21,8 @@ Two invariants the writer enforces itself:
   merely once the commit that wrote it landed.
 
 Costs per byte that are kept down (bench_store_write): inner chunks not contiguous in the caller's
-data are copied once, into reused staging slabs (bridge/store/staging.py); digests run on side
-threads; the page cache of committed data files is dropped (drop-behind), so later batches write
+data are copied once, on local disks into reused staging slabs (bridge/store/staging.py; on object
+storage TensorStore copies them, see `staging`); digests run on side threads; the page cache of committed data files is dropped (drop-behind), so later batches write
 into recycled pages.
 """
 
@@ -218,16 +218,22 @@ class CheckpointWriter:
     writes a transaction's data twice (an unreferenced copy left on disk for chunks written in
     pieces, tests/test_store_writer_scale.py), so 1 is the default; 2 only where whole chunks are
     donated in one write each (the live export's GPU path). `target_data_file_size`: OCDBT data file
-    size (None: `specs.TARGET_DATA_FILE_SIZE`; benchmarks vary it).
+    size (None: `specs.TARGET_DATA_FILE_SIZE`; benchmarks vary it). `staging` (None: on local
+    disks, not on object storage): copy non-contiguous inner chunks into reused slabs (see
+    bridge/store/staging.py) rather than let TensorStore copy them. On object storage the slabs of
+    the first `commit_depth` + 1 batches (about a whole checkpoint there: batches are large) are
+    fresh memory, whose page faults cost more client CPU than TensorStore's own copies (bench_remote).
     """
 
     def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int | None = None,
-                 compute_digest: bool = True, threads: int | None = None, staging: bool = True,
+                 compute_digest: bool = True, threads: int | None = None, staging: bool | None = None,
                  drop_behind: bool = True, commit_depth: int = 1, btree_cache_bytes: int | None = None,
                  target_data_file_size: int | None = None) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
         self.remote = is_remote(tmp_dir)
+        if staging is None:
+            staging = not self.remote
         if self.remote:
             drop_behind = False  # no local files, no page cache to drop
         elif not os.path.isdir(tmp_dir):
