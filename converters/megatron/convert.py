@@ -47,7 +47,7 @@ from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
 from converters.megatron.cache import ChunkCache, check_records
 from converters.megatron.format import (Hints, SourceCheckpoint, describe, optimizer_groups,
                                         parse_groups_hyper, plain_value, step_of)
-from converters.megatron.plan import (ROLES, Block, CopyIndex, Unit, assign_blocks, contributes, flat_copies,
+from converters.megatron.plan import (ROLES, Block, Copy, CopyIndex, Instance, Unit, assign_blocks, contributes, flat_copies,
                                       dp_group_places, literal, local_instances, model_space_copies,
                                       model_space_copies_flat, object_tensor_key, parse_dtype_key,
                                       plan_blocks, rebuild_bucket_layout, role_path)
@@ -162,10 +162,16 @@ def _buffer_params(src: SourceCheckpoint, geoms_all: Sequence, lay: ParallelLayo
     (tp, gtp) by name, physical numel by instance)."""
     geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
              and np_dtype_name(src.models[g_.name].dtype) == pdt]
-    insts = local_instances(geoms, lay, e, stage)
+    insts = local_instances(geoms, lay, e, stage, src.split)
     gmap = {g_.name: g_ for g_ in geoms}
     sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
     return insts, gmap, sizes, {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
+
+
+def copies_of(u: Unit, inst: Instance) -> dict[str, list[Copy]]:
+    """Where a buffer instance's copies go: the unit's arrays, or, for the last stage's copy of tied
+    embeddings, the unit's `mirrors` (checked equal to the first stage's, never written)."""
+    return u.mirrors if inst.tied_copy else u.copies
 
 
 def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -> None:
@@ -220,7 +226,7 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
                         continue
                     u = units[inst.name]
                     u.dtypes[role] = np_dtype_name(info.dtype)
-                    u.copies.setdefault(role, []).extend(
+                    copies_of(u, inst).setdefault(role, []).extend(
                         flat_copies(key, info.chunks, geom, tp, gtp, t, g, inst.index, p0 - b0))
 
 
@@ -279,7 +285,7 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
                             continue
                         u = units[inst.name]
                         u.dtypes[role] = np_dtype_name(ten.dtype)
-                        u.copies.setdefault(role, []).extend(
+                        copies_of(u, inst).setdefault(role, []).extend(
                             flat_copies(key, chunk, geom, tp, gtp, t, g, inst.index, p0 - blay.buckets[bid][0] + before[bid]))
 
 
@@ -425,6 +431,8 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
         if index is None or index[0] != b.unit:
             index = (b.unit, CopyIndex(unit))
         bufs = {role: fill_block(cache, index[1], unit, role, b) for role in unit.copies}
+        if unit.mirrors:
+            check_mirrors(cache, unit, b, bufs, force, warnings)
         if PARAMS in bufs and MODEL in bufs:
             check_master(b.array, bufs[PARAMS], bufs[MODEL], b.box, force, defect_suspect, warnings)
         for role, buf in bufs.items():
@@ -437,6 +445,29 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
             writer.write(p, Box((), ()), np.asarray(step, dtype=SCALAR_DTYPE))
     writer.finish()
     return warnings, cache.bytes_read, cache.crcs.spans()
+
+
+def check_mirrors(cache: ChunkCache, unit: Unit, b: Block, bufs: dict[str, np.ndarray], force: bool,
+                  warnings: list[str]) -> None:
+    """The last pipeline stage's copy of tied embeddings must equal the first stage's, bit for bit
+    (Megatron all-reduces their gradients, so both optimizers step alike); else refuse, naming the
+    first differing element (`--force` keeps the first stage's)."""
+    index = CopyIndex(Unit(unit.name, unit.arrays, unit.dtypes, unit.mirrors))
+    for role, buf in bufs.items():
+        if role not in unit.mirrors:
+            continue
+        copy = fill_block(cache, index, unit, role, b)
+        diff = ~bits_equal(buf, copy)
+        if not diff.any():
+            continue
+        first = tuple(int(i) + s for i, s in zip(np.argwhere(diff)[0], b.box.start))
+        msg = (f"{path_str(role_path(role, b.array))}: the last pipeline stage's copy of the tied word embeddings "
+               f"(output_layer) differs from the first stage's in {int(diff.sum())} of {diff.size} elements of box "
+               f"{b.box}, first at {first}; the stages' optimizers diverged or the layout flags are wrong — check "
+               f"--pp / --bucket-size, or pass --force to keep the first stage's copy")
+        if not force:
+            raise BridgeError(msg)
+        warnings.append("FORCED: " + msg)
 
 
 def fill_block(cache: ChunkCache, index: CopyIndex, unit: Unit, role: str, b: Block) -> np.ndarray:
