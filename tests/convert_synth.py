@@ -239,23 +239,35 @@ def model_space_entries(st: dict[str, dict[str, np.ndarray]], tp: int, fully: bo
     return entries
 
 
+def chunk_of(name: str, layer: int | None, pp: int, vpp: int) -> tuple[int, int]:
+    """(stage, virtual chunk) holding a param: with vpp chunks per stage, the layers are cut into pp·vpp
+    equal runs, run c on stage c % pp as its chunk c // pp; the embedding in the first run, the rest last."""
+    if vpp == 1:
+        return stage_of(name, layer, pp), 0
+    if layer is None:
+        return (0, 0) if name.startswith("embedding.") else (pp - 1, vpp - 1)
+    c = layer // (L // (pp * vpp))
+    return c % pp, c // pp
+
+
 def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
-               pp: int = 1, bucket_space: bool = False) -> tuple[dict[str, list], dict[str, Any]]:
+               pp: int = 1, bucket_space: bool = False, vpp: int = 1) -> tuple[dict[str, list], dict[str, Any]]:
     """dp_reshardable bucket tensors and per_bucket_numel objects, computed directly (one
-    DistOpt group per TP rank t and pipeline stage: dp_group_idx t + tp·stage)."""
+    DistOpt group per TP rank t and pipeline stage: dp_group_idx t + tp·stage; with `vpp` virtual
+    chunks, one buffer per chunk: gbuf_idx = chunk)."""
     entries: dict[str, list] = {}
     objects: dict[str, Any] = {}
     div = math.lcm(dp, 128)
     fused = {r: fuse(st[r]) for r in ("params", "mu", "nu")}
-    for t, stage in [(t, q) for q in range(pp) for t in range(tp)]:
+    for t, stage, v in [(t, q, v) for q in range(pp) for t in range(tp) for v in range(vpp)]:
         # the TP-local flat tensor of each runtime param instance of the stage, registration order
         inst: list[tuple[str, dict[str, np.ndarray]]] = []
         stacked = [n for n in ORDER if n.startswith("decoder.layers.")]
         runtime = ([(ORDER[0], None)] + [(n, layer) for layer in range(L) for n in stacked]
                    + [(n, None) for n in ORDER[1 + len(stacked):]])
         tied = "output_layer.weight" not in fused["params"]
-        runtime = [(n, layer) for n, layer in runtime if stage_of(n, layer, pp) == stage
-                   and (n in fused["params"] or (pp > 1 and stage == pp - 1))]
+        runtime = [(n, layer) for n, layer in runtime if chunk_of(n, layer, pp, vpp) == (stage, v)
+                   and (n in fused["params"] or pp > 1)]
         # tied at PP > 1: the first stage's embedding and the last stage's output layer (a copy of the
         # embedding, kept in sync by Megatron) each sit in a DDP bucket of their own
         shared = {n for n, _ in runtime if tied and pp > 1 and n in ("embedding.word_embeddings.weight",
@@ -318,7 +330,7 @@ def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
                 world = np.full(n, -7.5e30 if bucket_space else 0.0, dtype=np.float32)
                 for p, loc in items:
                     world[p - b0:p - b0 + loc[r].size] = loc[r]
-                key = (f"optimizer.distributed.dp_group_idx_{k}.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32)"
+                key = (f"optimizer.distributed.dp_group_idx_{k}.gbuf_idx_{v}.dtype_(torch.bfloat16, torch.float32)"
                        f".bucket_idx_{b}.{stname}")
                 chunks = []
                 for d in range(dp):
@@ -327,8 +339,8 @@ def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
                         chunks.append((t + tp * d + tp * dp * stage, (lo,), world[lo:hi]))
                 entries[key] = chunks
         pre = f"optimizer.distributed.dp_group_idx_{k}."
-        objects[pre + "per_bucket_numel"] = [{(torch.bfloat16, torch.float32): padded}]
-        objects[pre + "per_bucket_numel_unpadded"] = [{(torch.bfloat16, torch.float32): unpadded}]
+        objects.setdefault(pre + "per_bucket_numel", []).append({(torch.bfloat16, torch.float32): padded})
+        objects.setdefault(pre + "per_bucket_numel_unpadded", []).append({(torch.bfloat16, torch.float32): unpadded})
         objects[pre + "optimizer"] = {"param_groups": param_groups(step=3)}
     return entries, objects
 
@@ -417,7 +429,7 @@ def save(path: str, entries: dict, objects: dict, common: dict, world: int) -> N
 def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0, bucket_size: int | None = None,
                     with_args: bool = True, dp_shapes: dict | None = None, pp: int = 1,
                     tied: bool = False, extra_args: dict | None = None,
-                    edit=None) -> dict[str, dict[str, np.ndarray]]:
+                    edit=None, vpp: int = 1) -> dict[str, dict[str, np.ndarray]]:
     """Write a synthetic Megatron checkpoint and return its logical state (the reference). `tied`: the
     output layer shares the word embeddings (no output_layer entry; at PP > 1 the last stage's
     DistOpt buffer holds a copy of the embedding's state). Uneven pipeline stages: `uneven(...)`.
@@ -426,8 +438,11 @@ def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0
     entries = model_space_entries(st, tp, fmt == "fully_reshardable", dp, pp)
     objects: dict[str, Any] = {}
     if fmt in ("dp_reshardable", "fully_sharded_bucket_space"):
-        e2, objects = dp_buffers(st, tp, dp, bucket_size, pp, bucket_space=fmt == "fully_sharded_bucket_space")
+        e2, objects = dp_buffers(st, tp, dp, bucket_size, pp, bucket_space=fmt == "fully_sharded_bucket_space",
+                                 vpp=vpp)
         entries.update(e2)
+    if vpp > 1:
+        extra_args = {"virtual_pipeline_model_parallel_size": vpp, **(extra_args or {})}
     if edit is not None:
         edit(entries)
     # dp bucket tensors' global length = unpadded numel

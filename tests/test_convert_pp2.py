@@ -117,12 +117,31 @@ def test_tied_copies_that_differ_are_refused(tmp_path):
     assert_matches(str(tmp_path / "forced"), ref_of(st), 3)   # the first stage's copy is kept
 
 
-def test_virtual_pipeline_bucketed_save_is_refused(tmp_path):
+def test_virtual_pipeline_chunks_convert_exactly(tmp_path):
+    """Virtual pipeline (megatron-core 0.19.2): model-space keys carry global layer offsets, and the
+    DistributedOptimizer chains the model chunks' buffers, so dp_reshardable names chunk v's buffer
+    `gbuf_idx_v`; chunk v of stage p holds layers (v·pp + p)·n .. +n (n = layers / (pp·vpp)), the embedding
+    the first chunk of the first stage, the final norm and the tied copy the last chunk of the last."""
+    with synth.dims(L=8):
+        st = synth.make_checkpoint(str(tmp_path / "vpp"), "dp_reshardable", tp=1, pp=2, vpp=2, tied=True,
+                                   bucket_size=500)
+    from converters.megatron.dcp_reader import DcpCheckpoint
+
+    assert any(".gbuf_idx_1." in k for k in DcpCheckpoint(str(tmp_path / "vpp")).tensors)
+    convert(str(tmp_path / "vpp"), str(tmp_path / "out"), ConvertOptions(workers=1))
+    assert_matches(str(tmp_path / "out"), ref_of(st), 3)
+    with pytest.raises(BridgeError, match="virtual pipeline chunks with uneven first / last stages"):
+        convert(str(tmp_path / "vpp"), str(tmp_path / "x"), ConvertOptions(workers=1, hints=Hints(pp_first=2)))
+    assert not (tmp_path / "x").exists()
+
+
+def test_custom_pipeline_layout_bucketed_save_is_refused(tmp_path):
     with synth.dims(L=4):
-        synth.make_checkpoint(str(tmp_path / "vpp"), "dp_reshardable", tp=1, pp=2,
-                              extra_args={"virtual_pipeline_model_parallel_size": 2})
-    with pytest.raises(BridgeError, match="virtual_pipeline_model_parallel_size=2: virtual pipeline chunks"):
-        convert(str(tmp_path / "vpp"), str(tmp_path / "x"), ConvertOptions(workers=1))
+        synth.make_checkpoint(str(tmp_path / "lay"), "dp_reshardable", tp=1, pp=2,
+                              extra_args={"pipeline_model_parallel_layout": "Et|t|tt|tL"})
+    with pytest.raises(BridgeError, match="pipeline_model_parallel_layout='Et|t|tt|tL': a custom layer layout"):
+        convert(str(tmp_path / "lay"), str(tmp_path / "x"), ConvertOptions(workers=1))
+    assert not (tmp_path / "x").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,3 +212,30 @@ def test_to_megatron_refuses_a_split_megatron_refuses(saves, tmp_path, capsys):
                   "--pp-first-layers", "3")
     assert rc == 2 and "4 layers do not split over 3 pipeline stages" in out, out
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# GTP and EP at PP2: real PP1 fixture runs written at PP2 (each stage's DistOpt buffers, GTP-padded
+# shards / local experts per stage) and converted back to the runs' live-optimizer references
+
+
+@pytest.mark.parametrize("run,flags", [("gtp2_local", ["--tp", "1", "--gtp", "2"]),
+                                       ("moe_ep2", ["--tp", "1", "--ep", "2", "--dp", "2"])])
+def test_to_megatron_pp2_with_gtp_or_ep_round_trips(run, flags, tmp_path, capsys):
+    import os
+
+    src = os.path.join(cref.FIXTURES, run, "dp_reshardable")
+    assert cli(capsys, "convert", src, str(tmp_path / "l"))[0] == 0
+    rc, out = cli(capsys, "to-megatron", str(tmp_path / "l"), str(tmp_path / "run"), *flags, "--pp", "2",
+                  "--format", "dp_reshardable", "--bucket-size", "2000")
+    assert rc == 0 and "PP=2" in out, out
+    it = str(tmp_path / "run" / "iter_0000003")
+    from converters.megatron.dcp_reader import DcpCheckpoint
+
+    groups = {k.split(".")[k.split(".").index("distributed") + 1] for k in DcpCheckpoint(it).tensors
+              if ".distributed." in k}
+    assert len(groups) >= 4, groups       # every stage has its own DistOpt groups
+    res = convert(it, str(tmp_path / "back"), ConvertOptions(workers=1))
+    assert res.layout["pp"] == 2
+    ref, step = cref.load_reference(run)
+    assert_matches(str(tmp_path / "back"), ref, step)

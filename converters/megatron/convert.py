@@ -156,13 +156,21 @@ def _per_bucket(obj: Any, gbuf: int, dtype_key: str, what: str) -> list[int] | N
 
 
 def _buffer_params(src: SourceCheckpoint, geoms_all: Sequence, lay: ParallelLayout, expert: bool, split_expert: bool,
-                   pdt: str, e: int, stage: int) -> tuple[list, dict, dict, dict]:
+                   pdt: str, e: int, stage: int, gbuf: int = 0) -> tuple[list, dict, dict, dict]:
     """One DistOpt buffer's parameters (param dtype `pdt`; only the expert or only the dense ones when
-    `split_expert`) at EP rank `e` of PP stage `stage`: (instances in buffer order, geometry by name,
-    (tp, gtp) by name, physical numel by instance)."""
+    `split_expert`) at EP rank `e` of PP stage `stage`, buffer `gbuf` (with virtual pipeline chunks,
+    the model chunk's): (instances in buffer order, geometry by name, (tp, gtp) by name, physical
+    numel by instance)."""
     geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
              and np_dtype_name(src.models[g_.name].dtype) == pdt]
-    insts = local_instances(geoms, lay, e, stage, src.split)
+    v = 0
+    if src.split.vpp > 1:
+        # DistributedOptimizer.buffers chains the model chunks' buffers: one per chunk for one param dtype
+        if gbuf >= src.split.vpp:
+            raise BridgeError(f"gbuf_idx {gbuf} with {src.split.vpp} virtual pipeline chunks: several buffers per "
+                              f"model chunk (param dtypes) are not supported with virtual pipeline chunks")
+        v = gbuf
+    insts = local_instances(geoms, lay, e, stage, src.split, v)
     gmap = {g_.name: g_ for g_ in geoms}
     sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
     return insts, gmap, sizes, {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
@@ -200,7 +208,7 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
                               f"pass --tp/--gtp/--ep matching the run")
         t, g, e, stage = ck_coords
         pdt, _gdt = parse_dtype_key(dtype_key)
-        insts, gmap, sizes, numels = _buffer_params(src, geoms_all, lay, expert, split_expert, pdt, e, stage)
+        insts, gmap, sizes, numels = _buffer_params(src, geoms_all, lay, expert, split_expert, pdt, e, stage, j)
         obj_pre = f"{prefix}optimizer.distributed.dp_group_idx_{k}."
         unp = _per_bucket(_maybe_object(ck, obj_pre + "per_bucket_numel_unpadded"), j, dtype_key, where)
         pad = _per_bucket(_maybe_object(ck, obj_pre + "per_bucket_numel"), j, dtype_key, where)
@@ -262,7 +270,8 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
                     else str(dtype_obj)
                 where = f"{z.key} buffer {j} {dtype_key}"
                 pdt, _gdt = parse_dtype_key(dtype_key)
-                insts, gmap, sizes, numels = _buffer_params(src, geoms_all, lay, expert, split_expert, pdt, e, stage)
+                insts, gmap, sizes, numels = _buffer_params(src, geoms_all, lay, expert, split_expert, pdt, e, stage,
+                                                            j)
                 dp_size = lay.edp if expert else lay.distopt_size
                 blay = rebuild_bucket_layout(insts, numels, dp_size, None, None, hints.bucket_size, where)
                 total = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None

@@ -553,24 +553,21 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
     return src
 
 
-#: args that say a run used virtual pipeline chunks (several model chunks per stage)
-VPP_ARGS = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-            "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout")
-
-
 def pipeline_split(root: Any, args: dict, layout: ParallelLayout, fmt: str, names: list[str]) -> PipelineSplit:
-    """The run's pipeline split (`args` / flags) and tied output layer (args, else the keys).
+    """The run's pipeline split (`args` / flags: layers per stage, virtual chunks) and tied output
+    layer (args, else the keys).
 
     Only the bucketed formats need it: model-space entries carry global layer offsets whatever the
-    split. Virtual pipeline chunks are refused there: each chunk has its own DDP buffer (a `gbuf_idx`
-    per chunk), whose layers this converter does not place yet."""
-    split = PipelineSplit.from_args(args, layout.pp, is_tied(names, args.get("untie_embeddings_and_output_weights")))
-    if layout.pp > 1 and fmt in BUCKETED:
-        for a in VPP_ARGS:
-            if args.get(a) not in (None, 1):
-                raise BridgeError(f"{root}: {fmt} saved with {a}={args[a]}: virtual pipeline chunks keep one DDP "
-                                  f"buffer per model chunk, which convert does not place; re-save as "
-                                  f"fully_reshardable (model-space entries carry global layer offsets)")
+    split. With virtual pipeline chunks each model chunk has its own DDP buffer (`gbuf_idx` = chunk);
+    a custom `pipeline_model_parallel_layout` is refused there."""
+    try:
+        split = PipelineSplit.from_args(args, layout.pp, is_tied(names, args.get("untie_embeddings_and_output_weights")))
+    except BridgeError as e:
+        raise BridgeError(f"{root}: {e}") from None
+    if layout.pp > 1 and fmt in BUCKETED and args.get("pipeline_model_parallel_layout"):
+        raise BridgeError(f"{root}: {fmt} saved with pipeline_model_parallel_layout="
+                          f"{str(args['pipeline_model_parallel_layout'])[:60]!r}: a custom layer layout places the "
+                          f"layers in each stage's DDP buffers otherwise; re-save as fully_reshardable")
     return split
 
 

@@ -358,8 +358,14 @@ class PipelineSplit:
     embedding_in_split: bool = False
     loss_in_split: bool = False
     tied: bool = False
+    vpp: int = 1   # virtual pipeline chunks per stage (model chunks, each with its own DDP buffer)
 
     def __post_init__(self) -> None:
+        if type(self.vpp) is not int or self.vpp < 1:
+            raise BridgeError(f"virtual pipeline size {self.vpp!r} must be a positive integer")
+        if self.vpp > 1 and not self.even:
+            raise BridgeError("virtual pipeline chunks with uneven first / last stages or the embedding / loss counted "
+                              "in the split are not supported; only an even split into virtual chunks is")
         if (self.first is not None or self.last is not None) and (self.embedding_in_split or self.loss_in_split):
             raise BridgeError("uneven first / last pipeline stages cannot be combined with accounting for the "
                               "embedding / loss in the pipeline split (megatron-core refuses it too)")
@@ -410,11 +416,35 @@ class PipelineSplit:
             raise BridgeError(f"{num_layers} layers over {pp} stages leave no room for the embedding / loss stage")
         return out
 
-    def layers(self, num_layers: int, p: int) -> range:
-        """Global decoder layers of stage `p`."""
+    def layers(self, num_layers: int, p: int, v: int = 0) -> range:
+        """Global decoder layers of stage `p` (its virtual chunk `v`: interleaved, chunk v of stage p
+        is the (v·pp + p)-th run of num_layers / (pp·vpp) layers, as get_transformer_layer_offset).
+
+        >>> s = PipelineSplit(pp=2, vpp=2)
+        >>> [s.layers(8, p, v) for p in range(2) for v in range(2)]     # stage 0: [0, 1] [4, 5]
+        [range(0, 2), range(4, 6), range(2, 4), range(6, 8)]
+        """
         counts = self.counts(num_layers)
+        if self.vpp > 1:
+            if counts[p] % self.vpp:
+                raise BridgeError(f"{counts[p]} layers per pipeline stage do not split into {self.vpp} virtual chunks")
+            n = counts[p] // self.vpp
+            start = v * (num_layers // self.vpp) + p * n
+            return range(start, start + n)
         start = sum(counts[:p])
         return range(start, start + counts[p])
+
+    def holds(self, name: str, p: int, v: int = 0) -> bool:
+        """Whether stage `p`'s virtual chunk `v` holds non-layer parameter `name`: the embedding the
+        first chunk of the first stage, the final norm and output layer the last chunk of the last.
+
+        >>> s = PipelineSplit(pp=2, vpp=2)
+        >>> [s.holds("decoder.final_layernorm.weight", p, v) for p in range(2) for v in range(2)]
+        [False, False, False, True]
+        """
+        if name.startswith("embedding."):
+            return p == 0 and v == 0
+        return p == self.pp - 1 and v == self.vpp - 1
 
     def to_args(self) -> dict[str, Any]:
         """Megatron-LM argument names of this split (what a run records in `args`).
@@ -422,7 +452,8 @@ class PipelineSplit:
         >>> PipelineSplit(pp=2, last=3, tied=True).to_args()["decoder_last_pipeline_num_layers"]
         3
         """
-        return {"pipeline_model_parallel_size": self.pp, "decoder_first_pipeline_num_layers": self.first,
+        return {"pipeline_model_parallel_size": self.pp, "virtual_pipeline_model_parallel_size": self.vpp if
+                self.vpp > 1 else None, "decoder_first_pipeline_num_layers": self.first,
                 "decoder_last_pipeline_num_layers": self.last,
                 "account_for_embedding_in_pipeline_split": self.embedding_in_split,
                 "account_for_loss_in_pipeline_split": self.loss_in_split,
@@ -438,7 +469,8 @@ class PipelineSplit:
         return cls(pp=pp, first=opt_int("decoder_first_pipeline_num_layers"),
                    last=opt_int("decoder_last_pipeline_num_layers"),
                    embedding_in_split=bool(args.get("account_for_embedding_in_pipeline_split")),
-                   loss_in_split=bool(args.get("account_for_loss_in_pipeline_split")), tied=tied)
+                   loss_in_split=bool(args.get("account_for_loss_in_pipeline_split")), tied=tied,
+                   vpp=int(args.get("virtual_pipeline_model_parallel_size") or 1) if pp > 1 else 1)
 
 
 def is_tied(names: Iterable[str], untie: Any = None) -> bool:
@@ -472,11 +504,7 @@ def on_stage(name: str, pp: int, p: int) -> bool:
     >>> [on_stage(n, 2, 1) for n in ("embedding.word_embeddings.weight", "output_layer.weight")]
     [False, True]
     """
-    if pp == 1:
-        return True
-    if name.startswith("embedding."):
-        return p == 0
-    return p == pp - 1
+    return pp == 1 or PipelineSplit(pp=pp).holds(name, p)
 
 
 def dp_group_stages(layout: ParallelLayout, expert: bool = False) -> dict[int, int]:
@@ -510,8 +538,9 @@ def dp_group_places(layout: ParallelLayout, expert: bool = False) -> dict[int, t
 
 
 def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, e: int, p: int = 0,
-                    split: PipelineSplit | None = None) -> list[Instance]:
-    """A rank's parameters of one DistOpt buffer in registration order (EP rank `e`, PP stage `p`).
+                    split: PipelineSplit | None = None, v: int = 0) -> list[Instance]:
+    """A rank's parameters of one DistOpt buffer in registration order (EP rank `e`, PP stage `p`,
+    virtual chunk `v`: with virtual pipeline chunks, each chunk has its own buffer).
 
     Stacked keys expand layer-major (all of layer 0's params, then layer 1's...) over the stage's
     layers (`split`, else the even split); inside a layer, params keep the checkpoint's key order, and
@@ -535,7 +564,7 @@ def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, e: i
     while i < len(geoms):
         g = geoms[i]
         if not g.prepend:
-            if on_stage(g.name, layout.pp, p):
+            if split.holds(g.name, p, v):
                 out.append(Instance(g.name, (), shared=shared and g.name == EMBEDDING))
             i += 1
             continue
@@ -543,7 +572,7 @@ def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, e: i
         while j < len(geoms) and geoms[j].prepend and geoms[j].prepend[0] == g.prepend[0]:
             j += 1
         block = geoms[i:j]
-        for layer in split.layers(g.prepend[0], p):
+        for layer in split.layers(g.prepend[0], p, v):
             k = 0
             while k < len(block):
                 b = block[k]
@@ -560,7 +589,7 @@ def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, e: i
                         out.append(Instance(x.name, (layer, e * nle + le)))
                 k = m
         i = j
-    if shared and p == layout.pp - 1 and any(g.name == EMBEDDING for g in geoms):
+    if shared and split.holds(OUTPUT, p, v) and any(g.name == EMBEDDING for g in geoms):
         out.append(Instance(EMBEDDING, (), shared=True, tied_copy=True))
     return out
 
