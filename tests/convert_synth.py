@@ -251,7 +251,8 @@ def chunk_of(name: str, layer: int | None, pp: int, vpp: int) -> tuple[int, int]
 
 
 def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
-               pp: int = 1, bucket_space: bool = False, vpp: int = 1) -> tuple[dict[str, list], dict[str, Any]]:
+               pp: int = 1, bucket_space: bool = False, per_rank: bool = False,
+               vpp: int = 1) -> tuple[dict[str, list], dict[str, Any]]:
     """dp_reshardable bucket tensors and per_bucket_numel objects, computed directly (one
     DistOpt group per TP rank t and pipeline stage: dp_group_idx t + tp·stage; with `vpp` virtual
     chunks, one buffer per chunk: gbuf_idx = chunk)."""
@@ -335,14 +336,41 @@ def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
                 chunks = []
                 for d in range(dp):
                     lo, hi = d * s, min((d + 1) * s, n)
-                    if hi > lo:
-                        chunks.append((t + tp * d + tp * dp * stage, (lo,), world[lo:hi]))
+                    w = t + tp * d + tp * dp * stage
+                    if per_rank:   # megatron-core 0.14's torch_dist: (dp, s), each rank's row in pieces
+                        mid = lo + (hi - lo) // 3
+                        chunks += [(w, (d, 0), world[lo:mid].reshape(1, -1)), (w, (d, mid - lo), world[mid:hi].reshape(1, -1))]
+                    elif hi > lo:
+                        chunks.append((w, (lo,), world[lo:hi]))
                 entries[key] = chunks
         pre = f"optimizer.distributed.dp_group_idx_{k}."
         objects.setdefault(pre + "per_bucket_numel", []).append({(torch.bfloat16, torch.float32): padded})
         objects.setdefault(pre + "per_bucket_numel_unpadded", []).append({(torch.bfloat16, torch.float32): unpadded})
         objects[pre + "optimizer"] = {"param_groups": param_groups(step=3)}
     return entries, objects
+
+
+def gathered(entries: dict[str, list], objects: dict[str, Any]) -> tuple[dict[str, list], dict[str, Any]]:
+    """dp_reshardable's buckets (`dp_buffers`) as dp_zero_gather_scatter saves them: per DistOpt group,
+    one `param_state` object holding each state's unpadded buckets end to end (what DP rank 0
+    gathers, `buckets_coalesced`), no bucket tensors and no per_bucket_numel objects."""
+    per: dict[str, dict[int, dict[str, list]]] = {}
+    for key, chunks in entries.items():
+        pre, rest = key.split(".gbuf_idx_", 1)
+        j, rest = rest.split(".", 1)
+        b, stname = rest.split(".bucket_idx_", 1)[1].split(".")
+        world = np.concatenate([d for _w, _o, d in sorted(chunks, key=lambda c: c[1])])
+        per.setdefault(pre, {}).setdefault(int(j), {}).setdefault(stname, []).append((int(b), world))
+    out = {k: v for k, v in objects.items() if k.endswith(".optimizer")}
+    for pre, bufs in per.items():
+        obj: dict[Any, Any] = {"buckets_coalesced": True}
+        for j, states in bufs.items():   # one buffer per model chunk (virtual pipeline), else gbuf 0 alone
+            tensors: dict[str, Any] = {st: torch.from_numpy(np.concatenate([w for _b, w in sorted(bs, key=lambda x: x[0])]))
+                                       for st, bs in states.items()}
+            tensors["numel_unpadded"] = int(tensors["param"].numel())
+            obj[j] = {(torch.bfloat16, torch.float32): tensors}
+        out[pre + ".param_state"] = [obj]
+    return {}, out
 
 
 def param_groups(step: int) -> list[dict]:
@@ -365,7 +393,7 @@ def common_state(tp: int, dp: int, fmt: str, with_args: bool = True, pp: int = 1
                                         decoder_last_pipeline_num_layers=SPLIT[1], **(extra_args or {}))
     if fmt == "fully_reshardable":
         cs["optimizer"] = {"optimizer": {"param_groups": param_groups(step=3)}, "param_state_sharding_type": fmt}
-    elif fmt == "fully_sharded_bucket_space":
+    elif fmt in ("fully_sharded_bucket_space", "dp_zero_gather_scatter"):
         cs["optimizer"] = {"param_state_sharding_type": fmt}
     return cs
 
@@ -396,9 +424,18 @@ def _save_rank(rank: int, world: int, port: int, path: str, entries: dict, shape
             torch.save(obj, buf)
             sd[k] = buf
     dist.barrier()
-    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint import DefaultSavePlanner, save
 
-    save(sd, checkpoint_id=path)
+    class Planner(DefaultSavePlanner):
+        """dp_zero_gather_scatter's gathered objects stored as Megatron's planner (MCoreSavePlanner)
+        stores every ShardedObject: the archive itself, not torch.save'd again into a pickled BytesIO."""
+
+        def transform_object(self, write_item, object):
+            if write_item.index.fqn.endswith(".param_state"):
+                return object
+            return super().transform_object(write_item, object)
+
+    save(sd, checkpoint_id=path, planner=Planner())
     # Every rank leaves DCP's last collective before any tears gloo down: an early destroy while a
     # peer is still inside it aborts that peer ("terminate called without an active exception").
     dist.barrier()
@@ -428,18 +465,22 @@ def save(path: str, entries: dict, objects: dict, common: dict, world: int) -> N
 
 def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0, bucket_size: int | None = None,
                     with_args: bool = True, dp_shapes: dict | None = None, pp: int = 1,
-                    tied: bool = False, extra_args: dict | None = None,
+                    per_rank: bool = False, tied: bool = False, extra_args: dict | None = None,
                     edit=None, vpp: int = 1) -> dict[str, dict[str, np.ndarray]]:
-    """Write a synthetic Megatron checkpoint and return its logical state (the reference). `tied`: the
-    output layer shares the word embeddings (no output_layer entry; at PP > 1 the last stage's
-    DistOpt buffer holds a copy of the embedding's state). Uneven pipeline stages: `uneven(...)`.
-    `edit(entries)` may change the stored chunks (key -> [(rank, offsets, data)]) before the save."""
+    """Write a synthetic Megatron checkpoint and return its logical state (the reference). `per_rank`:
+    fully_sharded_bucket_space's buckets stored (dp, bucket numel / dp) as megatron-core 0.14 does.
+    `tied`: the output layer shares the word embeddings (no output_layer entry; at PP > 1 the last
+    stage's DistOpt buffer holds a copy of the embedding's state). Uneven pipeline stages:
+    `uneven(...)`; `vpp` virtual pipeline chunks per stage. `edit(entries)` may change the stored
+    chunks (key -> [(rank, offsets, data)]) before the save."""
     st = state(seed, tied)
     entries = model_space_entries(st, tp, fmt == "fully_reshardable", dp, pp)
     objects: dict[str, Any] = {}
-    if fmt in ("dp_reshardable", "fully_sharded_bucket_space"):
+    if fmt in ("dp_reshardable", "fully_sharded_bucket_space", "dp_zero_gather_scatter"):
         e2, objects = dp_buffers(st, tp, dp, bucket_size, pp, bucket_space=fmt == "fully_sharded_bucket_space",
-                                 vpp=vpp)
+                                 per_rank=per_rank, vpp=vpp)
+        if fmt == "dp_zero_gather_scatter":
+            e2, objects = gathered(e2, objects)
         entries.update(e2)
     if vpp > 1:
         extra_args = {"virtual_pipeline_model_parallel_size": vpp, **(extra_args or {})}

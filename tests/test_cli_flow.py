@@ -126,7 +126,6 @@ sys.meta_path.insert(0, _Blocked())
 
 
 @pytest.mark.parametrize("argv,blocked,needle", [
-    (["convert", str(DEMO_SRC), "OUT"], ("torch",), "convert needs torch: pip install 'gtp-bridge[torch]'"),
     (["to-megatron", "LOGICAL", "OUT", "--tp", "1"], ("torch",),
      "to-megatron needs torch: pip install 'gtp-bridge[torch]'"),
     (["demo"], ("torch",), "demo needs torch: pip install 'gtp-bridge[torch]'"),
@@ -139,7 +138,7 @@ def test_missing_extra_is_named_in_one_line(argv, blocked, needle, logical, tmp_
     assert os.listdir(tmp_path) == []
 
 
-def test_missing_extra_in_python_entry_points(tmp_path):
+def test_missing_extra_in_python_entry_points(logical, tmp_path):
     code = blocker("jax", "jaxlib", "orbax", "optax", "torch") + f"""
 from bridge.errors import BridgeError
 try:
@@ -147,18 +146,30 @@ try:
 except ImportError as e:  # also a BridgeError
     assert isinstance(e, BridgeError), type(e)
     print("JAX:", e)
-from converters.megatron.convert import convert
+from converters.megatron.write import MegatronTarget, to_megatron
 try:
-    convert({str(DEMO_SRC)!r}, {str(tmp_path / 'out')!r})
+    to_megatron({logical!r}, {str(tmp_path / 'out')!r}, MegatronTarget(tp=1))
 except BridgeError as e:
-    print("CONVERT:", e)
+    print("TO-MEGATRON:", e)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=600)
     assert r.returncode == 0, r.stderr
     assert "JAX: bridge.jaxside (restore / save) needs jax and orbax and optax: pip install 'gtp-bridge[jax]'" in r.stdout
-    assert "CONVERT: convert needs torch: pip install 'gtp-bridge[torch]'" in r.stdout
+    assert "TO-MEGATRON: to-megatron needs torch: pip install 'gtp-bridge[torch]'" in r.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_runs_without_torch(logical, tmp_path):
+    """convert reads torch_dist records without torch (converters.megatron.torch_archive): with torch not
+    installed it still converts, and its output is the one a run with torch gives, array for array."""
+    from bridge.store.reader import open_checkpoint
+
+    out = tmp_path / "out"
+    r = cli("convert", str(DEMO_SRC), str(out), "--workers", "1", prelude=blocker("torch"))
+    assert r.returncode == 0, r.stderr
+    got, want = open_checkpoint(str(out)).manifest.arrays, open_checkpoint(logical).manifest.arrays
+    assert set(got) == set(want) and all(got[k].digest == want[k].digest for k in want)
 
 
 # --- item 5: versions, --version, LICENSE, no unused dependency ---------------------------------------------

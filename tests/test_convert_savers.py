@@ -29,6 +29,7 @@ from bridge.cli import main
 from bridge.errors import BridgeError
 from bridge.store.reader import open_checkpoint
 from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.dcp_reader import DcpCheckpoint
 from converters.megatron.format import Hints
 import convert_reference as cref
 from test_convert_megatron import assert_matches
@@ -123,6 +124,13 @@ def test_release_fixtures_cover_every_format_each_release_saves():
     assert "flattened_range is not supported" in errors["release_0_16_1"]["fully_sharded_model_space"][0]
     assert "flattened_range is not supported" in errors["release_0_19_2"]["fully_sharded_model_space"][0]
     assert errors["release_0_14_0"]["fully_sharded_bucket_space"]   # 0.14's torch_dist save asserts
+    # ... unless each bucket holds one parameter and no padding (run.json: bucket_size 1, sizes x 128),
+    # the layout its torch_dist conversion takes; stored per DP rank, (1, bucket numel)
+    assert have["release_0_14_0_bucket_space"] == {"fully_sharded_bucket_space"}
+    assert errors["release_0_14_0_bucket_space"] == {"fully_sharded_bucket_space": []}
+    md = DcpCheckpoint(os.path.join(cref.FIXTURES, "release_0_14_0_bucket_space", "fully_sharded_bucket_space"))
+    shapes = {tuple(md.tensors[k].shape) for k in md.tensors if ".bucket_idx_" in k}
+    assert len(shapes) > 1 and all(len(s) == 2 and s[0] == 1 for s in shapes), shapes
 
 
 @pytest.mark.parametrize("run", ["release_0_14_0", "release_0_15_3"])
@@ -385,12 +393,15 @@ def test_to_megatron_pp2_round_trips(fmt, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_synthetic_fully_sharded_bucket_space_converts(tmp_path):
-    """megatron-core 0.14's fully_sharded_bucket_space (no real save: 0.14.0's torch_dist save of it
-    fails at world 1): padded buckets, garbage in the padding, DP-sharded, several buckets."""
+@pytest.mark.parametrize("per_rank", [False, True], ids=["1d", "per_rank"])
+def test_synthetic_fully_sharded_bucket_space_converts(tmp_path, per_rank):
+    """fully_sharded_bucket_space beyond the real save (`release_0_14_0_bucket_space`: DP1, one
+    parameter per bucket): padded buckets, garbage in the padding, DP-sharded, several buckets, stored
+    1-D or per DP rank, (dp, bucket numel / dp) with each row in pieces, as megatron-core 0.14 does."""
     import convert_synth as synth
 
-    st = synth.make_checkpoint(str(tmp_path / "bs"), "fully_sharded_bucket_space", tp=1, dp=2, bucket_size=300)
+    st = synth.make_checkpoint(str(tmp_path / "bs"), "fully_sharded_bucket_space", tp=1, dp=2, bucket_size=300,
+                               per_rank=per_rank)
     res = convert(str(tmp_path / "bs"), str(tmp_path / "out"), ConvertOptions(workers=1))
     assert res.source_format == "fully_sharded_bucket_space"
     assert_matches(str(tmp_path / "out"), {r: dict(v) for r, v in st.items()}, 3)

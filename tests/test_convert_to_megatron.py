@@ -56,8 +56,8 @@ def test_same_layout_reproduces_megatrons_own_save(run, fmt, target, logical, tm
     ours, theirs = DcpCheckpoint(mc), DcpCheckpoint(os.path.join(cref.FIXTURES, run, fmt))
     assert set(ours.tensors) == set(theirs.tensors)
     assert set(ours.object_names()) >= {n for n in theirs.object_names() if not n.startswith("rng")}
-    want = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in theirs.tensors.items()}
-    got = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in ours.tensors.items()}
+    want = {k: torch.zeros(t.shape, dtype=t.dtype.torch()) for k, t in theirs.tensors.items()}
+    got = {k: torch.zeros(t.shape, dtype=t.dtype.torch()) for k, t in ours.tensors.items()}
     dcp.load(want, checkpoint_id=os.path.join(cref.FIXTURES, run, fmt))
     dcp.load(got, checkpoint_id=mc)   # torch's own reader accepts our files
     for k in want:

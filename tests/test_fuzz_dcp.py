@@ -280,8 +280,10 @@ def test_missing_step_refused(tmp_path):
     import io
     import torch
 
+    from converters.megatron.torch_archive import to_torch
+
     src = copy_base(tmp_path, CRC_BASE)
-    cs = DcpCheckpoint(src).common_state()
+    cs = to_torch(DcpCheckpoint(src).common_state())  # torch values again, to torch.save it
     for g in cs["optimizer"]["optimizer"]["param_groups"]:
         del g["step"]
     buf = io.BytesIO()
@@ -304,7 +306,9 @@ def test_model_only_is_reported_and_hidden_optimizer_refused(tmp_path):
     import io
     import torch
 
-    cs = DcpCheckpoint(src).common_state()
+    from converters.megatron.torch_archive import to_torch
+
+    cs = to_torch(DcpCheckpoint(src).common_state())  # torch values again, to torch.save it
     del cs["optimizer"]
     buf = io.BytesIO()
     torch.save([cs], buf)
@@ -343,7 +347,10 @@ def _fuzz_inputs(tmp: Path) -> dict[str, list[bytes]]:
     for blob in objects:
         z = zipfile.ZipFile(io.BytesIO(blob))
         pickles += [(blob, n) for n in z.namelist() if n.endswith("data.pkl")]
-    return {"metadata": meta, "object": objects, "tensor": tensors, "pickle_in_zip": pickles}
+    tensor_pickles = [(blob, n) for blob in tensors for n in zipfile.ZipFile(io.BytesIO(blob)).namelist()
+                      if n.endswith("data.pkl")]   # the same for tensor records (both of their parses)
+    return {"metadata": meta, "object": objects, "tensor": tensors, "pickle_in_zip": pickles,
+            "tensor_pickle_in_zip": tensor_pickles}
 
 
 INTERESTING = [0, 1, 0x7F, 0x80, 0xFF, 0xFE] + list(b"(.0NRTXbcehijqrsu}\x80\x81\x85\x86\x87\x88\x89\x8a\x8c\x8d\x8e\x93\x94\x95\x96\x97")
@@ -437,6 +444,7 @@ def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs i
     import converters.megatron.dcp_reader as R
     from bridge.errors import BridgeError
     from converters.megatron.format import describe
+    from converters.megatron.torch_archive import to_torch
 
     torch.ones(4096).sum()
     R._globals()
@@ -475,6 +483,8 @@ def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs i
                     describe(base_ck)
                 elif target == "tensor":
                     R.safe_torch_load_tensor(bytearray(data), "fuzz tensor")
+                elif target == "tensor_layout":  # the layout-only parse of ranged reads (no data read)
+                    R.tensor_member(R._MemFile(memoryview(data)), len(data), "fuzz tensor layout")
                 else:
                     R.safe_torch_load_object(bytearray(data), "fuzz object")
                 stats["parsed"] += 1
@@ -505,7 +515,7 @@ def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs i
         cs_pkl = zipfile.ZipFile(io.BytesIO(cs_blob)).read(cs_member)
         cs_odd = [None, -1, 2 ** 70, "x", [], 1.5, True, {}, torch.float32, numpy.float64(2.0), numpy.arange(3)]
 
-        cs0 = R.DcpCheckpoint(full).common_state()
+        cs0 = to_torch(R.DcpCheckpoint(full).common_state())
 
         def odd_common_state() -> bytes:
             cs = copy.deepcopy(cs0)
@@ -532,7 +542,8 @@ def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs i
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             kind = rng.choices(["metadata", "object", "tensor", "pickle_in_zip", "checkpoint", "structure",
-                                "common_state", "odd_common_state"], [5, 2, 1, 4, 1, 2, 2, 1])[0]
+                                "common_state", "odd_common_state", "tensor_pickle_in_zip"],
+                               [5, 2, 1, 4, 1, 2, 2, 1, 2])[0]
             if kind == "common_state":
                 run("common_state", _rezip(cs_blob, cs_member, mutate(rng, cs_pkl, [cs_pkl])))
             elif kind == "odd_common_state":
@@ -544,11 +555,20 @@ def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs i
                 blob, member = rng.choice(inputs["pickle_in_zip"])
                 pkl = zipfile.ZipFile(io.BytesIO(blob)).read(member)
                 run("object", _rezip(blob, member, mutate(rng, pkl, [pkl])))
+            elif kind == "tensor_pickle_in_zip":
+                blob, member = rng.choice(inputs["tensor_pickle_in_zip"])
+                pkl = zipfile.ZipFile(io.BytesIO(blob)).read(member)
+                data = _rezip(blob, member, mutate(rng, pkl, [pkl]))
+                run("tensor", data)
+                run("tensor_layout", data)
             elif kind == "checkpoint":
                 run("checkpoint", mutate(rng, real_meta, inputs["metadata"]))
             else:
                 corpus = inputs[kind]
-                run(kind, mutate(rng, rng.choice(corpus), corpus))
+                data = mutate(rng, rng.choice(corpus), corpus)
+                run(kind, data)
+                if kind == "tensor":
+                    run("tensor_layout", data)
         (full / ".metadata").write_bytes(real_meta)
         stats["top_refusals"] = sorted(reasons.items(), key=lambda kv: -kv[1])[:25]
     (out / "current.bin").unlink(missing_ok=True)

@@ -96,8 +96,8 @@ def test_to_megatron_on_s3_is_what_megatron_saved(stores, tmp_path):
     assert "megatron/tp2/latest_checkpointed_iteration.txt" in keys and not any("_gtpb_claim" in k for k in keys)
     local = download(s3, "megatron/tp2/iter_0000003", tmp_path / "mc")
     theirs = DcpCheckpoint(theirs_dir)
-    want = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in theirs.tensors.items()}
-    got = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in theirs.tensors.items()}
+    want = {k: torch.zeros(t.shape, dtype=t.dtype.torch()) for k, t in theirs.tensors.items()}
+    got = {k: torch.zeros(t.shape, dtype=t.dtype.torch()) for k, t in theirs.tensors.items()}
     dcp.load(want, checkpoint_id=str(theirs_dir))
     dcp.load(got, checkpoint_id=str(local))
     for k in want:

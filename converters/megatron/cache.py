@@ -4,12 +4,11 @@ records too large to hold (pure index math first, then I/O)."""
 from __future__ import annotations
 
 import io
-import struct
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from math import prod
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 
@@ -152,51 +151,22 @@ class RecordLayout:
 
 
 def record_layout(ck, key: str, chunk) -> RecordLayout:
-    """Parse a DCP tensor record's torch.save zip without reading its data: the tensor's metadata
-    through torch's weights-only unpickler onto the meta device, the member's CRC from the zip
-    directory. Refuses anything but one contiguous, stored (uncompressed) tensor of the chunk's
-    dtype and size."""
-    import zipfile
-
-    import torch
-
-    from bridge.dtypes import numpy_dtype_of_torch
-    from converters.megatron.dcp_reader import check_relative_path, open_range
+    """Parse a DCP tensor record's torch.save zip without reading its data (torch-free:
+    `dcp_reader.tensor_member`), the member's CRC from the zip directory. Refuses anything but one
+    contiguous, stored (uncompressed) tensor of the chunk's dtype and size."""
+    from converters.megatron.dcp_reader import check_relative_path, open_range, tensor_member
 
     ref = chunk.storage
     what = f"{key} chunk {chunk.offsets} in {ref.relative_path}"
     path = check_relative_path(ck.root, ref.relative_path, str(ck.root))
-    fd = open_range(path)
-    try:
-        try:
-            t = torch.load(_Window(fd, ref.offset, ref.length), map_location="meta", weights_only=True)
-            infos = [i for i in zipfile.ZipFile(_Window(fd, ref.offset, ref.length)).infolist()
-                     if i.filename.split("/")[-2:-1] == ["data"]]
-        except Exception as e:  # noqa: BLE001 - any parse failure is a damaged record
-            raise BridgeError(f"cannot read {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-                              f"(damaged chunk?)") from None
-        if not isinstance(t, torch.Tensor) or len(infos) != 1:
-            raise BridgeError(f"cannot read {what}: expected one tensor in the record; damaged checkpoint")
-        info = infos[0]
-        ti = ck.tensors[key]
-        item = t.element_size()
-        data = getattr(t.untyped_storage(), "_checkpoint_offset", None)
-        if t.dtype != ti.dtype or t.numel() != chunk.numel or not t.is_contiguous() or data is None:
-            raise BridgeError(f"cannot read {what}: stored tensor {t.dtype} {tuple(t.shape)} (contiguous: "
-                              f"{t.is_contiguous()}) does not match .metadata's {ti.dtype} {chunk.sizes}; damaged")
-        head = fd.pread(30, ref.offset + info.header_offset)
-        if len(head) < 30 or head[:4] != b"PK\x03\x04" or info.compress_type != zipfile.ZIP_STORED:
-            raise BridgeError(f"cannot read {what}: the tensor's zip member is damaged or compressed")
-        n, m = struct.unpack("<HH", head[26:30])
-        member = info.header_offset + 30 + n + m
-        nbytes = t.untyped_storage().nbytes()
-        if member != data or info.file_size != nbytes or data + nbytes > ref.length \
-                or (t.storage_offset() + t.numel()) * item > nbytes:
-            raise BridgeError(f"cannot read {what}: the tensor's bytes are not where its zip member says; damaged")
-    finally:
-        fd.close()
-    return RecordLayout(str(path), ref.offset + data + t.storage_offset() * item, item, numpy_dtype_of_torch(t.dtype),
-                        ref.offset + member, info.file_size, info.CRC, what)
+    with open_range(path) as fd:
+        m = tensor_member(_Window(fd, ref.offset, ref.length), ref.length, what)
+    ti = ck.tensors[key]
+    if m.dtype != ti.dtype or prod(m.shape) != chunk.numel:
+        raise BridgeError(f"cannot read {what}: stored tensor {m.dtype} {m.shape} does not match .metadata's "
+                          f"{ti.dtype} {chunk.sizes}; damaged")
+    return RecordLayout(str(path), ref.offset + m.data_offset, m.dtype.itemsize, m.dtype.numpy(),
+                        ref.offset + m.member_offset, m.member_size, m.crc, what)
 
 
 def crc_of_range(path: str, lo: int, hi: int, window: int, what: str) -> int:
@@ -384,6 +354,7 @@ class ChunkCache:
         self.max_bytes = max(1, max_bytes)
         self._lru = ArrayLRU(self.max_bytes)
         self._layouts: dict[tuple[str, int], RecordLayout] = {}
+        self._objects: dict[str, Any] = {}   # object name -> locatable; object tensor key -> (ObjectTensor, chunk)
         self.crcs = RecordCrcs()
         self.bytes_read = 0
 
@@ -391,10 +362,8 @@ class ChunkCache:
         """Stored chunk `index` of tensor `key`, shaped as stored."""
         a = self._lru.get((key, index))
         if a is None:
-            from bridge.dtypes import to_numpy
-
             info = self.ck.tensors[key]
-            a = to_numpy(self.ck.read_chunk(key, info.chunks[index]))
+            a = self.ck.read_array(key, info.chunks[index])
             self.bytes_read += info.chunks[index].storage.length
             self._lru.put((key, index), a)
         return a
@@ -402,7 +371,6 @@ class ChunkCache:
     def object_tensor(self, key: str) -> np.ndarray:
         """A state tensor inside a pickled object (dp_zero_gather_scatter; `plan.object_tensor_key`):
         the object is read once and all its tensors kept, as it holds them together."""
-        from bridge.dtypes import to_numpy
         from converters.megatron.plan import object_tensor_key, parse_object_tensor_key
 
         a = self._lru.get((key, 0))
@@ -419,17 +387,69 @@ class ChunkCache:
                     for st, t in tensors.items():
                         if hasattr(t, "numel"):
                             k = object_tensor_key(name, j, dkey, st)
+                            if k == key:  # kept here: its siblings may evict it from a small cache
+                                a = t.numpy()
                             if self._lru.get((k, 0)) is None:
-                                self._lru.put((k, 0), to_numpy(t))
-            a = self._lru.get((key, 0))
+                                self._lru.put((k, 0), t.numpy())
             if a is None:
                 raise BridgeError(f"{key}: no such tensor in the object; the checkpoint changed while converting")
         return a
 
+    def located_object_tensor(self, key: str) -> tuple | None:
+        """A state tensor inside a pickled object, located (`object_layout.ObjectTensor`) with a one-chunk
+        view of it for `_ranged`; None when the object's archive cannot be located (an archive nested
+        in a pickle: DCP's default planner), which `object_tensor` then reads whole. Each object's
+        pickle is parsed once, no tensor data read: at scale dp_zero_gather_scatter's object is the
+        whole optimizer state of a TP x PP rank."""
+        from converters.megatron.dcp_reader import ChunkInfo, StorageRef
+        from converters.megatron.object_layout import ObjectTensor, object_tensors
+        from converters.megatron.plan import object_tensor_key, parse_object_tensor_key
+
+        name, _gbuf, _dtype, _state = parse_object_tensor_key(key)
+        if name not in self._objects:
+            state = object_tensors(self.ck, name)
+            self._objects[name] = state is not None
+            state = state[0] if isinstance(state, list) and len(state) == 1 else state
+            for j, per_dtype in (state.items() if isinstance(state, dict) else ()):
+                for dt, tensors in (per_dtype.items() if isinstance(j, int) and isinstance(per_dtype, dict) else ()):
+                    dkey = "(" + ", ".join(str(x) for x in dt) + ")" if isinstance(dt, tuple) else str(dt)
+                    for st, t in (tensors.items() if isinstance(tensors, dict) else ()):
+                        if isinstance(t, ObjectTensor):
+                            ref = StorageRef(t.layout.path, t.layout.member_offset, t.layout.member_size)
+                            self._objects[object_tensor_key(name, j, dkey, st)] = (t, ChunkInfo((0,), (t.numel,), ref))
+        if not self._objects[name]:
+            return None
+        got = self._objects.get(key)
+        if got is None:
+            raise BridgeError(f"{key}: no such tensor in the object; the checkpoint changed while converting")
+        self._layouts[(key, 0)] = got[0].layout
+        return got
+
+    def _object_region(self, c) -> np.ndarray:
+        """`region` of a copy from a tensor inside a pickled object: a large tensor's bytes read for
+        this copy only, a small one read alone once and kept."""
+        from bridge.layout.boxes import Box
+        from converters.megatron.plan import Copy
+
+        got = self.located_object_tensor(c.key)
+        if got is None:
+            a = self.object_tensor(c.key)
+        else:
+            t, chunk = got
+            if t.numel * t.layout.itemsize > self.max_bytes // WHOLE_RECORDS:
+                return self._ranged(c, chunk)
+            a = self._lru.get((c.key, 0))
+            if a is None:
+                a = self._ranged(Copy(c.key, 0, c.array, Box((0,), (t.numel,)), flat_start=0), chunk)
+                self._lru.put((c.key, 0), a)
+        view = c.view or c.dst.shape
+        a = a.reshape(-1)[c.flat_start:c.flat_start + prod(view)].reshape(view)
+        return a if not c.src else a[tuple(slice(x, y) for x, y in c.src)].reshape(c.dst.shape)
+
     def region(self, c) -> np.ndarray:
         """The source data of copy `c` (a `converters.megatron.plan.Copy`), shaped like its logical box."""
         if c.key not in self.ck.tensors:
-            a = self.object_tensor(c.key)
+            return self._object_region(c)
         else:
             chunk = self.ck.tensors[c.key].chunks[c.chunk]
             if chunk.storage.length > self.max_bytes // WHOLE_RECORDS:

@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from bridge.cast_check import bits_equal, cast_mismatch
-from bridge.errors import BridgeError, require
+from bridge.errors import BridgeError
 from bridge.location import absolute, basename, is_remote, location
 from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
@@ -44,8 +44,10 @@ from bridge.dtypes import name_of_torch, numpy_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
 from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
+from converters.megatron.object_layout import object_tensors
 from converters.megatron.cache import ChunkCache, check_records
-from converters.megatron.format import (Hints, SourceCheckpoint, describe, optimizer_groups,
+from converters.megatron.format import (Hints, SourceCheckpoint, bucket_space_flat_chunks, describe,
+                                        optimizer_groups,
                                         parse_groups_hyper, plain_value, step_of)
 from converters.megatron.plan import (ROLES, Block, Copy, CopyIndex, Instance, Unit, assign_blocks, contributes, flat_copies,
                                       dp_group_places, literal, local_instances, model_space_copies,
@@ -221,9 +223,13 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
             for state, key in states.items():
                 role = STATE_ROLE[state]
                 info = ck.tensors[key]
-                # fully_sharded_bucket_space stores the padded bucket (garbage in the padding)
-                want = blay.per_bucket_numel()[b] if src.fmt == "fully_sharded_bucket_space" else blay.numel_unpadded[b]
-                if info.shape != (want,):
+                chunks = info.chunks
+                if src.fmt == "fully_sharded_bucket_space":
+                    # the padded bucket (garbage in the padding), 1-D or per DP rank (0.14)
+                    want = blay.per_bucket_numel()[b]
+                    chunks = bucket_space_flat_chunks(key, info, want, dp_size)
+                elif info.shape != (blay.numel_unpadded[b],):
+                    want = blay.numel_unpadded[b]
                     raise BridgeError(f"{key}: stored length {info.shape} differs from the rebuilt bucket "
                                       f"({want}); pass --bucket-size / --pad-for-alignment")
                 for inst in insts:
@@ -235,7 +241,7 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
                     u = units[inst.name]
                     u.dtypes[role] = np_dtype_name(info.dtype)
                     copies_of(u, inst).setdefault(role, []).extend(
-                        flat_copies(key, info.chunks, geom, tp, gtp, t, g, inst.index, p0 - b0))
+                        flat_copies(key, chunks, geom, tp, gtp, t, g, inst.index, p0 - b0))
 
 
 def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -> None:
@@ -244,7 +250,8 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
 
     The buffer layout is rebuilt as for dp_reshardable; a parameter at [p0, p1) of bucket b sits at
     p0 - bucket start + (unpadded numels of the buckets before b) of the gathered tensors, which the
-    copies read through `object_tensor_key` (the chunk cache unpickles the object).
+    copies read through `object_tensor_key` (the chunk cache reads each copy's bytes from where the
+    object's pickle puts the tensor: `object_layout`).
     """
     lay = src.layout
     ck = src.ck
@@ -259,7 +266,9 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
             raise BridgeError(f"{z.key}: dp_group_idx {z.dp_group_idx} does not exist for layout {lay.to_json()}; "
                               f"pass --tp/--gtp/--ep matching the run")
         t, g, e, stage = ck_coords
-        state = ck.read_object(z.key)
+        state = object_tensors(ck, z.key)   # tensors located, not read: the object can be huge
+        if state is None:
+            state = ck.read_object(z.key)
         state = state[0] if isinstance(state, list) and len(state) == 1 else state
         if not isinstance(state, dict) or not state.get("buckets_coalesced"):
             raise BridgeError(f"{z.key}: not a coalesced dp_zero_gather_scatter state (an older, per-bucket "
@@ -658,7 +667,7 @@ def budget_line(workers: int, budget: int, asked: int | None = None) -> str:
 
 def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> ConvertResult:
     """Convert a torch_dist checkpoint at `src_dir` into a logical checkpoint at `dst`."""
-    src_dir, dst = location(src_dir, "source"), location(dst, "destination"); require("convert", "torch")
+    src_dir, dst = location(src_dir, "source"), location(dst, "destination")
     opts = opts or ConvertOptions()
     hints = opts.hints or Hints()
     dst = absolute(dst)

@@ -16,6 +16,12 @@ carry a CRC-32 (torch.load ignores it); every member of every record read is CRC
 file. `.metadata` and `metadata.json` carry no checksum: they are checked structurally (types,
 ranges, chunks inside tensors, byte ranges inside files, paths inside the directory).
 Tensor records are unpickled by the same reader (not `torch.load`), sharing the read buffer.
+
+torch is never imported to read a checkpoint: torch's classes and rebuild functions are allow-listed
+by name and build inert values (`converters.megatron.torch_archive`: a tensor is an `ArchiveTensor`
+whose `.numpy()` views the record's bytes), so convert's processes stay hundreds of MiB smaller. The
+functions named `*torch*` (`safe_torch_load_tensor`, `read_chunk`, `read_full`) convert to torch at
+their edge, for callers that want tensors.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ from typing import Any, Iterator
 
 from bridge.errors import BridgeError
 from bridge.location import is_remote, local_path
+from converters.megatron.torch_archive import (DTYPE_NAMES, LAYOUT_NAMES, MEMORY_FORMAT_NAMES, STORAGE_DTYPES,
+                                               ArchiveTensor, Storage, TorchDevice, TorchDtype, TorchLayout,
+                                               TorchMemoryFormat, to_torch)
 
 # ---------------------------------------------------------------------------------------------
 # Restricted unpickling
@@ -129,16 +138,27 @@ def _is_stub_class(obj: Any) -> bool:
 class _StorageKind:
     """What a `torch.<X>Storage` global means inside a torch.save pickle: the element dtype."""
 
-    dtype: Any
+    dtype: TorchDtype
 
 
 @dataclass(frozen=True)
-class _Storage:
-    """One `data/<key>` record of a torch.save archive, as bytes shared with the archive buffer."""
+class TorchGlobal:
+    """An allow-listed torch class or function, by name: what the pickle calls is checked and built
+    by its rule in `_call_rules` (torch itself is not imported)."""
 
-    data: Any       # uint8 torch tensor over the record bytes
-    dtype: Any
-    nbytes: int
+    module: str
+    name: str
+
+
+#: torch globals a torch.save pickle may name, and the markers standing for them
+_TORCH_GLOBALS = {(m, n): TorchGlobal(m, n) for m, n in (
+    ("torch", "Size"), ("torch", "device"), ("torch", "Tensor"), ("torch.serialization", "_get_layout"),
+    ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_parameter"), ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch.nn.parameter", "Parameter"))}
+_TORCH_NAMES: dict[str, Any] = {**{n: TorchDtype(n) for n in DTYPE_NAMES}, **{n: TorchLayout(n) for n in LAYOUT_NAMES},
+                                **{n: TorchMemoryFormat(n) for n in MEMORY_FORMAT_NAMES}}
+_STORAGE_KINDS = {n: _StorageKind(_TORCH_NAMES[d]) for n, d in STORAGE_DTYPES.items()}
 
 
 _GLOBALS: dict[tuple[str, str], Any] | None = None
@@ -147,7 +167,7 @@ _EMPTY_NEW: set[Any] = set()      # classes NEWOBJ may create empty (their state
 
 
 def _globals() -> dict[tuple[str, str], Any]:
-    """The allow-list: (module, name) -> object; built once, on first use (imports torch/numpy)."""
+    """The allow-list: (module, name) -> object; built once, on first use (imports numpy, not torch)."""
     global _GLOBALS
     if _GLOBALS is not None:
         return _GLOBALS
@@ -160,10 +180,6 @@ def _globals() -> dict[tuple[str, str], Any]:
     import types
 
     import numpy as np
-    import torch
-    import torch._tensor
-    import torch._utils
-    import torch.serialization
 
     try:
         from numpy._core import multiarray as np_ma
@@ -183,13 +199,7 @@ def _globals() -> dict[tuple[str, str], Any]:
         ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
         ("datetime", "datetime"): datetime.datetime, ("datetime", "date"): datetime.date,
         ("datetime", "timedelta"): datetime.timedelta,
-        ("torch", "Size"): torch.Size, ("torch", "device"): torch.device, ("torch", "Tensor"): torch.Tensor,
-        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-        ("torch._utils", "_rebuild_tensor"): torch._utils._rebuild_tensor,
-        ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
-        ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
-        ("torch._tensor", "_rebuild_from_type_v2"): torch._tensor._rebuild_from_type_v2,
-        ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+        **_TORCH_GLOBALS,
         ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
     })
     for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
@@ -256,7 +266,6 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
     import types
 
     import numpy as np
-    import torch
 
     np_reconstruct = g[("numpy._core.multiarray", "_reconstruct")]
     np_scalar = g[("numpy._core.multiarray", "scalar")]
@@ -345,19 +354,21 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
     def size(u, args, kw):
         if kw or len(args) != 1:
             raise BridgeError(f"{u.what}: torch.Size() needs one tuple of integers")
-        return torch.Size(_int_tuple(args[0], f"{u.what}: torch.Size"))
+        return _int_tuple(args[0], f"{u.what}: torch.Size")  # a tuple: torch.Size is one
 
     def device(u, args, kw):
-        if kw or not 1 <= len(args) <= 2 or not isinstance(args[0], str) or len(args[0]) > 32 or \
-                (len(args) == 2 and type(args[1]) is not int):
+        m = re.fullmatch(r"([a-z_]{1,24})(?::(\d{1,4}))?", args[0]) if args and isinstance(args[0], str) else None
+        if kw or not 1 <= len(args) <= 2 or m is None or \
+                (len(args) == 2 and (type(args[1]) is not int or not 0 <= args[1] < 1 << 16 or m.group(2))):
             raise BridgeError(f"{u.what}: torch.device() with arguments {[_short(a) for a in args]}")
-        return torch.device(*args)
+        index = args[1] if len(args) == 2 else int(m.group(2)) if m.group(2) else None
+        return TorchDevice(m.group(1), index)
 
     def layout(u, args, kw):
         if kw or len(args) != 1 or not isinstance(args[0], str):
             raise BridgeError(f"{u.what}: _get_layout() needs a layout name")
-        v = getattr(torch, args[0].replace("torch.", ""), None) if len(args[0]) < 64 else None
-        if not isinstance(v, torch.layout):
+        v = _TORCH_NAMES.get(args[0][len("torch."):]) if args[0].startswith("torch.") else None
+        if not isinstance(v, TorchLayout):
             raise BridgeError(f"{u.what}: unknown tensor layout {_short(args[0])}")
         return v
 
@@ -367,7 +378,7 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
         storage, offset, shape, stride = args[:4]
         hooks = args[5] if len(args) > 5 else None
         meta = args[6] if len(args) > 6 else None
-        if not isinstance(storage, _Storage):
+        if not isinstance(storage, Storage):
             raise BridgeError(f"{u.what}: a tensor without a stored record (a tensor rebuild outside a torch.save archive)")
         shape = _int_tuple(shape, f"{u.what}: tensor shape")
         stride = _int_tuple(stride, f"{u.what}: tensor stride")
@@ -380,31 +391,27 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
         if end * item > storage.nbytes:
             raise BridgeError(f"{u.what}: tensor of shape {shape} (stride {stride}, offset {offset}) needs "
                               f"{end * item} bytes of a {storage.nbytes}-byte record")
-        t = torch.empty(0, dtype=storage.dtype)
-        t.set_(storage.data.untyped_storage(), offset, shape, stride)
-        if len(args) > 4 and args[4]:
-            t.requires_grad_(True)
-        return t
+        return ArchiveTensor(storage, offset, shape, stride, requires_grad=len(args) > 4 and args[4])
 
     def rebuild_parameter(u, args, kw):
-        if kw or len(args) != 3 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], bool) or args[2]:
+        if kw or len(args) != 3 or not isinstance(args[0], ArchiveTensor) or not isinstance(args[1], bool) or args[2]:
             raise BridgeError(f"{u.what}: invalid Parameter rebuild")
-        return torch.nn.Parameter(args[0], args[1])
+        return args[0].as_parameter(args[1])
 
     def rebuild_from_type(u, args, kw):
         if kw or len(args) != 4 or args[0] not in (g[("torch._utils", "_rebuild_tensor_v2")],
                                                     g[("torch._utils", "_rebuild_tensor")]) \
-                or args[1] not in (torch.Tensor, torch.nn.Parameter) or type(args[2]) is not tuple \
-                or not (args[3] is None or (type(args[3]) is dict and not args[3])):
+                or args[1] not in (g[("torch", "Tensor")], g[("torch.nn.parameter", "Parameter")]) \
+                or type(args[2]) is not tuple or not (args[3] is None or (type(args[3]) is dict and not args[3])):
             raise BridgeError(f"{u.what}: invalid tensor rebuild (only plain tensors and Parameters)")
         t = rebuild_tensor(u, args[2], {})
-        return t if args[1] is torch.Tensor else torch.nn.Parameter(t, t.requires_grad)
+        return t if args[1] is g[("torch", "Tensor")] else t.as_parameter(t.requires_grad)
 
     def parameter(u, args, kw):
-        if kw or not 1 <= len(args) <= 2 or not isinstance(args[0], torch.Tensor) or \
+        if kw or not 1 <= len(args) <= 2 or not isinstance(args[0], ArchiveTensor) or \
                 (len(args) == 2 and not isinstance(args[1], bool)):
             raise BridgeError(f"{u.what}: Parameter() needs a tensor")
-        return torch.nn.Parameter(*args)
+        return args[0].as_parameter(args[1] if len(args) == 2 else True)
 
     def dtype(u, args, kw):
         # numpy pickles a dtype as dtype("f8", False, True) + a BUILD with byte order; only the plain
@@ -449,12 +456,12 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
         pathlib.PosixPath: path(pathlib.PosixPath), pathlib.PurePosixPath: path(pathlib.PurePosixPath),
         datetime.datetime: plain_args(datetime.datetime, 8), datetime.date: plain_args(datetime.date, 3),
         datetime.timedelta: plain_args(datetime.timedelta, 3),
-        torch.Size: size, torch.device: device, g[("torch.serialization", "_get_layout")]: layout,
+        g[("torch", "Size")]: size, g[("torch", "device")]: device, g[("torch.serialization", "_get_layout")]: layout,
         g[("torch._utils", "_rebuild_tensor")]: rebuild_tensor,
         g[("torch._utils", "_rebuild_tensor_v2")]: rebuild_tensor,
         g[("torch._utils", "_rebuild_parameter")]: rebuild_parameter,
         g[("torch._tensor", "_rebuild_from_type_v2")]: rebuild_from_type,
-        torch.nn.Parameter: parameter, np.dtype: dtype, np_reconstruct: reconstruct, np_scalar: scalar,
+        g[("torch.nn.parameter", "Parameter")]: parameter, np.dtype: dtype, np_reconstruct: reconstruct, np_scalar: scalar,
     }
 
     def defaultdict_rule(u, args, kw):
@@ -483,14 +490,15 @@ class SafeUnpickler(pickle._Unpickler):
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
-    def __init__(self, file: io.BytesIO, what: str, size: int, records: dict[str, memoryview] | None = None) -> None:
+    def __init__(self, file: io.BytesIO, what: str, size: int,
+                 records: dict[str, memoryview | int] | None = None) -> None:
         super().__init__(file)
         self._file = file
         self.what = what
         self.size = size
         self.budget = ALLOC_PER_INPUT_BYTE * size + ALLOC_SLACK
         self.records = records
-        self.storages: dict[str, _Storage] = {}
+        self.storages: dict[str, Storage] = {}
         self._open_arrays: dict[int, Any] = {}   # id -> array from _reconstruct awaiting its one BUILD
         self._open_dtypes: dict[int, Any] = {}   # id -> dtype copy that one BUILD may still adjust
         self._depth: dict[int, tuple[Any, int]] = {}  # id -> (tuple/frozenset, nesting), kept alive
@@ -572,22 +580,14 @@ class SafeUnpickler(pickle._Unpickler):
         if (module, name) in g:
             return g[(module, name)]
         if module == "torch":
-            import torch
-
-            if self.records is not None and name.endswith("Storage"):
-                try:
-                    return _StorageKind(torch.serialization.StorageType(name).dtype)
-                except (KeyError, AttributeError, RuntimeError):
-                    pass
-            obj = getattr(torch, name, None)
-            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
+            if self.records is not None and name in _STORAGE_KINDS:
+                return _STORAGE_KINDS[name]
+            if name in _TORCH_NAMES:  # a dtype, layout or memory format
+                return _TORCH_NAMES[name]
         raise BridgeError(f"refusing to unpickle {module}.{name} in {self.what}: not an allowed class "
                           f"(the checkpoint may be malicious or from an unsupported writer)")
 
     def persistent_load(self, pid: Any) -> Any:  # noqa: D102 - pickle API
-        import torch
-
         if self.records is None:
             self.refuse("a persistent reference outside a torch.save archive")
         if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageKind)
@@ -600,10 +600,10 @@ class SafeUnpickler(pickle._Unpickler):
         if rec is None:
             self.refuse(f"tensor storage {key!r} has no data/{key} record")
         nbytes = numel * kind.dtype.itemsize
-        if len(rec) != nbytes:
-            self.refuse(f"tensor storage {key!r}: record has {len(rec)} bytes, the pickle says {nbytes}")
-        data = torch.frombuffer(rec, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-        st = _Storage(data, kind.dtype, nbytes)
+        size = rec if type(rec) is int else len(rec)  # an int: only the archive's layout is read
+        if size != nbytes:
+            self.refuse(f"tensor storage {key!r}: record has {size} bytes, the pickle says {nbytes}")
+        st = Storage(key, kind.dtype, nbytes, None if type(rec) is int else rec)
         self.storages[key] = st
         return st
 
@@ -885,9 +885,12 @@ def check_graph(obj: Any, what: str) -> None:
         todo.extend((c, False) for c in kids)
 
 
-def safe_loads(data: bytes | memoryview, what: str, records: dict[str, memoryview] | None = None,
+def safe_loads(data: bytes | memoryview, what: str, records: dict[str, memoryview | int] | None = None,
                check: bool = True) -> Any:
     """Unpickle untrusted bytes with the allow-list and limits of `SafeUnpickler`.
+
+    `records`: a torch.save archive's `data/<key>` members (their bytes, or only their sizes when
+    just the archive's layout is wanted), which tensor storages refer to.
 
     >>> safe_loads(pickle.dumps({"a": [1, 2]}), "test")
     {'a': [1, 2]}
@@ -944,6 +947,52 @@ class _MemFile(io.RawIOBase):
         return len(data)
 
 
+def _zip_members(f: Any, size: int, tail: bytes, what: str) -> dict[str, tuple[int, int, int, str]]:
+    """The members of the torch.save archive in file `f` (seekable, `size` bytes; `tail`: its last
+    bytes, up to 64 KiB + 22) as key -> (data offset, size, recorded CRC-32, name), every structural check
+    done (one disk, stored members, local headers matching the directory, inside the file) and no
+    data read. Keys drop the archive's top folder (`data.pkl`, `data/0`, `byteorder`, ...)."""
+    try:
+        zf = zipfile.ZipFile(f)
+        infos = zf.infolist()
+    except Exception as e:  # zipfile raises BadZipFile, NotImplementedError, ValueError, struct.error...
+        raise BridgeError(f"cannot read {what}: not a valid torch.save zip archive ({type(e).__name__}: {str(e)[:120]}); "
+                          f"the file is damaged") from None
+    e = tail.rfind(b"PK\x05\x06")
+    if e < 0 or len(tail) < e + 22 or struct.unpack("<HHHH", tail[e + 4:e + 12]) not in \
+            ((0, 0, len(infos), len(infos)), (0, 0, 0xFFFF, 0xFFFF)):
+        raise BridgeError(f"cannot read {what}: the zip archive claims several disks or a different member count "
+                          f"(torch.save writes one); the file is damaged")
+    out: dict[str, tuple[int, int, int, str]] = {}
+    for info in infos:
+        h = info.header_offset
+        f.seek(h)
+        head = f.read(30)
+        if len(head) < 30 or head[:4] != b"PK\x03\x04":
+            raise BridgeError(f"cannot read {what}: zip member {info.filename[:80]!r} has no local header; damaged")
+        n, m = struct.unpack("<HH", head[26:30])
+        start = h + 30 + n + m
+        name = f.read(n)
+        if name != info.orig_filename.encode("utf-8", "surrogateescape") and name.decode("cp437") != info.orig_filename:
+            raise BridgeError(f"cannot read {what}: zip member {info.filename[:80]!r} names differ; damaged")
+        if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1 or info.compress_size != info.file_size:
+            raise BridgeError(f"cannot read {what}: zip member {info.filename[:80]!r} is compressed or encrypted "
+                              f"(torch.save stores members); damaged or not written by torch")
+        if start + info.file_size > size:
+            raise BridgeError(f"cannot read {what}: zip member {info.filename[:80]!r} runs past the end; truncated")
+        key = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
+        if key in out:
+            raise BridgeError(f"cannot read {what}: two zip members named {key[:80]!r}; damaged")
+        out[key] = (start, info.file_size, info.CRC, info.filename)
+    return out
+
+
+def _check_crc(data: Any, crc: int, name: str, what: str) -> None:
+    if zlib.crc32(data) != crc:
+        raise BridgeError(f"{what}: CRC-32 mismatch in zip member {name[:80]!r} "
+                          f"(stored {crc:08x}, computed {zlib.crc32(data):08x}): the bytes are damaged")
+
+
 def zip_records(buf: bytes | bytearray | memoryview, what: str) -> dict[str, memoryview]:
     """The members of a torch.save archive, each CRC-32-checked, as views into `buf` (no copies).
 
@@ -953,58 +1002,83 @@ def zip_records(buf: bytes | bytearray | memoryview, what: str) -> dict[str, mem
     Keys drop the archive's top folder (`data.pkl`, `data/0`, `byteorder`, ...).
     """
     mv = memoryview(buf).cast("B")
-    try:
-        zf = zipfile.ZipFile(_MemFile(mv))
-        infos = zf.infolist()
-    except Exception as e:  # zipfile raises BadZipFile, NotImplementedError, ValueError, struct.error...
-        raise BridgeError(f"cannot read {what}: not a valid torch.save zip archive ({type(e).__name__}: {str(e)[:120]}); "
-                          f"the file is damaged") from None
-    tail = bytes(mv[-(1 << 16) - 22:])
-    e = tail.rfind(b"PK\x05\x06")
-    if e < 0 or len(tail) < e + 22 or struct.unpack("<HHHH", tail[e + 4:e + 12]) not in \
-            ((0, 0, len(infos), len(infos)), (0, 0, 0xFFFF, 0xFFFF)):
-        raise BridgeError(f"cannot read {what}: the zip archive claims several disks or a different member count "
-                          f"(torch.save writes one); the file is damaged")
+    members = _zip_members(_MemFile(mv), len(mv), bytes(mv[-(1 << 16) - 22:]), what)
     # torch.serialization.set_crc32_options(False) writes 0 for every member: nothing to check then
-    crc_recorded = any(info.CRC for info in infos)
+    crc_recorded = any(m[2] for m in members.values())
     out: dict[str, memoryview] = {}
-    for info in infos:
-        h = info.header_offset
-        head = bytes(mv[h:h + 30])
-        if len(head) < 30 or head[:4] != b"PK\x03\x04":
-            raise BridgeError(f"cannot read {what}: zip member {info.filename[:80]!r} has no local header; damaged")
-        n, m = struct.unpack("<HH", head[26:30])
-        start = h + 30 + n + m
-        if bytes(mv[h + 30:h + 30 + n]) != info.orig_filename.encode("utf-8", "surrogateescape") and \
-                bytes(mv[h + 30:h + 30 + n]).decode("cp437") != info.orig_filename:
-            raise BridgeError(f"cannot read {what}: zip member {info.filename[:80]!r} names differ; damaged")
-        if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1 or info.compress_size != info.file_size:
-            raise BridgeError(f"cannot read {what}: zip member {info.filename[:80]!r} is compressed or encrypted "
-                              f"(torch.save stores members); damaged or not written by torch")
-        if start + info.file_size > len(mv):
-            raise BridgeError(f"cannot read {what}: zip member {info.filename[:80]!r} runs past the end; truncated")
-        data = mv[start:start + info.file_size]
-        if crc_recorded and zlib.crc32(data) != info.CRC:
-            raise BridgeError(f"{what}: CRC-32 mismatch in zip member {info.filename[:80]!r} "
-                              f"(stored {info.CRC:08x}, computed {zlib.crc32(data):08x}): the bytes are damaged")
-        key = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
-        if key in out:
-            raise BridgeError(f"cannot read {what}: two zip members named {key[:80]!r}; damaged")
-        out[key] = data
+    for key, (start, n, crc, name) in members.items():
+        out[key] = mv[start:start + n]
+        if crc_recorded:
+            _check_crc(out[key], crc, name, what)
     return out
 
 
+def _check_byteorder(order: Any, what: str) -> None:
+    if order is not None and bytes(order) != b"little":
+        raise BridgeError(f"cannot read {what}: byte order {bytes(order[:16])!r}; only little-endian saves are supported")
+
+
 def load_torch_archive(buf: bytes | bytearray | memoryview, what: str) -> Any:
-    """Unpickle a torch.save archive with SafeUnpickler; tensors share `buf`'s memory."""
-    if isinstance(buf, bytes):  # tensors need a writable buffer to share (DcpCheckpoint reads bytearrays)
+    """Unpickle a torch.save archive with SafeUnpickler; tensors (`ArchiveTensor`) share `buf`'s memory."""
+    if isinstance(buf, bytes):  # tensors stay writable views (DcpCheckpoint reads bytearrays)
         buf = bytearray(buf)
     recs = zip_records(buf, what)
     if "data.pkl" not in recs:
         raise BridgeError(f"cannot read {what}: the zip archive has no data.pkl (not a torch.save archive)")
-    order = recs.get("byteorder")
-    if order is not None and bytes(order) != b"little":
-        raise BridgeError(f"cannot read {what}: byte order {bytes(order[:16])!r}; only little-endian saves are supported")
+    _check_byteorder(recs.get("byteorder"), what)
     return safe_loads(recs["data.pkl"], what, recs)
+
+
+@dataclass(frozen=True)
+class TensorMember:
+    """Where a `torch.save(tensor)` archive keeps its one tensor's bytes, without reading them:
+    element i (row-major) is at archive byte `data_offset + i * dtype.itemsize`; the data member is
+    `member_size` bytes at `member_offset` with CRC-32 `crc` (checked by whoever reads them)."""
+
+    dtype: TorchDtype
+    shape: tuple[int, ...]
+    data_offset: int
+    member_offset: int
+    member_size: int
+    crc: int
+
+
+#: a tensor record's pickle is a few hundred bytes; more is not a tensor record
+MAX_TENSOR_PICKLE = 1 << 20
+
+
+def tensor_member(f: Any, size: int, what: str) -> TensorMember:
+    """Parse a tensor record (`torch.save(tensor)`, `size` bytes in the seekable file `f`) reading
+    only its zip directory, headers and pickle (CRC-checked): the tensor must be contiguous, of a
+    numpy dtype, and lie inside its one data member."""
+    f.seek(max(0, size - (1 << 16) - 22))
+    members = _zip_members(f, size, f.read((1 << 16) + 22), what)
+    crc_recorded = any(m[2] for m in members.values())  # as zip_records
+    small = {}
+    for key in ("data.pkl", "byteorder"):
+        if key in members:
+            start, n, crc, name = members[key]
+            if n > MAX_TENSOR_PICKLE:
+                raise BridgeError(f"cannot read {what}: a {n}-byte {key} (a tensor record's is small); damaged")
+            f.seek(start)
+            small[key] = f.read(n)
+            if len(small[key]) != n:
+                raise BridgeError(f"cannot read {what}: zip member {name[:80]!r} runs past the end; truncated")
+            if crc_recorded:
+                _check_crc(small[key], crc, name, what)
+    if "data.pkl" not in small:
+        raise BridgeError(f"cannot read {what}: the zip archive has no data.pkl (not a torch.save archive)")
+    _check_byteorder(small.get("byteorder"), what)
+    data = {k: m[1] for k, m in members.items() if k.startswith("data/")}
+    t = safe_loads(small["data.pkl"], what, data)
+    if not isinstance(t, ArchiveTensor) or len(data) != 1:
+        raise BridgeError(f"cannot read {what}: expected one tensor in the record, found {_short(t)} and "
+                          f"{len(data)} data members; damaged checkpoint")
+    if not t.is_contiguous() or t.dtype.itemsize is None:
+        raise BridgeError(f"cannot read {what}: a {t.dtype} tensor of shape {t.shape} with strides {t.stride} "
+                          f"(a torch_dist record is one contiguous tensor of a supported dtype); damaged")
+    start, n, crc, _name = members[f"data/{t.storage.key}"]
+    return TensorMember(t.dtype, t.shape, start + t.offset * t.dtype.itemsize, start, n, crc)
 
 
 #: `common.pt` holds args, param groups and scheduler state: kilobytes, never gigabytes
@@ -1025,14 +1099,18 @@ def safe_torch_load_object(data: bytes | bytearray, what: str, _depth: int = 0) 
     return obj
 
 
-def safe_torch_load_tensor(data: bytes | bytearray, what: str) -> "Any":
-    """Load a tensor blob (`torch.save(tensor)`), CRC-checked, with the allow-list."""
-    import torch
-
+def load_tensor_record(data: bytes | bytearray, what: str) -> ArchiveTensor:
+    """A tensor record (`torch.save(tensor)`), CRC-checked, with the allow-list, without torch: an
+    `ArchiveTensor` sharing `data` (`.numpy()` views it)."""
     t = load_torch_archive(data, what)
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(t, ArchiveTensor):
         raise BridgeError(f"cannot read {what}: expected a tensor, found {type(t).__name__}")
     return t
+
+
+def safe_torch_load_tensor(data: bytes | bytearray, what: str) -> "Any":
+    """`load_tensor_record` as a torch tensor sharing `data` (imports torch)."""
+    return to_torch(load_tensor_record(data, what))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1064,7 +1142,8 @@ class ChunkInfo:
 
 @dataclass
 class TensorInfo:
-    """A DCP tensor entry: dtype (a torch dtype), global shape and its chunks."""
+    """A DCP tensor entry: dtype (`TorchDtype`: prints as `torch.bfloat16`, `.numpy()` for numpy's,
+    `.torch()` for torch's), global shape and its chunks."""
 
     fqn: str
     dtype: Any
@@ -1116,8 +1195,6 @@ def _interpret_metadata(md: Any, root: Path, what: str) -> tuple[dict[str, "Tens
     Chunks must lie inside their tensor and each have a storage entry; every storage entry must
     name a file inside `root` and a non-negative byte range.
     """
-    import torch
-
     if isinstance(md, InertStub) and md.stub_name == MCORE_METADATA:
         pass  # megatron-core 0.15-0.16: DCP Metadata plus an `mcore_data` dict, same fields
     else:
@@ -1159,7 +1236,7 @@ def _interpret_metadata(md: Any, root: Path, what: str) -> tuple[dict[str, "Tens
         entry = _record(entry, "TensorStorageMetadata", f"{what}: entry {fqn}")
         props = entry.get("properties")
         dtype = _get(props, "dtype") if isinstance(props, InertStub) else None
-        if not isinstance(dtype, torch.dtype):
+        if not isinstance(dtype, TorchDtype):
             raise BridgeError(f"{what}: tensor {fqn} has no valid dtype")
         shape = _index_tuple(entry.get("size"), f"{what}: tensor {fqn} size")
         chunks = entry.get("chunks")
@@ -1485,16 +1562,26 @@ class DcpCheckpoint:
                               f"got {got}")
         return data
 
-    def read_chunk(self, fqn: str, chunk: ChunkInfo) -> "Any":
-        """One stored chunk as a torch tensor of shape `chunk.sizes` (dtype checked)."""
+    def read_array(self, fqn: str, chunk: ChunkInfo) -> "Any":
+        """One stored chunk as a numpy array of shape `chunk.sizes` (dtype and size checked against
+        .metadata), a view of the bytes read (no torch)."""
         what = f"{fqn} chunk {chunk.offsets} in {chunk.storage.relative_path}"
-        t = safe_torch_load_tensor(self.read_bytes(chunk.storage), what)
+        t = load_tensor_record(self.read_bytes(chunk.storage), what)
         ti = self.tensors[fqn]
         if t.dtype != ti.dtype:
             raise BridgeError(f"{what}: stored dtype {t.dtype} differs from .metadata's {ti.dtype}; damaged checkpoint")
         if t.numel() != chunk.numel:
             raise BridgeError(f"{what}: {t.numel()} elements, .metadata says {chunk.numel}; damaged checkpoint")
-        return t.reshape(chunk.sizes)
+        try:
+            return t.numpy().reshape(chunk.sizes)
+        except BridgeError as e:
+            raise BridgeError(f"cannot read {what}: {e}") from None
+
+    def read_chunk(self, fqn: str, chunk: ChunkInfo) -> "Any":
+        """`read_array` as a torch tensor (imports torch)."""
+        from bridge.dtypes import from_numpy
+
+        return from_numpy(self.read_array(fqn, chunk))
 
     def object_key(self, name: str) -> str | None:
         """The stored fqn of object `name`: itself, or Megatron's `name/shard_<offset>_<shape>` form."""
@@ -1510,7 +1597,8 @@ class DcpCheckpoint:
         return [k.split("/", 1)[0] for k in self.objects]
 
     def read_object(self, fqn: str) -> Any:
-        """A byte entry unpickled with the allow-list (first blob; MCore wraps objects in a list)."""
+        """A byte entry unpickled with the allow-list (first blob; MCore wraps objects in a list);
+        torch values are `converters.megatron.torch_archive` stand-ins (`to_torch` converts)."""
         fqn = self.object_key(fqn) or fqn
         if fqn not in self.objects:
             raise BridgeError(f"{self.root}: no object {fqn!r} in the checkpoint")
@@ -1521,14 +1609,16 @@ class DcpCheckpoint:
         return obj
 
     def read_full(self, fqn: str) -> "Any":
-        """A whole tensor entry assembled from its chunks (small tensors / tests)."""
-        import torch
+        """A whole tensor entry assembled from its chunks, as a torch tensor (small tensors / tests)."""
+        import numpy as np
+
+        from bridge.dtypes import from_numpy
 
         ti = self.tensors[fqn]
-        out = torch.empty(ti.shape, dtype=ti.dtype)
+        out = np.empty(ti.shape, dtype=ti.dtype.numpy())
         for c in ti.chunks:
-            out[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))] = self.read_chunk(fqn, c)
-        return out
+            out[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))] = self.read_array(fqn, c)
+        return from_numpy(out)
 
     def common_state(self) -> dict:
         """Megatron's `common_state` object (args, iteration, optimizer groups...), or {} when absent.

@@ -212,6 +212,36 @@ class Hints:
 # ---------------------------------------------------------------------------------------------
 
 
+def bucket_space_flat_chunks(key: str, info: TensorInfo, world_numel: int, dp: int) -> list[Any]:
+    """A `fully_sharded_bucket_space` bucket tensor's chunks as 1-D ranges of the (padded) bucket.
+
+    Legacy torch_dist saves store the bucket 1-D, `(world_numel,)`; megatron-core 0.14's reformulates
+    flattened ranges as `(dp, world_numel // dp)`, each rank's pieces `(1, n)` at `(rank, start)`:
+    row-major flat offset `rank * local + start`. Other shapes are refused.
+
+    >>> from converters.megatron.dcp_reader import ChunkInfo
+    >>> info = TensorInfo("k", "torch.float32", (2, 8), [ChunkInfo((0, 0), (1, 3), None), ChunkInfo((1, 2), (1, 6), None)])
+    >>> [(c.offsets, c.sizes) for c in bucket_space_flat_chunks("k", info, 16, 2)]
+    [((0,), (3,)), ((10,), (6,))]
+    """
+    from converters.megatron.dcp_reader import ChunkInfo
+
+    if tuple(info.shape) == (world_numel,):
+        return list(info.chunks)
+    local = world_numel // dp
+    if tuple(info.shape) != (dp, local) or local * dp != world_numel:
+        raise BridgeError(f"{key}: stored shape {tuple(info.shape)} is neither the padded bucket ({world_numel},) nor "
+                          f"its per-DP-rank reformulation ({dp}, {local}); pass --bucket-size / --pad-for-alignment")
+    out = []
+    for ch in info.chunks:
+        (r, s), (nr, n) = ch.offsets, ch.sizes
+        if nr != 1 and not (s == 0 and n == local):
+            raise BridgeError(f"{key}: chunk at {ch.offsets} of shape {ch.sizes} is not a run of whole rows or "
+                              f"part of one row; unknown format")
+        out.append(ChunkInfo((r * local + s,), (nr * n,), ch.storage))
+    return out
+
+
 def classify_keys(ck: DcpCheckpoint) -> tuple[list[str], dict[tuple[str, str], str], list[DpBucketKey], list[str]]:
     """Split tensor keys into model keys, fully_reshardable optimizer keys, dp buckets, unknown."""
     model, opt, dp, other = [], {}, [], []
