@@ -274,6 +274,9 @@ def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
         shared = {n for n, _ in runtime if tied and pp > 1 and n in ("embedding.word_embeddings.weight",
                                                                       "output_layer.weight")}
         k = t + tp * stage
+        # Megatron-LM's training loop buckets the first model chunk of the first stage only
+        # (megatron/training/training.py, 0.19.2: per_chunk_bucket_sizes)
+        bs = bucket_size if stage == 0 and v == 0 else None
         for name, layer in runtime:
             npre = 1 if layer is not None else 0
             if True:
@@ -313,7 +316,7 @@ def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
             buckets[-1].append((pos, local))
             pos += local["params"].size
             more = i < len(inst) - 1
-            if more and (n_ in shared or (bucket_size is not None and pos - bstart >= bucket_size)):
+            if more and (n_ in shared or (bs is not None and pos - bstart >= bs)):
                 pos = bstart = close(pos)             # ... and ends it; or the bucket is full
         ends.append(pos)
         unpadded, padded = [], []

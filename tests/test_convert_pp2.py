@@ -171,23 +171,9 @@ def _dcp_read(it: str, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -
     return {k: (v.view(torch.int16).numpy() if v.dtype == torch.bfloat16 else v.numpy()) for k, v in sd.items()}
 
 
-@pytest.mark.parametrize("fmt", ["dp_reshardable", "fully_reshardable"])
-def test_to_megatron_pp2_uneven_tied_matches_the_synthetic_save(saves, tmp_path, capsys, fmt):
-    """to-megatron --tp 2 --pp 2 --pp-first-layers 1 of the PP1 save's conversion writes every tensor
-    convert_synth computes for that layout (dp_reshardable: the stages' bucket tensors, shared-embedding
-    buckets included; the per-bucket numels), records the split and the tied output layer in args, and
-    converts back to the same logical arrays."""
-    d, st, _ = saves
-    rc, out = cli(capsys, "to-megatron", str(d / "pp1_logical"), str(tmp_path / "run"), "--tp", "2", "--pp", "2",
-                  "--pp-first-layers", "1", "--format", fmt, "--bucket-size", "300")
-    assert rc == 0 and "PP=2" in out, out
-    it = str(tmp_path / "run" / "iter_0000003")
-    with synth.dims(L=4), synth.uneven(first=1):
-        want = synth.model_space_entries(st, 2, fmt == "fully_reshardable", 1, 2)
-        objects = {}
-        if fmt == "dp_reshardable":
-            e2, objects = synth.dp_buffers(st, 2, 1, 300, 2)
-            want.update(e2)
+def _assert_written(it: str, want: dict, objects: dict):
+    """The iteration directory holds exactly the tensors `want` (convert_synth's key -> chunks), bit for
+    bit as torch dcp.load reads them, and the per-bucket numel objects of `objects`."""
     from converters.megatron.dcp_reader import DcpCheckpoint
 
     ck = DcpCheckpoint(it)
@@ -205,11 +191,52 @@ def test_to_megatron_pp2_uneven_tied_matches_the_synthetic_save(saves, tmp_path,
                 got_obj = got_obj[0]
             # (the dtype keys may come back as the safe reader's stand-ins for torch dtypes)
             assert [list(x.values()) for x in got_obj] == [list(x.values()) for x in obj], name
+    return ck
+
+
+@pytest.mark.parametrize("fmt", ["dp_reshardable", "fully_reshardable"])
+def test_to_megatron_pp2_uneven_tied_matches_the_synthetic_save(saves, tmp_path, capsys, fmt):
+    """to-megatron --tp 2 --pp 2 --pp-first-layers 1 of the PP1 save's conversion writes every tensor
+    convert_synth computes for that layout (dp_reshardable: the stages' bucket tensors, shared-embedding
+    buckets included, the first stage bucketed as Megatron-LM's training loop does; the per-bucket
+    numels), records the split and the tied output layer in args, and converts back to the same
+    logical arrays."""
+    d, st, _ = saves
+    rc, out = cli(capsys, "to-megatron", str(d / "pp1_logical"), str(tmp_path / "run"), "--tp", "2", "--pp", "2",
+                  "--pp-first-layers", "1", "--format", fmt, "--bucket-size", "300")
+    assert rc == 0 and "PP=2" in out, out
+    it = str(tmp_path / "run" / "iter_0000003")
+    with synth.dims(L=4), synth.uneven(first=1):
+        want = synth.model_space_entries(st, 2, fmt == "fully_reshardable", 1, 2)
+        objects = {}
+        if fmt == "dp_reshardable":
+            e2, objects = synth.dp_buffers(st, 2, 1, 300, 2)
+            want.update(e2)
+    ck = _assert_written(it, want, objects)
     args = ck.common_state()["args"]
     assert args.decoder_first_pipeline_num_layers == 1 and args.decoder_last_pipeline_num_layers is None
     assert args.untie_embeddings_and_output_weights is False and args.pipeline_model_parallel_size == 2
     res = convert(it, str(tmp_path / "back"), ConvertOptions(workers=1))
     assert res.layout["pp"] == 2
+    assert_matches(str(tmp_path / "back"), ref_of(st), 3)
+
+
+def test_to_megatron_virtual_pipeline_matches_the_synthetic_save(saves, tmp_path, capsys):
+    """--pp 2 --vpp 2: one DDP buffer per model chunk (gbuf_idx_v), chunk v of stage p holding layer
+    2v + p, as convert_synth's own interleaving places them."""
+    d, st, _ = saves
+    rc, out = cli(capsys, "to-megatron", str(d / "pp1_logical"), str(tmp_path / "run"), "--tp", "2", "--pp", "2",
+                  "--vpp", "2", "--format", "dp_reshardable", "--bucket-size", "300")
+    assert rc == 0, out
+    it = str(tmp_path / "run" / "iter_0000003")
+    with synth.dims(L=4):
+        want = synth.model_space_entries(st, 2, False, 1, 2)
+        e2, objects = synth.dp_buffers(st, 2, 1, 300, 2, vpp=2)
+        want.update(e2)
+    ck = _assert_written(it, want, objects)
+    assert any(".gbuf_idx_1." in k for k in ck.tensors)
+    assert ck.common_state()["args"].virtual_pipeline_model_parallel_size == 2
+    convert(it, str(tmp_path / "back"), ConvertOptions(workers=1))
     assert_matches(str(tmp_path / "back"), ref_of(st), 3)
 
 

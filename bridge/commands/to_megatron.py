@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
                    help="target pipeline-parallel size (default 1; an even split of the layers unless the flags "
                         "below say otherwise; no virtual chunks)")
     add_split_flags(p)
+    p.add_argument("--vpp", type=int, default=1, metavar="V",
+                   help="virtual pipeline chunks per stage (Megatron's --num-virtual-stages-per-pipeline-rank; "
+                        "dp_reshardable writes one buffer per chunk)")
     p.add_argument("--format", dest="fmt", default="fully_reshardable",
                    choices=["fully_reshardable", "dp_reshardable"], help="optimizer format (default fully_reshardable)")
     p.add_argument("--megatron-core", dest="release", default="0.19", choices=["0.14", "0.15", "0.16", "0.19"],
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
                                                   bucket_size=args.bucket_size, release=args.release, pp=args.pp,
                                                   pp_first=args.pp_first, pp_last=args.pp_last,
                                                   embedding_in_split=bool(args.embedding_in_split),
-                                                  loss_in_split=bool(args.loss_in_split)),
+                                                  loss_in_split=bool(args.loss_in_split), vpp=args.vpp),
                       budget=parse_size(args.budget) if args.budget else None, workers=args.workers,
                       weights_from_masters=args.weights_from_masters)
     lay = res["layout"]

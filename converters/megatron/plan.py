@@ -363,6 +363,8 @@ class PipelineSplit:
     def __post_init__(self) -> None:
         if type(self.vpp) is not int or self.vpp < 1:
             raise BridgeError(f"virtual pipeline size {self.vpp!r} must be a positive integer")
+        if self.vpp > 1 and self.pp == 1:
+            raise BridgeError(f"virtual pipeline size {self.vpp} needs pipeline stages (PP > 1)")
         if self.vpp > 1 and not self.even:
             raise BridgeError("virtual pipeline chunks with uneven first / last stages or the embedding / loss counted "
                               "in the split are not supported; only an even split into virtual chunks is")

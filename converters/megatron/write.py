@@ -87,6 +87,7 @@ class MegatronTarget:
     pp_last: int | None = None    # decoder_last_pipeline_num_layers
     embedding_in_split: bool = False   # account_for_embedding_in_pipeline_split
     loss_in_split: bool = False        # account_for_loss_in_pipeline_split
+    vpp: int = 1                       # virtual pipeline chunks per stage (dp_reshardable: a buffer each)
 
     def split(self, params: Sequence["ParamInfo"], meg: MegatronRecord | None) -> PipelineSplit:
         """The target's pipeline split; the output layer is tied when the model has none (or the
@@ -94,7 +95,7 @@ class MegatronTarget:
         untie = (meg.args or {}).get("untie_embeddings_and_output_weights") if meg else None
         return PipelineSplit(pp=self.pp, first=self.pp_first, last=self.pp_last,
                              embedding_in_split=self.embedding_in_split, loss_in_split=self.loss_in_split,
-                             tied=is_tied([p.name for p in params], untie))
+                             tied=is_tied([p.name for p in params], untie), vpp=self.vpp)
 
 
 def default_budget() -> int:
@@ -682,30 +683,44 @@ def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronT
         gmap = {gm.name: gm for gm in geoms}
         sizes = {n: lay.tp_gtp_sizes(gm.expert) for n, gm in gmap.items()}
         for k, (t, g, e, stage) in sorted(dp_group_places(lay, expert).items()):
-            insts = local_instances(geoms, lay, e, stage, split)
-            bparams = [BufferParam(i.label, gmap[i.name].physical_numel(*sizes[i.name]), i.shared) for i in insts]
-            blay = buffer_layout(bparams, target.bucket_size, dp_size)
-            segs: dict[int, list[tuple[int, str, Box]]] = {b: [] for b in range(len(blay.buckets))}
-            for inst in insts:
-                p0, _p1, bid = blay.index[inst.label]
-                geom = gmap[inst.name]
-                for piece in geom.shard_pieces(*sizes[inst.name], t, g, inst.index):
-                    segs[bid].append((p0 - blay.buckets[bid][0] + piece.local_start, piece.array, piece.logical))
-            for b in range(len(blay.buckets)):
-                unp = blay.numel_unpadded[b]
-                # a range's fp32 chunk plus the segments read into it (TensorStore's 2x while reading)
-                ranges = shard_ranges(unp, blay.shard_size(b), dp_size, max(1, limit // 12))
-                ordered = sorted(segs[b], key=lambda s: s[0])
-                for role in OPTIMIZER_ROLES:
-                    fqn = (f"{prefix}optimizer.distributed.dp_group_idx_{k}.gbuf_idx_0.dtype_{key_dt}"
-                           f".bucket_idx_{b}.{STATE_NAMES[role]}")
-                    jobs.append(DpJob(fqn, unp, ranges, [(o, role_path(role, a), box) for o, a, box in ordered]))
+            padded, unpadded = [], []
+            for v in range(split.vpp):   # one DDP buffer per virtual pipeline chunk: gbuf_idx = chunk
+                insts = local_instances(geoms, lay, e, stage, split, v)
+                bparams = [BufferParam(i.label, gmap[i.name].physical_numel(*sizes[i.name]), i.shared) for i in insts]
+                # Megatron-LM's training loop buckets only the first model chunk of the first stage
+                # (training.py: `None if (disable or pp_rank > 0)`); it loads only that layout
+                blay = buffer_layout(bparams, target.bucket_size if stage == 0 and v == 0 else None, dp_size)
+                jobs += _bucket_jobs(blay, insts, gmap, sizes, t, g, dp_size, limit,
+                                     f"{prefix}optimizer.distributed.dp_group_idx_{k}.gbuf_idx_{v}.dtype_{key_dt}")
+                padded.append(blay.per_bucket_numel())
+                unpadded.append(list(blay.numel_unpadded))
             pre = f"{prefix}optimizer.distributed.dp_group_idx_{k}."
             dtk = (torch.bfloat16, torch.float32)
-            objects.append((pre + "per_bucket_numel/shard_0_1", [{dtk: blay.per_bucket_numel()}]))
-            objects.append((pre + "per_bucket_numel_unpadded/shard_0_1", [{dtk: list(blay.numel_unpadded)}]))
+            objects.append((pre + "per_bucket_numel/shard_0_1", [{dtk: n} for n in padded]))
+            objects.append((pre + "per_bucket_numel_unpadded/shard_0_1", [{dtk: n} for n in unpadded]))
             objects.append((pre + "optimizer/shard_0_1", {"param_groups": _groups_for(groups, expert, chained)}))
     return jobs, objects
+
+
+def _bucket_jobs(blay: Any, insts: Sequence[Any], gmap: dict, sizes: dict, t: int, g: int, dp_size: int, limit: int,
+                 prefix: str) -> list[DpJob]:
+    """The bucket tensors of one DDP buffer (`prefix` names it up to `.bucket_idx_`), in every optimizer role."""
+    segs: dict[int, list[tuple[int, str, Box]]] = {b: [] for b in range(len(blay.buckets))}
+    for inst in insts:
+        p0, _p1, bid = blay.index[inst.label]
+        geom = gmap[inst.name]
+        for piece in geom.shard_pieces(*sizes[inst.name], t, g, inst.index):
+            segs[bid].append((p0 - blay.buckets[bid][0] + piece.local_start, piece.array, piece.logical))
+    jobs = []
+    for b in range(len(blay.buckets)):
+        unp = blay.numel_unpadded[b]
+        # a range's fp32 chunk plus the segments read into it (TensorStore's 2x while reading)
+        ranges = shard_ranges(unp, blay.shard_size(b), dp_size, max(1, limit // 12))
+        ordered = sorted(segs[b], key=lambda s: s[0])
+        for role in OPTIMIZER_ROLES:
+            fqn = f"{prefix}.bucket_idx_{b}.{STATE_NAMES[role]}"
+            jobs.append(DpJob(fqn, unp, ranges, [(o, role_path(role, a), box) for o, a, box in ordered]))
+    return jobs
 
 
 def _param_groups(man: Manifest, step: int) -> list[dict]:
