@@ -532,6 +532,9 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
                             f"recorded as 1")
     layout = _layout_from(args, hints, tp_inf, world, inferred, gtp_inf)
     split = pipeline_split(ck.root, args, layout, fmt, [strip_wrappers(k) for k in model_keys])
+    if split.tied and layout.pp > 1 and fmt in BUCKETED:
+        inferred.append("tied output layer: the last pipeline stage's copy of the word embeddings is checked "
+                        "equal to the first stage's, one array written")
     if layout.gtp == 1 and tp_inf > 1 and tp_inf != layout.tp:
         raise BridgeError(f"{ck.root}: the run's TP={layout.tp} (from args or --tp) disagrees with the chunk offsets, "
                           f"which show TP={tp_inf}; pass the right --tp")
