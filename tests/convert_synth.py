@@ -148,16 +148,18 @@ def _to_torch(a: np.ndarray) -> torch.Tensor:
 # --- chunking -------------------------------------------------------------------------------
 
 
-#: the pipeline split of the checkpoint being built: (first stage's layers, last stage's layers), None = even
-SPLIT: tuple[int | None, int | None] = (None, None)
+#: the pipeline split of the checkpoint being built: (first stage's layers, last stage's layers, embedding
+#: counted as a layer, loss counted as a layer); None / False = Megatron's even split
+SPLIT: tuple[int | None, int | None, bool, bool] = (None, None, False, False)
 
 
 @contextlib.contextmanager
-def uneven(first: int | None = None, last: int | None = None):
+def uneven(first: int | None = None, last: int | None = None, embedding: bool = False, loss: bool = False):
     """Build checkpoints whose first / last pipeline stage hold `first` / `last` layers (Megatron's
-    decoder_first/last_pipeline_num_layers) inside this block."""
+    decoder_first/last_pipeline_num_layers), or that count the embedding / loss as a layer of the first /
+    last stage (account_for_embedding/loss_in_pipeline_split), inside this block."""
     global SPLIT
-    old, SPLIT = SPLIT, (first, last)
+    old, SPLIT = SPLIT, (first, last, embedding, loss)
     try:
         yield
     finally:
@@ -165,8 +167,16 @@ def uneven(first: int | None = None, last: int | None = None):
 
 
 def stage_sizes(pp: int) -> list[int]:
-    """Layers per stage: the uneven first / last stage as set, the others share the rest."""
-    first, last = SPLIT
+    """Layers per stage: the uneven first / last stage as set, the others share the rest; or, counting the
+    embedding / loss as layers, L + those over pp each, less the embedding / loss on the first / last."""
+    first, last, emb, loss = SPLIT
+    if emb or loss:
+        each = (L + emb + loss) // pp
+        out = [each] * pp
+        out[0] -= emb
+        out[-1] -= loss
+        assert sum(out) == L, (out, L)
+        return out
     sizes: list[int | None] = [None] * pp
     if first is not None:
         sizes[0] = first
@@ -393,7 +403,9 @@ def common_state(tp: int, dp: int, fmt: str, with_args: bool = True, pp: int = 1
                                         swiglu=True, padded_vocab_size=V, num_layers=L, params_dtype=torch.bfloat16,
                                         untie_embeddings_and_output_weights=not tied,
                                         decoder_first_pipeline_num_layers=SPLIT[0],
-                                        decoder_last_pipeline_num_layers=SPLIT[1], **(extra_args or {}))
+                                        decoder_last_pipeline_num_layers=SPLIT[1],
+                                        account_for_embedding_in_pipeline_split=SPLIT[2],
+                                        account_for_loss_in_pipeline_split=SPLIT[3], **(extra_args or {}))
     if fmt == "fully_reshardable":
         cs["optimizer"] = {"optimizer": {"param_groups": param_groups(step=3)}, "param_state_sharding_type": fmt}
     elif fmt in ("fully_sharded_bucket_space", "dp_zero_gather_scatter"):

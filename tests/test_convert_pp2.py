@@ -105,6 +105,25 @@ def _tamper_tied_copy(entries: dict) -> None:
     entries[key][0] = (rank, off, data)
 
 
+@pytest.mark.parametrize("account", ["embedding", "loss"])
+def test_embedding_or_loss_counted_in_the_split_converts_exactly(tmp_path, account):
+    """account_for_embedding/loss_in_pipeline_split: 3 layers + the embedding (loss) over 2 stages = 2 each,
+    so the first (last) stage holds one layer; compared with the same state saved at PP1."""
+    with synth.dims(L=3):
+        with synth.uneven(**{account: True}):
+            st = synth.make_checkpoint(str(tmp_path / "pp2"), "dp_reshardable", tp=1, pp=2, bucket_size=200)
+        synth.make_checkpoint(str(tmp_path / "pp1"), "dp_reshardable", tp=1, pp=1, bucket_size=200)
+    convert(str(tmp_path / "pp2"), str(tmp_path / "a"), ConvertOptions(workers=1))
+    convert(str(tmp_path / "pp1"), str(tmp_path / "b"), ConvertOptions(workers=1))
+    assert_matches(str(tmp_path / "a"), ref_of(st), 3)
+    cref.assert_same_checkpoint(str(tmp_path / "a"), str(tmp_path / "b"))
+    flag = f"account_for_{account}_in_pipeline_split"
+    with pytest.raises(BridgeError, match="3 layers do not split evenly over 2"):   # the flag left out
+        convert(str(tmp_path / "pp2"), str(tmp_path / "x"),
+                ConvertOptions(workers=1, hints=Hints(**{f"{account}_in_split": False})))
+    assert flag in open_checkpoint(str(tmp_path / "a")).manifest.megatron.args
+
+
 def test_tied_copies_that_differ_are_refused(tmp_path):
     with synth.dims(L=2):
         st = synth.make_checkpoint(str(tmp_path / "bad"), "dp_reshardable", tp=2, pp=2, tied=True,
