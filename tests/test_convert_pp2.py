@@ -79,6 +79,20 @@ def test_even_split_of_an_uneven_save_is_refused(saves, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_bucket_size_flag_fits_the_unbucketed_later_stages(saves, tmp_path):
+    """Megatron-LM's training loop buckets only the first stage (training.py `per_chunk_bucket_sizes`);
+    the run's --bucket-size must still convert the later stages' single-bucket buffers (dp_reshardable:
+    checked against the saved bucket numels; dp_zero_gather_scatter: against the gathered total)."""
+    d, st, _ = saves
+    convert(str(d / "pp2"), str(tmp_path / "a"), ConvertOptions(workers=1, hints=Hints(bucket_size=300)))
+    assert_matches(str(tmp_path / "a"), ref_of(st), 3)
+    with synth.dims(L=4):
+        st0 = synth.make_checkpoint(str(tmp_path / "zero"), "dp_zero_gather_scatter", tp=1, pp=2, bucket_size=300)
+    res = convert(str(tmp_path / "zero"), str(tmp_path / "b"), ConvertOptions(workers=1, hints=Hints(bucket_size=300)))
+    assert res.source_format == "dp_zero_gather_scatter"
+    assert_matches(str(tmp_path / "b"), ref_of(st0), 3)
+
+
 def test_library_save_takes_the_split_from_flags(tmp_path, capsys):
     """A save without args (dist_checkpointing.save from a library): PP and the uneven split come from
     flags; the tied output layer is read from the keys (no output_layer entry)."""

@@ -282,8 +282,13 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
                 insts, gmap, sizes, numels = _buffer_params(src, geoms_all, lay, expert, split_expert, pdt, e, stage,
                                                             j)
                 dp_size = lay.edp if expert else lay.distopt_size
-                blay = rebuild_bucket_layout(insts, numels, dp_size, None, None, hints.bucket_size, where)
                 total = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None
+                # --bucket-size, else one bucket; Megatron-LM's training loop buckets only the first model
+                # chunk of the first pipeline stage, so a later stage's buffer may hold one bucket even so
+                for bs in dict.fromkeys((hints.bucket_size, None)):
+                    blay = rebuild_bucket_layout(insts, numels, dp_size, None, None, bs, where)
+                    if total == sum(blay.numel_unpadded):
+                        break
                 if total != sum(blay.numel_unpadded):
                     raise BridgeError(f"{where}: {total} elements gathered, the rebuilt buffer holds "
                                       f"{sum(blay.numel_unpadded)} (buckets {list(blay.numel_unpadded)}); pass the "

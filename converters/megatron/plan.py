@@ -620,7 +620,9 @@ def rebuild_bucket_layout(instances: Sequence[Instance], numels: dict[Instance, 
     params = [BufferParam(i.label, numels[i], i.shared) for i in instances]
     cands: list[int | None]
     if bucket_size is not None:
-        cands = [bucket_size]
+        # Megatron-LM's training loop buckets only the first model chunk of the first pipeline stage:
+        # the others hold one bucket whatever the run's bucket size (checked against the saved numels)
+        cands = [bucket_size] + ([None] if per_bucket_unpadded is not None else [])
     elif per_bucket_unpadded is None or len(per_bucket_unpadded) <= 1:
         cands = [None]
     else:
