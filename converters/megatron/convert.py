@@ -178,6 +178,12 @@ def _buffer_params(src: SourceCheckpoint, geoms_all: Sequence, lay: ParallelLayo
     return insts, gmap, sizes, {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
 
 
+def first_chunk(src: SourceCheckpoint, stage: int, gbuf: int) -> bool:
+    """Whether buffer `gbuf` of a stage is the first model chunk of the first pipeline stage: the only
+    one Megatron-LM's training loop buckets (training.py `per_chunk_bucket_sizes`)."""
+    return stage == 0 and (src.split.vpp == 1 or gbuf == 0)
+
+
 def copies_of(u: Unit, inst: Instance) -> dict[str, list[Copy]]:
     """Where a buffer instance's copies go: the unit's arrays, or, for the last stage's copy of tied
     embeddings, the unit's `mirrors` (checked equal to the first stage's, never written)."""
@@ -215,7 +221,8 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
         unp = _per_bucket(_maybe_object(ck, obj_pre + "per_bucket_numel_unpadded"), j, dtype_key, where)
         pad = _per_bucket(_maybe_object(ck, obj_pre + "per_bucket_numel"), j, dtype_key, where)
         dp_size = lay.edp if expert else lay.distopt_size
-        blay = rebuild_bucket_layout(insts, numels, dp_size, unp, pad, hints.bucket_size, where)
+        blay = rebuild_bucket_layout(insts, numels, dp_size, unp, pad, hints.bucket_size, where,
+                                     bucketed=first_chunk(src, stage, j))
         for b, (b0, _b1) in enumerate(blay.buckets):
             states = by_bucket.get((chain, k, j, dtype_key, b))
             if states is None:
@@ -283,9 +290,10 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
                                                             j)
                 dp_size = lay.edp if expert else lay.distopt_size
                 total = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None
-                # --bucket-size, else one bucket; Megatron-LM's training loop buckets only the first model
-                # chunk of the first pipeline stage, so a later stage's buffer may hold one bucket even so
-                for bs in dict.fromkeys((hints.bucket_size, None)):
+                # Megatron-LM's training loop buckets only the first model chunk of the first pipeline
+                # stage: a later one may hold one bucket whatever --bucket-size says
+                later = () if first_chunk(src, stage, j) else (None,)
+                for bs in dict.fromkeys((hints.bucket_size,) + later):
                     blay = rebuild_bucket_layout(insts, numels, dp_size, None, None, bs, where)
                     if total == sum(blay.numel_unpadded):
                         break

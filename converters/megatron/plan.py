@@ -611,18 +611,18 @@ def parse_dtype_key(s: str) -> tuple[str, str]:
 
 def rebuild_bucket_layout(instances: Sequence[Instance], numels: dict[Instance, int], dp_size: int,
                           per_bucket_unpadded: Sequence[int] | None, per_bucket_padded: Sequence[int] | None,
-                          bucket_size: int | None, where: str) -> BufferLayout:
+                          bucket_size: int | None, where: str, bucketed: bool = True) -> BufferLayout:
     """Rebuild one buffer's layout and check it against the saved per-bucket numels.
 
     The bucket size is taken from `bucket_size` when given, else inferred: a single bucket when
     one numel is saved, else the smallest size that reproduces the saved bucket boundaries.
+    `bucketed=False`: a buffer Megatron-LM's training loop leaves unbucketed whatever the run's
+    bucket size (not the first model chunk of the first pipeline stage), so one bucket is tried too.
     """
     params = [BufferParam(i.label, numels[i], i.shared) for i in instances]
     cands: list[int | None]
     if bucket_size is not None:
-        # Megatron-LM's training loop buckets only the first model chunk of the first pipeline stage:
-        # the others hold one bucket whatever the run's bucket size (checked against the saved numels)
-        cands = [bucket_size] + ([None] if per_bucket_unpadded is not None else [])
+        cands = [bucket_size] + ([None] if not bucketed and per_bucket_unpadded is not None else [])
     elif per_bucket_unpadded is None or len(per_bucket_unpadded) <= 1:
         cands = [None]
     else:
