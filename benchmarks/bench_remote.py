@@ -10,7 +10,11 @@ Variants, each on the same `--mib` MiB of fp32 in `--arrays` arrays:
                data-file size (16 MiB), all issued at once
   store_read   every array read back whole through the bridge's reader (threads over arrays)
   raw_read     the raw objects read back whole, all at once
-After an untimed warm-up, reps are interleaved; medians are reported as MB/s and as ratios store / raw. Then each variant runs
+After an untimed warm-up, reps are interleaved in A B B A order (store then raw, raw then store, ...),
+so load that drifts during the run (a shared host) hits both sides alike. Reported: median MB/s; the
+ratio store / raw as the median over reps of each rep's adjacent pair (and its range), which is what
+to quote on a noisy host; the CPU seconds the client process and the server process spent per variant
+(median; on a host where the server competes for the same cores, extra CPU is extra time). Then each variant runs
 once more through a counting HTTP proxy in front of the server, which reports the requests per
 checkpoint by kind (object stores bill per request) and per GiB, and the bytes moved each way. The last line, "SUMMARY {json}",
 has the medians, ratios and counts for scripts.
@@ -23,6 +27,7 @@ cloud store, the ratios and request counts do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import http.server
 import json
@@ -122,6 +127,45 @@ class CountingProxy:
         self.server.server_close()
 
 
+def paired_ratio(raw: list[float], store: list[float]) -> float:
+    """Median over reps of raw time / store time of the same rep (1.0: the store as fast as raw).
+
+    >>> paired_ratio([1.0, 2.0, 1.0], [2.0, 2.0, 1.25])
+    0.8
+    """
+    return round(statistics.median(r / s for r, s in zip(raw, store)), 3)
+
+
+def ratio_range(raw: list[float], store: list[float]) -> list[float]:
+    """[lowest, highest] per-rep ratio raw / store."""
+    ratios = [r / s for r, s in zip(raw, store)]
+    return [round(min(ratios), 3), round(max(ratios), 3)]
+
+
+class CpuClock:
+    """Wall time and CPU seconds (user + system) of this process and of the server process (Linux
+    /proc; the server's CPU reads 0 elsewhere)."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.stat = f"/proc/{server_pid}/stat"
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def _server(self) -> float:
+        try:
+            with open(self.stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / self.tick  # utime, stime
+
+    @contextlib.contextmanager
+    def timed(self, walls: list, cpus: list):
+        c0, s0, t0 = time.process_time(), self._server(), time.perf_counter()
+        yield
+        walls.append(time.perf_counter() - t0)
+        cpus.append((time.process_time() - c0, self._server() - s0))
+
+
 def make_arrays(mib: float, n: int) -> dict[str, np.ndarray]:
     rows = max(1, int(mib * (1 << 20) / 4 / COLS / n))
     rng = np.random.default_rng(0)
@@ -185,6 +229,7 @@ def run(server: str, mib: float, n_arrays: int, reps: int, writers: int) -> dict
     nbytes = sum(a.nbytes for a in arrays.values())
     make_server = (lambda: S3Server(memory_objects=True)) if server == "s3" else GcsServer
     times: dict[str, list[float]] = {v: [] for v in ("store_write", "raw_write", "store_read", "raw_read")}
+    cpu: dict[str, list[tuple[float, float]]] = {v: [] for v in times}
     counts: dict[str, dict] = {}
     with make_server() as srv, environ(**srv.env):
         small = make_arrays(1, 2)  # warm-up, untimed: imports, connections, the server's first requests
@@ -192,18 +237,17 @@ def run(server: str, mib: float, n_arrays: int, reps: int, writers: int) -> dict
         store_read(srv.url("bench/warm_store"), small)
         raw_write(srv.url("bench/warm_raw"), small)
         raw_read(srv.url("bench/warm_raw"), small)
+        clock = CpuClock(srv.proc.pid)
         for rep in range(reps):
             order = ["store", "raw"] if rep % 2 == 0 else ["raw", "store"]
             for v in order:
                 url = srv.url(f"bench/{v}{rep}")
-                t = time.perf_counter()
-                (store_write(url, arrays, writers) if v == "store" else raw_write(url, arrays))
-                times[f"{v}_write"].append(time.perf_counter() - t)
+                with clock.timed(times[f"{v}_write"], cpu[f"{v}_write"]):
+                    (store_write(url, arrays, writers) if v == "store" else raw_write(url, arrays))
             for v in order:
                 url = srv.url(f"bench/{v}{rep}")
-                t = time.perf_counter()
-                (store_read(url, arrays) if v == "store" else raw_read(url, arrays))
-                times[f"{v}_read"].append(time.perf_counter() - t)
+                with clock.timed(times[f"{v}_read"], cpu[f"{v}_read"]):
+                    (store_read(url, arrays) if v == "store" else raw_read(url, arrays))
             for v in order:  # the server's memory / disk holds one rep at a time
                 delete_all(srv.url(f"bench/{v}{rep}"))
         proxy = CountingProxy(srv.endpoint)  # each variant once more, counted
@@ -227,8 +271,13 @@ def run(server: str, mib: float, n_arrays: int, reps: int, writers: int) -> dict
     gib = nbytes / (1 << 30)
     out = {"server": server, "bytes": nbytes, "arrays": n_arrays, "writers": writers, "reps": reps,
            "MBps": {k: round(v, 1) for k, v in rate.items()},
-           "ratio_write": round(med["raw_write"] / med["store_write"], 3),
-           "ratio_read": round(med["raw_read"] / med["store_read"], 3),
+           "ratio_write": paired_ratio(times["raw_write"], times["store_write"]),
+           "ratio_read": paired_ratio(times["raw_read"], times["store_read"]),
+           "ratio_write_range": ratio_range(times["raw_write"], times["store_write"]),
+           "ratio_read_range": ratio_range(times["raw_read"], times["store_read"]),
+           "cpu_s_per_GiB": {k: {"client": round(statistics.median(c for c, _ in v) / gib, 2),
+                                 "server": round(statistics.median(s for _, s in v) / gib, 2)}
+                             for k, v in cpu.items()},
            "objects_per_checkpoint": objects,
            "requests": {k: {kind: n for kind, n in c.items() if not kind.startswith("bytes")} for k, c in counts.items()},
            "bytes_moved": {k: {kind: n for kind, n in c.items() if kind.startswith("bytes")} for k, c in counts.items()}}
@@ -240,7 +289,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=float, default=128)
     ap.add_argument("--arrays", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--writers", type=int, default=1)
     ap.add_argument("--server", choices=("s3", "gs", "both"), default="s3")
     args = ap.parse_args(argv)
@@ -252,8 +301,12 @@ def main(argv=None) -> int:
               f"median of {r['reps']}")
         for k, v in r["MBps"].items():
             print(f"  {k:12s} {v:8.1f} MB/s")
-        print(f"  store/raw: write {r['ratio_write']:.2f}x, read {r['ratio_read']:.2f}x "
+        print(f"  store/raw (median of per-rep pairs): write {r['ratio_write']:.2f}x "
+              f"(range {r['ratio_write_range'][0]:.2f}-{r['ratio_write_range'][1]:.2f}), "
+              f"read {r['ratio_read']:.2f}x (range {r['ratio_read_range'][0]:.2f}-{r['ratio_read_range'][1]:.2f}) "
               f"(1.0 = as fast as raw TensorStore)")
+        for k, c in r["cpu_s_per_GiB"].items():
+            print(f"  CPU s per GiB {k:12s} client {c['client']:.2f}  server {c['server']:.2f}")
         print(f"  objects per checkpoint: {r['objects_per_checkpoint']}")
         for k, c in r["requests"].items():
             moved = r["bytes_moved"][k]

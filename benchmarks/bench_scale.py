@@ -259,8 +259,7 @@ def raw_read(path: str, threads: int) -> dict:
     return {"seconds": time.perf_counter() - t0, "bytes": total, "files": len(files), "threads": threads}
 
 
-WARM_IMPORTS = ("import torch, torch.distributed.checkpoint, tensorstore, numpy, ml_dtypes, bridge.cli, "
-                "bridge.store.reader, converters.megatron.convert, converters.megatron.write")
+WARM_IMPORTS = sm.WARM_IMPORTS
 
 INTERNAL = {"_anchor_convert": lambda a: _anchor_convert(a[0], a[1]), "_anchor_tomeg": lambda a: _anchor_tomeg(a[0], a[1]),
             "_reads": lambda a: _reads(a[0], float(a[1])),

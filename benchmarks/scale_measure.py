@@ -4,6 +4,7 @@ bytes its tree read and wrote (from /proc, Linux only; no third-party package)."
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -58,6 +59,13 @@ def rss(pid: int) -> int:
         return 0
 
 
+# What a step imports, run once in a throwaway process after the page cache is dropped: the
+# checkpoint's bytes stay cold, the libraries' files do not (a user's machine has torch and
+# TensorStore cached, and an anchor timed in-process never pays for loading them).
+WARM_IMPORTS = ("import torch, torch.distributed.checkpoint, tensorstore, numpy, ml_dtypes, bridge.cli, "
+                "bridge.store.reader, converters.megatron.convert, converters.megatron.write")
+
+
 def drop_caches() -> bool:
     """Drop the page cache (root only) so that the next reads come from the disk."""
     try:
@@ -93,6 +101,7 @@ class Run:
     io: dict[str, int] = field(default_factory=dict)  # deltas of io_counters over the run
     timed_out: bool = False
     output: str = ""
+    cpu_seconds: float = 0.0     # user + system CPU of the whole (reaped) tree
 
 
 class TreeSampler:
@@ -129,6 +138,7 @@ def measure(argv: list[str], timeout: float | None = None, log: str | None = Non
     """Run `argv` (own process group, killed whole on timeout) and measure it."""
     r = Run(list(argv))
     io0 = io_counters()
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = open(log, "w") if log else subprocess.PIPE
     t0 = time.perf_counter()
     p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env, text=True)
@@ -148,6 +158,8 @@ def measure(argv: list[str], timeout: float | None = None, log: str | None = Non
     r.peak_tree_rss, r.peak_process_rss = s.peak_tree, s.peak_process
     io1 = io_counters()
     r.io = {k: io1[k] - io0.get(k, 0) for k in io1}
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r.cpu_seconds = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     if log:
         out.close()
         with open(log, errors="replace") as f:

@@ -172,3 +172,117 @@ def test_records_near_the_cache_size_are_read_once(sources, fmt):
                 cache.region(c)
     extra = check_records([cache.crcs.spans()])
     assert cache.bytes_read + extra <= 1.15 * sum(records), (cache.bytes_read, extra, sum(records))
+
+
+@pytest.fixture(scope="module")
+def tp1_source(tmp_path_factory):
+    d = tmp_path_factory.mktemp("scale_tp1")
+    with synth.dims(**DIMS):
+        synth.make_checkpoint(str(d / "dp"), "dp_reshardable", tp=1, dp=1, bucket_size=200_000)
+    return d / "dp"
+
+
+def _units_blocks(src, block_bytes):
+    from converters.megatron.convert import build_units
+    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.format import Hints, describe
+    from converters.megatron.plan import CopyIndex, plan_blocks
+
+    ck = DcpCheckpoint(str(src))
+    units = build_units(describe(ck, Hints()), Hints())
+    blocks, _ = plan_blocks(units, block_bytes)
+    return ck, units, blocks, {i: CopyIndex(u) for i, u in enumerate(units)}
+
+
+@pytest.mark.parametrize("block_bytes", [20_000, 1 << 40])
+@pytest.mark.parametrize("fmt", ["dp", "fr"])
+def test_blocks_filled_by_ranges_equal_whole_chunk_fills(sources, fmt, block_bytes):
+    """Blocks filled from records read by ranges (straight into the block where a read is a
+    contiguous piece of it, through a temporary elsewhere: TP halves, blocks cut through rows)
+    equal the same blocks filled from whole chunks decoded by the DCP reader; every record's
+    CRC-32 still comes out of those reads."""
+    from converters.megatron.cache import ChunkCache, check_records
+    from converters.megatron.convert import fill_block
+
+    d, _ = sources
+    ck, units, blocks, indexes = _units_blocks(d / fmt, block_bytes)
+    whole, ranged = ChunkCache(ck, 1 << 40), ChunkCache(ck, 1)
+    for b in blocks:
+        for role in units[b.unit].copies:
+            got = fill_block(ranged, indexes[b.unit], units[b.unit], role, b)
+            want = fill_block(whole, indexes[b.unit], units[b.unit], role, b)
+            assert np.array_equal(cref.bits(got), cref.bits(want)), (role, b.array, b.box)
+    extra = check_records([ranged.crcs.spans()])
+    assert ranged.bytes_read + extra <= 1.05 * whole.bytes_read, (ranged.bytes_read, extra, whole.bytes_read)
+
+
+def test_ranged_reads_land_in_the_block(tp1_source):
+    """A TP=1 source's records read by ranges into whole-array blocks go straight into the block:
+    filling one (the records' layouts already parsed) allocates the block and nothing of a region's
+    size besides (before, each region was
+    read into a temporary, copied into a region array, then into the block: 2 extra copies of every
+    byte and twice a region's size of fresh memory)."""
+    import tracemalloc
+
+    from converters.megatron.cache import ChunkCache
+    from converters.megatron.convert import fill_block
+
+    ck, units, blocks, indexes = _units_blocks(tp1_source, 1 << 40)
+    cache = ChunkCache(ck, 1)    # every record by ranges
+    checked = 0
+    for b in blocks:
+        for role in units[b.unit].copies:
+            nbytes = b.box.size * np.dtype(units[b.unit].dtypes[role]).itemsize
+            if nbytes < 256 << 10:
+                continue
+            fill_block(cache, indexes[b.unit], units[b.unit], role, b)  # each record's layout parsed once
+            tracemalloc.start()
+            try:
+                buf = fill_block(cache, indexes[b.unit], units[b.unit], role, b)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert buf.nbytes == nbytes
+            assert peak <= nbytes + (64 << 10), f"{role} {b.array}: {peak - nbytes} bytes besides the block"
+            checked += 1
+    assert checked >= 8
+
+
+# Layers whose inner chunks split columns (fc2 is (256, 2048) fp32 per layer: 2 MiB, inner
+# (1, 256, 1024)): the writer copies such blocks chunk by chunk, so convert refills one buffer per role.
+WIDE = dict(L=3, H=256, NQ=4, NG=2, HD=64, F=2048, V=512)
+
+
+@pytest.fixture(scope="module")
+def wide_source(tmp_path_factory):
+    d = tmp_path_factory.mktemp("scale_wide")
+    with synth.dims(**WIDE):
+        st = synth.make_checkpoint(str(d / "dp"), "dp_reshardable", tp=1, dp=1, bucket_size=1_000_000)
+    return d / "dp", st
+
+
+@pytest.mark.parametrize("budget,workers", [(128 << 20, 1), (512 << 20, 2)])
+def test_blocks_refilled_in_one_buffer_are_exact(wide_source, tmp_path, budget, workers):
+    """Blocks whose inner chunks are not runs of their rows are assembled in one reused buffer per
+    role (the writer copies them before `write` returns); every output array is still bit-exact and
+    `verify`-clean (a buffer refilled while TensorStore still read it would corrupt earlier blocks)."""
+    from bridge.store.staging import cells_are_row_runs
+    from converters.megatron.convert import make_plan, split_share
+    from converters.megatron.plan import assign_blocks, plan_blocks
+
+    src, st = wide_source
+    ck, units, _, _ = _units_blocks(src, 1)
+    blocks, chunks = plan_blocks(units, split_share(budget // workers).block)
+    plan = make_plan(units, blocks, assign_blocks(blocks, workers), chunks, workers)
+    refilled = [b for b in blocks for role in units[b.unit].copies
+                if not cells_are_row_runs(b.box, plan.lookup(role_path(role, b.array)).inner_chunk_shape)]
+    assert len(refilled) >= 2 * workers, "the premise: several blocks per worker go through the pool"
+    dst = str(tmp_path / "out")
+    convert(str(src), dst, ConvertOptions(workers=workers, budget=budget, min_worker_bytes=1))
+    res = verify_checkpoint(dst)
+    assert res.ok, (res.damaged, res.metadata_problems)
+    ck = open_checkpoint(dst)
+    for role, arrays in st.items():
+        for name, want in arrays.items():
+            got = ck.read(role_path(role, name))
+            assert np.array_equal(cref.bits(got), cref.bits(want)), f"{role} {name} differs from the source state"

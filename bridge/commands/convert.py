@@ -97,6 +97,15 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _source_step(src: str, hints) -> int | None:
+    """The step `convert` will record for the torch_dist checkpoint `src` (its metadata only)."""
+    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.format import describe, optimizer_groups, step_of
+
+    source = describe(DcpCheckpoint(src), hints)
+    return step_of(source, optimizer_groups(source))
+
+
 def run(args: argparse.Namespace) -> int:
     from bridge.units import parse_size
     from bridge.location import location
@@ -113,9 +122,12 @@ def run(args: argparse.Namespace) -> int:
     opts = ConvertOptions(workers=args.workers, budget=budget, force=args.force, hints=hints_from(args),
                           announce=lambda line: print(line, flush=True))
     if args.orbax_manager:
+        from bridge.location import is_remote
         from bridge.store.manager import write_step
 
-        res, step_dir = write_step(args.dst, lambda item: convert(args.src, item, opts), lambda r: r.step)
+        # On object storage the step prefix is written in place: its number is needed before writing.
+        step = _source_step(args.src, opts.hints) if is_remote(args.dst) else None
+        res, step_dir = write_step(args.dst, lambda item: convert(args.src, item, opts), lambda r: r.step, step=step)
         res.dst = step_dir
     else:
         res = convert(args.src, args.dst, opts)

@@ -69,9 +69,6 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     """
     directory = location(directory, "destination")  # a path, s3:// or gs://; an unknown scheme is refused
     remote = is_remote(directory)
-    if remote and orbax_manager:
-        raise BridgeError(f"{directory}: orbax_manager=True needs a local CheckpointManager root; save to the "
-                          f"step's own URL instead")
     if orbax_manager:
         return _save_as_manager_step(directory, int(jax.device_get(step)), params=params, opt_state=opt_state,
                                      step=step, model=model, manifest=manifest, plans=plans,
@@ -228,7 +225,7 @@ def _save_as_manager_step(root: str, number: int, **kwargs: Any) -> Manifest:
 
     coord = JaxCoordinator(job=f"save to {root}")
     manager.check_step_free(root, number)  # on every process, so that all refuse together
-    item = coord.broadcast("the start", lambda: manager.staging_item_dir(root, str(number)))
+    item = coord.broadcast("the start", lambda: manager.begin_step(root, number))
     out = save(item, **kwargs)
     coord.broadcast("the commit", lambda: manager.commit_step(item, number))
     return out

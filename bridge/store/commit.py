@@ -92,8 +92,11 @@ def _remote_reports(root: str, plan: WritePlan, timeout: float) -> list[dict]:
     from bridge.store.remote import wait_for_objects
 
     keys = [report_key(w) for w in range(plan.num_writers)]
-    wait_for_objects(root, keys, timeout, "writers")
-    return _checked_reports(plan, [kvstore.read_json(root, k) for k in keys])
+    reports = kvstore.read_json_many(root, keys)  # usually all there: no listing, one GET each
+    if any(r is None for r in reports):
+        wait_for_objects(root, keys, timeout, "writers")
+        reports = kvstore.read_json_many(root, keys)
+    return _checked_reports(plan, reports)
 
 
 def _checked_reports(plan: WritePlan, raw: Sequence[dict]) -> list[dict]:
@@ -289,9 +292,12 @@ def _claim_for(dst: str, claim: DestinationClaim | None) -> DestinationClaim:
 
 
 def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = None, *, timeout: float = 600.0,
-                      claim: DestinationClaim | None = None) -> str:
+                      claim: DestinationClaim | None = None, reports: Sequence[dict] | None = None) -> str:
     """Wait for all writers, check coverage and every writer's database, merge, check every chunk is
     stored, write sealed metadata, fsync, rename tmp -> dst (never over an existing dst).
+
+    `reports`: every writer's report (`CheckpointWriter.finish(publish=False)`), when the writers ran
+    in this process: no barrier, and no report files or objects written, read and removed.
 
     On any failure the run's temp directory is removed (by the process holding the claim)."""
     dst = absolute(dst)
@@ -300,7 +306,10 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
     init_ns = time.time_ns()
     try:
         claim.check_owned()
-        reports = wait_for_reports(tmp, plan, timeout)
+        handed = reports is not None
+        reports = _checked_reports(plan, reports) if handed else wait_for_reports(tmp, plan, timeout)
+        if len(reports) != plan.num_writers:
+            raise BridgeError(f"{len(reports)} writer reports for {plan.num_writers} writers; pass every writer's")
         digests = check_coverage(plan, reports)
         algos = {r["digest_algorithm"] for r in reports}
         algo = algos.pop() if len(algos) == 1 else ""
@@ -310,12 +319,15 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
         manifest = manifest.with_arrays(records, algo)
         merge_writer_databases(tmp, check_writer_databases(tmp, plan))
         check_stored_chunks(tmp, plan)
-        claim.check_owned()  # nobody replaced the directory while we merged
+        if not handed:  # (handed: nothing is removed before the publish, which checks it itself)
+            claim.check_owned()  # nobody replaced the directory while we merged
         meta = metadata_json(plan, manifest)
-        if is_remote(tmp):
+        if handed:
+            pass
+        elif is_remote(tmp):
             from bridge.store import kvstore
 
-            kvstore.delete_prefix(tmp, REPORT_DIR + "/")
+            kvstore.delete_keys(tmp, [report_key(w) for w in range(plan.num_writers)])
         else:
             shutil.rmtree(os.path.join(tmp, REPORT_DIR))
     except BaseException:
@@ -362,10 +374,12 @@ def save_checkpoint(dst: str, arrays: Mapping[Sequence[str] | str, np.ndarray], 
     True
     """
     catalog = catalog_of(arrays)
-    plan = make_write_plan(catalog, num_writers, empty_paths=empty_paths, compression=compression)
+    plan = make_write_plan(catalog, num_writers, empty_paths=empty_paths, compression=compression,
+                           max_chunk_bytes=specs.max_chunk_bytes(dst))
     data = {spec.name: np.asarray(a) for spec, a in zip(catalog, arrays.values())}
     with claim_destination(dst) as claim:
         with progress(plan.total_bytes, f"save {basename(dst)}") as bar:
+            reports = []
             for w in range(num_writers):
                 writer = CheckpointWriter(claim.tmp, plan, w)
                 for name, ap in plan.arrays.items():
@@ -373,5 +387,5 @@ def save_checkpoint(dst: str, arrays: Mapping[Sequence[str] | str, np.ndarray], 
                         block = data[name][box.slices]
                         writer.write(name, box, block)
                         bar.update(block.nbytes)
-                writer.finish()
-        return commit_checkpoint(dst, plan, manifest, timeout=10.0, claim=claim)
+                reports.append(writer.finish(publish=False))
+        return commit_checkpoint(dst, plan, manifest, timeout=10.0, claim=claim, reports=reports)

@@ -12,7 +12,7 @@ The environment configures remote stores as the clouds' own tools do:
 >>> base_kvstore("/ckpt/a")
 {'driver': 'file', 'path': '/ckpt/a/'}
 >>> base_kvstore("gs://bkt/runs/a/")
-{'driver': 'gcs', 'bucket': 'bkt', 'path': 'runs/a/'}
+{'driver': 'gcs', 'bucket': 'bkt', 'path': 'runs/a/', 'gcs_request_retries': {'max_retries': 8, 'initial_delay': '0.2s', 'max_delay': '8s'}}
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import os
 import re
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 from bridge.errors import BridgeError
 from bridge.location import is_remote, parse_url
@@ -55,7 +55,7 @@ def _gcs_spec(bucket: str, key: str) -> dict:
     if emulator and not os.environ.get("TENSORSTORE_GCS_HTTP_URL"):
         # One variable for every client: TensorStore reads its own name for the same thing.
         os.environ["TENSORSTORE_GCS_HTTP_URL"] = emulator if "://" in emulator else f"http://{emulator}"
-    return {"driver": "gcs", "bucket": bucket, "path": key}
+    return {"driver": "gcs", "bucket": bucket, "path": key, "gcs_request_retries": dict(_RETRIES)}
 
 
 def base_kvstore(root: str) -> dict:
@@ -150,6 +150,16 @@ def read_bytes(root: str, key: str) -> bytes | None:
     return bytes(r.value) if r.state == "value" else None
 
 
+def read_json_many(root: str, keys: Sequence[str]) -> list:
+    """`read_json` of every key in `keys`, the reads issued at once (None for a missing object)."""
+    store = open_store(root)
+    try:
+        got = [f.result() for f in [store.read(k) for k in keys]]
+    except ValueError as e:
+        _raise(e, root, "read objects of")
+    return [json.loads(bytes(r.value)) if r.state == "value" else None for r in got]
+
+
 def exists(root: str, key: str) -> bool:
     return read_bytes(root, key) is not None
 
@@ -196,6 +206,17 @@ def delete_prefix(root: str, prefix: str = "") -> None:
     try:
         rng = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)) if prefix else ts.KvStore.KeyRange()
         store.delete_range(rng).result()
+    except ValueError as e:
+        _raise(e, root, "delete objects under")
+
+
+def delete_keys(root: str, keys: Sequence[str]) -> None:
+    """Delete the objects `keys` under `root` (absent ones are no error): one DELETE each, issued
+    at once, where `delete_prefix` would list first."""
+    store = open_store(root)
+    try:
+        for f in [store.write(k, None) for k in keys]:
+            f.result()
     except ValueError as e:
         _raise(e, root, "delete objects under")
 

@@ -13,6 +13,11 @@ Writers build the step in a hidden staging directory of the root (`.gtpb-staging
 Orbax does not take for a step, and rename it to `root/<step>` once complete, so
 `CheckpointManager.latest_step()` only ever sees whole steps.
 
+On object storage (s3://, gs://; no rename) the item is written in place at `root/<step>/default/`
+under the store's claim (its `_METADATA` written last commits it), then the step's
+`_CHECKPOINT_METADATA` and last `commit_success.txt`, the marker by which Orbax takes a step on
+GCS as finalized. A step counts only once both the item's `_METADATA` and that marker are there.
+
 >>> step_of_name("1000"), step_of_name("1000.orbax-checkpoint-tmp"), step_of_name(".gtpb-staging-7")
 (1000, None, None)
 """
@@ -27,13 +32,14 @@ import uuid
 from typing import Callable, TypeVar
 
 from bridge.errors import BridgeError
-from bridge.location import local_path
+from bridge.location import is_remote, join, local_path, location
 
 ITEM = "default"
 STEP_METADATA = "_CHECKPOINT_METADATA"
 # The handler Orbax records for a PyTree item; its name is what Orbax 0.11/0.12 write.
 PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
 STAGING_PREFIX = ".gtpb-staging-"
+COMMIT_SUCCESS = "commit_success.txt"   # Orbax's finalization marker of a step on object storage
 
 log = logging.getLogger("bridge")
 _noted: set[str] = set()
@@ -47,6 +53,10 @@ def step_of_name(name: str) -> int | None:
 
 def committed_steps(root: str) -> list[int]:
     """Steps of manager root `root` whose item holds a committed checkpoint, ascending."""
+    if is_remote(root):
+        from bridge.store import kvstore
+
+        return steps_of_keys(kvstore.list_keys(root))
     try:
         names = os.listdir(root)
     except OSError:
@@ -57,6 +67,27 @@ def committed_steps(root: str) -> list[int]:
         if step is not None and os.path.isfile(os.path.join(root, name, ITEM, "_METADATA")):
             steps.append(step)
     return sorted(steps)
+
+
+def steps_of_keys(keys) -> list[int]:
+    """Committed steps in a listing of a manager root on object storage (keys relative to it):
+    the item's `_METADATA` and the step's `commit_success.txt` both present.
+
+    >>> steps_of_keys(["5/default/_METADATA", "5/commit_success.txt", "7/default/_METADATA", "x/commit_success.txt"])
+    [5]
+    """
+    have = set(keys)
+    steps = {step_of_name(k.split("/", 1)[0]) for k in have if k.endswith(f"/{ITEM}/_METADATA")}
+    return sorted(s for s in steps if s is not None and f"{s}/{COMMIT_SUCCESS}" in have)
+
+
+def latest_step_note(root: str, steps: list[int], chosen: str) -> None:
+    """Say once (per process) which step of manager root `root` a command reads."""
+    if chosen in _noted:
+        return
+    _noted.add(chosen)  # say it once, though a command may open the checkpoint several times
+    log.info(f"{root} is an Orbax CheckpointManager root; using its latest step {steps[-1]} "
+             f"({len(steps)} step{'s' if len(steps) > 1 else ''}): {chosen}")
 
 
 def resolve(location: str) -> str:
@@ -73,11 +104,7 @@ def resolve(location: str) -> str:
     if not steps:
         return path
     chosen = os.path.join(path, str(steps[-1]))
-    if chosen in _noted:
-        return chosen
-    _noted.add(chosen)  # say it once, though a command may open the checkpoint several times
-    log.info(f"{path} is an Orbax CheckpointManager root; using its latest step {steps[-1]} "
-             f"({len(steps)} step{'s' if len(steps) > 1 else ''}): {chosen}")
+    latest_step_note(path, steps, chosen)
     return chosen
 
 
@@ -101,10 +128,37 @@ def staging_item_dir(root: str, tag: str) -> str:
     return os.path.join(staging, ITEM)
 
 
+def begin_step(root: str, step: int) -> str:
+    """Where a writer writes the item of step `step` of manager root `root`: a hidden staging
+    directory locally (`staging_item_dir`), the step's own `root/<step>/default` on object storage
+    (refused when the root is itself a checkpoint or the step exists). `commit_step` then makes it
+    the step."""
+    if not is_remote(root):
+        return staging_item_dir(root, str(int(step)))
+    from bridge.store import kvstore
+
+    root = location(root, "Orbax CheckpointManager root")
+    if kvstore.exists(root, "_METADATA") or kvstore.exists(root, f"{ITEM}/_METADATA"):
+        raise BridgeError(f"{root} is a checkpoint, not an Orbax CheckpointManager root; name the root prefix "
+                          f"that holds the step prefixes")
+    check_step_free(root, step)
+    return join(root, str(int(step)), ITEM)
+
+
 def check_step_free(root: str, step: int) -> None:
-    """BridgeError when `root/<step>` exists (checkpoints are never overwritten)."""
+    """BridgeError when `root/<step>` exists (checkpoints are never overwritten).
+
+    On object storage the step exists once its item is committed or its step metadata written; a
+    partial item left by a killed writer is the item claim's to judge (removed if its writer is gone)."""
     if int(step) < 0:
         raise BridgeError(f"step {step} is negative; Orbax steps are >= 0")
+    if is_remote(root):
+        from bridge.store import kvstore
+
+        prefix = join(root, str(int(step)))
+        if any(kvstore.exists(prefix, k) for k in (COMMIT_SUCCESS, STEP_METADATA, f"{ITEM}/_METADATA")):
+            raise BridgeError(f"{prefix} exists; the manager root already has step {step}")
+        return
     if os.path.lexists(os.path.join(root, str(int(step)))):
         raise BridgeError(f"{os.path.join(root, str(int(step)))} exists; the manager root already has step {step}")
 
@@ -115,6 +169,8 @@ def commit_step(item_dir: str, step: int) -> str:
     Writes the step metadata Orbax's CheckpointManager reads, then renames the staging directory to
     `root/<step>` in one step (a crash leaves only the hidden staging directory).
     """
+    if is_remote(item_dir):
+        return _commit_remote_step(item_dir, step)
     from bridge.store.claim import rename_noreplace
     from bridge.store.durable import fsync_path, write_json_atomic
 
@@ -123,10 +179,7 @@ def commit_step(item_dir: str, step: int) -> str:
     final = os.path.join(root, str(int(step)))
     try:
         check_step_free(root, step)
-        now = time.time_ns()
-        meta = {"item_handlers": {ITEM: PYTREE_HANDLER}, "metrics": {}, "performance_metrics": {},
-                "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}
-        write_json_atomic(os.path.join(staging, STEP_METADATA), meta)
+        write_json_atomic(os.path.join(staging, STEP_METADATA), _step_metadata())
         try:
             rename_noreplace(staging, final)  # a step another process made meanwhile is never replaced
         except FileExistsError:
@@ -139,13 +192,46 @@ def commit_step(item_dir: str, step: int) -> str:
     return final
 
 
-def write_step(root: str, write: Callable[[str], R], step_of: Callable[[R], int]) -> tuple[R, str]:
+def _step_metadata() -> dict:
+    now = time.time_ns()
+    return {"item_handlers": {ITEM: PYTREE_HANDLER}, "metrics": {}, "performance_metrics": {},
+            "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}
+
+
+def _commit_remote_step(item_url: str, step: int) -> str:
+    """`commit_step` on object storage: the item at `root/<step>/default` is committed (its
+    `_METADATA`); write the step metadata, then Orbax's `commit_success.txt` last."""
+    from bridge.store import kvstore
+    from bridge.store.durable import json_bytes
+
+    final = item_url.rstrip("/").rsplit("/", 1)[0]
+    if not kvstore.exists(item_url, "_METADATA"):
+        raise BridgeError(f"{item_url} holds no committed checkpoint; the step {step} was not written")
+    kvstore.write_bytes(final, STEP_METADATA, json_bytes(_step_metadata()))
+    kvstore.write_bytes(final, COMMIT_SUCCESS, f"Checkpoint commit was successful to {final}".encode())
+    return final
+
+
+def write_step(root: str, write: Callable[[str], R], step_of: Callable[[R], int], *,
+               step: int | None = None) -> tuple[R, str]:
     """Run `write(item_dir)` (a writer that creates a new checkpoint directory) into a staging step of
     manager root `root`, then commit it as step `step_of(result)`; returns (result, step directory).
 
     For writers that learn the step while writing, e.g. a conversion:
         write_step(root, lambda d: convert(src, d), lambda r: r.step)
+
+    On object storage the item is written in place, so the step must be known before writing
+    (`step`); `step_of(result)` must then agree with it.
     """
+    if is_remote(root):
+        if step is None:
+            raise BridgeError(f"{root}: the checkpoint records no step, so it cannot become a step of an Orbax "
+                              f"CheckpointManager root; write it to a plain prefix instead")
+        result = write(begin_step(root, step))
+        if step_of(result) != int(step):
+            raise BridgeError(f"{root}: the checkpoint written records step {step_of(result)}, not {step}; "
+                              f"it stays at {join(root, str(int(step)), ITEM)} without becoming a step")
+        return result, commit_step(join(root, str(int(step)), ITEM), int(step))
     item = staging_item_dir(root, uuid.uuid4().hex[:12])
     try:
         result = write(item)

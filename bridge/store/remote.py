@@ -118,7 +118,7 @@ class RemoteDestination(local_claim.HeldDestination):
             raise
         # Committed. The claim object is only bookkeeping now; a failure to delete it is harmless.
         try:
-            kv.delete_prefix(self.dst, CLAIM_KEY)
+            kv.delete_keys(self.dst, [CLAIM_KEY])
         except BridgeError:
             pass
         self._forget()
@@ -141,10 +141,8 @@ class RemoteDestination(local_claim.HeldDestination):
             if not self.owned():
                 return False
             # Everything but the claim first: until the claim goes, a later run knows whose leftovers these are.
-            for key in kv.list_keys(self.dst):
-                if key != CLAIM_KEY:
-                    kv.delete_prefix(self.dst, key)
-            kv.delete_prefix(self.dst, CLAIM_KEY)
+            kv.delete_keys(self.dst, [k for k in kv.list_keys(self.dst) if k != CLAIM_KEY])
+            kv.delete_keys(self.dst, [CLAIM_KEY])
         except BridgeError as e:
             print(f"gtp-bridge: could not remove the objects under {self.dst}: {e}", file=sys.stderr)
             return False
@@ -195,7 +193,8 @@ def claim_remote(dst: str, *, sources: Iterable[str] = (), marker: str = METADAT
     if not kv.write_bytes(dst, CLAIM_KEY, json.dumps(asdict(info)).encode(), if_absent=True):
         raise BridgeError(f"destination {dst} is being claimed by another run at the same time; "
                           f"choose another destination")
-    if _load_claim(dst) is None or _load_claim(dst).run_id != info.run_id:
+    held = _load_claim(dst)  # read back: a store that ignores the create's precondition lets the last PUT win
+    if held is None or held.run_id != info.run_id:
         raise BridgeError(f"destination {dst} was claimed by another run at the same time; choose another destination")
     dest = RemoteDestination(dst, info, marker)
     with local_claim._HELD_LOCK:
@@ -221,13 +220,20 @@ def _release_all_at_exit() -> None:
 def committed_root(root: str) -> str:
     """`root` (a URL) if it holds a committed checkpoint; else BridgeError / IntegrityError saying why.
 
-    An Orbax item sub-prefix (`state/`, `default/`) holding `_METADATA` is accepted as well."""
+    An Orbax item sub-prefix (`state/`, `default/`) holding `_METADATA` is accepted as well, and an
+    Orbax CheckpointManager root stands for its latest committed step (`bridge.store.manager`)."""
     keys = set(kv.list_keys(root))
     if METADATA in keys:
         return root
     for item in ("state", "default"):
         if f"{item}/{METADATA}" in keys:
             return f"{root}/{item}"
+    from bridge.store.manager import ITEM, latest_step_note, steps_of_keys
+
+    steps = steps_of_keys(keys)  # an Orbax CheckpointManager root: its latest committed step
+    if steps:
+        latest_step_note(root, steps, f"{root}/{steps[-1]}")
+        return f"{root}/{steps[-1]}/{ITEM}"
     if CLAIM_KEY in keys:
         raise IntegrityError(f"{root} is a partial checkpoint (its writer never committed: no _METADATA); "
                              f"rerun the write, which removes it")

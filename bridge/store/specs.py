@@ -17,6 +17,7 @@ from typing import Sequence
 
 from bridge.dtypes import check_name
 from bridge.errors import BridgeError
+from bridge.location import is_remote
 from bridge.store.kvstore import base_kvstore
 
 COMPRESSIONS = (None, "zstd")
@@ -32,6 +33,21 @@ OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_00
 # in the README's performance section).
 # A writer-side knob only: readers follow the B-tree, whatever the file sizes.
 TARGET_DATA_FILE_SIZE = 16 << 20
+
+
+def max_chunk_bytes(root: str) -> int:
+    """Largest outer chunk a writer that chooses its own chunking (`make_write_plan`'s
+    `max_chunk_bytes`) uses under `root`: 1 GiB locally, the data-file target on object storage.
+
+    A chunk is one OCDBT value, never split across data files. On object storage each data file is
+    one PUT, and OCDBT sends the file still open when a transaction commits only after every other
+    file landed: chunks of the target size make files of about that size, so a transaction is many
+    PUTs at once with a small last one (and a reader decodes many shards in parallel).
+
+    >>> max_chunk_bytes("/ckpt/a") >> 20, max_chunk_bytes("s3://bkt/a") >> 20
+    (1024, 16)
+    """
+    return TARGET_DATA_FILE_SIZE if is_remote(root) else 1 << 30
 
 
 def check_compression(compression: str | None) -> str | None:

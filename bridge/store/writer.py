@@ -365,8 +365,10 @@ class CheckpointWriter:
             raise BridgeError(f"writer {self.writer_id}: committing writes to {self.tmp_dir} failed: "
                               f"{' '.join(str(e).split())}") from e
 
-    def finish(self) -> dict:
-        """Create metadata of arrays this writer is responsible for, flush, and publish its report."""
+    def finish(self, publish: bool = True) -> dict:
+        """Create metadata of arrays this writer is responsible for, flush, and publish its report
+        (for the committer's barrier); returns the report. `publish=False`: only return it, for a
+        committer in this process that is handed the reports (`commit_checkpoint(reports=...)`)."""
         if self._finished:
             raise BridgeError(f"writer {self.writer_id}: finish() called twice")
         for ap in self.plan.arrays.values():
@@ -388,7 +390,9 @@ class CheckpointWriter:
             own = st.plan.ownership
             mine = own.owners == self.writer_id
             report["arrays"][name] = {"covered": st.covered[mine].tolist(), "digest": dg.to_hex(st.digest)}
-        if self.remote:
+        if not publish:
+            pass
+        elif self.remote:
             from bridge.store import kvstore
 
             kvstore.write_json(self.tmp_dir, report_key(self.writer_id), report)
@@ -559,21 +563,27 @@ class CheckpointWriter:
         transactions rebind that handle, which is cheap. Arrays are created in a transaction of
         their own, committed before any data: created inside the first data transaction, OCDBT
         wrote the data of the next concurrent commits twice (same bytes, an unreferenced copy left
-        on disk).
+        on disk). On object storage with one commit in flight (no concurrent commits) they are
+        created inside it.
         """
         ts = self._ts
         create = [ap for ap in aps if ap.meta_writer == self.writer_id and ap.spec.name not in self._created]
         if create:
-            meta = ts.Transaction(atomic=True)
+            # On object storage with one commit in flight the arrays are created in the data
+            # transaction: a transaction of their own costs several sequential requests there.
+            fold = self.remote and self.commit_depth == 1 and self._txn is not None
+            meta = self._txn if fold else ts.Transaction(atomic=True)
             futs = [ts.open(self._spec(ap), create=True, context=self.context, transaction=meta) for ap in create]
             made = [self._opened(ap, fut) for ap, fut in zip(create, futs)]
             try:
-                meta.commit_async().result()
+                if not fold:
+                    meta.commit_async().result()
             except Exception as e:
                 raise BridgeError(f"writer {self.writer_id}: creating {len(create)} arrays in {self.tmp_dir} failed: "
                                   f"{' '.join(str(e).split())}") from e
-            for ap, st in zip(create, made):
-                self._base[ap.spec.name] = st.with_transaction(None)
+            if not fold:  # (folded: opened below with the plan's metadata, like arrays made elsewhere)
+                for ap, st in zip(create, made):
+                    self._base[ap.spec.name] = st.with_transaction(None)
             self._created.update(ap.spec.name for ap in create)
         # assume_metadata: no I/O, the plan fixes the metadata
         futs = [(ap, None if ap.spec.name in self._base else

@@ -395,6 +395,21 @@ class ChunkCache:
                 raise BridgeError(f"{key}: no such tensor in the object; the checkpoint changed while converting")
         return a
 
+    def region_into(self, c, dst: np.ndarray) -> None:
+        """Copy `c`'s source data into `dst` (shaped like `c.dst`, e.g. the part of a block it fills).
+
+        A record read by ranges is read straight into `dst` wherever a read's span is exactly a
+        contiguous piece of it (whole rows of a block: the common case), so its bytes are copied once,
+        by the kernel, instead of into a temporary, then a region, then the block."""
+        if c.key in self.ck.tensors:
+            chunk = self.ck.tensors[c.key].chunks[c.chunk]
+            if chunk.storage.length > self.max_bytes // WHOLE_RECORDS:
+                self._ranged(c, chunk, dst)
+                return
+        data = self.region(c)
+        _same_dtype(c, data.dtype, dst.dtype)
+        dst[...] = data
+
     def located_object_tensor(self, key: str) -> tuple | None:
         """A state tensor inside a pickled object, located (`object_layout.ObjectTensor`) with a one-chunk
         view of it for `_ranged`; None when the object's archive cannot be located (an archive nested
@@ -469,7 +484,8 @@ class ChunkCache:
             self._layouts[(key, index)] = lay
         return lay
 
-    def _ranged(self, c, chunk) -> np.ndarray:
+    def _ranged(self, c, chunk, dst: np.ndarray | None = None) -> np.ndarray:
+        """Copy `c`'s region by byte ranges of its record, into `dst` when given (else a new array)."""
         lay = self._layout(c.key, c.chunk, chunk)
         # The region as a box of a row-major array: the chunk itself, or the flat copy's view
         if c.flat:
@@ -477,20 +493,38 @@ class ChunkCache:
         else:
             shape, base = tuple(chunk.sizes), 0
         box = c.src_box()
-        out = np.empty(box.shape, dtype=lay.dtype)
+        if dst is not None:
+            _same_dtype(c, lay.dtype, dst.dtype)
+        # `dst` seen in the region's shape (a view: only when no copy is needed to reshape it)
+        in_dst = dst is not None and (dst.shape == box.shape or dst.flags.c_contiguous)
+        out = (dst if dst.shape == box.shape else dst.reshape(box.shape)) if in_dst else \
+            np.empty(box.shape, dtype=lay.dtype)
         slack = max(1, (1 << 20) // lay.itemsize)   # read up to 1 MiB of unneeded bytes rather than split
         with open_range(lay.path) as f:
             for start, stop in split_box_reads(shape, box.start, box.stop, slack):
                 lo, hi = flat_span(shape, start, stop)
-                span = np.empty(hi - lo, dtype=lay.dtype)
-                got = f.readinto(span.view(np.uint8), lay.data_offset + (base + lo) * lay.itemsize)
+                pos = lay.data_offset + (base + lo) * lay.itemsize
+                rel = tuple(slice(a - s, b - s) for a, b, s in zip(start, stop, box.start))
+                sub = tuple(b - a for a, b in zip(start, stop))
+                target = out[rel]
+                direct = hi - lo == prod(sub) and target.flags.c_contiguous
+                # direct: the read lands in place (no temporary, no copy)
+                span = target.reshape(-1) if direct else np.empty(hi - lo, dtype=lay.dtype)
+                got = f.readinto(span.view(np.uint8), pos)
                 if got != span.nbytes:
                     raise BridgeError(f"{c.key}: truncated record in {chunk.storage.relative_path}")
-                self.crcs.add(lay, lay.data_offset + (base + lo) * lay.itemsize, span.view(np.uint8))
+                self.crcs.add(lay, pos, span.view(np.uint8))
                 self.bytes_read += span.nbytes
-                sub = tuple(b - a for a, b in zip(start, stop))
+                if direct:
+                    continue
                 view = np.lib.stride_tricks.as_strided(
                     span, sub, tuple(s * lay.itemsize for s in c_strides(shape)), writeable=False)
-                rel = tuple(slice(a - s, b - s) for a, b, s in zip(start, stop, box.start))
-                out[rel] = view
+                target[...] = view
+        if dst is not None and not in_dst:
+            dst[...] = out.reshape(dst.shape)
         return out.reshape(c.dst.shape)
+
+
+def _same_dtype(c, stored: np.dtype, want: np.dtype) -> None:
+    if stored != want:
+        raise BridgeError(f"{c.key}: stored dtype {stored} differs from {want} of {c.array}; unknown format")

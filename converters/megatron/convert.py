@@ -16,9 +16,10 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import ml_dtypes
@@ -40,6 +41,7 @@ from bridge.format.manifest import (MEGATRON_KEY, Manifest, MegatronParam, Megat
 from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_DTYPE, SCALAR_PATHS, STATE_ROLE,
                                   adamw_empty_paths)
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
+from bridge.store.staging import cells_are_row_runs
 from bridge.dtypes import name_of_torch, numpy_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
@@ -98,6 +100,10 @@ class ConvertResult:
     inferred: list[str]
     workers: int = 1
     budget: int = 0
+    #: wall seconds by phase: plan, write (all blocks), check_records, commit; with workers also
+    #: worker_start (spawn to the first worker at work, the slowest), worker_work (longest run),
+    #: worker_exit (last result to every worker gone)
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,22 +459,55 @@ def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], p
         raise
 
 
+class BlockBuffers:
+    """One reusable buffer per role, for blocks the writer copies anyway.
+
+    A block whose inner chunks are runs of its rows is handed to the writer as is (donated: a fresh
+    buffer, never touched again, TensorStore references it). Any other block is copied by the writer
+    chunk by chunk before `write` returns (its staging), so its buffer is refilled by the next
+    block: no fresh memory, whose first touch (page faults, pages the VM must hand back) costs
+    more than the copy itself.
+
+    >>> p = BlockBuffers(); a = p.take("mu", (2, 3), np.float32); b = p.take("mu", (3,), np.float32)
+    >>> a.shape, b.shape, np.shares_memory(a, b)
+    ((2, 3), (3,), True)
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def take(self, role: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        buf = self._bufs.get(role)
+        if buf is None or buf.nbytes < n:
+            self._bufs.pop(role, None)   # the smaller one goes before the larger one is allocated
+            buf = self._bufs[role] = np.empty(n, dtype=np.uint8)
+        return buf[:n].view(dtype).reshape(shape)
+
+
 def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, Unit], blocks: Sequence[Block],
                   writer_id: int, force: bool, defect_suspect: bool, step: int, on_progress) -> tuple[list[str], int, dict]:
     warnings: list[str] = []
     index: tuple[int, CopyIndex] | None = None
+    pool = BlockBuffers()
     for b in blocks:
         unit = units[b.unit]
         if index is None or index[0] != b.unit:
             index = (b.unit, CopyIndex(unit))
-        bufs = {role: fill_block(cache, index[1], unit, role, b) for role in unit.copies}
+        donate = {role: cells_are_row_runs(b.box, writer.plan.lookup(role_path(role, b.array)).inner_chunk_shape)
+                  for role in unit.copies}
+        bufs = {role: fill_block(cache, index[1], unit, role, b,
+                                 out=None if donate[role] else pool.take(role, b.box.shape, numpy_dtype(unit.dtypes[role])))
+                for role in unit.copies}
         if unit.mirrors:
             check_mirrors(cache, unit, b, bufs, force, warnings)
         if PARAMS in bufs and MODEL in bufs:
             check_master(b.array, bufs[PARAMS], bufs[MODEL], b.box, force, defect_suspect, warnings)
         for role, buf in bufs.items():
-            # donated: a fresh buffer per block, never touched again, so the writer need not copy it
-            writer.write(role_path(role, b.array), b.box, buf, donate=True)
+            # donated: a fresh buffer, never touched again, so the writer need not copy it; else the
+            # writer copies it before returning and the pool's buffer takes the next block
+            writer.write(role_path(role, b.array), b.box, buf, donate=donate[role])
             if on_progress:
                 on_progress(buf.nbytes)
     if writer_id == 0:
@@ -501,16 +540,14 @@ def check_mirrors(cache: ChunkCache, unit: Unit, b: Block, bufs: dict[str, np.nd
         warnings.append("FORCED: " + msg)
 
 
-def fill_block(cache: ChunkCache, index: CopyIndex, unit: Unit, role: str, b: Block) -> np.ndarray:
-    """One role of a block, assembled from the stored chunks; every element must be filled."""
-    buf = np.empty(b.box.shape, dtype=numpy_dtype(unit.dtypes[role]))
+def fill_block(cache: ChunkCache, index: CopyIndex, unit: Unit, role: str, b: Block,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """One role of a block, assembled from the stored chunks (into `out` when given); every element
+    must be filled."""
+    buf = np.empty(b.box.shape, dtype=numpy_dtype(unit.dtypes[role])) if out is None else out
     n = 0
     for c in index.clipped(role, b.array, b.box):
-        data = cache.region(c)
-        if data.dtype != buf.dtype:
-            raise BridgeError(f"{c.key}: stored dtype {data.dtype} differs from {buf.dtype} of {c.array}; "
-                              f"unknown format")
-        buf[c.dst.relative_to(b.box).slices] = data
+        cache.region_into(c, buf[c.dst.relative_to(b.box).slices])
         n += c.dst.size
     if n != buf.size:
         raise BridgeError(f"{path_str(role_path(role, b.array))}: the checkpoint fills {n} of {buf.size} elements "
@@ -538,8 +575,19 @@ def die_with_parent() -> None:
 def _worker_main(q, src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step) -> None:  # pragma: no cover - subprocess
     die_with_parent()
     try:
-        q.put(("ok", w, run_blocks(src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step,
-                                   on_progress=lambda n: q.put(("p", w, n)))))
+        t0 = time.time()  # wall clock: the parent compares it with its own
+        res = run_blocks(src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step,
+                         on_progress=lambda n: q.put(("p", w, n)))
+        q.put(("t", w, (t0, time.time())))
+        q.put(("ok", w, res))
+        # Done: everything is on disk and the result in the queue's pipe. Leave without the
+        # interpreter's teardown (a collection over torch's and TensorStore's objects, module by
+        # module: seconds the parent would wait for in join()).
+        q.close()
+        q.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except BridgeError as e:
         q.put(("err", w, f"writer {w}: {e}"))
     except BaseException as e:  # noqa: BLE001 - report any crash as one line
@@ -687,6 +735,8 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     check_destination_free(dst)  # s3:// / gs:// too (bridge.store.remote.check_remote_free)
     if not is_remote(dst):
         check_sources(dst, [src_dir])
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
     asked_workers = default_workers() if opts.workers is None else opts.workers
     if asked_workers < 1:
         raise BridgeError(f"--workers must be >= 1, got {asked_workers}")
@@ -717,6 +767,8 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     # The claim makes DST this run's alone; leaving the block by an error, Ctrl-C or SIGTERM removes
     # the temp directory (after _run_parallel has killed the workers writing into it).
     with claim_destination(dst, sources=[src_dir, str(ck.root)]) as claim:
+        timings["plan"] = time.perf_counter() - t_start
+        t0 = time.perf_counter()
         with progress(total_bytes, f"convert {basename(dst)}", enabled=opts.show_progress) as bar:
             per = [[b for b, w in zip(blocks, owners) if w == i] for i in range(workers)]
             if workers == 1:
@@ -724,20 +776,25 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
                                       opts.force, suspect, step or 0, on_progress=bar.update)]
             else:
                 results = _run_parallel(str(ck.root), units, per, plan, claim.tmp, share, opts.force, suspect,
-                                        step or 0, bar)
+                                        step or 0, bar, timings)
+        timings["write"] = time.perf_counter() - t0
         warnings += [w for r in results for w in r[0]]
         # Records read by ranges were CRC'd span by span as their bytes came in (one read of each
         # byte); their CRC-32s are complete and compared here, before anything is committed.
+        t0 = time.perf_counter()
         check_records([r[2] for r in results], window=min(share, 8 << 20))
+        timings["check_records"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         commit_checkpoint(dst, plan, manifest, timeout=60.0, claim=claim)
+        timings["commit"] = time.perf_counter() - t0
     for w in warnings:
         print(f"gtp-bridge: warning: {w}", file=sys.stderr)
     return ConvertResult(dst, src.format_label, src.layout.to_json(), len(plan.arrays), plan.total_bytes,
-                         len(units), step, warnings, src.inferred, workers, budget)
+                         len(units), step, warnings, src.inferred, workers, budget, timings)
 
 
 def _run_parallel(root: str, units: Sequence[Unit], per: list[list[Block]], plan: WritePlan, tmp: str, share: int,
-                  force: bool, suspect: bool, step: int, bar) -> list[tuple]:
+                  force: bool, suspect: bool, step: int, bar, timings: dict[str, float] | None = None) -> list[tuple]:
     # spawn: TensorStore aborts in a forked child once the parent has used it
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -748,6 +805,8 @@ def _run_parallel(root: str, units: Sequence[Unit], per: list[list[Block]], plan
                                                             suspect, step), daemon=True))
     done: dict[int, Any] = {}
     errors: list[str] = []
+    spans: dict[int, tuple[float, float]] = {}   # worker -> wall clock at work, done
+    t_spawn = time.time()
     try:
         for p in procs:
             p.start()
@@ -762,6 +821,8 @@ def _run_parallel(root: str, units: Sequence[Unit], per: list[list[Block]], plan
                 continue
             if kind == "p":
                 bar.update(payload)
+            elif kind == "t":
+                spans[w] = payload
             elif kind == "ok":
                 done[w] = payload
             else:
@@ -772,9 +833,14 @@ def _run_parallel(root: str, units: Sequence[Unit], per: list[list[Block]], plan
             for p in procs:
                 if p.pid is not None and p.is_alive():
                     p.kill()
+        t_last = time.time()
         for p in procs:
             if p.pid is not None:
                 p.join()
+    if timings is not None and spans:
+        timings["worker_start"] = max(a for a, _ in spans.values()) - t_spawn
+        timings["worker_work"] = max(b - a for a, b in spans.values())
+        timings["worker_exit"] = time.time() - t_last
     if errors:
         raise BridgeError(errors[0])
     return [done[w] for w in sorted(done)]

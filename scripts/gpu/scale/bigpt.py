@@ -119,7 +119,7 @@ def build(overlap: bool = True, bucket_size: int | None = None):
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap,
         use_distributed_optimizer=True,
-        bucket_size=bucket_size,
+        bucket_size=bucket_size if bucket_size is not None else (_env("SP_BUCKET", 0) or None),
         average_in_collective=False,
     )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)

@@ -37,6 +37,7 @@ env_info() {
   { echo "date $(date -u)"; echo "commit $(cat COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null)"; nproc; free -g
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null; df -h /tmp
     $PY -c "import importlib.metadata as m; print({p: m.version(p) for p in ('torch', 'tensorstore', 'numpy', 'ml_dtypes')})"
+    echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-}"
   } > "$out/env.txt" 2>&1
 }
 install_megatron() {  # megatron-core 0.19.2 from the carried wheel (.whl/), once per warm machine
@@ -47,4 +48,10 @@ finish() {
   echo "total $(( $(date +%s) - T0 ))s" | tee -a "$out/steps.txt"
   for f in "$logs"/*.log; do echo "##### $f"; tail -c 200000 "$f"; done > "$out/logs.txt"
   ls -la "$out"
+}
+compile_tree() {  # bytecode for this tree, as an installed package has it: the device runs Python with
+  # PYTHONDONTWRITEBYTECODE and a fresh tree, so every process of a measured command (convert: the
+  # parent and its workers) would compile the bridge's sources again (seen in session 8's py-spy of
+  # convert: the spawned workers run `python3 -B`), while an anchor's libraries come compiled
+  $PY -m compileall -q -j 0 bridge converters benchmarks scripts/gpu/scale > /dev/null 2>&1 || true
 }

@@ -3,9 +3,11 @@
     python3 -m torch.distributed.run --standalone --nproc-per-node 1 scripts/gpu/scale/load_probe.py \
         --conv D/conv --live D/live --json OUT
 
-Two fresh models (the bigpt.py GPT): model 1 <- load_megatron(--conv), model 2 <- load_megatron(--live),
-each timed with the page cache dropped first, with TensorStore's file-bytes-read counter around it;
-then the two models' weights, fp32 masters and moments are compared bit-exactly on the GPU.
+Two fresh models (the bigpt.py GPT): model 1 <- load_megatron(--conv), model 2 <- load_megatron(--live).
+One untimed warm-up load (model 1 from --conv: the process's first load pays for TensorStore's and
+the GPU allocator's first use), then the order --order (default conv,live,live,conv: A B B A), each
+timed with the page cache dropped first, with TensorStore's file-bytes-read counter around it; then
+the two models' weights, fp32 masters and moments are compared bit-exactly on the GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def main() -> None:
     ap.add_argument("--conv", required=True)
     ap.add_argument("--live", required=True)
     ap.add_argument("--json", required=True)
+    ap.add_argument("--order", default="conv,live,live,conv")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false")
     a = ap.parse_args()
     from converters.megatron.live import load_megatron
 
@@ -50,9 +54,14 @@ def main() -> None:
     m1, _, o1, _ = bigpt.build()
     m2, _, o2, _ = bigpt.build()
     n = sum(p.numel() for p in m1.parameters())
-    for name, model, opt, src in (("load_megatron_from_converted", m1, o1, a.conv),
-                                  ("load_megatron_from_live_export", m2, o2, a.live)):
-        rec = {"name": name, "src": src, "dropped_caches": drop_caches(), "state_bytes": n * 14}
+    runs = {"conv": ("load_megatron_from_converted", m1, o1, a.conv),
+            "live": ("load_megatron_from_live_export", m2, o2, a.live)}
+    order = (["warmup"] if a.warmup else []) + a.order.split(",")
+    for pos, which in enumerate(order):
+        name, model, opt, src = runs["conv" if which == "warmup" else which]
+        if which == "warmup":
+            name += "_warmup"
+        rec = {"name": name, "position": pos, "src": src, "dropped_caches": drop_caches(), "state_bytes": n * 14}
         sync()
         b0 = ts_bytes_read()
         with RssSampler() as s:
@@ -73,6 +82,14 @@ def main() -> None:
         res["loads"].append(rec)
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
+    times: dict = {}
+    for r in res["loads"]:
+        if r["ok"] and not r["name"].endswith("_warmup"):
+            times.setdefault(r["name"], []).append(r["seconds"])
+    c, l_ = times.get("load_megatron_from_converted"), times.get("load_megatron_from_live_export")
+    if c and l_:
+        res["ratio_of_means_converted_over_live"] = (sum(c) / len(c)) / (sum(l_) / len(l_))
+        print(f"converted / live (means): {res['ratio_of_means_converted_over_live']:.3f}", flush=True)
     res["converted_vs_live"] = bigpt.compare_states(bigpt.state_tensors(m1, o1), bigpt.state_tensors(m2, o2))
     print("converted vs live:", res["converted_vs_live"]["ok"], res["converted_vs_live"]["tensors"],
           res["converted_vs_live"]["mismatch"][:3], flush=True)

@@ -29,6 +29,9 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     ap.add_argument("--log", default=None)
     ap.add_argument("--drop-caches", action="store_true")
+    ap.add_argument("--warm-imports", action="store_true",
+                    help="after dropping the page cache, import the libraries once in a throwaway process: the "
+                         "checkpoint's bytes stay cold, the libraries' files do not (bench_scale.py's policy)")
     ap.add_argument("--timeout", type=float, default=None)
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -37,12 +40,14 @@ def main() -> None:
     rec: dict = {"name": a.name, "argv": cmd}
     if a.drop_caches:
         rec["dropped_caches"] = sm.drop_caches()
+    if a.warm_imports:
+        rec["warm_imports"] = sm.measure([sys.executable, "-c", sm.WARM_IMPORTS], timeout=120).rc == 0
     r = sm.measure(cmd, timeout=a.timeout, log=a.log)
-    rec.update(rc=r.rc, seconds=r.seconds, peak_process_rss=r.peak_process_rss, peak_tree_rss=r.peak_tree_rss,
-               io=r.io, timed_out=r.timed_out, tail=r.output[-1500:])
+    rec.update(rc=r.rc, seconds=r.seconds, cpu_seconds=r.cpu_seconds, peak_process_rss=r.peak_process_rss,
+               peak_tree_rss=r.peak_tree_rss, io=r.io, timed_out=r.timed_out, tail=r.output[-1500:])
     with open(a.json, "a") as f:
         f.write(json.dumps(rec) + "\n")
-    print(f"[measure] {a.name}: rc={r.rc} {r.seconds:.2f} s, peak RSS {r.peak_process_rss / 2**30:.2f} GiB "
+    print(f"[measure] {a.name}: rc={r.rc} {r.seconds:.2f} s (CPU {r.cpu_seconds:.1f} s), peak RSS {r.peak_process_rss / 2**30:.2f} GiB "
           f"(tree {r.peak_tree_rss / 2**30:.2f} GiB), read {r.io.get('rchar', 0) / 1e9:.2f} GB "
           f"(disk {r.io.get('read_bytes', 0) / 1e9:.2f}), wrote {r.io.get('wchar', 0) / 1e9:.2f} GB"
           + (" TIMED OUT" if r.timed_out else ""), flush=True)

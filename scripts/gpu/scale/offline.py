@@ -12,6 +12,17 @@
     offline.py verify CKPT --json F        verify in-process, cold then warm (disk-bound or not);
                [--baseline OLD_VERIFY_PY]  warm A B B A against an older verify.py;
                [--reads-only]              a warm run with the digest skipped (the reads' own rate)
+    offline.py convert SRC DST --json F    `gtp-bridge convert SRC DST`'s code path in this process at the CLI's
+                                           defaults (converters.megatron.convert.convert, workers and budget
+                                           None): its phase timings (ConvertResult.timings)
+    offline.py convert_ab SRC DST --json F convert vs its anchor in the order A B B A: `gtp-bridge convert`
+                                           (CLI), anchor, anchor, `offline.py convert` (same code, with
+                                           timings); before each the page cache dropped and the libraries
+                                           re-read (measure.py --warm-imports); each a fresh process measured
+                                           (wall, CPU, peak RSS, bytes); the second conversion's digests
+                                           equal the first's (DST kept, DST_b removed)
+    offline.py layer_read CONV LIVE --json F  one layer of the largest stacked array of CONV in a fresh
+                                           context: bytes TensorStore read vs the layer's bytes; exact vs LIVE
     offline.py jax CKPT --json F           JAX restore onto a 1-GPU mesh: bridge.jaxside.restore vs
                                            plain Orbax, cold (page cache dropped before each), in the
                                            order A B B A after one untimed warm-up restore (the first
@@ -134,6 +145,102 @@ def cmd_anchor(a) -> int:
     shutil.rmtree(raw, ignore_errors=True)
     append(a.json, rec)
     return 0
+
+
+def cmd_convert(a) -> int:
+    from converters.megatron.convert import ConvertOptions, convert
+
+    t0 = time.perf_counter()
+    r = convert(a.paths[0], a.paths[1], ConvertOptions(workers=None, budget=None, show_progress=False))
+    append(a.json, {"what": "convert_api", "src": a.paths[0], "seconds_in_process": time.perf_counter() - t0,
+                    "workers": r.workers, "budget": r.budget, "bytes": r.bytes, "timings": r.timings})
+    return 0
+
+
+def _last(path: str, what: str) -> dict:
+    """The last record of kind `what` appended to the JSON-lines file `path`."""
+    out: dict = {}
+    if os.path.exists(path):
+        for ln in open(path):
+            r = json.loads(ln)
+            if r.get("what") == what:
+                out = r
+    return out
+
+
+def cmd_convert_ab(a) -> int:
+    """A B B A: CLI convert, anchor, anchor, API convert (see the module docstring)."""
+    import scale_measure as sm
+
+    src, dst = a.paths
+    py = sys.executable
+    me = os.path.abspath(__file__)
+    steps = [("convert_cli", dst, [py, "-m", "bridge.cli", "convert", src, dst]),
+             ("anchor", None, [py, me, "anchor", src, dst + "_raw", "--json", a.json]),
+             ("anchor", None, [py, me, "anchor", src, dst + "_raw", "--json", a.json]),
+             ("convert_api", dst + "_b", [py, me, "convert", src, dst + "_b", "--json", a.json])]
+    conv_s, anchor_s = [], []
+    for i, (kind, out, argv) in enumerate(steps):
+        rec: dict = {"what": "convert_ab", "position": i, "kind": kind, "dropped_caches": sm.drop_caches()}
+        rec["warm_imports"] = sm.measure([py, "-c", sm.WARM_IMPORTS], timeout=120).rc == 0
+        r = sm.measure(argv, timeout=a.step_timeout)
+        rec.update(rc=r.rc, wall_seconds=r.seconds, cpu_seconds=r.cpu_seconds, peak_process_rss=r.peak_process_rss,
+                   peak_tree_rss=r.peak_tree_rss, io=r.io, timed_out=r.timed_out)
+        if r.rc != 0:
+            rec["tail"] = r.output[-1500:]
+        if kind == "anchor":
+            an = _last(a.json, "anchor")
+            rec.update(anchor_seconds=an.get("anchor_seconds"), dcp_load_seconds=an.get("dcp_load_seconds"),
+                       raw_write_seconds=an.get("raw_write_seconds"))
+            if r.rc == 0 and an:
+                anchor_s.append(an["anchor_seconds"])
+        else:
+            if kind == "convert_api":
+                rec["timings"] = _last(a.json, "convert_api").get("timings")
+            if r.rc == 0:
+                conv_s.append(r.seconds)
+        append(a.json, rec)
+        if out is not None and out != dst and os.path.isdir(out):
+            from bridge.store.reader import open_checkpoint
+
+            d0 = {k: v.digest for k, v in open_checkpoint(dst).manifest.arrays.items()}
+            d1 = {k: v.digest for k, v in open_checkpoint(out).manifest.arrays.items()}
+            append(a.json, {"what": "convert_ab_digests", "a": dst, "b": out, "arrays": len(d0),
+                            "equal": d0 == d1 and all(d0.values())})
+            shutil.rmtree(out, ignore_errors=True)
+    if conv_s and anchor_s:
+        append(a.json, {"what": "convert_ab_ratio", "convert_s": conv_s, "anchor_s": anchor_s,
+                        "ratio_of_means": (sum(conv_s) / len(conv_s)) / (sum(anchor_s) / len(anchor_s))})
+    return 0 if len(conv_s) == 2 and len(anchor_s) == 2 else 1
+
+
+def cmd_layer_read(a) -> int:
+    """One layer of the largest stacked array, read from a fresh context, vs its bytes; exact vs LIVE."""
+    import numpy as np
+
+    from bench_scale import ts_bytes_read
+    from bridge.layout.boxes import Box
+    from bridge.store.reader import open_checkpoint
+
+    conv, live = a.paths
+    ck = open_checkpoint(conv)
+    infos = {p: ck.info(p) for p in ck.paths()}
+    stacked = [p for p, i in infos.items() if "layers" in p and len(i.shape) == 3]
+    big = max(stacked, key=lambda p: infos[p].nbytes)
+    shape = infos[big].shape
+    layer = shape[0] // 2
+    box = Box((layer, 0, 0), (layer + 1,) + tuple(shape[1:]))
+    rec = {"what": "layer_read", "array": ".".join(big), "layer": layer, "inner_chunk": list(infos[big].inner_chunk_shape),
+           "dropped_caches": drop_caches()}
+    ck = open_checkpoint(conv)   # fresh context: nothing cached
+    b0, t0 = ts_bytes_read(), time.perf_counter()
+    got = ck.read(big, box)
+    rec.update(seconds=time.perf_counter() - t0, bytes_read=ts_bytes_read() - b0, bytes_needed=got.nbytes)
+    rec["read_over_needed"] = rec["bytes_read"] / rec["bytes_needed"]
+    want = open_checkpoint(live).read(big, box)
+    rec["exact_vs_live"] = bool(got.shape == want.shape and np.array_equal(got.view(np.uint8), want.view(np.uint8)))
+    append(a.json, rec)
+    return 0 if rec["exact_vs_live"] else 1
 
 
 def _load_module(path: str, name: str):
@@ -350,15 +457,18 @@ def cmd_jax(a) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=["compare", "digests", "anchor", "jax", "verify", "rawread"])
+    ap.add_argument("cmd", choices=["compare", "digests", "anchor", "jax", "verify", "rawread", "convert", "convert_ab",
+                                    "layer_read"])
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--json", required=True)
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--baseline", default=None, help="verify: an older verify.py to A/B against (warm)")
     ap.add_argument("--reads-only", action="store_true", help="verify: also a warm run without the digest")
+    ap.add_argument("--step-timeout", type=float, default=150.0, help="convert_ab: limit of each measured run")
     a = ap.parse_args()
     sys.exit({"compare": cmd_compare, "digests": cmd_digests, "anchor": cmd_anchor, "jax": cmd_jax,
-              "verify": cmd_verify, "rawread": cmd_rawread}[a.cmd](a))
+              "verify": cmd_verify, "rawread": cmd_rawread, "convert": cmd_convert, "convert_ab": cmd_convert_ab,
+              "layer_read": cmd_layer_read}[a.cmd](a))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 #   bash scripts/gpu/scale/run.sh            # results: $OUT/{bench_scale.jsonl,bench_scale.txt,offline.jsonl,steps.txt,env.txt,logs.txt}
 source scripts/gpu/scale/lib.sh
 env_info
+compile_tree
 D=${SP_DIR:-/tmp/bench_scale}; rm -rf "$D"
 # the benchmark keeps 10 s for collecting logs and SP_AB_S (default 30) for the verify cold/warm run on its
 # conversion; it skips (and names) every step that would not fit
