@@ -126,12 +126,17 @@ def bf16(a: np.ndarray) -> np.ndarray:
     return a.astype(ml_dtypes.bfloat16)
 
 
-def state(seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
-    """role -> logical arrays: params (fp32 master), mu, nu, model = bf16(master)."""
+def state(seed: int = 0, tied: bool = False) -> dict[str, dict[str, np.ndarray]]:
+    """role -> logical arrays: params (fp32 master), mu, nu, model = bf16(master). A `tied` model has no
+    output layer (it uses the word embeddings)."""
     p = logical_arrays(seed)
     mu = {k: v * 0.1 for k, v in logical_arrays(seed + 1).items()}
     nu = {k: np.abs(v) * 0.01 for k, v in logical_arrays(seed + 2).items()}
-    return {"params": p, "mu": mu, "nu": nu, "model": {k: bf16(v) for k, v in p.items()}}
+    st = {"params": p, "mu": mu, "nu": nu, "model": {k: bf16(v) for k, v in p.items()}}
+    if tied:
+        for arrays in st.values():
+            del arrays["output_layer.weight"]
+    return st
 
 
 def _to_torch(a: np.ndarray) -> torch.Tensor:
@@ -143,10 +148,53 @@ def _to_torch(a: np.ndarray) -> torch.Tensor:
 # --- chunking -------------------------------------------------------------------------------
 
 
+#: the pipeline split of the checkpoint being built: (first stage's layers, last stage's layers, embedding
+#: counted as a layer, loss counted as a layer); None / False = Megatron's even split
+SPLIT: tuple[int | None, int | None, bool, bool] = (None, None, False, False)
+
+
+@contextlib.contextmanager
+def uneven(first: int | None = None, last: int | None = None, embedding: bool = False, loss: bool = False):
+    """Build checkpoints whose first / last pipeline stage hold `first` / `last` layers (Megatron's
+    decoder_first/last_pipeline_num_layers), or that count the embedding / loss as a layer of the first /
+    last stage (account_for_embedding/loss_in_pipeline_split), inside this block."""
+    global SPLIT
+    old, SPLIT = SPLIT, (first, last, embedding, loss)
+    try:
+        yield
+    finally:
+        SPLIT = old
+
+
+def stage_sizes(pp: int) -> list[int]:
+    """Layers per stage: the uneven first / last stage as set, the others share the rest; or, counting the
+    embedding / loss as layers, L + those over pp each, less the embedding / loss on the first / last."""
+    first, last, emb, loss = SPLIT
+    if emb or loss:
+        each = (L + emb + loss) // pp
+        out = [each] * pp
+        out[0] -= emb
+        out[-1] -= loss
+        assert sum(out) == L, (out, L)
+        return out
+    sizes: list[int | None] = [None] * pp
+    if first is not None:
+        sizes[0] = first
+    if last is not None:
+        sizes[-1] = last
+    fixed = [n for n in sizes if n is not None]
+    free = sizes.count(None)
+    each = (L - sum(fixed)) // free if free else 0
+    out = [each if n is None else n for n in sizes]
+    assert sum(out) == L, (out, L)
+    return out
+
+
 def stage_of(name: str, layer: int | None, pp: int) -> int:
-    """Pipeline stage holding a param: layers split evenly, the embedding first, the rest last."""
+    """Pipeline stage holding a param: layers by `stage_sizes`, the embedding first, the rest last."""
     if layer is not None:
-        return layer // (L // pp)
+        ends = np.cumsum(stage_sizes(pp))
+        return int(np.searchsorted(ends, layer, side="right"))
     return 0 if name.startswith("embedding.") else pp - 1
 
 
@@ -194,33 +242,57 @@ def model_space_entries(st: dict[str, dict[str, np.ndarray]], tp: int, fully: bo
     for role, prefix in roles:
         fused = fuse(st[role])
         for name in ORDER:
+            if name not in fused:   # tied: no output layer entry (the last stage's copy is never saved)
+                continue
             full = fused[name]
             entries[prefix + name] = tp_chunks(name, full, tp, dp, pp)
     return entries
 
 
+def chunk_of(name: str, layer: int | None, pp: int, vpp: int) -> tuple[int, int]:
+    """(stage, virtual chunk) holding a param: with vpp chunks per stage, the layers are cut into pp·vpp
+    equal runs, run c on stage c % pp as its chunk c // pp; the embedding in the first run, the rest last."""
+    if vpp == 1:
+        return stage_of(name, layer, pp), 0
+    if layer is None:
+        return (0, 0) if name.startswith("embedding.") else (pp - 1, vpp - 1)
+    c = layer // (L // (pp * vpp))
+    return c % pp, c // pp
+
+
 def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
-               pp: int = 1, bucket_space: bool = False, per_rank: bool = False) -> tuple[dict[str, list], dict[str, Any]]:
+               pp: int = 1, bucket_space: bool = False, per_rank: bool = False,
+               vpp: int = 1) -> tuple[dict[str, list], dict[str, Any]]:
     """dp_reshardable bucket tensors and per_bucket_numel objects, computed directly (one
-    DistOpt group per TP rank t and pipeline stage: dp_group_idx t + tp·stage)."""
+    DistOpt group per TP rank t and pipeline stage: dp_group_idx t + tp·stage; with `vpp` virtual
+    chunks, one buffer per chunk: gbuf_idx = chunk)."""
     entries: dict[str, list] = {}
     objects: dict[str, Any] = {}
     div = math.lcm(dp, 128)
     fused = {r: fuse(st[r]) for r in ("params", "mu", "nu")}
-    for t, stage in [(t, q) for q in range(pp) for t in range(tp)]:
+    for t, stage, v in [(t, q, v) for q in range(pp) for t in range(tp) for v in range(vpp)]:
         # the TP-local flat tensor of each runtime param instance of the stage, registration order
         inst: list[tuple[str, dict[str, np.ndarray]]] = []
         stacked = [n for n in ORDER if n.startswith("decoder.layers.")]
         runtime = ([(ORDER[0], None)] + [(n, layer) for layer in range(L) for n in stacked]
                    + [(n, None) for n in ORDER[1 + len(stacked):]])
-        runtime = [(n, layer) for n, layer in runtime if stage_of(n, layer, pp) == stage]
+        tied = "output_layer.weight" not in fused["params"]
+        runtime = [(n, layer) for n, layer in runtime if chunk_of(n, layer, pp, vpp) == (stage, v)
+                   and (n in fused["params"] or pp > 1)]
+        # tied at PP > 1: the first stage's embedding and the last stage's output layer (a copy of the
+        # embedding, kept in sync by Megatron) each sit in a DDP bucket of their own
+        shared = {n for n, _ in runtime if tied and pp > 1 and n in ("embedding.word_embeddings.weight",
+                                                                      "output_layer.weight")}
         k = t + tp * stage
+        # Megatron-LM's training loop buckets the first model chunk of the first stage only
+        # (megatron/training/training.py, 0.19.2: per_chunk_bucket_sizes)
+        bs = bucket_size if stage == 0 and v == 0 else None
         for name, layer in runtime:
             npre = 1 if layer is not None else 0
             if True:
                 local = {}
                 for r in ("params", "mu", "nu"):
-                    full = fused[r][name]
+                    full = fused[r][name if name in fused[r] else "embedding.word_embeddings.weight"]
                     x = full[layer] if npre else full
                     if name.endswith("linear_fc1.weight"):
                         n = F // tp
@@ -231,28 +303,37 @@ def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
                             n = x.shape[ax] // tp
                             x = np.take(x, range(t * n, (t + 1) * n), axis=ax)
                     local[r] = x.reshape(-1)
-                inst.append((f"{name}[{layer}]", local))
-        # reverse order, 64-aligned starts, buckets
+                inst.append((name, local))
+        # reverse order, 64-aligned starts, buckets; a bucket's end is its last param's end, or, when a
+        # shared param closes it, the (64-aligned) start that param would have had
         buckets: list[list[tuple[int, dict]]] = [[]]
         starts: list[int] = [0]
+        ends: list[int] = []
         pos = 0
         bstart = 0
-        for i, (_n, local) in enumerate(reversed(inst)):
+
+        def close(end: int) -> int:
+            ends.append(end)
+            bend = -(-end // div) * div
+            buckets.append([])
+            starts.append(bend)
+            return bend
+
+        for i, (n_, local) in enumerate(reversed(inst)):
             pos = -(-pos // 64) * 64
+            if n_ in shared and buckets[-1]:          # a shared param starts a bucket
+                pos = bstart = close(pos)
             buckets[-1].append((pos, local))
             pos += local["params"].size
-            if bucket_size is not None and pos - bstart >= bucket_size and i < len(inst) - 1:
-                bend = -(-pos // div) * div
-                buckets.append([])
-                starts.append(bend)
-                bstart = bend
-                pos = bend
+            more = i < len(inst) - 1
+            if more and (n_ in shared or (bs is not None and pos - bstart >= bs)):
+                pos = bstart = close(pos)             # ... and ends it; or the bucket is full
+        ends.append(pos)
         unpadded, padded = [], []
         for b, items in enumerate(buckets):
             b0 = starts[b]
-            last = max(p + loc["params"].size for p, loc in items)
-            unp = last - b0
-            pad_end = -(-last // div) * div
+            unp = ends[b] - b0
+            pad_end = -(-ends[b] // div) * div
             unpadded.append(unp)
             padded.append(pad_end - b0)
             s = (pad_end - b0) // dp
@@ -263,7 +344,7 @@ def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
                 world = np.full(n, -7.5e30 if bucket_space else 0.0, dtype=np.float32)
                 for p, loc in items:
                     world[p - b0:p - b0 + loc[r].size] = loc[r]
-                key = (f"optimizer.distributed.dp_group_idx_{k}.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32)"
+                key = (f"optimizer.distributed.dp_group_idx_{k}.gbuf_idx_{v}.dtype_(torch.bfloat16, torch.float32)"
                        f".bucket_idx_{b}.{stname}")
                 chunks = []
                 for d in range(dp):
@@ -276,8 +357,8 @@ def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,
                         chunks.append((w, (lo,), world[lo:hi]))
                 entries[key] = chunks
         pre = f"optimizer.distributed.dp_group_idx_{k}."
-        objects[pre + "per_bucket_numel"] = [{(torch.bfloat16, torch.float32): padded}]
-        objects[pre + "per_bucket_numel_unpadded"] = [{(torch.bfloat16, torch.float32): unpadded}]
+        objects.setdefault(pre + "per_bucket_numel", []).append({(torch.bfloat16, torch.float32): padded})
+        objects.setdefault(pre + "per_bucket_numel_unpadded", []).append({(torch.bfloat16, torch.float32): unpadded})
         objects[pre + "optimizer"] = {"param_groups": param_groups(step=3)}
     return entries, objects
 
@@ -286,18 +367,22 @@ def gathered(entries: dict[str, list], objects: dict[str, Any]) -> tuple[dict[st
     """dp_reshardable's buckets (`dp_buffers`) as dp_zero_gather_scatter saves them: per DistOpt group,
     one `param_state` object holding each state's unpadded buckets end to end (what DP rank 0
     gathers, `buckets_coalesced`), no bucket tensors and no per_bucket_numel objects."""
-    per: dict[str, dict[str, list]] = {}
+    per: dict[str, dict[int, dict[str, list]]] = {}
     for key, chunks in entries.items():
-        pre, rest = key.split(".gbuf_idx_0.", 1)
+        pre, rest = key.split(".gbuf_idx_", 1)
+        j, rest = rest.split(".", 1)
         b, stname = rest.split(".bucket_idx_", 1)[1].split(".")
         world = np.concatenate([d for _w, _o, d in sorted(chunks, key=lambda c: c[1])])
-        per.setdefault(pre, {}).setdefault(stname, []).append((int(b), world))
+        per.setdefault(pre, {}).setdefault(int(j), {}).setdefault(stname, []).append((int(b), world))
     out = {k: v for k, v in objects.items() if k.endswith(".optimizer")}
-    for pre, states in per.items():
-        tensors: dict[str, Any] = {st: torch.from_numpy(np.concatenate([w for _b, w in sorted(bs, key=lambda x: x[0])]))
-                                   for st, bs in states.items()}
-        tensors["numel_unpadded"] = int(tensors["param"].numel())
-        out[pre + ".param_state"] = [{"buckets_coalesced": True, 0: {(torch.bfloat16, torch.float32): tensors}}]
+    for pre, bufs in per.items():
+        obj: dict[Any, Any] = {"buckets_coalesced": True}
+        for j, states in bufs.items():   # one buffer per model chunk (virtual pipeline), else gbuf 0 alone
+            tensors: dict[str, Any] = {st: torch.from_numpy(np.concatenate([w for _b, w in sorted(bs, key=lambda x: x[0])]))
+                                       for st, bs in states.items()}
+            tensors["numel_unpadded"] = int(tensors["param"].numel())
+            obj[j] = {(torch.bfloat16, torch.float32): tensors}
+        out[pre + ".param_state"] = [obj]
     return {}, out
 
 
@@ -308,13 +393,19 @@ def param_groups(step: int) -> list[dict]:
              "step": step, "params": list(range(10))}]
 
 
-def common_state(tp: int, dp: int, fmt: str, with_args: bool = True, pp: int = 1) -> dict:
+def common_state(tp: int, dp: int, fmt: str, with_args: bool = True, pp: int = 1, tied: bool = False,
+                 extra_args: dict | None = None) -> dict:
     cs: dict[str, Any] = {"iteration": 3, "checkpoint_version": 3.0}
     if with_args:
         cs["args"] = argparse.Namespace(tensor_model_parallel_size=tp, data_parallel_size=dp, world_size=tp * dp * pp,
                                         pipeline_model_parallel_size=pp, num_attention_heads=NQ, num_query_groups=NG,
                                         group_query_attention=True, kv_channels=HD, hidden_size=H, ffn_hidden_size=F,
-                                        swiglu=True, padded_vocab_size=V, num_layers=L, params_dtype=torch.bfloat16)
+                                        swiglu=True, padded_vocab_size=V, num_layers=L, params_dtype=torch.bfloat16,
+                                        untie_embeddings_and_output_weights=not tied,
+                                        decoder_first_pipeline_num_layers=SPLIT[0],
+                                        decoder_last_pipeline_num_layers=SPLIT[1],
+                                        account_for_embedding_in_pipeline_split=SPLIT[2],
+                                        account_for_loss_in_pipeline_split=SPLIT[3], **(extra_args or {}))
     if fmt == "fully_reshardable":
         cs["optimizer"] = {"optimizer": {"param_groups": param_groups(step=3)}, "param_state_sharding_type": fmt}
     elif fmt in ("fully_sharded_bucket_space", "dp_zero_gather_scatter"):
@@ -389,20 +480,29 @@ def save(path: str, entries: dict, objects: dict, common: dict, world: int) -> N
 
 def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0, bucket_size: int | None = None,
                     with_args: bool = True, dp_shapes: dict | None = None, pp: int = 1,
-                    per_rank: bool = False) -> dict[str, dict[str, np.ndarray]]:
+                    per_rank: bool = False, tied: bool = False, extra_args: dict | None = None,
+                    edit=None, vpp: int = 1) -> dict[str, dict[str, np.ndarray]]:
     """Write a synthetic Megatron checkpoint and return its logical state (the reference). `per_rank`:
-    fully_sharded_bucket_space's buckets stored (dp, bucket numel / dp) as megatron-core 0.14 does."""
-    st = state(seed)
+    fully_sharded_bucket_space's buckets stored (dp, bucket numel / dp) as megatron-core 0.14 does.
+    `tied`: the output layer shares the word embeddings (no output_layer entry; at PP > 1 the last
+    stage's DistOpt buffer holds a copy of the embedding's state). Uneven pipeline stages:
+    `uneven(...)`; `vpp` virtual pipeline chunks per stage. `edit(entries)` may change the stored
+    chunks (key -> [(rank, offsets, data)]) before the save."""
+    st = state(seed, tied)
     entries = model_space_entries(st, tp, fmt == "fully_reshardable", dp, pp)
     objects: dict[str, Any] = {}
     if fmt in ("dp_reshardable", "fully_sharded_bucket_space", "dp_zero_gather_scatter"):
         e2, objects = dp_buffers(st, tp, dp, bucket_size, pp, bucket_space=fmt == "fully_sharded_bucket_space",
-                                 per_rank=per_rank)
+                                 per_rank=per_rank, vpp=vpp)
         if fmt == "dp_zero_gather_scatter":
             e2, objects = gathered(e2, objects)
         entries.update(e2)
+    if vpp > 1:
+        extra_args = {"virtual_pipeline_model_parallel_size": vpp, **(extra_args or {})}
+    if edit is not None:
+        edit(entries)
     # dp bucket tensors' global length = unpadded numel
-    save(path, entries, objects, common_state(tp, dp, fmt, with_args, pp), tp * dp * pp)
+    save(path, entries, objects, common_state(tp, dp, fmt, with_args, pp, tied, extra_args), tp * dp * pp)
     with open(os.path.join(path, "metadata.json"), "w") as f:  # what dist_checkpointing.save adds
         f.write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
     return st

@@ -122,8 +122,8 @@ def corrupt_weight(tmp_path_factory):
     name = "decoder.layers.mlp.linear_fc2.weight"
     orig = synth.state
 
-    def state(seed=0):
-        st = orig(seed)
+    def state(seed=0, tied=False):
+        st = orig(seed, tied)
         st["model"][name] = st["model"][name].copy()
         st["model"][name][1, 3, 5] = st["model"][name][1, 3, 5] + np.float32(1.0)
         return st

@@ -162,19 +162,22 @@ def test_staging_off_and_on_write_identical_checkpoint_contents(tmp_path):
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("shape", [(2048, 1024), (64, 256)])
-def test_caller_may_reuse_a_non_donated_buffer_as_soon_as_write_returns(tmp_path, shape):
+@pytest.mark.parametrize("shape,threads", [((2048, 1024), 1), ((2048, 1024), 3), ((64, 256), 1)])
+def test_caller_may_reuse_a_non_donated_buffer_as_soon_as_write_returns(tmp_path, shape, threads):
     """Also on the paths that do not stage (tiny inner chunks): an 8 MiB box TensorStore copies
-    itself (write waits for that copy) and a 64 KiB one the writer copies before referencing it."""
+    itself (write waits for that copy; with threads > 1 its digest is split over them meanwhile)
+    and a 64 KiB one the writer copies before referencing it."""
     plan = make_write_plan([ArraySpec(("params", "w"), shape, "float32")], 1, inner_chunk_bytes=16 << 10)
     assert plan.lookup(("params", "w")).inner_chunk_shape == (64, 64)   # 16 KiB cells: not staged
     ref = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
     dst = str(tmp_path / "ck")
-    writer = CheckpointWriter(begin_checkpoint(dst), plan, 0)
+    writer = CheckpointWriter(begin_checkpoint(dst), plan, 0, threads=threads)
     buf = ref.copy()
     writer.write(("params", "w"), Box.full(shape), buf)
     buf[...] = 7.0
     writer.finish()
     commit_checkpoint(dst, plan, timeout=10)
     assert writer.bytes_staged == 0
-    assert np.array_equal(open_checkpoint(dst).read(("params", "w")), ref)
+    ck = open_checkpoint(dst)
+    assert np.array_equal(ck.read(("params", "w")), ref)
+    assert ck.manifest.arrays["params.w"].digest == to_hex(digest_array(ref))

@@ -26,7 +26,8 @@ def add_hint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gtp", type=int, help="GTP (weight-remat) size of the run")
     g.add_argument("--dp", type=int, help="data-parallel (replicate) size of the run")
     g.add_argument("--ep", type=int, help="expert-parallel size of the run")
-    g.add_argument("--pp", type=int, help="pipeline-parallel size of the run (even stages, no virtual chunks)")
+    g.add_argument("--pp", type=int, help="pipeline-parallel size of the run (no virtual chunks)")
+    add_split_flags(g)
     g.add_argument("--pad-for-alignment", type=int, help="GTP pad_for_alignment (default: inferred, else 16)")
     g.add_argument("--bucket-size", type=int, help="DDP bucket size in elements (dp_reshardable, dp_zero_gather_scatter)")
     g.add_argument("--num-layers", type=int)
@@ -44,6 +45,18 @@ def add_hint_flags(p: argparse.ArgumentParser) -> None:
     sw.add_argument("--no-swiglu", dest="swiglu", action="store_false", help="linear_fc1 is not gated")
 
 
+def add_split_flags(g) -> None:
+    """Megatron-LM's flags for uneven pipeline stages (convert: of the run; to-megatron: of the target)."""
+    g.add_argument("--decoder-first-pipeline-num-layers", "--pp-first-layers", dest="pp_first", type=int,
+                   metavar="N", help="layers on the first pipeline stage (the other stages share the rest evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", "--pp-last-layers", dest="pp_last", type=int, metavar="N",
+                   help="layers on the last pipeline stage")
+    g.add_argument("--account-for-embedding-in-pipeline-split", dest="embedding_in_split", action="store_true",
+                   default=None, help="the embedding counts as a layer of the first stage")
+    g.add_argument("--account-for-loss-in-pipeline-split", dest="loss_in_split", action="store_true", default=None,
+                   help="the loss counts as a layer of the last stage")
+
+
 def hints_from(args: argparse.Namespace):
     from converters.megatron.format import Hints
 
@@ -53,7 +66,8 @@ def hints_from(args: argparse.Namespace):
                  model_only=getattr(args, "model_only", False), hidden_size=args.hidden_size,
                  ffn_hidden_size=args.ffn_hidden_size, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
                  vocab_size=args.vocab_size, num_layers=args.num_layers, num_experts=args.num_experts,
-                 model_config=args.model_config)
+                 model_config=args.model_config, pp_first=args.pp_first, pp_last=args.pp_last,
+                 embedding_in_split=args.embedding_in_split, loss_in_split=args.loss_in_split)
 
 
 def add_parser(sub) -> None:

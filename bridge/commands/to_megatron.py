@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from bridge.commands.convert import add_split_flags
+
 EPILOG = """examples:
   gtp-bridge to-megatron ckpt/logical runs/gpt_tp2 --tp 2 --dp 4          # -> runs/gpt_tp2/iter_<step>
   gtp-bridge to-megatron ckpt/logical runs/gpt_tp2/iter_0001000 --tp 2    # the same, naming the iteration
@@ -28,7 +30,12 @@ def add_parser(sub) -> None:
     p.add_argument("--dp", type=int, default=1, help="target data-parallel (replicate) size (default 1)")
     p.add_argument("--ep", type=int, default=1, help="target expert-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1,
-                   help="target pipeline-parallel size (default 1; an even split of the layers, no virtual chunks)")
+                   help="target pipeline-parallel size (default 1; an even split of the layers unless the flags "
+                        "below say otherwise; no virtual chunks)")
+    add_split_flags(p)
+    p.add_argument("--vpp", type=int, default=1, metavar="V",
+                   help="virtual pipeline chunks per stage (Megatron's --num-virtual-stages-per-pipeline-rank; "
+                        "dp_reshardable writes one buffer per chunk)")
     p.add_argument("--format", dest="fmt", default="fully_reshardable",
                    choices=["fully_reshardable", "dp_reshardable"], help="optimizer format (default fully_reshardable)")
     p.add_argument("--megatron-core", dest="release", default="0.19", choices=["0.14", "0.15", "0.16", "0.19"],
@@ -51,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
 
     res = to_megatron(args.src, args.dst, MegatronTarget(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, fmt=args.fmt,
                                                   pad_for_alignment=args.pad_for_alignment,
-                                                  bucket_size=args.bucket_size, release=args.release, pp=args.pp),
+                                                  bucket_size=args.bucket_size, release=args.release, pp=args.pp,
+                                                  pp_first=args.pp_first, pp_last=args.pp_last,
+                                                  embedding_in_split=bool(args.embedding_in_split),
+                                                  loss_in_split=bool(args.loss_in_split), vpp=args.vpp),
                       budget=parse_size(args.budget) if args.budget else None, workers=args.workers,
                       weights_from_masters=args.weights_from_masters)
     lay = res["layout"]

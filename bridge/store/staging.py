@@ -2,12 +2,14 @@
 
 An inner chunk (e.g. 512x512 of a 4096-column block) is not contiguous in the caller's row-major
 data, so it is copied once before it is encoded. TensorStore copies it into a fresh allocation per
-inner chunk (~1 page fault per 4 KiB written); the writer (``staging=True``, the default) copies
-it instead into reused slabs, and TensorStore references each staged cell without copying it
+inner chunk (~1 page fault per 4 KiB written); the writer (``staging=True``, the default on local
+disks) copies it instead into reused slabs, and TensorStore references each staged cell without copying it
 again (``can_reference_source_data_indefinitely``). A slab is refilled only once TensorStore
 dropped every reference to it (`Lease`), which may be later than the commit that wrote it.
 Reused slabs trade a little writer CPU for fewer page faults and less peak memory
 (`bench_store_write`, store vs store_nostage; figures in the README's performance section).
+Slabs are reused only from the writer's (commit_depth + 2)-th batch on; on object storage, where
+batches are large, a checkpoint rarely gets there, so staging is off by default (bench_remote).
 
 `grid_cells` is pure index math; `Lease` and `SlabPool` hold memory only (no I/O).
 """

@@ -21,8 +21,8 @@ Two invariants the writer enforces itself:
   merely once the commit that wrote it landed.
 
 Costs per byte that are kept down (bench_store_write): inner chunks not contiguous in the caller's
-data are copied once, into reused staging slabs (bridge/store/staging.py); digests run on side
-threads; the page cache of committed data files is dropped (drop-behind), so later batches write
+data are copied once, on local disks into reused staging slabs (bridge/store/staging.py; on object
+storage TensorStore copies them, see `staging`); digests run on side threads; the page cache of committed data files is dropped (drop-behind), so later batches write
 into recycled pages.
 """
 
@@ -218,16 +218,22 @@ class CheckpointWriter:
     writes a transaction's data twice (an unreferenced copy left on disk for chunks written in
     pieces, tests/test_store_writer_scale.py), so 1 is the default; 2 only where whole chunks are
     donated in one write each (the live export's GPU path). `target_data_file_size`: OCDBT data file
-    size (None: `specs.TARGET_DATA_FILE_SIZE`; benchmarks vary it).
+    size (None: `specs.TARGET_DATA_FILE_SIZE`; benchmarks vary it). `staging` (None: on local
+    disks, not on object storage): copy non-contiguous inner chunks into reused slabs (see
+    bridge/store/staging.py) rather than let TensorStore copy them. On object storage the slabs of
+    the first `commit_depth` + 1 batches (about a whole checkpoint there: batches are large) are
+    fresh memory, whose page faults cost more client CPU than TensorStore's own copies (bench_remote).
     """
 
     def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int | None = None,
-                 compute_digest: bool = True, threads: int | None = None, staging: bool = True,
+                 compute_digest: bool = True, threads: int | None = None, staging: bool | None = None,
                  drop_behind: bool = True, commit_depth: int = 1, btree_cache_bytes: int | None = None,
                  target_data_file_size: int | None = None) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
         self.remote = is_remote(tmp_dir)
+        if staging is None:
+            staging = not self.remote
         if self.remote:
             drop_behind = False  # no local files, no page cache to drop
         elif not os.path.isdir(tmp_dir):
@@ -310,19 +316,25 @@ class CheckpointWriter:
                 self._open_chunks.discard((spec.name, key))
         store = self._store(ap)
         try:
-            staged = self._issue(store, ap, box, data, donate)
+            staged, copying = self._issue(store, ap, box, data, donate)
         except Exception as e:  # TensorStore raises ValueError etc.; name the array
             raise BridgeError(f"{where}: writing box {box} failed: {' '.join(str(e).split())}") from e
         # The digest runs after the write is issued, so it overlaps TensorStore's encoding and I/O.
         # Staged copies and donated data stay untouched while their batch commits: digest them on
-        # the digest threads, folded in when the batch lands; small copied boxes are digested here.
+        # the digest threads, folded in when the batch lands; copied boxes are digested now (the
+        # caller may change them once this returns), while TensorStore copies them.
         if self.compute_digest:
             if staged:
                 self._digests.append((state, self._digest_pool().submit(_digest_cells, spec.shape, staged)))
             elif donate and data.nbytes >= _ASYNC_DIGEST_BYTES:
                 self._digests.append((state, self._digest_pool().submit(dg.digest_box, spec.shape, box, data)))
             else:
-                state.digest = dg.combine([state.digest, dg.digest_box(spec.shape, box, data)])
+                state.digest = dg.combine([state.digest, self._digest_now(spec.shape, box, data)])
+        if copying is not None:
+            try:
+                copying.result()
+            except Exception as e:
+                raise BridgeError(f"{where}: writing box {box} failed: {' '.join(str(e).split())}") from e
         self._pending += data.nbytes
         self.bytes_written += data.nbytes
         if self._pending >= self.inflight_bytes and not self._open_chunks:
@@ -403,11 +415,12 @@ class CheckpointWriter:
         return report
 
     # -- internals ------------------------------------------------------------------------------
-    def _issue(self, store, ap: ArrayPlan, box: Box, data: np.ndarray, donate: bool) -> list | None:
-        """Issue TensorStore writes for one box; returns the staged [(cell box, buffer)] or None.
+    def _issue(self, store, ap: ArrayPlan, box: Box, data: np.ndarray, donate: bool) -> tuple[list | None, object]:
+        """Issue TensorStore writes for one box; returns the staged [(cell box, buffer)] or None,
+        and the future of TensorStore's copy of `data` that the caller must wait for (or None).
 
         Donated data is referenced where TensorStore can (inner chunks contiguous in it), else
-        TensorStore copies it; non-donated data is copied before this returns. With `staging`,
+        TensorStore copies it; non-donated data is copied, here or by TensorStore. With `staging`,
         a box spanning inner chunks of useful size is instead copied cell by cell into reused
         slabs that TensorStore references (see bridge/store/staging.py).
         """
@@ -424,11 +437,12 @@ class CheckpointWriter:
                 lease = Lease(data.view())
                 fut = store[box.slices].write(lease.arr, can_reference_source_data_indefinitely=True)
                 self._donated.append(lease)
-            else:  # TensorStore copies the source asynchronously; the caller may reuse it on return
+            else:  # TensorStore copies the source asynchronously; the caller may reuse it once copied
                 fut = store[box.slices].write(data, can_reference_source_data_indefinitely=False)
-                fut.copy.result()
+                self._futures.append(fut)
+                return None, fut.copy
             self._futures.append(fut)
-            return None
+            return None, None
         staged = [(cell, self._slabs.take(cell.shape, data.dtype)) for cell in grid_cells(box, inner)]
 
         def copy_and_write(part: Sequence[tuple[Box, np.ndarray]]) -> list:
@@ -446,7 +460,19 @@ class CheckpointWriter:
             for f in [self._pool().submit(copy_and_write, part) for part in parts]:
                 self._futures.extend(f.result())
         self.bytes_staged += data.nbytes
-        return staged
+        return staged, None
+
+    def _digest_now(self, shape: Sequence[int], box: Box, data: np.ndarray) -> int:
+        """Digest of `data` at `box`, before returning; a large box is split by rows over the copy
+        threads (idle while `write` runs; the digest threads may be busy with earlier batches)."""
+        n = min(self.threads, box.shape[0] if box.ndim else 1, data.nbytes // _ASYNC_DIGEST_BYTES)
+        if n <= 1:
+            return dg.digest_box(shape, box, data)
+        edges = [box.start[0] + (box.shape[0] * i) // n for i in range(n + 1)]
+        parts = [(Box((a,) + box.start[1:], (b,) + box.stop[1:]), data[a - box.start[0]:b - box.start[0]])
+                 for a, b in zip(edges[:-1], edges[1:])]
+        futs = [self._pool().submit(dg.digest_box, shape, part, d) for part, d in parts]
+        return dg.combine([f.result() for f in futs])
 
     def _digest_pool(self) -> ThreadPoolExecutor:
         if self._digester is None:

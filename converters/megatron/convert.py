@@ -51,7 +51,7 @@ from converters.megatron.cache import ChunkCache, check_records
 from converters.megatron.format import (Hints, SourceCheckpoint, bucket_space_flat_chunks, describe,
                                         optimizer_groups,
                                         parse_groups_hyper, plain_value, step_of)
-from converters.megatron.plan import (ROLES, Block, CopyIndex, Unit, assign_blocks, contributes, flat_copies,
+from converters.megatron.plan import (ROLES, Block, Copy, CopyIndex, Instance, Unit, assign_blocks, contributes, flat_copies,
                                       dp_group_places, literal, local_instances, model_space_copies,
                                       model_space_copies_flat, object_tensor_key, parse_dtype_key,
                                       plan_blocks, rebuild_bucket_layout, role_path)
@@ -164,16 +164,36 @@ def _per_bucket(obj: Any, gbuf: int, dtype_key: str, what: str) -> list[int] | N
 
 
 def _buffer_params(src: SourceCheckpoint, geoms_all: Sequence, lay: ParallelLayout, expert: bool, split_expert: bool,
-                   pdt: str, e: int, stage: int) -> tuple[list, dict, dict, dict]:
+                   pdt: str, e: int, stage: int, gbuf: int = 0) -> tuple[list, dict, dict, dict]:
     """One DistOpt buffer's parameters (param dtype `pdt`; only the expert or only the dense ones when
-    `split_expert`) at EP rank `e` of PP stage `stage`: (instances in buffer order, geometry by name,
-    (tp, gtp) by name, physical numel by instance)."""
+    `split_expert`) at EP rank `e` of PP stage `stage`, buffer `gbuf` (with virtual pipeline chunks,
+    the model chunk's): (instances in buffer order, geometry by name, (tp, gtp) by name, physical
+    numel by instance)."""
     geoms = [g_ for g_ in geoms_all if (g_.expert == expert or not split_expert)
              and np_dtype_name(src.models[g_.name].dtype) == pdt]
-    insts = local_instances(geoms, lay, e, stage)
+    v = 0
+    if src.split.vpp > 1:
+        # DistributedOptimizer.buffers chains the model chunks' buffers: one per chunk for one param dtype
+        if gbuf >= src.split.vpp:
+            raise BridgeError(f"gbuf_idx {gbuf} with {src.split.vpp} virtual pipeline chunks: several buffers per "
+                              f"model chunk (param dtypes) are not supported with virtual pipeline chunks")
+        v = gbuf
+    insts = local_instances(geoms, lay, e, stage, src.split, v)
     gmap = {g_.name: g_ for g_ in geoms}
     sizes = {n: lay.tp_gtp_sizes(g_.expert) for n, g_ in gmap.items()}
     return insts, gmap, sizes, {i: gmap[i.name].physical_numel(*sizes[i.name]) for i in insts}
+
+
+def first_chunk(src: SourceCheckpoint, stage: int, gbuf: int) -> bool:
+    """Whether buffer `gbuf` of a stage is the first model chunk of the first pipeline stage: the only
+    one Megatron-LM's training loop buckets (training.py `per_chunk_bucket_sizes`)."""
+    return stage == 0 and (src.split.vpp == 1 or gbuf == 0)
+
+
+def copies_of(u: Unit, inst: Instance) -> dict[str, list[Copy]]:
+    """Where a buffer instance's copies go: the unit's arrays, or, for the last stage's copy of tied
+    embeddings, the unit's `mirrors` (checked equal to the first stage's, never written)."""
+    return u.mirrors if inst.tied_copy else u.copies
 
 
 def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -> None:
@@ -202,12 +222,13 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
                               f"pass --tp/--gtp/--ep matching the run")
         t, g, e, stage = ck_coords
         pdt, _gdt = parse_dtype_key(dtype_key)
-        insts, gmap, sizes, numels = _buffer_params(src, geoms_all, lay, expert, split_expert, pdt, e, stage)
+        insts, gmap, sizes, numels = _buffer_params(src, geoms_all, lay, expert, split_expert, pdt, e, stage, j)
         obj_pre = f"{prefix}optimizer.distributed.dp_group_idx_{k}."
         unp = _per_bucket(_maybe_object(ck, obj_pre + "per_bucket_numel_unpadded"), j, dtype_key, where)
         pad = _per_bucket(_maybe_object(ck, obj_pre + "per_bucket_numel"), j, dtype_key, where)
         dp_size = lay.edp if expert else lay.distopt_size
-        blay = rebuild_bucket_layout(insts, numels, dp_size, unp, pad, hints.bucket_size, where)
+        blay = rebuild_bucket_layout(insts, numels, dp_size, unp, pad, hints.bucket_size, where,
+                                     bucketed=first_chunk(src, stage, j))
         for b, (b0, _b1) in enumerate(blay.buckets):
             states = by_bucket.get((chain, k, j, dtype_key, b))
             if states is None:
@@ -232,7 +253,7 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
                         continue
                     u = units[inst.name]
                     u.dtypes[role] = np_dtype_name(info.dtype)
-                    u.copies.setdefault(role, []).extend(
+                    copies_of(u, inst).setdefault(role, []).extend(
                         flat_copies(key, chunks, geom, tp, gtp, t, g, inst.index, p0 - b0))
 
 
@@ -271,10 +292,17 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
                     else str(dtype_obj)
                 where = f"{z.key} buffer {j} {dtype_key}"
                 pdt, _gdt = parse_dtype_key(dtype_key)
-                insts, gmap, sizes, numels = _buffer_params(src, geoms_all, lay, expert, split_expert, pdt, e, stage)
+                insts, gmap, sizes, numels = _buffer_params(src, geoms_all, lay, expert, split_expert, pdt, e, stage,
+                                                            j)
                 dp_size = lay.edp if expert else lay.distopt_size
-                blay = rebuild_bucket_layout(insts, numels, dp_size, None, None, hints.bucket_size, where)
                 total = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None
+                # Megatron-LM's training loop buckets only the first model chunk of the first pipeline
+                # stage: a later one may hold one bucket whatever --bucket-size says
+                later = () if first_chunk(src, stage, j) else (None,)
+                for bs in dict.fromkeys((hints.bucket_size,) + later):
+                    blay = rebuild_bucket_layout(insts, numels, dp_size, None, None, bs, where)
+                    if total == sum(blay.numel_unpadded):
+                        break
                 if total != sum(blay.numel_unpadded):
                     raise BridgeError(f"{where}: {total} elements gathered, the rebuilt buffer holds "
                                       f"{sum(blay.numel_unpadded)} (buckets {list(blay.numel_unpadded)}); pass the "
@@ -294,7 +322,7 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
                             continue
                         u = units[inst.name]
                         u.dtypes[role] = np_dtype_name(ten.dtype)
-                        u.copies.setdefault(role, []).extend(
+                        copies_of(u, inst).setdefault(role, []).extend(
                             flat_copies(key, chunk, geom, tp, gtp, t, g, inst.index, p0 - blay.buckets[bid][0] + before[bid]))
 
 
@@ -472,6 +500,8 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
         bufs = {role: fill_block(cache, index[1], unit, role, b,
                                  out=None if donate[role] else pool.take(role, b.box.shape, numpy_dtype(unit.dtypes[role])))
                 for role in unit.copies}
+        if unit.mirrors:
+            check_mirrors(cache, unit, b, bufs, force, warnings)
         if PARAMS in bufs and MODEL in bufs:
             check_master(b.array, bufs[PARAMS], bufs[MODEL], b.box, force, defect_suspect, warnings)
         for role, buf in bufs.items():
@@ -485,6 +515,29 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
             writer.write(p, Box((), ()), np.asarray(step, dtype=SCALAR_DTYPE))
     writer.finish()
     return warnings, cache.bytes_read, cache.crcs.spans()
+
+
+def check_mirrors(cache: ChunkCache, unit: Unit, b: Block, bufs: dict[str, np.ndarray], force: bool,
+                  warnings: list[str]) -> None:
+    """The last pipeline stage's copy of tied embeddings must equal the first stage's, bit for bit
+    (Megatron all-reduces their gradients, so both optimizers step alike); else refuse, naming the
+    first differing element (`--force` keeps the first stage's)."""
+    index = CopyIndex(Unit(unit.name, unit.arrays, unit.dtypes, unit.mirrors))
+    for role, buf in bufs.items():
+        if role not in unit.mirrors:
+            continue
+        copy = fill_block(cache, index, unit, role, b)
+        diff = ~bits_equal(buf, copy)
+        if not diff.any():
+            continue
+        first = tuple(int(i) + s for i, s in zip(np.argwhere(diff)[0], b.box.start))
+        msg = (f"{path_str(role_path(role, b.array))}: the last pipeline stage's copy of the tied word embeddings "
+               f"(output_layer) differs from the first stage's in {int(diff.sum())} of {diff.size} elements of box "
+               f"{b.box}, first at {first}; the stages' optimizers diverged or the layout flags are wrong — check "
+               f"--pp / --bucket-size, or pass --force to keep the first stage's copy")
+        if not force:
+            raise BridgeError(msg)
+        warnings.append("FORCED: " + msg)
 
 
 def fill_block(cache: ChunkCache, index: CopyIndex, unit: Unit, role: str, b: Block,

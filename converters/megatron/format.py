@@ -24,6 +24,7 @@ from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry, gtp_shard_dim0
 from converters.megatron import model_facts
 from converters.megatron.dcp_reader import DcpCheckpoint, InertStub, TensorInfo
+from converters.megatron.plan import PipelineSplit, is_tied
 from converters.megatron.naming import (is_gtp_weight, is_routed_expert, module_of, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
 
@@ -149,6 +150,7 @@ class SourceCheckpoint:
     zero_keys: list[DpZeroKey] = field(default_factory=list)
     chained: bool = False
     inferred: list[str] = field(default_factory=list)  # what was inferred (for the manifest / report)
+    split: PipelineSplit = field(default_factory=PipelineSplit)   # layers per pipeline stage, tied output
 
     @property
     def legacy(self) -> bool:
@@ -184,6 +186,10 @@ class Hints:
     num_layers: int | None = None
     num_experts: int | None = None
     model_config: str | None = None         # YAML / JSON file of Megatron-named model facts
+    pp_first: int | None = None             # decoder_first_pipeline_num_layers (uneven pipeline stages)
+    pp_last: int | None = None              # decoder_last_pipeline_num_layers
+    embedding_in_split: bool | None = None  # account_for_embedding_in_pipeline_split
+    loss_in_split: bool | None = None       # account_for_loss_in_pipeline_split
 
     def as_facts(self) -> dict[str, Any]:
         """The flags given, under Megatron argument names (`model_facts.FLAG_OF`)."""
@@ -195,7 +201,11 @@ class Hints:
                  ("kv_channels", self.kv_channels), ("swiglu", self.swiglu), ("hidden_size", self.hidden_size),
                  ("ffn_hidden_size", self.ffn_hidden_size), ("moe_ffn_hidden_size", self.moe_ffn_hidden_size),
                  ("padded_vocab_size", self.vocab_size), ("num_layers", self.num_layers),
-                 ("num_experts", self.num_experts), ("ddp_bucket_size", self.bucket_size))
+                 ("num_experts", self.num_experts), ("ddp_bucket_size", self.bucket_size),
+                 ("decoder_first_pipeline_num_layers", self.pp_first),
+                 ("decoder_last_pipeline_num_layers", self.pp_last),
+                 ("account_for_embedding_in_pipeline_split", self.embedding_in_split),
+                 ("account_for_loss_in_pipeline_split", self.loss_in_split))
         return {k: v for k, v in pairs if v is not None}
 
 
@@ -521,14 +531,10 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
             inferred.append(f"ep unknown ({fmt} stores experts globally, so it is not needed to convert); "
                             f"recorded as 1")
     layout = _layout_from(args, hints, tp_inf, world, inferred, gtp_inf)
-    if layout.pp > 1 and fmt in BUCKETED:
-        # each stage's buffers hold its own layers; chunks of a virtual pipeline or uneven first /
-        # last stages place them otherwise
-        for a in ("virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
-                  "decoder_last_pipeline_num_layers", "num_layers_per_virtual_pipeline_stage"):
-            if args.get(a):
-                raise BridgeError(f"{ck.root}: {fmt} saved with {a}={args[a]}; only even pipeline stages without "
-                                  f"virtual chunks are supported (re-save as fully_reshardable)")
+    split = pipeline_split(ck.root, args, layout, fmt, [strip_wrappers(k) for k in model_keys])
+    if split.tied and layout.pp > 1 and fmt in BUCKETED:
+        inferred.append("tied output layer: the last pipeline stage's copy of the word embeddings is checked "
+                        "equal to the first stage's, one array written")
     if layout.gtp == 1 and tp_inf > 1 and tp_inf != layout.tp:
         raise BridgeError(f"{ck.root}: the run's TP={layout.tp} (from args or --tp) disagrees with the chunk offsets, "
                           f"which show TP={tp_inf}; pass the right --tp")
@@ -572,12 +578,30 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
     src = SourceCheckpoint(ck, fmt, args, common, layout, pad, models, opt, dp, zero,
                            chained=any(d.chain for d in dp) or any(z.chain for z in zero)
                            or any(m.geom.expert for m in models.values()),
-                           inferred=inferred)
+                           inferred=inferred, split=split)
     missing = sorted({n for (_r, n) in opt} - set(models))
     if missing:
         raise BridgeError(f"{ck.root}: optimizer state for {missing[0]} has no model entry; unknown format")
     check_complete(src)
     return src
+
+
+def pipeline_split(root: Any, args: dict, layout: ParallelLayout, fmt: str, names: list[str]) -> PipelineSplit:
+    """The run's pipeline split (`args` / flags: layers per stage, virtual chunks) and tied output
+    layer (args, else the keys).
+
+    Only the bucketed formats need it: model-space entries carry global layer offsets whatever the
+    split. With virtual pipeline chunks each model chunk has its own DDP buffer (`gbuf_idx` = chunk);
+    a custom `pipeline_model_parallel_layout` is refused there."""
+    try:
+        split = PipelineSplit.from_args(args, layout.pp, is_tied(names, args.get("untie_embeddings_and_output_weights")))
+    except BridgeError as e:
+        raise BridgeError(f"{root}: {e}") from None
+    if layout.pp > 1 and fmt in BUCKETED and args.get("pipeline_model_parallel_layout"):
+        raise BridgeError(f"{root}: {fmt} saved with pipeline_model_parallel_layout="
+                          f"{str(args['pipeline_model_parallel_layout'])[:60]!r}: a custom layer layout places the "
+                          f"layers in each stage's DDP buffers otherwise; re-save as fully_reshardable")
+    return split
 
 
 FULLY_ROLES = ((schema.PARAMS, "fp32 master (optimizer.state.param)"), (schema.MU, "exp_avg"), (schema.NU, "exp_avg_sq"))

@@ -44,6 +44,10 @@ FLAG_OF = {
     "num_experts": "--num-experts",
     "gtp_remat_pad_for_alignment": "--pad-for-alignment",
     "ddp_bucket_size": "--bucket-size",
+    "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
+    "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
+    "account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
+    "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
 }
 
 #: TransformerConfig / provider field -> Megatron argument name (the same name when absent)
@@ -51,6 +55,8 @@ CONFIG_RENAMES = {
     "gated_linear_unit": "swiglu",
     "num_moe_experts": "num_experts",
     "bucket_size": "ddp_bucket_size",
+    "num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",   # TransformerConfig names
+    "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers",
 }
 
 #: Megatron-Bridge's ConfigContainer section holding the model provider's fields

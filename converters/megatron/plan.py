@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 from math import prod
-from typing import Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -105,6 +105,7 @@ class Unit:
     dtypes: dict[str, str]                           # role -> numpy dtype name
     copies: dict[str, list[Copy]] = field(default_factory=dict)
     stacked: int = 0                                 # leading layer / expert axes
+    mirrors: dict[str, list[Copy]] = field(default_factory=dict)   # a second stored copy, checked equal
 
     def element_bytes(self) -> int:
         """Bytes one logical element costs over the roles this unit fills."""
@@ -314,24 +315,188 @@ class Instance:
 
     name: str
     index: tuple[int, ...]
+    shared: bool = False      # Megatron's `shared_embedding`: a bucket of its own (tied embeddings, PP > 1)
+    tied_copy: bool = False   # the last stage's output layer: a copy of the geometry `name` (the embedding)
 
     @property
     def label(self) -> str:
+        if self.tied_copy:
+            return OUTPUT
         return self.name + "".join(f"[{i}]" for i in self.index)
 
 
-def stage_layers(num_layers: int, pp: int, p: int) -> range:
-    """Layers of pipeline stage `p` (Megatron's even split; uneven first/last stages are refused
-    where the run records them).
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"   # on the last stage of a tied run: a copy of the word embeddings
 
-    >>> stage_layers(8, 4, 1), stage_layers(2, 1, 0)
-    (range(2, 4), range(0, 2))
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """How megatron-core 0.19.2 places the decoder layers on pipeline stages
+    (`get_num_layers_to_build`, `get_transformer_layer_offset`) and whether the output layer is
+    tied to the word embeddings (`share_embeddings_and_output_weights`).
+
+    `first` / `last`: `decoder_first_pipeline_num_layers` / `decoder_last_pipeline_num_layers` (the
+    other stages split the rest evenly); `embedding_in_split` / `loss_in_split`:
+    `account_for_embedding_in_pipeline_split` / `account_for_loss_in_pipeline_split` (the embedding /
+    loss counts as one layer of the first / last stage). Tied at PP > 1, the last stage holds a copy
+    of the word embeddings as `output_layer.weight`: Megatron saves it as a replica of the
+    embedding's key (`replica_id[0] = 1`, never written), but its DistOpt buffer holds the copy's
+    master and moments, in a bucket of its own (`shared_embedding`), as it does the first stage's
+    embedding.
+
+    >>> s = PipelineSplit(pp=2, first=1)
+    >>> [s.layers(4, p) for p in range(2)]
+    [range(0, 1), range(1, 4)]
+    >>> s = PipelineSplit(pp=4, embedding_in_split=True, loss_in_split=True)
+    >>> [s.layers(6, p) for p in range(4)]
+    [range(0, 1), range(1, 3), range(3, 5), range(5, 6)]
     """
-    if num_layers % pp:
-        raise BridgeError(f"{num_layers} layers do not split evenly over {pp} pipeline stages; uneven stages "
-                          f"(decoder_first/last_pipeline_num_layers) are not supported")
-    n = num_layers // pp
-    return range(p * n, (p + 1) * n)
+
+    pp: int = 1
+    first: int | None = None
+    last: int | None = None
+    embedding_in_split: bool = False
+    loss_in_split: bool = False
+    tied: bool = False
+    vpp: int = 1   # virtual pipeline chunks per stage (model chunks, each with its own DDP buffer)
+
+    def __post_init__(self) -> None:
+        if type(self.vpp) is not int or self.vpp < 1:
+            raise BridgeError(f"virtual pipeline size {self.vpp!r} must be a positive integer")
+        if self.vpp > 1 and self.pp == 1:
+            raise BridgeError(f"virtual pipeline size {self.vpp} needs pipeline stages (PP > 1)")
+        if self.vpp > 1 and not self.even:
+            raise BridgeError("virtual pipeline chunks with uneven first / last stages or the embedding / loss counted "
+                              "in the split are not supported; only an even split into virtual chunks is")
+        if (self.first is not None or self.last is not None) and (self.embedding_in_split or self.loss_in_split):
+            raise BridgeError("uneven first / last pipeline stages cannot be combined with accounting for the "
+                              "embedding / loss in the pipeline split (megatron-core refuses it too)")
+        for what, n in (("decoder_first_pipeline_num_layers", self.first),
+                        ("decoder_last_pipeline_num_layers", self.last)):
+            if n is not None and (type(n) is not int or n < 0):
+                raise BridgeError(f"{what}={n!r} must be a non-negative integer")
+
+    @property
+    def even(self) -> bool:
+        """Whether every stage holds num_layers / pp layers."""
+        return self.first is None and self.last is None and not self.embedding_in_split and not self.loss_in_split
+
+    def counts(self, num_layers: int) -> list[int]:
+        """Decoder layers of each stage; a BridgeError when Megatron would refuse the split.
+
+        >>> PipelineSplit(pp=3, last=2).counts(6), PipelineSplit(pp=2).counts(4)
+        ([2, 2, 2], [2, 2])
+        """
+        pp = self.pp
+        if pp == 1:
+            return [num_layers]
+        if not (self.first is None and self.last is None):
+            rest, left = num_layers, pp
+            for n in (self.first, self.last):
+                if n is not None:
+                    rest, left = rest - n, left - 1
+            if rest < 0 or (left and rest % left) or (not left and rest):
+                raise BridgeError(f"{num_layers} layers do not split over {pp} pipeline stages with "
+                                  f"decoder_first_pipeline_num_layers={self.first}, decoder_last_pipeline_num_layers="
+                                  f"{self.last}: the other stages must share the rest evenly")
+            mid = rest // left if left else 0
+            out = [mid] * pp
+            if self.first is not None:
+                out[0] = self.first
+            if self.last is not None:
+                out[-1] = self.last
+            return out
+        total = num_layers + int(self.embedding_in_split) + int(self.loss_in_split)
+        if total % pp:
+            extra = (" (with the embedding / loss counted as layers)" if total != num_layers else "")
+            raise BridgeError(f"{num_layers} layers{extra} do not split evenly over {pp} pipeline stages; pass the "
+                              f"run's decoder_first/last_pipeline_num_layers or account_for_embedding/loss flags")
+        out = [total // pp] * pp
+        out[0] -= int(self.embedding_in_split)
+        out[-1] -= int(self.loss_in_split)
+        if min(out) < 0:
+            raise BridgeError(f"{num_layers} layers over {pp} stages leave no room for the embedding / loss stage")
+        return out
+
+    def layers(self, num_layers: int, p: int, v: int = 0) -> range:
+        """Global decoder layers of stage `p` (its virtual chunk `v`: interleaved, chunk v of stage p
+        is the (v·pp + p)-th run of num_layers / (pp·vpp) layers, as get_transformer_layer_offset).
+
+        >>> s = PipelineSplit(pp=2, vpp=2)
+        >>> [s.layers(8, p, v) for p in range(2) for v in range(2)]     # stage 0: [0, 1] [4, 5]
+        [range(0, 2), range(4, 6), range(2, 4), range(6, 8)]
+        """
+        counts = self.counts(num_layers)
+        if self.vpp > 1:
+            if counts[p] % self.vpp:
+                raise BridgeError(f"{counts[p]} layers per pipeline stage do not split into {self.vpp} virtual chunks")
+            n = counts[p] // self.vpp
+            start = v * (num_layers // self.vpp) + p * n
+            return range(start, start + n)
+        start = sum(counts[:p])
+        return range(start, start + counts[p])
+
+    def holds(self, name: str, p: int, v: int = 0) -> bool:
+        """Whether stage `p`'s virtual chunk `v` holds non-layer parameter `name`: the embedding the
+        first chunk of the first stage, the final norm and output layer the last chunk of the last.
+
+        >>> s = PipelineSplit(pp=2, vpp=2)
+        >>> [s.holds("decoder.final_layernorm.weight", p, v) for p in range(2) for v in range(2)]
+        [False, False, False, True]
+        """
+        if name.startswith("embedding."):
+            return p == 0 and v == 0
+        return p == self.pp - 1 and v == self.vpp - 1
+
+    def to_args(self) -> dict[str, Any]:
+        """Megatron-LM argument names of this split (what a run records in `args`).
+
+        >>> PipelineSplit(pp=2, last=3, tied=True).to_args()["decoder_last_pipeline_num_layers"]
+        3
+        """
+        return {"pipeline_model_parallel_size": self.pp, "virtual_pipeline_model_parallel_size": self.vpp if
+                self.vpp > 1 else None, "decoder_first_pipeline_num_layers": self.first,
+                "decoder_last_pipeline_num_layers": self.last,
+                "account_for_embedding_in_pipeline_split": self.embedding_in_split,
+                "account_for_loss_in_pipeline_split": self.loss_in_split,
+                "untie_embeddings_and_output_weights": not self.tied}
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any], pp: int, tied: bool) -> "PipelineSplit":
+        """The split a run's `args` record (missing arguments: Megatron's defaults)."""
+        def opt_int(name: str) -> int | None:
+            v = args.get(name)
+            return None if v is None else int(v)
+
+        return cls(pp=pp, first=opt_int("decoder_first_pipeline_num_layers"),
+                   last=opt_int("decoder_last_pipeline_num_layers"),
+                   embedding_in_split=bool(args.get("account_for_embedding_in_pipeline_split")),
+                   loss_in_split=bool(args.get("account_for_loss_in_pipeline_split")), tied=tied,
+                   vpp=int(args.get("virtual_pipeline_model_parallel_size") or 1) if pp > 1 else 1)
+
+
+def is_tied(names: Iterable[str], untie: Any = None) -> bool:
+    """Whether the output layer shares the word embeddings: the run's `untie_embeddings_and_output_weights`
+    when recorded, else the keys (a tied model saves no `output_layer.weight`).
+
+    >>> is_tied([EMBEDDING, "decoder.final_layernorm.weight"]), is_tied([EMBEDDING, OUTPUT])
+    (True, False)
+    """
+    names = set(names)
+    if EMBEDDING not in names:
+        return False
+    if untie is not None and OUTPUT not in names:
+        return not bool(untie)
+    return OUTPUT not in names
+
+
+def stage_layers(num_layers: int, pp: int, p: int, split: PipelineSplit | None = None) -> range:
+    """Layers of pipeline stage `p` (`split`: the run's pipeline split, else Megatron's even one).
+
+    >>> stage_layers(8, 4, 1), stage_layers(2, 1, 0), stage_layers(4, 2, 0, PipelineSplit(pp=2, first=1))
+    (range(2, 4), range(0, 2), range(0, 1))
+    """
+    return (split or PipelineSplit(pp=pp)).layers(num_layers, p)
 
 
 def on_stage(name: str, pp: int, p: int) -> bool:
@@ -341,11 +506,7 @@ def on_stage(name: str, pp: int, p: int) -> bool:
     >>> [on_stage(n, 2, 1) for n in ("embedding.word_embeddings.weight", "output_layer.weight")]
     [False, True]
     """
-    if pp == 1:
-        return True
-    if name.startswith("embedding."):
-        return p == 0
-    return p == pp - 1
+    return pp == 1 or PipelineSplit(pp=pp).holds(name, p)
 
 
 def dp_group_stages(layout: ParallelLayout, expert: bool = False) -> dict[int, int]:
@@ -378,28 +539,42 @@ def dp_group_places(layout: ParallelLayout, expert: bool = False) -> dict[int, t
     return {k: (t, g, e, stages[k]) for k, (t, g, e) in layout.dp_group_coords(expert).items()}
 
 
-def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, e: int, p: int = 0) -> list[Instance]:
-    """A rank's parameters of one DistOpt buffer in registration order (EP rank `e`, PP stage `p`).
+def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, e: int, p: int = 0,
+                    split: PipelineSplit | None = None, v: int = 0) -> list[Instance]:
+    """A rank's parameters of one DistOpt buffer in registration order (EP rank `e`, PP stage `p`,
+    virtual chunk `v`: with virtual pipeline chunks, each chunk has its own buffer).
 
     Stacked keys expand layer-major (all of layer 0's params, then layer 1's...) over the stage's
-    layers; inside a layer, params keep the checkpoint's key order, and a run of routed-expert keys
-    expands expert-major over the rank's local experts (`local_experts.<i>.linear_fc1`, `.linear_fc2`,
-    then i+1). Non-layer params are kept on the stage that holds them (`on_stage`).
+    layers (`split`, else the even split); inside a layer, params keep the checkpoint's key order, and
+    a run of routed-expert keys expands expert-major over the rank's local experts
+    (`local_experts.<i>.linear_fc1`, `.linear_fc2`, then i+1). Non-layer params are kept on the
+    stage that holds them (`on_stage`). Tied at PP > 1 (`split.tied`), the first stage's embedding
+    and the last stage's copy of it (registered last, as GPTModel's `output_layer`) are `shared`.
+
+    >>> g = [ParamGeometry(EMBEDDING, (8, 4), "vocab"), ParamGeometry("decoder.layers.w", (4,), "replicated", prepend=(3,)),
+    ...      ParamGeometry("decoder.final_layernorm.weight", (4,), "replicated")]
+    >>> s = PipelineSplit(pp=2, first=1, tied=True)
+    >>> [(i.label, i.shared) for i in local_instances(g, ParallelLayout(pp=2), 0, 1, s)]
+    [('decoder.layers.w[1]', False), ('decoder.layers.w[2]', False), ('decoder.final_layernorm.weight', False), ('output_layer.weight', True)]
     """
+    split = split or PipelineSplit(pp=layout.pp)
+    if split.pp != layout.pp:
+        raise BridgeError(f"pipeline split for {split.pp} stages used with a layout of {layout.pp}")
+    shared = split.tied and layout.pp > 1
     out: list[Instance] = []
     i = 0
     while i < len(geoms):
         g = geoms[i]
         if not g.prepend:
-            if on_stage(g.name, layout.pp, p):
-                out.append(Instance(g.name, ()))
+            if split.holds(g.name, p, v):
+                out.append(Instance(g.name, (), shared=shared and g.name == EMBEDDING))
             i += 1
             continue
         j = i
         while j < len(geoms) and geoms[j].prepend and geoms[j].prepend[0] == g.prepend[0]:
             j += 1
         block = geoms[i:j]
-        for layer in stage_layers(g.prepend[0], layout.pp, p):
+        for layer in split.layers(g.prepend[0], p, v):
             k = 0
             while k < len(block):
                 b = block[k]
@@ -416,6 +591,8 @@ def local_instances(geoms: Sequence[ParamGeometry], layout: ParallelLayout, e: i
                         out.append(Instance(x.name, (layer, e * nle + le)))
                 k = m
         i = j
+    if shared and split.holds(OUTPUT, p, v) and any(g.name == EMBEDDING for g in geoms):
+        out.append(Instance(EMBEDDING, (), shared=True, tied_copy=True))
     return out
 
 
@@ -434,21 +611,24 @@ def parse_dtype_key(s: str) -> tuple[str, str]:
 
 def rebuild_bucket_layout(instances: Sequence[Instance], numels: dict[Instance, int], dp_size: int,
                           per_bucket_unpadded: Sequence[int] | None, per_bucket_padded: Sequence[int] | None,
-                          bucket_size: int | None, where: str) -> BufferLayout:
+                          bucket_size: int | None, where: str, bucketed: bool = True) -> BufferLayout:
     """Rebuild one buffer's layout and check it against the saved per-bucket numels.
 
     The bucket size is taken from `bucket_size` when given, else inferred: a single bucket when
     one numel is saved, else the smallest size that reproduces the saved bucket boundaries.
+    `bucketed=False`: a buffer Megatron-LM's training loop leaves unbucketed whatever the run's
+    bucket size (not the first model chunk of the first pipeline stage), so one bucket is tried too.
     """
-    params = [BufferParam(i.label, numels[i]) for i in instances]
+    params = [BufferParam(i.label, numels[i], i.shared) for i in instances]
     cands: list[int | None]
     if bucket_size is not None:
-        cands = [bucket_size]
+        cands = [bucket_size] + ([None] if not bucketed and per_bucket_unpadded is not None else [])
     elif per_bucket_unpadded is None or len(per_bucket_unpadded) <= 1:
         cands = [None]
     else:
-        # a bucket closes at the first param end reaching bucket_size: try each saved bucket's size
-        cands = sorted(set(int(n) for n in per_bucket_unpadded[:-1]))
+        # a bucket closes at the first param end reaching bucket_size: try each saved bucket's size; and
+        # one unbounded bucket (tied embeddings at PP > 1 take buckets of their own even so)
+        cands = sorted(set(int(n) for n in per_bucket_unpadded[:-1])) + [None]
     last = None
     for bs in cands:
         lay = buffer_layout(params, bs, dp_size)

@@ -56,7 +56,8 @@ from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.dtypes import from_numpy
 from converters.megatron.naming import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
                                         tp_kind_by_name)
-from converters.megatron.plan import dp_group_places, is_scrambled_swiglu, local_instances, role_path, stage_layers
+from converters.megatron.plan import (PipelineSplit, dp_group_places, is_scrambled_swiglu, is_tied, local_instances,
+                                      role_path)
 from converters.megatron.rundir import plan_run_dir, write_tracker
 from converters.megatron.write_plan import (STATE_NAMES, DpJob, ChunkGroup, ParamSpec, layout_limits, plan_groups,
                                             shard_ranges)
@@ -82,7 +83,20 @@ class MegatronTarget:
     pad_for_alignment: int | None = None
     bucket_size: int | None = None
     release: str = "0.19"   # the megatron-core release that will load the output (major.minor)
-    pp: int = 1             # pipeline stages (even split of the layers, no virtual chunks)
+    pp: int = 1             # pipeline stages (no virtual chunks)
+    pp_first: int | None = None   # decoder_first_pipeline_num_layers (None: as the even split)
+    pp_last: int | None = None    # decoder_last_pipeline_num_layers
+    embedding_in_split: bool = False   # account_for_embedding_in_pipeline_split
+    loss_in_split: bool = False        # account_for_loss_in_pipeline_split
+    vpp: int = 1                       # virtual pipeline chunks per stage (dp_reshardable: a buffer each)
+
+    def split(self, params: Sequence["ParamInfo"], meg: MegatronRecord | None) -> PipelineSplit:
+        """The target's pipeline split; the output layer is tied when the model has none (or the
+        source's args say so)."""
+        untie = (meg.args or {}).get("untie_embeddings_and_output_weights") if meg else None
+        return PipelineSplit(pp=self.pp, first=self.pp_first, last=self.pp_last,
+                             embedding_in_split=self.embedding_in_split, loss_in_split=self.loss_in_split,
+                             tied=is_tied([p.name for p in params], untie), vpp=self.vpp)
 
 
 def default_budget() -> int:
@@ -449,10 +463,10 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
     except BridgeError as e:
         raise BridgeError(f"target layout: {e}") from None
     check_target(params, lay)
-    if lay.pp > 1:
-        for p in params:
-            if p.name.startswith("decoder.layers.") and p.geom.prepend:
-                stage_layers(p.geom.prepend[0], lay.pp, 0)  # an even split (raises naming the sizes)
+    split = target.split(params, man.megatron)
+    for p in params:
+        if p.name.startswith("decoder.layers.") and p.geom.prepend:
+            split.counts(p.geom.prepend[0])  # a split Megatron accepts (raises naming the sizes)
     _check_arrays(src, params, arrays, derive)
     step = int(ck.read(STEP_PATH)) if STEP_PATH in arrays else int(man.optimizer.step or 0)
     count = int(ck.read(COUNT_PATH)) if COUNT_PATH in arrays else step
@@ -462,7 +476,7 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
     return_freed_memory()
     limit = max(1, budget // workers)
     groups = plan_groups(params, lay, target.fmt, derive=derive, limit=limit)
-    dp_jobs, dp_objects = (_plan_dp(params, lay, target, man, step, limit) if target.fmt == "dp_reshardable"
+    dp_jobs, dp_objects = (_plan_dp(params, lay, target, man, step, limit, split) if target.fmt == "dp_reshardable"
                            else ([], []))
     remote = is_remote(where.iter_dir)
     created_run = not remote and not os.path.lexists(where.run_dir)
@@ -713,8 +727,9 @@ def _domains(params: Sequence[ParamInfo], lay: ParallelLayout) -> list[tuple[boo
 
 
 def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronTarget, man: Manifest, step: int,
-             limit: int) -> tuple[list[DpJob], list[tuple[str, Any]]]:
-    """dp_reshardable bucket jobs and per-dp_group_idx objects (buffer layout from bridge.layout)."""
+             limit: int, split: PipelineSplit) -> tuple[list[DpJob], list[tuple[str, Any]]]:
+    """dp_reshardable bucket jobs and per-dp_group_idx objects (buffer layout from bridge.layout). Tied
+    at PP > 1, the last stage's buffer holds a copy of the embedding's state (`Instance.tied_copy`)."""
     import torch
 
     jobs: list[DpJob] = []
@@ -730,30 +745,44 @@ def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronT
         gmap = {gm.name: gm for gm in geoms}
         sizes = {n: lay.tp_gtp_sizes(gm.expert) for n, gm in gmap.items()}
         for k, (t, g, e, stage) in sorted(dp_group_places(lay, expert).items()):
-            insts = local_instances(geoms, lay, e, stage)
-            bparams = [BufferParam(i.label, gmap[i.name].physical_numel(*sizes[i.name])) for i in insts]
-            blay = buffer_layout(bparams, target.bucket_size, dp_size)
-            segs: dict[int, list[tuple[int, str, Box]]] = {b: [] for b in range(len(blay.buckets))}
-            for inst in insts:
-                p0, _p1, bid = blay.index[inst.label]
-                geom = gmap[inst.name]
-                for piece in geom.shard_pieces(*sizes[inst.name], t, g, inst.index):
-                    segs[bid].append((p0 - blay.buckets[bid][0] + piece.local_start, piece.array, piece.logical))
-            for b in range(len(blay.buckets)):
-                unp = blay.numel_unpadded[b]
-                # a range's fp32 chunk plus the segments read into it (TensorStore's 2x while reading)
-                ranges = shard_ranges(unp, blay.shard_size(b), dp_size, max(1, limit // 12))
-                ordered = sorted(segs[b], key=lambda s: s[0])
-                for role in OPTIMIZER_ROLES:
-                    fqn = (f"{prefix}optimizer.distributed.dp_group_idx_{k}.gbuf_idx_0.dtype_{key_dt}"
-                           f".bucket_idx_{b}.{STATE_NAMES[role]}")
-                    jobs.append(DpJob(fqn, unp, ranges, [(o, role_path(role, a), box) for o, a, box in ordered]))
+            padded, unpadded = [], []
+            for v in range(split.vpp):   # one DDP buffer per virtual pipeline chunk: gbuf_idx = chunk
+                insts = local_instances(geoms, lay, e, stage, split, v)
+                bparams = [BufferParam(i.label, gmap[i.name].physical_numel(*sizes[i.name]), i.shared) for i in insts]
+                # Megatron-LM's training loop buckets only the first model chunk of the first stage
+                # (training.py: `None if (disable or pp_rank > 0)`); it loads only that layout
+                blay = buffer_layout(bparams, target.bucket_size if stage == 0 and v == 0 else None, dp_size)
+                jobs += _bucket_jobs(blay, insts, gmap, sizes, t, g, dp_size, limit,
+                                     f"{prefix}optimizer.distributed.dp_group_idx_{k}.gbuf_idx_{v}.dtype_{key_dt}")
+                padded.append(blay.per_bucket_numel())
+                unpadded.append(list(blay.numel_unpadded))
             pre = f"{prefix}optimizer.distributed.dp_group_idx_{k}."
             dtk = (torch.bfloat16, torch.float32)
-            objects.append((pre + "per_bucket_numel/shard_0_1", [{dtk: blay.per_bucket_numel()}]))
-            objects.append((pre + "per_bucket_numel_unpadded/shard_0_1", [{dtk: list(blay.numel_unpadded)}]))
+            objects.append((pre + "per_bucket_numel/shard_0_1", [{dtk: n} for n in padded]))
+            objects.append((pre + "per_bucket_numel_unpadded/shard_0_1", [{dtk: n} for n in unpadded]))
             objects.append((pre + "optimizer/shard_0_1", {"param_groups": _groups_for(groups, expert, chained)}))
     return jobs, objects
+
+
+def _bucket_jobs(blay: Any, insts: Sequence[Any], gmap: dict, sizes: dict, t: int, g: int, dp_size: int, limit: int,
+                 prefix: str) -> list[DpJob]:
+    """The bucket tensors of one DDP buffer (`prefix` names it up to `.bucket_idx_`), in every optimizer role."""
+    segs: dict[int, list[tuple[int, str, Box]]] = {b: [] for b in range(len(blay.buckets))}
+    for inst in insts:
+        p0, _p1, bid = blay.index[inst.label]
+        geom = gmap[inst.name]
+        for piece in geom.shard_pieces(*sizes[inst.name], t, g, inst.index):
+            segs[bid].append((p0 - blay.buckets[bid][0] + piece.local_start, piece.array, piece.logical))
+    jobs = []
+    for b in range(len(blay.buckets)):
+        unp = blay.numel_unpadded[b]
+        # a range's fp32 chunk plus the segments read into it (TensorStore's 2x while reading)
+        ranges = shard_ranges(unp, blay.shard_size(b), dp_size, max(1, limit // 12))
+        ordered = sorted(segs[b], key=lambda s: s[0])
+        for role in OPTIMIZER_ROLES:
+            fqn = f"{prefix}.bucket_idx_{b}.{STATE_NAMES[role]}"
+            jobs.append(DpJob(fqn, unp, ranges, [(o, role_path(role, a), box) for o, a, box in ordered]))
+    return jobs
 
 
 def _param_groups(man: Manifest, step: int) -> list[dict]:
@@ -791,7 +820,8 @@ def _groups_for(groups: list[dict], expert: bool, chained: bool) -> list[dict]:
     return out
 
 
-def megatron_args(meg: MegatronRecord, params: Sequence[ParamInfo], lay: ParallelLayout, fmt: str, step: int) -> dict:
+def megatron_args(meg: MegatronRecord, params: Sequence[ParamInfo], lay: ParallelLayout, fmt: str, step: int,
+                  split: PipelineSplit | None = None) -> dict:
     """`common_state["args"]` for the target: the source's args, model dims the geometry shows when
     the source saved none, and everything Megatron-LM 0.19.2 reads back about the layout set to it.
 
@@ -840,6 +870,8 @@ def megatron_args(meg: MegatronRecord, params: Sequence[ParamInfo], lay: Paralle
                 # No RNG state is written (a logical checkpoint has none). With no_save_rng set,
                 # load_checkpoint skips the RNG load at an unchanged TP/PP instead of failing on it.
                 no_save_rng=True)
+    # the target's pipeline split and whether the output layer is tied (Megatron-LM builds the model from these)
+    args.update((split or PipelineSplit(pp=lay.pp)).to_args())
     return args
 
 
@@ -867,7 +899,7 @@ def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, ta
     domains = _domains(params, lay)
     chained = len(domains) > 1
     groups = _param_groups(man, step)
-    args = megatron_args(meg, params, lay, target.fmt, step)
+    args = megatron_args(meg, params, lay, target.fmt, step, target.split(params, meg))
     content = {"distrib_optim_sharding_type": target.fmt, "singleton_local_shards": False,
                "chained_optim_avoid_prefix": True}
     if target.fmt == "fully_reshardable":
