@@ -42,15 +42,15 @@ def _files(d: str) -> dict[str, bytes]:
 
 
 @pytest.mark.skipif(w._SYNC_FILE_RANGE is None, reason="no sync_file_range on this platform")
-def test_early_writeback_leaves_every_byte_and_reads_back_exactly(logical, tmp_path, monkeypatch):
+def test_early_writeback_leaves_every_byte_and_reads_back_exactly(logical, tmp_path):
     from bridge.store.reader import open_checkpoint
 
     target = w.MegatronTarget(tp=2)
     budget = 1 << 10  # below the largest array (chunks split into row slabs, many blobs per file)
     assert max(i.nbytes for i in open_checkpoint(logical).arrays().values()) > 4 * budget
     # without the hint: the reference bytes (one worker: the file's blob order is the plan's)
-    monkeypatch.setattr(w, "_SYNC_FILE_RANGE", None)
-    ref = w.to_megatron(logical, str(tmp_path / "ref"), target, budget=budget, workers=1)
+    ref = w.to_megatron(logical, str(tmp_path / "ref"), target, budget=budget, workers=1,
+                        open_file=lambda root, index: w.DcpFile(root, index, sync_range=None))
     real = w._sync_file_range()
     calls = []
 
@@ -60,16 +60,17 @@ def test_early_writeback_leaves_every_byte_and_reads_back_exactly(logical, tmp_p
         assert rc == 0, os.strerror(__import__("ctypes").get_errno())
         return rc
 
-    monkeypatch.setattr(w, "_SYNC_FILE_RANGE", spy)
-    monkeypatch.setattr(w, "WRITEBACK_BYTES", 1)  # after every blob
-    res = w.to_megatron(logical, str(tmp_path / "wb"), target, budget=budget, workers=1)
+    def every_blob(root, index):  # the hint after every blob
+        return w.DcpFile(root, index, writeback_bytes=1, sync_range=spy)
+
+    res = w.to_megatron(logical, str(tmp_path / "wb"), target, budget=budget, workers=1, open_file=every_blob)
     assert len(calls) > 10
     # the ranges handed to the kernel tile the file's tensor blobs from 0 without gaps or overlaps
     assert calls[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(calls, calls[1:]))
     assert _files(res["dst"]) == _files(ref["dst"])
     # several workers: every file written back in pieces, the checkpoint converts back to the source
     calls.clear()
-    res3 = w.to_megatron(logical, str(tmp_path / "wb3"), target, budget=budget, workers=3)
+    res3 = w.to_megatron(logical, str(tmp_path / "wb3"), target, budget=budget, workers=3, open_file=every_blob)
     assert len(calls) > 10
     got, want = _load_all(res3["dst"]), _load_all(ref["dst"])
     assert set(got) == set(want) and all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)

@@ -41,8 +41,24 @@ def _is_torch(x: Any, kind: str) -> bool:
     return t.__module__ == "torch" and t.__name__ == kind
 
 
-@dataclass(frozen=True, eq=False)
-class TorchDtype:
+@dataclass(frozen=True)
+class _TorchName:
+    """A torch constant known by its name (`torch.<name>`), built without importing torch."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+    def torch(self) -> Any:
+        """The real torch object (imports torch)."""
+        import torch
+
+        return getattr(torch, self.name)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class TorchDtype(_TorchName):
     """A torch dtype by name. Equal to the real `torch.<name>` too, so values read here compare as
     torch's would.
 
@@ -50,12 +66,7 @@ class TorchDtype:
     ('torch.bfloat16', 2, 'bfloat16', True)
     """
 
-    name: str
-
-    def __repr__(self) -> str:
-        return f"torch.{self.name}"
-
-    __str__ = __repr__
+    __str__ = _TorchName.__repr__
 
     def __eq__(self, other: Any) -> bool:
         if isinstance(other, TorchDtype):
@@ -77,40 +88,15 @@ class TorchDtype:
             raise BridgeError(f"tensor dtype {self} has no numpy equivalent here; supported: {', '.join(ITEMSIZE)}")
         return numpy_dtype(self.name)
 
-    def torch(self) -> Any:
-        import torch
 
-        return getattr(torch, self.name)
-
-
-@dataclass(frozen=True)
-class TorchLayout:
+@dataclass(frozen=True, repr=False)
+class TorchLayout(_TorchName):
     """A torch tensor layout by name (`torch.strided`)."""
 
-    name: str
 
-    def __repr__(self) -> str:
-        return f"torch.{self.name}"
-
-    def torch(self) -> Any:
-        import torch
-
-        return getattr(torch, self.name)
-
-
-@dataclass(frozen=True)
-class TorchMemoryFormat:
+@dataclass(frozen=True, repr=False)
+class TorchMemoryFormat(_TorchName):
     """A torch memory format by name (`torch.contiguous_format`)."""
-
-    name: str
-
-    def __repr__(self) -> str:
-        return f"torch.{self.name}"
-
-    def torch(self) -> Any:
-        import torch
-
-        return getattr(torch, self.name)
 
 
 @dataclass(frozen=True)

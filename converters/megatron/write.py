@@ -224,15 +224,17 @@ class DcpFile:
     """`.distcp` file number `index` (`__<index>_0.distcp`) in directory `root`: independent
     `torch.save` blobs; used by one thread at a time.
 
-    The disk starts writing each blob's pages as soon as there are `WRITEBACK_BYTES` of them
+    The disk starts writing each blob's pages as soon as there are `writeback_bytes` of them
     (sync_file_range, not waiting): on a host whose dirty-page limits exceed the output, the
     kernel would otherwise hold every byte until `close`'s fsync, which then writes the whole file
     after all reading is done instead of while the next blobs are read."""
 
-    def __init__(self, root: str, index: int) -> None:
+    def __init__(self, root: str, index: int, *, writeback_bytes: int = WRITEBACK_BYTES,
+                 sync_range: Callable[[int, int, int, int], Any] | None = _SYNC_FILE_RANGE) -> None:
         import torch
 
         self.torch = torch
+        self.writeback_bytes, self.sync_range = writeback_bytes, sync_range
         self.rel = f"__{index}_0.distcp"
         self.f = open(os.path.join(root, self.rel), "wb")
         self.bytes = 0
@@ -248,11 +250,11 @@ class DcpFile:
         return Written(fqn, tuple(int(o) for o in offsets), tuple(int(s) for s in tensor.shape), self.rel, off, n)
 
     def _writeback(self, end: int) -> None:
-        if _SYNC_FILE_RANGE is None or end - self.flushed < WRITEBACK_BYTES:
+        if self.sync_range is None or end - self.flushed < self.writeback_bytes:
             return
         self.f.flush()
         # A hint only: a failure here (an fs without it) leaves the work to close()'s fsync.
-        _SYNC_FILE_RANGE(self.f.fileno(), self.flushed, end - self.flushed, SYNC_FILE_RANGE_WRITE)
+        self.sync_range(self.f.fileno(), self.flushed, end - self.flushed, SYNC_FILE_RANGE_WRITE)
         self.flushed = end
 
     def obj(self, fqn: str, value: Any) -> Written:
