@@ -1047,28 +1047,42 @@ class TensorMember:
 MAX_TENSOR_PICKLE = 1 << 20
 
 
-def tensor_member(f: Any, size: int, what: str) -> TensorMember:
-    """Parse a tensor record (`torch.save(tensor)`, `size` bytes in the seekable file `f`) reading
-    only its zip directory, headers and pickle (CRC-checked): the tensor must be contiguous, of a
-    numpy dtype, and lie inside its one data member."""
+def archive_members(f: Any, size: int, what: str) -> dict[str, tuple[int, int, int, str]]:
+    """The zip members of a `torch.save` archive of `size` bytes in the seekable file `f`, read from
+    its directory alone: member name -> (data start, size, CRC-32 or 0, stored name)."""
     f.seek(max(0, size - (1 << 16) - 22))
-    members = _zip_members(f, size, f.read((1 << 16) + 22), what)
+    return _zip_members(f, size, f.read((1 << 16) + 22), what)
+
+
+def read_small_members(f: Any, members: dict[str, tuple[int, int, int, str]], what: str, limit: int,
+                       too_big: str) -> dict[str, bytes]:
+    """`data.pkl` and `byteorder` of an archive (`archive_members`), each at most `limit` bytes
+    (else BridgeError ending in `too_big`), CRC-checked where the archive records CRCs, byte order checked."""
     crc_recorded = any(m[2] for m in members.values())  # as zip_records
     small = {}
     for key in ("data.pkl", "byteorder"):
         if key in members:
             start, n, crc, name = members[key]
-            if n > MAX_TENSOR_PICKLE:
-                raise BridgeError(f"cannot read {what}: a {n}-byte {key} (a tensor record's is small); damaged")
+            if n > limit:
+                raise BridgeError(f"cannot read {what}: a {n}-byte {key}{too_big}")
             f.seek(start)
             small[key] = f.read(n)
             if len(small[key]) != n:
                 raise BridgeError(f"cannot read {what}: zip member {name[:80]!r} runs past the end; truncated")
             if crc_recorded:
                 _check_crc(small[key], crc, name, what)
+    _check_byteorder(small.get("byteorder"), what)
+    return small
+
+
+def tensor_member(f: Any, size: int, what: str) -> TensorMember:
+    """Parse a tensor record (`torch.save(tensor)`, `size` bytes in the seekable file `f`) reading
+    only its zip directory, headers and pickle (CRC-checked): the tensor must be contiguous, of a
+    numpy dtype, and lie inside its one data member."""
+    members = archive_members(f, size, what)
+    small = read_small_members(f, members, what, MAX_TENSOR_PICKLE, " (a tensor record's is small); damaged")
     if "data.pkl" not in small:
         raise BridgeError(f"cannot read {what}: the zip archive has no data.pkl (not a torch.save archive)")
-    _check_byteorder(small.get("byteorder"), what)
     data = {k: m[1] for k, m in members.items() if k.startswith("data/")}
     t = safe_loads(small["data.pkl"], what, data)
     if not isinstance(t, ArchiveTensor) or len(data) != 1:

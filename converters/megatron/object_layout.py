@@ -46,8 +46,8 @@ def object_tensors(ck, name: str) -> Any:
     contiguous. None when the blob is a pickled BytesIO holding the archive (DCP's default planner
     saves a BytesIO so; Megatron's torch_dist writer stores the archive itself): its bytes are
     re-encoded inside the pickle, so nothing can be located."""
-    from converters.megatron.dcp_reader import (_check_byteorder, _check_crc, _zip_members, check_relative_path,
-                                                open_range, safe_loads)
+    from converters.megatron.dcp_reader import (archive_members, check_relative_path, open_range, read_small_members,
+                                                safe_loads)
     from converters.megatron.torch_archive import ArchiveTensor
 
     fqn = ck.object_key(name) or name
@@ -61,27 +61,13 @@ def object_tensors(ck, name: str) -> Any:
     path = check_relative_path(ck.root, ref.relative_path, str(ck.root))
     with open_range(path) as fd:
         f = _Window(fd, ref.offset, ref.length)
-        f.seek(max(0, ref.length - (1 << 16) - 22))
-        members = _zip_members(f, ref.length, f.read((1 << 16) + 22), what)
-        crc_recorded = any(m[2] for m in members.values())
+        members = archive_members(f, ref.length, what)
         if "data.pkl" not in members:
             raise BridgeError(f"cannot read {what}: the zip archive has no data.pkl (not a torch.save archive)")
-        small = {}
-        for key in ("data.pkl", "byteorder"):
-            if key in members:
-                start, n, crc, mname = members[key]
-                f.seek(start)
-                if key == "data.pkl" and b"BytesIO" in f.read(64):
-                    return None
-                if n > MAX_OBJECT_PICKLE:
-                    raise BridgeError(f"cannot read {what}: a {n}-byte {key}; more than an optimizer object holds")
-                f.seek(start)
-                small[key] = f.read(n)
-                if len(small[key]) != n:
-                    raise BridgeError(f"cannot read {what}: zip member {mname[:80]!r} runs past the end; truncated")
-                if crc_recorded:
-                    _check_crc(small[key], crc, mname, what)
-    _check_byteorder(small.get("byteorder"), what)
+        f.seek(members["data.pkl"][0])
+        if b"BytesIO" in f.read(64):
+            return None
+        small = read_small_members(f, members, what, MAX_OBJECT_PICKLE, "; more than an optimizer object holds")
     obj = safe_loads(small["data.pkl"], what, {k: m[1] for k, m in members.items() if k.startswith("data/")})
 
     def locate(t: ArchiveTensor, where: str) -> ObjectTensor:
