@@ -47,12 +47,24 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().numpy()
 
 
-def checkpoint_key(name: str, moe: bool) -> tuple[str, tuple[int, ...]]:
+# Hybrid models (tinyhybrid.py): layers are not stacked (`decoder.layers.<i>.` keys); the Mamba
+# layer's norm is checkpointed under its mixer's in_proj, its conv parameters under `conv1d.`.
+HYBRID_RENAMES = [(".norm.", ".mixer.in_proj.layer_norm_"), (".mixer.conv1d_weight", ".mixer.conv1d.weight"),
+                  (".mixer.conv1d_bias", ".mixer.conv1d.bias")]
+
+
+def checkpoint_key(name: str, moe: bool, hybrid: bool = False) -> tuple[str, tuple[int, ...]]:
     """DDP param name -> (checkpoint key, stacked index). Experts: (layer, global expert)."""
     n = re.sub(r"^(module\.)+", "", name)
     m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", n)
     if not m:
         return n, ()
+    if hybrid:
+        rest = "." + m.group(2)
+        for a, b in RENAMES + HYBRID_RENAMES:
+            if rest.startswith(a):
+                rest = b + rest[len(a):]
+        return f"decoder.layers.{m.group(1)}{rest}", ()
     layer, rest = int(m.group(1)), "." + m.group(2)
     e = re.match(r"\.mlp\.experts\.local_experts\.(\d+)\.(.*)$", rest)
     if e:
@@ -78,6 +90,13 @@ def sections(key: str, full: np.ndarray, sizes: dict) -> dict[str, np.ndarray]:
     if key.endswith("linear_fc1.weight") or key.endswith("linear_fc1.bias"):
         f = full.shape[0] // 2
         return {key + ".gate": full[:f], key + ".up": full[f:]}
+    if key.endswith("mixer.in_proj.weight") or key.endswith("mixer.conv1d.weight") or key.endswith("mixer.conv1d.bias"):
+        d_inner = sizes["mamba_num_heads"] * sizes["mamba_head_dim"]
+        gs = sizes["mamba_num_groups"] * sizes["mamba_state_dim"]
+        names, rows = (("z", "x", "B", "C", "dt"), (d_inner, d_inner, gs, gs, sizes["mamba_num_heads"])) \
+            if key.endswith("in_proj.weight") else (("x", "B", "C"), (d_inner, gs, gs))
+        ends = np.cumsum(rows)
+        return {f"{key}.{n}": full[e - r:e] for n, r, e in zip(names, rows, ends)}
     return {key: full}
 
 
@@ -85,8 +104,9 @@ def load_reference(run: str) -> tuple[dict[str, dict[str, np.ndarray]], int]:
     """role -> logical array name -> array (model bf16; params, mu, nu fp32), and the step."""
     d = os.path.join(FIXTURES, run)
     info = json.load(open(os.path.join(d, "run.json")))
-    sizes = info["sizes"]
+    sizes = dict(info["sizes"], **info["layout"].get("extra_args", {}))
     moe = bool(info["layout"].get("moe"))
+    hybrid = bool(info["layout"].get("hybrid"))
     refs = [torch.load(f, weights_only=True) for f in sorted(glob.glob(os.path.join(d, "reference_rank*.pt")))]
     # (key, index) -> role -> global per-instance array
     inst: dict[tuple[str, tuple[int, ...]], dict[str, np.ndarray]] = {}
@@ -122,7 +142,7 @@ def load_reference(run: str) -> tuple[dict[str, dict[str, np.ndarray]], int]:
             meta[(name, t, e)] = (p, ref["tp_size"])
     for (name, t, e), by_g in shards.items():
         p, tps = meta[(name, t, e)]
-        key, idx = checkpoint_key(name, moe)
+        key, idx = checkpoint_key(name, moe, hybrid)
         if len(idx) == 2:  # local expert -> global expert
             idx = (idx[0], e * _num_local_names(shards, t, e) + idx[1])
         attrs = p["attrs"]
