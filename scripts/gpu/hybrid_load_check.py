@@ -1,13 +1,14 @@
 """GPU, one rank: `release_load_check.py` for the tiny hybrid model of a `make_fixtures.py` hybrid run.
 
     PYTHONPATH=/tmp/site python3 -m torch.distributed.run --standalone --nproc-per-node 1 \\
-        scripts/gpu/hybrid_load_check.py --run hybrid --ckpt DIR --fmt dp_reshardable \\
+        scripts/gpu/hybrid_load_check.py --fixture-run hybrid --ckpt DIR --fmt dp_reshardable \\
         --ref REF.pt --run-json RUN.json --out OUT.json
 
 The same checks as release_load_check.py (load DIR into a fresh model + optimizer as Megatron-LM does,
 and with FusedAdam's step handling; compare every bf16 weight and every owned fp32 master / Adam
 moment range with REF, the live dump of the run; two more steps against its `next_losses`), with
-`tinyhybrid.build` (the hybrid run `--run` of make_fixtures.RUNS) as the model.
+`tinyhybrid.build` (the hybrid run `--fixture-run` of make_fixtures.RUNS) as the model
+(`--run` would be taken by torch.distributed.run as its own `--run-path`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "fixtures", "megatron
 
 def main() -> None:
     """Swap the model builder, then run release_load_check's main on the remaining arguments."""
-    i = sys.argv.index("--run")
+    i = sys.argv.index("--fixture-run")
     name = sys.argv[i + 1]
     del sys.argv[i : i + 2]
     import make_fixtures
