@@ -113,6 +113,23 @@ class VStaged(Staged):
     def main_copy_of(self, key: str, index: tuple[int, ...]) -> tuple[int, str]:
         return self.main_copy(key, (index[0] % self.layers,) + index[1:] if index else index)
 
+    def chunk_ranges(self, rank: int, cmaps, numels: dict[str, int]) -> dict[str, tuple[int, int]]:
+        """This rank's fragment of each param of one chunk, in the chunk's own dense / expert buffer."""
+        ranges = {}
+        for expert in (False, True):
+            mine = [m for m in cmaps if m.geometry.expert == expert]
+            group = (self.layout.expert_distopt_group if expert else self.layout.distopt_group)(rank)
+            if mine:
+                buf = buffer_layout([BufferParam(m.param, numels[m.param], self.shared(m)) for m in mine], None,
+                                    len(group))
+                ranges.update({m.param: rng for m in mine for d, rng in owners_of(buf, m.param)
+                               if d == group.index(rank)})
+        return ranges
+
+    def shared(self, m) -> bool:
+        """Whether a param has a DDP bucket of its own (`shared_embedding`: tied, see TiedVStaged)."""
+        return False
+
     def local_params(self, rank: int, zero: bool = False):
         """LocalParams of every chunk of a PP2 x VPP2 rank, each chunk's fragments cut from its own buffers."""
         r, _p = self.source(rank)
@@ -121,14 +138,7 @@ class VStaged(Staged):
         out, want, key_of = [], [], {}
         for v, (cmaps, origin) in enumerate(zip(maps, origins)):
             numels = {m.param: int(np.prod(ref["params"][origin[m.param][0]]["shape"])) for m in cmaps}
-            ranges = {}
-            for expert in (False, True):   # the chunk's own dense / expert buffer
-                mine = [m for m in cmaps if m.geometry.expert == expert]
-                group = (self.layout.expert_distopt_group if expert else self.layout.distopt_group)(rank)
-                if mine:
-                    buf = buffer_layout([BufferParam(m.param, numels[m.param]) for m in mine], None, len(group))
-                    ranges.update({m.param: rng for m in mine for d, rng in owners_of(buf, m.param)
-                                   if d == group.index(rank)})
+            ranges = self.chunk_ranges(rank, cmaps, numels)
             for m in cmaps:
                 name, g = origin[m.param]
                 src, sname = (r, name) if m.model_parallel_main else self.main_copy_of(m.key, m.index)
@@ -138,7 +148,7 @@ class VStaged(Staged):
                     live, full = flip_t(live), {k: flip_t(t) for k, t in full.items()}
                 f0, f1 = ranges.get(m.param, (0, 0))
                 frag_want = {k: t[f0:f1].clone() for k, t in full.items()}
-                want.append((m, live, frag_want))
+                want.append((v, m, live, frag_want))
                 if zero:
                     w, st = torch.zeros_like(live), {k: torch.zeros(f1 - f0) for k in ROLES}
                 else:
@@ -157,6 +167,44 @@ class VStaged(Staged):
         lrun = LiveRun(layout=self.layout, rank=rank, step=self.run.info["steps"],
                        optimizer=None if zero else adam_config_from_groups(groups, keys))
         return out, lrun, want
+
+
+EMB, OUT = "embedding.word_embeddings.weight", "output_layer.weight"
+
+
+class TiedVStaged(VStaged):
+    """`VStaged` with tied embeddings (as test_megatron_adapter_pp_tied.TiedStaged does at PP2): the last
+    chunk of the last stage holds the copy of the word embeddings as `output_layer.weight`, its entry keyed
+    as the embedding with `replica_id = (1, 0, dp)`; both copies are `shared_embedding` (a DDP bucket of
+    their own). The fixture run was untied: the references are its embedding's values."""
+
+    def chunk_records(self, rank: int):
+        out = super().chunk_records(rank)
+        d = self.layout.coords(rank).d
+        for (entries, _params), _origin in out:
+            for i, e in enumerate(entries):
+                if strip_wrappers(e.key) == OUT:   # as tie_embeddings_and_output_weights_state_dict makes it
+                    entries[i] = EntryRecord(e.name, EMB, e.global_shape, e.global_offset, e.prepend_axis_num,
+                                             (1, 0, d), e.factory, True, e.backlink)
+        return out
+
+    def shared(self, m) -> bool:
+        return m.key == EMB
+
+    def local_params(self, rank: int, zero: bool = False):
+        self._rank = rank
+        return super().local_params(rank, zero)
+
+    def main_copy_of(self, key: str, index: tuple[int, ...]) -> tuple[int, str]:
+        """The embedding's main copy holding this rank's vocab shard (the tied copy's values)."""
+        if key != EMB:
+            return super().main_copy_of(key, index)
+        t = self.layout.coords(self._rank).t
+        for r in range(self.w1):
+            for m in self.run.mapping(r):
+                if m.key == EMB and m.model_parallel_main and self.run.layout.coords(r).t == t:
+                    return r, m.param
+        raise AssertionError("no main copy of the embedding")
 
 
 NAMES = ["tp2", "dp2", "moe_ep2"]
@@ -212,13 +260,13 @@ def test_chunk_lists_that_do_not_match_the_run_are_refused():
         map_chunks([recs[0], ([e for e in entries if "linear_proj" not in e.name], params)], lay, dims, pad, 0, VPP)
 
 
-def _export_worker(rank, world, name, dst, extra=None):
+def _export_worker(rank, world, name, dst, extra=None, tied=False):
     from dataclasses import replace
 
     from bridge.live.export import export_state
     from converters.megatron.live import pipeline_adam_config
 
-    params, lrun, _ = VStaged(name).local_params(rank)
+    params, lrun, _ = (TiedVStaged if tied else VStaged)(name).local_params(rank)
     # As export_megatron at PP > 1: each stage's optimizer knows only its own no-decay keys.
     lrun = replace(lrun, optimizer=pipeline_adam_config(lrun.optimizer), extra=dict(extra or {}))
     return {"bytes_written": export_state(dst, lrun, params).bytes_written}
@@ -246,15 +294,18 @@ def test_vpp_export_equals_the_widened_convert_of_the_pp1_save(exported):
     assert live_m.optimizer.no_decay and sorted(live_m.optimizer.no_decay) == sorted(conv_m.optimizer.no_decay)
 
 
-def _assert_reloaded(s: VStaged, src: str) -> None:
+def _assert_reloaded(s: VStaged, src: str) -> list:
+    """Reload `src` into every rank's zeroed chunks; every weight and fragment equals the dump's.
+    Returns each rank's (rank, LocalParams, references)."""
     from bridge.live.reload import reload_state
 
+    out = []
     for rank in range(s.layout.world):
         params, lrun, want = s.local_params(rank, zero=True)
         assert reload_state(src, lrun, params).step == s.run.info["steps"]
         assert len(params) == len(want)
         chunks_filled = set()
-        for lp, (m, live, frag) in zip(params, want):
+        for lp, (_v, m, live, frag) in zip(params, want):
             what = f"PP2xVPP2 rank {rank} {m.key}{list(m.index)}"
             assert lp.weight.view(torch.int16).equal(live.view(torch.int16)), what
             if lp.optim is not None:
@@ -265,11 +316,37 @@ def _assert_reloaded(s: VStaged, src: str) -> None:
             if m.index:
                 chunks_filled.add(m.index[0])
         assert len(chunks_filled) == VPP   # both chunks' layers were filled on this rank
+        out.append((rank, params, want))
+    return out
 
 
 def test_reload_fills_every_chunk(exported):
     s, live, _want, _conv = exported
     _assert_reloaded(s, live)
+
+
+@pytest.mark.parametrize("exported", ["tp2"], indirect=True)
+def test_tied_vpp_exports_one_embedding_and_reloads_both_copies(exported, tmp_path):
+    """Tied: the copy on the last chunk of the last stage is left out of the export (one word-embedding
+    array, from chunk 0 of stage 0) and filled on reload, equal to the first stage's copy."""
+    s, live, want, _conv = exported
+    t = TiedVStaged(s.run.dir.name)
+    dst = str(tmp_path / "tied")
+    spawn(t.layout.world, _export_worker, ("tp2", dst, None, True), tmp_path, timeout_s=300)
+    got = _read_all(dst)
+    want = {n: v for n, v in want.items() if f".{OUT}" not in f".{n}"}
+    assert len(want) < len(_read_all(live)) and set(got) == set(want)
+    for n, v in want.items():
+        assert got[n].tobytes() == v.tobytes(), n
+    copies: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+    for rank, params, want_r in _assert_reloaded(t, dst):
+        for lp, (v, m, _live, _frag) in zip(params, want_r):
+            if m.key == EMB:
+                copies.setdefault(t.layout.coords(rank).t, []).append((t.source(rank)[1], v, lp.weight))
+    assert sorted(copies) == [0, 1]
+    for ws in copies.values():   # per TP rank: chunk 0 of stage 0 and the tied copy on chunk 1 of stage 1
+        assert sorted((p, v) for p, v, _w in ws) == [(0, 0), (PP - 1, VPP - 1)]
+        assert ws[0][2].view(torch.int16).equal(ws[1][2].view(torch.int16))
 
 
 @pytest.mark.parametrize("exported", ["tp2"], indirect=True)
