@@ -16,8 +16,11 @@ Checked: (1) the adapter's `map_chunks` gives every chunk's parameters their glo
 refuses chunk lists that do not match the run; (2) `export_state` over a gloo world of 2·W ranks
 writes, bit for bit, the conversion of the run's PP1 `dp_reshardable` save (`gtp-bridge convert`)
 widened the same way; (3) `reload_state` fills every chunk's weights and fragments bit-exactly with
-the dump's values; (4) `to-megatron --pp 2 --vpp 2` of the export is a VPP save (one buffer per chunk)
-whose `convert` equals the live export, and reloads into the chunks exactly.
+the dump's values; (4) `to-megatron --pp 2 --vpp 2 --format dp_reshardable` of the export (given the
+PP1 conversion's parameter registration order, widened, as `extra`: the live export records none) is a
+VPP save (one buffer per chunk) whose `convert` equals the live export and reloads into the chunks
+exactly; (5) tied embeddings: the copy on the last chunk of the last stage is left out of the export
+and reloaded; (6) virtual splits megatron-core refuses are refused naming the flags.
 """
 
 from __future__ import annotations
@@ -272,15 +275,30 @@ def _export_worker(rank, world, name, dst, extra=None, tied=False):
     return {"bytes_written": export_state(dst, lrun, params).bytes_written}
 
 
+def widened_record(conv: str, pp1_layers: int) -> dict:
+    """The Megatron record `convert` wrote for the PP1 save (registration order, args), widened to LAYERS.
+
+    `to-megatron --format dp_reshardable` needs it; the live export records none of its own, so the
+    export passes it on as `extra` (what `export_megatron(extra=...)` does)."""
+    rec = open_checkpoint(conv).manifest.megatron.to_json()
+    for p in rec["params"]:
+        if p["prepend"]:
+            assert p["prepend"][0] == pp1_layers
+            p["prepend"][0] = LAYERS
+    rec["args"]["num_layers"] = LAYERS
+    return {"megatron": rec}
+
+
 @pytest.fixture(scope="module", params=NAMES)
 def exported(request, tmp_path_factory):
-    """(VStaged, the PP2 x VPP2 live export, the widened conversion of the PP1 save)."""
+    """(VStaged, the PP2 x VPP2 live export, the widened conversion of the PP1 save, that conversion)."""
     name = request.param
     d = tmp_path_factory.mktemp(f"vpp_{name}")
     s = VStaged(name)
-    spawn(s.layout.world, _export_worker, (name, str(d / "live")), d, timeout_s=300)
-    _convert(s.run, str(d / "converted_pp1"))
-    return s, str(d / "live"), widen(_read_all(str(d / "converted_pp1")), s.layers), str(d / "converted_pp1")
+    conv = str(d / "converted_pp1")
+    _convert(s.run, conv)
+    spawn(s.layout.world, _export_worker, (name, str(d / "live"), widened_record(conv, s.layers)), d, timeout_s=300)
+    return s, str(d / "live"), widen(_read_all(conv), s.layers), conv
 
 
 def test_vpp_export_equals_the_widened_convert_of_the_pp1_save(exported):
@@ -353,18 +371,7 @@ def test_tied_vpp_exports_one_embedding_and_reloads_both_copies(exported, tmp_pa
 def test_to_megatron_vpp_save_converts_to_the_live_export(exported, tmp_path):
     """A VPP save at the same layout (to-megatron --tp 2 --pp 2 --vpp 2: a DDP buffer per chunk) converts
     to what the live export wrote, and that conversion reloads into the chunks exactly."""
-    s, live, _want, conv = exported
-    # dp_reshardable needs Megatron's parameter registration order, which convert records and the live
-    # export does not: export again with the PP1 conversion's record, widened to LAYERS, as `extra`
-    # (what export_megatron(extra=...) passes on).
-    rec = open_checkpoint(conv).manifest.megatron.to_json()
-    for p in rec["params"]:
-        if p["prepend"]:
-            assert p["prepend"][0] == s.layers
-            p["prepend"][0] = LAYERS
-    rec["args"]["num_layers"] = LAYERS
-    live = str(tmp_path / "live_with_record")
-    spawn(s.layout.world, _export_worker, ("tp2", live, {"megatron": rec}), tmp_path, timeout_s=300)
+    s, live, _want, _conv = exported
     run = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "bridge.cli", "to-megatron", live, str(run), "--tp", "2", "--pp", "2",
                           "--vpp", "2", "--format", "dp_reshardable"], capture_output=True, text=True, timeout=300)
