@@ -1,13 +1,13 @@
 """The live adapter with virtual pipeline chunks (PP2 x VPP2) on the CPU: real PP1 fixture ranks re-cut.
 
 No real PP save exists (it needs two GPUs: issue #23), and the fixture runs have 2 layers, too few
-for 2 stages x 2 chunks. So each recorded PP1 run (`tests/fixtures/megatron/<run>`) is first widened
-to 4 layers: layers 2 and 3 are layers 0 and 1 with every value's sign bit flipped (weights, masters
-and moments alike; exact, and no layer equals another, so a chunk bound to the wrong layer shows).
-The 4-layer run is then cut as megatron-core 0.19.2 builds an interleaved pipeline: stage p holds
-one model chunk per virtual stage v, chunk v holding layers `PipelineSplit(pp=2, vpp=2).layers(4, p, v)`
-(`get_transformer_layer_offset` with `vp_stage`: stage 0 = layers [0] and [2], stage 1 = [1] and
-[3]), each chunk naming its layers locally (`decoder.layers.0...`) while its model entries carry the
+for 2 stages x 2 chunks of several layers. So each recorded PP1 run (`tests/fixtures/megatron/<run>`)
+is first widened to 8 layers: layers 2c and 2c+1 are layers 0 and 1 with every value times 1, -1, 2
+or -2 for copy c = 0..3 (weights, masters and moments alike: exact, weights stay bf16(masters), and no
+layer equals another, so a chunk bound to the wrong layer shows). The 8-layer run is then
+cut as megatron-core 0.19.2 builds an interleaved pipeline: stage p holds one model chunk per virtual
+stage v, chunk v holding layers `PipelineSplit(pp=2, vpp=2).layers(8, p, v)` (`get_transformer_layer_offset`
+with `vp_stage`: stage 0 = layers [0, 1] and [4, 5], stage 1 = [2, 3] and [6, 7]), each chunk naming its layers locally (`decoder.layers.0...`) while its model entries carry the
 global layer offset; the embedding is on chunk 0 of stage 0, the final norm and output layer on the
 last chunk of the last stage. Each chunk has its own DDP / DistOpt buffer (dense and expert), laid
 out alone (`bridge.layout.distopt`), its fragments filled from the PP1 ranks' live-optimizer dumps.
@@ -47,26 +47,31 @@ from test_megatron_adapter_pp import ROLES, Staged, _convert, _read_all
 
 pytestmark = pytest.mark.slow
 
-PP, VPP, LAYERS = 2, 2, 4
+PP, VPP, LAYERS = 2, 2, 8
 SPLIT = PipelineSplit(pp=PP, vpp=VPP)
 LAYER = re.compile(r"^((?:module\.)*decoder\.layers\.)(\d+)\.")
 
 
-def flip_np(a: np.ndarray) -> np.ndarray:
-    """`a` with every sign bit flipped (exact, any float dtype)."""
-    u = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
-    return (np.ascontiguousarray(a).view(u) ^ u(1 << (8 * a.dtype.itemsize - 1))).view(a.dtype)
+def _scale(copy: int) -> float:
+    """Widened copy `copy` (0..3) holds the PP1 values times this: exact in bf16 and fp32 (a sign and a
+    power of two), and it keeps weights = bf16(masters), which to-megatron checks."""
+    return (-1.0 if copy & 1 else 1.0) * (2.0 if copy & 2 else 1.0)
 
 
-def flip_t(t: torch.Tensor) -> torch.Tensor:
-    i = {2: torch.int16, 4: torch.int32}[t.element_size()]
-    return (t.contiguous().view(i) ^ torch.tensor(-(1 << (8 * t.element_size() - 1)), dtype=i)).view(t.dtype)
+def mark_np(a: np.ndarray, copy: int) -> np.ndarray:
+    """`a` as widened copy `copy` holds it (copy 0: unchanged)."""
+    return (a.astype(np.float32) * np.float32(_scale(copy))).astype(a.dtype)
+
+
+def mark_t(t: torch.Tensor, copy: int) -> torch.Tensor:
+    return (t.float() * _scale(copy)).to(t.dtype)
 
 
 def widen(arrays: dict[str, np.ndarray], pp1_layers: int) -> dict[str, np.ndarray]:
-    """A logical checkpoint's arrays with the layer axis widened to LAYERS: [layers, flipped layers]."""
-    assert LAYERS == 2 * pp1_layers
-    return {n: (np.concatenate([a, flip_np(a)], axis=0) if ".decoder.layers." in f".{n}" else a)
+    """A logical checkpoint's arrays with the layer axis widened to LAYERS: copy c of the PP1 layers,
+    marked (`mark_np`), holds layers c·pp1_layers ...."""
+    k = LAYERS // pp1_layers
+    return {n: (np.concatenate([mark_np(a, c) for c in range(k)], axis=0) if ".decoder.layers." in f".{n}" else a)
             for n, a in arrays.items()}
 
 
@@ -75,7 +80,7 @@ class VStaged(Staged):
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
-        assert self.layers * 2 == LAYERS
+        assert LAYERS % self.layers == 0 and LAYERS // self.layers <= 4
 
     def _place(self, name: str, p: int, v: int) -> list[tuple[str, int | None]]:
         """(local name in chunk (p, v), global layer or None) of each copy of PP1 param / entry `name`."""
@@ -147,8 +152,9 @@ class VStaged(Staged):
                 src, sname = (r, name) if m.model_parallel_main else self.main_copy_of(m.key, m.index)
                 live = self.run.refs[src]["params"][sname]["live"]
                 full = self.full_state(src, sname, m.geometry.expert)
-                if g is not None and g >= self.layers:   # the widened layers: sign bits flipped
-                    live, full = flip_t(live), {k: flip_t(t) for k, t in full.items()}
+                if g is not None:   # the widened layers: copy g // layers of PP1 layer g % layers
+                    c = g // self.layers
+                    live, full = mark_t(live, c), {k: mark_t(t, c) for k, t in full.items()}
                 f0, f1 = ranges.get(m.param, (0, 0))
                 frag_want = {k: t[f0:f1].clone() for k, t in full.items()}
                 want.append((v, m, live, frag_want))
@@ -223,8 +229,11 @@ def test_chunks_get_global_layer_indices(name):
         assert len(maps) == VPP
         for v, (cmaps, origin) in enumerate(zip(maps, origins)):
             assert cmaps
-            # Megatron's interleaving, written out: chunk v of stage p holds layer v·pp + p (1 layer a chunk)
-            assert {m.index[0] for m in cmaps if m.index} == {v * PP + p}
+            # get_transformer_layer_offset with vp_stage, written out: chunk v of stage p starts at
+            # v·L/vpp + p·L/(pp·vpp) and holds L/(pp·vpp) layers
+            n = LAYERS // (PP * VPP)
+            start = v * (LAYERS // VPP) + p * n
+            assert {m.index[0] for m in cmaps if m.index} == set(range(start, start + n))
             for m in cmaps:
                 bare = strip_wrappers(m.param)
                 if not m.index:
@@ -233,13 +242,14 @@ def test_chunks_get_global_layer_indices(name):
                     else:
                         assert (p, v) == (PP - 1, VPP - 1), m.param
                 else:
-                    assert int(LAYER.match(m.param).group(2)) == 0 and origin[m.param][1] == m.index[0]
+                    assert int(LAYER.match(m.param).group(2)) == m.index[0] - start   # named locally
+                    assert origin[m.param][1] == m.index[0]
                 seen[(m.key, m.index)] = seen.get((m.key, m.index), 0) + 1
     # Every logical instance of the widened run is held as often as the PP1 run held its original.
     want: dict[tuple[str, tuple[int, ...]], int] = {}
     for r in range(s.w1):
         for m in s.run.mapping(r):
-            for g in ([m.index[0], m.index[0] + s.layers] if m.index else [None]):
+            for g in (range(m.index[0], LAYERS, s.layers) if m.index else [None]):
                 ident = (m.key, (g,) + m.index[1:] if m.index else ())
                 want[ident] = want.get(ident, 0) + 1
     assert seen == want
@@ -255,7 +265,7 @@ def test_chunk_lists_that_do_not_match_the_run_are_refused():
     with pytest.raises(BridgeError, match="without pipeline stages.*--virtual-pipeline-model-parallel-size"):
         map_chunks(recs, ParallelLayout(tp=2), dims, pad, 0, VPP)
     # Chunks built without their own vp_stage carry the same layer offsets: two chunks, one layer.
-    with pytest.raises(BridgeError, match=r"model chunks 0 and 1 both hold decoder\.layers\..*\[2\]; .*vp_stage"):
+    with pytest.raises(BridgeError, match=r"model chunks 0 and 1 both hold decoder\.layers\..*\[4\]; .*vp_stage"):
         map_chunks([recs[1], recs[1]], lay, dims, pad, 0, VPP)
     # A mapping error inside a chunk names the chunk.
     (entries, params) = recs[1]
@@ -323,7 +333,7 @@ def _assert_reloaded(s: VStaged, src: str) -> list:
         assert reload_state(src, lrun, params).step == s.run.info["steps"]
         assert len(params) == len(want)
         chunks_filled = set()
-        for lp, (_v, m, live, frag) in zip(params, want):
+        for lp, (v, m, live, frag) in zip(params, want):
             what = f"PP2xVPP2 rank {rank} {m.key}{list(m.index)}"
             assert lp.weight.view(torch.int16).equal(live.view(torch.int16)), what
             if lp.optim is not None:
@@ -332,8 +342,8 @@ def _assert_reloaded(s: VStaged, src: str) -> list:
                     assert t.numel() == ref.numel() > 0, f"{what} {k}"
                     assert t.view(torch.int32).equal(ref.view(torch.int32)), f"{what} {k}"
             if m.index:
-                chunks_filled.add(m.index[0])
-        assert len(chunks_filled) == VPP   # both chunks' layers were filled on this rank
+                chunks_filled.add(v)
+        assert chunks_filled == set(range(VPP))   # every chunk's layers were filled on this rank
         out.append((rank, params, want))
     return out
 
@@ -393,7 +403,7 @@ def test_to_megatron_vpp_save_converts_to_the_live_export(exported, tmp_path):
 
 @pytest.mark.parametrize("exported", ["tp2"], indirect=True)
 @pytest.mark.parametrize("flags,say", [
-    (["--pp", "2", "--vpp", "3"], r"2 layers per pipeline stage do not split into 3 virtual chunks; pass a --vpp"),
+    (["--pp", "2", "--vpp", "3"], r"4 layers per pipeline stage do not split into 3 virtual chunks; pass a --vpp"),
     (["--pp", "1", "--vpp", "2"], r"needs pipeline stages \(PP > 1\): pass --pp > 1 with --vpp"),
     (["--pp", "2", "--vpp", "2", "--pp-first-layers", "1"], r"only an even split.*--pp-first-layers.*or --vpp"),
 ])
