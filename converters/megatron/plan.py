@@ -364,8 +364,9 @@ class PipelineSplit:
         if type(self.vpp) is not int or self.vpp < 1:
             raise BridgeError(f"virtual pipeline size {self.vpp!r} must be a positive integer")
         if self.vpp > 1 and self.pp == 1:
-            raise BridgeError(f"virtual pipeline size {self.vpp} needs pipeline stages (PP > 1): pass --pp > 1 with "
-                              f"--vpp (a run's --virtual-pipeline-model-parallel-size)")
+            raise BridgeError(f"virtual pipeline size {self.vpp} needs pipeline stages (PP > 1): to-megatron's --vpp "
+                              f"needs --pp > 1, as a run's --virtual-pipeline-model-parallel-size needs "
+                              f"--pipeline-model-parallel-size > 1")
         if self.vpp > 1 and not self.even:
             raise BridgeError("virtual pipeline chunks with uneven first / last stages or the embedding / loss counted "
                               "in the split are not supported; only an even split into virtual chunks is (drop "
@@ -420,9 +421,9 @@ class PipelineSplit:
         if min(out) < 0:
             raise BridgeError(f"{num_layers} layers over {pp} stages leave no room for the embedding / loss stage")
         if out[0] % self.vpp:   # (virtual chunks come with an even split only: __post_init__)
-            raise BridgeError(f"{out[0]} layers per pipeline stage do not split into {self.vpp} virtual chunks; "
-                              f"pass a --vpp (a run's --virtual-pipeline-model-parallel-size) that divides "
-                              f"{out[0]}, or another --pp")
+            raise BridgeError(f"{out[0]} layers per pipeline stage do not split into {self.vpp} virtual chunks: "
+                              f"megatron-core needs the virtual pipeline size (to-megatron's --vpp, a run's "
+                              f"--virtual-pipeline-model-parallel-size) to divide the layers per stage (--pp)")
         return out
 
     def layers(self, num_layers: int, p: int, v: int = 0) -> range:
