@@ -40,7 +40,11 @@ METADATA = "_METADATA"
 
 
 def _load_claim(dst: str) -> ClaimInfo | None:
-    data = kv.read_bytes(dst, CLAIM_KEY)
+    return _parse_claim(kv.read_bytes(dst, CLAIM_KEY))
+
+
+def _parse_claim(data: bytes | None) -> ClaimInfo | None:
+    """The claim object's content, or None when absent or not a gtp-bridge claim."""
     if data is None:
         return None
     try:
@@ -91,6 +95,16 @@ class RemoteDestination(local_claim.HeldDestination):
         other = _load_claim(self.dst)
         return other is not None and other.run_id == self.run_id
 
+    def _check_owned_and_free(self) -> None:
+        """`check_owned`, and no marker at DST yet: the two reads issued at once (one round trip)."""
+        claim, marker = kv.read_bytes_many(self.dst, [CLAIM_KEY, self.marker])
+        other = _parse_claim(claim)
+        if other is None or other.run_id != self.run_id:
+            raise BridgeError(f"{self.dst} no longer holds this run's claim (removed or taken over by another run); "
+                              f"nothing was committed, rerun")
+        if marker is not None:
+            raise BridgeError(f"destination {self.dst} already exists; choose a new directory or remove it")
+
     def check_owned(self) -> None:
         if not self.owned():
             raise BridgeError(f"{self.dst} no longer holds this run's claim (removed or taken over by another run); "
@@ -106,11 +120,10 @@ class RemoteDestination(local_claim.HeldDestination):
         if payload is not None and payload.rstrip("/") != self.dst:
             raise BridgeError(f"publish: {payload} is not this run's destination {self.dst}")
         try:
-            self.check_owned()
-            if kv.exists(self.dst, self.marker):
-                raise BridgeError(f"destination {self.dst} already exists; choose a new directory or remove it")
-            ordered = [f for f in files if f[0] != self.marker] + [f for f in files if f[0] == self.marker]
-            for name, data in ordered:
+            self._check_owned_and_free()
+            # the other files at once, then the marker alone: it must be the last object to land
+            kv.write_bytes_many(self.dst, [f for f in files if f[0] != self.marker])
+            for name, data in [f for f in files if f[0] == self.marker]:
                 kv.write_bytes(self.dst, name, data)
             self.published = True
         except BaseException:
