@@ -55,8 +55,6 @@ _MIN_STAGED_CELL_BYTES = 128 << 10
 # Boxes to be copied that are at most this large are copied here and referenced: waiting for
 # TensorStore's own copy is a hand-off to its threads and back, which costs more than the copy.
 _COPY_HERE_BYTES = 256 << 10
-# Commits in flight on object storage when the caller does not choose (`CheckpointWriter`).
-REMOTE_COMMIT_DEPTH = 4
 
 
 def default_batch_bytes(remote: bool = False) -> int:
@@ -66,27 +64,16 @@ def default_batch_bytes(remote: bool = False) -> int:
     Larger batches let OCDBT write more data files at once, which a many-core host with a deep disk
     queue turns into throughput; on a small host the staging memory they touch costs more than they
     bring (bench_store_write; figures in the README's performance section). On object storage each
-    data file is one PUT whose latency, not the host, bounds it, and one database commits its
-    transactions one after another (a second commit in flight does not start its PUTs early): the
-    PUTs in flight are the data files of one transaction, so a transaction must hold about as many
-    files as an object store wants requests in flight (bench_remote).
+    data file is one PUT whose latency, not the host, bounds it, and a writer has one commit in flight
+    (a second one would start its PUTs early, but makes OCDBT store some data twice, see
+    `CheckpointWriter`): the PUTs in flight are the data files of one transaction, so a transaction
+    must hold about as many files as an object store wants requests in flight (bench_remote).
 
     >>> default_batch_bytes(remote=True) // default_batch_bytes()
     4
     """
     local = (128 << 20) if (os.cpu_count() or 1) >= 16 else (64 << 20)
     return 4 * local if remote else local
-
-
-def covers_whole_chunks(box: Box, chunk_shape: Sequence[int], shape: Sequence[int]) -> bool:
-    """True when `box` is a union of whole chunks of the regular grid `chunk_shape` over `shape`
-    (edge chunks clipped to the array), i.e. each chunk it touches is written entirely by it.
-
-    >>> covers_whole_chunks(Box((2, 0), (6, 6)), (2, 4), (8, 6)), covers_whole_chunks(Box((0, 0), (1, 4)), (2, 4), (8, 6))
-    (True, False)
-    """
-    return all(a % c == 0 and (b % c == 0 or b == n)
-               for a, b, c, n in zip(box.start, box.stop, chunk_shape, shape))
 
 
 def _digest_cells(shape: Sequence[int], cells: Sequence[tuple[Box, np.ndarray]]) -> int:
@@ -228,15 +215,11 @@ class CheckpointWriter:
     """Writes the chunks `writer_id` owns into ``<tmp_dir>/ocdbt.process_<writer_id>/``.
 
     `commit_depth` = commits in flight while the next batch is staged. With 2, OCDBT sometimes
-    writes a transaction's data twice (an unreferenced copy left on disk for chunks written in
-    pieces, tests/test_store_writer_scale.py), so 1 is the default on local disks; 2 only where
-    whole chunks are donated in one write each (the live export's GPU path). On object storage the
-    default (None) is `REMOTE_COMMIT_DEPTH` commits of a quarter of `default_batch_bytes(remote=True)`
-    each: uploads start after a quarter of the data is staged instead of all of it, and OCDBT
-    uploads the data files of concurrent commits concurrently (only the B-tree and manifest updates
-    are serialized). A batch that wrote some chunk in pieces (not as whole chunks, see
-    `covers_whole_chunks`) is then committed alone, no other commit in flight before or after it,
-    which keeps clear of the double write above. `target_data_file_size`: OCDBT data file
+    writes a transaction's data twice (an unreferenced copy left on disk or on object storage, for
+    chunks written in pieces, tests/test_store_writer_scale.py, and also for whole chunks written in
+    one write each, seen with that test's converter-shaped load), so 1 is the default. On object
+    storage too, where a second commit in flight would start its uploads early: each copy is a
+    whole extra upload. `target_data_file_size`: OCDBT data file
     size (None: `specs.TARGET_DATA_FILE_SIZE`; benchmarks vary it). `staging` (None: on local
     disks, not on object storage): copy non-contiguous inner chunks into reused slabs (see
     bridge/store/staging.py) rather than let TensorStore copy them. On object storage the slabs of
@@ -246,7 +229,7 @@ class CheckpointWriter:
 
     def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int | None = None,
                  compute_digest: bool = True, threads: int | None = None, staging: bool | None = None,
-                 drop_behind: bool = True, commit_depth: int | None = None, btree_cache_bytes: int | None = None,
+                 drop_behind: bool = True, commit_depth: int = 1, btree_cache_bytes: int | None = None,
                  target_data_file_size: int | None = None) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
@@ -263,15 +246,7 @@ class CheckpointWriter:
         self.tmp_dir = tmp_dir
         self.plan = plan
         self.writer_id = writer_id
-        # On object storage, unless the caller chose: several smaller commits in flight, batches
-        # of whole chunks only (see the class docstring).
-        self._isolate_pieces = commit_depth is None and self.remote
-        if commit_depth is None:
-            commit_depth = REMOTE_COMMIT_DEPTH if self.remote else 1
-        default_batch = default_batch_bytes(self.remote)
-        if self._isolate_pieces:
-            default_batch //= REMOTE_COMMIT_DEPTH
-        self.inflight_bytes = max(1, int(inflight_bytes or default_batch))
+        self.inflight_bytes = max(1, int(inflight_bytes or default_batch_bytes(self.remote)))
         self.compute_digest = compute_digest
         self.target_data_file_size = target_data_file_size
         ctx = specs.context_spec()
@@ -296,12 +271,11 @@ class CheckpointWriter:
         # Staging holds the batch being filled plus the `commit_depth` committing (see flush).
         self._slabs = SlabPool(keep_bytes=(self.commit_depth + 1) * self.inflight_bytes)
         self._futures: list = []
-        self._commits: list = []   # (commit future, staging slab leases, donated leases, its digests, in pieces)
+        self._commits: list = []   # (commit future, staging slab leases, donated leases, its digests)
         self._donated: list[Lease] = []  # data of the batch being staged that TensorStore references
         self._open_chunks: set[tuple[str, tuple[int, ...]]] = set()  # chunks of this transaction not yet complete
         self._digests: list = []   # (array state, digest future) of the batch being staged
         self._pending = 0
-        self._pieces = False       # the batch being staged wrote some chunk in pieces
         self._finished = False
         self.bytes_written = 0
         self.bytes_staged = 0      # of bytes_written, how many went through the staging slabs
@@ -335,9 +309,6 @@ class CheckpointWriter:
         self._check_owner(ap, box, where)
         state = self._state.get(spec.name) or self._state.setdefault(spec.name, _ArrayState(ap))
         keys = state.claim(box, self._issued, where)  # self._issued = the transaction being staged
-        if self._isolate_pieces and not self._pieces and \
-                not covers_whole_chunks(box, ap.ownership.chunk_shape, spec.shape):
-            self._pieces = True
         state.record(box)
         sizes = state.chunk_sizes
         for key in keys:
@@ -390,15 +361,10 @@ class CheckpointWriter:
             for f in self._futures:
                 f.result()
             self._futures.clear()
-            keep = self.commit_depth - 1  # bound the batches in flight
-            if self._isolate_pieces and (self._pieces or any(c[4] for c in self._commits)):
-                keep = 0   # a batch written in pieces commits alone
-            self._await_commits(keep=keep)
+            self._await_commits(keep=self.commit_depth - 1)  # bound the batches in flight
             if self._txn is not None:  # every write (hence every digest) opened the transaction
-                self._commits.append((self._txn.commit_async(), self._slabs.seal(), self._donated, self._digests,
-                                      self._pieces))
+                self._commits.append((self._txn.commit_async(), self._slabs.seal(), self._donated, self._digests))
                 self._issued += 1
-            self._pieces = False
             self._digests = []
             self._donated = []
             self._open_chunks.clear()
@@ -528,7 +494,7 @@ class CheckpointWriter:
             return
         t0 = time.perf_counter()
         while len(self._commits) > keep:
-            fut, slabs, donated, digests, _ = self._commits.pop(0)
+            fut, slabs, donated, digests = self._commits.pop(0)
             fut.result()
             for st, d in digests:
                 st.digest = dg.combine([st.digest, d.result()])
