@@ -92,28 +92,31 @@ class RemoteDestination(local_claim.HeldDestination):
         self.released = False
 
     def owned(self) -> bool:
-        other = _load_claim(self.dst)
-        return other is not None and other.run_id == self.run_id
+        return self._holds(_load_claim(self.dst))
+
+    def _holds(self, claim: ClaimInfo | None) -> bool:
+        return claim is not None and claim.run_id == self.run_id
+
+    def _lost(self) -> BridgeError:
+        return BridgeError(f"{self.dst} no longer holds this run's claim (removed or taken over by another run); "
+                           f"nothing was committed, rerun")
+
+    def check_owned(self) -> None:
+        if not self.owned():
+            raise self._lost()
 
     def _check_owned_and_free(self) -> None:
         """`check_owned`, and no marker at DST yet: the two reads issued at once (one round trip)."""
         claim, marker = kv.read_bytes_many(self.dst, [CLAIM_KEY, self.marker])
-        other = _parse_claim(claim)
-        if other is None or other.run_id != self.run_id:
-            raise BridgeError(f"{self.dst} no longer holds this run's claim (removed or taken over by another run); "
-                              f"nothing was committed, rerun")
+        if not self._holds(_parse_claim(claim)):
+            raise self._lost()
         if marker is not None:
             raise BridgeError(f"destination {self.dst} already exists; choose a new directory or remove it")
 
-    def check_owned(self) -> None:
-        if not self.owned():
-            raise BridgeError(f"{self.dst} no longer holds this run's claim (removed or taken over by another run); "
-                              f"nothing was committed, rerun")
-
     def publish(self, payload: str | None = None, *, files: Sequence[tuple[str, bytes]] = (),
                 fsync: bool = True) -> str:
-        """Write `files` (name, bytes) in order, the marker (`_METADATA`) after all others, then drop
-        the claim. Returns DST.
+        """Write `files` (name, bytes), the marker (`_METADATA`) after all others have landed, then
+        drop the claim. Returns DST.
 
         `payload` must be DST itself (there is no temporary directory to publish from); `fsync` has
         no meaning here: an object is durable once its PUT returned."""
