@@ -119,6 +119,7 @@ def test_s3_box_reads_merge_inner_chunks_into_few_gets(s3):
     got = {}
     n = counted(lambda: got.update({b: ck.read(NAME, b) for b in rows}), "/tensorstore/kvstore/s3/read")
     assert all(np.array_equal(v, a[b.slices]) for b, v in got.items())
-    # One GET per box and the index once when each box's reads merge; before: 2 x (8 + 1) = 18.
-    # The bound leaves room for a box whose reads straddle the 1 ms coalescing window on a busy host.
-    assert n["/tensorstore/kvstore/s3/read"] <= len(rows) * 2 + 1, n
+    # Typically 3: the index once, then one GET per box; before: 2 x (8 + 1) = 18. OCDBT sends what
+    # arrived within 1 ms, then everything that queued meanwhile in one more GET, so a busy host may
+    # split a box's reads: the bound is half of one GET per inner chunk.
+    assert n["/tensorstore/kvstore/s3/read"] <= len(rows) * 4 + 1, n
