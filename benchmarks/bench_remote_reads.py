@@ -52,6 +52,11 @@ def counters(driver: str) -> dict[str, int]:
 
 
 def blocks(shape, parts: int, axis: int):
+    """`parts` boxes splitting `shape` along `axis` (as devices of a 1-D mesh hold it).
+
+    >>> [(b.start, b.stop) for b in blocks((4, 6), 2, 1)]
+    [((0, 0), (4, 3)), ((0, 3), (4, 6))]
+    """
     from bridge.layout.boxes import Box
 
     step = -(-shape[axis] // parts)
