@@ -36,8 +36,9 @@ TARGET_DATA_FILE_SIZE = 16 << 20
 # Readers' pool for zarr metadata and zarr3 shard indexes (16 bytes per inner chunk: a 1 GiB shard
 # of 1 MiB inner chunks has a 16 KiB index). TensorStore keeps them in the driver's
 # `metadata_cache_pool`, by default the data pool, which holds nothing (`context_spec`): so each
-# read of part of a shard (a device's box, a verify block, a slice for Megatron) fetched and
-# checksummed the shard's index again, one more request per box on object storage.
+# read of part of a shard (a device's box, a verify block, a slice for Megatron) that no other
+# read of the shard overlapped fetched and checksummed its index again, one more request per box
+# on object storage.
 METADATA_POOL_BYTES = 64 << 20
 # Object storage reads as Orbax issues them (its values): OCDBT merges reads of one data file that
 # arrive within 1 ms and lie at most 1 MB apart into one request, so the inner chunks of a box are
