@@ -41,8 +41,9 @@ TARGET_DATA_FILE_SIZE = 16 << 20
 # on object storage.
 METADATA_POOL_BYTES = 64 << 20
 # Object storage reads as Orbax issues them (its values): OCDBT merges reads of one data file that
-# arrive within 1 ms and lie at most 1 MB apart into one request, so the inner chunks of a box are
-# one ranged GET per data file, not one per inner chunk (each GET is billed and waits a round trip).
+# arrive within 1 ms (or while an earlier read of it is in flight) and lie at most 1 MB apart into
+# one request, so the inner chunks of a box are a ranged GET or two per data file, not one per inner
+# chunk (each GET is billed and waits a round trip).
 READ_COALESCING = {"experimental_read_coalescing_threshold_bytes": 1_000_000,
                    "experimental_read_coalescing_merged_bytes": 500_000_000_000,
                    "experimental_read_coalescing_interval": "1ms"}
