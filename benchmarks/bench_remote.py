@@ -76,16 +76,21 @@ class CountingProxy:
         u = urlsplit(upstream)
         self.host, self.port = u.hostname, u.port
         self.counts: Counter = Counter()
+        self.events: list[tuple[float, float, str, str, int]] = []  # (start, end, kind, key, bytes up)
         self.lock = threading.Lock()
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # headers and body go out as two writes: with Nagle's algorithm the body would wait for
+            # the client's delayed ACK (40 ms on Linux), a stall of the proxy, not of the server
+            disable_nagle_algorithm = True
 
             def log_message(self, *args) -> None:
                 pass
 
             def _forward(self) -> None:
+                t0 = time.perf_counter()
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else None
                 kind = request_kind(self.command, self.path)
@@ -108,6 +113,8 @@ class CountingProxy:
                 if self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()
+                with proxy.lock:
+                    proxy.events.append((t0, time.perf_counter(), kind, self.path.partition("?")[0], n))
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
@@ -120,11 +127,46 @@ class CountingProxy:
         with self.lock:
             out = dict(self.counts)
             self.counts.clear()
+            self.events.clear()
+        return out
+
+    def take_events(self) -> list[tuple[float, float, str, str, int]]:
+        with self.lock:
+            out = sorted(self.events)
+            self.events.clear()
         return out
 
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def timeline(events, t0: float, t1: float, big: int = 1 << 20) -> list[str]:
+    """A compact request timeline of one variant (seconds from its start `t0` to its end `t1`):
+    small requests one a line, in order; the runs of large uploads / downloads (>= `big` bytes)
+    each as one line (count, when the first started and the last ended, MiB).
+
+    >>> ev = [(1.0, 1.1, "LIST", "/b/k", 0), (1.2, 2.0, "PUT", "/b/k/d/1", 2 << 20), (1.3, 2.2, "PUT", "/b/k/d/2", 2 << 20)]
+    >>> timeline(ev, 1.0, 2.5)
+    ['  +0.000 -> +0.100  LIST /b/k', '  +0.200 -> +1.200  2 x PUT (4 MiB)', '  end +1.500']
+    """
+    out, run = [], []
+
+    def close_run() -> None:
+        if run:
+            out.append(f"  +{run[0][0] - t0:.3f} -> +{max(e[1] for e in run) - t0:.3f}  {len(run)} x {run[0][2]} "
+                       f"({sum(e[4] for e in run) >> 20} MiB)")
+            run.clear()
+
+    for e in events:
+        if e[4] >= big:
+            run.append(e)
+            continue
+        close_run()
+        out.append(f"  +{e[0] - t0:.3f} -> +{e[1] - t0:.3f}  {e[2]} {e[3]}")
+    close_run()
+    out.append(f"  end +{t1 - t0:.3f}")
+    return out
 
 
 def paired_ratio(raw: list[float], store: list[float]) -> float:
@@ -222,7 +264,7 @@ def delete_all(url: str) -> None:
     delete_prefix(url)
 
 
-def run(server: str, mib: float, n_arrays: int, reps: int, writers: int) -> dict:
+def run(server: str, mib: float, n_arrays: int, reps: int, writers: int, show_timeline=()) -> dict:
     from servers import S3Server, GcsServer, environ
 
     arrays = make_arrays(mib, n_arrays)
@@ -231,6 +273,7 @@ def run(server: str, mib: float, n_arrays: int, reps: int, writers: int) -> dict
     times: dict[str, list[float]] = {v: [] for v in ("store_write", "raw_write", "store_read", "raw_read")}
     cpu: dict[str, list[tuple[float, float]]] = {v: [] for v in times}
     counts: dict[str, dict] = {}
+    timelines: dict[str, list[str]] = {v: [] for v in show_timeline}
     with make_server() as srv, environ(**srv.env):
         small = make_arrays(1, 2)  # warm-up, untimed: imports, connections, the server's first requests
         store_write(srv.url("bench/warm_store"), small, writers)
@@ -255,13 +298,15 @@ def run(server: str, mib: float, n_arrays: int, reps: int, writers: int) -> dict
             {"TENSORSTORE_GCS_HTTP_URL": proxy.url, "STORAGE_EMULATOR_HOST": proxy.url}
         try:
             with environ(**via):
-                for v, fn in (("store_write", lambda u: store_write(u, arrays, writers)),
-                              ("store_read", lambda u: store_read(u, arrays))):
-                    fn(srv.url("bench/counted_store"))
-                    counts[v] = proxy.take()
-                for v, fn in (("raw_write", lambda u: raw_write(u, arrays)),
-                              ("raw_read", lambda u: raw_read(u, arrays))):
-                    fn(srv.url("bench/counted_raw"))
+                for v, fn, where in (("store_write", lambda u: store_write(u, arrays, writers), "store"),
+                                     ("store_read", lambda u: store_read(u, arrays), "store"),
+                                     ("raw_write", lambda u: raw_write(u, arrays), "raw"),
+                                     ("raw_read", lambda u: raw_read(u, arrays), "raw")):
+                    t0 = time.perf_counter()
+                    fn(srv.url(f"bench/counted_{where}"))
+                    t1 = time.perf_counter()
+                    if v in timelines:
+                        timelines[v] = timeline(proxy.take_events(), t0, t1)
                     counts[v] = proxy.take()
             objects = len(srv.list_keys("bench/counted_store/"))
         finally:
@@ -281,6 +326,7 @@ def run(server: str, mib: float, n_arrays: int, reps: int, writers: int) -> dict
            "objects_per_checkpoint": objects,
            "requests": {k: {kind: n for kind, n in c.items() if not kind.startswith("bytes")} for k, c in counts.items()},
            "bytes_moved": {k: {kind: n for kind, n in c.items() if kind.startswith("bytes")} for k, c in counts.items()}}
+    out["timelines"] = timelines
     out["requests_per_GiB"] = {k: round(sum(c.values()) / gib, 1) for k, c in out["requests"].items()}
     return out
 
@@ -292,10 +338,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--writers", type=int, default=1)
     ap.add_argument("--server", choices=("s3", "gs", "both"), default="s3")
+    ap.add_argument("--timeline", action="store_true",
+                    help="print the requests of the counted store and raw writes on a time line")
     args = ap.parse_args(argv)
     results = []
     for server in (("s3", "gs") if args.server == "both" else (args.server,)):
-        r = run(server, args.mib, args.arrays, args.reps, args.writers)
+        r = run(server, args.mib, args.arrays, args.reps, args.writers,
+                ("store_write", "raw_write") if args.timeline else ())
         results.append(r)
         print(f"{server}: {r['bytes'] / 2**20:.0f} MiB in {r['arrays']} arrays, {r['writers']} writer(s), "
               f"median of {r['reps']}")
@@ -313,6 +362,9 @@ def main(argv=None) -> int:
             print(f"  requests {k:12s} {sum(c.values()):6d}  {dict(sorted(c.items()))}  "
                   f"({r['requests_per_GiB'][k]:.0f} per GiB; up {moved.get('bytes_up', 0) / 2**20:.1f} MiB, "
                   f"down {moved.get('bytes_down', 0) / 2**20:.1f} MiB)")
+        for k, lines in r.pop("timelines").items():
+            print(f"  timeline of the counted {k} (through the proxy):")
+            print("\n".join(lines))
     print("SUMMARY " + json.dumps(results))
     return 0
 

@@ -190,3 +190,40 @@ def test_s3_claim_whose_put_lost_the_race_is_refused(servers):
     assert landed and "\n" not in str(exc.value)
     assert kv.read_bytes(dst, remote.CLAIM_KEY) == theirs
     assert remote.held_remote(dst) is None
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_publish_refuses_when_the_claim_was_taken_over_or_the_marker_appeared(servers, scheme):
+    """`publish` checks the claim and the marker in one round trip before writing anything: with
+    another run's claim in place of ours, or a `_METADATA` that appeared meanwhile (both written
+    with the server's own client), it fails in one line and writes none of its files."""
+    from bridge.store import kvstore as kv
+    from bridge.store import remote
+
+    srv = servers[scheme]
+    files = [("_CHECKPOINT_METADATA", b"{}"), ("commit_success.txt", b"ok"), ("_METADATA", b"{}")]
+
+    def put(dst: str, name: str, body: bytes) -> None:
+        prefix = dst.split("/", 3)[3]
+        if scheme == "s3":
+            srv.client().put_object(Bucket=srv.buckets[0], Key=f"{prefix}/{name}", Body=body)
+        else:
+            url = (f"{srv.endpoint}/upload/storage/v1/b/{srv.buckets[0]}/o?uploadType=media&"
+                   f"name={quote(prefix + '/' + name, safe='')}")
+            urllib.request.urlopen(urllib.request.Request(url, data=body, method="POST")).read()
+
+    dst = srv.url("claims/publish-taken")
+    mine = remote.claim_remote(dst)
+    theirs = _their_claim(dst)
+    put(dst, remote.CLAIM_KEY, theirs)
+    with pytest.raises(BridgeError, match="no longer holds this run's claim") as exc:
+        mine.publish(files=files)
+    assert "\n" not in str(exc.value)
+    assert kv.list_keys(dst) == [remote.CLAIM_KEY] and kv.read_bytes(dst, remote.CLAIM_KEY) == theirs
+
+    dst = srv.url("claims/publish-marker")
+    mine = remote.claim_remote(dst)
+    put(dst, "_METADATA", b'{"theirs": 1}')
+    with pytest.raises(BridgeError, match="already exists"):
+        mine.publish(files=files)
+    assert kv.read_bytes(dst, "_CHECKPOINT_METADATA") is None and kv.read_bytes(dst, "commit_success.txt") is None

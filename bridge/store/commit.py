@@ -367,7 +367,10 @@ def save_checkpoint(dst: str, arrays: Mapping[Sequence[str] | str, np.ndarray], 
                     compression: str | None = None) -> str:
     """Single-process save of whole in-memory arrays (W writers run one after another).
 
-    Keys are path tuples or "/"-joined paths. Validates everything before creating any file.
+    Keys are path tuples or "/"-joined paths. Validates everything before creating any file. The
+    arrays are read in place, not copied (donated to the writer until it finishes, before this
+    returns): uploads start as soon as the writes are issued, the digests run beside them, and
+    no second copy of the state is held. Do not modify them from another thread meanwhile.
 
     >>> import tempfile; d = tempfile.mkdtemp()
     >>> save_checkpoint(d + "/ck", {("params", "w"): np.ones((4, 2), np.float32)}).endswith("ck")
@@ -385,7 +388,7 @@ def save_checkpoint(dst: str, arrays: Mapping[Sequence[str] | str, np.ndarray], 
                 for name, ap in plan.arrays.items():
                     for box in ap.ownership.boxes_owned_by(w):
                         block = data[name][box.slices]
-                        writer.write(name, box, block)
+                        writer.write(name, box, block, donate=True)
                         bar.update(block.nbytes)
                 reports.append(writer.finish(publish=False))
         return commit_checkpoint(dst, plan, manifest, timeout=10.0, claim=claim, reports=reports)

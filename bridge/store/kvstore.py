@@ -150,14 +150,19 @@ def read_bytes(root: str, key: str) -> bytes | None:
     return bytes(r.value) if r.state == "value" else None
 
 
-def read_json_many(root: str, keys: Sequence[str]) -> list:
-    """`read_json` of every key in `keys`, the reads issued at once (None for a missing object)."""
+def read_bytes_many(root: str, keys: Sequence[str]) -> list[bytes | None]:
+    """`read_bytes` of every key in `keys`, the reads issued at once (None for a missing object)."""
     store = open_store(root)
     try:
         got = [f.result() for f in [store.read(k) for k in keys]]
     except ValueError as e:
         _raise(e, root, "read objects of")
-    return [json.loads(bytes(r.value)) if r.state == "value" else None for r in got]
+    return [bytes(r.value) if r.state == "value" else None for r in got]
+
+
+def read_json_many(root: str, keys: Sequence[str]) -> list:
+    """`read_json` of every key in `keys`, the reads issued at once (None for a missing object)."""
+    return [None if d is None else json.loads(d) for d in read_bytes_many(root, keys)]
 
 
 def exists(root: str, key: str) -> bool:
@@ -179,6 +184,16 @@ def write_bytes(root: str, key: str, data: bytes, *, if_absent: bool = False) ->
     except ValueError as e:
         _raise(e, root, f"write {key} to")
     return bool(gen.generation)
+
+
+def write_bytes_many(root: str, items: Sequence[tuple[str, bytes]]) -> None:
+    """`write_bytes` of every (key, data) in `items`, the writes issued at once (no order among them)."""
+    store = open_store(root)
+    try:
+        for f in [store.write(k, d) for k, d in items]:
+            f.result()
+    except ValueError as e:
+        _raise(e, root, "write objects to")
 
 
 def write_json(root: str, key: str, obj: Any, *, if_absent: bool = False) -> bool:

@@ -40,7 +40,11 @@ METADATA = "_METADATA"
 
 
 def _load_claim(dst: str) -> ClaimInfo | None:
-    data = kv.read_bytes(dst, CLAIM_KEY)
+    return _parse_claim(kv.read_bytes(dst, CLAIM_KEY))
+
+
+def _parse_claim(data: bytes | None) -> ClaimInfo | None:
+    """The claim object's content, or None when absent or not a gtp-bridge claim."""
     if data is None:
         return None
     try:
@@ -88,29 +92,41 @@ class RemoteDestination(local_claim.HeldDestination):
         self.released = False
 
     def owned(self) -> bool:
-        other = _load_claim(self.dst)
-        return other is not None and other.run_id == self.run_id
+        return self._holds(_load_claim(self.dst))
+
+    def _holds(self, claim: ClaimInfo | None) -> bool:
+        return claim is not None and claim.run_id == self.run_id
+
+    def _lost(self) -> BridgeError:
+        return BridgeError(f"{self.dst} no longer holds this run's claim (removed or taken over by another run); "
+                           f"nothing was committed, rerun")
 
     def check_owned(self) -> None:
         if not self.owned():
-            raise BridgeError(f"{self.dst} no longer holds this run's claim (removed or taken over by another run); "
-                              f"nothing was committed, rerun")
+            raise self._lost()
+
+    def _check_owned_and_free(self) -> None:
+        """`check_owned`, and no marker at DST yet: the two reads issued at once (one round trip)."""
+        claim, marker = kv.read_bytes_many(self.dst, [CLAIM_KEY, self.marker])
+        if not self._holds(_parse_claim(claim)):
+            raise self._lost()
+        if marker is not None:
+            raise BridgeError(f"destination {self.dst} already exists; choose a new directory or remove it")
 
     def publish(self, payload: str | None = None, *, files: Sequence[tuple[str, bytes]] = (),
                 fsync: bool = True) -> str:
-        """Write `files` (name, bytes) in order, the marker (`_METADATA`) after all others, then drop
-        the claim. Returns DST.
+        """Write `files` (name, bytes), the marker (`_METADATA`) after all others have landed, then
+        drop the claim. Returns DST.
 
         `payload` must be DST itself (there is no temporary directory to publish from); `fsync` has
         no meaning here: an object is durable once its PUT returned."""
         if payload is not None and payload.rstrip("/") != self.dst:
             raise BridgeError(f"publish: {payload} is not this run's destination {self.dst}")
         try:
-            self.check_owned()
-            if kv.exists(self.dst, self.marker):
-                raise BridgeError(f"destination {self.dst} already exists; choose a new directory or remove it")
-            ordered = [f for f in files if f[0] != self.marker] + [f for f in files if f[0] == self.marker]
-            for name, data in ordered:
+            self._check_owned_and_free()
+            # the other files at once, then the marker alone: it must be the last object to land
+            kv.write_bytes_many(self.dst, [f for f in files if f[0] != self.marker])
+            for name, data in [f for f in files if f[0] == self.marker]:
                 kv.write_bytes(self.dst, name, data)
             self.published = True
         except BaseException:

@@ -64,10 +64,10 @@ def default_batch_bytes(remote: bool = False) -> int:
     Larger batches let OCDBT write more data files at once, which a many-core host with a deep disk
     queue turns into throughput; on a small host the staging memory they touch costs more than they
     bring (bench_store_write; figures in the README's performance section). On object storage each
-    data file is one PUT whose latency, not the host, bounds it, and one database commits its
-    transactions one after another (a second commit in flight does not start its PUTs early): the
-    PUTs in flight are the data files of one transaction, so a transaction must hold about as many
-    files as an object store wants requests in flight (bench_remote).
+    data file is one PUT whose latency, not the host, bounds it, and a writer has one commit in flight
+    (a second one would start its PUTs early, but makes OCDBT store some data twice, see
+    `CheckpointWriter`): the PUTs in flight are the data files of one transaction, so a transaction
+    must hold about as many files as an object store wants requests in flight (bench_remote).
 
     >>> default_batch_bytes(remote=True) // default_batch_bytes()
     4
@@ -215,9 +215,11 @@ class CheckpointWriter:
     """Writes the chunks `writer_id` owns into ``<tmp_dir>/ocdbt.process_<writer_id>/``.
 
     `commit_depth` = commits in flight while the next batch is staged. With 2, OCDBT sometimes
-    writes a transaction's data twice (an unreferenced copy left on disk for chunks written in
-    pieces, tests/test_store_writer_scale.py), so 1 is the default; 2 only where whole chunks are
-    donated in one write each (the live export's GPU path). `target_data_file_size`: OCDBT data file
+    writes a transaction's data twice (an unreferenced copy left on disk or on object storage, for
+    chunks written in pieces, tests/test_store_writer_scale.py, and also for whole chunks written in
+    one write each, seen with that test's converter-shaped load), so 1 is the default. On object
+    storage too, where a second commit in flight would start its uploads early: each copy is a
+    whole extra upload. `target_data_file_size`: OCDBT data file
     size (None: `specs.TARGET_DATA_FILE_SIZE`; benchmarks vary it). `staging` (None: on local
     disks, not on object storage): copy non-contiguous inner chunks into reused slabs (see
     bridge/store/staging.py) rather than let TensorStore copy them. On object storage the slabs of
