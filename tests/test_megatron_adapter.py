@@ -5,12 +5,14 @@ run and rank, the recorded `sharded_state_dict` entries and parameter attributes
 `map_params`; the resulting geometries place every rank's live bf16 shard and every optimizer
 fragment of the independent reference dump into logical arrays. Those are compared with what
 Megatron itself wrote (`dist_checkpointing` saves, read with the safe DCP reader) split into sections
-by an independent numpy de-interleave, and with each other (bf16(master) == weight). No megatron import.
+by an independent numpy de-interleave (hybrid runs: Megatron's own per-section keys of the Mamba / GDN
+projections, read as stored), and with each other (bf16(master) == weight). No megatron import.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,10 +35,7 @@ from converters.megatron.naming import strip_wrappers
 from converters.megatron.dcp_reader import DcpCheckpoint
 
 FIX = Path(__file__).parent / "fixtures" / "megatron"
-# Hybrid runs are left out: the live adapter does not map Megatron's per-section factories of the Mamba /
-# GDN projections (`_split_tensor_factory`) yet; convert and to-megatron do (tests/test_convert_hybrid.py).
-RUNS = sorted(p.parent.name for p in FIX.glob("*/sharded_state_dict.json")
-              if "hybrid" not in json.load(open(p.parent / "run.json"))["layout"])
+RUNS = sorted(p.parent.name for p in FIX.glob("*/sharded_state_dict.json"))
 
 
 def _bf16_to_f32(t: torch.Tensor) -> np.ndarray:
@@ -113,7 +112,7 @@ def run(request) -> Run:
 
 
 def test_fixtures_present():
-    assert {"tp1", "tp2", "dp2", "moe_ep2", "dp2_buckets", "gtp2_local", "gtp2_te"} <= set(RUNS)
+    assert {"tp1", "tp2", "dp2", "moe_ep2", "dp2_buckets", "gtp2_local", "gtp2_te", "hybrid", "hybrid_gdn"} <= set(RUNS)
 
 
 def test_every_param_maps_and_matches_its_physical_shard(run):
@@ -178,6 +177,14 @@ def _stored(run: Run, fmt: str, prefix: str = "") -> dict[str, np.ndarray]:
     npre = {e.key: e.prepend_axis_num for e in entries}
     out = {}
     for key, n in npre.items():
+        if prefix + key not in ck.tensors:
+            # Mamba / GDN fused projections: Megatron saves one key per section, read here as stored
+            secs = [k[len(prefix + key) + 1:] for k in ck.tensors if k.startswith(prefix + key + ".")]
+            secs = [s for s in secs if "." not in s]
+            assert len(secs) >= 2, f"{prefix}{key}: not in the save"
+            for sec in secs:
+                out[f"{strip_wrappers(key)}.{sec}"] = ck.read_full(f"{prefix}{key}.{sec}").to(torch.float32).numpy()
+            continue
         t = ck.read_full(prefix + key)
         arr = t.to(torch.float32).numpy() if isinstance(t, torch.Tensor) else np.asarray(t, np.float32)
         out.update(_split_sections(strip_wrappers(key), arr, n, run))
@@ -276,6 +283,21 @@ def test_backlink_binds_a_copy_and_unknown_backlinks_are_refused():
     bad = EntryRecord("copy", e.key, e.global_shape, e.global_offset, e.prepend_axis_num, backlink="nope.weight")
     with pytest.raises(BridgeError, match="nope.weight"):
         map_params(entries + [bad], params, r.layout, r.dims, 16)
+
+
+def test_per_section_factories_that_do_not_fit_are_refused():
+    """A Mamba in_proj whose saved sections do not add up to the live parameter, or whose section
+    names are no per-section kind, is one error naming the parameter and the key."""
+    r, entries, params = _one("hybrid")
+    e = next(e for e in entries if e.key == "decoder.layers.0.mixer.in_proj.weight")
+    assert [s for s, _ in e.sections] == ["z", "x", "B", "C", "dt"] and e.stored_shape == (132, 24)
+    rest = [x for x in entries if x is not e]
+    short = replace(e, sections=e.sections[:-1] + (("dt", 2),), global_shape=(130, 24))
+    with pytest.raises(BridgeError, match=r"layers.0.mixer.in_proj.weight: model entry .* global shape \(130, 24\)"):
+        map_params(rest + [short], params, r.layout, r.dims, 16)
+    odd = replace(e, sections=(("z", 64), ("x", 68)))
+    with pytest.raises(BridgeError, match=r"in_proj.weight saves sections \['z', 'x'\], which are no known"):
+        map_params(rest + [odd], params, r.layout, r.dims, 16)
 
 
 def test_wrong_layout_is_refused():

@@ -66,7 +66,7 @@ def _read_all(path: str) -> dict[str, np.ndarray]:
     return {".".join(p): ck.read(p) for p in ck.paths()}
 
 
-@pytest.mark.parametrize("name", ["tp2", "moe_ep2", "gtp2_local"])
+@pytest.mark.parametrize("name", ["tp2", "moe_ep2", "gtp2_local", "hybrid", "hybrid_gdn"])
 def test_replayed_export_equals_reference_and_converter(name, tmp_path):
     run = Run(name)
     dst = str(tmp_path / "live")
@@ -97,3 +97,6 @@ def test_replayed_export_equals_reference_and_converter(name, tmp_path):
     assert live_opt.no_decay and sorted(live_opt.no_decay) == sorted(conv_opt.no_decay)
     assert all(("params", *p.split("/")) in set(map(tuple, open_checkpoint(dst).paths())) for p in live_opt.no_decay)
     assert live_opt.clip_grad is None  # the replayed LiveRun records none (the converter: the saved args')
+    # Fused parameters (qkv, SwiGLU, Mamba / GDN per-section keys) carry the same section tables.
+    live_fused, conv_fused = open_checkpoint(dst).manifest.fused, open_checkpoint(conv).manifest.fused
+    assert live_fused and live_fused == conv_fused

@@ -242,6 +242,25 @@ def bucket_space_flat_chunks(key: str, info: TensorInfo, world_numel: int, dp: i
     return out
 
 
+def split_spec(sections: Iterable[tuple[str, int]]) -> FusedSpec | None:
+    """The section table of a fused parameter Megatron saves one key per section (`<key>.<section>`,
+    naming.SPLIT_SECTIONS), from each section's rows along the instance's dim 0; None when the
+    section names are no such kind. The one table both `merge_split_keys` (convert) and the live
+    adapter (`converters.megatron.live`) use, so both name the same arrays.
+
+    >>> split_spec([("B", 4), ("x", 8), ("C", 4)]).to_json()["sections"]
+    [['x', 8], ['B', 4], ['C', 4]]
+    >>> split_spec([("gate", 8), ("up", 8)]) is None
+    True
+    """
+    sections = list(sections)
+    kind = split_kind([s for s, _ in sections])  # exactly the kind's names, none repeated
+    if kind is None:
+        return None
+    rows = dict(sections)
+    return FusedSpec.concat([(s, rows[s]) for s in SPLIT_SECTIONS[kind]], name=kind)
+
+
 def merge_split_keys(ck: DcpCheckpoint) -> dict[str, FusedSpec]:
     """Read Megatron's per-section keys of a fused parameter (`<key>.<section>`, naming.SPLIT_SECTIONS:
     Mamba / GDN `in_proj`, `conv1d`) as the one tensor `<key>` the model and its optimizer hold.
@@ -281,7 +300,7 @@ def merge_split_keys(ck: DcpCheckpoint) -> dict[str, FusedSpec]:
                 chunks.append(ChunkInfo(off, c.sizes, c.storage))
             start += t.shape[axis]
         merged[parent] = TensorInfo(parent, first.dtype, first.shape[:axis] + (start,) + first.shape[axis + 1:], chunks)
-        specs[parent] = FusedSpec.concat([(s, t.shape[axis]) for s, t in zip(SPLIT_SECTIONS[kind], parts)], name=kind)
+        specs[parent] = split_spec([(s, t.shape[axis]) for s, t in zip(SPLIT_SECTIONS[kind], parts)])
     if merged:
         out: dict[str, TensorInfo] = {}
         for key, info in ck.tensors.items():

@@ -37,6 +37,12 @@ entries carry the chunk's global layer offset), so, as for PP, the exporter / re
 stacked-axes indices and no chunk arithmetic. The embedding lives on chunk 0 of the first stage, the
 final norm and output layer on the last chunk of the last stage.
 
+Hybrid models (Mamba / Gated DeltaNet): megatron-core saves each fused SSM projection through a
+factory that builds one key per section (`in_proj.weight.{z,x,B,C,dt}`, `conv1d.{weight,bias}.{x,B,C}`,
+GDN `in_proj.weight.{query,key,value,z,beta,alpha}`, ...) while the model and its optimizer hold one
+fused parameter. The entry's sections (`split_factory`) give the parameter's section table through
+`format.split_spec`, the one table `convert` uses for the same keys, so both write the same arrays.
+
 Writer election: one `LocalParam` carries both the weight (replicated across DP) and this rank's
 optimizer fragment (unique to it), so Megatron's `replica_id` cannot become one `main_replica`
 flag. Instead, for export, copies that are TP / GTP replicas (`replica_id[:2] != (0, 0)`: layer
@@ -58,7 +64,8 @@ from bridge.errors import BridgeError
 from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
-from converters.megatron.naming import is_routed_expert, logical_key, module_of
+from converters.megatron.format import split_spec
+from converters.megatron.naming import SPLIT_SECTIONS, is_routed_expert, logical_key, module_of
 
 if TYPE_CHECKING:
     from bridge.live.api import AdamConfig, LiveRun, LocalParam, ReloadResult
@@ -94,6 +101,9 @@ class EntryRecord:
     `decoder.layers.mlp.linear_fc1.layer_norm_weight`). For a factory the shape fields are those of
     its built sub-tensors (same global shape and stacked-axes offsets for every section).
     `backlink` names the live parameter a dequantized / trimmed copy points at, if any.
+    `sections`: for a factory Megatron saves one key per section (Mamba / GDN `in_proj`, `conv1d`:
+    `<key>.<section>`, naming.SPLIT_SECTIONS), each section's global rows along the instance's dim 0,
+    in build order; the shape fields are then those of the whole fused parameter (`split_factory`).
     """
 
     name: str
@@ -105,6 +115,7 @@ class EntryRecord:
     factory: str | None = None
     allow_shape_mismatch: bool = False
     backlink: str | None = None
+    sections: tuple[tuple[str, int], ...] = ()
 
     @property
     def prepend(self) -> tuple[int, ...]:
@@ -187,6 +198,33 @@ class ParamMapping:
         return self.geometry.index
 
 
+def split_factory(key: str, built: Sequence[tuple[str, Sequence[int], int]]
+                  ) -> tuple[tuple[int, ...], tuple[tuple[str, int], ...]]:
+    """Global shape and sections of a factory from its built sub-tensors `(key, global_shape,
+    prepend_axis_num)`: when every sub-tensor is a per-section key `<key>.<section>`, the sections
+    are stacked along the instance's dim 0 (as `format.merge_split_keys` reads them from a save);
+    otherwise (SwiGLU: every sub-tensor under the factory's own key) the first sub-tensor's shape
+    and no sections.
+
+    >>> split_factory("m.conv1d.bias", [("m.conv1d.bias.x", (8,), 0), ("m.conv1d.bias.B", (4,), 0),
+    ...                                 ("m.conv1d.bias.C", (4,), 0)])
+    ((16,), (('x', 8), ('B', 4), ('C', 4)))
+    >>> split_factory("m.linear_fc1.weight", [("m.linear_fc1.weight", (2, 16, 8), 1)] * 2)
+    ((2, 16, 8), ())
+    """
+    first, axis = tuple(built[0][1]), int(built[0][2])
+    if not all(k.startswith(key + ".") and "." not in k[len(key) + 1:] for k, _s, _a in built):
+        return first, ()
+    rest = first[:axis] + first[axis + 1:]
+    for k, shape, a in built:
+        shape = tuple(shape)
+        if int(a) != axis or len(shape) <= axis or shape[:axis] + shape[axis + 1:] != rest:
+            raise BridgeError(f"factory {key}: its per-section sub-tensors differ outside dim {axis} "
+                              f"({k}: {shape}, {built[0][0]}: {first}); unknown format")
+    sections = tuple((k[len(key) + 1:], int(shape[axis])) for k, shape, _a in built)
+    return first[:axis] + (sum(r for _s, r in sections),) + first[axis + 1:], sections
+
+
 def _tp_kind(p: ParamRecord, key: str) -> str:
     if not p.tensor_model_parallel:
         return "replicated"
@@ -199,14 +237,24 @@ def _tp_kind(p: ParamRecord, key: str) -> str:
 
 
 def _fused(p: ParamRecord, e: EntryRecord, key: str, rows: int, dims: ModelDims | None) -> FusedSpec | None:
-    """Section table: SwiGLU from Megatron's factory, qkv from the attention head layout."""
+    """Section table: SwiGLU from Megatron's factory, per-section keys (Mamba / GDN) from the factory's
+    sub-tensors, qkv from the attention head layout."""
+    if e.sections:
+        spec = split_spec(e.sections)
+        if spec is None:
+            raise BridgeError(f"{p.name}: factory {e.key} saves sections {[s for s, _r in e.sections]}, which are no "
+                              f"known per-section parameter ({', '.join(SPLIT_SECTIONS)}); unsupported")
+        if spec.rows != rows:
+            raise BridgeError(f"{p.name}: the sections of {e.key} ({dict(e.sections)}) add up to {spec.rows} rows, the "
+                              f"live parameter has {rows}")
+        return spec
     if e.factory is not None and "swiglu" in e.factory:
         if rows % 2:
             raise BridgeError(f"{p.name}: SwiGLU parameter with an odd row count {rows}")
         return FusedSpec.swiglu(rows // 2)
     if e.factory is not None:
         raise BridgeError(f"{p.name}: unsupported sharded-state-dict factory {e.factory!r} (key {e.key}); "
-                          "only SwiGLU linear_fc1 factories are mapped")
+                          "only SwiGLU linear_fc1 and per-section (Mamba / GDN) factories are mapped")
     if module_of(key) == "linear_qkv" and key.split(".")[-1] in ("weight", "bias"):
         if dims is None:
             raise BridgeError(f"{p.name}: fused qkv needs the head layout; pass ModelDims (num_attention_heads, "
@@ -371,21 +419,26 @@ def entries_from_description(records: Iterable[Mapping[str, Any]]) -> list[Entry
     them (path `["model", <name>, "<built>", i]`).
     """
     records = list(records)
-    built: dict[str, Mapping[str, Any]] = {}
+    built: dict[str, list[Mapping[str, Any]]] = {}
     for r in records:
         path = r.get("path", [])
         if len(path) >= 3 and path[0] == "model" and path[2] == "<built>" and r.get("kind") == "tensor":
-            built.setdefault(path[1], r)
+            built.setdefault(path[1], []).append(r)
     out = []
     for r in records:
         path = r.get("path", [])
         if len(path) != 2 or path[0] != "model" or r.get("kind") not in ("tensor", "factory"):
             continue
-        shape_src = r if r["kind"] == "tensor" else built.get(path[1])
-        if shape_src is None:
-            raise BridgeError(f"factory {r.get('key')} has no built sub-tensor in the description")
+        shape_src, shape, sections = r, tuple(r.get("global_shape", ())), ()
+        if r["kind"] == "factory":
+            subs = built.get(path[1])
+            if not subs:
+                raise BridgeError(f"factory {r.get('key')} has no built sub-tensor in the description")
+            shape_src = subs[0]
+            shape, sections = split_factory(r["key"], [(b["key"], b["global_shape"], b["prepend_axis_num"])
+                                                       for b in subs])
         out.append(EntryRecord(
-            name=path[1], key=r["key"], global_shape=tuple(shape_src["global_shape"]),
+            name=path[1], key=r["key"], global_shape=shape, sections=sections,
             global_offset=tuple(shape_src["global_offset"]), prepend_axis_num=int(shape_src["prepend_axis_num"]),
             replica_id=tuple(r["replica_id"]) if isinstance(r.get("replica_id"), list) else (r.get("replica_id"),),
             factory=r.get("build_fn") if r["kind"] == "factory" else None,
@@ -594,8 +647,10 @@ def live_entries(inner: Any, metadata: Mapping[str, Any] | None = None) -> tuple
             if not subs:
                 raise BridgeError(f"factory {x.key} built no ShardedTensor")
             t, st, factory = x.data, subs[0], getattr(x.build_fn, "__qualname__", repr(x.build_fn))
+            shape, sections = split_factory(x.key, [(v.key, v.global_shape, v.prepend_axis_num) for v in subs])
         elif isinstance(x, ShardedTensor):
             t, st, factory = x.data, x, None
+            shape, sections = tuple(x.global_shape), ()
         else:
             continue
         src = _backlink(t) if t is not None else None
@@ -607,8 +662,9 @@ def live_entries(inner: Any, metadata: Mapping[str, Any] | None = None) -> tuple
             if backlink is None:
                 raise BridgeError(f"model entry {x.key}: its backlink points at a tensor that is no parameter of the model")
         rid = x.replica_id if isinstance(x.replica_id, tuple) else (x.replica_id,)
-        out.append(EntryRecord(name, x.key, tuple(st.global_shape), tuple(st.global_offset), int(st.prepend_axis_num),
-                               tuple(int(r) for r in rid), factory, bool(st.allow_shape_mismatch), backlink))
+        out.append(EntryRecord(name, x.key, shape, tuple(st.global_offset), int(st.prepend_axis_num),
+                               tuple(int(r) for r in rid), factory, bool(st.allow_shape_mismatch), backlink,
+                               sections))
         data[name] = t
     return out, data
 
