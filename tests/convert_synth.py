@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import megatron_pp_reference
+
 L, H, NQ, NG, HD, F, V = 2, 8, 4, 2, 2, 12, 32
 QKV = (NQ + 2 * NG) * HD
 
@@ -250,14 +252,18 @@ def model_space_entries(st: dict[str, dict[str, np.ndarray]], tp: int, fully: bo
 
 
 def chunk_of(name: str, layer: int | None, pp: int, vpp: int) -> tuple[int, int]:
-    """(stage, virtual chunk) holding a param: with vpp chunks per stage, the layers are cut into pp·vpp
-    equal runs, run c on stage c % pp as its chunk c // pp; the embedding in the first run, the rest last."""
+    """(stage, virtual chunk) holding a param: with vpp chunks per stage, where megatron-core's own
+    get_transformer_layer_offset / get_num_layers_to_build put the layer (`megatron_pp_reference`, the
+    split of `uneven(...)`; even: the layers cut into pp·vpp equal runs, run c on stage c % pp as its
+    chunk c // pp); the embedding in the first chunk of the first stage, the rest in the last of the last."""
     if vpp == 1:
         return stage_of(name, layer, pp), 0
     if layer is None:
         return (0, 0) if name.startswith("embedding.") else (pp - 1, vpp - 1)
-    c = layer // (L // (pp * vpp))
-    return c % pp, c // pp
+    first, last, emb, loss = SPLIT
+    placed = megatron_pp_reference.placement(megatron_pp_reference.Config(L, pp, vpp, first, last, emb, loss))
+    assert not isinstance(placed, str), f"megatron-core refuses this split ({placed})"
+    return next(k for k, layers in placed.items() if layer in layers)
 
 
 def dp_buffers(st, tp: int, dp: int, bucket_size: int | None = None,

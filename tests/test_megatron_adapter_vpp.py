@@ -405,7 +405,10 @@ def test_to_megatron_vpp_save_converts_to_the_live_export(exported, tmp_path):
 @pytest.mark.parametrize("flags,say", [
     (["--pp", "2", "--vpp", "3"], r"4 layers per pipeline stage do not split into 3 virtual chunks: .*--vpp"),
     (["--pp", "1", "--vpp", "2"], r"needs pipeline stages \(PP > 1\): to-megatron's --vpp needs --pp > 1"),
-    (["--pp", "2", "--vpp", "2", "--pp-first-layers", "1"], r"only an even split.*--pp-first-layers.*or --vpp"),
+    (["--pp", "2", "--vpp", "2", "--pp-first-layers", "1"],
+     r"--decoder-first-pipeline-num-layers 1 does not split into 2 virtual pipeline chunks"),
+    (["--pp", "2", "--vpp", "2", "--pp-first-layers", "4", "--pp-last-layers", "4"],
+     r"together with --virtual-pipeline-model-parallel-size .*need PP > 2"),
 ])
 def test_impossible_virtual_splits_name_the_flags(exported, flags, say, tmp_path, capsys):
     from bridge.cli import main

@@ -329,11 +329,18 @@ EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"   # on the last stage of a tied run: a copy of the word embeddings
 
 
+FIRST_FLAG = "--decoder-first-pipeline-num-layers"
+LAST_FLAG = "--decoder-last-pipeline-num-layers"
+VPP_FLAG = "--virtual-pipeline-model-parallel-size (to-megatron's --vpp)"
+SPLIT_FLAGS = "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split"
+
+
 @dataclass(frozen=True)
 class PipelineSplit:
-    """How megatron-core 0.19.2 places the decoder layers on pipeline stages
-    (`get_num_layers_to_build`, `get_transformer_layer_offset`) and whether the output layer is
-    tied to the word embeddings (`share_embeddings_and_output_weights`).
+    """How megatron-core 0.19.2 places the decoder layers on pipeline stages and their virtual chunks
+    (`get_num_layers_to_build`, `get_transformer_layer_offset`, the checks of
+    `TransformerConfig.__post_init__`) and whether the output layer is tied to the word embeddings
+    (`share_embeddings_and_output_weights`).
 
     `first` / `last`: `decoder_first_pipeline_num_layers` / `decoder_last_pipeline_num_layers` (the
     other stages split the rest evenly); `embedding_in_split` / `loss_in_split`:
@@ -367,18 +374,17 @@ class PipelineSplit:
             raise BridgeError(f"virtual pipeline size {self.vpp} needs pipeline stages (PP > 1): to-megatron's --vpp "
                               f"needs --pp > 1, as a run's --virtual-pipeline-model-parallel-size needs "
                               f"--pipeline-model-parallel-size > 1")
-        if self.vpp > 1 and not self.even:
-            raise BridgeError("virtual pipeline chunks with uneven first / last stages or the embedding / loss counted "
-                              "in the split are not supported; only an even split into virtual chunks is (drop "
-                              "--pp-first-layers / --pp-last-layers / --account-for-embedding/loss-in-pipeline-split, "
-                              "or --vpp)")
         if (self.first is not None or self.last is not None) and (self.embedding_in_split or self.loss_in_split):
-            raise BridgeError("uneven first / last pipeline stages cannot be combined with accounting for the "
-                              "embedding / loss in the pipeline split (megatron-core refuses it too)")
-        for what, n in (("decoder_first_pipeline_num_layers", self.first),
-                        ("decoder_last_pipeline_num_layers", self.last)):
-            if n is not None and (type(n) is not int or n < 0):
-                raise BridgeError(f"{what}={n!r} must be a non-negative integer")
+            raise BridgeError(f"{FIRST_FLAG} / {LAST_FLAG} cannot be combined with {SPLIT_FLAGS} "
+                              "(megatron-core refuses it too)")
+        for flag, n in ((FIRST_FLAG, self.first), (LAST_FLAG, self.last)):
+            if n is not None and (type(n) is not int or n <= 0):
+                raise BridgeError(f"{flag} {n!r} must be a positive integer (megatron-core refuses 0 layers there)")
+        if self.vpp > 1 and self.first is not None and self.last is not None and self.pp == 2:
+            # get_transformer_layer_offset divides the middle layers by the middle stages, of which there are none
+            raise BridgeError(f"{FIRST_FLAG} and {LAST_FLAG} together with {VPP_FLAG} need PP > 2: megatron-core "
+                              "0.19.2 fails with no middle pipeline stage (ZeroDivisionError in "
+                              "get_transformer_layer_offset); drop one of them")
 
     @property
     def even(self) -> bool:
@@ -386,24 +392,38 @@ class PipelineSplit:
         return self.first is None and self.last is None and not self.embedding_in_split and not self.loss_in_split
 
     def counts(self, num_layers: int) -> list[int]:
-        """Decoder layers of each stage; a BridgeError when Megatron would refuse the split.
+        """Decoder layers of each stage (all its virtual chunks); a BridgeError naming the flags when
+        megatron-core would refuse the split.
 
         >>> PipelineSplit(pp=3, last=2).counts(6), PipelineSplit(pp=2).counts(4)
         ([2, 2, 2], [2, 2])
         """
-        pp = self.pp
+        return [sum(len(self.layers(num_layers, p, v)) for v in range(self.vpp)) for p in range(self.pp)]
+
+    def _per_rank(self, num_layers: int) -> list[int]:
+        """Layers per stage as Megatron counts them before taking out the embedding / loss layer
+        (each a multiple of vpp), checked as `TransformerConfig.__post_init__` checks them."""
+        pp, vpp = self.pp, self.vpp
         if pp == 1:
             return [num_layers]
-        if not (self.first is None and self.last is None):
+        vflag = f" with {VPP_FLAG} {vpp}" if vpp > 1 else ""
+        if self.first is not None or self.last is not None:
             rest, left = num_layers, pp
-            for n in (self.first, self.last):
+            for flag, n in ((FIRST_FLAG, self.first), (LAST_FLAG, self.last)):
                 if n is not None:
+                    if n % vpp:
+                        raise BridgeError(f"{flag} {n} does not split into {vpp} virtual pipeline chunks{vflag}: "
+                                          "megatron-core needs it divisible by the virtual pipeline size")
                     rest, left = rest - n, left - 1
-            if rest < 0 or (left and rest % left) or (not left and rest):
-                raise BridgeError(f"{num_layers} layers do not split over {pp} pipeline stages with "
-                                  f"decoder_first_pipeline_num_layers={self.first}, decoder_last_pipeline_num_layers="
-                                  f"{self.last}: the other stages must share the rest evenly")
+            if rest < 0 or bool(rest) != bool(left) or (left and rest % left):
+                raise BridgeError(f"{num_layers} layers do not split over {pp} pipeline stages with {FIRST_FLAG} "
+                                  f"{self.first}, {LAST_FLAG} {self.last}: the other stages must share the rest "
+                                  "evenly (and hold at least one layer each)")
             mid = rest // left if left else 0
+            if mid % vpp:
+                raise BridgeError(f"{mid} layers on each middle pipeline stage do not split into {vpp} virtual "
+                                  f"pipeline chunks ({FIRST_FLAG} {self.first}, {LAST_FLAG} {self.last}{vflag}): "
+                                  "megatron-core needs them divisible by the virtual pipeline size")
             out = [mid] * pp
             if self.first is not None:
                 out[0] = self.first
@@ -412,35 +432,57 @@ class PipelineSplit:
             return out
         total = num_layers + int(self.embedding_in_split) + int(self.loss_in_split)
         if total % pp:
-            extra = (" (with the embedding / loss counted as layers)" if total != num_layers else "")
+            extra = f" (with {SPLIT_FLAGS}: {total})" if total != num_layers else ""
             raise BridgeError(f"{num_layers} layers{extra} do not split evenly over {pp} pipeline stages; pass the "
-                              f"run's decoder_first/last_pipeline_num_layers or account_for_embedding/loss flags")
-        out = [total // pp] * pp
-        out[0] -= int(self.embedding_in_split)
-        out[-1] -= int(self.loss_in_split)
-        if min(out) < 0:
-            raise BridgeError(f"{num_layers} layers over {pp} stages leave no room for the embedding / loss stage")
-        if out[0] % self.vpp:   # (virtual chunks come with an even split only: __post_init__)
-            raise BridgeError(f"{out[0]} layers per pipeline stage do not split into {self.vpp} virtual chunks: "
-                              f"megatron-core needs the virtual pipeline size (to-megatron's --vpp, a run's "
-                              f"--virtual-pipeline-model-parallel-size) to divide the layers per stage (--pp)")
-        return out
+                              f"run's {FIRST_FLAG} / {LAST_FLAG} or {SPLIT_FLAGS}")
+        if (total // pp) % vpp:
+            raise BridgeError(f"{total // pp} layers per pipeline stage do not split into {vpp} virtual chunks: "
+                              f"megatron-core needs {VPP_FLAG} to divide the layers per stage (--pp"
+                              + (f", counting {SPLIT_FLAGS}" if total != num_layers else "") + ")")
+        return [total // pp] * pp
 
     def layers(self, num_layers: int, p: int, v: int = 0) -> range:
-        """Global decoder layers of stage `p` (its virtual chunk `v`: interleaved, chunk v of stage p
-        is the (v·pp + p)-th run of num_layers / (pp·vpp) layers, as get_transformer_layer_offset).
+        """Global decoder layers of stage `p`'s virtual chunk `v`, exactly as megatron-core 0.19.2's
+        `get_transformer_layer_offset` / `get_num_layers_to_build` place them.
+
+        With virtual chunks each stage's layers are cut into vpp equal chunks (less the embedding /
+        loss layer on the first chunk of the first stage / the last chunk of the last), and chunk v
+        of every stage comes after chunk v - 1 of all of them: chunk v starts at v·(layers per
+        round), stage p's part of it after the earlier stages' parts. E.g. 8 layers, PP 3, VPP 2,
+        first 2, last 2 (middle stage 4): chunk 0 = [0] [1, 2] [3], chunk 1 = [4] [5, 6] [7].
 
         >>> s = PipelineSplit(pp=2, vpp=2)
         >>> [s.layers(8, p, v) for p in range(2) for v in range(2)]     # stage 0: [0, 1] [4, 5]
         [range(0, 2), range(4, 6), range(2, 4), range(6, 8)]
+        >>> s = PipelineSplit(pp=3, vpp=2, first=2, last=2)
+        >>> [s.layers(8, p, v) for p in range(3) for v in range(2)]
+        [range(0, 1), range(4, 5), range(1, 3), range(5, 7), range(3, 4), range(7, 8)]
+        >>> s = PipelineSplit(pp=2, vpp=2, embedding_in_split=True, loss_in_split=True)
+        >>> [s.layers(6, p, v) for p in range(2) for v in range(2)]     # 8 "layers": 2 per chunk
+        [range(0, 1), range(3, 5), range(1, 3), range(5, 6)]
         """
-        counts = self.counts(num_layers)
-        if self.vpp > 1:
-            n = counts[p] // self.vpp   # (counts refuses a stage that does not split into vpp chunks)
-            start = v * (num_layers // self.vpp) + p * n
-            return range(start, start + n)
-        start = sum(counts[:p])
-        return range(start, start + counts[p])
+        if not (0 <= p < self.pp and 0 <= v < self.vpp):
+            raise BridgeError(f"pipeline stage {p} / virtual chunk {v} outside PP={self.pp}, VPP={self.vpp}")
+        per = self._per_rank(num_layers)
+        vpp, emb, loss = self.vpp, int(self.embedding_in_split), int(self.loss_in_split)
+        n = per[p] // vpp
+        if vpp == 1:
+            start = sum(per[:p]) - (emb if p > 0 else 0)
+        elif self.first is not None or self.last is not None:
+            f_v = (self.first or 0) // vpp
+            m_v = (num_layers - (self.first or 0) - (self.last or 0)) // vpp
+            middle = self.pp - (self.first is not None) - (self.last is not None)
+            start = v * (f_v + m_v + (self.last or 0) // vpp)
+            if p > 0:
+                start += f_v + (p - (self.first is not None)) * (m_v // middle)
+        else:
+            start = v * ((num_layers + emb + loss) // vpp) + p * n - (emb if (p, v) != (0, 0) else 0)
+        n -= emb if (p, v) == (0, 0) else 0
+        n -= loss if (p, v) == (self.pp - 1, vpp - 1) else 0
+        if n < 0:
+            raise BridgeError(f"{num_layers} layers over {self.pp} stages (VPP {vpp}) leave no room for the "
+                              f"embedding / loss layer ({SPLIT_FLAGS})")
+        return range(start, start + n)
 
     def holds(self, name: str, p: int, v: int = 0) -> bool:
         """Whether stage `p`'s virtual chunk `v` holds non-layer parameter `name`: the embedding the
