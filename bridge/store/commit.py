@@ -43,7 +43,7 @@ from bridge.format.manifest import ArrayRecord, Manifest, custom_metadata
 from bridge.format.seal import CHECKSUM_KEY, seal_metadata
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.format.tree import path_str, tree_metadata
-from bridge.store.writer import REPORT_DIR, CheckpointWriter, report_key, report_path
+from bridge.store.writer import REPORT_DIR, CheckpointWriter, report_key, report_path, slot_databases
 from bridge.location import absolute, basename, is_remote
 
 ITEM_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
@@ -214,7 +214,8 @@ def check_writer_databases(tmp_dir: str, plan: WritePlan) -> list[int]:
 
 
 def merge_writer_databases(tmp_dir: str, writers: Sequence[int]) -> None:
-    """Copy every writer DB's B-tree entries into the root DB (one shared Context, one transaction).
+    """Copy every writer DB's B-tree entries into the root DB (one shared Context, one transaction);
+    a writer's commit-slot databases (`slot_databases`) too.
 
     Every writer listed must have its database (BridgeError naming the missing ones)."""
     import tensorstore as ts
@@ -226,8 +227,7 @@ def merge_writer_databases(tmp_dir: str, writers: Sequence[int]) -> None:
     parent = ts.KvStore.open(specs.ocdbt_kvstore(tmp_dir, write=True), context=ctx).result()
     txn = ts.Transaction(atomic=True)
     futures = []
-    for w in writers:
-        db = specs.writer_db_dir(tmp_dir, w)
+    for db in [d for w in writers for d in [specs.writer_db_dir(tmp_dir, w), *slot_databases(tmp_dir, w)]]:
         # Same base-kvstore spec as the parent: CopyRange only works within one file kvstore.
         child = ts.KvStore.open(specs.ocdbt_kvstore(db, write=True), context=ctx).result()
         futures.append(child.experimental_copy_range_to(parent.with_transaction(txn)))
