@@ -11,7 +11,7 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 
 
 @pytest.mark.parametrize("name", ["bench_store_write", "bench_ocdbt_commits", "bench_jax_restore", "bench_many_arrays",
-                                  "bench_verify", "scale_synth", "bench_remote"])
+                                  "bench_verify", "scale_synth", "bench_remote", "bench_remote_reads"])
 def test_doctests(name):
     spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)

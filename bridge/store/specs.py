@@ -33,6 +33,20 @@ OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_00
 # in the README's performance section).
 # A writer-side knob only: readers follow the B-tree, whatever the file sizes.
 TARGET_DATA_FILE_SIZE = 16 << 20
+# Readers' pool for zarr metadata and zarr3 shard indexes (16 bytes per inner chunk: a 1 GiB shard
+# of 1 MiB inner chunks has a 16 KiB index). TensorStore keeps them in the driver's
+# `metadata_cache_pool`, by default the data pool, which holds nothing (`context_spec`): so each
+# read of part of a shard (a device's box, a verify block, a slice for Megatron) that no other
+# read of the shard overlapped fetched and checksummed its index again, one more request per box
+# on object storage.
+METADATA_POOL_BYTES = 64 << 20
+# Object storage reads as Orbax issues them (its values): OCDBT merges reads of one data file that
+# arrive within 1 ms (or while an earlier read of it is in flight) and lie at most 1 MB apart into
+# one request, so the inner chunks of a box are a ranged GET or two per data file, not one per inner
+# chunk (each GET is billed and waits a round trip).
+READ_COALESCING = {"experimental_read_coalescing_threshold_bytes": 1_000_000,
+                   "experimental_read_coalescing_merged_bytes": 500_000_000_000,
+                   "experimental_read_coalescing_interval": "1ms"}
 
 
 def max_chunk_bytes(root: str) -> int:
@@ -247,15 +261,21 @@ def array_read_spec(root: str, name: str, *, use_ocdbt: bool = True, use_zarr3: 
     if name in ("", ".", "..") or "/" in name or "\\" in name:
         raise BridgeError(f"array name {name!r} would escape the checkpoint directory; the checkpoint is unsafe")
     kv = ocdbt_kvstore(root, name) if use_ocdbt else file_kvstore(f"{root.rstrip('/')}/{name}")
+    if use_ocdbt and is_remote(root):
+        kv.update(READ_COALESCING)
     return {"driver": "zarr3" if use_zarr3 else "zarr", "kvstore": kv, "open": True,
             "fill_missing_data_reads": bool(fill_missing),
+            "metadata_cache_pool": "cache_pool#metadata",
             "recheck_cached_data": False, "recheck_cached_metadata": False}
 
 
 def context_spec(io_concurrency: int = 64) -> dict:
     """Shared ts.Context resources (one Context must serve both sides of an OCDBT merge)."""
     # Chunk data is never cached (each byte is read once); OCDBT B-tree nodes are, as in Orbax.
+    # Shard indexes are (`array_read_spec`'s metadata pool): with none, every read of part of a
+    # shard fetches its index again.
     # TensorStore fsyncs every file it writes (file_io_sync, its default); leaving that to one
     # parallel fsync pass at the end measured no faster (bench_store_write).
     return {"file_io_concurrency": {"limit": io_concurrency}, "cache_pool": {"total_bytes_limit": 0},
-            "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}}
+            "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+            "cache_pool#metadata": {"total_bytes_limit": METADATA_POOL_BYTES}}

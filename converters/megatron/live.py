@@ -28,7 +28,14 @@ is global and the exporter / reload need no stage arithmetic: the logical checkp
 whatever PP (even or uneven split) wrote it. The embedding lives on the first stage, the final
 norm and an untied output layer on the last; a tied output layer on the last stage is bound to
 the embedding's key as a replica Megatron does not write (`replica_id[0] = 1`), so export leaves
-it out and reload fills it. Virtual pipeline chunks are refused.
+it out and reload fills it.
+
+Virtual pipeline (VPP > 1): each stage passes Megatron's `model` list, one chunk per virtual stage
+(built with its own `vp_stage`), and the one DistributedOptimizer over all of them (one DDP buffer
+per chunk). Each chunk is bound on its own (`map_chunks`: its layers are named locally again, its
+entries carry the chunk's global layer offset), so, as for PP, the exporter / reload see global
+stacked-axes indices and no chunk arithmetic. The embedding lives on chunk 0 of the first stage, the
+final norm and output layer on the last chunk of the last stage.
 
 Writer election: one `LocalParam` carries both the weight (replicated across DP) and this rank's
 optimizer fragment (unique to it), so Megatron's `replica_id` cannot become one `main_replica`
@@ -63,6 +70,7 @@ __all__ = [
     "ModelDims",
     "ParamMapping",
     "map_params",
+    "map_chunks",
     "adam_config_from_groups",
     "common_step",
     "merge_adam_configs",
@@ -311,6 +319,50 @@ def map_params(entries: Iterable[EntryRecord], params: Iterable[ParamRecord], la
     return out
 
 
+VPP_FLAGS = "--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage"
+
+
+def map_chunks(chunks: Sequence[tuple[Iterable[EntryRecord], Iterable[ParamRecord]]], layout: ParallelLayout,
+               dims: ModelDims | None, pad_for_alignment: int = 16, rank: int = 0,
+               vpp: int | None = None) -> list[list[ParamMapping]]:
+    """`map_params` of each model chunk of a rank (virtual pipeline: Megatron's `model` list).
+
+    Chunks are bound separately: their parameters share local names (`decoder.layers.0...` in every
+    chunk) and each chunk's entries carry its own global layer offset. `vpp` is the run's virtual
+    pipeline size (None or 1: one chunk); the chunks passed must be all of them, and no two may hold
+    the same logical instance (chunks built without their own `vp_stage` would).
+
+    >>> p = ParamRecord("decoder.layers.0.norm.weight", (4,))
+    >>> def chunk(layer):
+    ...     return [EntryRecord(p.name, "decoder.layers.norm.weight", (4, 4), (layer, 0), 1)], [p]
+    >>> [[m.index for m in ms] for ms in map_chunks([chunk(0), chunk(2)], ParallelLayout(pp=2), None, vpp=2)]
+    [[(0,)], [(2,)]]
+    """
+    chunks = list(chunks)
+    want = vpp or 1
+    if want > 1 and layout.pp == 1:
+        raise BridgeError(f"virtual pipeline size {want} without pipeline stages (PP=1): megatron-core interleaves "
+                          f"model chunks over PP > 1 stages only; check {VPP_FLAGS}")
+    if len(chunks) != want:
+        raise BridgeError(f"rank {rank}: {len(chunks)} model chunk(s) passed, the run's virtual pipeline size is "
+                          f"{want} ({VPP_FLAGS}); pass Megatron's whole `model` list, one chunk per virtual stage")
+    out: list[list[ParamMapping]] = []
+    held: dict[tuple[str, tuple[int, ...]], int] = {}
+    for v, (entries, params) in enumerate(chunks):
+        try:
+            maps = map_params(entries, params, layout, dims, pad_for_alignment, rank)
+        except BridgeError as e:
+            raise BridgeError(f"model chunk {v}: {e}" if want > 1 else str(e)) from None
+        for m in maps:
+            other = held.setdefault((m.key, m.index), v)
+            if other != v:
+                raise BridgeError(f"rank {rank}: model chunks {other} and {v} both hold {m.key}{list(m.index)}; each "
+                                  "chunk must be built with its own vp_stage (GPTModel(..., vp_stage=i)), as "
+                                  "megatron's get_model does")
+        out.append(maps)
+    return out
+
+
 def entries_from_description(records: Iterable[Mapping[str, Any]]) -> list[EntryRecord]:
     """Model `EntryRecord`s from the JSON description a fixture run recorded.
 
@@ -447,14 +499,19 @@ def common_step(steps: Iterable[int | float], where: str = "optimizer") -> int:
 # Live side (torch + megatron, imported lazily)
 
 
-def _unwrap(model: Any) -> Any:
+def _unwrap(m: Any) -> Any:
     """The innermost module under DDP / Float16Module wrappers (`.module` chain)."""
-    m = model[0] if isinstance(model, (list, tuple)) else model
-    if isinstance(model, (list, tuple)) and len(model) != 1:
-        raise BridgeError(f"{len(model)} model chunks (virtual pipeline) are not supported by the adapter; pass one")
     while hasattr(m, "module") and not hasattr(m, "decoder") and not hasattr(m, "embedding"):
         m = m.module
     return m
+
+
+def _chunks(model: Any) -> list[Any]:
+    """The unwrapped model chunks: Megatron's `model` list (one per virtual stage) or one model."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not chunks:
+        raise BridgeError("an empty model list was passed; pass Megatron's `model` (a module or its list of chunks)")
+    return [_unwrap(m) for m in chunks]
 
 
 def _clip_grad(optimizer: Any) -> float | None:
@@ -488,14 +545,23 @@ def live_layout() -> tuple[ParallelLayout, int]:
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size() if pp > 1 else None
-    if vpp is not None and vpp > 1:
-        raise BridgeError(f"virtual pipeline size {vpp}: the adapter handles one model chunk per pipeline stage; "
-                          "export / load from a run without --num-layers-per-virtual-pipeline-stage")
     layout = ParallelLayout(tp=tp, gtp=gtp or 1, cp=cp, pp=pp, dp=world // (tp * (gtp or 1) * cp * pp),
                             ep=ps.get_expert_model_parallel_world_size(),
                             etp=ps.get_expert_tensor_parallel_world_size(), egtp=egtp or 1)
     return layout, torch.distributed.get_rank()
+
+
+def live_vpp(chunks: Sequence[Any]) -> int:
+    """The run's virtual pipeline size (model chunks per stage; 1 without virtual pipeline): from
+    `parallel_state`, else (a library run that did not pass it there) the chunks' TransformerConfig."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return 1
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is None:
+        vpp = getattr(getattr(chunks[0], "config", None), "virtual_pipeline_model_parallel_size", None)
+    return int(vpp or 1)
 
 
 def _pad_for_alignment() -> int:
@@ -570,7 +636,8 @@ def local_params(model: Any, optimizer: Any, *, metadata: Mapping[str, Any] | No
                  for_export: bool = False) -> tuple[list["LocalParam"], "LiveRun"]:
     """This rank's `LocalParam`s (live tensors, filled in place on reload) and `LiveRun`.
 
-    `model` is the (DDP / Float16Module wrapped) GPT model or a one-element list of it;
+    `model` is the (DDP / Float16Module wrapped) GPT model or Megatron's list of model chunks (with
+    virtual pipeline, one per virtual stage, all of them);
     `optimizer` the Megatron optimizer (DistributedOptimizer or ChainedOptimizer of them).
     `for_export` leaves out TP / GTP replica copies Megatron would not write (module docstring).
     """
@@ -580,22 +647,27 @@ def local_params(model: Any, optimizer: Any, *, metadata: Mapping[str, Any] | No
     from bridge.live.fp8 import bind_optimizer_state
 
     layout, rank = live_layout()
-    inner = _unwrap(model)
-    dims = dims or ModelDims.from_config(inner.config)
+    chunks = _chunks(model)
+    dims = dims or ModelDims.from_config(chunks[0].config)
     pad = _pad_for_alignment() if pad_for_alignment is None else pad_for_alignment
-    named = dict(inner.named_parameters())
-    entries, data = live_entries(inner, metadata)
-    mappings = map_params(entries, [live_param_record(n, p) for n, p in named.items()], layout, dims, pad, rank)
-    by_entry = {e.name: e for e in entries}
+    # Per chunk: parameters (local names repeat across virtual chunks), entries and their data.
+    named_c = [dict(inner.named_parameters()) for inner in chunks]
+    live_c = [live_entries(inner, metadata) for inner in chunks]
+    per_chunk = map_chunks([(entries, [live_param_record(n, p) for n, p in named.items()])
+                            for named, (entries, _d) in zip(named_c, live_c)],
+                           layout, dims, pad, rank, live_vpp(chunks))
+    # (chunk, mapping) pairs, in chunk order: one LocalParam each.
+    mappings = [(v, m) for v, maps in enumerate(per_chunk) for m in maps]
 
     # Optimizer fragments keyed by the live parameter object (what the DistributedOptimizer indexes).
     pairs, groups, group_keys, steps = [], [], [], []
-    key_of = {id(named[m.param]): m.key for m in mappings}
+    key_of = {id(named_c[v][m.param]): m.key for v, m in mappings}
     for opt in _optimizers(optimizer):
         for p in opt.model_param_gbuf_map:
             if id(p) not in key_of:
                 raise BridgeError(f"rank {rank}: the optimizer holds a parameter of shape {tuple(p.shape)} that is not "
-                                  "in the model passed; pass the model the optimizer was built for")
+                                  "in the model passed; pass the model the optimizer was built for (with virtual "
+                                  "pipeline: every chunk of Megatron's `model` list)")
             r = opt._get_model_param_range_map(p)["param"]
             st = opt._get_main_param_and_optimizer_states(p)
             for need in ("param", "exp_avg", "exp_avg_sq"):
@@ -615,26 +687,27 @@ def local_params(model: Any, optimizer: Any, *, metadata: Mapping[str, Any] | No
                 group_keys[len(groups) - len(opt.optimizer.param_groups) + gi].append(name_of[id(p)])
 
     bind_entries, dequantized = [], set()
-    for m in mappings:
-        e, t, p = by_entry[m.entry], data[m.entry], named[m.param]
+    by_entry = [{e.name: e for e in entries} for entries, _d in live_c]
+    for v, m in mappings:
+        e, t, p = by_entry[v][m.entry], live_c[v][1][m.entry], named_c[v][m.param]
         if e.backlink is None:
             _check_alias(m.param, t, p, rank)
             bind_entries.append((m.key, m.geometry, p))
         elif getattr(t, "_gtp_dequant_src", None) is not None:
             bind_entries.append((m.key, m.geometry, t))  # FP8: the bf16 copy binds through its backlink
-            dequantized.add(m.param)
+            dequantized.add((v, m.param))
         else:
             bind_entries.append((m.key, m.geometry, p))  # trimmed GTP view (gtp_pad_src): the live shard
     out = bind_optimizer_state(bind_entries, pairs)
-    for lp, m in zip(out, mappings):
+    for lp, (v, m) in zip(out, mappings):
         lp.index = m.index
-        if m.param in dequantized:
+        if (v, m.param) in dequantized:
             if not for_export:
                 raise BridgeError(f"rank {rank}: {m.param} is a native FP8 parameter; the Megatron adapter loads "
                                   "into bf16 parameters only (reload the checkpoint into a bf16 run)")
-            lp.weight = data[m.entry]  # export the dequantized bf16 copy, as Megatron's checkpoint does
+            lp.weight = live_c[v][1][m.entry]  # export the dequantized bf16 copy, as Megatron's checkpoint does
     if for_export:
-        out = [lp for lp, m in zip(out, mappings) if m.model_parallel_main]
+        out = [lp for lp, (_v, m) in zip(out, mappings) if m.model_parallel_main]
     step = common_step([int(s) for s in steps], f"rank {rank} optimizer")
     adam = replace(adam_config_from_groups(groups, group_keys), clip_grad=_clip_grad(optimizer))
     run = LiveRun(layout=layout, rank=rank, step=step, optimizer=adam, group=group,
@@ -664,7 +737,8 @@ def export_megatron(dst: str, model: Any, optimizer: Any, options: "ExportOption
     `metadata` (the model's `sharded_state_dict` metadata), `dims` (qkv head layout; default from the
     model's config), `pad_for_alignment` (default: the run's), `group` (process group; None: the
     world), `extra` (recorded in the manifest). At PP > 1 every stage calls it with its own model
-    chunk and optimizer; the stages' optimizer settings are merged (`pipeline_adam_config`).
+    chunk (virtual pipeline: its list of chunks) and optimizer; the stages' optimizer settings are
+    merged (`pipeline_adam_config`).
     """
     from bridge.live.export import export_state
 

@@ -364,10 +364,14 @@ class PipelineSplit:
         if type(self.vpp) is not int or self.vpp < 1:
             raise BridgeError(f"virtual pipeline size {self.vpp!r} must be a positive integer")
         if self.vpp > 1 and self.pp == 1:
-            raise BridgeError(f"virtual pipeline size {self.vpp} needs pipeline stages (PP > 1)")
+            raise BridgeError(f"virtual pipeline size {self.vpp} needs pipeline stages (PP > 1): to-megatron's --vpp "
+                              f"needs --pp > 1, as a run's --virtual-pipeline-model-parallel-size needs "
+                              f"--pipeline-model-parallel-size > 1")
         if self.vpp > 1 and not self.even:
             raise BridgeError("virtual pipeline chunks with uneven first / last stages or the embedding / loss counted "
-                              "in the split are not supported; only an even split into virtual chunks is")
+                              "in the split are not supported; only an even split into virtual chunks is (drop "
+                              "--pp-first-layers / --pp-last-layers / --account-for-embedding/loss-in-pipeline-split, "
+                              "or --vpp)")
         if (self.first is not None or self.last is not None) and (self.embedding_in_split or self.loss_in_split):
             raise BridgeError("uneven first / last pipeline stages cannot be combined with accounting for the "
                               "embedding / loss in the pipeline split (megatron-core refuses it too)")
@@ -416,6 +420,10 @@ class PipelineSplit:
         out[-1] -= int(self.loss_in_split)
         if min(out) < 0:
             raise BridgeError(f"{num_layers} layers over {pp} stages leave no room for the embedding / loss stage")
+        if out[0] % self.vpp:   # (virtual chunks come with an even split only: __post_init__)
+            raise BridgeError(f"{out[0]} layers per pipeline stage do not split into {self.vpp} virtual chunks: "
+                              f"megatron-core needs the virtual pipeline size (to-megatron's --vpp, a run's "
+                              f"--virtual-pipeline-model-parallel-size) to divide the layers per stage (--pp)")
         return out
 
     def layers(self, num_layers: int, p: int, v: int = 0) -> range:
@@ -428,9 +436,7 @@ class PipelineSplit:
         """
         counts = self.counts(num_layers)
         if self.vpp > 1:
-            if counts[p] % self.vpp:
-                raise BridgeError(f"{counts[p]} layers per pipeline stage do not split into {self.vpp} virtual chunks")
-            n = counts[p] // self.vpp
+            n = counts[p] // self.vpp   # (counts refuses a stage that does not split into vpp chunks)
             start = v * (num_layers // self.vpp) + p * n
             return range(start, start + n)
         start = sum(counts[:p])
