@@ -73,6 +73,27 @@ def test_commits_in_flight_store_each_byte_once_on_disk(tmp_path, depth, donate)
     assert sorted(n for n in os.listdir(dst) if n.startswith("ocdbt.")) == \
         ["ocdbt.process_0"] + [f"ocdbt.process_0.{s}" for s in range(1, depth)]
     _read_back(dst, src)
+    if depth == 2 and not donate:
+        _orbax_restores(dst, src)
+
+
+def _orbax_restores(dst: str, src: dict) -> None:
+    """Plain Orbax restores the checkpoint whose root database references the slot databases."""
+    import orbax.checkpoint as ocp
+
+    abstract: dict = {}
+    for path, a in src.items():
+        node = abstract
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = np.empty(a.shape, a.dtype)
+    abstract["opt_state"] = [abstract["opt_state"]["0"]]  # Orbax restores the "0" level as a list
+    got = ocp.StandardCheckpointer().restore(dst, abstract)
+    for path, a in src.items():
+        node = got
+        for k in path:
+            node = node[int(k)] if isinstance(node, list) else node[k]
+        assert np.array_equal(np.asarray(node).view(np.uint8), a.view(np.uint8)), path
 
 
 def test_commits_in_flight_store_each_byte_once_on_s3():
