@@ -81,31 +81,18 @@ def _digest_cells(shape: Sequence[int], cells: Sequence[tuple[Box, np.ndarray]])
     return dg.combine([dg.digest_box(shape, cell, buf) for cell, buf in cells])
 
 
+MAX_COMMIT_DEPTH = 64   # commits in flight, hence databases per writer
+
+
 def slot_db_dir(root: str, writer: int, slot: int) -> str:
     """The OCDBT database of writer `writer`'s commit slot `slot` (see `CheckpointWriter`): slot 0
-    is the writer's own database (Orbax's name), slot s > 0 a sibling the commit merges alike.
+    is the writer's own database (Orbax's name), slot s > 0 a sibling the commit merges alike (the
+    writer's report says how many it wrote: `databases`).
 
     >>> slot_db_dir("/c", 1, 0), slot_db_dir("/c", 1, 2)
     ('/c/ocdbt.process_1/', '/c/ocdbt.process_1.2/')
     """
     return specs.writer_db_dir(root, writer) if slot == 0 else f"{root.rstrip('/')}/ocdbt.process_{writer}.{slot}/"
-
-
-def slot_databases(root: str, writer: int) -> list[str]:
-    """The databases of writer `writer`'s commit slots s > 0 found under `root` (listed: a writer
-    uses as many as it had commits in flight)."""
-    prefix = f"ocdbt.process_{writer}."
-    if is_remote(root):
-        from bridge.store import kvstore
-
-        names = {k.split("/", 1)[0] for k in kvstore.list_keys(root, prefix) if k.endswith("/manifest.ocdbt")}
-    else:
-        try:
-            names = {n for n in os.listdir(root) if n.startswith(prefix)}
-        except FileNotFoundError:
-            return []
-    slots = sorted(int(n[len(prefix):]) for n in names if n[len(prefix):].isdigit() and int(n[len(prefix):]) > 0)
-    return [slot_db_dir(root, writer, s) for s in slots]
 
 
 def report_key(writer: int) -> str:
@@ -291,6 +278,8 @@ class CheckpointWriter:
         self._copier: ThreadPoolExecutor | None = None
         self.staging = staging
         self.commit_depth = max(1, int(commit_depth))
+        if self.commit_depth > MAX_COMMIT_DEPTH:
+            raise BridgeError(f"commit_depth {commit_depth} is more than {MAX_COMMIT_DEPTH} commits in flight; use fewer")
         self.drop_behind = drop_behind and hasattr(os, "posix_fadvise")
         self._dropped: set[str] = set()     # data files complete and dropped: never touched again
         self._seen: dict[str, int] = {}      # data file -> commits issued when first listed
@@ -425,6 +414,7 @@ class CheckpointWriter:
             "writer": self.writer_id,
             "plan": self.plan.fingerprint(),
             "digest_algorithm": dg.ALGORITHM if self.compute_digest else "",
+            "databases": self.databases,
             "arrays": {},
         }
         for name, st in self._state.items():
@@ -663,6 +653,11 @@ class CheckpointWriter:
         except Exception as e:
             raise BridgeError(f"writer {self.writer_id}: {path_str(ap.spec.path)}: opening for write failed: "
                               f"{' '.join(str(e).split())}") from e
+
+    @property
+    def databases(self) -> int:
+        """Databases this writer wrote (slots 0 .. n-1, see `slot_db_dir`)."""
+        return max(1, min(self._issued, self.commit_depth))
 
     @property
     def _slot(self) -> int:
