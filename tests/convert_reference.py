@@ -47,12 +47,28 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().numpy()
 
 
-def checkpoint_key(name: str, moe: bool) -> tuple[str, tuple[int, ...]]:
-    """DDP param name -> (checkpoint key, stacked index). Experts: (layer, global expert)."""
+# Hybrid models (tinyhybrid.py): layers are not stacked (`decoder.layers.<i>.` keys); the Mamba
+# layer's norm is checkpointed under its mixer's in_proj, its conv parameters under `conv1d.`; a
+# Gated DeltaNet layer's input norm under its in_proj.
+HYBRID_RENAMES = [(".norm.", ".mixer.in_proj.layer_norm_"), (".mixer.conv1d_weight", ".mixer.conv1d.weight"),
+                  (".mixer.conv1d_bias", ".mixer.conv1d.bias")]
+GDN_RENAMES = [(".input_layernorm.", ".self_attention.in_proj.layer_norm_")]
+
+
+def checkpoint_key(name: str, moe: bool, hybrid: str = "") -> tuple[str, tuple[int, ...]]:
+    """DDP param name -> (checkpoint key, stacked index). Experts: (layer, global expert).
+    `hybrid`: the layer pattern of a hybrid model (M Mamba, G Gated DeltaNet, * attention, - MLP)."""
     n = re.sub(r"^(module\.)+", "", name)
     m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", n)
     if not m:
         return n, ()
+    if hybrid:
+        rest = "." + m.group(2)
+        gdn = hybrid[int(m.group(1))] == "G"
+        for a, b in (GDN_RENAMES if gdn else []) + RENAMES + HYBRID_RENAMES:
+            if rest.startswith(a):
+                rest = b + rest[len(a):]
+        return f"decoder.layers.{m.group(1)}{rest}", ()
     layer, rest = int(m.group(1)), "." + m.group(2)
     e = re.match(r"\.mlp\.experts\.local_experts\.(\d+)\.(.*)$", rest)
     if e:
@@ -78,15 +94,35 @@ def sections(key: str, full: np.ndarray, sizes: dict) -> dict[str, np.ndarray]:
     if key.endswith("linear_fc1.weight") or key.endswith("linear_fc1.bias"):
         f = full.shape[0] // 2
         return {key + ".gate": full[:f], key + ".up": full[f:]}
+    if key.endswith("mixer.in_proj.weight") or key.endswith("mixer.conv1d.weight") or key.endswith("mixer.conv1d.bias"):
+        d_inner = sizes["mamba_num_heads"] * sizes["mamba_head_dim"]
+        gs = sizes["mamba_num_groups"] * sizes["mamba_state_dim"]
+        names, rows = (("z", "x", "B", "C", "dt"), (d_inner, d_inner, gs, gs, sizes["mamba_num_heads"])) \
+            if key.endswith("in_proj.weight") else (("x", "B", "C"), (d_inner, gs, gs))
+        return _split(key, full, names, rows)
+    if key.endswith("self_attention.in_proj.weight") or key.endswith("self_attention.conv1d.weight"):
+        qk = sizes["linear_num_key_heads"] * sizes["linear_key_head_dim"]
+        nv = sizes["linear_num_value_heads"]
+        v = nv * sizes["linear_value_head_dim"]
+        if key.endswith("in_proj.weight"):
+            return _split(key, full, ("query", "key", "value", "z", "beta", "alpha"), (qk, qk, v, v, nv, nv))
+        return _split(key, full, ("query", "key", "value"), (qk, qk, v))
     return {key: full}
+
+
+def _split(key: str, full: np.ndarray, names: tuple[str, ...], rows: tuple[int, ...]) -> dict[str, np.ndarray]:
+    assert sum(rows) == full.shape[0], (key, rows, full.shape)
+    ends = np.cumsum(rows)
+    return {f"{key}.{n}": full[e - r:e] for n, r, e in zip(names, rows, ends)}
 
 
 def load_reference(run: str) -> tuple[dict[str, dict[str, np.ndarray]], int]:
     """role -> logical array name -> array (model bf16; params, mu, nu fp32), and the step."""
     d = os.path.join(FIXTURES, run)
     info = json.load(open(os.path.join(d, "run.json")))
-    sizes = info["sizes"]
+    sizes = dict(info["sizes"], **info["layout"].get("extra_args", {}))
     moe = bool(info["layout"].get("moe"))
+    hybrid = info["layout"].get("hybrid") or ""
     refs = [torch.load(f, weights_only=True) for f in sorted(glob.glob(os.path.join(d, "reference_rank*.pt")))]
     # (key, index) -> role -> global per-instance array
     inst: dict[tuple[str, tuple[int, ...]], dict[str, np.ndarray]] = {}
@@ -122,7 +158,7 @@ def load_reference(run: str) -> tuple[dict[str, dict[str, np.ndarray]], int]:
             meta[(name, t, e)] = (p, ref["tp_size"])
     for (name, t, e), by_g in shards.items():
         p, tps = meta[(name, t, e)]
-        key, idx = checkpoint_key(name, moe)
+        key, idx = checkpoint_key(name, moe, hybrid)
         if len(idx) == 2:  # local expert -> global expert
             idx = (idx[0], e * _num_local_names(shards, t, e) + idx[1])
         attrs = p["attrs"]

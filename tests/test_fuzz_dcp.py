@@ -407,7 +407,8 @@ def mutate_structure(rng, md_bytes: bytes) -> bytes:
                         setattr(entry, f, rng.choice(odd))
         elif where == 2:
             info = md.storage_data[rng.choice(list(md.storage_data))]
-            setattr(info, rng.choice(["relative_path", "offset", "length", "transform_descriptors"]), rng.choice(odd))
+            if hasattr(info, "relative_path"):  # an earlier edit may have put an odd value there
+                setattr(info, rng.choice(["relative_path", "offset", "length", "transform_descriptors"]), rng.choice(odd))
         else:
             k = rng.choice(list(md.storage_data))
             md.storage_data[rng.choice([-1, 0, 2 ** 70, "x", None, ()]) if rng.random() < 0.3 else k] = rng.choice([md.storage_data[k]] + odd)

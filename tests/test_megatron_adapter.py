@@ -33,7 +33,10 @@ from converters.megatron.naming import strip_wrappers
 from converters.megatron.dcp_reader import DcpCheckpoint
 
 FIX = Path(__file__).parent / "fixtures" / "megatron"
-RUNS = sorted(p.parent.name for p in FIX.glob("*/sharded_state_dict.json"))
+# Hybrid runs are left out: the live adapter does not map Megatron's per-section factories of the Mamba /
+# GDN projections (`_split_tensor_factory`) yet; convert and to-megatron do (tests/test_convert_hybrid.py).
+RUNS = sorted(p.parent.name for p in FIX.glob("*/sharded_state_dict.json")
+              if "hybrid" not in json.load(open(p.parent / "run.json"))["layout"])
 
 
 def _bf16_to_f32(t: torch.Tensor) -> np.ndarray:

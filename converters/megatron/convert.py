@@ -48,7 +48,7 @@ from bridge.store.writer import CheckpointWriter
 from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
 from converters.megatron.object_layout import object_tensors
 from converters.megatron.cache import ChunkCache, check_records
-from converters.megatron.format import (Hints, SourceCheckpoint, bucket_space_flat_chunks, describe,
+from converters.megatron.format import (Hints, SourceCheckpoint, bucket_space_flat_chunks, describe, merge_split_keys,
                                         optimizer_groups,
                                         parse_groups_hyper, plain_value, step_of)
 from converters.megatron.plan import (ROLES, Block, Copy, CopyIndex, Instance, Unit, assign_blocks, contributes, flat_copies,
@@ -442,6 +442,7 @@ def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], p
     mem = split_share(share)
     return_freed_memory()
     ck = DcpCheckpoint(src_root)
+    merge_split_keys(ck)  # the keys describe() planned with (Mamba / GDN per-section keys merged)
     cache = ChunkCache(ck, mem.cache)
     # commit_depth=1: one batch committing while the next fills, both inside the share
     # B-tree cache off: this process only writes, and cached nodes of every commit would pile up

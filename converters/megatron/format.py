@@ -23,10 +23,10 @@ from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry, gtp_shard_dim0
 from converters.megatron import model_facts
-from converters.megatron.dcp_reader import DcpCheckpoint, InertStub, TensorInfo
+from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint, InertStub, TensorInfo
 from converters.megatron.plan import PipelineSplit, is_tied
-from converters.megatron.naming import (is_gtp_weight, is_routed_expert, module_of, num_prepend_axes, strip_wrappers,
-                                        tp_kind_by_name)
+from converters.megatron.naming import (SPLIT_SECTIONS, is_gtp_weight, is_routed_expert, module_of, num_prepend_axes,
+                                        split_kind, strip_wrappers, tp_kind_by_name)
 
 OPT_STATE_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
 DP_TENSOR_RE = re.compile(
@@ -242,6 +242,60 @@ def bucket_space_flat_chunks(key: str, info: TensorInfo, world_numel: int, dp: i
     return out
 
 
+def merge_split_keys(ck: DcpCheckpoint) -> dict[str, FusedSpec]:
+    """Read Megatron's per-section keys of a fused parameter (`<key>.<section>`, naming.SPLIT_SECTIONS:
+    Mamba / GDN `in_proj`, `conv1d`) as the one tensor `<key>` the model and its optimizer hold.
+
+    The sections are stacked along the instance's dim 0 in Megatron's order, each chunk shifted by
+    its section's start: the fused logical layout `FusedSpec.concat` describes (TP rank t holds rows
+    [t·n_k, (t+1)·n_k) of each section k), so the DistOpt buffer sees one parameter, as the run did.
+    `ck.tensors` is rewritten in place (the merged entry where its first section was; idempotent,
+    so every process opening the checkpoint applies it); returns `{merged key: section table}`
+    (model keys and `optimizer.state.*` keys alike).
+    """
+    done = getattr(ck, "_split_specs", None)
+    if done is not None:
+        return done
+    groups: dict[str, list[str]] = {}
+    for key in ck.tensors:
+        parent, _, sec = key.rpartition(".")
+        if parent and any(sec in v for v in SPLIT_SECTIONS.values()):
+            groups.setdefault(parent, []).append(sec)
+    specs: dict[str, FusedSpec] = {}
+    merged: dict[str, TensorInfo] = {}
+    for parent, secs in groups.items():
+        kind = split_kind(secs)
+        if kind is None or len(secs) != len(SPLIT_SECTIONS[kind]) or parent in ck.tensors:
+            continue
+        parts = [ck.tensors[f"{parent}.{s}"] for s in SPLIT_SECTIONS[kind]]
+        axis = num_prepend_axes(parent)
+        first = parts[0]
+        if any(len(t.shape) <= axis or t.dtype != first.dtype
+               or t.shape[:axis] + t.shape[axis + 1:] != first.shape[:axis] + first.shape[axis + 1:] for t in parts):
+            raise BridgeError(f"{parent}: its sections {list(SPLIT_SECTIONS[kind])} differ in dtype or in shape "
+                              f"outside dim {axis} ({[tuple(t.shape) for t in parts]}); unknown format")
+        chunks, start = [], 0
+        for t in parts:
+            for c in t.chunks:
+                off = c.offsets[:axis] + (c.offsets[axis] + start,) + c.offsets[axis + 1:]
+                chunks.append(ChunkInfo(off, c.sizes, c.storage))
+            start += t.shape[axis]
+        merged[parent] = TensorInfo(parent, first.dtype, first.shape[:axis] + (start,) + first.shape[axis + 1:], chunks)
+        specs[parent] = FusedSpec.concat([(s, t.shape[axis]) for s, t in zip(SPLIT_SECTIONS[kind], parts)], name=kind)
+    if merged:
+        out: dict[str, TensorInfo] = {}
+        for key, info in ck.tensors.items():
+            parent = key.rpartition(".")[0]
+            if parent in merged:
+                if parent not in out:
+                    out[parent] = merged[parent]
+            else:
+                out[key] = info
+        ck.tensors = out
+    ck._split_specs = specs
+    return specs
+
+
 def classify_keys(ck: DcpCheckpoint) -> tuple[list[str], dict[tuple[str, str], str], list[DpBucketKey], list[str]]:
     """Split tensor keys into model keys, fully_reshardable optimizer keys, dp buckets, unknown."""
     model, opt, dp, other = [], {}, [], []
@@ -266,12 +320,14 @@ def _distinct_offsets(info: TensorInfo, axis: int) -> int:
     return len({c.offsets[axis] for c in info.chunks}) if info.chunks else 1
 
 
-def infer_tp(infos: Iterable[tuple[str, TensorInfo, int]]) -> int:
+def infer_tp(infos: Iterable[tuple[str, TensorInfo, int]], fused: dict[str, FusedSpec] | None = None) -> int:
     """TP from chunk offsets: the most pieces any row-parallel weight is cut into along dim 1,
     else (no row-parallel weight at all) the most along dim 0 of a column-parallel key. Dim 0 of
-    column keys is also where GTP cuts, so it is not used when row-parallel weights show TP."""
+    column keys is also where GTP cuts, so it is not used when row-parallel weights show TP.
+    `fused`: keys merged from per-section keys (`merge_split_keys`), cut once per section."""
     row = col = 1
     seen_row = False
+    fused = fused or {}
     for name, info, npre in infos:
         kind = tp_kind_by_name(name)
         if kind == "row" and len(info.shape) > npre + 1:
@@ -279,7 +335,8 @@ def infer_tp(infos: Iterable[tuple[str, TensorInfo, int]]) -> int:
             row = max(row, _distinct_offsets(info, npre + 1))
         elif kind in ("column", "vocab") and len(info.shape) > npre and module_of(name) != "linear_fc1":
             # (SwiGLU fc1 stores gate and up halves as separate chunks: not a TP cut)
-            col = max(col, _distinct_offsets(info, npre))
+            spec = fused.get(name)
+            col = max(col, _distinct_offsets(info, npre) // (len(spec.sections) if spec else 1))
     return row if row > 1 or seen_row else col
 
 
@@ -309,8 +366,12 @@ def infer_ep(src_dp: list["DpBucketKey"], zero: list["DpZeroKey"], layout: Paral
     return len(idx) // per if idx and len(idx) % per == 0 else None
 
 
-def fused_spec(name: str, rows: int, args: dict, hints: Hints, shapes: dict[str, tuple[int, ...]]) -> FusedSpec | None:
-    """Section table of a fused projection (SwiGLU fc1, attention qkv), or None when not fused."""
+def fused_spec(name: str, rows: int, args: dict, hints: Hints, shapes: dict[str, tuple[int, ...]],
+               split: dict[str, FusedSpec] | None = None) -> FusedSpec | None:
+    """Section table of a fused projection (SwiGLU fc1, attention qkv; `split`: the tables of keys
+    merged from per-section keys, Mamba / GDN), or None when not fused."""
+    if split and name in split:
+        return split[name]
     mod, leaf = module_of(name), name.split(".")[-1]
     if leaf not in ("weight", "bias"):
         return None
@@ -493,6 +554,7 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
     if it is not None and (type(it) is not int or it < 0):
         raise BridgeError(f"{ck.root}: common_state iteration is {type(it).__name__} {str(it)[:40]}, not a step count; "
                           f"the checkpoint is damaged")
+    split = merge_split_keys(ck)
     model_keys, opt, dp, _other = classify_keys(ck)
     zero = zero_keys_of(ck)
     if not model_keys and not opt and not dp and not zero:
@@ -514,7 +576,8 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
     if len(names) != len(model_keys):
         raise BridgeError(f"{ck.root}: two model keys differ only by a module./model. prefix; unknown format")
     npres = {n: num_prepend_axes(n) for n in names}
-    tp_inf = infer_tp((n, ck.tensors[k], npres[n]) for n, k in names.items())
+    split_names = {strip_wrappers(k): spec for k, spec in split.items()}
+    tp_inf = infer_tp(((n, ck.tensors[k], npres[n]) for n, k in names.items()), split_names)
     world = (max(ck.writer_ranks()) + 1) if ck.writer_ranks() else 1
     gtp_inf = infer_gtp((n, ck.tensors[k], npres[n]) for n, k in names.items())
     has_expert = any(is_routed_expert(n) for n in names)
@@ -563,7 +626,7 @@ def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:
             kind = "replicated"
         spec = None
         if stored:
-            spec = fused_spec(n, logical[0], args, hints, shapes)
+            spec = fused_spec(n, logical[0], args, hints, shapes, split_names)
         geom = ParamGeometry(n, logical, kind, gtp=gtp_w, pad_for_alignment=pad,
                              prepend=tuple(info.shape[:npre]), fused=spec, expert=expert)
         if legacy:

@@ -13,7 +13,7 @@ import re
 from bridge.format.tree import WRAPPER_PREFIXES as WRAPPERS
 from bridge.format.tree import megatron_key_to_path, path_to_name, strip_wrappers
 
-__all__ = ["WRAPPERS", "COLUMN_MODULES", "ROW_MODULES", "strip_wrappers", "logical_key", "is_routed_expert", "module_of",
+__all__ = ["WRAPPERS", "COLUMN_MODULES", "ROW_MODULES", "SPLIT_SECTIONS", "split_kind", "strip_wrappers", "logical_key", "is_routed_expert", "module_of",
            "num_prepend_axes", "tp_kind_by_name", "is_gtp_weight"]
 
 
@@ -56,6 +56,31 @@ COLUMN_MODULES = ("linear_qkv", "linear_fc1", "in_proj", "output_layer", "linear
 ROW_MODULES = ("linear_proj", "linear_fc2", "out_proj")
 
 
+#: Fused parameters megatron-core 0.19.2 saves as one key per section (`_split_tensor_factory`,
+#: ssm/utils.py): `<key>.<section>`, sections in this order along the TP-split dim 0 (each TP-split
+#: separately). Mamba mixer (ssm/mamba_mixer.py) and Gated DeltaNet (ssm/gated_delta_net/common.py).
+SPLIT_SECTIONS = {
+    "mamba_in_proj": ("z", "x", "B", "C", "dt"),
+    "mamba_conv1d": ("x", "B", "C"),
+    "gdn_in_proj": ("query", "key", "value", "z", "beta", "alpha"),
+    "gdn_conv1d": ("query", "key", "value"),
+}
+
+#: SSM parameters TP splits along dim 0 outside linear modules (per head / per channel): Mamba's
+#: `A_log`, `dt_bias`, `D`, `conv1d.*`, `mixer.norm.weight`; GDN's `A_log`, `dt_bias`, `conv1d.*`
+SSM_TP0_LEAVES = ("A_log", "dt_bias", "D")
+
+
+def split_kind(sections: "list[str] | tuple[str, ...]") -> str | None:
+    """The `SPLIT_SECTIONS` kind whose sections are exactly `sections` (any order), else None.
+
+    >>> split_kind(["dt", "z", "x", "B", "C"]), split_kind(["gate", "up"])
+    ('mamba_in_proj', None)
+    """
+    got = sorted(sections)
+    return next((k for k, v in SPLIT_SECTIONS.items() if sorted(v) == got), None)
+
+
 def num_prepend_axes(name: str) -> int:
     """Stacked leading axes of a key: the layer axis of `decoder.layers.<path>` and the expert axis.
 
@@ -80,10 +105,14 @@ def tp_kind_by_name(name: str) -> str:
 
     >>> [tp_kind_by_name(n) for n in ("decoder.layers.linear_proj.weight", "decoder.layers.linear_proj.bias", "embedding.word_embeddings.weight")]
     ['row', 'replicated', 'vocab']
+    >>> [tp_kind_by_name("decoder.layers.0.mixer." + n) for n in ("A_log", "conv1d.weight", "norm.weight", "in_proj.layer_norm_weight")]
+    ['column', 'column', 'column', 'replicated']
     """
     mod, leaf = module_of(name), name.split(".")[-1]
     if mod == "word_embeddings":
         return "vocab"
+    if leaf in SSM_TP0_LEAVES or mod == "conv1d" or f".{name}".endswith(".mixer.norm.weight"):
+        return "column"   # TP dim 0 (SSM_TP0_LEAVES); never GTP-sharded (not a linear)
     if mod in COLUMN_MODULES and leaf in ("weight", "bias"):
         return "column"
     if mod in ROW_MODULES and leaf == "weight":

@@ -24,6 +24,7 @@ from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
 from converters.megatron.dcp_reader import ChunkInfo, StorageRef
 from bridge.format.schema import MODEL, OPTIMIZER_ROLES, PARAMS, ROLE_STATE, in_role, to_role
+from converters.megatron.naming import SPLIT_SECTIONS
 from converters.megatron.plan import box_copies, is_scrambled_swiglu, logical_row_runs, role_path
 
 STATE_NAMES = ROLE_STATE  # role -> the `optimizer.state.<name>.<param>` name Megatron saves it under
@@ -143,7 +144,8 @@ def instance_boxes(geom: ParamGeometry, tp: int, gtp: int) -> list[Box]:
                     k = shape[1] // tp
                     out.append(Box.of((g * s, t * k) + rest0[1:], (s, k) + rest[1:]))
         return out
-    if tp == 1 or geom.tp_kind == "replicated":
+    split = split_key_sections(geom) is not None   # one key per section, whatever the TP
+    if (tp == 1 and not split) or geom.tp_kind == "replicated":
         return [Box.full(shape)]
     if geom.tp_kind == "row":
         k = shape[1] // tp
@@ -161,6 +163,43 @@ def instance_boxes(geom: ParamGeometry, tp: int, gtp: int) -> list[Box]:
         return out
     n = shape[0] // tp
     return [Box.of((t * n,) + rest0, (n,) + rest) for t in range(tp)]
+
+
+def split_key_sections(geom: ParamGeometry) -> list[tuple[str, int, int]] | None:
+    """(section, first row, rows) along the instance's dim 0 of a parameter megatron-core saves as
+    one key per section (`<key>.<section>`, naming.SPLIT_SECTIONS: Mamba / GDN in_proj, conv1d);
+    None for a parameter saved as one key.
+
+    >>> from bridge.layout.fused import FusedSpec
+    >>> split_key_sections(ParamGeometry("c", (12, 1, 4), "column", fused=FusedSpec.mamba_conv1d(4, 2, 2)))
+    [('x', 0, 4), ('B', 4, 4), ('C', 8, 4)]
+    """
+    spec = geom.fused
+    if spec is None or spec.kind != "concat" or spec.info.get("name") not in SPLIT_SECTIONS:
+        return None
+    out, row = [], 0
+    for sec in spec.sections:
+        out.append((sec.name, row, sec.rows))
+        row += sec.rows
+    return out
+
+
+def section_key(fqn: str, secs: list[tuple[str, int, int]], start: tuple[int, ...], shape: tuple[int, ...],
+                full: tuple[int, ...], axis: int) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """(key, chunk start, global shape) of the chunk at `start` (fused coordinates) of a per-section
+    parameter: the section's own key, rows counted from the section's first row.
+
+    >>> section_key("w", [("x", 0, 4), ("B", 4, 4)], (6, 0), (2, 3), (8, 3), 0)
+    ('w.B', (2, 0), (4, 3))
+    """
+    for name, r0, rows in secs:
+        if r0 <= start[axis] < r0 + rows:
+            if start[axis] + shape[axis] > r0 + rows:
+                raise BridgeError(f"{fqn}: internal plan error: chunk rows {start[axis]}+{shape[axis]} cross "
+                                  f"section {name} [{r0}, {r0 + rows})")
+            return (f"{fqn}.{name}", start[:axis] + (start[axis] - r0,) + start[axis + 1:],
+                    full[:axis] + (rows,) + full[axis + 1:])
+    raise BridgeError(f"{fqn}: internal plan error: chunk row {start[axis]} outside its sections")
 
 
 def split_rows(box: Box, axis: int, parts: int) -> list[Box]:
@@ -230,6 +269,7 @@ def _items(p: ParamSpec, lay: ParallelLayout, fmt: str, derive: bool, limit: int
     roles = roles_of(p, fmt)
     full = tuple(g.prepend) + stored_shape(g, tp, gtp)
     per_element = sum(ITEMSIZE[dt] for _, _, dt in roles) * (READ_FACTOR + 1)  # read + assembled
+    secs = split_key_sections(g)
     check = p.optimized and not derive and p.dtype in ("bfloat16", "float16")
     if check and fmt != "fully_reshardable":
         per_element += 4 * READ_FACTOR  # masters read for the check only
@@ -243,7 +283,9 @@ def _items(p: ParamSpec, lay: ParallelLayout, fmt: str, derive: bool, limit: int
                 for role, fqn, dt in roles:
                     src = PARAMS if (role == MODEL and derive) else role
                     takes = chunk_takes(g, tp, gtp, role, fqn, sub, source_role=src)
-                    item.chunks.append(ChunkJob(fqn, sub.start, sub.shape, dt, takes, cast=src != role, global_shape=full))
+                    key, start, gshape = (fqn, sub.start, full) if secs is None else \
+                        section_key(fqn, secs, sub.start, sub.shape, full, npre)
+                    item.chunks.append(ChunkJob(key, start, sub.shape, dt, takes, cast=src != role, global_shape=gshape))
                 if check:
                     model_takes = item.chunks[0].takes
                     if fmt != "fully_reshardable":
