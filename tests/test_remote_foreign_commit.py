@@ -171,3 +171,37 @@ def test_release_with_a_foreign_marker_removes_only_our_claim(servers):
     kv.write_bytes(dst, "ocdbt.process_0/d/ours", b"o")
     mine.release(reason="interrupted")
     assert bucket.keys(_key(dst)) == []
+
+
+def test_marker_landing_just_before_ours_is_never_replaced(servers):
+    """Another run's `_METADATA` lands after our checks passed, between the HEAD and the PUT of our
+    own (the proxy writes it as soon as it answered the HEAD): moto refuses our PUT (If-None-Match),
+    publish fails in one line, their marker stays as they wrote it and release deletes none of it."""
+    from test_remote_claim_race import Forwarder
+
+    from bridge.store import remote
+    from servers import environ
+
+    s3 = servers["s3"]
+    bucket = Bucket(s3, "s3")
+    dst = s3.url("foreign/late-marker")
+    theirs = json.dumps({"theirs": 1}).encode()
+    mine = remote.claim_remote(dst)
+    proxy = Forwarder(s3.endpoint)
+    landed = []
+
+    def after(command, path):
+        if command == "HEAD" and path.endswith("/_METADATA") and not landed:
+            bucket.put(f"{_key(dst)}/_METADATA", theirs)
+            landed.append(path)
+
+    proxy.after = after
+    try:
+        with environ(AWS_ENDPOINT_URL=proxy.url):
+            with pytest.raises(BridgeError, match="another run committed a checkpoint there") as exc:
+                mine.publish(files=[("commit_success.txt", b"ours"), ("_METADATA", b'{"ours": 1}')])
+    finally:
+        proxy.close()
+    assert landed and "\n" not in str(exc.value)
+    assert bucket.get(f"{_key(dst)}/_METADATA") == theirs
+    assert remote.CLAIM_KEY not in bucket.snapshot(_key(dst))
