@@ -607,19 +607,16 @@ class CheckpointWriter:
 
         The opens run concurrently: each mostly waits on TensorStore's threads, so waiting for all
         at once costs little more than one. Each array is opened once per writer; later
-        transactions rebind that handle, which is cheap. Arrays are created in a transaction of
-        their own, committed before any data: created inside the first data transaction, OCDBT
-        wrote the data of the next concurrent commits twice (same bytes, an unreferenced copy left
-        on disk). On object storage with one commit in flight (no concurrent commits) they are
-        created inside it.
+        transactions rebind that handle, which is cheap. Arrays are created in slot 0's database
+        (see `slot_db_dir`): on local disks in a transaction of their own, committed before any
+        data; on object storage, where that costs several sequential requests, inside the current
+        transaction when it is slot 0's (no other commit in flight shares that database).
         """
         ts = self._ts
         slot = self._slot
         create = [ap for ap in aps if ap.meta_writer == self.writer_id and ap.spec.name not in self._created]
         if create:
-            # On object storage with one commit in flight the arrays are created in the data
-            # transaction: a transaction of their own costs several sequential requests there.
-            fold = self.remote and self.commit_depth == 1 and self._txn is not None
+            fold = self.remote and self._txn is not None and slot == 0
             meta = self._txn if fold else ts.Transaction(atomic=True)
             # metadata only ever in slot 0's database: every key is in one database for the merge
             futs = [ts.open(self._spec(ap, 0), create=True, context=self.context, transaction=meta) for ap in create]
