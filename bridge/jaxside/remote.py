@@ -110,8 +110,12 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
         with progress(plan.bytes_of_writer(rank), "save" if world == 1 else f"save (process {rank})") as bar:
             writer = CheckpointWriter(tmp, plan, rank)
             for name, ap in plan.arrays.items():
+                # A jax.Array's host blocks are the save's own copy or views of an immutable buffer:
+                # the writer references them (no copy; released before `finish` returns). A numpy
+                # leaf is the caller's live buffer: copied.
+                donate = isinstance(by_name[name], jax.Array)
                 for box, host in _owned_blocks(by_name[name], ap.ownership, rank):
-                    writer.write(name, box, host)
+                    writer.write(name, box, host, donate=donate)
                     bar.update(host.nbytes)
             return writer.finish(publish=False)
 

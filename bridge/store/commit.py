@@ -43,7 +43,7 @@ from bridge.format.manifest import ArrayRecord, Manifest, custom_metadata
 from bridge.format.seal import CHECKSUM_KEY, seal_metadata
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.format.tree import path_str, tree_metadata
-from bridge.store.writer import REPORT_DIR, CheckpointWriter, report_key, report_path
+from bridge.store.writer import MAX_COMMIT_DEPTH, REPORT_DIR, CheckpointWriter, report_key, report_path, slot_db_dir
 from bridge.location import absolute, basename, is_remote
 
 ITEM_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
@@ -213,27 +213,44 @@ def check_writer_databases(tmp_dir: str, plan: WritePlan) -> list[int]:
     return writers
 
 
-def merge_writer_databases(tmp_dir: str, writers: Sequence[int]) -> None:
-    """Copy every writer DB's B-tree entries into the root DB (one shared Context, one transaction).
+def merge_writer_databases(tmp_dir: str, writers: Sequence[int], databases: Mapping[int, int] | None = None) -> None:
+    """Copy every writer DB's B-tree entries into the root DB (one shared Context, one transaction);
+    `databases`: writer -> how many commit-slot databases it wrote (`slot_db_dir`; default 1).
 
-    Every writer listed must have its database (BridgeError naming the missing ones)."""
+    Every writer listed must have its databases (BridgeError naming the missing ones)."""
     import tensorstore as ts
 
-    missing = [] if is_remote(tmp_dir) else [w for w in writers if not os.path.isdir(specs.writer_db_dir(tmp_dir, w))]
+    dbs = [slot_db_dir(tmp_dir, w, s) for w in writers for s in range((databases or {}).get(w, 1))]
+    missing = [] if is_remote(tmp_dir) else [os.path.basename(d.rstrip("/")) for d in dbs if not os.path.isdir(d)]
     if missing:
         raise BridgeError(f"writer databases {missing} are missing from {tmp_dir}; nothing was committed, rerun")
     ctx = ts.Context(specs.context_spec())
     parent = ts.KvStore.open(specs.ocdbt_kvstore(tmp_dir, write=True), context=ctx).result()
     txn = ts.Transaction(atomic=True)
     futures = []
-    for w in writers:
-        db = specs.writer_db_dir(tmp_dir, w)
+    for db in dbs:
         # Same base-kvstore spec as the parent: CopyRange only works within one file kvstore.
         child = ts.KvStore.open(specs.ocdbt_kvstore(db, write=True), context=ctx).result()
         futures.append(child.experimental_copy_range_to(parent.with_transaction(txn)))
     for f in futures:
         f.result()
     txn.commit_async().result()
+
+
+def report_databases(reports: Sequence[dict]) -> dict[int, int]:
+    """Writer -> databases it wrote, from the writers' reports (a report without the field: one).
+
+    >>> report_databases([{"writer": 0, "databases": 2}, {"writer": 1}])
+    {0: 2, 1: 1}
+    """
+    out = {}
+    for r in reports:
+        n = r.get("databases", 1)
+        if not isinstance(n, int) or not 1 <= n <= MAX_COMMIT_DEPTH:
+            raise BridgeError(f"writer {r.get('writer')}'s report names {n!r} databases; the reports are damaged, "
+                              f"rerun")
+        out[int(r["writer"])] = n
+    return out
 
 
 def stored_chunk_counts(keys: Sequence[bytes]) -> dict[str, int]:
@@ -317,7 +334,7 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
         records = {name: ArrayRecord(ap.spec.shape, ap.spec.dtype, dg.to_hex(digests[name]) if algo else None)
                    for name, ap in plan.arrays.items()}
         manifest = manifest.with_arrays(records, algo)
-        merge_writer_databases(tmp, check_writer_databases(tmp, plan))
+        merge_writer_databases(tmp, check_writer_databases(tmp, plan), report_databases(reports))
         check_stored_chunks(tmp, plan)
         if not handed:  # (handed: nothing is removed before the publish, which checks it itself)
             claim.check_owned()  # nobody replaced the directory while we merged

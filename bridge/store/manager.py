@@ -111,8 +111,10 @@ def resolve(location: str) -> str:
 def staging_item_dir(root: str, tag: str) -> str:
     """Where a writer builds the item of a new step of manager root `root` (the root is created).
 
-    Refuses a root that is itself a checkpoint. `tag` makes the staging name unique per save
-    (the step, or a random token when the step is only known after writing).
+    Refuses a root that is itself a checkpoint. `tag` makes the staging name unique per save (a
+    random token, after the step when it is known): two runs writing one step at once each stage
+    their own. Staging directories left by killed writers of this host are removed
+    (`_remove_dead_staging`); a live writer's never is.
     """
     root = local_path(root, "Orbax CheckpointManager root")
     if os.path.isfile(os.path.join(root, "_METADATA")) or os.path.isdir(os.path.join(root, ITEM)):
@@ -121,11 +123,31 @@ def staging_item_dir(root: str, tag: str) -> str:
     if os.path.exists(root) and not os.path.isdir(root):
         raise BridgeError(f"{root} is not a directory; name a CheckpointManager root directory")
     os.makedirs(root, exist_ok=True)
+    _remove_dead_staging(root)
     staging = os.path.join(root, STAGING_PREFIX + tag)
-    if os.path.lexists(staging):  # left by a crashed write of the same tag: never a step, safe to drop
-        shutil.rmtree(staging)
-    os.makedirs(staging)
+    try:
+        os.makedirs(staging)
+    except FileExistsError:  # another save of this tag: its directory is never taken over
+        raise BridgeError(f"{staging} exists (another save is staging there); rerun") from None
     return os.path.join(staging, ITEM)
+
+
+def _remove_dead_staging(root: str) -> None:
+    """Remove the staging directories of `root` whose item's claim proves its writer is gone (same
+    host, process dead or machine rebooted): never a step, and nobody else's work in progress."""
+    from bridge.store.claim import ClaimInfo, tmp_dir_for
+
+    for name in os.listdir(root):
+        if not name.startswith(STAGING_PREFIX):
+            continue
+        tmp = tmp_dir_for(os.path.join(root, name, ITEM))
+        info = ClaimInfo.load(tmp)
+        if info is not None and info.dead_here(tmp):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _staging_tag(step: int) -> str:
+    return f"{int(step)}-{uuid.uuid4().hex[:12]}"
 
 
 def begin_step(root: str, step: int) -> str:
@@ -134,7 +156,7 @@ def begin_step(root: str, step: int) -> str:
     (refused when the root is itself a checkpoint or the step exists). `commit_step` then makes it
     the step."""
     if not is_remote(root):
-        return staging_item_dir(root, str(int(step)))
+        return staging_item_dir(root, _staging_tag(step))
     from bridge.store import kvstore
 
     root = location(root, "Orbax CheckpointManager root")

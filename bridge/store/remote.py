@@ -102,16 +102,19 @@ class RemoteDestination(local_claim.HeldDestination):
                            f"nothing was committed, rerun")
 
     def check_owned(self) -> None:
-        if not self.owned():
-            raise self._lost()
-
-    def _check_owned_and_free(self) -> None:
-        """`check_owned`, and no marker at DST yet: the two reads issued at once (one round trip)."""
+        """BridgeError unless DST still holds this run's claim and no marker yet (another run may have
+        committed there, e.g. a writer that takes no claim): the two reads issued at once (one round
+        trip). Checked before the merge too, which writes DST's root database."""
         claim, marker = kv.read_bytes_many(self.dst, [CLAIM_KEY, self.marker])
         if not self._holds(_parse_claim(claim)):
             raise self._lost()
         if marker is not None:
-            raise BridgeError(f"destination {self.dst} already exists; choose a new directory or remove it")
+            raise self._committed_by_another()
+
+    def _committed_by_another(self) -> BridgeError:
+        return BridgeError(f"destination {self.dst} already exists: another run committed a checkpoint there while "
+                           f"this run wrote it; nothing of this run was committed and nothing there was removed; "
+                           f"write to a new directory")
 
     def publish(self, payload: str | None = None, *, files: Sequence[tuple[str, bytes]] = (),
                 fsync: bool = True) -> str:
@@ -123,11 +126,13 @@ class RemoteDestination(local_claim.HeldDestination):
         if payload is not None and payload.rstrip("/") != self.dst:
             raise BridgeError(f"publish: {payload} is not this run's destination {self.dst}")
         try:
-            self._check_owned_and_free()
+            self.check_owned()
             # the other files at once, then the marker alone: it must be the last object to land
             kv.write_bytes_many(self.dst, [f for f in files if f[0] != self.marker])
             for name, data in [f for f in files if f[0] == self.marker]:
-                kv.write_bytes(self.dst, name, data)
+                # only if absent: a marker another run wrote since the check is never replaced
+                if not kv.write_bytes(self.dst, name, data, if_absent=True):
+                    raise self._committed_by_another()
             self.published = True
         except BaseException:
             self.release()
@@ -141,7 +146,8 @@ class RemoteDestination(local_claim.HeldDestination):
         return self.dst
 
     def release(self, reason: str = "") -> None:
-        """Delete every object under DST if DST still holds this run's claim (never anyone else's)."""
+        """Delete the objects under DST if DST still holds this run's claim and no other run committed
+        there (never anyone else's)."""
         if self.released or self.published:
             return
         self.released = True
@@ -152,12 +158,22 @@ class RemoteDestination(local_claim.HeldDestination):
             print(f"gtp-bridge: {reason}; removed this run's objects under {self.dst}", file=sys.stderr)
 
     def remove_objects(self) -> bool:
-        """Delete every object under DST if DST still holds this claim; True when it did."""
+        """Delete every object under DST if DST still holds this claim; True when it did.
+
+        A marker this run did not publish means another writer committed a checkpoint at DST
+        meanwhile: its objects cannot be told apart from ours, so only our claim object goes."""
         try:
             if not self.owned():
                 return False
-            # Everything but the claim first: until the claim goes, a later run knows whose leftovers these are.
-            kv.delete_keys(self.dst, [k for k in kv.list_keys(self.dst) if k != CLAIM_KEY])
+            keys = kv.list_keys(self.dst)
+            if self.marker in keys:
+                kv.delete_keys(self.dst, [CLAIM_KEY])
+                print(f"gtp-bridge: another run committed a checkpoint at {self.dst} while this run wrote there; "
+                      f"left every object there in place", file=sys.stderr)
+                return False
+            # Only what the listing saw, everything but the claim first: until the claim goes, a later run
+            # knows whose leftovers these are.
+            kv.delete_keys(self.dst, [k for k in keys if k != CLAIM_KEY])
             kv.delete_keys(self.dst, [CLAIM_KEY])
         except BridgeError as e:
             print(f"gtp-bridge: could not remove the objects under {self.dst}: {e}", file=sys.stderr)

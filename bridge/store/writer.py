@@ -81,6 +81,20 @@ def _digest_cells(shape: Sequence[int], cells: Sequence[tuple[Box, np.ndarray]])
     return dg.combine([dg.digest_box(shape, cell, buf) for cell, buf in cells])
 
 
+MAX_COMMIT_DEPTH = 64   # commits in flight, hence databases per writer
+
+
+def slot_db_dir(root: str, writer: int, slot: int) -> str:
+    """The OCDBT database of writer `writer`'s commit slot `slot` (see `CheckpointWriter`): slot 0
+    is the writer's own database (Orbax's name), slot s > 0 a sibling the commit merges alike (the
+    writer's report says how many it wrote: `databases`).
+
+    >>> slot_db_dir("/c", 1, 0), slot_db_dir("/c", 1, 2)
+    ('/c/ocdbt.process_1/', '/c/ocdbt.process_1.2/')
+    """
+    return specs.writer_db_dir(root, writer) if slot == 0 else f"{root.rstrip('/')}/ocdbt.process_{writer}.{slot}/"
+
+
 def report_key(writer: int) -> str:
     return f"{REPORT_DIR}/writer_{writer}.json"
 
@@ -214,12 +228,12 @@ class _ArrayState:
 class CheckpointWriter:
     """Writes the chunks `writer_id` owns into ``<tmp_dir>/ocdbt.process_<writer_id>/``.
 
-    `commit_depth` = commits in flight while the next batch is staged. With 2, OCDBT sometimes
-    writes a transaction's data twice (an unreferenced copy left on disk or on object storage, for
-    chunks written in pieces, tests/test_store_writer_scale.py, and also for whole chunks written in
-    one write each, seen with that test's converter-shaped load), so 1 is the default. On object
-    storage too, where a second commit in flight would start its uploads early: each copy is a
-    whole extra upload. `target_data_file_size`: OCDBT data file
+    `commit_depth` = commits in flight while the next batch is staged. Transaction i commits into
+    the database of slot i mod `commit_depth` (`slot_db_dir`; the commit merges them all), so
+    commits in flight never share a database: two TensorStore transactions committing into one
+    OCDBT database race for its manifest, and the loser retries its whole commit, writing every
+    value of the transaction again into new data files (the first copy stays, unreferenced: 1.1 to
+    1.4 times the logical bytes stored, on disk and on object storage). `target_data_file_size`: OCDBT data file
     size (None: `specs.TARGET_DATA_FILE_SIZE`; benchmarks vary it). `staging` (None: on local
     disks, not on object storage): copy non-contiguous inner chunks into reused slabs (see
     bridge/store/staging.py) rather than let TensorStore copy them. On object storage the slabs of
@@ -255,8 +269,8 @@ class CheckpointWriter:
         self.context = ts.Context(ctx)
         self._state: dict[str, _ArrayState] = {}
         self._created: set[str] = set()
-        self._base: dict[str, object] = {}   # opened once per array, not bound to a transaction
-        self._open: dict[str, object] = {}   # the same, bound to the current transaction
+        self._base: dict[tuple[int, str], object] = {}  # (slot, array) opened once, not bound to a transaction
+        self._open: dict[str, object] = {}   # the arrays bound to the current transaction
         self._txn = None
         self._digester: ThreadPoolExecutor | None = None
         # Threads for digests and for staging copies (each); TensorStore has its own pool.
@@ -264,6 +278,8 @@ class CheckpointWriter:
         self._copier: ThreadPoolExecutor | None = None
         self.staging = staging
         self.commit_depth = max(1, int(commit_depth))
+        if self.commit_depth > MAX_COMMIT_DEPTH:
+            raise BridgeError(f"commit_depth {commit_depth} is more than {MAX_COMMIT_DEPTH} commits in flight; use fewer")
         self.drop_behind = drop_behind and hasattr(os, "posix_fadvise")
         self._dropped: set[str] = set()     # data files complete and dropped: never touched again
         self._seen: dict[str, int] = {}      # data file -> commits issued when first listed
@@ -398,6 +414,7 @@ class CheckpointWriter:
             "writer": self.writer_id,
             "plan": self.plan.fingerprint(),
             "digest_algorithm": dg.ALGORITHM if self.compute_digest else "",
+            "databases": self.databases,
             "arrays": {},
         }
         for name, st in self._state.items():
@@ -530,11 +547,13 @@ class CheckpointWriter:
         when it was first listed: once that commit landed the file is complete, is dropped one last
         time and then skipped (else every batch would re-drop every file written so far).
         """
-        d = os.path.join(specs.writer_db_dir(self.tmp_dir, self.writer_id), "d")
-        try:
-            names = os.listdir(d)
-        except FileNotFoundError:
-            return
+        names = []
+        for slot in range(min(self.commit_depth, self._issued)):
+            d = os.path.join(slot_db_dir(self.tmp_dir, self.writer_id, slot), "d")
+            try:
+                names += [os.path.join(d, n) for n in os.listdir(d)]
+            except FileNotFoundError:
+                pass
         landed = self._issued - len(self._commits)
         for name in names:
             if name in self._dropped:
@@ -543,7 +562,7 @@ class CheckpointWriter:
                 self._dropped.add(name)
                 del self._seen[name]
             try:
-                fd = os.open(os.path.join(d, name), os.O_RDONLY)
+                fd = os.open(name, os.O_RDONLY)
             except OSError:
                 continue
             try:
@@ -579,7 +598,7 @@ class CheckpointWriter:
         small host), so all opens happen before any data is in flight.
         """
         self._txn = self._ts.Transaction(atomic=True)
-        if self._issued == 0:  # every transaction begun before was committed (flush), so this is the first
+        if self._issued < self.commit_depth:  # the first transaction of its slot (database)
             self._bind([ap for ap in self.plan.arrays.values()
                         if ap.meta_writer == self.writer_id or (ap.ownership.owners == self.writer_id).any()])
 
@@ -588,20 +607,19 @@ class CheckpointWriter:
 
         The opens run concurrently: each mostly waits on TensorStore's threads, so waiting for all
         at once costs little more than one. Each array is opened once per writer; later
-        transactions rebind that handle, which is cheap. Arrays are created in a transaction of
-        their own, committed before any data: created inside the first data transaction, OCDBT
-        wrote the data of the next concurrent commits twice (same bytes, an unreferenced copy left
-        on disk). On object storage with one commit in flight (no concurrent commits) they are
-        created inside it.
+        transactions rebind that handle, which is cheap. Arrays are created in slot 0's database
+        (see `slot_db_dir`): on local disks in a transaction of their own, committed before any
+        data; on object storage, where that costs several sequential requests, inside the current
+        transaction when it is slot 0's (no other commit in flight shares that database).
         """
         ts = self._ts
+        slot = self._slot
         create = [ap for ap in aps if ap.meta_writer == self.writer_id and ap.spec.name not in self._created]
         if create:
-            # On object storage with one commit in flight the arrays are created in the data
-            # transaction: a transaction of their own costs several sequential requests there.
-            fold = self.remote and self.commit_depth == 1 and self._txn is not None
+            fold = self.remote and self._txn is not None and slot == 0
             meta = self._txn if fold else ts.Transaction(atomic=True)
-            futs = [ts.open(self._spec(ap), create=True, context=self.context, transaction=meta) for ap in create]
+            # metadata only ever in slot 0's database: every key is in one database for the merge
+            futs = [ts.open(self._spec(ap, 0), create=True, context=self.context, transaction=meta) for ap in create]
             made = [self._opened(ap, fut) for ap, fut in zip(create, futs)]
             try:
                 if not fold:
@@ -611,17 +629,17 @@ class CheckpointWriter:
                                   f"{' '.join(str(e).split())}") from e
             if not fold:  # (folded: opened below with the plan's metadata, like arrays made elsewhere)
                 for ap, st in zip(create, made):
-                    self._base[ap.spec.name] = st.with_transaction(None)
+                    self._base[0, ap.spec.name] = st.with_transaction(None)
             self._created.update(ap.spec.name for ap in create)
         # assume_metadata: no I/O, the plan fixes the metadata
-        futs = [(ap, None if ap.spec.name in self._base else
-                 ts.open(self._spec(ap), open=True, assume_metadata=True, context=self.context)) for ap in aps]
+        futs = [(ap, None if (slot, ap.spec.name) in self._base else
+                 ts.open(self._spec(ap, slot), open=True, assume_metadata=True, context=self.context)) for ap in aps]
         out = []
         for ap, fut in futs:
             name = ap.spec.name
             if fut is not None:
-                self._base[name] = self._opened(ap, fut)
-            st = self._base[name].with_transaction(self._txn)
+                self._base[slot, name] = self._opened(ap, fut)
+            st = self._base[slot, name].with_transaction(self._txn)
             self._open[name] = st
             out.append(st)
         return out
@@ -633,8 +651,22 @@ class CheckpointWriter:
             raise BridgeError(f"writer {self.writer_id}: {path_str(ap.spec.path)}: opening for write failed: "
                               f"{' '.join(str(e).split())}") from e
 
-    def _spec(self, ap: ArrayPlan) -> dict:
-        return specs.array_write_spec(self.tmp_dir, self.writer_id, ap.spec.name, ap.spec.shape, ap.spec.dtype,
+    @property
+    def databases(self) -> int:
+        """Databases this writer wrote (slots 0 .. n-1, see `slot_db_dir`)."""
+        return max(1, min(self._issued, self.commit_depth))
+
+    @property
+    def _slot(self) -> int:
+        """The commit slot (database) of the transaction being staged."""
+        return self._issued % self.commit_depth
+
+    def _spec(self, ap: ArrayPlan, slot: int) -> dict:
+        spec = specs.array_write_spec(self.tmp_dir, self.writer_id, ap.spec.name, ap.spec.shape, ap.spec.dtype,
                                       ap.ownership.chunk_shape, ap.inner_chunk_shape, self.plan.compression,
                                       checksum=self.plan.checksum,
                                       target_data_file_size=self.target_data_file_size)
+        if slot:
+            spec["kvstore"] = specs.ocdbt_kvstore(slot_db_dir(self.tmp_dir, self.writer_id, slot), ap.spec.name,
+                                                  write=True, target_data_file_size=self.target_data_file_size)
+        return spec
