@@ -70,7 +70,8 @@ def _place(ck, path: Path, want: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.make_array_from_callback(shape, want.sharding, shard)
 
 
-def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None = None) -> None:
+def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None = None,
+                writer_class: type | None = None) -> None:
     """Write the logical tree `bridge.jaxside.save` built to an s3:// / gs:// prefix with the store's
     writer and commit (claim object, OCDBT databases, `_METADATA` last): the same arrays, names and
     manifest Orbax would have written to a local path.
@@ -79,7 +80,8 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
     s3://): process 0 claims the prefix, each process is one writer of the regions its devices hold
     (`shard_ownership`) and writes them from its addressable shards, and process 0 commits once
     every writer reported; all processes return or raise the same error. With one process arrays
-    move to host memory one at a time."""
+    move to host memory one at a time. `writer_class` (default `CheckpointWriter`) is a seam for tests
+    that watch the writer's calls."""
     from bridge.dist import JaxCoordinator
     from bridge.format.schema import adamw_empty_paths
     from bridge.jaxside.keypaths import leaves_by_path
@@ -108,7 +110,7 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
 
     def write() -> dict:
         with progress(plan.bytes_of_writer(rank), "save" if world == 1 else f"save (process {rank})") as bar:
-            writer = CheckpointWriter(tmp, plan, rank)
+            writer = (writer_class or CheckpointWriter)(tmp, plan, rank)
             for name, ap in plan.arrays.items():
                 # A jax.Array's host blocks are the save's own copy or views of an immutable buffer:
                 # the writer references them (no copy; released before `finish` returns). A numpy
