@@ -189,3 +189,23 @@ def test_row_split_restore_fetches_a_shard_in_few_gets():
     # 6 here: _METADATA, the OCDBT manifest and B-tree nodes, zarr.json and the shard index (5 before
     # the first chunk either way), then the chunks in one or two GETs; box after box: 13.
     assert gets <= 9, gets
+
+
+def test_restore_remote_names_the_array_whose_data_is_gone():
+    """A data file removed from the bucket after the commit: the restore fails with IntegrityError naming
+    the array, the box and the process, not a bare TensorStore error."""
+    from bridge.errors import IntegrityError
+
+    a = np.random.default_rng(9).random((1024, 4096), dtype=np.float32)
+    with remote_servers() as servers:
+        s3 = servers["s3"]
+        url = save_checkpoint(s3.url("restore_remote/damaged"), {W: a})
+        c = s3.client()
+        data = [o for o in c.list_objects_v2(Bucket=s3.buckets[0], Prefix="restore_remote/damaged/")["Contents"]
+                if "/d/" in o["Key"]]
+        biggest = max(data, key=lambda o: o["Size"])
+        assert biggest["Size"] > a.nbytes // 2, data
+        c.delete_object(Bucket=s3.buckets[0], Key=biggest["Key"])
+        want = {W: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=NamedSharding(mesh_1d(), P(None, "d")))}
+        with pytest.raises(IntegrityError, match=r"process 0: array params/w: read of \[0:1024, 0:512\] from s3://"):
+            remote.restore_remote(url, want)
