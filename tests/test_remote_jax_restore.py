@@ -209,3 +209,9 @@ def test_restore_remote_names_the_array_whose_data_is_gone():
         want = {W: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=NamedSharding(mesh_1d(), P(None, "d")))}
         with pytest.raises(IntegrityError, match=r"process 0: array params/w: read of \[0:1024, 0:512\] from s3://"):
             remote.restore_remote(url, want)
+
+
+def test_default_budget_is_orbaxs_restore_default():
+    """A restore from a URL and a local one (Orbax's PyTreeCheckpointHandler) default to the same bound."""
+    pytree_handler = pytest.importorskip("orbax.checkpoint._src.handlers.pytree_checkpoint_handler")
+    assert remote.DEFAULT_CONCURRENT_GB == pytree_handler.DEFAULT_CONCURRENT_GB

@@ -19,7 +19,8 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 
-from bridge.jaxside.keypaths import Path
+from bridge.errors import BridgeError, IntegrityError
+from bridge.jaxside.keypaths import Path, path_str
 from bridge.layout.boxes import Box
 
 
@@ -113,8 +114,6 @@ def restore_remote(directory: str, abstract: Mapping[Path, jax.ShapeDtypeStruct]
         try:
             block = np.asarray(future.result())
         except Exception as e:
-            from bridge.errors import IntegrityError
-            from bridge.jaxside.keypaths import path_str
             from bridge.store.reader import _one_line
 
             raise IntegrityError(f"process {jax.process_index()}: array {path_str(r.path)}: read of {r.box} "
@@ -129,8 +128,6 @@ def restore_remote(directory: str, abstract: Mapping[Path, jax.ShapeDtypeStruct]
 
 
 def _budget_bytes(concurrent_gb: float | None) -> int:
-    from bridge.errors import BridgeError
-
     gb = DEFAULT_CONCURRENT_GB if concurrent_gb is None else concurrent_gb
     if not gb > 0:
         raise BridgeError(f"concurrent_gb={concurrent_gb} must be positive (GB of host memory a restore may hold)")
