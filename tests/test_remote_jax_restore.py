@@ -120,30 +120,24 @@ def big():
         yield save_checkpoint(servers["s3"].url("restore_remote/big"), arrays), arrays
 
 
-def _counting_seams(monkeypatch):
-    """Wrap the start of each read and the placement of each block: bytes in flight between the two."""
+def _counting_watch():
+    """A `restore_remote(watch=)` that keeps the bytes in flight between a read starting and its block placed."""
     seen = {"now": 0, "peak": 0, "started": 0, "blocks": 0}
-    start, place = remote._start_read, remote._to_devices
 
-    def counted_start(store, box):
-        n = int(np.prod(box.shape, dtype=np.int64)) * store.dtype.numpy_dtype.itemsize
-        seen["now"] += n
-        seen["started"] += n
-        seen["blocks"] += 1
-        seen["peak"] = max(seen["peak"], seen["now"])
-        return start(store, box)
+    def watch(event: str, n: int) -> None:
+        if event == "read":
+            seen["now"] += n
+            seen["started"] += n
+            seen["blocks"] += 1
+            seen["peak"] = max(seen["peak"], seen["now"])
+        else:
+            seen["now"] -= n
 
-    def counted_place(block, devices):
-        seen["now"] -= block.nbytes
-        return place(block, devices)
-
-    monkeypatch.setattr(remote, "_start_read", counted_start)
-    monkeypatch.setattr(remote, "_to_devices", counted_place)
-    return seen
+    return seen, watch
 
 
 @pytest.mark.parametrize("budget_bytes, most_blocks", [(700_000, 2), (2_000_000, 7), (100_000, 1)])
-def test_restore_remote_holds_at_most_the_budget(big, monkeypatch, budget_bytes, most_blocks):
+def test_restore_remote_holds_at_most_the_budget(big, budget_bytes, most_blocks):
     """4 MiB in two arrays, one split by rows and one by columns (8 blocks of 256 KiB each): the
     bytes read and not yet placed stay within the budget (a block larger than the budget alone),
     several blocks are in flight whenever the budget holds several, and every byte is read once."""
@@ -151,8 +145,8 @@ def test_restore_remote_holds_at_most_the_budget(big, monkeypatch, budget_bytes,
     mesh = mesh_1d()
     want = {("params", "x"): jax.ShapeDtypeStruct((512, 1024), np.float32, sharding=NamedSharding(mesh, P("d", None))),
             ("params", "y"): jax.ShapeDtypeStruct((512, 1024), np.float32, sharding=NamedSharding(mesh, P(None, "d")))}
-    seen = _counting_seams(monkeypatch)
-    got = remote.restore_remote(url, want, budget_bytes / 1e9)
+    seen, watch = _counting_watch()
+    got = remote.restore_remote(url, want, budget_bytes / 1e9, watch=watch)
     block = 512 * 1024 * 4 // 8
     assert seen["started"] == sum(a.nbytes for a in arrays.values()) and seen["blocks"] == 16 and seen["now"] == 0
     assert seen["peak"] == most_blocks * block, seen

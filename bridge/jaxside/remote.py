@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -88,7 +88,8 @@ def plan_block_reads(abstract: Mapping[Path, jax.ShapeDtypeStruct],
 
 
 def restore_remote(directory: str, abstract: Mapping[Path, jax.ShapeDtypeStruct],
-                   concurrent_gb: float | None = None) -> dict[Path, jax.Array]:
+                   concurrent_gb: float | None = None, *,
+                   watch: Callable[[str, int], None] | None = None) -> dict[Path, jax.Array]:
     """Every requested array of the committed checkpoint at `directory` (a URL) on its sharding.
 
     All device boxes of all arrays are read at once (TensorStore futures), so the round trips of
@@ -96,7 +97,8 @@ def restore_remote(directory: str, abstract: Mapping[Path, jax.ShapeDtypeStruct]
     budget of `concurrent_gb` (GB, 10**9 bytes; default Orbax's, as for a local restore): a read
     starts only while the blocks read and not yet placed on their devices fit in it (a block
     larger than the budget is read alone). Each finished block goes to its devices and the array
-    is built from the placed shards."""
+    is built from the placed shards. `watch(event, nbytes)`, if given, hears each block's
+    "read" (started) and "placed" (on its devices): a seam for tests of the budget."""
     from bridge.progress import progress
     from bridge.store.reader import open_checkpoint
 
@@ -108,6 +110,8 @@ def restore_remote(directory: str, abstract: Mapping[Path, jax.ShapeDtypeStruct]
     placed: dict[Path, list[jax.Array]] = {p: [] for p in paths}
 
     def start(r: BlockRead):
+        if watch is not None:
+            watch("read", r.nbytes)
         return _start_read(stores[r.path], r.box)
 
     def finish(r: BlockRead, future) -> None:
@@ -119,6 +123,8 @@ def restore_remote(directory: str, abstract: Mapping[Path, jax.ShapeDtypeStruct]
             raise IntegrityError(f"process {jax.process_index()}: array {path_str(r.path)}: read of {r.box} "
                                  f"from {directory} failed: {_one_line(e)}") from e
         placed[r.path].extend(_to_devices(block.astype(abstract[r.path].dtype, copy=False), r.devices))
+        if watch is not None:
+            watch("placed", r.nbytes)
         bar.update(r.nbytes)
 
     with progress(sum(r.nbytes for r in reads), "restore") as bar:
