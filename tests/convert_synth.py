@@ -15,7 +15,6 @@ import io
 import math
 import os
 import shutil
-import socket
 from typing import Any
 
 import ml_dtypes
@@ -25,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import megatron_pp_reference
+from servers import free_port
 
 L, H, NQ, NG, HD, F, V = 2, 8, 4, 2, 2, 12, 32
 QKV = (NQ + 2 * NG) * HD
@@ -422,11 +422,6 @@ def common_state(tp: int, dp: int, fmt: str, with_args: bool = True, pp: int = 1
 # --- saving with real DCP from real gloo ranks ------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _save_rank(rank: int, world: int, port: int, path: str, entries: dict, shapes: dict, objects: dict,
                common: dict) -> None:
@@ -475,7 +470,7 @@ def save(path: str, entries: dict, objects: dict, common: dict, world: int) -> N
     # gloo on a loaded machine now and then aborts a rank at set-up or tear-down: try again, afresh
     for attempt in range(3):
         try:
-            mp.start_processes(_save_rank, args=(world, _free_port(), path, entries, shapes, objects, common),
+            mp.start_processes(_save_rank, args=(world, free_port(), path, entries, shapes, objects, common),
                                nprocs=world, start_method="spawn")
             return
         except mp.ProcessExitedException:

@@ -6,7 +6,6 @@ import argparse
 import io
 import os
 import pickle
-import socket
 from pathlib import Path
 
 import pytest
@@ -17,12 +16,8 @@ import torch.multiprocessing as mp
 
 from bridge.errors import BridgeError
 from converters.megatron.dcp_reader import DcpCheckpoint, InertStub, safe_loads, safe_torch_load_object
+from servers import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _save_worker(rank: int, world: int, port: int, path: str) -> None:
@@ -55,7 +50,7 @@ def _save_worker(rank: int, world: int, port: int, path: str) -> None:
 @pytest.fixture(scope="module")
 def two_rank_ckpt(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("dcp2") / "ckpt"
-    mp.start_processes(_save_worker, args=(2, _free_port(), str(path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_save_worker, args=(2, free_port(), str(path)), nprocs=2, start_method="spawn")
     return path
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,8 @@ import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from servers import free_port  # noqa: E402
 
 
 def _worker(rank: int, world: int, port: int, src: str, dst: str, out: str) -> None:
@@ -85,11 +86,6 @@ def _abstract_params(src: str):
                               for p, a in stored_arrays(src).section(PARAMS).items()})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -112,7 +108,7 @@ def test_two_process_restore_step_save(tmp_path):
     arrays = logical_state(params, step=100, model=False)
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     write_store_checkpoint(src, arrays, tiny_manifest(100), num_writers=2)
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, __file__, str(rank), "2", str(port), src, dst,

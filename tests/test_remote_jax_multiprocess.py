@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from servers import remote_servers  # noqa: E402
+from servers import free_port, remote_servers  # noqa: E402
 
 SHAPES = {"w": (16, 24), "b": (24,), "emb": (64, 8)}
 
@@ -67,11 +66,6 @@ def _worker(rank: int, world: int, port: int, urls: list[str], root: str) -> Non
         print(f"REFUSED {rank}: {e}", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -89,7 +83,7 @@ def test_two_process_jax_save_to_object_storage(tmp_path):
         s3, gs = servers["s3"], servers["gs"]
         urls = [s3.url("mp/jax"), gs.url("mp/jax")]
         root = gs.url("mp/mgr")
-        port = _free_port()
+        port = free_port()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
         env.pop("XLA_FLAGS", None)
         procs = [subprocess.Popen([sys.executable, __file__, str(rank), "2", str(port), json.dumps(urls), root],

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from servers import remote_servers  # noqa: E402
+from servers import free_port, remote_servers  # noqa: E402
 
 SPECS = {"rows": ("a", None), "cols": (None, "b"), "both": ("b", "a"), "repl": ()}
 
@@ -62,11 +61,6 @@ def _worker(rank: int, world: int, port: int, urls: list[str]) -> None:
         print(f"OK {rank} {url} {len(started)} reads", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -77,7 +71,7 @@ def test_two_process_restore_remote():
         urls = [save_checkpoint(srv.url("mp_restore/ck"), saved_arrays(), num_writers=2) for srv in servers.values()]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
         env.pop("XLA_FLAGS", None)
-        port = _free_port()
+        port = free_port()
         procs = [subprocess.Popen([sys.executable, __file__, str(rank), "2", str(port), json.dumps(urls)],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
         logs = [p.communicate(timeout=280)[0].decode(errors="replace") for p in procs]
