@@ -78,17 +78,16 @@ def test_box_reads_fetch_each_shard_index_once(tmp_path):
     assert n["/tensorstore/kvstore/ocdbt/read"] == len(boxes) + 1, n  # inner chunks + the index once
 
 
-def test_whole_read_larger_than_the_ocdbt_pool_reads_each_shard_once(tmp_path, monkeypatch):
+def test_whole_read_larger_than_the_ocdbt_pool_reads_each_shard_once(tmp_path):
     """The OCDBT cache pool holds B-tree nodes, never array data: with it at 0 bytes (every array
     larger than it) a whole-array read still reads each shard once, as one OCDBT value, and
     decodes each inner chunk once. Guards the diagnosis that a pool smaller than the data does not
     make reads fetch or decode more."""
-    base = specs.context_spec
-    monkeypatch.setattr(specs, "context_spec", lambda io_concurrency=64: {**base(io_concurrency),
-                                                                          "cache_pool#ocdbt": {"total_bytes_limit": 0}})
     arrays = {("params", f"w{i}"): np.random.default_rng(i).random((512, 1024), dtype=np.float32) for i in range(4)}
     root = save_checkpoint(str(tmp_path / "ck"), arrays)
     ck = open_checkpoint(root)
+    # The reader's own context, with the OCDBT pool emptied (its instance attribute: no module state patched).
+    ck.context = ts.Context({**specs.context_spec(), "cache_pool#ocdbt": {"total_bytes_limit": 0}})
     ck.arrays()
     got = {}
     n = counted(lambda: got.update({p: ck.read(p) for p in arrays}),

@@ -116,3 +116,38 @@ def test_save_to_object_storage_equals_orbax_local_save(remote_ckpts, tmp_path):
     assert int(back.step) == int(r.step)
     with pytest.raises(Exception, match="already exists"):
         save(remote, **kw)
+
+
+def test_restore_from_object_storage_keeps_concurrent_gb(remote_ckpts, monkeypatch):
+    """`restore(url, concurrent_gb=)` bounds the remote read as it bounds Orbax's local one: the bytes read
+    and not yet placed (counted at restore_remote's two seams) stay within it, the arrays stay exact."""
+    from bridge.errors import BridgeError
+    from bridge.jaxside import remote
+    from bridge.jaxside.restore import restore
+
+    urls, arrays, _ = remote_ckpts
+    seen = {"now": 0, "peak": 0, "largest": 0}
+    start, place = remote._start_read, remote._to_devices
+
+    def counted_start(store, box):
+        n = int(np.prod(box.shape, dtype=np.int64)) * store.dtype.numpy_dtype.itemsize
+        seen["now"] += n
+        seen["largest"] = max(seen["largest"], n)
+        seen["peak"] = max(seen["peak"], seen["now"])
+        return start(store, box)
+
+    def counted_place(block, devices):
+        seen["now"] -= block.nbytes
+        return place(block, devices)
+
+    monkeypatch.setattr(remote, "_start_read", counted_start)
+    monkeypatch.setattr(remote, "_to_devices", counted_place)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tp"))
+    budget = 4096
+    got = _flat(restore(urls["s3"], mesh=mesh, concurrent_gb=budget / 1e9))
+    assert seen["now"] == 0 and 0 < seen["peak"] <= max(budget, seen["largest"]), seen
+    assert sum(np.asarray(a).nbytes for a in arrays.values()) > 4 * budget
+    for p, a in got.items():
+        assert np.array_equal(bits(a), bits(np.asarray(arrays[p]).astype(a.dtype))), p
+    with pytest.raises(BridgeError, match="concurrent_gb=0 must be positive"):
+        restore(urls["s3"], mesh=mesh, concurrent_gb=0)

@@ -34,7 +34,7 @@ def _read(url: str, path: tuple) -> np.ndarray:
     return np.asarray(ts.open(spec, open=True).result().read().result())
 
 
-def test_save_to_s3_donates_only_its_own_blocks_and_stores_exact(tmp_path, monkeypatch):
+def test_save_to_s3_donates_only_its_own_blocks_and_stores_exact(tmp_path):
     from bridge.jaxside.restore import restore
     from bridge.jaxside.save import save
     from bridge.store.writer import CheckpointWriter
@@ -49,16 +49,16 @@ def test_save_to_s3_donates_only_its_own_blocks_and_stores_exact(tmp_path, monke
     before = {p: np.array(jax.device_get(a)) for p, a in leaves_by_path(params).items()}
 
     calls = []
-    real_write = CheckpointWriter.write
 
-    def write(self, path, box, data, *, donate=False):
-        calls.append((path, donate, np.shares_memory(data, live)))
-        return real_write(self, path, box, data, donate=donate)
+    class Recording(CheckpointWriter):  # the real writer, its write calls recorded
+        def write(self, path, box, data, *, donate=False):
+            calls.append((path, donate, np.shares_memory(data, live)))
+            return super().write(path, box, data, donate=donate)
 
-    monkeypatch.setattr(CheckpointWriter, "write", write)
     with S3Server() as srv, environ(**srv.env):
         url = srv.url("jax/donated")
-        save(url, params=params, opt_state=r.opt_state, step=r.step, model=r.model, manifest=r.manifest)
+        save(url, params=params, opt_state=r.opt_state, step=r.step, model=r.model, manifest=r.manifest,
+             writer_class=Recording)
         for path, want in arrays.items():
             got = _read(url, path)
             assert got.dtype == want.dtype and np.array_equal(bits(got), bits(want)), path

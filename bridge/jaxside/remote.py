@@ -3,20 +3,24 @@
 Orbax reaches gs:// only through gcsfs (its epath backend) and cannot open s3:// URLs, so for a
 URL the bridge reads the committed checkpoint with its own TensorStore reader
 (`bridge.store.reader`, which checks `_METADATA`'s seal and refuses uncommitted prefixes) and
-places each array straight into its target sharding: every device's shard is one TensorStore
-read of that box (`jax.make_array_from_callback`), so a process reads only what its devices hold.
+places each array straight into its target sharding: every distinct device box is one TensorStore
+read, all of them issued at once within a host-memory budget (`restore_remote`), so a process
+reads only what its devices hold and object storage's round trips overlap.
 A save writes with the store's writer and commit, every JAX process one writer of the shards its
 devices hold (`save_remote`). Local paths keep going through Orbax (`bridge.jaxside.restore`).
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections import deque
+from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
 
-from bridge.jaxside.keypaths import Path
+from bridge.errors import BridgeError, IntegrityError
+from bridge.jaxside.keypaths import Path, path_str
 from bridge.layout.boxes import Box
 
 
@@ -42,35 +46,132 @@ def _np_dtype(name: str) -> np.dtype:
     return numpy_dtype(name)
 
 
-def restore_remote(directory: str, abstract: Mapping[Path, jax.ShapeDtypeStruct]) -> dict[Path, jax.Array]:
-    """Every requested array of the committed checkpoint at `directory` (a URL) on its sharding."""
+# Orbax's PyTreeCheckpointHandler default for `restore_concurrent_gb`: a local restore (Orbax) and a
+# remote one (below) bound their host memory with the same knob, `restore(..., concurrent_gb=)`.
+DEFAULT_CONCURRENT_GB = 96
+
+
+@dataclass(frozen=True)
+class BlockRead:
+    """One host read of a restore: `box` of stored array `path`, placed on `devices` (every addressable
+    device whose shard is that box: a replicated box is read once). `nbytes` is what it holds in
+    host memory between its read starting and its placement (the block, and its cast copy)."""
+
+    path: Path
+    box: Box
+    devices: tuple
+    nbytes: int
+
+
+def plan_block_reads(abstract: Mapping[Path, jax.ShapeDtypeStruct],
+                     stored_itemsize: Mapping[Path, int]) -> list[BlockRead]:
+    """The host reads that place every array of `abstract` on its sharding, array by array.
+
+    >>> import jax
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+    >>> want = {("w",): jax.ShapeDtypeStruct((4, 2), np.float32, sharding=NamedSharding(mesh, P("d")))}
+    >>> [(str(r.box), r.nbytes) for r in plan_block_reads(want, {("w",): 2})]
+    [('[0:4, 0:2]', 48)]
+    """
+    reads = []
+    for path, want in abstract.items():
+        shape = tuple(int(s) for s in want.shape)
+        cast = np.dtype(want.dtype).itemsize if np.dtype(want.dtype).itemsize != stored_itemsize[path] else 0
+        boxes: dict[Box, list] = {}
+        for device, index in want.sharding.addressable_devices_indices_map(shape).items():
+            boxes.setdefault(_box_of(index, shape), []).append(device)
+        for box, devices in boxes.items():
+            elems = int(np.prod(box.shape, dtype=np.int64))
+            reads.append(BlockRead(path, box, tuple(devices), elems * (stored_itemsize[path] + cast)))
+    return reads
+
+
+def restore_remote(directory: str, abstract: Mapping[Path, jax.ShapeDtypeStruct],
+                   concurrent_gb: float | None = None) -> dict[Path, jax.Array]:
+    """Every requested array of the committed checkpoint at `directory` (a URL) on its sharding.
+
+    All device boxes of all arrays are read at once (TensorStore futures), so the round trips of
+    object storage overlap and the reader coalesces neighbouring chunks, within a host-memory
+    budget of `concurrent_gb` (GB, 10**9 bytes; default Orbax's, as for a local restore): a read
+    starts only while the blocks read and not yet placed on their devices fit in it (a block
+    larger than the budget is read alone). Each finished block goes to its devices and the array
+    is built from the placed shards."""
+    from bridge.progress import progress
     from bridge.store.reader import open_checkpoint
 
+    budget = _budget_bytes(concurrent_gb)
     ck = open_checkpoint(directory)
-    out = {}
-    for path, want in abstract.items():
-        out[path] = _place(ck, path, want)
-    return out
+    paths = list(abstract)
+    stores = dict(zip(paths, ck.open_many(paths)))
+    reads = plan_block_reads(abstract, {p: t.dtype.numpy_dtype.itemsize for p, t in stores.items()})
+    placed: dict[Path, list[jax.Array]] = {p: [] for p in paths}
+
+    def start(r: BlockRead):
+        return _start_read(stores[r.path], r.box)
+
+    def finish(r: BlockRead, future) -> None:
+        try:
+            block = np.asarray(future.result())
+        except Exception as e:
+            from bridge.store.reader import _one_line
+
+            raise IntegrityError(f"process {jax.process_index()}: array {path_str(r.path)}: read of {r.box} "
+                                 f"from {directory} failed: {_one_line(e)}") from e
+        placed[r.path].extend(_to_devices(block.astype(abstract[r.path].dtype, copy=False), r.devices))
+        bar.update(r.nbytes)
+
+    with progress(sum(r.nbytes for r in reads), "restore") as bar:
+        run_bounded(reads, budget, start, finish)
+    return {p: jax.make_array_from_single_device_arrays(tuple(int(s) for s in want.shape), want.sharding, placed[p])
+            for p, want in abstract.items()}
 
 
-def _place(ck, path: Path, want: jax.ShapeDtypeStruct) -> jax.Array:
-    shape = tuple(int(s) for s in want.shape)
-    dtype = np.dtype(want.dtype)
-    cache: dict[tuple, np.ndarray] = {}  # replicated shards of one box are read once
-
-    def shard(index: tuple[slice, ...]) -> np.ndarray:
-        start = tuple(0 if s.start is None else int(s.start) for s in index)
-        stop = tuple(n if s.stop is None else int(s.stop) for s, n in zip(index, shape))
-        key = (start, stop)
-        if key not in cache:
-            block = ck.read(path, Box(start, stop)) if shape else ck.read(path)
-            cache[key] = np.asarray(block).astype(dtype, copy=False)
-        return cache[key]
-
-    return jax.make_array_from_callback(shape, want.sharding, shard)
+def _budget_bytes(concurrent_gb: float | None) -> int:
+    gb = DEFAULT_CONCURRENT_GB if concurrent_gb is None else concurrent_gb
+    if not gb > 0:
+        raise BridgeError(f"concurrent_gb={concurrent_gb} must be positive (GB of host memory a restore may hold)")
+    return max(1, int(gb * 10**9))
 
 
-def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None = None) -> None:
+def run_bounded(reads: Sequence[BlockRead], budget: int, start, finish) -> None:
+    """`start(read)` for each read in order, and `finish(read, started)` for each in the same order,
+    with at most `budget` bytes of reads started and not finished (one read larger than the budget
+    runs alone).
+
+    >>> log = []
+    >>> reads = [BlockRead(("w",), Box((i,), (i + 1,)), (), n) for i, n in enumerate([3, 3, 5, 1])]
+    >>> run_bounded(reads, 6, lambda r: log.append(("start", r.nbytes)),
+    ...             lambda r, _: log.append(("finish", r.nbytes)))
+    >>> log
+    [('start', 3), ('start', 3), ('finish', 3), ('finish', 3), ('start', 5), ('start', 1), ('finish', 5), ('finish', 1)]
+    """
+    window: deque = deque()
+    held = 0
+    for r in reads:
+        while window and held + r.nbytes > budget:
+            done, started = window.popleft()
+            finish(done, started)
+            held -= done.nbytes
+        window.append((r, start(r)))
+        held += r.nbytes
+    while window:
+        done, started = window.popleft()
+        finish(done, started)
+
+
+def _start_read(store, box: Box):
+    """A TensorStore read of `box` (a future)."""
+    return (store[box.slices] if box.ndim else store).read()
+
+
+def _to_devices(block: np.ndarray, devices: Sequence) -> list[jax.Array]:
+    """`block` placed on each of `devices` (the shards they hold)."""
+    return [jax.device_put(block, d) for d in devices]
+
+
+def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None = None,
+                writer_class: type | None = None) -> None:
     """Write the logical tree `bridge.jaxside.save` built to an s3:// / gs:// prefix with the store's
     writer and commit (claim object, OCDBT databases, `_METADATA` last): the same arrays, names and
     manifest Orbax would have written to a local path.
@@ -79,7 +180,8 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
     s3://): process 0 claims the prefix, each process is one writer of the regions its devices hold
     (`shard_ownership`) and writes them from its addressable shards, and process 0 commits once
     every writer reported; all processes return or raise the same error. With one process arrays
-    move to host memory one at a time."""
+    move to host memory one at a time. `writer_class` (default `CheckpointWriter`) is a seam for tests
+    that watch the writer's calls."""
     from bridge.dist import JaxCoordinator
     from bridge.format.schema import adamw_empty_paths
     from bridge.jaxside.keypaths import leaves_by_path
@@ -108,7 +210,7 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
 
     def write() -> dict:
         with progress(plan.bytes_of_writer(rank), "save" if world == 1 else f"save (process {rank})") as bar:
-            writer = CheckpointWriter(tmp, plan, rank)
+            writer = (writer_class or CheckpointWriter)(tmp, plan, rank)
             for name, ap in plan.arrays.items():
                 # A jax.Array's host blocks are the save's own copy or views of an immutable buffer:
                 # the writer references them (no copy; released before `finish` returns). A numpy

@@ -68,7 +68,8 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
     must match the (named) parameter tree and shapes, else BridgeError names the first differing path.
     `dtypes` ({"params"|"model"|"mu"|"nu": dtype}) casts on read; moments default to the template's dtype.
     Moments whose template leaf carries a NamedSharding are restored with it (else their param's).
-    `concurrent_gb` bounds the bytes Orbax reads in flight (host memory), default Orbax's.
+    `concurrent_gb` bounds the bytes read in flight (host memory), default Orbax's; from s3:// / gs://
+    the same bound holds (`bridge.jaxside.remote.restore_remote`).
     """
     bad = set(items) - set(ITEMS)
     if bad:
@@ -183,7 +184,7 @@ def _orbax_restore(stored: StoredTree, abstract: Mapping[Path, jax.ShapeDtypeStr
     if is_remote(stored.directory):  # Orbax cannot open s3:// (and needs gcsfs for gs://)
         from bridge.jaxside.remote import restore_remote
 
-        return restore_remote(stored.directory, abstract)
+        return restore_remote(stored.directory, abstract, concurrent_gb)
     import orbax.checkpoint as ocp
 
     from bridge.jaxside.keypaths import leaves_by_path
