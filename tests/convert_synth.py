@@ -200,9 +200,11 @@ def stage_of(name: str, layer: int | None, pp: int) -> int:
     return 0 if name.startswith("embedding.") else pp - 1
 
 
-def tp_chunks(name: str, full: np.ndarray, tp: int, dp: int = 1, pp: int = 1) -> list[tuple[int, tuple[int, ...], np.ndarray]]:
+def tp_chunks(name: str, full: np.ndarray, tp: int, dp: int = 1, pp: int = 1,
+              vpp: int = 1) -> list[tuple[int, tuple[int, ...], np.ndarray]]:
     """(writer rank, offsets, data) chunks: per layer instance (stacked keys) and TP rank; the writer
-    is rank t of the stage holding the instance (ranks: t + tp·d + tp·dp·p).
+    is rank t of the stage holding the instance (ranks: t + tp·d + tp·dp·p; with `vpp` virtual chunks
+    the stage megatron-core places the layer on, `chunk_of`).
 
     SwiGLU fc1 is split per TP rank as Megatron does: rank t stores gate rows t·F/tp.. and up rows F + t·F/tp..
     """
@@ -213,7 +215,7 @@ def tp_chunks(name: str, full: np.ndarray, tp: int, dp: int = 1, pp: int = 1) ->
     for layer in layers:
         inst = full[layer] if npre else full
         pre = (layer,) if npre else ()
-        base_rank = tp * dp * stage_of(name, layer, pp)
+        base_rank = tp * dp * chunk_of(name, layer, pp, vpp)[0]
         for t in range(tp):
             if ax is None:
                 if t == 0:
@@ -236,7 +238,7 @@ def tp_chunks(name: str, full: np.ndarray, tp: int, dp: int = 1, pp: int = 1) ->
 
 
 def model_space_entries(st: dict[str, dict[str, np.ndarray]], tp: int, fully: bool, dp: int = 1,
-                        pp: int = 1) -> dict[str, list]:
+                        pp: int = 1, vpp: int = 1) -> dict[str, list]:
     """key -> [(writer rank, offsets, data)] for the model (and fully_reshardable optimizer) keys."""
     entries: dict[str, list] = {}
     roles = [("model", "")] + ([("params", "optimizer.state.param."), ("mu", "optimizer.state.exp_avg."),
@@ -247,7 +249,7 @@ def model_space_entries(st: dict[str, dict[str, np.ndarray]], tp: int, fully: bo
             if name not in fused:   # tied: no output layer entry (the last stage's copy is never saved)
                 continue
             full = fused[name]
-            entries[prefix + name] = tp_chunks(name, full, tp, dp, pp)
+            entries[prefix + name] = tp_chunks(name, full, tp, dp, pp, vpp)
     return entries
 
 
@@ -490,7 +492,7 @@ def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0
     `uneven(...)`; `vpp` virtual pipeline chunks per stage. `edit(entries)` may change the stored
     chunks (key -> [(rank, offsets, data)]) before the save."""
     st = state(seed, tied)
-    entries = model_space_entries(st, tp, fmt == "fully_reshardable", dp, pp)
+    entries = model_space_entries(st, tp, fmt == "fully_reshardable", dp, pp, vpp)
     objects: dict[str, Any] = {}
     if fmt in ("dp_reshardable", "fully_sharded_bucket_space", "dp_zero_gather_scatter"):
         e2, objects = dp_buffers(st, tp, dp, bucket_size, pp, bucket_space=fmt == "fully_sharded_bucket_space",

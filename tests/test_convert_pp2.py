@@ -72,10 +72,17 @@ def test_tied_uneven_pp2_converts_exactly(saves, tmp_path):
 
 
 def test_even_split_of_an_uneven_save_is_refused(saves, tmp_path):
-    """Without the recorded first-stage size the stages' buffers do not rebuild: refused, nothing written."""
+    """A split flag the save was not made with is refused naming each stage's layers in the save (its
+    model entries' layer offsets by writing rank) and in the plan, the pipeline flags and the split that
+    fits; not the bucket-size flags (the buckets are not at fault). Nothing written."""
     d, _st, _ = saves
-    with pytest.raises(BridgeError, match="do not match"):
+    with pytest.raises(BridgeError) as e:
         convert(str(d / "pp2"), str(tmp_path / "x"), ConvertOptions(workers=1, hints=Hints(pp_first=2)))
+    msg = str(e.value)
+    assert ("its model entries put stage 0: layers 0, stage 1: layers 1-3 (by writing rank), the split from the "
+            "flags (--decoder-first-pipeline-num-layers 2) puts stage 0: layers 0-1, stage 1: layers 2-3") in msg, msg
+    assert "--decoder-last-pipeline-num-layers" in msg and "--account-for-embedding-in-pipeline-split" in msg
+    assert msg.endswith("the save fits --decoder-first-pipeline-num-layers 1") and "--bucket-size" not in msg, msg
     assert not (tmp_path / "x").exists()
 
 
@@ -93,19 +100,64 @@ def test_bucket_size_flag_fits_the_unbucketed_later_stages(saves, tmp_path):
     assert_matches(str(tmp_path / "b"), ref_of(st0), 3)
 
 
-def test_library_save_takes_the_split_from_flags(tmp_path, capsys):
-    """A save without args (dist_checkpointing.save from a library): PP and the uneven split come from
-    flags; the tied output layer is read from the keys (no output_layer entry)."""
+LIB_FACTS = ["--num-attention-heads", str(synth.NQ), "--num-query-groups", str(synth.NG), "--kv-channels",
+             str(synth.HD), "--swiglu"]
+
+
+@pytest.mark.parametrize("fmt", ["dp_reshardable", "dp_zero_gather_scatter"])
+def test_library_save_infers_the_uneven_split(tmp_path, capsys, fmt):
+    """A save without args (dist_checkpointing.save from a library) and no split flag: the uneven split
+    is read from the save (each stage's model entries' layer offsets) and reported as inferred; the
+    tied output layer is read from the keys (no output_layer entry). A wrong flag is refused naming
+    the stages' layers and the fitting flag; the right one converts the same."""
     with synth.dims(L=4), synth.uneven(last=1):
-        st = synth.make_checkpoint(str(tmp_path / "lib"), "dp_reshardable", tp=2, pp=2, tied=True, with_args=False)
-    facts = ["--tp", "2", "--pp", "2", "--num-attention-heads", str(synth.NQ), "--num-query-groups",
-             str(synth.NG), "--kv-channels", str(synth.HD), "--swiglu"]
-    rc, out = cli(capsys, "convert", str(tmp_path / "lib"), str(tmp_path / "even"), *facts)
-    assert rc == 2 and "do not match" in out and not (tmp_path / "even").exists()
-    rc, out = cli(capsys, "convert", str(tmp_path / "lib"), str(tmp_path / "out"), *facts,
+        st = synth.make_checkpoint(str(tmp_path / "lib"), fmt, tp=2, pp=2, tied=True, with_args=False)
+    facts = ["--tp", "2", "--pp", "2", *LIB_FACTS]
+    rc, out = cli(capsys, "convert", str(tmp_path / "lib"), str(tmp_path / "out"), *facts)
+    assert rc == 0, out
+    assert ("pipeline split: --decoder-first-pipeline-num-layers 3 (stage 0: layers 0-2, stage 1: layers 3: the model "
+            "entries' layer offsets by writing rank)") in out, out
+    assert_matches(str(tmp_path / "out"), ref_of(st), 3)
+    assert open_checkpoint(str(tmp_path / "out")).manifest.megatron.args["decoder_first_pipeline_num_layers"] == 3
+    rc, out = cli(capsys, "convert", str(tmp_path / "lib"), str(tmp_path / "bad"), *facts,
+                  "--decoder-last-pipeline-num-layers", "2")
+    assert rc == 2 and "puts stage 0: layers 0-1, stage 1: layers 2-3" in out and \
+        "the save fits --decoder-first-pipeline-num-layers 3" in out, out
+    assert not (tmp_path / "bad").exists()
+    rc, out = cli(capsys, "convert", str(tmp_path / "lib"), str(tmp_path / "flag"), *facts,
                   "--decoder-last-pipeline-num-layers", "1")
     assert rc == 0, out
+    assert_matches(str(tmp_path / "flag"), ref_of(st), 3)
+
+
+def test_library_virtual_pipeline_save_infers_the_split(tmp_path, capsys):
+    """Virtual pipeline chunks without args: the chunk count from the save's gbuf_idx buffers, the
+    interleaved uneven placement (megatron-core's, `megatron_pp_reference`) from the model entries."""
+    with synth.dims(L=8), synth.uneven(first=2, last=2):
+        st = synth.make_checkpoint(str(tmp_path / "lib"), "dp_reshardable", tp=1, pp=3, vpp=2, tied=True,
+                                   with_args=False, bucket_size=300)
+    rc, out = cli(capsys, "convert", str(tmp_path / "lib"), str(tmp_path / "out"), "--tp", "1", "--pp", "3", *LIB_FACTS)
+    assert rc == 0, out
+    # 0.19.2 places 8 layers, PP 3, VPP 2, first 2, last 2 as chunk 0 = [0] [1, 2] [3], chunk 1 = [4] [5, 6] [7]
+    assert ("pipeline split: --decoder-first-pipeline-num-layers 2, --decoder-last-pipeline-num-layers 2, "
+            "--virtual-pipeline-model-parallel-size 2 (stage 0: layers 0, 4, stage 1: layers 1-2, 5-6, stage 2: "
+            "layers 3, 7:") in out, out
     assert_matches(str(tmp_path / "out"), ref_of(st), 3)
+
+
+def test_recorded_virtual_pipeline_size_that_differs_is_refused(tmp_path):
+    """args recording no virtual pipeline for a save with two model chunks per stage: refused naming the
+    chunk counts and the split that fits, not the bucket flags."""
+    with synth.dims(L=8):
+        synth.make_checkpoint(str(tmp_path / "vpp"), "dp_reshardable", tp=1, pp=2, vpp=2, bucket_size=300,
+                              extra_args={"virtual_pipeline_model_parallel_size": None})
+    with pytest.raises(BridgeError) as e:
+        convert(str(tmp_path / "vpp"), str(tmp_path / "x"), ConvertOptions(workers=1))
+    msg = str(e.value)
+    assert "its model entries put stage 0: layers 0-1, 4-5, stage 1: layers 2-3, 6-7" in msg, msg
+    assert "the split from the checkpoint's args (the even split) puts stage 0: layers 0-3" in msg, msg
+    assert msg.endswith("the save fits the even split, --virtual-pipeline-model-parallel-size 2"), msg
+    assert "--bucket-size" not in msg and not (tmp_path / "x").exists()
 
 
 def _tamper_tied_copy(entries: dict) -> None:
@@ -168,8 +220,9 @@ def test_virtual_pipeline_chunks_convert_exactly(tmp_path, fmt):
     assert res.source_format == fmt
     assert_matches(str(tmp_path / "out"), ref_of(st), 3)
     # a split the save was not made with (here 2 + 6 layers: Megatron accepts it with VPP 2) does not fit its buckets
-    with pytest.raises(BridgeError, match="rebuilt bucket numels .* do not match the saved|"
-                                          "gathered, the rebuilt buffer holds"):
+    with pytest.raises(BridgeError, match=r"its model entries put stage 0: layers 0-1, 4-5, stage 1: layers 2-3, 6-7 "
+                                          r"\(by writing rank\), the split from the flags .* puts stage 0: layers "
+                                          r"0, 4, stage 1: layers 1-3, 5-7;"):
         convert(str(tmp_path / "vpp"), str(tmp_path / "x"), ConvertOptions(workers=1, hints=Hints(pp_first=2)))
     assert not (tmp_path / "x").exists()
 

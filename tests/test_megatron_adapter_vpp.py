@@ -78,17 +78,18 @@ def widen(arrays: dict[str, np.ndarray], pp1_layers: int) -> dict[str, np.ndarra
 class VStaged(Staged):
     """A PP1 fixture run widened to LAYERS layers and cut into PP x VPP chunks (rank = r + W·p)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, split: PipelineSplit = SPLIT) -> None:
         super().__init__(name)
         assert LAYERS % self.layers == 0 and LAYERS // self.layers <= 4
+        self.split = split
 
     def _place(self, name: str, p: int, v: int) -> list[tuple[str, int | None]]:
         """(local name in chunk (p, v), global layer or None) of each copy of PP1 param / entry `name`."""
         m = LAYER.match(name)
         if m is None:
-            return [(name, None)] if SPLIT.holds(strip_wrappers(name), p, v) else []
+            return [(name, None)] if self.split.holds(strip_wrappers(name), p, v) else []
         src = int(m.group(2))
-        rng = SPLIT.layers(LAYERS, p, v)
+        rng = self.split.layers(LAYERS, p, v)
         return [(f"{m.group(1)}{g - rng.start}." + name[m.end():], g) for g in rng if g % self.layers == src]
 
     def chunk_records(self, rank: int):
@@ -273,13 +274,14 @@ def test_chunk_lists_that_do_not_match_the_run_are_refused():
         map_chunks([recs[0], ([e for e in entries if "linear_proj" not in e.name], params)], lay, dims, pad, 0, VPP)
 
 
-def _export_worker(rank, world, name, dst, extra=None, tied=False):
+def _export_worker(rank, world, name, dst, extra=None, tied=False, first=None):
     from dataclasses import replace
 
     from bridge.live.export import export_state
     from converters.megatron.live import pipeline_adam_config
 
-    params, lrun, _ = (TiedVStaged if tied else VStaged)(name).local_params(rank)
+    split = SPLIT if first is None else PipelineSplit(pp=PP, vpp=VPP, first=first)
+    params, lrun, _ = (TiedVStaged if tied else VStaged)(name, split).local_params(rank)
     # As export_megatron at PP > 1: each stage's optimizer knows only its own no-decay keys.
     lrun = replace(lrun, optimizer=pipeline_adam_config(lrun.optimizer), extra=dict(extra or {}))
     return {"bytes_written": export_state(dst, lrun, params).bytes_written}
@@ -418,3 +420,58 @@ def test_impossible_virtual_splits_name_the_flags(exported, flags, say, tmp_path
     out = capsys.readouterr()
     assert rc == 2 and re.search(say, out.err + out.out), out.err
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# An uneven virtual split: PP2 x VPP2 with --decoder-first-pipeline-num-layers 2 (megatron-core 0.19.2
+# refuses first + last together at PP2 with VPP). Stage 0 holds one layer per chunk, stage 1 three.
+
+UNEVEN_FIRST = 2
+
+
+@pytest.fixture(scope="module")
+def exported_uneven(tmp_path_factory):
+    """(VStaged cut unevenly, its live export, the widened conversion of the PP1 save)."""
+    d = tmp_path_factory.mktemp("vpp_uneven")
+    s = VStaged("tp2", PipelineSplit(pp=PP, vpp=VPP, first=UNEVEN_FIRST))
+    conv = str(d / "converted_pp1")
+    _convert(s.run, conv)
+    spawn(s.layout.world, _export_worker, ("tp2", str(d / "live"), widened_record(conv, s.layers), False,
+                                           UNEVEN_FIRST), d, timeout_s=300)
+    return s, str(d / "live"), widen(_read_all(conv), s.layers)
+
+
+def test_uneven_chunks_hold_megatrons_layers(exported_uneven):
+    """Every chunk's parameters carry the global layers megatron-core's own placement gives them
+    (`megatron_pp_reference`, a transliteration of get_transformer_layer_offset /
+    get_num_layers_to_build), named locally from 0."""
+    import megatron_pp_reference as mref
+
+    s, _live, _want = exported_uneven
+    placed = mref.placement(mref.Config(LAYERS, PP, VPP, UNEVEN_FIRST, None, False, False))
+    assert not isinstance(placed, str), placed
+    assert [list(placed[(p, v)]) for p in range(PP) for v in range(VPP)] == [[0], [4], [1, 2, 3], [5, 6, 7]]
+    for rank in range(s.layout.world):
+        _r, p = s.source(rank)
+        maps, origins = s.chunk_mappings(rank)
+        for v, (cmaps, origin) in enumerate(zip(maps, origins)):
+            layers = sorted({m.index[0] for m in cmaps if m.index})
+            assert layers == list(placed[(p, v)]), (rank, v, layers)
+            for m in cmaps:
+                if m.index:
+                    assert int(LAYER.match(m.param).group(2)) == m.index[0] - layers[0]
+                    assert origin[m.param][1] == m.index[0]
+
+
+def test_uneven_vpp_export_equals_the_widened_convert_of_the_pp1_save(exported_uneven):
+    s, live, want = exported_uneven
+    got = _read_all(live)
+    assert set(got) == set(want)
+    for n, v in want.items():
+        assert got[n].dtype == v.dtype and got[n].shape == v.shape and got[n].tobytes() == v.tobytes(), n
+    assert open_checkpoint(live).manifest.source.pp == PP
+
+
+def test_uneven_vpp_reload_fills_every_chunk(exported_uneven):
+    s, live, _want = exported_uneven
+    _assert_reloaded(s, live)

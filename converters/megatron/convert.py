@@ -48,13 +48,16 @@ from bridge.store.writer import CheckpointWriter
 from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
 from converters.megatron.object_layout import object_tensors
 from converters.megatron.cache import ChunkCache, check_records
-from converters.megatron.format import (Hints, SourceCheckpoint, bucket_space_flat_chunks, describe, merge_split_keys,
+from converters.megatron.format import (BUCKETED, Hints, SourceCheckpoint, _as_dict, bucket_space_flat_chunks, describe,
+                                        merge_split_keys,
                                         optimizer_groups,
                                         parse_groups_hyper, plain_value, step_of)
 from converters.megatron.plan import (ROLES, Block, Copy, CopyIndex, Instance, Unit, assign_blocks, contributes, flat_copies,
                                       dp_group_places, literal, local_instances, model_space_copies,
                                       model_space_copies_flat, object_tensor_key, parse_dtype_key,
-                                      plan_blocks, rebuild_bucket_layout, role_path)
+                                      plan_blocks, rebuild_bucket_layout, role_path, FIRST_FLAG, LAST_FLAG,
+                                      SPLIT_FLAGS, infer_split, placement_str, split_flags,
+                                      stage_placement)
 
 MIN_BYTES_PER_WORKER = 1 << 30
 MIN_BATCH_BYTES = 1 << 20
@@ -111,7 +114,20 @@ class ConvertResult:
 
 
 def build_units(src: SourceCheckpoint, hints: Hints) -> list[Unit]:
-    """One Unit per parameter, with every copy that fills its model / params / mu / nu arrays."""
+    """One Unit per parameter, with every copy that fills its model / params / mu / nu arrays.
+
+    At PP > 1 the per-stage DistOpt buffers are rebuilt from the pipeline split; when they do not
+    match the save, the split the save shows (`split_from_save`) is tried: one nobody recorded is
+    taken (and noted, as TP / EP are), a recorded or flagged one is refused naming the stages' layers."""
+    try:
+        return _units(src, hints)
+    except BridgeError as e:
+        if src.layout.pp == 1 or src.fmt not in BUCKETED:
+            raise
+        return split_from_save(src, hints, e)
+
+
+def _units(src: SourceCheckpoint, hints: Hints) -> list[Unit]:
     lay = src.layout
     units: dict[str, Unit] = {}
     for name, m in src.models.items():
@@ -142,6 +158,119 @@ def build_units(src: SourceCheckpoint, hints: Hints) -> list[Unit]:
     elif src.fmt == "dp_zero_gather_scatter":
         add_dp_zero_copies(src, units, hints)
     return list(units.values())
+
+
+#: the run's arguments that set the pipeline split (Megatron-LM names)
+SPLIT_ARGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+              "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+              "virtual_pipeline_model_parallel_size")
+
+
+def writer_rank(rel: str) -> int | None:
+    """The rank that wrote a DCP file (`__<rank>_<i>.distcp`), None for another name.
+
+    >>> writer_rank("__3_0.distcp"), writer_rank("sub/__12_1.distcp"), writer_rank("common.pt")
+    (3, 12, None)
+    """
+    name = rel.rsplit("/", 1)[-1]
+    head = name[2:].split("_", 1)[0] if name.startswith("__") and name.endswith(".distcp") else ""
+    return int(head) if head.isdigit() else None
+
+
+def saved_stage_layers(src: SourceCheckpoint) -> tuple[int, list[list[int]]] | None:
+    """(decoder layers, each pipeline stage's layers) as the save shows them: the model entries of the
+    stacked decoder layers carry global layer offsets, and the file of each chunk names the rank that
+    wrote it, whose pipeline stage the layout gives. None when that cannot be read (no stacked layers,
+    a file not named by its rank, a layer written by two stages or by none)."""
+    lay = src.layout
+    stacked = [m for m in src.models.values() if m.name.startswith("decoder.layers.") and m.geom.prepend]
+    if not stacked:
+        return None
+    num_layers = stacked[0].geom.prepend[0]
+    stage_of: dict[int, int] = {}
+    for m in stacked:
+        for ch in m.info.chunks:
+            r = writer_rank(ch.storage.relative_path)
+            if r is None or r >= lay.world or not ch.sizes:
+                return None
+            p = lay.coords(r).p
+            for layer in range(ch.offsets[0], ch.offsets[0] + ch.sizes[0]):
+                if stage_of.setdefault(layer, p) != p:
+                    return None
+    if sorted(stage_of) != list(range(num_layers)):
+        return None
+    return num_layers, [sorted(x for x, q in stage_of.items() if q == p) for p in range(lay.pp)]
+
+
+def saved_vpp(src: SourceCheckpoint) -> int | None:
+    """Virtual pipeline chunks per stage as a bucketed save shows them: one DistOpt buffer (`gbuf_idx`)
+    per model chunk and param dtype. None when the buffers are not named (dp_zero_gather_scatter)."""
+    per: dict[tuple, set[int]] = {}
+    for d in src.dp_keys:
+        per.setdefault((d.chain, d.dp_group_idx, d.dtype), set()).add(d.gbuf)
+    return max(len(g) for g in per.values()) if per else None
+
+
+def split_source(src: SourceCheckpoint, hints: Hints) -> str | None:
+    """Where the planned pipeline split came from (None: nowhere, Megatron's defaults were assumed)."""
+    if any(v is not None for v in (hints.pp_first, hints.pp_last, hints.embedding_in_split, hints.loss_in_split)):
+        return "the flags"
+    saved = _as_dict(src.common.get("args"))
+    if any(k in saved for k in SPLIT_ARGS):
+        return "the checkpoint's args"
+    if any(src.args.get(k) is not None for k in SPLIT_ARGS):
+        return "the run's config"
+    return None
+
+
+def split_from_save(src: SourceCheckpoint, hints: Hints, err: BridgeError) -> list[Unit]:
+    """The units rebuilt with the pipeline split the save shows, after its per-stage buffers did not
+    rebuild with the planned one (`err`). The save shows it when the files are named by the ranks that
+    wrote them: each stage's model entries carry global layer offsets. A split that fits those and
+    rebuilds every buffer is taken when nothing recorded the split; else refused, naming each stage's
+    layers in the save and in the plan, the pipeline flags and the split that fits. Otherwise `err`,
+    which names the bucket flags: as it is when the save's placement agrees with the plan, else with
+    the pipeline flags added."""
+    planned = src.split
+    seen = saved_stage_layers(src)
+    flags = f"{FIRST_FLAG} / {LAST_FLAG} / {SPLIT_FLAGS}"
+    vpp_note = "the virtual pipeline size comes from virtual_pipeline_model_parallel_size in the args or --model-config"
+    if seen is None:
+        raise BridgeError(f"{err} (or the run's pipeline split differs: {flags}; {vpp_note})") from None
+    num_layers, stages = seen
+    vpp = saved_vpp(src)
+    try:
+        plan = stage_placement(planned, num_layers)
+    except BridgeError as e:
+        plan, plan_s = None, f"nothing ({e})"
+    if plan == stages and vpp in (None, planned.vpp):
+        raise err
+    fit = infer_split(num_layers, src.layout.pp, stages, planned.tied, vpp)
+    units = None
+    if fit is not None:
+        src.split = fit
+        try:
+            units = _units(src, hints)
+        except BridgeError:
+            pass
+        finally:
+            src.split = planned
+    if units is None:
+        raise BridgeError(f"{err} (or the run's pipeline split differs: {flags}; {vpp_note})") from None
+    source = split_source(src, hints)
+    if source is None:
+        src.split = fit
+        src.args = dict(src.args, **{k: v for k, v in fit.to_args().items() if k in SPLIT_ARGS})
+        src.inferred.append(f"pipeline split: {split_flags(fit)} ({placement_str(stages)}: the model entries' "
+                            f"layer offsets by writing rank)")
+        return units
+    if plan is not None:
+        plan_s = placement_str(plan)
+        if plan == stages:
+            plan_s += f" in {planned.vpp} virtual pipeline chunk(s) per stage, where the save has {vpp} (gbuf_idx buffers)"
+    raise BridgeError(f"{src.ck.root}: the pipeline split does not match the save: its model entries put "
+                      f"{placement_str(stages)} (by writing rank), the split from {source} ({split_flags(planned)}) "
+                      f"puts {plan_s}; pass the run's {flags} ({vpp_note}); the save fits {split_flags(fit)}") from None
 
 
 def _per_bucket(obj: Any, gbuf: int, dtype_key: str, what: str) -> list[int] | None:

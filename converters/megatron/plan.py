@@ -523,6 +523,84 @@ class PipelineSplit:
                    vpp=int(args.get("virtual_pipeline_model_parallel_size") or 1) if pp > 1 else 1)
 
 
+def stage_placement(split: PipelineSplit, num_layers: int) -> list[list[int]]:
+    """Decoder layers of each pipeline stage (all its virtual chunks), ascending.
+
+    >>> stage_placement(PipelineSplit(pp=2, vpp=2), 8), stage_placement(PipelineSplit(pp=2, first=1), 4)
+    ([[0, 1, 4, 5], [2, 3, 6, 7]], [[0], [1, 2, 3]])
+    """
+    return [sorted(x for v in range(split.vpp) for x in split.layers(num_layers, p, v)) for p in range(split.pp)]
+
+
+def layer_runs(layers: Sequence[int]) -> str:
+    """Ascending layer numbers as runs.
+
+    >>> layer_runs([0, 1, 4, 5, 6]), layer_runs([3]), layer_runs([])
+    ('0-1, 4-6', '3', 'none')
+    """
+    runs: list[list[int]] = []
+    for x in layers:
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) or "none"
+
+
+def placement_str(stages: Sequence[Sequence[int]]) -> str:
+    """Which stage holds which decoder layers.
+
+    >>> placement_str([[0], [1, 2, 3]])
+    'stage 0: layers 0, stage 1: layers 1-3'
+    """
+    return ", ".join(f"stage {p}: layers {layer_runs(s)}" for p, s in enumerate(stages))
+
+
+def split_flags(split: PipelineSplit) -> str:
+    """The Megatron-LM flags that give `split` (what a user passes to convert).
+
+    >>> split_flags(PipelineSplit(pp=2, first=1)), split_flags(PipelineSplit(pp=2, vpp=2))
+    ('--decoder-first-pipeline-num-layers 1', 'the even split, --virtual-pipeline-model-parallel-size 2')
+    """
+    parts = [f"{FIRST_FLAG} {split.first}"] if split.first is not None else []
+    parts += [f"{LAST_FLAG} {split.last}"] if split.last is not None else []
+    parts += ["--account-for-embedding-in-pipeline-split"] if split.embedding_in_split else []
+    parts += ["--account-for-loss-in-pipeline-split"] if split.loss_in_split else []
+    parts = parts or ["the even split"]
+    parts += [f"--virtual-pipeline-model-parallel-size {split.vpp}"] if split.vpp > 1 else []
+    return ", ".join(parts)
+
+
+def infer_split(num_layers: int, pp: int, stages: Sequence[Sequence[int]], tied: bool,
+                vpp: int | None = None) -> PipelineSplit | None:
+    """The simplest split megatron-core 0.19.2 accepts that puts the decoder layers on the stages as
+    `stages` (each stage's layers, as a save's model entries show them), with `vpp` virtual chunks
+    (None: any); None when no split does. Candidates, in order: the even split, the embedding and /
+    or loss counted as a layer, the first and / or last stage's layer count as seen.
+
+    >>> infer_split(4, 2, [[0], [1, 2, 3]], False)
+    PipelineSplit(pp=2, first=1, last=None, embedding_in_split=False, loss_in_split=False, tied=False, vpp=1)
+    >>> infer_split(8, 2, [[0, 1, 4, 5], [2, 3, 6, 7]], True).vpp, infer_split(4, 2, [[0, 2], [1, 3]], False, vpp=1)
+    (2, None)
+    """
+    want = [sorted(s) for s in stages]
+    if len(want) != pp:
+        return None
+    c0, c1 = len(want[0]), len(want[-1])
+    kinds: list[dict[str, Any]] = [{}, {"embedding_in_split": True}, {"loss_in_split": True},
+                                   {"embedding_in_split": True, "loss_in_split": True},
+                                   {"first": c0}, {"last": c1}, {"first": c0, "last": c1}]
+    for v in ([vpp] if vpp else range(1, (num_layers if pp > 1 else 1) + 1)):
+        for kw in kinds:
+            try:
+                split = PipelineSplit(pp=pp, tied=tied, vpp=v, **kw)
+                if stage_placement(split, num_layers) == want:
+                    return split
+            except BridgeError:   # a split megatron-core refuses for these layers
+                continue
+    return None
+
+
 def is_tied(names: Iterable[str], untie: Any = None) -> bool:
     """Whether the output layer shares the word embeddings: the run's `untie_embeddings_and_output_weights`
     when recorded, else the keys (a tied model saves no `output_layer.weight`).
