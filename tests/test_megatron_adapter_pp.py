@@ -155,6 +155,11 @@ class Staged:
             if zero or m.model_parallel_main:
                 out.append(LocalParam(m.key, m.geometry, w, frag, index=m.index))
         key_of = {strip_wrappers(origin[m.param]): m.key for m in maps}
+        return out, self.live_run(rank, ref, key_of, zero), want
+
+    def live_run(self, rank: int, ref: dict, key_of: dict[str, str], zero: bool) -> LiveRun:
+        """The rank's `LiveRun`: the PP1 dump's optimizer groups restricted to this stage's params
+        (`key_of`: unwrapped parameter name -> checkpoint key); no optimizer for a reload target."""
         groups, keys = [], []
         for o in ref["optimizers"]:
             groups += o["param_groups"]
@@ -162,9 +167,8 @@ class Staged:
             for n, rec in o["params"].items():
                 if strip_wrappers(n) in key_of:  # this stage's params only
                     keys[len(keys) - len(o["param_groups"]) + rec["group_index"]].append(key_of[strip_wrappers(n)])
-        lrun = LiveRun(layout=self.layout, rank=rank, step=self.run.info["steps"],
+        return LiveRun(layout=self.layout, rank=rank, step=self.run.info["steps"],
                        optimizer=None if zero else adam_config_from_groups(groups, keys))
-        return out, lrun, want
 
 
 NAMES = ["tp2", "dp2", "moe_ep2"]

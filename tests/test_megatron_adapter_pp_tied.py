@@ -41,6 +41,16 @@ def test_tied_output_layer_binds_to_the_embedding_as_a_replica():
     assert (m.param, m.key, m.index, m.geometry.tp_kind, m.model_parallel_main) == (OUT, EMB, (), "vocab", False)
 
 
+def embedding_main_copy(staged: Staged, rank: int) -> tuple[int, str]:
+    """The PP1 rank and name of the embedding's main copy holding `rank`'s vocab shard (the tied copy's values)."""
+    t = staged.layout.coords(rank).t
+    for r in range(staged.w1):
+        for m in staged.run.mapping(r):
+            if m.key == EMB and m.model_parallel_main and staged.run.layout.coords(r).t == t:
+                return r, m.param
+    raise AssertionError("no main copy of the embedding")
+
+
 class TiedStaged(Staged):
     """`Staged` whose last stage's output layer is the tied copy of the word embeddings."""
 
@@ -71,15 +81,7 @@ class TiedStaged(Staged):
         return super().local_params(rank, zero)
 
     def main_copy(self, key: str, index: tuple[int, ...]) -> tuple[int, str]:
-        """The embedding's main copy holding this rank's vocab shard (the tied copy's values)."""
-        if key != EMB:
-            return super().main_copy(key, index)
-        t = self.layout.coords(self._rank).t
-        for r in range(self.w1):
-            for m in self.run.mapping(r):
-                if m.key == EMB and m.model_parallel_main and self.run.layout.coords(r).t == t:
-                    return r, m.param
-        raise AssertionError("no main copy of the embedding")
+        return super().main_copy(key, index) if key != EMB else embedding_main_copy(self, self._rank)
 
     def stage_fragments(self, rank, maps, origin):
         """As Megatron lays out a tied stage: the embedding (first stage) and its copy (last stage)

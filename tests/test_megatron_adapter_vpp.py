@@ -37,13 +37,13 @@ from bridge.errors import BridgeError
 from bridge.layout.distopt import BufferParam, buffer_layout, owners_of
 from bridge.layout.parallel import ParallelLayout
 from bridge.store.reader import open_checkpoint
-from bridge.live.api import LiveRun, LocalParam, OptimFragment
-from converters.megatron.live import (EntryRecord, ParamRecord, adam_config_from_groups, entries_from_description,
-                                      map_chunks)
+from bridge.live.api import LocalParam, OptimFragment
+from converters.megatron.live import EntryRecord, ParamRecord, entries_from_description, map_chunks
 from converters.megatron.naming import strip_wrappers
 from converters.megatron.plan import PipelineSplit
 from test_live_sharding import spawn
 from test_megatron_adapter_pp import ROLES, Staged, _convert, _read_all
+from test_megatron_adapter_pp_tied import embedding_main_copy
 
 pytestmark = pytest.mark.slow
 
@@ -167,16 +167,7 @@ class VStaged(Staged):
                 if zero or m.model_parallel_main:
                     out.append(LocalParam(m.key, m.geometry, w, frag, index=m.index))
                 key_of[strip_wrappers(name)] = m.key
-        groups, keys = [], []
-        for o in ref["optimizers"]:
-            groups += o["param_groups"]
-            keys += [[] for _ in o["param_groups"]]
-            for n, rec in o["params"].items():
-                if strip_wrappers(n) in key_of:   # this stage's params only
-                    keys[len(keys) - len(o["param_groups"]) + rec["group_index"]].append(key_of[strip_wrappers(n)])
-        lrun = LiveRun(layout=self.layout, rank=rank, step=self.run.info["steps"],
-                       optimizer=None if zero else adam_config_from_groups(groups, keys))
-        return out, lrun, want
+        return out, self.live_run(rank, ref, key_of, zero), want
 
 
 EMB, OUT = "embedding.word_embeddings.weight", "output_layer.weight"
@@ -206,15 +197,7 @@ class TiedVStaged(VStaged):
         return super().local_params(rank, zero)
 
     def main_copy_of(self, key: str, index: tuple[int, ...]) -> tuple[int, str]:
-        """The embedding's main copy holding this rank's vocab shard (the tied copy's values)."""
-        if key != EMB:
-            return super().main_copy_of(key, index)
-        t = self.layout.coords(self._rank).t
-        for r in range(self.w1):
-            for m in self.run.mapping(r):
-                if m.key == EMB and m.model_parallel_main and self.run.layout.coords(r).t == t:
-                    return r, m.param
-        raise AssertionError("no main copy of the embedding")
+        return super().main_copy_of(key, index) if key != EMB else embedding_main_copy(self, self._rank)
 
 
 NAMES = ["tp2", "dp2", "moe_ep2"]
