@@ -235,8 +235,9 @@ def split_from_save(src: SourceCheckpoint, hints: Hints, err: BridgeError) -> li
     seen = saved_stage_layers(src)
     flags = f"{FIRST_FLAG} / {LAST_FLAG} / {SPLIT_FLAGS}"
     vpp_note = "the virtual pipeline size comes from virtual_pipeline_model_parallel_size in the args or --model-config"
+    unreadable = BridgeError(f"{err} (or the run's pipeline split differs: {flags}; {vpp_note})")
     if seen is None:
-        raise BridgeError(f"{err} (or the run's pipeline split differs: {flags}; {vpp_note})") from None
+        raise unreadable from None
     num_layers, stages = seen
     vpp = saved_vpp(src)
     try:
@@ -256,7 +257,7 @@ def split_from_save(src: SourceCheckpoint, hints: Hints, err: BridgeError) -> li
         finally:
             src.split = planned
     if units is None:
-        raise BridgeError(f"{err} (or the run's pipeline split differs: {flags}; {vpp_note})") from None
+        raise unreadable from None
     source = split_source(src, hints)
     if source is None:
         src.split = fit
