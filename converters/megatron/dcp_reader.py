@@ -43,6 +43,7 @@ from typing import Any, Iterator
 
 from bridge.errors import BridgeError
 from bridge.location import is_remote, local_path
+from bridge.store.ranged import RangeReader, open_range  # noqa: F401 - RangeReader: readers name it here
 from converters.megatron.torch_archive import (DTYPE_NAMES, LAYOUT_NAMES, MEMORY_FORMAT_NAMES, STORAGE_DTYPES,
                                                ArchiveTensor, Storage, TorchDevice, TorchDtype, TorchLayout,
                                                TorchMemoryFormat, to_torch)
@@ -1352,92 +1353,6 @@ def _resolve_remote_dir(url: str) -> str:
 # Byte sources: where the files of a checkpoint are read from (a local directory or an object
 # store prefix), by byte ranges, so a large record is never read whole.
 # ---------------------------------------------------------------------------------------------
-
-
-# Remote reads smaller than this fetch this much from their offset (one request instead of many).
-_READ_AHEAD = 64 << 10
-
-
-class RangeReader:
-    """Byte ranges of one file or object: `pread(n, offset)`, `readinto(buffer, offset)` (may return
-    fewer bytes at the end), `close()`. Local files through pread; objects through TensorStore's
-    kvstore with a byte range per call (one request each; small reads share a read-ahead window)."""
-
-    def __init__(self, location: str) -> None:
-        self.location = location
-        self.remote = is_remote(location)
-        if self.remote:
-            from bridge.store import kvstore
-
-            parent, _, self.key = location.rpartition("/")
-            self._store = kvstore.open_store(parent)
-            self._window: tuple[int, bytes] = (0, b"")   # (offset, bytes) of the last read-ahead
-            self.fd = -1
-        else:
-            self.fd = os.open(location, os.O_RDONLY)
-
-    def pread(self, n: int, offset: int) -> bytes:
-        if not self.remote:
-            return os.pread(self.fd, n, offset)
-        if n <= 0:
-            return b""
-        if n < _READ_AHEAD:
-            # Parsing a record's zip (torch.load) makes ~25 small reads around it (end record,
-            # directory, header, pickle), each a request on an object store: one window around the
-            # first serves the rest. A window past the object's end is refused by the store: then
-            # one ending at the read, then exactly the read.
-            w_off, w = self._window
-            if w_off <= offset and offset + n <= w_off + len(w):
-                return w[offset - w_off:offset - w_off + n]
-            for lo in dict.fromkeys((max(0, offset - _READ_AHEAD // 2), max(0, offset + n - _READ_AHEAD))):
-                w = self._range(lo, lo + _READ_AHEAD)
-                if w:
-                    self._window = (lo, w)
-                    return w[offset - lo:offset - lo + n]
-        return self._range(offset, offset + n)
-
-    def _range(self, lo: int, hi: int) -> bytes:
-        try:
-            r = self._store.read(self.key, byte_range=slice(lo, hi)).result()
-        except ValueError as e:
-            if "OUT_OF_RANGE" in str(e) or "InvalidRange" in str(e) or "416" in str(e):
-                return b""  # past the end: a truncated object, reported by the caller
-            from bridge.store.kvstore import storage_error
-
-            raise storage_error(e, self.location, "read") from None
-        if r.state != "value":
-            raise BridgeError(f"missing shard file {self.location}; copy the complete checkpoint")
-        return bytes(r.value)
-
-    def readinto(self, buf, offset: int) -> int:
-        mv = memoryview(buf).cast("B")
-        if not self.remote:
-            got = 0
-            while got < len(mv):  # one pread moves at most ~2 GiB
-                n = os.preadv(self.fd, [mv[got:]], offset + got)
-                if n <= 0:
-                    break
-                got += n
-            return got
-        data = self.pread(len(mv), offset)
-        mv[:len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __enter__(self) -> "RangeReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def open_range(location: str | os.PathLike) -> RangeReader:
-    """A RangeReader over a local file path or an s3:// / gs:// object URL."""
-    return RangeReader(os.fspath(location))
 
 
 class FileSource:
