@@ -15,6 +15,16 @@ A prefix with our claim and no `_METADATA` is a partial checkpoint: readers refu
 `inspect`, `restore` name it as never completed), and a retry removes it when its writer is
 provably gone (same host, process dead or machine rebooted); otherwise the retry is refused,
 naming the writer.
+
+A run deletes only objects it wrote. The claim records the kind of checkpoint the run writes (its
+marker), and each kind has a fixed set of object names (`OWNED_NAMES`: the claim, the metadata
+files, OCDBT's manifests and `d/<32 hex>` data files, `__<r>_<i>.distcp` ...); every cleanup, of a
+run's own prefix or of a dead run's, deletes only listed keys of that set. A dead run's prefix that
+also holds other objects (a user's notes) is refused in one line naming one of them, as a local
+destination that exists is, and nothing there is removed.
+
+>>> owned_name("ocdbt.process_1.2/d/4ba6e1e60f15508222a0c41b46ad6888", METADATA), owned_name("notes.txt", METADATA)
+(True, False)
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import socket
 import sys
 from dataclasses import asdict
@@ -38,9 +49,41 @@ CLAIM_KEY = "_gtpb_claim.json"
 _HELD: dict[str, "RemoteDestination"] = {}   # dst URL -> claim held by this process (guarded by claim's lock)
 METADATA = "_METADATA"
 
+_HEX = "[0-9a-f]{32}"   # OCDBT names its data files by 128 random bits
+#: The objects a run writes under its prefix, by the marker of the checkpoint kind (full matches).
+OWNED_NAMES: dict[str, re.Pattern] = {
+    # a logical checkpoint: writer databases (commit slots), the merged root database, writer reports
+    METADATA: re.compile(rf"_gtpb_claim\.json|_METADATA|_CHECKPOINT_METADATA|commit_success\.txt|manifest\.ocdbt"
+                         rf"|d/{_HEX}|ocdbt\.process_\d+(\.\d+)?/(manifest\.ocdbt|d/{_HEX})"
+                         rf"|_gtp_bridge_writers/writer_\d+\.json"),
+    # a torch_dist iteration (to-megatron)
+    ".metadata": re.compile(r"_gtpb_claim\.json|\.metadata|metadata\.json|common\.pt|__\d+_\d+\.distcp"),
+}
+
+
+def owned_name(key: str, marker: str) -> bool:
+    """True when `key` (relative to a claimed prefix) is a name a run writing a `marker` checkpoint writes."""
+    names = OWNED_NAMES.get(marker)
+    return names is not None and names.fullmatch(key) is not None
+
+
+def foreign_keys(keys: Iterable[str], marker: str) -> list[str]:
+    """The keys among `keys` that no run writing a `marker` checkpoint writes."""
+    return [k for k in keys if not owned_name(k, marker)]
+
 
 def _load_claim(dst: str) -> ClaimInfo | None:
     return _parse_claim(kv.read_bytes(dst, CLAIM_KEY))
+
+
+def _claim_marker(data: bytes | None, default: str) -> str:
+    """The marker a claim object records (what kind of checkpoint its run writes); `default` for a
+    claim written before claims recorded it."""
+    try:
+        marker = json.loads(data or b"{}").get("marker", default)
+    except (ValueError, AttributeError):
+        return default
+    return marker if marker in OWNED_NAMES else default
 
 
 def _parse_claim(data: bytes | None) -> ClaimInfo | None:
@@ -158,7 +201,8 @@ class RemoteDestination(local_claim.HeldDestination):
             print(f"gtp-bridge: {reason}; removed this run's objects under {self.dst}", file=sys.stderr)
 
     def remove_objects(self) -> bool:
-        """Delete every object under DST if DST still holds this claim; True when it did.
+        """Delete the objects under DST that this claim's run writes (`OWNED_NAMES`) if DST still
+        holds this claim; True when it did. Any other object there is left in place (and named).
 
         A marker this run did not publish means another writer committed a checkpoint at DST
         meanwhile: its objects cannot be told apart from ours, so only our claim object goes."""
@@ -171,10 +215,14 @@ class RemoteDestination(local_claim.HeldDestination):
                 print(f"gtp-bridge: another run committed a checkpoint at {self.dst} while this run wrote there; "
                       f"left every object there in place", file=sys.stderr)
                 return False
-            # Only what the listing saw, everything but the claim first: until the claim goes, a later run
-            # knows whose leftovers these are.
-            kv.delete_keys(self.dst, [k for k in keys if k != CLAIM_KEY])
+            # Only what the listing saw and this run writes, everything but the claim first: until the
+            # claim goes, a later run knows whose leftovers these are.
+            kv.delete_keys(self.dst, [k for k in keys if k != CLAIM_KEY and owned_name(k, self.marker)])
             kv.delete_keys(self.dst, [CLAIM_KEY])
+            foreign = foreign_keys(keys, self.marker)
+            if foreign:
+                print(f"gtp-bridge: left {len(foreign)} object(s) under {self.dst} that this run did not write "
+                      f"({foreign[0]}{', ...' if len(foreign) > 1 else ''})", file=sys.stderr)
         except BridgeError as e:
             print(f"gtp-bridge: could not remove the objects under {self.dst}: {e}", file=sys.stderr)
             return False
@@ -210,19 +258,30 @@ def claim_remote(dst: str, *, sources: Iterable[str] = (), marker: str = METADAT
     if marker in keys:
         raise BridgeError(f"destination {dst} already exists; choose a new directory or remove it")
     if keys:
-        info = _load_claim(dst)
+        raw = kv.read_bytes(dst, CLAIM_KEY)
+        info = _parse_claim(raw)
         if info is None:
             raise BridgeError(f"destination {dst} holds {len(keys)} objects that are not a gtp-bridge checkpoint; "
                               f"choose an empty prefix or remove them")
         if not _writer_gone(info):
             raise BridgeError(f"destination {dst} is being written by {info.describe()} (or that run was killed "
                               f"on another host); wait for it, or remove the prefix if no run is writing it")
+        theirs = _claim_marker(raw, marker)
+        foreign = foreign_keys(keys, theirs)
+        if foreign:   # as a local destination that exists: refused, nothing removed
+            raise BridgeError(f"destination {dst} holds {dst}/{foreign[0]}" +
+                              (f" and {len(foreign) - 1} more object(s)" if len(foreign) > 1 else "") +
+                              f" that gtp-bridge did not write, beside a partial checkpoint of a killed run "
+                              f"({info.describe()}); nothing was removed: move your objects out of the prefix and "
+                              f"rerun, or choose another destination")
         print(f"gtp-bridge: removing the partial checkpoint left at {dst} by a killed run ({info.describe()})",
               file=sys.stderr)
-        if not RemoteDestination(dst, info, marker).remove_objects():
+        if not RemoteDestination(dst, info, theirs).remove_objects():
             raise BridgeError(f"could not remove the partial checkpoint at {dst}; remove the prefix and rerun")
     info = ClaimInfo.mine(dst)
-    if not kv.write_bytes(dst, CLAIM_KEY, json.dumps(asdict(info)).encode(), if_absent=True):
+    # the claim records what kind of checkpoint this run writes: a later run cleaning up after it
+    # deletes only the names that kind has (`OWNED_NAMES`)
+    if not kv.write_bytes(dst, CLAIM_KEY, json.dumps({**asdict(info), "marker": marker}).encode(), if_absent=True):
         raise BridgeError(f"destination {dst} is being claimed by another run at the same time; "
                           f"choose another destination")
     held = _load_claim(dst)  # read back: a store that ignores the create's precondition lets the last PUT win
