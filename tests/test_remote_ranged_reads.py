@@ -63,10 +63,8 @@ def same_arrays(a_loc: str, b_loc: str) -> int:
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_every_read_returns_exactly_the_bytes_asked_for(stores, scheme):
-    from bridge.store import ranged
     from converters.megatron.dcp_reader import open_range   # where the readers take it from
 
-    assert ranged.READ_AHEAD == READ_AHEAD
     srv = stores[scheme]
     size = 5 * READ_AHEAD + 12_345
     data = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8).tobytes()
@@ -112,9 +110,11 @@ def local_conversions(tmp_path_factory):
 def test_real_saves_have_records_of_every_size_class():
     """What the conversions below exercise: records below, inside and above the read-ahead window,
     and larger than the small budget's cache share (read by byte ranges)."""
+    from bridge.store import ranged
     from converters.megatron.convert import split_share
     from converters.megatron.dcp_reader import DcpCheckpoint
 
+    assert ranged.READ_AHEAD == READ_AHEAD
     lengths = [r.length for run, fmt in REAL for r in DcpCheckpoint(FIXTURES / run / fmt).all_refs()]
     assert any(n < READ_AHEAD // 2 for n in lengths)
     assert any(READ_AHEAD // 2 < n < READ_AHEAD for n in lengths)      # the reads that came back short
