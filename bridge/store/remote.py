@@ -237,6 +237,12 @@ class RemoteDestination(local_claim.HeldDestination):
             local_claim._restore_signal_handlers()
 
 
+def remove_written(dst: str, marker: str) -> None:
+    """Delete the objects under DST that a run writing a `marker` checkpoint writes (`OWNED_NAMES`),
+    e.g. a committed iteration taken back out when the command fails after its commit; others stay."""
+    kv.delete_keys(dst, [k for k in kv.list_keys(dst) if owned_name(k, marker)])
+
+
 def check_remote_free(dst: str) -> None:
     """BridgeError when DST holds a committed checkpoint (same wording as a local destination)."""
     if kv.exists(dst, METADATA):

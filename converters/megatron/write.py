@@ -530,10 +530,10 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
             published = True
         write_tracker(where.run_dir, step)  # only now: the iteration directory is complete
     except BaseException:
-        if published and remote:
-            from bridge.store import kvstore
+        if published and remote:  # only what this run wrote there
+            from bridge.store.remote import remove_written
 
-            kvstore.delete_prefix(where.iter_dir)
+            remove_written(where.iter_dir, ".metadata")
         elif published:  # the tracker could not be set: take the iteration back out (the command failed)
             shutil.rmtree(where.iter_dir, ignore_errors=True)
         if created_run:
