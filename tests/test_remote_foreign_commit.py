@@ -161,14 +161,14 @@ def test_release_with_a_foreign_marker_removes_only_our_claim(servers):
     bucket = Bucket(servers["s3"], "s3")
     dst = servers["s3"].url("foreign/release")
     mine = remote.claim_remote(dst)
-    kv.write_bytes(dst, "ocdbt.process_0/d/ours", b"o")
+    kv.write_bytes(dst, "ocdbt.process_0/d/0123456789abcdef0123456789abcdef", b"o")
     bucket.put(f"{_key(dst)}/_METADATA", json.dumps({"theirs": 1}).encode())
     mine.release(reason="interrupted")
-    assert bucket.keys(_key(dst)) == [f"{_key(dst)}/_METADATA", f"{_key(dst)}/ocdbt.process_0/d/ours"]
+    assert bucket.keys(_key(dst)) == [f"{_key(dst)}/_METADATA", f"{_key(dst)}/ocdbt.process_0/d/0123456789abcdef0123456789abcdef"]
 
     dst = servers["s3"].url("foreign/release-plain")
     mine = remote.claim_remote(dst)
-    kv.write_bytes(dst, "ocdbt.process_0/d/ours", b"o")
+    kv.write_bytes(dst, "ocdbt.process_0/d/0123456789abcdef0123456789abcdef", b"o")
     mine.release(reason="interrupted")
     assert bucket.keys(_key(dst)) == []
 
