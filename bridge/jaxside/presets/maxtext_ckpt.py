@@ -153,7 +153,7 @@ def read_logical(src: str) -> tuple[Manifest | None, dict[str, dict[Path, np.nda
     trees: dict[str, dict[Path, np.ndarray]] = {r: {} for r in ROLES}
     count = step = None
     wanted = [p for p in ck.paths() if (schema.split_role(p) or ("",))[0] in trees]
-    total = _nbytes(ck, wanted)
+    total = sum(ck.checked_info(p).nbytes for p in wanted)  # shapes and dtypes as the manifest records them
     ck.check_read_bytes(total, "the masters and moments")  # before any read: every one is read whole
     with progress(total, f"read {os.path.basename(os.path.abspath(src))}") as bar:
         for p in wanted:
