@@ -123,17 +123,19 @@ def test_consistently_forged_vocab_is_refused_by_the_stored_bytes(fresh, tmp_pat
 def test_logical_checkpoint_with_a_huge_zarr_shape_is_refused_by_its_manifest(tmp_path):
     """The same edit in a logical checkpoint: its manifest's record (verify's check) refuses it in to-maxtext
     (at 20ceaea: std::bad_alloc) and in any read through the public reader."""
-    from bridge.errors import IntegrityError
-    from bridge.store.reader import open_checkpoint
-
     src = str(tmp_path / "logical")
     shutil.copytree(LIVE, src)
     edit_zarr(src, "params.embedding.word_embeddings.weight", shape=[10**7, 10**5])
-    r = cli("to-maxtext", src, str(tmp_path / "mt"))
+    r = cli_subprocess("to-maxtext", src, str(tmp_path / "mt"))
     assert_one_line(r, "params/embedding/word_embeddings/weight", "manifest shape (72, 24)")
     assert not os.path.exists(tmp_path / "mt")
-    with pytest.raises(IntegrityError, match="stored shape .* != manifest shape"):
-        open_checkpoint(src).read(("params", "embedding", "word_embeddings", "weight"))
+    read = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
+            "from bridge.errors import IntegrityError\nfrom bridge.store.reader import open_checkpoint\n"
+            "try:\n    open_checkpoint(sys.argv[1]).read(('params', 'embedding', 'word_embeddings', 'weight'))\n"
+            "except IntegrityError as e:\n    print('REFUSED', e)\n")
+    r = subprocess.run([sys.executable, "-c", read, src], capture_output=True, text=True, timeout=600, cwd=CODE,
+                       env=dict(os.environ, PYTHONPATH=CODE, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0 and r.stdout.startswith("REFUSED") and "!= manifest shape" in r.stdout, r
 
 
 def test_float_array_redeclared_int32_is_refused(fresh, tmp_path):
