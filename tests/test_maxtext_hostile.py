@@ -290,3 +290,32 @@ def test_broken_sidecar_is_one_line_naming_the_file(tmp_path, written, variant):
     assert r.returncode == 2
     assert_one_line(r, side, "sidecar")
     assert not os.path.exists(tmp_path / "back")
+
+
+def _export_with(rank, world, dst, hyper):
+    from test_live_export import MODEL, STEP, local_params
+
+    from bridge.errors import BridgeError
+    from bridge.layout import ParallelLayout
+    from bridge.live.api import AdamConfig, LiveRun
+    from bridge.live.export import export_state
+
+    params, _ = local_params(MODEL, 1, 1, 1, 4, rank, None)
+    run = LiveRun(ParallelLayout(tp=1, gtp=1, dp=1), rank, STEP, AdamConfig(**hyper))
+    try:
+        export_state(dst, run, params)
+    except BridgeError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+@pytest.mark.slow  # a spawned gloo rank: torch's import and a process group
+def test_live_export_refuses_out_of_range_hyper_parameters(tmp_path):
+    pytest.importorskip("torch")
+    from test_live_sharding import spawn
+
+    dst = str(tmp_path / "ck")
+    results, errors = spawn(1, _export_with, (dst, {"lr": 1e-3, "betas": (0.9, 1.0)}), tmp_path, timeout_s=180)
+    assert not errors, errors
+    assert "beta2 1.0 is outside [0, 1)" in results[0]["error"] and "LiveRun.optimizer" in results[0]["error"]
+    assert not os.path.exists(dst) and not os.path.exists(dst + ".orbax-checkpoint-tmp")
