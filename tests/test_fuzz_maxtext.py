@@ -1,5 +1,5 @@
-"""A bounded fuzz run of `from-maxtext`'s read path (issue 29): mutated zarr.json, sidecar, `_METADATA`
-and stored bytes of a checkpoint real MaxText 0.2.5 saved (`tests/fixtures/maxtext/fresh_maxtext`) and of
+"""A bounded fuzz run of `from-maxtext`'s read path, with `verify` and `inspect --stats` on a share of the
+inputs (issue 29): mutated zarr.json, sidecar, `_METADATA` and stored bytes of a checkpoint real MaxText 0.2.5 saved (`tests/fixtures/maxtext/fresh_maxtext`) and of
 one `to-maxtext` wrote (with its sidecar).
 
 Every input must convert or raise a one-line `BridgeError`: no other exception, no crash (the inputs run
@@ -85,7 +85,9 @@ def fuzz_main(seconds: float, written: str, outdir: str) -> None:  # pragma: no 
 
     from bridge.errors import BridgeError
     from bridge.jaxside.presets.maxtext import Hyper
+    from bridge.commands.inspect import inspect_report
     from bridge.jaxside.presets.maxtext_ckpt import read_maxtext
+    from bridge.store.verify import verify_checkpoint
 
     out = Path(outdir)
     hyper = Hyper(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
@@ -93,6 +95,8 @@ def fuzz_main(seconds: float, written: str, outdir: str) -> None:  # pragma: no 
         tmp = Path(tmpd)
         bases = {"fresh": FRESH, "written": Path(written)}
         read_maxtext(str(FRESH), str(tmp / "warm"), hyper=hyper)  # every module loaded before the limit
+        verify_checkpoint(str(FRESH / "1" / "items"), show_progress=False)
+        inspect_report(str(FRESH / "1" / "items"), stats=True)
         vsz = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
         limit = vsz + (2 << 30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -145,6 +149,10 @@ def fuzz_main(seconds: float, written: str, outdir: str) -> None:  # pragma: no 
             dst = tmp / "dst"
             shutil.rmtree(dst, ignore_errors=True)
             try:
+                if rng.random() < 0.25:  # the other readers of the same input: verify never raises for damage
+                    res = verify_checkpoint(str(items), show_progress=False)
+                    if res.ok:
+                        inspect_report(str(items), stats=True)
                 read_maxtext(str(src), str(dst), hyper=hyper if base == "fresh" else None)
                 stats["converted"] += 1
             except BridgeError as e:

@@ -138,6 +138,26 @@ def test_logical_checkpoint_with_a_huge_zarr_shape_is_refused_by_its_manifest(tm
     assert r.returncode == 0 and r.stdout.startswith("REFUSED") and "!= manifest shape" in r.stdout, r
 
 
+def test_forged_chunk_shape_is_refused_by_inspect_verify_and_from_maxtext(fresh, tmp_path):
+    """A zarr.json whose shape and chunk (the one TensorStore decodes whole for any read) both claim
+    [1e7, 1e5] (at 20ceaea: `inspect --stats` aborted with std::bad_alloc)."""
+    big = [10**7, 10**5]
+
+    kv = _kv(items(fresh))
+    meta = json.loads(kv.read(f"{EMB}/zarr.json").result().value)
+    meta["shape"] = big
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = big
+    meta["codecs"][0]["configuration"]["chunk_shape"] = big
+    kv.write(f"{EMB}/zarr.json", json.dumps(meta).encode()).result()
+    r = cli_subprocess("inspect", items(fresh), "--stats", "--only", "params/params/token_embedder/*")
+    assert_one_line(r, "params/params/token_embedder/embedding", "bytes the checkpoint stores")
+    r = cli_subprocess("verify", items(fresh))
+    assert r.returncode == 1 and "DAMAGED params/params/token_embedder/embedding" in r.stdout, (r.stdout, r.stderr)
+    r = cli_subprocess("from-maxtext", fresh, str(tmp_path / "out"), *HYPER)
+    assert_one_line(r, "token_embedder")
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_float_array_redeclared_int32_is_refused(fresh, tmp_path):
     """(at 20ceaea: converted, exit 0, the float bits read as integers)"""
     edit_zarr(items(fresh), "params.params.decoder.layers.self_attention.query.kernel", data_type="int32")

@@ -175,7 +175,16 @@ class Checkpoint:
         if problem:
             raise IntegrityError(f"array {path_str(p)} in {self.root}: {problem}; the checkpoint is damaged "
                                  f"(see `gtp-bridge verify`)")
+        self.check_chunk_bytes(p)
         return info
+
+    def check_chunk_bytes(self, path: Sequence[str] | str) -> None:
+        """TensorStore decodes a whole (inner) chunk for any read that touches it, however small the read:
+        refuse (`check_read_bytes`) an array whose one chunk the stored bytes cannot hold."""
+        p = self._path(path)
+        info = self.info(p)
+        elems = int(np.prod([min(int(c), int(s)) for c, s in zip(info.inner_chunk_shape, info.shape)], dtype=object))
+        self.check_read_bytes(elems * numpy_dtype(info.dtype).itemsize, f"array {path_str(p)}'s chunk")
 
     def stored_bytes(self) -> int | None:
         """Bytes of the checkpoint's files on disk (local checkpoints; None on object storage)."""

@@ -269,6 +269,7 @@ def _check_info(ck: Checkpoint, p, record, expect_record: bool, infos: dict) -> 
     """Open one array and compare its metadata with the manifest; on success it joins `infos`."""
     try:
         info = ck.info(p)
+        ck.check_chunk_bytes(p)  # one read decodes a whole chunk: never one the stored bytes cannot hold
     except Exception as e:  # IntegrityError from the reader; anything else from a damaged zarr.json
         return " ".join(str(e).split())[:300]
     if expect_record and record is None:
