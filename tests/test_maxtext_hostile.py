@@ -270,7 +270,8 @@ def _sidecar_variants() -> dict[str, object]:
             "extra_key": ("set", "surprise", 1), "extra_option": ("sub", "options", "colour", "red"),
             "wrong_type": ("sub", "dims", "layers", "two"), "missing_hyper_field": ("subdel", "hyper", "lr"),
             "no_decay_not_paths": ("sub", "hyper", "no_decay", 7), "count_string": ("set", "adam_count", "3"),
-            "bad_manifest": ("set", "base_manifest", {"format_version": "x"})}
+            "bad_manifest": ("set", "base_manifest", {"format_version": "x"}),
+            "lr_nan": ("sub", "hyper", "lr", math.nan), "count_negative": ("set", "adam_count", -5)}
 
 
 @pytest.fixture(scope="module")

@@ -129,11 +129,6 @@ def _check_megatron_args(args: Mapping) -> None:
         raise BridgeError("source model is a mixture of experts; the maxtext preset covers dense llama-style models")
 
 
-def _nbytes(ck: Any, paths: list[Path]) -> int:
-    infos = ck.arrays()
-    return sum(int(np.prod(infos[p].shape)) * np.dtype(infos[p].dtype).itemsize for p in paths)
-
-
 def _scalar(ck: Any, p: Path, name: str) -> int:
     """A step or Adam count: a 0-d integer array holding a value in [0, 2**31 - 1] (else one line naming it)."""
     info = ck.checked_info(p)
@@ -392,7 +387,7 @@ def load_sidecar(path: str) -> Sidecar:
         count = check_step(d["adam_count"], "adam_count", "sidecar")
         base = d["base_manifest"]
         if base is not None:
-            Manifest.from_json(base)  # malformed -> IntegrityError, reported below with the file
+            Manifest.from_json(base).optimizer.check("base_manifest")  # malformed or out of range: below
     except OSError as e:
         raise BridgeError(f"{path}: cannot read the gtp-bridge MaxText sidecar ({e.strerror or e})") from None
     except (ValueError, TypeError, RecursionError, BridgeError) as e:  # JSONDecodeError is a ValueError
@@ -406,8 +401,8 @@ def _check_tree(ck: Any, items: str, infos: Mapping[Path, Any], roles: Mapping[P
                 side: Sidecar | None) -> None:
     """Every MaxText leaf read is checked from its zarr metadata alone, before any allocation: masters and
     moments are floating arrays of exactly the shapes the model's sizes give (sizes derived from the
-    query, key, mlp and embedding leaves, and equal to the sidecar's when there is one), the count and
-    step integer scalars, and all of them together no more than the stored bytes can hold."""
+    query, key, mlp and embedding leaves, and equal to the sidecar's when there is one), all of them
+    together no more than the stored bytes can hold (the count and step: `_scalar`)."""
     from bridge.format.tree import path_str
 
     params = {role_p[1]: infos[p].shape for p, role_p in roles.items() if role_p[0] == schema.PARAMS}
