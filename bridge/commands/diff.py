@@ -82,6 +82,8 @@ def diff_report(dir_a: str, dir_b: str, atol: float = 0.0, ulp: int = 0, budget_
             if x.shape != y.shape:
                 rec.update(status="shape", shape_b=list(y.shape))
             else:
+                a_info.checkpoint.check_chunk_bytes(x.path)
+                b_info.checkpoint.check_chunk_bytes(y.path)
                 d = stream_diff(x.view, y.view, atol, ulp, budget_bytes, x.read_chunk, bar,
                                 names=[f"{n} of {dir_a}", f"{n} of {dir_b}"])
                 rec.update(d.to_json())

@@ -67,6 +67,7 @@ def inspect_report(directory: str, stats: bool = False, budget_bytes: int = DEFA
         total = sum(a.nbytes for a in arrays)
         with progress(total, "stats") as bar:
             for rec, a in zip(records, arrays):
+                info.checkpoint.check_chunk_bytes(a.path)  # before TensorStore decodes a chunk it claims
                 rec["stats"] = stream_stats(a.view, budget_bytes, a.read_chunk, bar, name=a.name).to_json()
     return {
         "directory": info.directory,

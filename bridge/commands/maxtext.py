@@ -83,6 +83,7 @@ def run_to(args: argparse.Namespace) -> int:
 
 def run_from(args: argparse.Namespace) -> int:
     from bridge.errors import BridgeError
+    from bridge.format.manifest import check_hyperparameters
     from bridge.jaxside.presets.maxtext import Hyper, Options
     from bridge.jaxside.presets.maxtext_ckpt import read_maxtext
 
@@ -92,6 +93,8 @@ def run_from(args: argparse.Namespace) -> int:
             given["b1"], given["b2"] = (float(x) for x in args.betas.split(","))
         except ValueError:
             raise BridgeError(f"--betas {args.betas!r}: give two numbers, e.g. --betas 0.9,0.95") from None
+    check_hyperparameters("from-maxtext flags", lr=args.lr, betas=(given["b1"], given["b2"]) if "b1" in given else None,
+                          eps=args.eps, weight_decay=args.weight_decay, clip_grad=args.clip_grad)
     hyper = None
     if args.lr is not None:
         hyper = Hyper(lr=args.lr, b1=given.get("b1", 0.9), b2=given.get("b2", 0.95), eps=given.get("eps", 1e-8),

@@ -11,6 +11,7 @@ module spells a manifest key. Field order is JSON key order on disk: append new 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
@@ -30,6 +31,70 @@ MAXTEXT_KEY = "maxtext"                   # the maxtext preset: the options it w
 DEFAULT_BETAS = (0.9, 0.999)              # Megatron's --adam-beta1/2, --adam-eps and --weight-decay defaults
 DEFAULT_EPS = 1e-8                        # (megatron-core OptimizerConfig: adam_beta1/2, adam_eps, weight_decay)
 DEFAULT_WEIGHT_DECAY = 0.01
+MAX_STEP = 2**31 - 1                      # optax / MaxText keep the Adam count and the step as int32
+
+
+def _number(value: Any, name: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise BridgeError(f"{where}: {name} {value!r} is not a number")
+    try:
+        x = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise BridgeError(f"{where}: {name} {value!r} is not a number") from None
+    if not math.isfinite(x):
+        raise BridgeError(f"{where}: {name} is {x}; it must be a finite number")
+    return x
+
+
+def check_hyperparameters(where: str, *, lr: Any = None, betas: Any = None, eps: Any = None,
+                          weight_decay: Any = None, clip_grad: Any = None) -> None:
+    """Refuse AdamW hyper-parameters no run can have, in one line naming `where` and the field: every
+    value finite, lr >= 0, 0 <= beta1, beta2 < 1, eps > 0, weight decay >= 0, clip_grad >= 0 (None: not
+    given, not checked). The one check every entry point uses (CLI flags, Python API, manifests read).
+
+    >>> check_hyperparameters("--lr", lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    >>> check_hyperparameters("from-maxtext", lr=float("nan"))
+    Traceback (most recent call last):
+    bridge.errors.BridgeError: from-maxtext: lr is nan; it must be a finite number
+    >>> check_hyperparameters("manifest", betas=(5, -1))
+    Traceback (most recent call last):
+    bridge.errors.BridgeError: manifest: beta1 5.0 is outside [0, 1)
+    """
+    if lr is not None and _number(lr, "lr", where) < 0:
+        raise BridgeError(f"{where}: lr {float(lr)} is negative; a learning rate is >= 0")
+    if betas is not None:
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise BridgeError(f"{where}: betas {betas!r} is not a pair (beta1, beta2)")
+        for name, b in zip(("beta1", "beta2"), betas):
+            if not 0.0 <= _number(b, name, where) < 1.0:
+                raise BridgeError(f"{where}: {name} {float(b)} is outside [0, 1)")
+    if eps is not None and not _number(eps, "eps", where) > 0:
+        raise BridgeError(f"{where}: eps {float(eps)} is not positive; Adam's eps is > 0")
+    if weight_decay is not None and _number(weight_decay, "weight_decay", where) < 0:
+        raise BridgeError(f"{where}: weight_decay {float(weight_decay)} is negative; it must be >= 0")
+    if clip_grad is not None and _number(clip_grad, "clip_grad", where) < 0:
+        raise BridgeError(f"{where}: clip_grad {float(clip_grad)} is negative; use 0 or None for no clipping")
+
+
+def check_step(value: Any, name: str, where: str) -> int:
+    """An Adam count or a step as an int in [0, 2**31 - 1], else a one-line BridgeError naming it.
+
+    >>> check_step(3, "Adam count", "ckpt")
+    3
+    >>> check_step(-5, "Adam count", "ckpt")
+    Traceback (most recent call last):
+    bridge.errors.BridgeError: ckpt: Adam count -5 is outside [0, 2147483647]
+    """
+    try:
+        n = int(value)
+        exact = n == value
+    except (TypeError, ValueError, OverflowError):
+        n, exact = None, False
+    if isinstance(value, bool) or n is None or not exact:
+        raise BridgeError(f"{where}: {name} {value!r} is not an integer")
+    if not 0 <= n <= MAX_STEP:
+        raise BridgeError(f"{where}: {name} {n} is outside [0, {MAX_STEP}]")
+    return n
 
 
 @dataclass
@@ -83,6 +148,14 @@ class OptimizerConfig:
         return replace(self, betas=tuple(self.betas) if self.betas is not None else DEFAULT_BETAS,
                        eps=self.eps if self.eps is not None else DEFAULT_EPS,
                        weight_decay=self.weight_decay if self.weight_decay is not None else DEFAULT_WEIGHT_DECAY)
+
+    def check(self, where: str) -> "OptimizerConfig":
+        """Self, after `check_hyperparameters` on what it records (`where`: the checkpoint, for the message)."""
+        check_hyperparameters(f"{where}: recorded optimizer", lr=self.lr, betas=self.betas, eps=self.eps,
+                              weight_decay=self.weight_decay, clip_grad=self.clip_grad)
+        if self.step is not None:
+            check_step(self.step, "step", f"{where}: recorded optimizer")
+        return self
 
 
 @dataclass

@@ -74,7 +74,7 @@ class AdamHParams:
 def adam_hparams(manifest: Manifest | Mapping) -> AdamHParams:
     """AdamW hyper-parameters from a manifest, with Megatron's defaults for absent ones."""
     m = as_manifest(manifest)
-    o = m.optimizer.with_defaults()
+    o = m.optimizer.with_defaults().check("checkpoint manifest")
     if o.name and o.name.lower() not in ("adam", "adamw", "fusedadam"):
         raise BridgeError(f"checkpoint optimizer is {o.name!r}, not Adam/AdamW; build the optax optimizer yourself")
     b1, b2 = o.betas

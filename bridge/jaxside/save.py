@@ -186,6 +186,7 @@ def _manifest_for(tree: dict, base: Manifest | None, hyperparams: Mapping[str, A
             raise BridgeError(f"unknown hyper-parameter {key!r}; use lr, betas, eps, weight_decay, no_decay")
         setattr(m.optimizer, key, tuple(value) if key == "betas" else value)
     m.optimizer.step = count
+    m.optimizer.check("save: hyperparams")
     leaves = leaves_by_path(tree)
     digests = _digests(list(leaves.values()))
     return m.with_arrays({path_to_name(path): ArrayRecord(tuple(int(s) for s in arr.shape), np.dtype(arr.dtype).name,

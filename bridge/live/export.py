@@ -186,6 +186,7 @@ def _manifest(run: LiveRun, fused: dict, pads: list) -> Manifest:
                                       for k, v in sorted(a.lr_mult.items())],
                               no_decay=[p for k in a.no_decay for p in _array_paths(k, fused)],
                               clip_grad=None if a.clip_grad is None else float(a.clip_grad))
+    opt.check("LiveRun.optimizer")
     extra = dict(run.extra)
     if run.optimizer is not None and run.optimizer.extra:
         extra[OPTIMIZER_EXTRA_KEY] = dict(run.optimizer.extra)

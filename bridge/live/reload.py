@@ -172,7 +172,7 @@ def reload_state(src: str, run: LiveRun, params: Sequence[LocalParam], *,
     m = ck.manifest
     opt = None
     if m is not None and m.optimizer.lr is not None:
-        o = m.optimizer.with_defaults()
+        o = m.optimizer.with_defaults().check(ck.root)
         opt = AdamConfig(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, no_decay=tuple(o.no_decay),
                          clip_grad=o.clip_grad)
     source = dict(vars(m.source)) if m is not None else {}

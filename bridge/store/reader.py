@@ -32,6 +32,11 @@ ITEM_DIRS = ("state", "default")
 # Files that mark a directory as a (possibly damaged) checkpoint even without _METADATA.
 CHECKPOINT_MARKERS = ("_CHECKPOINT_METADATA", "manifest.ocdbt", "commit_success.txt")
 ALLOW_EDITED_ENV = "GTP_BRIDGE_ALLOW_EDITED_METADATA"
+# Reads are bounded by what is stored (checkpoints are untrusted: a zarr.json may claim any shape).
+# A read may decode at most EXPANSION times the checkpoint's bytes on disk (zstd of real weights and
+# moments gains 1-3x; only constant arrays compress further), and never less than MIN_READ_BOUND.
+EXPANSION = 1024
+MIN_READ_BOUND = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -160,18 +165,79 @@ class Checkpoint:
         self.open_many(list(self.paths()))
         return {p: self.info(p) for p in self.paths()}
 
+    def checked_info(self, path: Sequence[str] | str) -> ArrayInfo:
+        """`info`, refused (IntegrityError naming the array) when the manifest records another shape or
+        dtype for it (`record_problem`: the comparison `verify` makes)."""
+        p = self._path(path)
+        info = self.info(p)
+        record = self.manifest.arrays.get(".".join(p)) if self.manifest is not None else None
+        problem = record_problem(info, record) if record is not None else None
+        if problem:
+            raise IntegrityError(f"array {path_str(p)} in {self.root}: {problem}; the checkpoint is damaged "
+                                 f"(see `gtp-bridge verify`)")
+        self.check_chunk_bytes(p)
+        return info
+
+    def check_chunk_bytes(self, path: Sequence[str] | str) -> None:
+        """TensorStore decodes a whole (inner) chunk for any read that touches it, however small the read:
+        refuse (`check_read_bytes`) an array whose one chunk the stored bytes cannot hold."""
+        p = self._path(path)
+        info = self.info(p)
+        elems = int(np.prod([min(int(c), int(s)) for c, s in zip(info.inner_chunk_shape, info.shape)], dtype=object))
+        self.check_read_bytes(elems * numpy_dtype(info.dtype).itemsize, f"array {path_str(p)}'s chunk")
+
+    def stored_bytes(self) -> int | None:
+        """Bytes of the checkpoint's files on disk (local checkpoints; None on object storage)."""
+        if not hasattr(self, "_stored"):
+            self._stored = None if is_remote(self.root) else sum(
+                os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(self.root) for f in fs
+                if os.path.isfile(os.path.join(d, f)))
+        return self._stored
+
+    def check_read_bytes(self, nbytes: int, what: str) -> None:
+        """Refuse (IntegrityError) a read of `nbytes` decoded bytes that the stored bytes cannot hold:
+        more than max(MIN_READ_BOUND, EXPANSION x the checkpoint's size on disk). Called before any
+        allocation, so a zarr.json claiming a huge shape is refused instead of exhausting memory."""
+        stored = self.stored_bytes()
+        if stored is None:
+            return
+        bound = max(MIN_READ_BOUND, EXPANSION * stored)
+        if nbytes > bound:
+            raise IntegrityError(f"{what} in {self.root}: its metadata claims {nbytes:,} bytes, more than "
+                                 f"{EXPANSION}x the {stored:,} bytes the checkpoint stores; its zarr.json "
+                                 f"(shape or dtype) is damaged or forged")
+
     def read(self, path: Sequence[str] | str, box: Box | None = None) -> np.ndarray:
-        """Read a box (default: all) into a numpy array; IntegrityError naming the array on damage."""
+        """Read a box (default: all) into a numpy array; IntegrityError naming the array on damage, on
+        metadata that disagrees with the manifest and on a size the stored bytes cannot hold."""
         t = self.open(path)
         p = self._path(path)
+        info = self.checked_info(p)
         shape = tuple(int(s) for s in t.shape)
         if box is not None and (box.ndim != len(shape) or not Box.full(shape).contains(box)):
             raise BridgeError(f"array {path_str(p)}: box {box} is outside its shape {shape}")
+        n = box.size if box is not None else int(np.prod(shape, dtype=object))
+        self.check_read_bytes(n * numpy_dtype(info.dtype).itemsize, f"array {path_str(p)}")
         try:
             view = t if box is None else t[box.slices]
             return np.asarray(view.read().result())
         except Exception as e:
             raise IntegrityError(f"array {path_str(p)}: read of {box or 'all'} failed: {_one_line(e)}") from e
+
+
+def record_problem(info: ArrayInfo, record) -> str | None:
+    """How an array's stored metadata disagrees with its manifest record (shape, dtype), or None.
+
+    >>> from bridge.format.manifest import ArrayRecord
+    >>> record_problem(ArrayInfo((72, 24), "float32", (72, 24), (72, 24), None), ArrayRecord((72, 24), "float32"))
+    >>> record_problem(ArrayInfo((10**7, 24), "float32", (72, 24), (72, 24), None), ArrayRecord((72, 24), "float32"))
+    'stored shape (10000000, 24) != manifest shape (72, 24)'
+    """
+    if tuple(record.shape) != tuple(info.shape):
+        return f"stored shape {info.shape} != manifest shape {tuple(record.shape)}"
+    if record.dtype != info.dtype:
+        return f"stored dtype {info.dtype} != manifest dtype {record.dtype}"
+    return None
 
 
 def _one_line(e: Exception) -> str:

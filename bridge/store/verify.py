@@ -24,7 +24,7 @@ from bridge.errors import IntegrityError
 from bridge.layout.boxes import Box
 from bridge.progress import progress
 from bridge.store import digest as dg
-from bridge.store.reader import ArrayInfo, Checkpoint, open_checkpoint
+from bridge.store.reader import ArrayInfo, Checkpoint, open_checkpoint, record_problem
 from bridge.dtypes import numpy_dtype
 from bridge.format.tree import path_str
 
@@ -269,14 +269,13 @@ def _check_info(ck: Checkpoint, p, record, expect_record: bool, infos: dict) -> 
     """Open one array and compare its metadata with the manifest; on success it joins `infos`."""
     try:
         info = ck.info(p)
+        ck.check_chunk_bytes(p)  # one read decodes a whole chunk: never one the stored bytes cannot hold
     except Exception as e:  # IntegrityError from the reader; anything else from a damaged zarr.json
         return " ".join(str(e).split())[:300]
     if expect_record and record is None:
         return "not listed in the manifest"
-    if record is not None:
-        if tuple(record.shape) != info.shape:
-            return f"stored shape {info.shape} != manifest shape {tuple(record.shape)}"
-        if record.dtype != info.dtype:
-            return f"stored dtype {info.dtype} != manifest dtype {record.dtype}"
+    problem = record_problem(info, record) if record is not None else None
+    if problem:
+        return problem
     infos[p] = info
     return None

@@ -47,7 +47,7 @@ from bridge.progress import progress
 from bridge.store.claim import claim_destination
 from bridge.store.remote import claim_remote
 from bridge.store.durable import fsync_path
-from bridge.format.manifest import Manifest, MegatronRecord
+from bridge.format.manifest import Manifest, MegatronRecord, check_hyperparameters
 from bridge.format import schema
 from bridge.format.schema import COUNT_PATH, MODEL, OPTIMIZER_ROLES, PARAMS, STEP_PATH, has_role, split_role
 from bridge.store.reader import Checkpoint, open_checkpoint
@@ -448,6 +448,7 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
         raise BridgeError(f"--workers {workers} / --budget {budget}: both must be positive")
     ck = open_checkpoint(src)
     man = manifest_of(ck)
+    man.optimizer.check(src)  # out-of-range hyper-parameters are never written into a run
     arrays = ck.arrays()
     has_model = has_role(arrays, MODEL)
     derive = weights_from_masters or not has_model
@@ -799,9 +800,11 @@ def _param_groups(man: Manifest, step: int) -> list[dict]:
                 "eps": o.eps, "weight_decay": o.weight_decay}
         flat = [base, dict(base, wd_mult=0.0, weight_decay=0.0 if o.no_decay else o.weight_decay)]
     out = []
-    for g in flat:
+    for i, g in enumerate(flat):
         g = {k: (tuple(v) if k == "betas" and isinstance(v, list) else v) for k, v in g.items()
              if k not in ("params", "num_params", "optimizer")}  # foreign: torch group keys
+        check_hyperparameters(f"recorded Megatron param group {i}", lr=g.get("lr"), betas=g.get("betas"),
+                              eps=g.get("eps"), weight_decay=g.get("weight_decay"))
         # An int: TransformerEngine's FusedAdam passes the group step to its kernel, which refuses a
         # float (seen with TE 2.20 after loading a float step); torch Adam's load path takes either.
         g["step"] = int(step)  # foreign: torch group key

@@ -49,6 +49,7 @@ import numpy as np
 
 from bridge.errors import BridgeError
 from bridge.format import schema
+from bridge.format.manifest import check_hyperparameters
 
 Path = tuple[str, ...]
 
@@ -216,9 +217,26 @@ class Dims:
         return cls(layers=layers, hidden=e, ffn=f, heads=q_rows // head_dim, kv_heads=k_rows // head_dim,
                    head_dim=head_dim, vocab=v, tied=_split("output_layer/weight") not in shapes)
 
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise BridgeError(f"model size {name}={v!r} is not a positive integer")
+        if not isinstance(self.tied, bool):
+            raise BridgeError(f"model size tied={self.tied!r} is not a boolean")
+
     @classmethod
     def from_maxtext(cls, shapes: Mapping[Path, tuple[int, ...]]) -> tuple["Dims", bool]:
-        """(sizes, scanned) from MaxText parameter shapes (paths under `params/params`)."""
+        """(sizes, scanned) from MaxText parameter shapes (paths under `params/params`); BridgeError when
+        a leaf the sizes come from is missing or has the wrong number of axes."""
+        try:
+            return cls._from_maxtext(shapes)
+        except (KeyError, ValueError, TypeError, IndexError) as e:
+            raise BridgeError(f"MaxText parameter tree is not a llama-family tree this preset reads (at {e}); "
+                              f"is it a MaxText llama/qwen2 checkpoint?") from None
+
+    @classmethod
+    def _from_maxtext(cls, shapes: Mapping[Path, tuple[int, ...]]) -> tuple["Dims", bool]:
         scanned = _split("decoder/layers/self_attention/query/kernel") in shapes
         if scanned:
             e, layers, h, d = shapes[_split("decoder/layers/self_attention/query/kernel")]
@@ -388,6 +406,18 @@ def from_maxtext(tree: Mapping[Path, np.ndarray], kind: str, dims: Dims, opts: O
     return out
 
 
+def maxtext_shapes(dims: Dims, opts: Options) -> dict[Path, tuple[int, ...]]:
+    """The shape of every MaxText leaf of this model (paths under `params/params`; the same for mu and nu).
+
+    >>> s = maxtext_shapes(Dims(2, 24, 40, 4, 2, 6, 72), Options())
+    >>> s[("decoder", "layers", "self_attention", "query", "kernel")], s[("decoder", "logits_dense", "kernel")]
+    ((24, 2, 4, 6), (24, 72))
+    """
+    sizes = dims.sizes()
+    return {path: pattern_shape(leaf.dst if n is None else _drop_l(leaf.dst), sizes)
+            for leaf in active_table(dims) for path, n in _maxtext_paths(leaf, dims, opts)}
+
+
 def adamw_mask_patterns(no_decay_logical: Iterable[Path], dims: Dims, opts: Options) -> list[str]:
     """MaxText `adamw_mask` regexes (matched with re.search on MaxText's '/'-joined param path) that
     exclude exactly the leaves of Megatron's no-decay set from weight decay.
@@ -430,6 +460,11 @@ class Hyper:
     weight_decay: float
     clip_grad: float | None = None
     no_decay: tuple[Path, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        # every way in (CLI flags, read_maxtext(hyper=), a sidecar, a manifest) builds a Hyper
+        check_hyperparameters("AdamW settings", lr=self.lr, betas=(self.b1, self.b2), eps=self.eps,
+                              weight_decay=self.weight_decay, clip_grad=self.clip_grad)
 
 
 def maxtext_overrides(dims: Dims, opts: Options, hyper: Hyper, max_target_length: int | None = None,

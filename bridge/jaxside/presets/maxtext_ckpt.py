@@ -24,11 +24,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from bridge.errors import BridgeError
+from bridge.dtypes import numpy_dtype
+from bridge.errors import BridgeError, IntegrityError
 from bridge.format import schema
-from bridge.format.manifest import MAXTEXT_KEY, MEGATRON_KEY, Manifest, MegatronRecord, OptimizerConfig, SourceLayout
+from bridge.format.manifest import (MAXTEXT_KEY, MEGATRON_KEY, Manifest, MegatronRecord, OptimizerConfig,
+                                   SourceLayout, check_step)
 from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, active_table, adamw_mask_patterns, decayed,
-                                           from_maxtext, maxtext_overrides, to_maxtext)
+                                           from_maxtext, maxtext_overrides, maxtext_shapes, to_maxtext)
 from bridge.location import local_path
 from bridge.progress import progress
 
@@ -127,9 +129,14 @@ def _check_megatron_args(args: Mapping) -> None:
         raise BridgeError("source model is a mixture of experts; the maxtext preset covers dense llama-style models")
 
 
-def _nbytes(ck: Any, paths: list[Path]) -> int:
-    infos = ck.arrays()
-    return sum(int(np.prod(infos[p].shape)) * np.dtype(infos[p].dtype).itemsize for p in paths)
+def _scalar(ck: Any, p: Path, name: str) -> int:
+    """A step or Adam count: a 0-d integer array holding a value in [0, 2**31 - 1] (else one line naming it)."""
+    info = ck.checked_info(p)
+    where = f"{ck.root}: {'/'.join(p)}"
+    if info.shape != () or not np.issubdtype(np.dtype(numpy_dtype(info.dtype)), np.integer):
+        raise IntegrityError(f"{where} is a {info.dtype} array of shape {info.shape}, not an integer scalar; "
+                             f"the checkpoint is damaged")
+    return check_step(ck.read(p).item(), name, where)
 
 
 def read_logical(src: str) -> tuple[Manifest | None, dict[str, dict[Path, np.ndarray]], int, int]:
@@ -141,16 +148,18 @@ def read_logical(src: str) -> tuple[Manifest | None, dict[str, dict[Path, np.nda
     trees: dict[str, dict[Path, np.ndarray]] = {r: {} for r in ROLES}
     count = step = None
     wanted = [p for p in ck.paths() if (schema.split_role(p) or ("",))[0] in trees]
-    with progress(_nbytes(ck, wanted), f"read {os.path.basename(os.path.abspath(src))}") as bar:
+    total = sum(ck.checked_info(p).nbytes for p in wanted)  # shapes and dtypes as the manifest records them
+    ck.check_read_bytes(total, "the masters and moments")  # before any read: every one is read whole
+    with progress(total, f"read {os.path.basename(os.path.abspath(src))}") as bar:
         for p in wanted:
             role, param = schema.split_role(p)
             trees[role][param] = ck.read(p)
             bar.update(trees[role][param].nbytes)
     for p in ck.paths():
         if p == schema.COUNT_PATH:
-            count = int(ck.read(p))
+            count = _scalar(ck, p, "Adam count")
         elif p == schema.STEP_PATH:
-            step = int(ck.read(p))
+            step = _scalar(ck, p, "step")
     if not all(trees.values()) or count is None:
         raise BridgeError(f"{src} has no full Adam state (masters, both moments and the count); the maxtext preset "
                           f"writes the weights and the optimizer state together")
@@ -312,30 +321,144 @@ def find_sidecar(items: str) -> str | None:
     return os.path.join(root, str(earlier[0]), SIDECAR) if earlier else None
 
 
-def read_maxtext_tree(items: str) -> tuple[dict[str, dict[Path, np.ndarray]], int, int]:
-    """({role: {path under MaxText's params: array}} for masters and moments, Adam count, step) of an items dir."""
+@dataclass(frozen=True)
+class Sidecar:
+    """`gtp_bridge_maxtext.json`, parsed and checked (`load_sidecar`)."""
+
+    options: Options
+    dims: Dims
+    hyper: Hyper
+    overrides: dict
+    adam_count: int
+    base_manifest: dict | None
+
+
+SIDECAR_KEYS = ("format", "options", "dims", "hyper", "overrides", "adam_count", "base_manifest")
+SIDECAR_FORMAT = 1
+
+
+def _fields(d: Any, cls: type, what: str, types: Mapping[str, tuple]) -> dict:
+    """`d` as the keyword arguments of dataclass `cls`: a JSON object with exactly its fields, each of `types`."""
+    from dataclasses import fields
+
+    if not isinstance(d, dict):
+        raise ValueError(f"{what} is a {type(d).__name__}, not a JSON object")
+    names = [f.name for f in fields(cls)]
+    missing, extra = [n for n in names if n not in d], sorted(set(d) - set(names))
+    if missing or extra:
+        raise ValueError(f"{what} " + (f"lacks {missing[0]!r}" if missing else f"has unknown key {extra[0]!r}"))
+    for k, v in d.items():
+        if k in types and not (isinstance(v, types[k]) and not (isinstance(v, bool) and bool not in types[k])):
+            raise ValueError(f"{what}.{k} is {v!r}, not {' or '.join(t.__name__ for t in types[k])}")
+    return dict(d)
+
+
+def load_sidecar(path: str) -> Sidecar:
+    """Parse and check a sidecar: one-line BridgeError naming the file and the cause on any defect
+    (not JSON, not an object, a key missing or unknown, a value of the wrong type or out of range)."""
+    num, opt_num = (int, float), (int, float, type(None))
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(64 << 20)
+        d = json.loads(raw)
+        if not isinstance(d, dict):
+            raise ValueError(f"it is a JSON {type(d).__name__}, not an object")
+        missing, extra = [k for k in SIDECAR_KEYS if k not in d], sorted(set(d) - set(SIDECAR_KEYS))
+        if missing or extra:
+            raise ValueError(f"key {missing[0]!r} is missing" if missing else f"key {extra[0]!r} is unknown")
+        if d["format"] != SIDECAR_FORMAT or isinstance(d["format"], bool):
+            raise ValueError(f"format {d['format']!r} is not {SIDECAR_FORMAT}")
+        opts = Options(**_fields(d["options"], Options, "options",
+                                 {"decoder_block": (str,), "scan_layers": (bool,), "rotary_interleaved": (bool,)}))
+        dims = Dims(**_fields(d["dims"], Dims, "dims", {"tied": (bool,), **{k: (int,) for k in
+                              ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab")}}))
+        h = _fields(d["hyper"], Hyper, "hyper", {"lr": num, "b1": num, "b2": num, "eps": num, "weight_decay": num,
+                                                 "clip_grad": opt_num, "no_decay": (list,)})
+        if not all(isinstance(q, list) and q and all(isinstance(c, str) for c in q) for q in h["no_decay"]):
+            raise ValueError("hyper.no_decay is not a list of parameter paths (lists of names)")
+        hyper = Hyper(**{**h, "no_decay": tuple(tuple(q) for q in h["no_decay"])})
+        overrides = d["overrides"]
+        if not isinstance(overrides, dict):
+            raise ValueError(f"overrides is a {type(overrides).__name__}, not a JSON object")
+        for key in ("rope_max_timescale", "normalization_layer_epsilon"):
+            v = overrides.get(key, 1.0)
+            if isinstance(v, bool) or not isinstance(v, num) or not 0 < v < float("inf"):
+                raise ValueError(f"overrides.{key} is {v!r}, not a positive number")
+        count = check_step(d["adam_count"], "adam_count", "sidecar")
+        base = d["base_manifest"]
+        if base is not None:
+            Manifest.from_json(base).optimizer.check("base_manifest")  # malformed or out of range: below
+    except OSError as e:
+        raise BridgeError(f"{path}: cannot read the gtp-bridge MaxText sidecar ({e.strerror or e})") from None
+    except (ValueError, TypeError, RecursionError, BridgeError) as e:  # JSONDecodeError is a ValueError
+        cause = " ".join(str(e).split())[:300]
+        raise BridgeError(f"{path}: malformed gtp-bridge MaxText sidecar: {cause}; restore the file that to-maxtext "
+                          f"wrote, or remove it and give the AdamW settings (--lr, --betas, ...)") from None
+    return Sidecar(opts, dims, hyper, dict(overrides), count, base)
+
+
+def _check_tree(ck: Any, items: str, infos: Mapping[Path, Any], roles: Mapping[Path, tuple[str, Path]],
+                side: Sidecar | None) -> None:
+    """Every MaxText leaf read is checked from its zarr metadata alone, before any allocation: masters and
+    moments are floating arrays of exactly the shapes the model's sizes give (sizes derived from the
+    query, key, mlp and embedding leaves, and equal to the sidecar's when there is one), all of them
+    together no more than the stored bytes can hold (the count and step: `_scalar`)."""
+    from bridge.format.tree import path_str
+
+    params = {role_p[1]: infos[p].shape for p, role_p in roles.items() if role_p[0] == schema.PARAMS}
+    if not params:
+        raise BridgeError(f"{items} has no MaxText parameter tree; is it a MaxText train-state checkpoint?")
+    dims, scanned = Dims.from_maxtext(params)
+    if side is not None and side.dims != dims:
+        raise IntegrityError(f"{items}: the stored parameter shapes give {dims}, its sidecar records {side.dims}; "
+                             f"the checkpoint or its {SIDECAR} is damaged")
+    want = maxtext_shapes(dims, Options(scan_layers=scanned))
+    seen: dict[str, set] = {r: set() for r in ROLES}
+    for p, (role, param) in roles.items():
+        info = infos[p]
+        if param not in want:
+            raise BridgeError(f"MaxText leaf {'/'.join(param)} ({role}) has no logical counterpart in the maxtext "
+                              f"preset (llama-family, no biases, no MoE)")
+        if tuple(info.shape) != want[param]:
+            raise IntegrityError(f"{items}: array {path_str(p)} has shape {tuple(info.shape)}, the model's sizes "
+                                 f"({dims}) give {want[param]}; its zarr.json is damaged")
+        if not np.issubdtype(np.dtype(numpy_dtype(info.dtype)), np.floating):
+            raise IntegrityError(f"{items}: array {path_str(p)} is stored as {info.dtype}; masters and Adam "
+                                 f"moments are floating point: its zarr.json is damaged")
+        seen[role].add(param)
+    for role in ROLES:
+        lacking = sorted(set(want) - seen[role])
+        if seen[role] and lacking:
+            raise BridgeError(f"{items}: MaxText checkpoint lacks the {role} of {'/'.join(lacking[0])}")
+    ck.check_read_bytes(sum(infos[p].nbytes for p in roles), "the MaxText masters and moments")
+
+
+def read_maxtext_tree(items: str, side: Sidecar | None = None) -> tuple[dict[str, dict[Path, np.ndarray]], int, int]:
+    """({role: {path under MaxText's params: array}} for masters and moments, Adam count, step) of an items dir.
+
+    Every array's metadata is checked first (`_check_tree`), the count and step range-checked."""
     from bridge.store.reader import open_checkpoint
 
     ck = open_checkpoint(items)
     trees: dict[str, dict[Path, np.ndarray]] = {r: {} for r in ROLES}
     moment_roots = {MT_ADAM + (m, MT_MOMENT_ROOT): m for m in schema.MOMENTS}
     count = step = None
-    wanted = [p for p in ck.paths() if p[:2] == MT_PARAMS or p[:4] in moment_roots]
-    with progress(_nbytes(ck, wanted), f"read {os.path.basename(os.path.dirname(items))}") as bar:
-        for p in wanted:
-            role, param = (schema.PARAMS, p[2:]) if p[:2] == MT_PARAMS else (moment_roots[p[:4]], p[4:])
-            trees[role][param] = ck.read(p)
-            bar.update(trees[role][param].nbytes)
+    roles = {p: ((schema.PARAMS, p[2:]) if p[:2] == MT_PARAMS else (moment_roots[p[:4]], p[4:]))
+             for p in ck.paths() if p[:2] == MT_PARAMS or p[:4] in moment_roots}
+    infos = {p: ck.checked_info(p) for p in roles}
+    _check_tree(ck, items, infos, roles, side)
     for p in ck.paths():
         if p == MT_COUNT:
-            count = int(ck.read(p))
+            count = _scalar(ck, p, "Adam count")
         elif p == (MT_STEP,):
-            step = int(ck.read(p))
-    if not trees[schema.PARAMS]:
-        raise BridgeError(f"{items} has no MaxText parameter tree; is it a MaxText train-state checkpoint?")
-    if not all(trees.values()) or count is None:
+            step = _scalar(ck, p, "step")
+    if count is None or len({r for r, _ in roles.values()}) < len(ROLES):
         raise BridgeError(f"{items} holds no Adam state (moments and count); the maxtext preset needs MaxText's "
                           f"adamw state (opt_type=adamw)")
+    with progress(sum(i.nbytes for i in infos.values()), f"read {os.path.basename(os.path.dirname(items))}") as bar:
+        for p, (role, param) in roles.items():
+            trees[role][param] = ck.read(p)
+            bar.update(trees[role][param].nbytes)
     return trees, count, step if step is not None else count
 
 
@@ -391,14 +514,14 @@ def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Opt
     dst = local_path(dst, "destination")
     items = find_items(src)
     side_path = find_sidecar(items)
-    side = json.load(open(side_path)) if side_path else None
-    trees, count, step = read_maxtext_tree(items)
+    side = load_sidecar(side_path) if side_path else None
+    trees, count, step = read_maxtext_tree(items, side)
     dims, scanned = Dims.from_maxtext({p: a.shape for p, a in trees[schema.PARAMS].items()})
     if side is not None:
-        opts = Options(**side["options"])
-        hyper = hyper or Hyper(**{**side["hyper"], "no_decay": tuple(tuple(p) for p in side["hyper"]["no_decay"])})
-        rotary_base = rotary_base or side["overrides"].get("rope_max_timescale", 10000.0)
-        norm_epsilon = norm_epsilon or side["overrides"].get("normalization_layer_epsilon", 1e-5)
+        opts = side.options
+        hyper = hyper or side.hyper
+        rotary_base = rotary_base or side.overrides.get("rope_max_timescale", 10000.0)
+        norm_epsilon = norm_epsilon or side.overrides.get("normalization_layer_epsilon", 1e-5)
     else:
         opts = options or Options()
         if hyper is None:
@@ -410,7 +533,7 @@ def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Opt
         norms = [leaf.logical[0] for leaf in active_table(dims) if leaf.no_decay]
         hyper = Hyper(**{**asdict(hyper), "no_decay": tuple(tuple(n.split("/")) for n in norms)})
     logical = {role: from_maxtext(t, role, dims, opts) for role, t in trees.items()}
-    man = _manifest_for(dims, hyper, count, side["base_manifest"] if side else None, opts,
+    man = _manifest_for(dims, hyper, count, side.base_manifest if side else None, opts,
                         float(rotary_base or 10000.0), float(norm_epsilon or 1e-5))
     arrays: dict[Path, np.ndarray] = {}
     for role, tree in logical.items():
