@@ -224,3 +224,36 @@ def test_two_exports_reuse_the_staging_slots(tmp_path):
         assert r["allocs"][0] >= 1 and r["allocs"][0] == r["allocs"][1] and r["reported"][0] == r["reported"][1], r
     _check_against_reference(f"{tmp_path}/one")
     _check_against_reference(f"{tmp_path}/two")
+
+
+def _training_loop(rank, world, save_dir):
+    """A loop shaped like Megatron-LM's with `AsyncSave`: finalize at each step's start, save every 2 steps."""
+    from converters.megatron.async_save import AsyncSave
+    from converters.megatron.rundir import read_tracker
+
+    params, run = _setup(rank, world)
+    saver = AsyncSave(save_dir)
+    finalized, trackers = [], []
+    for it in range(1, 6):
+        done = saver.maybe_finalize()
+        if done is not None:
+            finalized.append(done)
+        if it % 2 == 0:
+            saver.save_state(it, run, params)
+            trackers.append(read_tracker(save_dir))  # the previous save was finalized first
+    finalized.append(saver.maybe_finalize(blocking=True))
+    return {"finalized": finalized, "trackers": trackers, "final": read_tracker(save_dir)}
+
+
+def test_megatron_async_save_hook_run_directory(tmp_path):
+    """`AsyncSave` writes iter_0000002 / iter_0000004 and the tracker as each commits; every save is finalized."""
+    from converters.megatron.rundir import iteration_dir_name
+
+    save_dir = str(tmp_path / "run")
+    results, _ = spawn(2, _training_loop, (save_dir,), tmp_path)
+    for r in results:
+        assert r["trackers"][0] is None and r["trackers"][1] == 2 and r["final"] == 4, r
+        assert set(r["finalized"]) <= {2, 4} and r["finalized"][-1] == 4, r  # 2 finalized by a step or by save(4)
+    assert sorted(os.listdir(save_dir)) == [iteration_dir_name(2), iteration_dir_name(4),
+                                            "latest_checkpointed_iteration.txt"]
+    _check_against_reference(os.path.join(save_dir, iteration_dir_name(4)))

@@ -370,7 +370,8 @@ class Exporter:
             handle.wait()
 
     def export_async(self, dst: str, run: LiveRun, params: Sequence[LocalParam], options: ExportOptions | None = None,
-                     *, on_stage: Callable[[str], None] | None = None) -> ExportHandle:
+                     *, on_stage: Callable[[str], None] | None = None,
+                     on_commit: Callable[[str], None] | None = None) -> ExportHandle:
         """`export` that returns once this rank's bytes are in host memory (collective over `run.group`).
 
         In the call: the export in flight, if any, is waited for (its failure raised); planning and the
@@ -382,7 +383,9 @@ class Exporter:
         is raised by its `wait()` and by this exporter's next export, on every rank, naming the rank.
         `options.staging_bytes` bounds the slots (the call then also waits for the writer to free
         slots). `on_stage` is called as in `export`, plus "staged" (the call's copies are done) and,
-        in the background thread, "writing" (the first batch is with the store writer).
+        in the background thread, "writing" (the first batch is with the store writer). `on_commit(path)`
+        runs on rank 0 in the background right after the commit, as part of it (its failure is the
+        commit's, raised on every rank; e.g. a run directory's tracker file).
         """
         self.settle()
         t_call = time.perf_counter()
@@ -415,8 +418,13 @@ class Exporter:
             try:
                 bg.all_gather("writing", written.outcome)  # every writer finished, or every rank raises
                 clock.mark("barrier")
-                path = bg.broadcast("the commit", lambda: commit_checkpoint(dst, planned.wplan, manifest,
-                                                                             timeout=opts.timeout))
+                def commit() -> str:
+                    path = commit_checkpoint(dst, planned.wplan, manifest, timeout=opts.timeout)
+                    if on_commit is not None:
+                        on_commit(path)
+                    return path
+
+                path = bg.broadcast("the commit", commit)
             except BaseException:
                 claim = held_destination(dst)  # rank 0's: nothing of this run stays
                 if claim is not None:
@@ -562,7 +570,7 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], options: 
 
 def export_state_async(dst: str, run: LiveRun, params: Sequence[LocalParam], options: ExportOptions | None = None, *,
                        exporter: Exporter | None = None, on_stage: Callable[[str], None] | None = None,
-                       **fields) -> ExportHandle:
+                       on_commit: Callable[[str], None] | None = None, **fields) -> ExportHandle:
     """`export_state` that returns once this rank's bytes are in host memory (collective call).
 
     The rest (writes, digests, the commit) runs in the background; returns an `ExportHandle`
@@ -570,7 +578,8 @@ def export_state_async(dst: str, run: LiveRun, params: Sequence[LocalParam], opt
     the staging slots (pinned memory is slow to allocate) and waits for the export in flight before
     the next one. Options and keywords as `export_state`'s (`staging_bytes` bounds the slots).
     """
-    return (exporter or Exporter()).export_async(dst, run, params, _options(options, fields), on_stage=on_stage)
+    return (exporter or Exporter()).export_async(dst, run, params, _options(options, fields), on_stage=on_stage,
+                                                 on_commit=on_commit)
 
 
 def _options(options: ExportOptions | None, fields: dict) -> ExportOptions | None:
