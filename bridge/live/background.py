@@ -10,6 +10,7 @@ the failing one, and the same error is raised by `wait()` (or by the next export
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable
 
 from bridge.errors import BridgeError
@@ -53,12 +54,15 @@ class ExportHandle:
         self.staging = staging
         self._report: Any = None
         self._error: BaseException | None = None
+        self.finished_at: float | None = None   # time.perf_counter() when the background part ended
 
         def body() -> None:
             try:
                 self._report = run()
             except BaseException as e:  # kept for wait(): the thread has nobody else to tell
                 self._error = e
+            finally:
+                self.finished_at = time.perf_counter()
 
         # Not a daemon: a script that ends without wait() still finishes (and commits) the checkpoint.
         self._thread = threading.Thread(target=body, name="gtp-bridge-export", daemon=False)
