@@ -45,7 +45,7 @@ from bridge.live.holdings import (Holding, RankSummary, holdings_signature, rank
                                   tree_name)
 from bridge.live.plan import ExportPlan, PlanCache, Transfer, build_plan, choose_inner_bytes, plan_key
 from bridge.live.background import ExportHandle, background_group
-from bridge.live.snapshot import HostSlots, SlotRing, Snapshot, SnapshotStats, StagedBatch, slot_size, snapshot_batches
+from bridge.live.snapshot import HostSlots, Recipe, SlotRing, Snapshot, SnapshotStats, StagedBatch, slot_size
 from bridge.live.staging import HostBuffers, StagedWriter, StagingStats, WriteItem
 from bridge.dtypes import to_numpy
 from bridge.progress import progress
@@ -149,6 +149,7 @@ class _Planned:
     pads: list
     inner_chunk_bytes: int | None = None  # what "auto" chose (or what was passed)
     moved: bool = True  # some rank sends bytes to another (else the exchange is skipped)
+    recipes: dict = dataclasses.field(default_factory=dict)  # batch bytes -> this rank's snapshot `Recipe`
 
 
 @dataclass
@@ -410,7 +411,6 @@ class Exporter:
             if claim is not None:
                 claim.release()
             raise
-        blocked = time.perf_counter() - t_call
 
         def background() -> ExportReport:
             written = _write_staged(job, planned, run, tmp, bg.rank, opts, on_stage)
@@ -438,11 +438,11 @@ class Exporter:
                                                                                         coord.rank),
                                 plan_cached=hit, inner_chunk_bytes=planned.inner_chunk_bytes,
                                 timings={**clock.steps, "d2h_wait": job.d2h_wait_s, "commit_wait": written.commit_wait_s,
-                                         "blocked": blocked, "slot_wait": job.ring.wait_s},
+                                         "blocked": handle.blocked_s, "slot_wait": job.ring.wait_s},
                                 staging=StagingStats(written.calls, job.stats.held_bytes, job.staged_bytes,
                                                      job.d2h_wait_s, True))
 
-        handle = ExportHandle(dst, background, blocked_s=blocked, staging=job.stats)
+        handle = ExportHandle(dst, background, staging=job.stats)
         job.start_writer = handle.start
         self._inflight = handle
         job.run_foreground()
@@ -484,7 +484,13 @@ class Exporter:
         order = {name: i for i, name in enumerate(planned.wplan.arrays)}
         items.sort(key=lambda it: (order[it.name], _first_chunk(planned.wplan, it), it.box.start))
         batch = writer_batch_bytes(opts.inflight_bytes) if opts.inflight_bytes else default_batch_bytes(False)
-        batches, size = attempt(lambda: snapshot_batches(items, planned.wplan, batch)) or ([], slot_size(batch, 0))
+        recipe = planned.recipes.get(batch)
+        if recipe is None and not failed:
+            recipe = attempt(lambda: Recipe.of(items, planned.wplan, batch))
+            if recipe is not None:
+                planned.recipes[batch] = recipe
+        batches = attempt(lambda: recipe.batches(items)) or []
+        size = recipe.slot_bytes if recipe is not None else slot_size(batch, 0)
         count = max(1, len(batches))
         if opts.staging_bytes is not None:
             bound = int(opts.staging_bytes) // size

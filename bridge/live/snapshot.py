@@ -80,32 +80,59 @@ def slot_size(batch_bytes: int, largest_group: int) -> int:
     return 1 << (need - 1).bit_length()
 
 
-def cut_items(items: Sequence[WriteItem], plan: WritePlan) -> list[WriteItem]:
-    """Items cut along the outer chunk grid, then along the inner chunk grid (views, no copy).
+def cut_items(items: Sequence[WriteItem], plan: WritePlan) -> list[tuple[int, WriteItem]]:
+    """Items cut along the outer chunk grid, then along the inner chunk grid (views, no copy), each
+    with the index of the item it comes from.
 
     Outer cells keep every batch small whatever the item (a whole embedding is one item at one
     rank); inner cells are what the writer references without copying (`split_cells`).
     """
-    out: list[WriteItem] = []
-    for it in items:
+    out: list[tuple[int, WriteItem]] = []
+    for i, it in enumerate(items):
         ap = plan.lookup(it.name)
         if it.box.ndim == 0:
-            out.append(it)
+            out.append((i, it))
             continue
         for cell in grid_cells(it.box, ap.ownership.chunk_shape):
             piece = it if cell == it.box else WriteItem(it.name, cell, it.data[cell.relative_to(it.box).slices])
-            out.extend(split_cells(piece, ap.inner_chunk_shape))
+            out.extend((i, c) for c in split_cells(piece, ap.inner_chunk_shape))
     return out
 
 
-def snapshot_batches(items: Sequence[WriteItem], plan: WritePlan, batch_bytes: int) -> tuple[list[list[WriteItem]], int]:
-    """The batches (whole chunk groups, in order) of `items` and the slot size that fits each."""
-    from bridge.live.staging import _chunks_touching
+@dataclass(frozen=True)
+class Recipe:
+    """How a rank's items are cut and batched into slots: per batch, (item index, box) of each piece.
 
-    groups = chunk_groups(cut_items(items, plan), lambda name, box: _chunks_touching(plan, name, box))
-    largest = max((sum(_slot(it) for it in g) for g in groups), default=0)
-    size = slot_size(batch_bytes, largest)
-    return _grouped_batches(groups, size), size
+    It depends on the plan only (names, boxes, dtypes of the items), so an exporter computes it once
+    per plan and applies it to each export's tensors (`batches`): the call then spends its time on
+    the copies, not on cutting and grouping.
+    """
+
+    parts: tuple[tuple[tuple[int, object], ...], ...]
+    slot_bytes: int
+
+    @classmethod
+    def of(cls, items: Sequence[WriteItem], plan: WritePlan, batch_bytes: int) -> "Recipe":
+        """Cut `items` (`cut_items`), group whole chunks (`chunk_groups`), batch up to the slot size."""
+        from bridge.live.staging import _chunks_touching
+
+        cut = cut_items(items, plan)
+        index = {id(c): i for i, c in cut}
+        groups = chunk_groups([c for _, c in cut], lambda name, box: _chunks_touching(plan, name, box))
+        largest = max((sum(_slot(it) for it in g) for g in groups), default=0)
+        size = slot_size(batch_bytes, largest)
+        return cls(tuple(tuple((index[id(c)], c.box) for c in b) for b in _grouped_batches(groups, size)), size)
+
+    def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
+        """The batches of this export's `items` (the same names and boxes as the recipe's)."""
+        out = []
+        for batch in self.parts:
+            cur = []
+            for i, box in batch:
+                it = items[i]
+                cur.append(it if box == it.box else WriteItem(it.name, box, it.data[box.relative_to(it.box).slices]))
+            out.append(cur)
+        return out
 
 
 class SlotRing:
