@@ -105,18 +105,19 @@ def main() -> None:
     for name in ("floor_cold_s", "floor_s"):
         sync()
         t = time.perf_counter()
-        k, off = 0, 0
+        k, off, copied = 0, 0, 0
         for x in tensors:
-            nb = x.numel() * x.element_size()
-            if off + nb > slots[k].numel():
-                k, off = k + 1, 0
-            if k >= len(slots) or nb > slots[k].numel():
-                break
-            slots[k][off:off + nb].copy_(x.detach().reshape(-1).view(torch.uint8), non_blocking=True)
-            off += -(-nb // 16) * 16
+            src = x.detach().reshape(-1).view(torch.uint8)
+            pos = 0
+            while pos < src.numel() and k < len(slots):  # a tensor larger than a slot spans several
+                n = min(src.numel() - pos, slots[k].numel() - off)
+                slots[k][off:off + n].copy_(src[pos:pos + n], non_blocking=True)
+                pos, off, copied = pos + n, off + n, copied + n
+                if off == slots[k].numel():
+                    k, off = k + 1, 0
         sync()
         res[name] = time.perf_counter() - t
-    res["floor_fit"] = k < len(slots)
+    res["floor_bytes"] = copied
     res["step_plain_s"] = train(10)
     res["steps"].append("floor")
     save()
@@ -149,7 +150,8 @@ def main() -> None:
             r = {"kind": "B", "step": step, "blocked_s": h.blocked_s, "call_s": t_ret - t,
                  "background_s": h.finished_at - t_ret, "done_seen_s": t_seen - t_ret, "step_during_s": during,
                  "timings": rep.timings, "bytes_written": rep.bytes_written,
-                 "slot_allocations": h.staging.allocations, "alloc_s": h.staging.alloc_s}
+                 "slot_allocations": h.staging.allocations, "alloc_s": h.staging.alloc_s,
+                 "write_calls": rep.staging.write_calls}
         runs.append(r)
         if i < 2:
             dig[kind] = digests(path)
@@ -164,6 +166,45 @@ def main() -> None:
         save()
         print("[step]", kind, {k: v for k, v in r.items() if k not in ("timings", "step_during_s")}, flush=True)
     res["steps"].append("abba")
+
+    # diagnostic: the synchronous export with the store's default digest step (before LIVE_DIGEST_STEP)
+    if left() > 150:
+        from bridge.live.export import ExportOptions
+        from bridge.store.writer import CheckpointWriter
+
+        class DefaultStep(CheckpointWriter):
+            def __init__(self, *a, **k):
+                k["digest_step"] = None
+                super().__init__(*a, **k)
+
+        path = os.path.join(D, "Aold")
+        drop_caches()
+        sync()
+        t = time.perf_counter()
+        rep = export_megatron(path, model, opt, ExportOptions(writer_class=DefaultStep), exporter=exporter)
+        res["a_default_digest_step_s"] = time.perf_counter() - t
+        rm(path)
+        save()
+        print("[step] Aold", res["a_default_digest_step_s"], flush=True)
+
+    # diagnostic: the same asynchronous export without digests (what the digest threads cost the steps)
+    if left() > 120:
+        from bridge.live.export import ExportOptions
+
+        path = os.path.join(D, "Bnd")
+        drop_caches()
+        sync()
+        t = time.perf_counter()
+        h = export_megatron_async(path, model, opt, ExportOptions(digest=False), exporter=exporter)
+        t_ret = time.perf_counter()
+        during = []
+        while not h.done():
+            during += train(1)
+        rep = h.wait()
+        res["b_nodigest"] = {"blocked_s": h.blocked_s, "background_s": h.finished_at - t_ret, "step_during_s": during}
+        rm(path)
+        save()
+        print("[step] Bnd", res["b_nodigest"], flush=True)
 
     if left() > 90:
         from megatron.core import dist_checkpointing
