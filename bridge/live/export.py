@@ -489,23 +489,26 @@ class Exporter:
             recipe = attempt(lambda: Recipe.of(items, planned.wplan, batch))
             if recipe is not None:
                 planned.recipes[batch] = recipe
-        batches = attempt(lambda: recipe.batches(items)) or []
+        nbatch = len(recipe.runs) if recipe is not None and not failed else 0
         size = recipe.slot_bytes if recipe is not None else slot_size(batch, 0)
-        count = max(1, len(batches))
+        count = max(1, nbatch)
         if opts.staging_bytes is not None:
             bound = int(opts.staging_bytes) // size
             if bound < 2:  # reported at the ranks' meeting (another rank's batches may fit)
                 failed.append(BridgeError(f"rank {rank}: staging_bytes={opts.staging_bytes} holds fewer than two "
                                           f"staging slots of {size} bytes (a batch of whole chunks); raise it to at "
                                           f"least {2 * size}"))
-                batches = []
+                nbatch = 0
             count = max(1, min(count, bound))
         cuda = any(it.data.is_cuda for it in items)
         slots, alloc_s = self.slots.get(count, size, pinned=cuda and torch.cuda.is_available())
-        stats = SnapshotStats(size, count, self.slots.held_bytes(), self.slots.pinned, self.slots.allocations, alloc_s)
+        stats = SnapshotStats(size, count, self.slots.held_bytes(), self.slots.pinned, self.slots.allocations, alloc_s,
+                              sum(map(len, recipe.runs[:nbatch])) if recipe else 0,
+                              sum(map(len, recipe.pieces[:nbatch])) if recipe else 0)
         # The writer keeps `depth` commits in flight; a slot comes back once its commit landed, so
         # with `count` slots at most count - 1 may be in flight for the copier to make progress.
-        return _StageJob(batches, SlotRing(slots), cuda, stats, failed, bytes_sent, recv, on_stage, clock,
+        return _StageJob(Snapshot(SlotRing(slots), cuda, recipe, items), nbatch, stats, failed, bytes_sent, recv,
+                         on_stage, clock,
                          depth=max(1, min(opts.device_commits, count - 1)))
 
     def _holdings(self, params: Sequence[LocalParam], run: LiveRun, rank: int) -> tuple[list[Holding], _Local]:
@@ -718,12 +721,12 @@ class _StageJob:
     ring slots (`run_foreground`) and queues them; the background writer (`_write_staged`) takes them
     from the queue and gives each slot back once the store let go of it."""
 
-    def __init__(self, batches: list[list[WriteItem]], ring: SlotRing, cuda: bool, stats: SnapshotStats,
-                 failed: list[BaseException], bytes_sent: int, recv: torch.Tensor,
-                 on_stage: Callable[[str], None] | None, clock: _Clock, depth: int) -> None:
-        self.batches = batches
-        self.ring = ring
-        self.snapshot = Snapshot(ring, cuda)
+    def __init__(self, snapshot: Snapshot, nbatch: int, stats: SnapshotStats, failed: list[BaseException],
+                 bytes_sent: int, recv: torch.Tensor, on_stage: Callable[[str], None] | None, clock: _Clock,
+                 depth: int) -> None:
+        self.nbatch = nbatch
+        self.ring = snapshot.ring
+        self.snapshot = snapshot
         self.stats = stats
         self.failed = failed
         self.bytes_sent = bytes_sent
@@ -741,22 +744,22 @@ class _StageJob:
         # With a slot for every batch the writer starts once the copies are launched: a writer thread
         # running meanwhile takes the GIL from the thread launching them (measured on the H200: 8.5 s
         # instead of the copies' fraction of a second). With bounded slots it must free slots meanwhile.
-        bounded = len(self.ring.slots) < len(self.batches)
+        bounded = len(self.ring.slots) < self.nbatch
         if bounded:
             self.start_writer()
         try:
-            for batch in self.batches:
+            for k in range(self.nbatch):
                 if self.failed:
                     break
                 try:
-                    self.queue.put(self.snapshot.stage(batch))
+                    self.queue.put(self.snapshot.stage(k))
                 except Exception as e:
                     self.failed.append(e)
         finally:
             self.d2h_wait_s = self.snapshot.sync()  # from here on the caller may change its tensors
             self.staged_bytes = self.snapshot.staged_bytes
             self._recv = None
-            self.batches = []
+            self.nbatch = 0
             self.clock.mark("staged")
             if self.on_stage:
                 _attempter(self.failed)(lambda: self.on_stage("staged"))
@@ -802,16 +805,17 @@ def _write_staged(job: _StageJob, planned: _Planned, run: LiveRun, tmp: str, ran
         if not failed:
             try:
                 staged.wait()
-                for it in staged.items:
+                pieces = staged.items()
+                for it in pieces:
                     writer.write(it.name, it.box, to_numpy(it.data), donate=True)
                 writer.flush(wait=False)
-                calls += len(staged.items)
-                if on_stage and calls == len(staged.items):
+                calls += len(pieces)
+                del pieces
+                if on_stage and calls == len(staged.pieces):
                     on_stage("writing")
             except Exception as e:
                 failed.append(e)
                 job.ring.close(e)  # a copier waiting for a slot stops too
-        staged.items = []
         inflight.append(staged.slot)
         while len(inflight) > (0 if failed else job.depth):
             job.ring.release(inflight.popleft())

@@ -30,7 +30,8 @@ from bridge.store.staging import grid_cells
 @dataclass(frozen=True)
 class SnapshotStats:
     """What the staging slots cost: bytes held, how many allocations so far (the first export pays
-    them, later ones reuse the slots), seconds spent allocating (pinning is slow) in this export."""
+    them, later ones reuse the slots), seconds spent allocating (pinning is slow) in this export;
+    and how many copies the call launched for how many pieces."""
 
     slot_bytes: int
     slots: int
@@ -38,6 +39,8 @@ class SnapshotStats:
     pinned: bool
     allocations: int
     alloc_s: float
+    copies: int = 0    # device -> host copies the call launches (merged runs)
+    pieces: int = 0    # pieces handed to the store writer (whole inner chunks)
 
 
 class HostSlots:
@@ -100,20 +103,36 @@ def cut_items(items: Sequence[WriteItem], plan: WritePlan) -> list[tuple[int, Wr
 
 
 @dataclass(frozen=True)
+class Run:
+    """One device -> host copy of a batch: `nbytes` from byte `src` of item `item`'s data to byte
+    `dst` of the slot; `box` (not None) when the piece is not contiguous in the item (copied as
+    `item.data[box]`, made contiguous on the device first)."""
+
+    item: int
+    src: int
+    nbytes: int
+    dst: int
+    box: object = None
+
+
+@dataclass(frozen=True)
 class Recipe:
-    """How a rank's items are cut and batched into slots: per batch, (item index, box) of each piece.
+    """How a rank's items are cut, batched into slots and copied: per batch, the copy `Run`s and
+    the pieces the writer gets (name, box, dtype, offset in the slot).
 
     It depends on the plan only (names, boxes, dtypes of the items), so an exporter computes it once
-    per plan and applies it to each export's tensors (`batches`): the call then spends its time on
-    the copies, not on cutting and grouping.
+    per plan and applies it to each export's tensors: the call then spends its time on the copies,
+    and consecutive pieces of one item (inner chunks of whole rows) are one copy, not one each.
     """
 
-    parts: tuple[tuple[tuple[int, object], ...], ...]
+    runs: tuple[tuple[Run, ...], ...]
+    pieces: tuple[tuple[tuple[str, object, object, int], ...], ...]
     slot_bytes: int
 
     @classmethod
     def of(cls, items: Sequence[WriteItem], plan: WritePlan, batch_bytes: int) -> "Recipe":
-        """Cut `items` (`cut_items`), group whole chunks (`chunk_groups`), batch up to the slot size."""
+        """Cut `items` (`cut_items`), group whole chunks (`chunk_groups`), batch up to the slot size,
+        and merge each batch's copies into runs."""
         from bridge.live.staging import _chunks_touching
 
         cut = cut_items(items, plan)
@@ -121,18 +140,30 @@ class Recipe:
         groups = chunk_groups([c for _, c in cut], lambda name, box: _chunks_touching(plan, name, box))
         largest = max((sum(_slot(it) for it in g) for g in groups), default=0)
         size = slot_size(batch_bytes, largest)
-        return cls(tuple(tuple((index[id(c)], c.box) for c in b) for b in _grouped_batches(groups, size)), size)
-
-    def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
-        """The batches of this export's `items` (the same names and boxes as the recipe's)."""
-        out = []
-        for batch in self.parts:
-            cur = []
-            for i, box in batch:
-                it = items[i]
-                cur.append(it if box == it.box else WriteItem(it.name, box, it.data[box.relative_to(it.box).slices]))
-            out.append(cur)
-        return out
+        runs, pieces = [], []
+        for batch in _grouped_batches(groups, size):
+            rs: list[Run] = []
+            ps = []
+            dst = 0
+            for c in batch:
+                i = index[id(c)]
+                base = items[i].data
+                nb = c.data.numel() * c.data.element_size()
+                if c.data.is_contiguous() and base.is_contiguous():
+                    src = c.data.data_ptr() - base.data_ptr()
+                    last = rs[-1] if rs else None
+                    if last is not None and last.box is None and last.item == i and last.src + last.nbytes == src \
+                            and last.dst + last.nbytes == dst:
+                        rs[-1] = Run(i, last.src, last.nbytes + nb, last.dst)
+                    else:
+                        rs.append(Run(i, src, nb, dst))
+                else:
+                    rs.append(Run(i, 0, nb, dst, c.box))
+                ps.append((c.name, c.box, c.data.dtype, dst))
+                dst += _slot(c)
+            runs.append(tuple(rs))
+            pieces.append(tuple(ps))
+        return cls(tuple(runs), tuple(pieces), size)
 
 
 class SlotRing:
@@ -170,39 +201,69 @@ class SlotRing:
 
 @dataclass
 class StagedBatch:
-    """One batch copied (or being copied) into slot `slot`: `items` are host views of the slot."""
+    """One batch copied (or being copied) into slot `slot`; `pieces` as `Recipe.pieces`."""
 
     slot: int
-    items: list[WriteItem]
+    buf: torch.Tensor
+    pieces: tuple
     event: object = None   # the copy's CUDA event (None: copied already)
 
     def wait(self) -> None:
         _Copier.wait(self.event)
         self.event = None
 
+    def items(self) -> list[WriteItem]:
+        """The pieces as host views of the slot (built by the writer, not in the call)."""
+        out = []
+        for name, box, dtype, dst in self.pieces:
+            nb = box.size * dtype.itemsize
+            out.append(WriteItem(name, box, self.buf[dst:dst + nb].view(dtype).reshape(box.shape)))
+        return out
+
 
 class Snapshot:
-    """Copies batches into ring slots: `stage(batch)` launches the device -> host copies of one batch
-    (on a side stream that first waits for the current stream: the state at the call) and returns the
-    host items; `sync()` waits for every copy launched (then the source tensors may change)."""
+    """Copies this export's items into ring slots by a `Recipe`: `stage(k)` launches the device ->
+    host copies of batch k (on a side stream that first waits for the current stream: the state at
+    the call); `sync()` waits for every copy launched (then the source tensors may change)."""
 
-    def __init__(self, ring: SlotRing, cuda: bool) -> None:
+    def __init__(self, ring: SlotRing, cuda: bool, recipe: Recipe | None = None,
+                 items: Sequence[WriteItem] = ()) -> None:
         self.ring = ring
-        self.copier = _Copier(cuda)
+        self.stream = torch.cuda.Stream() if cuda else None
+        self.recipe = recipe
+        self.items = list(items)
+        self._bytes: dict[int, torch.Tensor] = {}   # item -> its data as flat bytes
         self.launched: list[StagedBatch] = []
         self.staged_bytes = 0
+        self._waited = False
 
-    def stage(self, batch: list[WriteItem]) -> StagedBatch:
-        k = self.ring.acquire()
-        buf = self.ring.slots[k]
-        event = self.copier.start(buf, batch)
-        host, off = [], 0
-        for p in batch:
-            nb = p.data.numel() * p.data.element_size()
-            host.append(WriteItem(p.name, p.box, buf[off:off + nb].view(p.data.dtype).reshape(p.data.shape)))
-            off += _slot(p)
-            self.staged_bytes += nb
-        staged = StagedBatch(k, host, event)
+    def _src(self, run: Run) -> torch.Tensor:
+        it = self.items[run.item]
+        if run.box is not None:
+            return it.data[run.box.relative_to(it.box).slices].contiguous().reshape(-1).view(torch.uint8)
+        flat = self._bytes.get(run.item)
+        if flat is None:
+            flat = self._bytes[run.item] = it.data.reshape(-1).view(torch.uint8)
+        return flat[run.src:run.src + run.nbytes]
+
+    def stage(self, k: int) -> StagedBatch:
+        slot = self.ring.acquire()
+        buf = self.ring.slots[slot]
+        event = None
+        if self.stream is None:
+            for run in self.recipe.runs[k]:
+                buf[run.dst:run.dst + run.nbytes].copy_(self._src(run))
+        else:
+            if not self._waited:  # the state at the call: after every kernel queued so far
+                self.stream.wait_stream(torch.cuda.current_stream())
+                self._waited = True
+            with torch.cuda.stream(self.stream):
+                for run in self.recipe.runs[k]:
+                    buf[run.dst:run.dst + run.nbytes].copy_(self._src(run), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        self.staged_bytes += sum(run.nbytes for run in self.recipe.runs[k])
+        staged = StagedBatch(slot, buf, self.recipe.pieces[k], event)
         self.launched.append(staged)
         return staged
 
@@ -212,4 +273,6 @@ class Snapshot:
         for b in self.launched:
             b.wait()
         self.launched.clear()
+        self._bytes.clear()
+        self.items = []
         return time.perf_counter() - t0

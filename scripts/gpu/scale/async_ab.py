@@ -92,7 +92,7 @@ def main() -> None:
     st = h.staging
     res["warm"] = {"blocked_s": h.blocked_s, "slot_bytes": st.slot_bytes, "slots": st.slots,
                    "held_bytes": st.held_bytes, "pinned": st.pinned, "alloc_s": st.alloc_s,
-                   "allocations": st.allocations}
+                   "allocations": st.allocations, "copies": st.copies, "pieces": st.pieces}
     rep = h.wait()
     res["warm"].update(total_s=time.perf_counter() - t, bytes_written=rep.bytes_written, timings=rep.timings)
     rm(os.path.join(D, "warm"))
