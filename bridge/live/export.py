@@ -418,6 +418,7 @@ class Exporter:
             try:
                 bg.all_gather("writing", written.outcome)  # every writer finished, or every rank raises
                 clock.mark("barrier")
+
                 def commit() -> str:
                     path = commit_checkpoint(dst, planned.wplan, manifest, timeout=opts.timeout)
                     if on_commit is not None:
@@ -438,7 +439,7 @@ class Exporter:
                                                                                         coord.rank),
                                 plan_cached=hit, inner_chunk_bytes=planned.inner_chunk_bytes,
                                 timings={**clock.steps, "d2h_wait": job.d2h_wait_s, "commit_wait": written.commit_wait_s,
-                                         "blocked": handle.blocked_s, "slot_wait": job.ring.wait_s},
+                                         "blocked": job.staged_at - t_call, "slot_wait": job.ring.wait_s},
                                 staging=StagingStats(written.calls, job.stats.held_bytes, job.staged_bytes,
                                                      job.d2h_wait_s, True))
 
@@ -446,7 +447,7 @@ class Exporter:
         job.start_writer = handle.start
         self._inflight = handle
         job.run_foreground()
-        handle.blocked_s = time.perf_counter() - t_call
+        handle.blocked_s = job.staged_at - t_call
         return handle
 
     def _stage(self, planned: _Planned, holdings: list[Holding], run: LiveRun, coord: TorchCoordinator, clock: _Clock,
@@ -738,6 +739,7 @@ class _StageJob:
         self.start_writer: Callable[[], object] = lambda: None
         self.d2h_wait_s = 0.0
         self.staged_bytes = 0
+        self.staged_at = 0.0   # time.perf_counter() when the copies were done (the call returns)
 
     def run_foreground(self) -> None:
         """Copy every batch (waiting for free slots when they are bounded), then wait for the copies."""
@@ -761,6 +763,7 @@ class _StageJob:
             self._recv = None
             self.nbatch = 0
             self.clock.mark("staged")
+            self.staged_at = time.perf_counter()
             if self.on_stage:
                 _attempter(self.failed)(lambda: self.on_stage("staged"))
             self.queue.put(None)  # after every foreground failure is recorded: the writer reports them
