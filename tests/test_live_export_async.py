@@ -92,8 +92,8 @@ def _check_against_reference(dst):
     assert int(got["step"]) == STEP
 
 
-@pytest.mark.parametrize("opts", [{}, {"inflight_bytes": 4096, "staging_bytes": 2048}],
-                         ids=["slots_for_all", "two_slots"])
+@pytest.mark.parametrize("opts", [{}, pytest.param({"inflight_bytes": 4096, "staging_bytes": 2048},
+                                                  marks=pytest.mark.slow)], ids=["slots_for_all", "two_slots"])
 def test_async_export_is_the_state_at_the_call(tmp_path, opts):
     """Sources overwritten with NaN right after the call: the checkpoint still holds the state at the
     call (plain Orbax vs the independently assembled state; digests equal to a synchronous export).
@@ -137,6 +137,7 @@ def _fail_in_background(rank, world, base):
     return {"raised": raised, "b_exists": os.path.exists(f"{base}/b")}
 
 
+@pytest.mark.slow
 def test_background_failure_reaches_every_rank(tmp_path):
     """An error in rank 1's background writer is raised by the next export on both ranks, naming rank 1;
     the failed checkpoint leaves nothing behind; the next export commits."""
@@ -178,6 +179,7 @@ def _async_export(rank, world, dst):
     return {"committed": True}
 
 
+@pytest.mark.slow
 def test_sigkill_in_background_write_leaves_nothing_and_retry_succeeds(tmp_path):
     """Rank 1 SIGKILLed by a seam in its background writer (after its first batch): rank 0's wait()
     raises, nothing loadable is left at the destination, and a new run's export to it commits."""
@@ -245,6 +247,7 @@ def _training_loop(rank, world, save_dir):
     return {"finalized": finalized, "trackers": trackers, "final": read_tracker(save_dir)}
 
 
+@pytest.mark.slow
 def test_megatron_async_save_hook_run_directory(tmp_path):
     """`AsyncSave` writes iter_0000002 / iter_0000004 and the tracker as each commits; every save is finalized."""
     from converters.megatron.rundir import iteration_dir_name
