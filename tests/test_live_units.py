@@ -180,7 +180,8 @@ def test_wire_blocks_keep_every_piece_aligned():
 
 
 @pytest.mark.parametrize("module", ["bridge.live.fp8", "bridge.live.exchange", "bridge.live.holdings", "bridge.live.plan",
-                                    "bridge.live.staging", "bridge.live.reload", "bridge.live.export"])
+                                    "bridge.live.staging", "bridge.live.reload", "bridge.live.export",
+                                    "bridge.live.snapshot"])
 def test_doctests(module):
     import doctest
     import importlib

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 _EXPORTS = {
     "export_state": "bridge.live.export", "ExportReport": "bridge.live.export",
+    "export_state_async": "bridge.live.export", "ExportHandle": "bridge.live.background",
     "ExportOptions": "bridge.live.export", "Exporter": "bridge.live.export",
     "reload_state": "bridge.live.reload",
     "LocalParam": "bridge.live.api", "OptimFragment": "bridge.live.api", "QuantizedWeight": "bridge.live.api",

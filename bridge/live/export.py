@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import queue
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -42,7 +44,10 @@ from bridge.live.exchange import pack, start_all_to_all_bytes
 from bridge.live.holdings import (Holding, RankSummary, holdings_signature, rank_holdings, refresh_holdings,
                                   tree_name)
 from bridge.live.plan import ExportPlan, PlanCache, Transfer, build_plan, choose_inner_bytes, plan_key
+from bridge.live.background import ExportHandle, background_group
+from bridge.live.snapshot import HostSlots, Recipe, SlotRing, Snapshot, SnapshotStats, StagedBatch, slot_size
 from bridge.live.staging import HostBuffers, StagedWriter, StagingStats, WriteItem
+from bridge.dtypes import to_numpy
 from bridge.progress import progress
 from bridge.store.claim import held_destination
 from bridge.store.commit import begin_checkpoint, commit_checkpoint
@@ -72,6 +77,10 @@ class ExportOptions:
     inner_chunk_bytes: int | str | None = "auto"
     # Writer commits in flight while device data is staged (each costs one more pinned buffer of a batch).
     device_commits: int = 2
+    # Asynchronous export (`Exporter.export_async`): bytes of host staging slots at most (None: as many
+    # as this rank's share of the checkpoint, so the call returns right after its device -> host
+    # copies; less: the call also waits while the writer frees slots: less memory, longer blocked).
+    staging_bytes: int | None = None
     # Tests: send CPU pieces through the staging buffers in one pass after the exchange, as CUDA pieces
     # go on a GPU machine (exercises that path on gloo).
     stage_all: bool = False
@@ -126,7 +135,7 @@ class _Clock:
 
     def mark(self, step: str) -> None:
         now = time.perf_counter()
-        self.steps[step] += now - self.t
+        self.steps[step] = self.steps.get(step, 0.0) + now - self.t
         self.t = now
 
 
@@ -140,6 +149,7 @@ class _Planned:
     pads: list
     inner_chunk_bytes: int | None = None  # what "auto" chose (or what was passed)
     moved: bool = True  # some rank sends bytes to another (else the exchange is skipped)
+    recipes: dict = dataclasses.field(default_factory=dict)  # batch bytes -> this rank's snapshot `Recipe`
 
 
 @dataclass
@@ -313,6 +323,9 @@ class Exporter:
         self._local = PlanCache(size=cache_size)   # holdings signature -> this rank's `_Local`
         self._plans = PlanCache(size=cache_size)   # global plan key -> `_Planned`
         self.buffers = HostBuffers()
+        self.slots = HostSlots()                   # the asynchronous export's staging slots
+        self._inflight: ExportHandle | None = None  # the asynchronous export still running, if any
+        self._bg_groups: dict = {}                 # export group ranks -> its background gloo group
 
     def clear_cache(self) -> None:
         """Forget every cached plan (the next export plans from scratch)."""
@@ -322,6 +335,7 @@ class Exporter:
     def export(self, dst: str, run: LiveRun, params: Sequence[LocalParam], options: ExportOptions | None = None, *,
                on_stage: Callable[[str], None] | None = None) -> ExportReport:
         """`export_state` with this exporter's caches (collective over `run.group`)."""
+        self.settle()
         opts = options or ExportOptions()
         dst = location(dst, "export destination")  # a path, s3:// or gs://; an unknown scheme is refused
         coord = TorchCoordinator(run.group if run.group is not None else dist.group.WORLD, job=f"export to {dst}")
@@ -349,6 +363,155 @@ class Exporter:
                             timings={**clock.steps, "d2h_wait": written.staging.d2h_wait_s,
                                      "commit_wait": written.commit_wait_s},
                             staging=written.staging)
+
+    def settle(self) -> None:
+        """Wait for the asynchronous export still in flight, if any; raise its failure (every rank
+        raises the same one). Every export calls it first: one staging set, one export at a time."""
+        handle, self._inflight = self._inflight, None
+        if handle is not None:
+            handle.wait()
+
+    def export_async(self, dst: str, run: LiveRun, params: Sequence[LocalParam], options: ExportOptions | None = None,
+                     *, on_stage: Callable[[str], None] | None = None,
+                     on_commit: Callable[[str], None] | None = None) -> ExportHandle:
+        """`export` that returns once this rank's bytes are in host memory (collective over `run.group`).
+
+        In the call: the export in flight, if any, is waited for (its failure raised); planning and the
+        claim as `export`; the exchange between ranks, if the plan moves bytes; every byte this rank
+        writes copied into the staging slots (`HostSlots`, pinned for CUDA data, kept for the next
+        export). Then the tensors may change: the checkpoint holds the state at the call, bit for bit.
+        In the background: writes, digests, the ranks' meeting and rank 0's commit (over a gloo group
+        of their own, `background_group`). Returns an `ExportHandle` (`wait()`, `done()`); a failure
+        is raised by its `wait()` and by this exporter's next export, on every rank, naming the rank.
+        `options.staging_bytes` bounds the slots (the call then also waits for the writer to free
+        slots). `on_stage` is called as in `export`, plus "staged" (the call's copies are done) and,
+        in the background thread, "writing" (the first batch is with the store writer). `on_commit(path)`
+        runs on rank 0 in the background right after the commit, as part of it (its failure is the
+        commit's, raised on every rank; e.g. a run directory's tracker file).
+        """
+        self.settle()
+        t_call = time.perf_counter()
+        opts = options or ExportOptions()
+        dst = location(dst, "export destination")
+        group = run.group if run.group is not None else dist.group.WORLD
+        coord = TorchCoordinator(group, job=f"export to {dst}")
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if ranks not in self._bg_groups:  # a collective: the first asynchronous export creates it
+            self._bg_groups[ranks] = background_group(group, timeout=opts.timeout)
+        bg = TorchCoordinator(self._bg_groups[ranks], job=f"export to {dst}")
+        clock = _Clock()
+        holdings, planned, hit = self._agree_plan(params, run, coord, opts, clock)
+        manifest = _manifest(run, planned.fused, planned.pads)
+        clock.mark("plan")
+        tmp = begin_checkpoint(dst, coordinator=coord)
+        clock.mark("begin")
+        try:
+            job = self._stage(planned, holdings, run, coord, clock, on_stage, opts)
+        except BaseException:
+            claim = held_destination(dst)
+            if claim is not None:
+                claim.release()
+            raise
+
+        def background() -> ExportReport:
+            written = _write_staged(job, planned, run, tmp, bg.rank, opts, on_stage)
+            clock.mark("finish")
+            try:
+                bg.all_gather("writing", written.outcome)  # every writer finished, or every rank raises
+                clock.mark("barrier")
+
+                def commit() -> str:
+                    path = commit_checkpoint(dst, planned.wplan, manifest, timeout=opts.timeout)
+                    if on_commit is not None:
+                        on_commit(path)
+                    return path
+
+                path = bg.broadcast("the commit", commit)
+            except BaseException:
+                claim = held_destination(dst)  # rank 0's: nothing of this run stays
+                if claim is not None:
+                    claim.release()
+                raise
+            finally:
+                written.failed.clear()
+            clock.mark("commit")
+            return ExportReport(path=path, rank=coord.rank, bytes_written=written.bytes_written,
+                                bytes_sent=job.bytes_sent, sent_by_group=_sent_by_group(planned.plan, run.layout,
+                                                                                        coord.rank),
+                                plan_cached=hit, inner_chunk_bytes=planned.inner_chunk_bytes,
+                                timings={**clock.steps, "d2h_wait": job.d2h_wait_s, "commit_wait": written.commit_wait_s,
+                                         "blocked": job.staged_at - t_call, "slot_wait": job.ring.wait_s},
+                                staging=StagingStats(written.calls, job.stats.held_bytes, job.staged_bytes,
+                                                     job.d2h_wait_s, True))
+
+        handle = ExportHandle(dst, background, staging=job.stats)
+        job.start_writer = handle.start
+        self._inflight = handle
+        job.run_foreground()
+        handle.blocked_s = job.staged_at - t_call
+        return handle
+
+    def _stage(self, planned: _Planned, holdings: list[Holding], run: LiveRun, coord: TorchCoordinator, clock: _Clock,
+               on_stage: Callable[[str], None] | None, opts: ExportOptions) -> "_StageJob":
+        """The exchange (in the foreground, on the export group) and the batches to copy into the slots.
+
+        All exchange happens here, before the call returns, on the caller's thread: the ranks call the
+        export at the same point of their loops, so this collective never interleaves with the
+        training's own (the background thread issues none on the training's groups).
+        """
+        plan, rank = planned.plan, coord.rank
+        failed: list[BaseException] = []
+        attempt = _attempter(failed)
+        if on_stage:
+            attempt(lambda: on_stage("planned"))
+        device = coord.device
+        send = attempt(lambda: _send_buffer(plan, holdings, rank, device))
+        if send is None:
+            send = torch.zeros(sum(plan.send_splits(rank)), dtype=torch.uint8, device=device)
+        clock.mark("pack")
+        with coord.guard("the exchange"):
+            if planned.moved:
+                recv, work = start_all_to_all_bytes(send, plan.send_splits(rank), plan.recv_splits(rank), coord.group)
+            else:
+                recv, work = send, _NoWork()
+            work.wait()
+        bytes_sent = send.numel()
+        del send
+        clock.mark("exchange_wait")
+        if on_stage:
+            attempt(lambda: on_stage("exchanged"))
+        dtypes = {a.name: torch_dtype(a.dtype) for a in plan.catalog}
+        items = attempt(lambda: [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t))
+                                 for t in plan.sends(rank, rank)] + _received_items(plan, recv, rank, dtypes)) or []
+        order = {name: i for i, name in enumerate(planned.wplan.arrays)}
+        items.sort(key=lambda it: (order[it.name], _first_chunk(planned.wplan, it), it.box.start))
+        batch = writer_batch_bytes(opts.inflight_bytes) if opts.inflight_bytes else default_batch_bytes(False)
+        recipe = planned.recipes.get(batch)
+        if recipe is None and not failed:
+            recipe = attempt(lambda: Recipe.of(items, planned.wplan, batch))
+            if recipe is not None:
+                planned.recipes[batch] = recipe
+        nbatch = len(recipe.runs) if recipe is not None and not failed else 0
+        size = recipe.slot_bytes if recipe is not None else slot_size(batch, 0)
+        count = max(1, nbatch)
+        if opts.staging_bytes is not None:
+            bound = int(opts.staging_bytes) // size
+            if bound < 2:  # reported at the ranks' meeting (another rank's batches may fit)
+                failed.append(BridgeError(f"rank {rank}: staging_bytes={opts.staging_bytes} holds fewer than two "
+                                          f"staging slots of {size} bytes (a batch of whole chunks); raise it to at "
+                                          f"least {2 * size}"))
+                nbatch = 0
+            count = max(1, min(count, bound))
+        cuda = any(it.data.is_cuda for it in items)
+        slots, alloc_s = self.slots.get(count, size, pinned=cuda and torch.cuda.is_available())
+        stats = SnapshotStats(size, count, self.slots.held_bytes(), self.slots.pinned, self.slots.allocations, alloc_s,
+                              sum(map(len, recipe.runs[:nbatch])) if recipe else 0,
+                              sum(map(len, recipe.pieces[:nbatch])) if recipe else 0)
+        # The writer keeps `depth` commits in flight; a slot comes back once its commit landed, so
+        # with `count` slots at most count - 1 may be in flight for the copier to make progress.
+        return _StageJob(Snapshot(SlotRing(slots), cuda, recipe, items), nbatch, stats, failed, bytes_sent, recv,
+                         on_stage, clock,
+                         depth=max(1, min(opts.device_commits, count - 1)))
 
     def _holdings(self, params: Sequence[LocalParam], run: LiveRun, rank: int) -> tuple[list[Holding], _Local]:
         """This rank's holdings (current tensors) and its summary, reusing the pieces of an equal signature."""
@@ -413,13 +576,32 @@ def export_state(dst: str, run: LiveRun, params: Sequence[LocalParam], options: 
     failure of this rank. Returns this rank's `ExportReport`; raises BridgeError on every rank if
     any rank's input is bad or any rank fails.
     """
-    if fields:
-        names = {f.name for f in dataclasses.fields(ExportOptions)}
-        bad = sorted(set(fields) - names)
-        if bad:
-            raise BridgeError(f"export_state: unknown option {bad[0]!r}; the options are {', '.join(sorted(names))}")
-        options = dataclasses.replace(options or ExportOptions(), **fields)
-    return (exporter or Exporter()).export(dst, run, params, options, on_stage=on_stage)
+    return (exporter or Exporter()).export(dst, run, params, _options(options, fields), on_stage=on_stage)
+
+
+def export_state_async(dst: str, run: LiveRun, params: Sequence[LocalParam], options: ExportOptions | None = None, *,
+                       exporter: Exporter | None = None, on_stage: Callable[[str], None] | None = None,
+                       on_commit: Callable[[str], None] | None = None, **fields) -> ExportHandle:
+    """`export_state` that returns once this rank's bytes are in host memory (collective call).
+
+    The rest (writes, digests, the commit) runs in the background; returns an `ExportHandle`
+    (`wait()`, `done()`; see `Exporter.export_async`). Pass the same `exporter` every time: it keeps
+    the staging slots (pinned memory is slow to allocate) and waits for the export in flight before
+    the next one. Options and keywords as `export_state`'s (`staging_bytes` bounds the slots).
+    """
+    return (exporter or Exporter()).export_async(dst, run, params, _options(options, fields), on_stage=on_stage,
+                                                 on_commit=on_commit)
+
+
+def _options(options: ExportOptions | None, fields: dict) -> ExportOptions | None:
+    """`options` with keyword overrides named like `ExportOptions` fields (unknown names refused)."""
+    if not fields:
+        return options
+    names = {f.name for f in dataclasses.fields(ExportOptions)}
+    bad = sorted(set(fields) - names)
+    if bad:
+        raise BridgeError(f"export_state: unknown option {bad[0]!r}; the options are {', '.join(sorted(names))}")
+    return dataclasses.replace(options or ExportOptions(), **fields)
 
 
 def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun, tmp: str, coord: TorchCoordinator,
@@ -435,16 +617,7 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
     plan, wplan, group = planned.plan, planned.wplan, coord.group
     rank = coord.rank
     failed: list[BaseException] = []
-
-    def attempt(fn: Callable[[], object]) -> object:
-        """Run `fn` unless an earlier step failed here; keep the first failure (for the meeting)."""
-        if failed:
-            return None
-        try:
-            return fn()
-        except Exception as e:
-            failed.append(e)
-            return None
+    attempt = _attempter(failed)
 
     if on_stage:
         attempt(lambda: on_stage("planned"))
@@ -476,7 +649,7 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
         writer = attempt(lambda: StagedWriter(
             opts.writer_class(tmp, wplan, rank, inflight_bytes=batch, compute_digest=opts.digest,
                               commit_depth=depth, staging=opts.writer_staging,
-                              target_data_file_size=opts.target_data_file_size),
+                              target_data_file_size=opts.target_data_file_size, digest_step=LIVE_DIGEST_STEP),
             (depth + 2) * batch, commits_in_flight=depth, stage_all=opts.stage_all, buffers=buffers,
             on_bytes=bar.update))
 
@@ -527,3 +700,141 @@ def _first_chunk(wplan: WritePlan, item: WriteItem) -> tuple[int, ...]:
     return tuple(s // max(1, c) for s, c in zip(item.box.start, own.chunk_shape))
 
 
+
+
+def _attempter(failed: list[BaseException]) -> Callable[[Callable[[], object]], object]:
+    """`attempt(fn)`: run `fn` unless an earlier step failed here; keep the first failure in `failed`
+    (reported where the ranks meet, so a failing rank still joins every collective) and return None."""
+
+    def attempt(fn: Callable[[], object]) -> object:
+        if failed:
+            return None
+        try:
+            return fn()
+        except Exception as e:
+            failed.append(e)
+            return None
+
+    return attempt
+
+
+class _StageJob:
+    """One asynchronous export's staging on this rank: the caller's thread copies the batches into
+    ring slots (`run_foreground`) and queues them; the background writer (`_write_staged`) takes them
+    from the queue and gives each slot back once the store let go of it."""
+
+    def __init__(self, snapshot: Snapshot, nbatch: int, stats: SnapshotStats, failed: list[BaseException],
+                 bytes_sent: int, recv: torch.Tensor, on_stage: Callable[[str], None] | None, clock: _Clock,
+                 depth: int) -> None:
+        self.nbatch = nbatch
+        self.ring = snapshot.ring
+        self.snapshot = snapshot
+        self.stats = stats
+        self.failed = failed
+        self.bytes_sent = bytes_sent
+        self._recv = recv          # the exchange's receive buffer: items are views of it until copied
+        self.on_stage = on_stage
+        self.clock = clock
+        self.depth = depth
+        self.queue: "queue.Queue[StagedBatch | None]" = queue.Queue()
+        self.start_writer: Callable[[], object] = lambda: None
+        self.d2h_wait_s = 0.0
+        self.staged_bytes = 0
+        self.staged_at = 0.0   # time.perf_counter() when the copies were done (the call returns)
+
+    def run_foreground(self) -> None:
+        """Copy every batch (waiting for free slots when they are bounded), then wait for the copies."""
+        # With a slot for every batch the writer starts once the copies are launched: a writer thread
+        # running meanwhile takes the GIL from the thread launching them (measured on the H200: 8.5 s
+        # instead of the copies' fraction of a second). With bounded slots it must free slots meanwhile.
+        bounded = len(self.ring.slots) < self.nbatch
+        if bounded:
+            self.start_writer()
+        try:
+            for k in range(self.nbatch):
+                if self.failed:
+                    break
+                try:
+                    self.queue.put(self.snapshot.stage(k))
+                except Exception as e:
+                    self.failed.append(e)
+        finally:
+            self.d2h_wait_s = self.snapshot.sync()  # from here on the caller may change its tensors
+            self.staged_bytes = self.snapshot.staged_bytes
+            self._recv = None
+            self.nbatch = 0
+            self.clock.mark("staged")
+            self.staged_at = time.perf_counter()
+            if self.on_stage:
+                _attempter(self.failed)(lambda: self.on_stage("staged"))
+            self.queue.put(None)  # after every foreground failure is recorded: the writer reports them
+            if not bounded:
+                self.start_writer()
+
+
+@dataclass
+class _StagedWritten:
+    """What the background writer did on this rank; `outcome()` raises its first failure (for the meeting)."""
+
+    failed: list[BaseException]
+    bytes_written: int
+    calls: int
+    commit_wait_s: float
+
+    def outcome(self) -> None:
+        if self.failed:
+            raise self.failed[0]
+
+
+# Elements per digest step of the live export's writers: they share the GIL with the training loop
+# (and the writer's own thread), and each step takes it a few times (16x fewer steps than
+# `digest_box`'s default; the digest does not depend on the step).
+LIVE_DIGEST_STEP = 1 << 20
+
+
+def _write_staged(job: _StageJob, planned: _Planned, run: LiveRun, tmp: str, rank: int, opts: ExportOptions,
+                  on_stage: Callable[[str], None] | None) -> _StagedWritten:
+    """The background writer: each staged batch donated to the store writer as one transaction,
+    `job.depth` commits in flight; a batch's slot is released once its commit landed (after the
+    flush of the batch `depth` later: see `CheckpointWriter.flush`). Failures are kept, not raised."""
+    failed = job.failed
+    attempt = _attempter(failed)
+    writer = attempt(lambda: opts.writer_class(
+        tmp, planned.wplan, rank, inflight_bytes=2 * job.stats.slot_bytes, compute_digest=opts.digest,
+        commit_depth=job.depth, staging=opts.writer_staging, target_data_file_size=opts.target_data_file_size,
+        digest_step=LIVE_DIGEST_STEP))
+    inflight: deque[int] = deque()
+    calls = 0
+    while (staged := job.queue.get()) is not None:
+        if not failed:
+            try:
+                staged.wait()
+                pieces = staged.items()
+                for it in pieces:
+                    writer.write(it.name, it.box, to_numpy(it.data), donate=True)
+                writer.flush(wait=False)
+                calls += len(pieces)
+                del pieces
+                if on_stage and calls == len(staged.pieces):
+                    on_stage("writing")
+            except Exception as e:
+                failed.append(e)
+                job.ring.close(e)  # a copier waiting for a slot stops too
+        inflight.append(staged.slot)
+        while len(inflight) > (0 if failed else job.depth):
+            job.ring.release(inflight.popleft())
+
+    def finish() -> None:
+        if rank == 0:
+            writer.write(STEP_PATH, Box((), ()), np.asarray(run.step, dtype=SCALAR_DTYPE))
+            if run.optimizer is not None:
+                writer.write(COUNT_PATH, Box((), ()), np.asarray(run.step, dtype=SCALAR_DTYPE))
+        writer.finish()
+
+    attempt(finish)  # every commit landed: no slot is referenced any more
+    while inflight:
+        job.ring.release(inflight.popleft())
+    if on_stage:
+        attempt(lambda: on_stage("written"))
+    return _StagedWritten(failed, writer.bytes_written if writer is not None else 0, calls,
+                          writer.commit_wait_s if writer is not None else 0.0)

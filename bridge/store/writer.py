@@ -244,7 +244,7 @@ class CheckpointWriter:
     def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int | None = None,
                  compute_digest: bool = True, threads: int | None = None, staging: bool | None = None,
                  drop_behind: bool = True, commit_depth: int = 1, btree_cache_bytes: int | None = None,
-                 target_data_file_size: int | None = None) -> None:
+                 target_data_file_size: int | None = None, digest_step: int | None = None) -> None:
         if not isinstance(writer_id, int) or not 0 <= writer_id < plan.num_writers:
             raise BridgeError(f"writer id {writer_id!r} is not in 0..{plan.num_writers - 1}")
         self.remote = is_remote(tmp_dir)
@@ -262,6 +262,9 @@ class CheckpointWriter:
         self.writer_id = writer_id
         self.inflight_bytes = max(1, int(inflight_bytes or default_batch_bytes(self.remote)))
         self.compute_digest = compute_digest
+        # elements per vectorised digest step of donated boxes (None: digest_box's default); larger
+        # steps take and release the GIL less often (a writer in a training process shares it)
+        self.digest_step = digest_step
         self.target_data_file_size = target_data_file_size
         ctx = specs.context_spec()
         if btree_cache_bytes is not None:  # a bounded-memory caller (convert) caps the OCDBT B-tree node cache
@@ -345,7 +348,8 @@ class CheckpointWriter:
             if staged:
                 self._digests.append((state, self._digest_pool().submit(_digest_cells, spec.shape, staged)))
             elif donate and data.nbytes >= _ASYNC_DIGEST_BYTES:
-                self._digests.append((state, self._digest_pool().submit(dg.digest_box, spec.shape, box, data)))
+                step = {"step": self.digest_step} if self.digest_step else {}
+                self._digests.append((state, self._digest_pool().submit(dg.digest_box, spec.shape, box, data, **step)))
             else:
                 state.digest = dg.combine([state.digest, self._digest_now(spec.shape, box, data)])
         if copying is not None:

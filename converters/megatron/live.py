@@ -70,6 +70,7 @@ from converters.megatron.naming import SPLIT_SECTIONS, is_routed_expert, logical
 if TYPE_CHECKING:
     from bridge.live.api import AdamConfig, LiveRun, LocalParam, ReloadResult
     from bridge.live.export import Exporter, ExportOptions, ExportReport
+    from bridge.live.background import ExportHandle
 
 __all__ = [
     "EntryRecord",
@@ -798,12 +799,40 @@ def export_megatron(dst: str, model: Any, optimizer: Any, options: "ExportOption
     """
     from bridge.live.export import export_state
 
-    _check_order("export_megatron", dst, model, optimizer)
+    params, run = _export_input("export_megatron", dst, model, optimizer, metadata, dims, pad_for_alignment, group,
+                                extra)
+    return export_state(dst, run, params, options, exporter=exporter, on_stage=on_stage)
+
+
+def export_megatron_async(dst: str, model: Any, optimizer: Any, options: "ExportOptions | None" = None, *,
+                          exporter: "Exporter | None" = None, on_stage: Callable[[str], None] | None = None,
+                          on_commit: Callable[[str], None] | None = None, metadata: Mapping[str, Any] | None = None,
+                          dims: ModelDims | None = None, pad_for_alignment: int | None = None, group: Any = None,
+                          extra: Mapping[str, Any] | None = None) -> "ExportHandle":
+    """`export_megatron` that returns once this rank's state is in host memory; an `ExportHandle`.
+
+    As `bridge.live.export.Exporter.export_async`: the writes and the commit run in the background
+    while training continues; pass the same `exporter` every time (it keeps the pinned staging slots
+    and waits for the export in flight). For a training loop, `converters.megatron.async_save.AsyncSave`
+    wraps it with Megatron-LM's run directory, tracker file and per-step finalize.
+    """
+    from bridge.live.export import Exporter
+
+    params, run = _export_input("export_megatron_async", dst, model, optimizer, metadata, dims, pad_for_alignment,
+                                group, extra)
+    return (exporter or Exporter()).export_async(dst, run, params, options, on_stage=on_stage, on_commit=on_commit)
+
+
+def _export_input(fn: str, dst: str, model: Any, optimizer: Any, metadata: Mapping[str, Any] | None,
+                  dims: ModelDims | None, pad_for_alignment: int | None, group: Any,
+                  extra: Mapping[str, Any] | None) -> tuple[list["LocalParam"], "LiveRun"]:
+    """The exporter's input for a live Megatron model + optimizer (the stages' Adam settings merged at PP > 1)."""
+    _check_order(fn, dst, model, optimizer)
     params, run = local_params(model, optimizer, for_export=True, metadata=metadata, dims=dims,
                                pad_for_alignment=pad_for_alignment, group=group, extra=extra)
     if run.layout.pp > 1:
         run = replace(run, optimizer=pipeline_adam_config(run.optimizer, group))
-    return export_state(dst, run, params, options, exporter=exporter, on_stage=on_stage)
+    return params, run
 
 
 def _ensure_optimizer_state(optimizer: Any) -> None:

@@ -1,0 +1,89 @@
+"""The handle of an asynchronous export, and the process group its background part talks over.
+
+`ExportHandle` is what `Exporter.export_async` returns once the rank's bytes are in host memory:
+the rest of the export runs on a thread; `done()` says whether it finished, `wait()` returns the
+`ExportReport` or raises its failure. The background parts of all ranks meet (and rank 0 commits)
+over a process group of their own (`background_group`), so a failure reaches every rank, naming
+the failing one, and the same error is raised by `wait()` (or by the next export) on each.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from bridge.errors import BridgeError
+
+
+def background_group(group: Any, timeout: float = 600.0) -> Any:
+    """A gloo process group over the ranks of `group`, for collectives issued from a background thread.
+
+    Why a group of its own: the training loop issues its own collectives on its groups (NCCL on
+    GPU) from its thread, in its own order. A collective of the background thread on one of those
+    groups would interleave with them in a different order on different ranks (a deadlock, or two
+    different collectives paired up). A separate gloo group is a separate communicator on the CPU
+    (TCP): it never enters the training's CUDA streams nor its NCCL communicators, and only the
+    background threads use it, one export at a time, so every rank issues its collectives in the
+    same order. (torch DCP's `async_save` takes a gloo group for the same reason.) Creating it is a
+    collective over `group`'s members (`use_local_synchronization`): the caller does it in the
+    foreground, where every rank calls the export at the same point. `timeout` (seconds): how long a
+    background collective waits for a peer.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    ranks = sorted(dist.get_process_group_ranks(group))
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True,
+                          timeout=datetime.timedelta(seconds=timeout))
+
+
+class ExportHandle:
+    """An asynchronous export in flight (see `Exporter.export_async`).
+
+    `path`: the checkpoint once committed. `blocked_s`: seconds the call blocked the caller.
+    `staging`: the staging slots' `SnapshotStats`. `done()` does not block; `wait()` blocks until the
+    background part finished and returns this rank's `ExportReport`, or raises its failure — the
+    same `BridgeError` on every rank, naming the rank that failed (every later `wait()` raises it too).
+    """
+
+    def __init__(self, path: str, run: Callable[[], Any], *, blocked_s: float = 0.0, staging: Any = None) -> None:
+        self.path = path
+        self.blocked_s = blocked_s
+        self.staging = staging
+        self._report: Any = None
+        self._error: BaseException | None = None
+        self.finished_at: float | None = None   # time.perf_counter() when the background part ended
+
+        def body() -> None:
+            try:
+                self._report = run()
+            except BaseException as e:  # kept for wait(): the thread has nobody else to tell
+                self._error = e
+            finally:
+                self.finished_at = time.perf_counter()
+
+        # Not a daemon: a script that ends without wait() still finishes (and commits) the checkpoint.
+        self._thread = threading.Thread(target=body, name="gtp-bridge-export", daemon=False)
+
+    def start(self) -> "ExportHandle":
+        self._thread.start()
+        return self
+
+    def done(self) -> bool:
+        """Whether the background part finished (committed or failed); never blocks."""
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the checkpoint is committed; returns this rank's `ExportReport`.
+
+        Raises the background failure (the same on every rank). With `timeout` (seconds) and the
+        export still running then, raises BridgeError saying so (the export continues).
+        """
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise BridgeError(f"export to {self.path} still running after {timeout:.0f} s; call wait() again")
+        if self._error is not None:
+            raise self._error
+        return self._report
