@@ -67,6 +67,10 @@ def megatron_args(run_dir: str, tinygpt) -> argparse.Namespace:
             "--kv-channels", str(s["kv_channels"]), "--swiglu", "--seq-length", str(s["seq_length"]),
             "--max-position-embeddings", str(s["seq_length"]), "--micro-batch-size", str(s["global_batch"]),
             "--global-batch-size", str(s["global_batch"]), "--lr", str(tinygpt.LR), "--bf16",
+            # the scheduler: Megatron-LM builds it from these (get_optimizer_param_scheduler) and, with its
+            # defaults, asserts the checkpoint's scheduler state equals what it built
+            "--train-iters", "100", "--min-lr", "0.0", "--lr-decay-style", "constant",
+            "--weight-decay", str(tinygpt.WEIGHT_DECAY),
             "--use-distributed-optimizer", "--tensor-model-parallel-size", "1"]
     saved = sys.argv
     sys.argv = argv
@@ -80,6 +84,8 @@ def megatron_args(run_dir: str, tinygpt) -> argparse.Namespace:
     args.padded_vocab_size = s["vocab_size"]
     args.params_dtype = torch.bfloat16
     args.use_dist_ckpt = True
+    if args.weight_decay_incr_style == "constant":  # as validate_args does
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
     return args
 
 
@@ -205,6 +211,7 @@ def main() -> int:
     ap.add_argument("--logical", required=True, help="the logical checkpoint to-megatron read")
     ap.add_argument("--json", required=True)
     ap.add_argument("--cpu", action="store_true", help="dry run on the CPU (CUDA patched out)")
+    ap.add_argument("--source-run", help="the source fixture's run.json: the next loss must equal its next_losses[0]")
     a = ap.parse_args()
     if a.cpu:
         sys.path.insert(0, os.path.join(HERE, "scale", "cpu"))
@@ -214,13 +221,12 @@ def main() -> int:
     import tinygpt
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.optimizer import distrib_optimizer
-    from megatron.training import checkpointing, global_vars
+    from megatron.training import checkpointing, global_vars, training
 
     res: dict = {"run": a.run_dir, "logical": a.logical}
     try:
         tinygpt.setup_parallel(1)
         model, gpt, optimizer, _ = tinygpt.build({"tp": 1})
-        scheduler = optimizer.param_scheduler
         if not distrib_optimizer.HAVE_APEX_OR_TE:
             # As tinygpt.megatron_load explains: 0.19.2's DistributedOptimizer.state_dict() needs an Adam
             # `step` that a fresh torch Adam does not have yet; Megatron's own init_state_fn gives it one.
@@ -230,6 +236,14 @@ def main() -> int:
                     st.setdefault("step", torch.tensor(0.0))
         args = megatron_args(a.run_dir, tinygpt)
         global_vars.set_args(args)
+        check("flags", not args.no_load_optim and not args.finetune and not args.use_checkpoint_opt_param_scheduler
+              and not args.override_opt_param_scheduler,
+              f"Megatron-LM's defaults: no_load_optim={args.no_load_optim} finetune={args.finetune} "
+              f"use_checkpoint_opt_param_scheduler={args.use_checkpoint_opt_param_scheduler} "
+              f"override_opt_param_scheduler={args.override_opt_param_scheduler}")
+        # The scheduler pretrain() builds from the args (lr, min_lr, decay style, train_iters x global batch)
+        scheduler = training.get_optimizer_param_scheduler(optimizer)
+        optimizer.param_scheduler = scheduler  # tinygpt.train_step steps it
         init_num_microbatches_calculator(0, None, args.global_batch_size, args.micro_batch_size, 1)
         with open(os.path.join(a.run_dir, "latest_checkpointed_iteration.txt")) as f:
             res["tracker"] = f.read()
@@ -251,25 +265,22 @@ def main() -> int:
         check("control state", bad0 > 0, f"before the load {bad0}/{n0} tensors differ from the checkpoint "
                                          f"(the state comparison can fail)")
         man = open_checkpoint(a.logical).manifest
-        recorded = bool(man.megatron and man.megatron.scheduler)
-        res["scheduler_recorded"] = recorded
-        if not recorded:
-            # pretrain() passes its scheduler, and 0.19.2 then needs `opt_param_scheduler` in the checkpoint
-            # (KeyError otherwise). The source save has none (tinygpt saves no scheduler state), so neither
-            # has to-megatron's output: load as pretrain would with --override-opt_param-scheduler off and
-            # no scheduler to restore.
-            print("NOTE: the logical checkpoint records no Megatron scheduler; load_checkpoint gets scheduler=None",
-                  flush=True)
-        it, _ = checkpointing.load_checkpoint([model], optimizer, scheduler if recorded else None)
+        res["scheduler_recorded"] = bool(man.megatron and man.megatron.scheduler)
+        # as pretrain() does: its scheduler passed, the optimizer loaded (0.19.2 then needs
+        # `opt_param_scheduler` in the checkpoint: KeyError without)
+        it, _ = checkpointing.load_checkpoint([model], optimizer, scheduler)
         res["iteration"] = it
         check("iteration", it == step, f"load_checkpoint(--load {a.run_dir}) returned iteration {it}; the checkpoint's step is {step}")
         n, bad, msgs = compare_state(model, gpt, optimizer, expected, tinygpt)
         check("state", n > 0 and bad == 0, f"{n - bad}/{n} weight/master/exp_avg/exp_avg_sq tensors equal the logical "
                                            f"checkpoint bit for bit" + (f"; {msgs}" if msgs else ""))
-        res["scheduler_num_steps"] = getattr(scheduler, "num_steps", None)
-        if recorded:
-            want = man.megatron.scheduler.get("num_steps")
-            check("scheduler", scheduler.num_steps == want, f"scheduler num_steps {scheduler.num_steps}, recorded {want}")
+        res["scheduler_num_steps"] = scheduler.num_steps
+        want = step * args.global_batch_size  # samples, as Megatron counts them (unbroken runs here)
+        lrs = sorted({float(g["lr"]) for o in tinygpt.optimizer_list(optimizer) for g in o.optimizer.param_groups})
+        res["lrs_after_load"] = lrs
+        check("scheduler", scheduler.num_steps == want and lrs == [float(args.lr)],
+              f"scheduler num_steps {scheduler.num_steps} (want {step} x {args.global_batch_size} = {want} samples); "
+              f"param-group lrs {lrs} (want [{args.lr}])")
         res["adam_steps_after_load"] = adam_steps(optimizer, tinygpt)
         res["param_group_steps_after_load"] = sorted({g.get("step") for o in tinygpt.optimizer_list(optimizer)
                                                       for g in o.optimizer.param_groups})
@@ -278,6 +289,13 @@ def main() -> int:
         res["next_loss"] = loss
         moved = sum(int((b != p.detach()).any()) for b, p in zip(before, gpt.parameters()))
         res["adam_steps_after_step"] = adam_steps(optimizer, tinygpt)
+        if a.source_run:
+            with open(a.source_run) as f:
+                src_next = json.load(f)["next_losses"]
+            res["source_next_losses"] = src_next
+            res["second_loss"] = tinygpt.train_step(model, optimizer, it + 1)  # recorded: torch Adam's step (above)
+            check("next loss", loss == src_next[0], f"next loss {loss!r} vs the source run's {src_next[0]!r} "
+                                                     f"(second: {res['second_loss']!r} vs {src_next[1]!r}, recorded)")
         check("next step", bool(np.isfinite(loss)) and moved > 0,
               f"one more step at iteration {it}: loss {loss:.6f}, {moved}/{len(before)} weights updated; param-group "
               f"step {res['param_group_steps_after_load']}, torch Adam per-parameter step {res['adam_steps_after_load']} "
