@@ -775,7 +775,7 @@ def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronT
     objects: list[tuple[str, Any]] = []
     domains = _domains(params, lay)
     chained = len(domains) > 1
-    groups = _param_groups(man, step, sched if target.scheduler_args else None)
+    groups = _param_groups(man, step, sched)
     key_dt = "(torch.bfloat16, torch.float32)"
     for ci, (expert, plist) in enumerate(domains):
         prefix = f"chained_{ci}." if chained else ""
@@ -825,10 +825,10 @@ def _bucket_jobs(blay: Any, insts: Sequence[Any], gmap: dict, sizes: dict, t: in
 
 
 def _param_groups(man: Manifest, step: int, built: dict | None = None) -> list[dict]:
-    """Megatron param groups (identifier keys + hyper-parameters) with `step` set. With a scheduler
-    `built` from the loading run's arguments, the default groups' `max_lr` / `min_lr` are that run's
-    (`--lr`, `--min-lr`, as its own `_get_param_groups` sets them): the checkpoint's groups replace the
-    run's on load, and the scheduler computes each group's lr from them."""
+    """Megatron param groups (identifier keys + hyper-parameters) with `step` set. With scheduler state
+    `built`, the default groups' `max_lr` / `min_lr` are its (the loading run's `--lr` / `--min-lr`, as
+    its own `_get_param_groups` sets them, and as a Megatron source's groups already hold): 0.19.2 matches
+    the checkpoint's groups to the run's by them (`param_group_identifier_keys`: KeyError otherwise)."""
     saved = man.megatron.param_groups if man.megatron else None
     flat = [dict(g) for gs in (saved or []) for g in gs]
     if not flat:
@@ -942,7 +942,7 @@ def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, ta
         out.append((convention_key(k, target.key_convention), torch.empty(0, dtype=torch.uint8) if empty else None))
     domains = _domains(params, lay)
     chained = len(domains) > 1
-    groups = _param_groups(man, step, sched if target.scheduler_args else None)
+    groups = _param_groups(man, step, sched)
     args = megatron_args(meg, params, lay, target.fmt, step, target.split(params, meg))
     content = {"distrib_optim_sharding_type": target.fmt, "singleton_local_shards": False,
                "chained_optim_avoid_prefix": True}

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 #: the scheduler arguments of the Megatron-LM run that loads the result (megatron_resume.py passes the same)
-SCHEDULER_ARGS = {"lr": 0.01, "min_lr": 0.0, "lr_decay_style": "constant", "train_iters": 100,
+SCHEDULER_ARGS = {"lr": 0.01, "min_lr": 0.01, "lr_decay_style": "constant", "train_iters": 100,
                   "global_batch_size": 4, "weight_decay": 0.1}
 
 

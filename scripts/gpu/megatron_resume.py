@@ -69,7 +69,7 @@ def megatron_args(run_dir: str, tinygpt) -> argparse.Namespace:
             "--global-batch-size", str(s["global_batch"]), "--lr", str(tinygpt.LR), "--bf16",
             # the scheduler: Megatron-LM builds it from these (get_optimizer_param_scheduler) and, with its
             # defaults, asserts the checkpoint's scheduler state equals what it built
-            "--train-iters", "100", "--min-lr", "0.0", "--lr-decay-style", "constant",
+            "--train-iters", "100", "--min-lr", str(tinygpt.LR), "--lr-decay-style", "constant",
             "--weight-decay", str(tinygpt.WEIGHT_DECAY),
             "--use-distributed-optimizer", "--tensor-model-parallel-size", "1"]
     saved = sys.argv

@@ -27,7 +27,7 @@ resume() { local case=$1 logical=$2; shift 2
   run_step "${case}_resume" $PY -m torch.distributed.run --standalone --nproc-per-node 1 scripts/gpu/megatron_resume.py \
     --run-dir "$W/$case/run" --logical "$logical" --json "$out/handoff_$case.json" $CPU "$@"; }
 HEADS="--num-attention-heads 4 --num-query-groups 2 --kv-channels 6"   # a library save records no args
-SCHED="--lr 0.01 --min-lr 0.0 --lr-decay-style constant --train-iters 100 --global-batch-size 4 --weight-decay 0.1"
+SCHED="--lr 0.01 --min-lr 0.01 --lr-decay-style constant --train-iters 100 --global-batch-size 4 --weight-decay 0.1"
 rc=0
 # (a) library-style wrapped save
 run_step a_convert $PY -m bridge.cli convert tests/fixtures/megatron/tp1/dp_reshardable "$W/a/logical" $HEADS &&
