@@ -5,6 +5,7 @@
 # --finetune), optimizer and scheduler included (scripts/gpu/megatron_resume.py):
 #   a  library-style save (DDP-wrapped keys `module.`, no args): tests/fixtures/megatron/tp1  (flags)
 #   b  training-loop save: tests/fixtures/megatron/tp1_buckets                    (--megatron-args FILE)
+#   aw a, written with --key-convention wrapped, loaded into the DDP-wrapped model (scripts/gpu/wrapped_load_check.py)
 #   c  JAX `save` after 2 optax steps, the schedule recorded by the save           (nothing to pass)
 #   bash scripts/gpu/run_handoffs.sh           # results: $OUT/handoff_<case>.json, $OUT/handoff_logs.txt
 # HANDOFF_CPU=1 (megatron-core + triton on HANDOFF_SITE) is the CPU dry run; HANDOFF_JAX=DIR the JAX save.
@@ -33,6 +34,11 @@ rc=0
 run_step a_convert $PY -m bridge.cli convert tests/fixtures/megatron/tp1/dp_reshardable "$W/a/logical" $HEADS &&
 run_step a_to_megatron $PY -m bridge.cli to-megatron --tp 1 --format dp_reshardable "$W/a/logical" "$W/a/run" $SCHED &&
 resume a "$W/a/logical" --source-run tests/fixtures/megatron/tp1/run.json || rc=1
+# (a, wrapped) the same as a DDP-wrapped model's keys, loaded by a library user's dist_checkpointing.load
+run_step aw_to_megatron $PY -m bridge.cli to-megatron --tp 1 --format dp_reshardable "$W/a/logical" "$W/aw/run" $SCHED \
+  --key-convention wrapped &&
+run_step aw_load $PY -m torch.distributed.run --standalone --nproc-per-node 1 scripts/gpu/wrapped_load_check.py \
+  --ckpt "$W/aw/run/iter_0000003" --logical "$W/a/logical" --json "$out/handoff_aw.json" $CPU || rc=1
 # (b) training-loop save (9 DDP buckets at the source; one here)
 run_step b_convert $PY -m bridge.cli convert tests/fixtures/megatron/tp1_buckets/dp_reshardable "$W/b/logical" &&
 run_step b_to_megatron $PY -m bridge.cli to-megatron --tp 1 --format dp_reshardable "$W/b/logical" "$W/b/run" \
