@@ -58,9 +58,13 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bridge.errors import BridgeError
     from bridge.units import human_bytes, parse_size
     from converters.megatron.write import MegatronTarget, to_megatron
 
+    sched_args = given_args(args)
+    if sched_args and args.no_scheduler:
+        raise BridgeError("--no-scheduler with scheduler arguments: give one or the other")
     res = to_megatron(args.src, args.dst, MegatronTarget(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, fmt=args.fmt,
                                                   pad_for_alignment=args.pad_for_alignment,
                                                   bucket_size=args.bucket_size, release=args.release, pp=args.pp,
@@ -68,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
                                                   embedding_in_split=bool(args.embedding_in_split),
                                                   loss_in_split=bool(args.loss_in_split), vpp=args.vpp,
                                                   key_convention=args.key_convention,
-                                                  scheduler_args=given_args(args) or None,
-                                                  no_scheduler=args.no_scheduler),
+                                                  scheduler_args=sched_args or None,
+                                                  require_scheduler=not args.no_scheduler),
                       budget=parse_size(args.budget) if args.budget else None, workers=args.workers,
                       weights_from_masters=args.weights_from_masters)
     lay = res["layout"]

@@ -93,7 +93,9 @@ class MegatronTarget:
     key_convention: str = "unwrapped"  # naming.KEY_CONVENTIONS: Megatron-LM's load_checkpoint, or "wrapped" (module.)
     # Megatron-LM's scheduler arguments of the loading run (bridge.format.scheduler_args.SCHEDULER_ARGS names)
     scheduler_args: Mapping[str, Any] | None = None
-    no_scheduler: bool = False         # write none although SRC records none (else refused)
+    # refuse when SRC records no scheduler and no scheduler_args are given (the CLI's default: Megatron-LM's
+    # --load needs one); else none is written then (a library's dist_checkpointing.load needs none)
+    require_scheduler: bool = False
 
     def split(self, params: Sequence["ParamInfo"], meg: MegatronRecord | None) -> PipelineSplit:
         """The target's pipeline split; the output layer is tied when the model has none (or the
@@ -565,21 +567,19 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
 def scheduler_state(src: str, man: Manifest, step: int, target: MegatronTarget) -> dict | None:
     """`common_state["opt_param_scheduler"]` for step `step`: built from the loading run's arguments
     when given (num_steps: the samples the source recorded, else step x global batch size), else the
-    source's recorded state carried; None only with `no_scheduler` (refused otherwise, naming the flags)."""
+    source's recorded state carried; else None, or refused naming the flags when `require_scheduler`."""
     from bridge.format.scheduler_args import NEEDED, record_from_args
     from bridge.lr_schedule import samples_at, scheduler_state_dict
 
     recorded = man.megatron.scheduler if man.megatron else None
     if target.scheduler_args:
-        if target.no_scheduler:
-            raise BridgeError("--no-scheduler with scheduler arguments: give one or the other")
         rec = record_from_args(target.scheduler_args, step)
         if recorded:
             rec = dataclasses.replace(rec, num_steps=samples_at(recorded, step))
         return scheduler_state_dict(rec, step)
     if recorded:
         return scheduler_state_dict(recorded, step)
-    if target.no_scheduler:
+    if not target.require_scheduler:
         return None
     raise BridgeError(f"{src} records no Megatron LR-scheduler state, and Megatron-LM's --load restores the "
                       f"optimizer only with one (KeyError 'opt_param_scheduler'); pass the loading run's scheduler "
