@@ -3,13 +3,16 @@
 One GPU, under torch.distributed.run, repository root, after (scripts/gpu/run_resume.sh does it all):
 
     gtp-bridge convert tests/fixtures/megatron/tp2/dp_reshardable LOGICAL        # a TP=2 run's save
-    gtp-bridge to-megatron --tp 1 --format dp_reshardable LOGICAL RUN            # RUN/iter_<step, 7 digits> + tracker
+    gtp-bridge to-megatron --tp 1 --format dp_reshardable LOGICAL RUN \\
+        --megatron-args scripts/gpu/handoff_megatron_args.txt                    # RUN/iter_<step, 7 digits> + tracker
     python3 -m torch.distributed.run --standalone --nproc-per-node 1 scripts/gpu/megatron_resume.py \\
         --run-dir RUN --logical LOGICAL --json OUT.json
 
 Builds the tiny GPT of tests/fixtures/megatron/tinygpt.py at TP=1 (a new layout for the TP=2 source),
 sets Megatron-LM's global args from its own argument parser (`megatron.training.arguments.parse_args`
-with `--load RUN --ckpt-format torch_dist` and the model's sizes), and calls Megatron-LM's
+with `--load RUN --ckpt-format torch_dist`, the model's sizes and the scheduler arguments of
+scripts/gpu/handoff_megatron_args.txt), builds the scheduler as `pretrain()` does
+(`get_optimizer_param_scheduler`), and calls Megatron-LM's
 `megatron.training.checkpointing.load_checkpoint([model], optimizer, scheduler)` exactly as
 `pretrain()` does on resume. Checks, each printed as PASS/FAIL as it is made:
  - control:    the same call on an empty directory returns iteration 0 (what a missing tracker gives:
@@ -19,9 +22,11 @@ with `--load RUN --ckpt-format torch_dist` and the model's sizes), and calls Meg
  - state:      every parameter's bf16 weight, fp32 master, exp_avg and exp_avg_sq in the loaded model /
                distributed optimizer equal the logical checkpoint's arrays bit for bit (fused qkv and
                fc1 rebuilt from their logical sections here, independently of the bridge);
- - scheduler:  the scheduler's step count equals the checkpoint's when it recorded one (the committed
-               fixtures' saves hold no scheduler state: load_checkpoint then gets scheduler=None, since
-               0.19.2 raises KeyError 'opt_param_scheduler' for a scheduler with nothing to load);
+ - flags:      Megatron-LM's defaults (no --no-load-optim, --finetune, --use-checkpoint-opt_param-scheduler,
+               --override-opt_param-scheduler): the optimizer and the scheduler are loaded, and the scheduler
+               asserts every recorded value equals the one it built from the arguments;
+ - scheduler:  num_steps = step x global batch size (samples) and every param group at --lr after the load;
+ - next loss (--source-run run.json): the first loss after the load equals the source run's next_losses[0];
  - next step:  one more training step runs: a finite loss, the weights updated. Recorded, not checked:
                the Adam step counts. Without TransformerEngine / Apex (torch Adam), 0.19.2's dp_reshardable
                load sets the param groups' `step` but leaves torch Adam's per-parameter `step` at the value
