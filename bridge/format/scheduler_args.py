@@ -161,6 +161,9 @@ def check_scheduler_args(a: Mapping[str, Any]) -> None:
     if not constant and len(given) < 2:
         raise BridgeError(f"--weight-decay-incr-style {a['weight_decay_incr_style']} needs --start-weight-decay and "
                           f"--end-weight-decay")
+    if a["lr_warmup_init"] > a["lr"] or (not constant and a["end_weight_decay"] < a["start_weight_decay"]):
+        raise BridgeError("need --lr-warmup-init <= --lr and --start-weight-decay <= --end-weight-decay "
+                          "(OptimizerParamScheduler asserts both)")
 
 
 def record_from_args(args: Mapping[str, Any], iteration: int) -> SchedulerRecord:
@@ -194,9 +197,6 @@ def record_from_args(args: Mapping[str, Any], iteration: int) -> SchedulerRecord
         wd_steps = a["train_samples"]
         wsd = a["lr_wsd_decay_samples"]
         warmup = a["lr_warmup_fraction"] * decay if a["lr_warmup_fraction"] is not None else a["lr_warmup_samples"]
-    if a["lr_warmup_init"] > a["lr"] or a["end_weight_decay"] < a["start_weight_decay"]:
-        raise BridgeError("need --lr-warmup-init <= --lr and --start-weight-decay <= --end-weight-decay "
-                          "(OptimizerParamScheduler asserts both)")
     rec = SchedulerRecord(float(a["lr"]), a["min_lr"], warmup, decay, a["lr_decay_style"], int(iteration) * gbs,
                           start_wd=a["start_weight_decay"], end_wd=a["end_weight_decay"], wd_incr_steps=wd_steps,
                           wd_incr_style=a["weight_decay_incr_style"], init_lr=a["lr_warmup_init"],
