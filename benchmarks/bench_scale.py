@@ -383,7 +383,7 @@ def run(a) -> dict:
         shutil.rmtree(tm, ignore_errors=True)
         b.internal("anchor_tomeg", "_anchor_tomeg", [conv, tma], rate_need(2 * state, 0.4))
         shutil.rmtree(tma, ignore_errors=True)
-        b.cli("to_megatron_cli", ["to-megatron", "--tp", "2", conv, tm], rate_need(state, 0.1))
+        b.cli("to_megatron_cli", ["to-megatron", "--no-scheduler", "--tp", "2", conv, tm], rate_need(state, 0.1))
         shutil.rmtree(tm, ignore_errors=True)
         if a.exact:
             b.internal("exact", "_exact", [conv, str(a.gib), str(a.exact_workers)],

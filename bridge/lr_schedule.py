@@ -18,6 +18,7 @@ anneal start) are decided exactly in integer count space; the ratios use the def
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from fractions import Fraction
 from typing import Any, Callable, Mapping
@@ -137,7 +138,39 @@ def megatron_lr_schedule(rec: SchedulerRecord | Mapping, max_lr: float | None = 
             lr = jnp.where(count <= warm_last, init + (hi - init) * wr, lr)
         return lr
 
+    # `bridge.save(lr_schedule=...)` records it, so to-megatron writes Megatron's scheduler state back
+    schedule.megatron_scheduler = rec if max_lr is None and min_lr is None else \
+        dataclasses.replace(rec, max_lr=hi, min_lr=lo)
     return schedule
+
+
+def megatron_schedule(args: Mapping[str, Any], at_count: int = 0) -> Callable[[Any], Any]:
+    """The optax schedule of a Megatron-LM run given `args` (Megatron-LM's argument names: `lr`,
+    `min_lr`, `lr_decay_style`, `lr_warmup_iters`, `train_iters`, `global_batch_size`, ...; see
+    `bridge.format.scheduler_args.SCHEDULER_ARGS`), for a JAX run at optax count `at_count`.
+    `bridge.save(..., lr_schedule=it)` records it, so `to-megatron` writes the state that run's
+    `--load` expects.
+
+    >>> s = megatron_schedule({"lr": 1.0, "lr_decay_style": "linear", "train_iters": 10, "global_batch_size": 4})
+    >>> [round(float(s(c)), 6) for c in (0, 5, 10)], s.megatron_scheduler.lr_decay_steps
+    ([1.0, 0.5, 0.0], 40)
+    """
+    from bridge.format.scheduler_args import record_from_args
+
+    return megatron_lr_schedule(record_from_args(args, at_count))
+
+
+def recorded_scheduler(lr_schedule: Any) -> SchedulerRecord:
+    """The Megatron scheduler record of a schedule `bridge.save` was given; BridgeError (naming what to
+    do instead) for a schedule that is not one of Megatron's: an optax schedule is a plain function."""
+    rec = getattr(lr_schedule, "megatron_scheduler", None)
+    if not isinstance(rec, SchedulerRecord):
+        raise BridgeError(f"lr_schedule {lr_schedule!r} is not a Megatron schedule: gtp-bridge cannot describe an "
+                          f"arbitrary optax schedule in Megatron-LM's terms; build it with "
+                          f"bridge.lr_schedule.megatron_schedule({{'lr': ..., 'train_iters': ..., "
+                          f"'global_batch_size': ..., ...}}), or leave lr_schedule out and pass the loading run's "
+                          f"--lr / --train-iters / --global-batch-size ... to to-megatron")
+    return rec
 
 
 def megatron_wd_schedule(rec: SchedulerRecord | Mapping) -> Callable[[Any], Any] | float | None:

@@ -51,8 +51,8 @@ def logical(tmp_path_factory):
 @pytest.mark.parametrize("argv", [
     ["convert", str(DEMO_SRC), "hdfs://bucket/x"],
     ["convert", "az://bucket/megatron/iter_0000001", "out"],
-    ["to-megatron", "LOGICAL", "hdfs://bucket/megatron", "--tp", "1"],
-    ["to-megatron", "hdfs://bucket/logical", "out", "--tp", "1"],
+    ["to-megatron", "--no-scheduler", "LOGICAL", "hdfs://bucket/megatron", "--tp", "1"],
+    ["to-megatron", "--no-scheduler", "hdfs://bucket/logical", "out", "--tp", "1"],
     ["inspect", "az://bucket/ckpt"],
     ["verify", "az://bucket/ckpt"],
     ["diff", "LOGICAL", "hdfs://bucket/other"],
@@ -126,7 +126,7 @@ sys.meta_path.insert(0, _Blocked())
 
 
 @pytest.mark.parametrize("argv,blocked,needle", [
-    (["to-megatron", "LOGICAL", "OUT", "--tp", "1"], ("torch",),
+    (["to-megatron", "--no-scheduler", "LOGICAL", "OUT", "--tp", "1"], ("torch",),
      "to-megatron needs torch: pip install 'gtp-bridge[torch]'"),
     (["demo"], ("torch",), "demo needs torch: pip install 'gtp-bridge[torch]'"),
     (["demo"], ("jax", "jaxlib", "orbax", "optax"), "demo needs jax and orbax and optax: pip install 'gtp-bridge[jax]'"),
@@ -264,7 +264,7 @@ def test_convert_into_an_orbax_manager_root_and_read_it_back(logical, tmp_path):
     assert cli("verify", str(root / str(step))).returncode == 0
     r = cli("verify", str(root))
     assert r.returncode == 0 and "OK" in r.stdout and f"latest step {step}" in r.stderr
-    assert cli("to-megatron", str(root), str(tmp_path / "mg"), "--tp", "2").returncode == 0
+    assert cli("to-megatron", "--no-scheduler", str(root), str(tmp_path / "mg"), "--tp", "2").returncode == 0
     rs = restore(str(root), items=("params",), mesh=jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "tp")))
     first = next(p for p in arrays if p[0] == "params")
     node = rs.params

@@ -290,7 +290,7 @@ def test_to_megatron_pp2_uneven_tied_matches_the_synthetic_save(saves, tmp_path,
     numels), records the split and the tied output layer in args, and converts back to the same
     logical arrays."""
     d, st, _ = saves
-    rc, out = cli(capsys, "to-megatron", str(d / "pp1_logical"), str(tmp_path / "run"), "--tp", "2", "--pp", "2",
+    rc, out = cli(capsys, "to-megatron", "--no-scheduler", str(d / "pp1_logical"), str(tmp_path / "run"), "--tp", "2", "--pp", "2",
                   "--pp-first-layers", "1", "--format", fmt, "--bucket-size", "300")
     assert rc == 0 and "PP=2" in out, out
     it = str(tmp_path / "run" / "iter_0000003")
@@ -313,7 +313,7 @@ def test_to_megatron_virtual_pipeline_matches_the_synthetic_save(saves, tmp_path
     """--pp 2 --vpp 2: one DDP buffer per model chunk (gbuf_idx_v), chunk v of stage p holding layer
     2v + p, as convert_synth's own interleaving places them."""
     d, st, _ = saves
-    rc, out = cli(capsys, "to-megatron", str(d / "pp1_logical"), str(tmp_path / "run"), "--tp", "2", "--pp", "2",
+    rc, out = cli(capsys, "to-megatron", "--no-scheduler", str(d / "pp1_logical"), str(tmp_path / "run"), "--tp", "2", "--pp", "2",
                   "--vpp", "2", "--format", "dp_reshardable", "--bucket-size", "300")
     assert rc == 0, out
     it = str(tmp_path / "run" / "iter_0000003")
@@ -330,7 +330,7 @@ def test_to_megatron_virtual_pipeline_matches_the_synthetic_save(saves, tmp_path
 
 def test_to_megatron_refuses_a_split_megatron_refuses(saves, tmp_path, capsys):
     d, _st, _ = saves
-    rc, out = cli(capsys, "to-megatron", str(d / "pp1_logical"), str(tmp_path / "run"), "--tp", "2", "--pp", "3",
+    rc, out = cli(capsys, "to-megatron", "--no-scheduler", str(d / "pp1_logical"), str(tmp_path / "run"), "--tp", "2", "--pp", "3",
                   "--pp-first-layers", "3")
     assert rc == 2 and "4 layers do not split over 3 pipeline stages" in out, out
     assert not (tmp_path / "run").exists()
@@ -348,7 +348,7 @@ def test_to_megatron_pp2_with_gtp_or_ep_round_trips(run, flags, tmp_path, capsys
 
     src = os.path.join(cref.FIXTURES, run, "dp_reshardable")
     assert cli(capsys, "convert", src, str(tmp_path / "l"))[0] == 0
-    rc, out = cli(capsys, "to-megatron", str(tmp_path / "l"), str(tmp_path / "run"), *flags, "--pp", "2",
+    rc, out = cli(capsys, "to-megatron", "--no-scheduler", str(tmp_path / "l"), str(tmp_path / "run"), *flags, "--pp", "2",
                   "--format", "dp_reshardable", "--bucket-size", "2000")
     assert rc == 0 and "PP=2" in out, out
     it = str(tmp_path / "run" / "iter_0000003")

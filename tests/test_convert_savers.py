@@ -352,7 +352,7 @@ def test_to_megatron_for_016_writes_common_pt_and_round_trips(tmp_path, capsys):
     scripts/gpu/results/2026-12-01_savers/load/.)"""
     src = os.path.join(cref.FIXTURES, "release_0_14_0", "fully_sharded_model_space")
     assert cli(capsys, "convert", src, str(tmp_path / "l"))[0] == 0
-    rc, out = cli(capsys, "to-megatron", str(tmp_path / "l"), str(tmp_path / "run"), "--tp", "1",
+    rc, out = cli(capsys, "to-megatron", "--no-scheduler", str(tmp_path / "l"), str(tmp_path / "run"), "--tp", "1",
                   "--format", "dp_reshardable", "--megatron-core", "0.16")
     assert rc == 0, out
     it = tmp_path / "run" / "iter_0000003"
@@ -364,7 +364,7 @@ def test_to_megatron_for_016_writes_common_pt_and_round_trips(tmp_path, capsys):
     assert cli(capsys, "convert", str(it), str(tmp_path / "back"))[0] == 0
     ref, step = cref.load_reference("release_0_14_0")
     assert_matches(str(tmp_path / "back"), ref, step)
-    rc, out = cli(capsys, "to-megatron", str(tmp_path / "l"), str(tmp_path / "run14"), "--tp", "1",
+    rc, out = cli(capsys, "to-megatron", "--no-scheduler", str(tmp_path / "l"), str(tmp_path / "run14"), "--tp", "1",
                   "--megatron-core", "0.14")
     assert rc == 2 and "does not load" in out and not (tmp_path / "run14").exists()
 
@@ -375,7 +375,7 @@ def test_to_megatron_pp2_round_trips(fmt, tmp_path, capsys):
     converts back to the run's reference. CPU only: no real PP2 save to compare with (issue #23)."""
     src = os.path.join(cref.FIXTURES, "tp2", "dp_reshardable")
     assert cli(capsys, "convert", src, str(tmp_path / "l"))[0] == 0
-    rc, out = cli(capsys, "to-megatron", str(tmp_path / "l"), str(tmp_path / "run"), "--tp", "2", "--pp", "2",
+    rc, out = cli(capsys, "to-megatron", "--no-scheduler", str(tmp_path / "l"), str(tmp_path / "run"), "--tp", "2", "--pp", "2",
                   "--format", fmt)
     assert rc == 0 and "PP=2" in out, out
     it = tmp_path / "run" / "iter_0000003"

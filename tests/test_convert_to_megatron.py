@@ -92,14 +92,14 @@ def _param_groups(x) -> list:
 
 def test_bad_target_layouts_fail_cleanly(logical, tmp_path, capsys):
     dst = tmp_path / "out"
-    rc = main(["to-megatron", logical["tp2"], str(dst), "--tp", "5"])
+    rc = main(["to-megatron", "--no-scheduler", logical["tp2"], str(dst), "--tp", "5"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and "not divisible by TP=5" in err and not dst.exists()
-    rc = main(["to-megatron", logical["moe_ep2"], str(dst), "--tp", "1", "--ep", "3", "--dp", "3"])
+    rc = main(["to-megatron", "--no-scheduler", logical["moe_ep2"], str(dst), "--tp", "1", "--ep", "3", "--dp", "3"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "EP=3" in err and not dst.exists()
     (tmp_path / "plain").mkdir()
-    rc = main(["to-megatron", str(tmp_path / "plain"), str(dst), "--tp", "1"])
+    rc = main(["to-megatron", "--no-scheduler", str(tmp_path / "plain"), str(dst), "--tp", "1"])
     assert rc == 2 and not dst.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]
 

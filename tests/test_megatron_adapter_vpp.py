@@ -368,7 +368,7 @@ def test_to_megatron_vpp_save_converts_to_the_live_export(exported, tmp_path):
     to what the live export wrote, and that conversion reloads into the chunks exactly."""
     s, live, _want, _conv = exported
     run = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "bridge.cli", "to-megatron", live, str(run), "--tp", "2", "--pp", "2",
+    res = subprocess.run([sys.executable, "-m", "bridge.cli", "to-megatron", "--no-scheduler", live, str(run), "--tp", "2", "--pp", "2",
                           "--vpp", "2", "--format", "dp_reshardable"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     from converters.megatron.dcp_reader import DcpCheckpoint
@@ -399,7 +399,7 @@ def test_impossible_virtual_splits_name_the_flags(exported, flags, say, tmp_path
     from bridge.cli import main
 
     _s, live, _want, _conv = exported
-    rc = main(["to-megatron", live, str(tmp_path / "run"), "--tp", "2", "--format", "fully_reshardable", *flags])
+    rc = main(["to-megatron", "--no-scheduler", live, str(tmp_path / "run"), "--tp", "2", "--format", "fully_reshardable", *flags])
     out = capsys.readouterr()
     assert rc == 2 and re.search(say, out.err + out.out), out.err
     assert not (tmp_path / "run").exists()

@@ -156,7 +156,7 @@ def test_to_megatron_uneven_virtual_pipeline_round_trips(pp1, case, tmp_path, ca
     to the same logical arrays."""
     d, st = pp1
     pp, split, flags = SPLITS[case]
-    rc, out = cli(capsys, "to-megatron", str(d / "pp1_logical"), str(tmp_path / "run"), "--tp", "1", "--pp", str(pp),
+    rc, out = cli(capsys, "to-megatron", "--no-scheduler", str(d / "pp1_logical"), str(tmp_path / "run"), "--tp", "1", "--pp", str(pp),
                   "--vpp", "2", *flags, "--format", "dp_reshardable", "--bucket-size", "300")
     assert rc == 0 and f"PP={pp}" in out, out
     it = str(tmp_path / "run" / "iter_0000003")

@@ -131,7 +131,7 @@ def _leftovers(root) -> list[str]:
 def test_megatron_finds_the_step_and_the_target_layout(logical, tmp_path, as_iter_dir, capsys):
     run = tmp_path / "runs" / "gpt_tp1_dp2"
     dst = run / "iter_0000003" if as_iter_dir else run
-    assert main(["to-megatron", logical, str(dst), "--tp", "1", "--dp", "2"]) == 0
+    assert main(["to-megatron", "--no-scheduler", logical, str(dst), "--tp", "1", "--dp", "2"]) == 0
     iteration, name, common = megatron_load(str(run))
     assert iteration == STEP and name == str(run / "iter_0000003")
     assert (run / TRACKER).read_text() == "3"     # what Megatron's save_checkpoint writes
@@ -151,7 +151,7 @@ def test_megatron_finds_the_step_and_the_target_layout(logical, tmp_path, as_ite
 
 def test_dst_naming_another_iteration_is_refused(logical, tmp_path, capsys):
     dst = tmp_path / "run" / "iter_0001000"
-    assert main(["to-megatron", logical, str(dst), "--tp", "1"]) == 2
+    assert main(["to-megatron", "--no-scheduler", logical, str(dst), "--tp", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "iteration 1000" in err and "iter_0000003" in err
     assert not (tmp_path / "run").exists()
@@ -163,13 +163,13 @@ def test_existing_run_dir_gets_the_new_iteration_and_the_tracker_moves(logical, 
     old.mkdir(parents=True)
     (old / "keep.txt").write_text("an earlier save")
     (run / TRACKER).write_text("1")
-    assert main(["to-megatron", logical, str(run), "--tp", "2"]) == 0
+    assert main(["to-megatron", "--no-scheduler", logical, str(run), "--tp", "2"]) == 0
     assert "(was 1)" in capsys.readouterr().out
     assert (old / "keep.txt").read_text() == "an earlier save"
     iteration, name, common = megatron_load(str(run))
     assert (iteration, name, common["args"].tensor_model_parallel_size) == (STEP, str(run / "iter_0000003"), 2)
     # the same iteration again: refused, nothing changed
-    assert main(["to-megatron", logical, str(run), "--tp", "1"]) == 2
+    assert main(["to-megatron", "--no-scheduler", logical, str(run), "--tp", "1"]) == 2
     assert "iter_0000003 already exists" in capsys.readouterr().err
     assert megatron_load(str(run))[2]["args"].tensor_model_parallel_size == 2
     assert not _leftovers(run)
@@ -179,14 +179,14 @@ def test_a_directory_that_is_not_a_run_is_refused(logical, tmp_path, capsys):
     d = tmp_path / "mine"
     d.mkdir()
     (d / "notes.txt").write_text("x")
-    assert main(["to-megatron", logical, str(d), "--tp", "1"]) == 2
+    assert main(["to-megatron", "--no-scheduler", logical, str(d), "--tp", "1"]) == 2
     assert "not a Megatron run directory" in capsys.readouterr().err
     assert sorted(os.listdir(d)) == ["notes.txt"]
 
 
 def test_convert_reads_the_iteration_the_tracker_names(logical, tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(["to-megatron", logical, str(run), "--tp", "2", "--dp", "1"]) == 0
+    assert main(["to-megatron", "--no-scheduler", logical, str(run), "--tp", "2", "--dp", "1"]) == 0
     (run / "iter_0000001").mkdir()   # an older, unrelated directory: the tracker decides, not the listing
     capsys.readouterr()
     assert main(["convert", str(run), str(tmp_path / "back"), "--workers", "1"]) == 0
@@ -295,7 +295,7 @@ def test_a_killed_runs_temp_dir_is_removed_by_the_next_run(logical, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL
     assert _leftovers(tmp_path)  # the killed run's partial files
-    assert main(["to-megatron", logical, str(run), "--tp", "1"]) == 0
+    assert main(["to-megatron", "--no-scheduler", logical, str(run), "--tp", "1"]) == 0
     assert not _leftovers(tmp_path), _leftovers(tmp_path)
     assert megatron_load(str(run))[0] == STEP
 
@@ -315,7 +315,7 @@ def test_edited_manifest_is_refused_before_the_run_dir_is_touched(logical, tmp_p
     run = tmp_path / "run"
     (run / "iter_0000001").mkdir(parents=True)
     (run / TRACKER).write_text("1")
-    assert main(["to-megatron", src, str(run), "--tp", "1"]) != 0
+    assert main(["to-megatron", "--no-scheduler", src, str(run), "--tp", "1"]) != 0
     err = capsys.readouterr().err
     assert "checksum" in err and err.strip().count("\n") == 0
     assert sorted(os.listdir(run)) == ["iter_0000001", TRACKER] and (run / TRACKER).read_text() == "1"
@@ -325,7 +325,7 @@ def test_edited_manifest_is_refused_before_the_run_dir_is_touched(logical, tmp_p
 def test_a_url_dst_is_refused_not_made_a_local_dir(logical, tmp_path, monkeypatch, capsys, url):
     """An unknown scheme (s3:// and gs:// are storage locations: tests/test_remote_megatron.py)."""
     monkeypatch.chdir(tmp_path)
-    assert main(["to-megatron", logical, url, "--tp", "1"]) == 2
+    assert main(["to-megatron", "--no-scheduler", logical, url, "--tp", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"unknown storage scheme {url.split('://')[0]}://" in err
     assert os.listdir(tmp_path) == []   # no ./hdfs:/bucket/run

@@ -61,7 +61,7 @@ def test_stale_weights_are_refused_naming_the_element(logical, tmp_path, capsys)
                 arrays[p] = arrays[p] - np.float32(0.01) * np.sign(arrays[("opt_state", "0", "mu") + p[1:]])
 
     _resave(logical["tp2"], str(tmp_path / "stale"), step)
-    assert main(["to-megatron", str(tmp_path / "stale"), str(tmp_path / "out"), "--tp", "1"]) == 2
+    assert main(["to-megatron", "--no-scheduler", str(tmp_path / "stale"), str(tmp_path / "out"), "--tp", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.count("model/") == 1
     assert "bf16 weights differ from bf16(params)" in err and "first at index (" in err
@@ -69,7 +69,7 @@ def test_stale_weights_are_refused_naming_the_element(logical, tmp_path, capsys)
     assert "megatron-core" not in err.lower() and "defect" not in err
     assert not (tmp_path / "out").exists()
     # asked for: the weights are written as bf16(masters) instead
-    assert main(["to-megatron", str(tmp_path / "stale"), str(tmp_path / "out"), "--tp", "1",
+    assert main(["to-megatron", "--no-scheduler", str(tmp_path / "stale"), str(tmp_path / "out"), "--tp", "1",
                  "--weights-from-masters"]) == 0
 
 
@@ -83,7 +83,7 @@ def test_weights_derived_from_masters_when_the_checkpoint_has_none(logical, tmp_
 
     src = str(tmp_path / "nomodel")
     _resave(logical["tp2"], src, drop_model)
-    assert main(["to-megatron", src, str(tmp_path / "run"), "--tp", "2"]) == 0
+    assert main(["to-megatron", "--no-scheduler", src, str(tmp_path / "run"), "--tp", "2"]) == 0
     assert "derived from the fp32 masters" in capsys.readouterr().out
     got = _load_all(str(tmp_path / "run" / "iter_0000003"))
     ck = open_checkpoint(logical["tp2"])
@@ -162,7 +162,7 @@ def test_plan_groups_fit_the_budget_and_read_exact_boxes(logical):
 ])
 def test_layout_flags_beyond_the_checkpoint_are_refused_before_any_work(logical, tmp_path, flags, needle):
     dst = tmp_path / "out"
-    code = f"import sys; from bridge.cli import main; sys.exit(main({['to-megatron', logical['tp2'], str(dst)] + flags!r}))"
+    code = f"import sys; from bridge.cli import main; sys.exit(main({['to-megatron', '--no-scheduler', logical['tp2'], str(dst)] + flags!r}))"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     try:
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)

@@ -85,7 +85,7 @@ def test_cli_in_a_fresh_process_writes_what_the_api_writes(logical, tmp_path):
     thread while it works; the `.metadata` it then writes indexes the same tensors."""
     api = w.to_megatron(logical, str(tmp_path / "api"), w.MegatronTarget(tp=2), budget=1 << 10, workers=2)
     env = dict(os.environ, PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-m", "bridge.cli", "to-megatron", logical, str(tmp_path / "cli"), "--tp", "2",
+    r = subprocess.run([sys.executable, "-m", "bridge.cli", "to-megatron", "--no-scheduler", logical, str(tmp_path / "cli"), "--tp", "2",
                         "--budget", "1K", "--workers", "2"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     cli_dst = os.path.join(tmp_path / "cli", os.path.basename(api["dst"]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from bridge.commands.convert import add_split_flags
+from bridge.format.scheduler_args import add_scheduler_flags, given_args
 
 EPILOG = """examples:
   gtp-bridge to-megatron ckpt/logical runs/gpt_tp2 --tp 2 --dp 4          # -> runs/gpt_tp2/iter_<step>
@@ -46,6 +47,10 @@ def add_parser(sub) -> None:
     p.add_argument("--budget", help="host memory for data in flight, e.g. 512M, 2G (default: a quarter of the "
                                     "available memory, 256M..4G; the value used is printed)")
     p.add_argument("--workers", type=int, help="writer threads, one .distcp file each (default min(8, cores))")
+    p.add_argument("--key-convention", default="unwrapped", choices=["unwrapped", "wrapped"],
+                   help="keys of every entry: unwrapped (default: what Megatron-LM's load_checkpoint builds, "
+                        "decoder...) or wrapped (a DDP-wrapped model's sharded_state_dict(), module.decoder...)")
+    add_scheduler_flags(p)
     p.add_argument("--weights-from-masters", action="store_true",
                    help="write the bf16 weights as bf16(fp32 masters) instead of the stored model arrays "
                         "(the default when the checkpoint has none)")
@@ -53,15 +58,22 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bridge.errors import BridgeError
     from bridge.units import human_bytes, parse_size
     from converters.megatron.write import MegatronTarget, to_megatron
 
+    sched_args = given_args(args)
+    if sched_args and args.no_scheduler:
+        raise BridgeError("--no-scheduler with scheduler arguments: give one or the other")
     res = to_megatron(args.src, args.dst, MegatronTarget(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, fmt=args.fmt,
                                                   pad_for_alignment=args.pad_for_alignment,
                                                   bucket_size=args.bucket_size, release=args.release, pp=args.pp,
                                                   pp_first=args.pp_first, pp_last=args.pp_last,
                                                   embedding_in_split=bool(args.embedding_in_split),
-                                                  loss_in_split=bool(args.loss_in_split), vpp=args.vpp),
+                                                  loss_in_split=bool(args.loss_in_split), vpp=args.vpp,
+                                                  key_convention=args.key_convention,
+                                                  scheduler_args=sched_args or None,
+                                                  require_scheduler=not args.no_scheduler),
                       budget=parse_size(args.budget) if args.budget else None, workers=args.workers,
                       weights_from_masters=args.weights_from_masters)
     lay = res["layout"]
@@ -75,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         "stored weights, each checked equal to bf16(its fp32 master)"
     print(f"weights: {how}; budget {human_bytes(res['budget'])}, {res['workers']} workers; read "
           f"{res['elements_read']:,} elements for {res['elements_needed']:,} needed")
-    if not res["scheduler"]:  # load_checkpoint reads state_dict['opt_param_scheduler'] with the optimizer
-        print("note: SRC records no Megatron LR-scheduler state, so none was written; Megatron-LM's --load of it "
-              "needs --no-load-optim (or --finetune)")
+    sched = {"built": "built from the scheduler arguments given", "carried": "carried from SRC",
+             None: "none (--no-scheduler: Megatron-LM loads it only with --no-load-optim or --finetune)"}
+    print(f"keys: {args.key_convention}; LR-scheduler state: {sched[res['scheduler']]}")
     return 0

@@ -38,7 +38,7 @@ from bridge.progress import progress
 from bridge.store import digest as store_digest
 from bridge.store.claim import check_destination_free, claim_destination, tmp_dir_for
 from bridge.store.commit import publish_orbax_checkpoint
-from bridge.format.manifest import (PREVIOUS_SOURCE_KEY, ArrayRecord, Manifest, SourceLayout, as_manifest,
+from bridge.format.manifest import (MEGATRON_KEY, PREVIOUS_SOURCE_KEY, ArrayRecord, Manifest, SourceLayout, as_manifest,
                                     custom_metadata)
 from bridge.format.schema import MODEL, MU, NU, OPT_STATE, PARAMS, SCALAR_DTYPE, STEP
 from bridge.store.specs import orbax_chunk_args
@@ -51,7 +51,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
          hyperparams: Mapping[str, Any] | None = None, chunk_byte_size: int | None = None,
          concurrent_gb: int | None = None, model_dtype: Any = None, with_model: bool = True,
          allow_inconsistent_model: bool = False, orbax_manager: bool = False,
-         writer_class: type | None = None) -> Manifest:
+         writer_class: type | None = None, lr_schedule: Any = None) -> Manifest:
     """Write a logical checkpoint at `directory` (must not exist); returns the manifest written.
 
     `model` (the weights) defaults to `params` cast to `model_dtype` (default: the base manifest's
@@ -66,7 +66,10 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     `manifest` is the base manifest (e.g. `restored.manifest`) whose section tables and
     hyper-parameters are kept; `hyperparams` ({"lr", "betas", "eps", "weight_decay"}) overrides them.
     `chunk_byte_size` asks Orbax for inner chunks of that size (cheaper resharded reads later);
-    `concurrent_gb` bounds Orbax's in-flight save bytes (host memory). `writer_class` (s3:// / gs://
+    `concurrent_gb` bounds Orbax's in-flight save bytes (host memory). `lr_schedule`: the optax
+    schedule trained with, when it is Megatron's (`bridge.lr_schedule.megatron_schedule`, or the one
+    `optimizer_from_manifest` built); recorded, so `to-megatron` writes the scheduler state Megatron-LM's
+    `--load` needs (another schedule is refused: optax schedules are plain functions). `writer_class` (s3:// / gs://
     only; default the store's `CheckpointWriter`) is a seam for tests that watch the writer's calls.
     """
     directory = location(directory, "destination")  # a path, s3:// or gs://; an unknown scheme is refused
@@ -76,11 +79,16 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
                                      step=step, model=model, manifest=manifest, plans=plans,
                                      hyperparams=hyperparams, chunk_byte_size=chunk_byte_size,
                                      concurrent_gb=concurrent_gb, model_dtype=model_dtype, with_model=with_model,
-                                     allow_inconsistent_model=allow_inconsistent_model)
+                                     allow_inconsistent_model=allow_inconsistent_model, lr_schedule=lr_schedule)
     import optax
     import orbax.checkpoint as ocp
 
     d = os.fspath(directory)
+    scheduler = None
+    if lr_schedule is not None:
+        from bridge.lr_schedule import recorded_scheduler
+
+        scheduler = recorded_scheduler(lr_schedule)  # refused before anything is claimed
     check_destination_free(d)  # s3:// / gs:// too (bridge.store.remote.check_remote_free)
     plans = dict(plans or {})
     flat_params = leaves_by_path(params)
@@ -124,7 +132,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
         tree[MODEL] = nested_from_paths(logical[MODEL])
     check_tree_paths(leaves_by_path(tree))  # no '.' or '/' in names: Orbax joins names with '.'
 
-    out = _manifest_for(tree, as_manifest(manifest), hyperparams, int(jax.device_get(count)))
+    out = _manifest_for(tree, as_manifest(manifest), hyperparams, int(jax.device_get(count)), scheduler)
     if remote:  # Orbax cannot write s3:// (and needs gcsfs for gs://): the store's writer and commit
         from bridge.jaxside.remote import save_remote
 
@@ -171,9 +179,14 @@ def _to_logical(flat: dict[Path, Any], plan: Plan | None) -> dict[Path, Any]:
     return out
 
 
-def _manifest_for(tree: dict, base: Manifest | None, hyperparams: Mapping[str, Any] | None, count: int) -> Manifest:
-    """The manifest of the checkpoint being saved: base tables + this writer + digests."""
+def _manifest_for(tree: dict, base: Manifest | None, hyperparams: Mapping[str, Any] | None, count: int,
+                  scheduler: Any = None) -> Manifest:
+    """The manifest of the checkpoint being saved: base tables + this writer + digests (+ the
+    Megatron scheduler record of the schedule trained with)."""
     m = copy.deepcopy(base) if base is not None else Manifest()
+    if scheduler is not None:
+        m.extra = dict(m.extra)
+        m.extra[MEGATRON_KEY] = {**dict(m.extra.get(MEGATRON_KEY) or {}), "scheduler": scheduler.to_json()}
     previous = m.source
     # The data is layout-free; keep the model-config property a Megatron reload needs (GTP alignment).
     m.source = SourceLayout(framework="jax", world_size=jax.process_count(), optimizer_format="optax",

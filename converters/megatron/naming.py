@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import re
 
+from bridge.errors import BridgeError
 from bridge.format.tree import WRAPPER_PREFIXES as WRAPPERS
 from bridge.format.tree import megatron_key_to_path, path_to_name, strip_wrappers
 
 __all__ = ["WRAPPERS", "COLUMN_MODULES", "ROW_MODULES", "SPLIT_SECTIONS", "split_kind", "strip_wrappers", "logical_key", "is_routed_expert", "module_of",
-           "num_prepend_axes", "tp_kind_by_name", "is_gtp_weight"]
+           "num_prepend_axes", "tp_kind_by_name", "is_gtp_weight", "KEY_CONVENTIONS", "key_prefix", "convention_key",
+           "check_one_convention"]
 
 
 def logical_key(name: str) -> str:
@@ -124,3 +126,64 @@ def is_gtp_weight(name: str) -> bool:
     """Parameters GTP shards in 0.19.2: the `weight` of wrapped linears and the vocab embedding."""
     mod, leaf = module_of(name), name.split(".")[-1]
     return leaf == "weight" and (mod in COLUMN_MODULES or mod in ROW_MODULES or mod == "word_embeddings")
+
+
+#: to-megatron's key conventions: the prefix of every model key, also inside `optimizer.state.<role>.<key>`.
+#: `unwrapped` is what Megatron-LM's `load_checkpoint` builds (`generate_state_dict` over the unwrapped
+#: model's `sharded_state_dict()`, as its training loop saves); `wrapped` is a DDP-wrapped model's
+#: `sharded_state_dict()` (library users, Megatron-Bridge, NeMo: keys `module.decoder...`).
+KEY_CONVENTIONS = {"unwrapped": "", "wrapped": "module."}
+
+
+def key_prefix(convention: str) -> str:
+    """The prefix a convention puts before every model key.
+
+    >>> key_prefix("unwrapped"), key_prefix("wrapped")
+    ('', 'module.')
+    """
+    if convention not in KEY_CONVENTIONS:
+        raise BridgeError(f"unknown --key-convention {convention!r}; use one of {list(KEY_CONVENTIONS)}")
+    return KEY_CONVENTIONS[convention]
+
+
+def convention_key(key: str, convention: str) -> str:
+    """A model key (a parameter name, or an `_extra_state/shard_<i>_<n>` object key, wrapped or not)
+    in `convention`.
+
+    >>> convention_key("module.decoder.layers.mlp.linear_fc1._extra_state/shard_0_2", "unwrapped")
+    'decoder.layers.mlp.linear_fc1._extra_state/shard_0_2'
+    >>> convention_key("decoder.final_layernorm.weight", "wrapped")
+    'module.decoder.final_layernorm.weight'
+    """
+    head, sep, tail = key.partition("/")
+    return key_prefix(convention) + strip_wrappers(head) + sep + tail
+
+
+#: keys that name no model entry: the common state and the distributed optimizer's per-bucket state
+_NOT_MODEL_KEYS = re.compile(r"^(common_state/|(chained_\d+\.)?optimizer\.distributed\.)")
+_OPTIMIZER_STATE = re.compile(r"^(chained_\d+\.)?optimizer\.state\.[^.]+\.")
+
+
+def check_one_convention(keys: "list[str]", convention: str, roots: "set[str]") -> None:
+    """Refuse a key set that is not all in `convention`: every model key (and every parameter name
+    inside an `optimizer.state.<role>.` key) must be the convention's prefix + an unwrapped key whose
+    first component is one of the model's `roots` (e.g. decoder, embedding, output_layer).
+
+    >>> check_one_convention(["decoder.a.weight", "optimizer.state.param.decoder.a.weight", "common_state/shard_0_1"],
+    ...                      "unwrapped", {"decoder"})
+    >>> check_one_convention(["module.decoder.a._extra_state/shard_0_1"], "unwrapped", {"decoder"})
+    Traceback (most recent call last):
+    ...
+    bridge.errors.BridgeError: key module.decoder.a._extra_state/shard_0_1 is not in the unwrapped key convention (every model key decoder...); to-megatron cannot write one checkpoint with two conventions
+    """
+    prefix = key_prefix(convention)
+    for key in keys:
+        if _NOT_MODEL_KEYS.match(key):
+            continue
+        name = _OPTIMIZER_STATE.sub("", key, count=1)
+        rest = name[len(prefix):] if name.startswith(prefix) else None
+        if rest is None or strip_wrappers(rest.partition("/")[0]) != rest.partition("/")[0] \
+                or rest.split(".", 1)[0] not in roots:
+            want = " / ".join(sorted(f"{prefix}{r}..." for r in roots))
+            raise BridgeError(f"key {key} is not in the {convention} key convention (every model key {want}); "
+                              f"to-megatron cannot write one checkpoint with two conventions")

@@ -19,6 +19,7 @@ bf16(its fp32 master) on the way; without `model` arrays the weights are derived
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import io
 import json
@@ -29,7 +30,7 @@ import threading
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -54,8 +55,8 @@ from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.dtypes import numpy_dtype, torch_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.dtypes import from_numpy
-from converters.megatron.naming import (is_gtp_weight, is_routed_expert, num_prepend_axes, strip_wrappers,
-                                        tp_kind_by_name)
+from converters.megatron.naming import (check_one_convention, convention_key, is_gtp_weight, is_routed_expert,
+                                        key_prefix, num_prepend_axes, strip_wrappers, tp_kind_by_name)
 from converters.megatron.plan import (PipelineSplit, dp_group_places, is_scrambled_swiglu, is_tied, local_instances,
                                       role_path)
 from converters.megatron.rundir import plan_run_dir, write_tracker
@@ -89,6 +90,12 @@ class MegatronTarget:
     embedding_in_split: bool = False   # account_for_embedding_in_pipeline_split
     loss_in_split: bool = False        # account_for_loss_in_pipeline_split
     vpp: int = 1                       # virtual pipeline chunks per stage (dp_reshardable: a buffer each)
+    key_convention: str = "unwrapped"  # naming.KEY_CONVENTIONS: Megatron-LM's load_checkpoint, or "wrapped" (module.)
+    # Megatron-LM's scheduler arguments of the loading run (bridge.format.scheduler_args.SCHEDULER_ARGS names)
+    scheduler_args: Mapping[str, Any] | None = None
+    # refuse when SRC records no scheduler and no scheduler_args are given (the CLI's default: Megatron-LM's
+    # --load needs one); else none is written then (a library's dist_checkpointing.load needs none)
+    require_scheduler: bool = False
 
     def split(self, params: Sequence["ParamInfo"], meg: MegatronRecord | None) -> PipelineSplit:
         """The target's pipeline split; the output layer is tied when the model has none (or the
@@ -475,12 +482,19 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
     count = int(ck.read(COUNT_PATH)) if COUNT_PATH in arrays else step
     if count != step:
         raise BridgeError(f"{src}: step {step} and {path_str(COUNT_PATH)} {count} differ; the checkpoint is inconsistent")
+    sched = scheduler_state(src, man, step, target)
     where = plan_run_dir(dst, step)
     return_freed_memory()
     limit = max(1, budget // workers)
-    groups = plan_groups(params, lay, target.fmt, derive=derive, limit=limit)
-    dp_jobs, dp_objects = (_plan_dp(params, lay, target, man, step, limit, split) if target.fmt == "dp_reshardable"
+    prefix = key_prefix(target.key_convention)
+    groups = plan_groups(params, lay, target.fmt, derive=derive, limit=limit, key_prefix=prefix)
+    dp_jobs, dp_objects = (_plan_dp(params, lay, target, man, step, limit, split, sched) if target.fmt == "dp_reshardable"
                            else ([], []))
+    objects = _objects(man, params, lay, target, step, sched)
+    # one convention for every entry, checked before anything is written
+    check_one_convention([c.fqn for g in groups for c in g.chunks] + [j.fqn for j in dp_jobs] +
+                         [k for k, _ in dp_objects + objects], target.key_convention,
+                         {p.name.split(".", 1)[0] for p in params})
     remote = is_remote(where.iter_dir)
     created_run = not remote and not os.path.lexists(where.run_dir)
     stats = Stats()
@@ -513,7 +527,7 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
                         stats.add(st)
                 for fqn, value in dp_objects:
                     index.written.append(files[0].obj(fqn, value))
-                for fqn, value in _objects(man, params, lay, target, step):
+                for fqn, value in objects:
                     if fqn.startswith("common_state/") and target.release in LEGACY_COMMON:
                         _write_common_pt(claim.tmp, value)
                         continue
@@ -547,8 +561,31 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
             "tracker_previous": where.previous, "layout": lay.to_json(), "format": target.fmt, "bytes": nbytes,
             "params": len(params), "step": step,  # foreign: report keys (commands/to_megatron.py)
             "weights_derived": derive, "budget": budget, "workers": workers,
-            "scheduler": bool(man.megatron and man.megatron.scheduler),
+            "scheduler": ("built" if target.scheduler_args else "carried") if sched else None,
             "elements_read": stats.read, "elements_needed": stats.needed, "bytes_read": stats.read_bytes}
+
+
+def scheduler_state(src: str, man: Manifest, step: int, target: MegatronTarget) -> dict | None:
+    """`common_state["opt_param_scheduler"]` for step `step`: built from the loading run's arguments
+    when given (num_steps: the samples the source recorded, else step x global batch size), else the
+    source's recorded state carried; else None, or refused naming the flags when `require_scheduler`."""
+    from bridge.format.scheduler_args import NEEDED, record_from_args
+    from bridge.lr_schedule import samples_at, scheduler_state_dict
+
+    recorded = man.megatron.scheduler if man.megatron else None
+    if target.scheduler_args:
+        rec = record_from_args(target.scheduler_args, step)
+        if recorded:
+            rec = dataclasses.replace(rec, num_steps=samples_at(recorded, step))
+        return scheduler_state_dict(rec, step)
+    if recorded:
+        return scheduler_state_dict(recorded, step)
+    if not target.require_scheduler:
+        return None
+    raise BridgeError(f"{src} records no Megatron LR-scheduler state, and Megatron-LM's --load restores the "
+                      f"optimizer only with one (KeyError 'opt_param_scheduler'); pass the loading run's scheduler "
+                      f"arguments ({NEEDED} [--min-lr X] [--lr-decay-style S] [--lr-warmup-iters N] "
+                      f"[--lr-decay-iters N] [--weight-decay X] ..., or --megatron-args FILE), or --no-scheduler")
 
 
 def _import_dcp_meanwhile() -> threading.Thread | None:
@@ -730,7 +767,7 @@ def _domains(params: Sequence[ParamInfo], lay: ParallelLayout) -> list[tuple[boo
 
 
 def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronTarget, man: Manifest, step: int,
-             limit: int, split: PipelineSplit) -> tuple[list[DpJob], list[tuple[str, Any]]]:
+             limit: int, split: PipelineSplit, sched: dict | None = None) -> tuple[list[DpJob], list[tuple[str, Any]]]:
     """dp_reshardable bucket jobs and per-dp_group_idx objects (buffer layout from bridge.layout). Tied
     at PP > 1, the last stage's buffer holds a copy of the embedding's state (`Instance.tied_copy`)."""
     import torch
@@ -739,7 +776,7 @@ def _plan_dp(params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronT
     objects: list[tuple[str, Any]] = []
     domains = _domains(params, lay)
     chained = len(domains) > 1
-    groups = _param_groups(man, step)
+    groups = _param_groups(man, step, sched)
     key_dt = "(torch.bfloat16, torch.float32)"
     for ci, (expert, plist) in enumerate(domains):
         prefix = f"chained_{ci}." if chained else ""
@@ -788,8 +825,11 @@ def _bucket_jobs(blay: Any, insts: Sequence[Any], gmap: dict, sizes: dict, t: in
     return jobs
 
 
-def _param_groups(man: Manifest, step: int) -> list[dict]:
-    """Megatron param groups (identifier keys + hyper-parameters) with `step` set."""
+def _param_groups(man: Manifest, step: int, built: dict | None = None) -> list[dict]:
+    """Megatron param groups (identifier keys + hyper-parameters) with `step` set. With scheduler state
+    `built`, the default groups' `max_lr` / `min_lr` are its (the loading run's `--lr` / `--min-lr`, as
+    its own `_get_param_groups` sets them, and as a Megatron source's groups already hold): 0.19.2 matches
+    the checkpoint's groups to the run's by them (`param_group_identifier_keys`: KeyError otherwise)."""
     saved = man.megatron.param_groups if man.megatron else None
     flat = [dict(g) for gs in (saved or []) for g in gs]
     if not flat:
@@ -808,6 +848,8 @@ def _param_groups(man: Manifest, step: int) -> list[dict]:
         # An int: TransformerEngine's FusedAdam passes the group step to its kernel, which refuses a
         # float (seen with TE 2.20 after loading a float step); torch Adam's load path takes either.
         g["step"] = int(step)  # foreign: torch group key
+        if built is not None and g.get("default_config", True):
+            g.update(max_lr=built["max_lr"], min_lr=built["min_lr"])
         out.append(g)
     return out
 
@@ -881,7 +923,7 @@ def megatron_args(meg: MegatronRecord, params: Sequence[ParamInfo], lay: Paralle
 
 
 def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, target: MegatronTarget,
-             step: int) -> list[tuple[str, Any]]:
+             step: int, sched: dict | None = None) -> list[tuple[str, Any]]:
     """_extra_state objects (None, or TE's empty uint8 tensors, as the source saved them) and common_state."""
     import torch
 
@@ -899,11 +941,11 @@ def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, ta
                     shp = ".".join(str(n) for n in p.geom.prepend) if index else "1"
                     extra_keys.append(f"{mod}._extra_state/shard_{off}_{shp}")
     empty = meg.extra_state_payload == "empty_uint8_tensor"
-    for k in extra_keys:
-        out.append((k, torch.empty(0, dtype=torch.uint8) if empty else None))
+    for k in extra_keys:  # recorded as the source saved them (wrapped or not): in the target's convention
+        out.append((convention_key(k, target.key_convention), torch.empty(0, dtype=torch.uint8) if empty else None))
     domains = _domains(params, lay)
     chained = len(domains) > 1
-    groups = _param_groups(man, step)
+    groups = _param_groups(man, step, sched)
     args = megatron_args(meg, params, lay, target.fmt, step, target.split(params, meg))
     content = {"distrib_optim_sharding_type": target.fmt, "singleton_local_shards": False,
                "chained_optim_avoid_prefix": True}
@@ -916,9 +958,7 @@ def _objects(man: Manifest, params: Sequence[ParamInfo], lay: ParallelLayout, ta
                      {i: {"param_state_sharding_type": target.fmt} for i in range(len(domains))})
     common = {"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": step,
               "optimizer": optimizer, "content_metadata": content}
-    if meg.scheduler:  # Megatron resumes its lr / wd schedule from this (else it restarts warmup)
-        from bridge.lr_schedule import scheduler_state_dict
-
-        common["opt_param_scheduler"] = scheduler_state_dict(meg.scheduler, step)
+    if sched is not None:  # Megatron-LM's load_checkpoint needs it to load the optimizer (KeyError otherwise)
+        common["opt_param_scheduler"] = sched
     out.append(("common_state/shard_0_1", common))
     return out

@@ -253,20 +253,28 @@ class ParamSpec:
     optimized: bool
 
 
-def roles_of(p: ParamSpec, fmt: str) -> list[tuple[str, str, str]]:
-    """(role, fqn, dtype) of the model-space tensors written for `p`."""
-    out = [(MODEL, p.name, p.dtype)]
+def roles_of(p: ParamSpec, fmt: str, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(role, fqn, dtype) of the model-space tensors written for `p`; `prefix` is the key convention's
+    (`naming.key_prefix`), on the weight's key and on the name inside the optimizer state's keys.
+
+    >>> from types import SimpleNamespace as N
+    >>> [f for _, f, _ in roles_of(N(name="decoder.w", dtype="bfloat16", optimized=True), "fully_reshardable", "module.")][:2]
+    ['module.decoder.w', 'optimizer.state.param.module.decoder.w']
+    """
+    name = prefix + p.name
+    out = [(MODEL, name, p.dtype)]
     if fmt == "fully_reshardable" and p.optimized:
-        out += [(r, f"optimizer.state.{STATE_NAMES[r]}.{p.name}", "float32") for r in OPTIMIZER_ROLES]
+        out += [(r, f"optimizer.state.{STATE_NAMES[r]}.{name}", "float32") for r in OPTIMIZER_ROLES]
     return out
 
 
-def _items(p: ParamSpec, lay: ParallelLayout, fmt: str, derive: bool, limit: int) -> Iterable[ChunkGroup]:
+def _items(p: ParamSpec, lay: ParallelLayout, fmt: str, derive: bool, limit: int,
+           prefix: str = "") -> Iterable[ChunkGroup]:
     """Smallest units: all roles of one (instance, target box[, row slab]); split until under `limit`."""
     g = p.geom
     tp, gtp = lay.tp_gtp_sizes(g.expert)
     npre = len(g.prepend)
-    roles = roles_of(p, fmt)
+    roles = roles_of(p, fmt, prefix)
     full = tuple(g.prepend) + stored_shape(g, tp, gtp)
     per_element = sum(ITEMSIZE[dt] for _, _, dt in roles) * (READ_FACTOR + 1)  # read + assembled
     secs = split_key_sections(g)
@@ -320,13 +328,14 @@ class _Merger:
 
 
 def plan_groups(params: Sequence[ParamSpec], lay: ParallelLayout, fmt: str, *, derive: bool,
-                limit: int) -> list[ChunkGroup]:
+                limit: int, key_prefix: str = "") -> list[ChunkGroup]:
     """Model-space work in groups of at most `limit` bytes (unless one item alone is larger),
-    each reading exact bounding boxes (merging stops where a box would cover unneeded elements)."""
+    each reading exact bounding boxes (merging stops where a box would cover unneeded elements);
+    keys carry `key_prefix` (the key convention's, `naming.key_prefix`)."""
     out: list[ChunkGroup] = []
     for p in params:
         cur: _Merger | None = None
-        for item in _items(p, lay, fmt, derive, limit):
+        for item in _items(p, lay, fmt, derive, limit, key_prefix):
             if cur is not None and cur.try_add(item, limit):
                 continue
             if cur is not None:

@@ -3,13 +3,16 @@
 One GPU, under torch.distributed.run, repository root, after (scripts/gpu/run_resume.sh does it all):
 
     gtp-bridge convert tests/fixtures/megatron/tp2/dp_reshardable LOGICAL        # a TP=2 run's save
-    gtp-bridge to-megatron --tp 1 --format dp_reshardable LOGICAL RUN            # RUN/iter_<step, 7 digits> + tracker
+    gtp-bridge to-megatron --tp 1 --format dp_reshardable LOGICAL RUN \\
+        --megatron-args scripts/gpu/handoff_megatron_args.txt                    # RUN/iter_<step, 7 digits> + tracker
     python3 -m torch.distributed.run --standalone --nproc-per-node 1 scripts/gpu/megatron_resume.py \\
         --run-dir RUN --logical LOGICAL --json OUT.json
 
 Builds the tiny GPT of tests/fixtures/megatron/tinygpt.py at TP=1 (a new layout for the TP=2 source),
 sets Megatron-LM's global args from its own argument parser (`megatron.training.arguments.parse_args`
-with `--load RUN --ckpt-format torch_dist` and the model's sizes), and calls Megatron-LM's
+with `--load RUN --ckpt-format torch_dist`, the model's sizes and the scheduler arguments of
+scripts/gpu/handoff_megatron_args.txt), builds the scheduler as `pretrain()` does
+(`get_optimizer_param_scheduler`), and calls Megatron-LM's
 `megatron.training.checkpointing.load_checkpoint([model], optimizer, scheduler)` exactly as
 `pretrain()` does on resume. Checks, each printed as PASS/FAIL as it is made:
  - control:    the same call on an empty directory returns iteration 0 (what a missing tracker gives:
@@ -19,9 +22,11 @@ with `--load RUN --ckpt-format torch_dist` and the model's sizes), and calls Meg
  - state:      every parameter's bf16 weight, fp32 master, exp_avg and exp_avg_sq in the loaded model /
                distributed optimizer equal the logical checkpoint's arrays bit for bit (fused qkv and
                fc1 rebuilt from their logical sections here, independently of the bridge);
- - scheduler:  the scheduler's step count equals the checkpoint's when it recorded one (the committed
-               fixtures' saves hold no scheduler state: load_checkpoint then gets scheduler=None, since
-               0.19.2 raises KeyError 'opt_param_scheduler' for a scheduler with nothing to load);
+ - flags:      Megatron-LM's defaults (no --no-load-optim, --finetune, --use-checkpoint-opt_param-scheduler,
+               --override-opt_param-scheduler): the optimizer and the scheduler are loaded, and the scheduler
+               asserts every recorded value equals the one it built from the arguments;
+ - scheduler:  num_steps = step x global batch size (samples) and every param group at --lr after the load;
+ - next loss (--source-run run.json): the first loss after the load equals the source run's next_losses[0];
  - next step:  one more training step runs: a finite loss, the weights updated. Recorded, not checked:
                the Adam step counts. Without TransformerEngine / Apex (torch Adam), 0.19.2's dp_reshardable
                load sets the param groups' `step` but leaves torch Adam's per-parameter `step` at the value
@@ -67,6 +72,10 @@ def megatron_args(run_dir: str, tinygpt) -> argparse.Namespace:
             "--kv-channels", str(s["kv_channels"]), "--swiglu", "--seq-length", str(s["seq_length"]),
             "--max-position-embeddings", str(s["seq_length"]), "--micro-batch-size", str(s["global_batch"]),
             "--global-batch-size", str(s["global_batch"]), "--lr", str(tinygpt.LR), "--bf16",
+            # the scheduler: Megatron-LM builds it from these (get_optimizer_param_scheduler) and, with its
+            # defaults, asserts the checkpoint's scheduler state equals what it built
+            "--train-iters", "100", "--min-lr", str(tinygpt.LR), "--lr-decay-style", "constant",
+            "--weight-decay", str(tinygpt.WEIGHT_DECAY),
             "--use-distributed-optimizer", "--tensor-model-parallel-size", "1"]
     saved = sys.argv
     sys.argv = argv
@@ -80,6 +89,8 @@ def megatron_args(run_dir: str, tinygpt) -> argparse.Namespace:
     args.padded_vocab_size = s["vocab_size"]
     args.params_dtype = torch.bfloat16
     args.use_dist_ckpt = True
+    if args.weight_decay_incr_style == "constant":  # as validate_args does
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
     return args
 
 
@@ -205,6 +216,7 @@ def main() -> int:
     ap.add_argument("--logical", required=True, help="the logical checkpoint to-megatron read")
     ap.add_argument("--json", required=True)
     ap.add_argument("--cpu", action="store_true", help="dry run on the CPU (CUDA patched out)")
+    ap.add_argument("--source-run", help="the source fixture's run.json: the next loss must equal its next_losses[0]")
     a = ap.parse_args()
     if a.cpu:
         sys.path.insert(0, os.path.join(HERE, "scale", "cpu"))
@@ -214,13 +226,12 @@ def main() -> int:
     import tinygpt
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.optimizer import distrib_optimizer
-    from megatron.training import checkpointing, global_vars
+    from megatron.training import checkpointing, global_vars, training
 
     res: dict = {"run": a.run_dir, "logical": a.logical}
     try:
         tinygpt.setup_parallel(1)
         model, gpt, optimizer, _ = tinygpt.build({"tp": 1})
-        scheduler = optimizer.param_scheduler
         if not distrib_optimizer.HAVE_APEX_OR_TE:
             # As tinygpt.megatron_load explains: 0.19.2's DistributedOptimizer.state_dict() needs an Adam
             # `step` that a fresh torch Adam does not have yet; Megatron's own init_state_fn gives it one.
@@ -230,6 +241,14 @@ def main() -> int:
                     st.setdefault("step", torch.tensor(0.0))
         args = megatron_args(a.run_dir, tinygpt)
         global_vars.set_args(args)
+        check("flags", not args.no_load_optim and not args.finetune and not args.use_checkpoint_opt_param_scheduler
+              and not args.override_opt_param_scheduler,
+              f"Megatron-LM's defaults: no_load_optim={args.no_load_optim} finetune={args.finetune} "
+              f"use_checkpoint_opt_param_scheduler={args.use_checkpoint_opt_param_scheduler} "
+              f"override_opt_param_scheduler={args.override_opt_param_scheduler}")
+        # The scheduler pretrain() builds from the args (lr, min_lr, decay style, train_iters x global batch)
+        scheduler = training.get_optimizer_param_scheduler(optimizer)
+        optimizer.param_scheduler = scheduler  # tinygpt.train_step steps it
         init_num_microbatches_calculator(0, None, args.global_batch_size, args.micro_batch_size, 1)
         with open(os.path.join(a.run_dir, "latest_checkpointed_iteration.txt")) as f:
             res["tracker"] = f.read()
@@ -251,25 +270,22 @@ def main() -> int:
         check("control state", bad0 > 0, f"before the load {bad0}/{n0} tensors differ from the checkpoint "
                                          f"(the state comparison can fail)")
         man = open_checkpoint(a.logical).manifest
-        recorded = bool(man.megatron and man.megatron.scheduler)
-        res["scheduler_recorded"] = recorded
-        if not recorded:
-            # pretrain() passes its scheduler, and 0.19.2 then needs `opt_param_scheduler` in the checkpoint
-            # (KeyError otherwise). The source save has none (tinygpt saves no scheduler state), so neither
-            # has to-megatron's output: load as pretrain would with --override-opt_param-scheduler off and
-            # no scheduler to restore.
-            print("NOTE: the logical checkpoint records no Megatron scheduler; load_checkpoint gets scheduler=None",
-                  flush=True)
-        it, _ = checkpointing.load_checkpoint([model], optimizer, scheduler if recorded else None)
+        res["scheduler_recorded"] = bool(man.megatron and man.megatron.scheduler)
+        # as pretrain() does: its scheduler passed, the optimizer loaded (0.19.2 then needs
+        # `opt_param_scheduler` in the checkpoint: KeyError without)
+        it, _ = checkpointing.load_checkpoint([model], optimizer, scheduler)
         res["iteration"] = it
         check("iteration", it == step, f"load_checkpoint(--load {a.run_dir}) returned iteration {it}; the checkpoint's step is {step}")
         n, bad, msgs = compare_state(model, gpt, optimizer, expected, tinygpt)
         check("state", n > 0 and bad == 0, f"{n - bad}/{n} weight/master/exp_avg/exp_avg_sq tensors equal the logical "
                                            f"checkpoint bit for bit" + (f"; {msgs}" if msgs else ""))
-        res["scheduler_num_steps"] = getattr(scheduler, "num_steps", None)
-        if recorded:
-            want = man.megatron.scheduler.get("num_steps")
-            check("scheduler", scheduler.num_steps == want, f"scheduler num_steps {scheduler.num_steps}, recorded {want}")
+        res["scheduler_num_steps"] = scheduler.num_steps
+        want = step * args.global_batch_size  # samples, as Megatron counts them (unbroken runs here)
+        lrs = sorted({float(g["lr"]) for o in tinygpt.optimizer_list(optimizer) for g in o.optimizer.param_groups})
+        res["lrs_after_load"] = lrs
+        check("scheduler", scheduler.num_steps == want and lrs == [float(args.lr)],
+              f"scheduler num_steps {scheduler.num_steps} (want {step} x {args.global_batch_size} = {want} samples); "
+              f"param-group lrs {lrs} (want [{args.lr}])")
         res["adam_steps_after_load"] = adam_steps(optimizer, tinygpt)
         res["param_group_steps_after_load"] = sorted({g.get("step") for o in tinygpt.optimizer_list(optimizer)
                                                       for g in o.optimizer.param_groups})
@@ -278,6 +294,13 @@ def main() -> int:
         res["next_loss"] = loss
         moved = sum(int((b != p.detach()).any()) for b, p in zip(before, gpt.parameters()))
         res["adam_steps_after_step"] = adam_steps(optimizer, tinygpt)
+        if a.source_run:
+            with open(a.source_run) as f:
+                src_next = json.load(f)["next_losses"]
+            res["source_next_losses"] = src_next
+            res["second_loss"] = tinygpt.train_step(model, optimizer, it + 1)  # recorded: torch Adam's step (above)
+            check("next loss", loss == src_next[0], f"next loss {loss!r} vs the source run's {src_next[0]!r} "
+                                                     f"(second: {res['second_loss']!r} vs {src_next[1]!r}, recorded)")
         check("next step", bool(np.isfinite(loss)) and moved > 0,
               f"one more step at iteration {it}: loss {loss:.6f}, {moved}/{len(before)} weights updated; param-group "
               f"step {res['param_group_steps_after_load']}, torch Adam per-parameter step {res['adam_steps_after_load']} "

@@ -28,9 +28,9 @@ G="python3 -m bridge.cli"
 $G convert /tmp/mrt/tp2/dp_reshardable /tmp/lc/logical > $logs/lc_convert.log 2>&1 || echo "convert FAILED"
 L=scripts/gpu/megatron_load_check.py
 for f in fully_reshardable dp_reshardable; do
-  $G to-megatron /tmp/lc/logical /tmp/lc/dp2_$f --tp 1 --dp 2 --format $f >> $logs/lc_convert.log 2>&1 || echo "to-megatron dp2 $f FAILED"
+  $G to-megatron /tmp/lc/logical /tmp/lc/dp2_$f --tp 1 --dp 2 --format $f --no-scheduler >> $logs/lc_convert.log 2>&1 || echo "to-megatron dp2 $f FAILED"
   run load_check_dp2_$f 50 $R $L --source /tmp/mrt/tp2 --tp 1 --format $f --megatron-ckpt /tmp/lc/dp2_$f --hang-report 40
-  $G to-megatron /tmp/lc/logical /tmp/lc/gtp2_$f --tp 1 --gtp 2 --dp 1 --format $f >> $logs/lc_convert.log 2>&1 || echo "to-megatron gtp2 $f FAILED"
+  $G to-megatron /tmp/lc/logical /tmp/lc/gtp2_$f --tp 1 --gtp 2 --dp 1 --format $f --no-scheduler >> $logs/lc_convert.log 2>&1 || echo "to-megatron gtp2 $f FAILED"
   run load_check_gtp2_$f 50 $R $L --source /tmp/mrt/tp2 --tp 1 --gtp 2 --format $f --megatron-ckpt /tmp/lc/gtp2_$f --hang-report 40
 done
 [ "$logs" = "$out" ] || (cd /tmp/mrt && tar cf "$out/gtp_results.tar" *.log */result.json from_gtp2/*/result.json) 2>/dev/null

@@ -20,7 +20,8 @@ run_step() { local name=$1; shift; local t0=$(date +%s)
   echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$L"; grep -E 'PASS|FAIL|Error|error:' "$W/$name.log" | tail -12
   { echo "##### $name: $*"; grep -v -e Warning -e warnings.warn "$W/$name.log" | tail -c 100000; } >> "$L"; return $rc; }
 run_step convert $PY -m bridge.cli convert tests/fixtures/megatron/tp2/dp_reshardable "$W/logical" &&
-run_step to_megatron $PY -m bridge.cli to-megatron --tp 1 --format dp_reshardable "$W/logical" "$W/run" &&
+run_step to_megatron $PY -m bridge.cli to-megatron --tp 1 --format dp_reshardable "$W/logical" "$W/run" \
+  --megatron-args scripts/gpu/handoff_megatron_args.txt &&
 { ls -la "$W/run" "$W/run"/iter_* >> "$L" 2>&1; cat "$W/run/latest_checkpointed_iteration.txt"; echo; } &&
 run_step resume $PY -m torch.distributed.run --standalone --nproc-per-node 1 scripts/gpu/megatron_resume.py \
   --run-dir "$W/run" --logical "$W/logical" --json "$out/resume.json" $CPU

@@ -264,7 +264,7 @@ def cmd_tomeg_ab(a) -> int:
              ("tomeg_anchor", [py, me, "tomeg_anchor", conv, dst + "_anchor", "--json", a.json]),
              ("tomeg_anchor", [py, me, "tomeg_anchor", conv, dst + "_anchor", "--json", a.json]),
              ("tomeg_api", [py, me, "tomeg", conv, dst, "--json", a.json] + tp),
-             ("tomeg_cli", [py, "-m", "bridge.cli", "to-megatron", conv, dst] + tp)]
+             ("tomeg_cli", [py, "-m", "bridge.cli", "to-megatron", "--no-scheduler", conv, dst] + tp)]
     api_s, anchor_s, cli_s = [], [], []
     for i, (kind, argv) in enumerate(steps):
         rec: dict = {"what": "tomeg_ab", "position": i, "kind": kind, "dropped_caches": sm.drop_caches()}

@@ -55,7 +55,7 @@ if [ -d "$C" ]; then
   step digests 30 10 $O digests "$D/live" "$C" --json "$J"
   step layer_read 40 15 $O layer_read "$C" "$D/live" --json "$J"
   step to_megatron 150 60 $M --name to_megatron --drop-caches --warm-imports --log "$logs/tomeg.cli.log" \
-    -- $PY -m bridge.cli to-megatron --tp 2 "$C" "$D/tm2"
+    -- $PY -m bridge.cli to-megatron --tp 2 --no-scheduler "$C" "$D/tm2"
   rm -rf "$D/tm2"
   step anchor_tomeg 150 60 $M --name anchor_tomeg --drop-caches --warm-imports --log "$logs/anchor_tomeg.out" \
     -- $PY benchmarks/bench_scale.py _anchor_tomeg "$C" "$D/tm2a"
