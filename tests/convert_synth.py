@@ -402,8 +402,10 @@ def param_groups(step: int) -> list[dict]:
 
 
 def common_state(tp: int, dp: int, fmt: str, with_args: bool = True, pp: int = 1, tied: bool = False,
-                 extra_args: dict | None = None) -> dict:
+                 extra_args: dict | None = None, scheduler: dict | None = None) -> dict:
     cs: dict[str, Any] = {"iteration": 3, "checkpoint_version": 3.0}
+    if scheduler is not None:   # what Megatron-LM's training loop saves: OptimizerParamScheduler.state_dict()
+        cs["opt_param_scheduler"] = dict(scheduler)
     if with_args:
         cs["args"] = argparse.Namespace(tensor_model_parallel_size=tp, data_parallel_size=dp, world_size=tp * dp * pp,
                                         pipeline_model_parallel_size=pp, num_attention_heads=NQ, num_query_groups=NG,
@@ -484,7 +486,7 @@ def save(path: str, entries: dict, objects: dict, common: dict, world: int) -> N
 def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0, bucket_size: int | None = None,
                     with_args: bool = True, dp_shapes: dict | None = None, pp: int = 1,
                     per_rank: bool = False, tied: bool = False, extra_args: dict | None = None,
-                    edit=None, vpp: int = 1) -> dict[str, dict[str, np.ndarray]]:
+                    edit=None, vpp: int = 1, scheduler: dict | None = None) -> dict[str, dict[str, np.ndarray]]:
     """Write a synthetic Megatron checkpoint and return its logical state (the reference). `per_rank`:
     fully_sharded_bucket_space's buckets stored (dp, bucket numel / dp) as megatron-core 0.14 does.
     `tied`: the output layer shares the word embeddings (no output_layer entry; at PP > 1 the last
@@ -505,7 +507,7 @@ def make_checkpoint(path: str, fmt: str, tp: int = 1, dp: int = 1, seed: int = 0
     if edit is not None:
         edit(entries)
     # dp bucket tensors' global length = unpadded numel
-    save(path, entries, objects, common_state(tp, dp, fmt, with_args, pp, tied, extra_args), tp * dp * pp)
+    save(path, entries, objects, common_state(tp, dp, fmt, with_args, pp, tied, extra_args, scheduler), tp * dp * pp)
     with open(os.path.join(path, "metadata.json"), "w") as f:  # what dist_checkpointing.save adds
         f.write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
     return st

@@ -150,6 +150,13 @@ def readme_object_storage_commands() -> list[list[str]]:
     return [ln.split()[1:] for ln in block.splitlines() if ln.startswith("gtp-bridge ")]
 
 
+TRAINING_LOOP_ARGS = {"lr": 3e-4, "min_lr": 3e-5, "lr_decay_style": "cosine", "train_iters": 100, "global_batch_size": 4,
+                      "lr_warmup_iters": 0, "weight_decay": 0.1}
+TRAINING_LOOP_SCHEDULER = {"max_lr": 3e-4, "min_lr": 3e-5, "lr_warmup_steps": 0, "num_steps": 12, "lr_decay_style": "cosine",
+                           "lr_decay_steps": 400, "start_wd": 0.1, "end_wd": 0.1, "wd_incr_style": "constant",
+                           "wd_incr_steps": 400}
+
+
 @pytest.mark.slow
 def test_readme_s3_round_trip_runs_as_written(stores, tmp_path, capfd):
     """A Megatron run on S3 (tracker + iteration; a synthetic save with records below, inside and
@@ -166,7 +173,8 @@ def test_readme_s3_round_trip_runs_as_written(stores, tmp_path, capfd):
     assert [c[0] for c in cmds] == ["convert", "verify", "to-megatron", "convert"], cmds
     src = tmp_path / "src"
     with synth.dims(L=2, H=64, NQ=8, NG=4, HD=8, F=160, V=256):
-        synth.make_checkpoint(str(src), "dp_reshardable")
+        # a training-loop save records its LR scheduler, which to-megatron carries (iteration 3 x 4 samples)
+        synth.make_checkpoint(str(src), "dp_reshardable", extra_args=TRAINING_LOOP_ARGS, scheduler=TRAINING_LOOP_SCHEDULER)
     lengths = [r.length for r in DcpCheckpoint(src).all_refs()]
     assert min(lengths) < READ_AHEAD // 2 < max(n for n in lengths if n < READ_AHEAD) and max(lengths) > READ_AHEAD
     convert(str(src), str(tmp_path / "local"), ConvertOptions(workers=1, show_progress=False))

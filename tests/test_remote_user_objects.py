@@ -165,7 +165,8 @@ def test_owned_names_are_what_writers_write(stores, capfd):
 
     srv = stores["s3"]
     assert cli(capfd, "convert", str(SRC), srv.url("users/names/logical"), "--budget", "1m", "--workers", "2")[0] == 0
-    assert cli(capfd, "to-megatron", srv.url("users/names/logical"), srv.url("users/names/mega"), "--tp", "2")[0] == 0
+    assert cli(capfd, "to-megatron", srv.url("users/names/logical"), srv.url("users/names/mega"), "--tp", "2",
+               "--no-scheduler")[0] == 0
     logical = [k[len("users/names/logical/"):] for k in srv.list_keys("users/names/logical/")]
     mega = [k[len("users/names/mega/iter_0000003/"):] for k in srv.list_keys("users/names/mega/iter_0000003/")]
     assert any(k.startswith("d/") for k in logical) and any(k.endswith(".distcp") for k in mega)
