@@ -12,6 +12,8 @@ EPILOG = """examples:
   gtp-bridge convert lib_gtp out --num-attention-heads 32 --num-query-groups 8 --vocab-size 50304
   gtp-bridge convert lib_ckpt out --model-config model.yaml              # facts from a file (Megatron names)
   gtp-bridge convert runs/gpt jax_ckpts --orbax-step-dir                # as step <iter> of an Orbax CheckpointManager
+  gtp-bridge convert runs/gpt ckpt/logical --dry-run                     # the plan, facts and bytes; writes nothing
+  gtp-bridge convert runs/gpt ckpt/logical --json | jq .arrays           # the summary as one JSON object
 """
 
 
