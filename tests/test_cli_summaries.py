@@ -78,7 +78,7 @@ def du_data_files(ckpt: str) -> int:
     return int(out.strip().splitlines()[-1].split()[0])
 
 
-@pytest.mark.parametrize("workers", [None, "2"])
+@pytest.mark.parametrize("workers", [None, pytest.param("2", marks=pytest.mark.slow)])  # 2: worker processes
 def test_dry_run_writes_nothing_and_announces_the_bytes_convert_stores(tmp_path, workers):
     work = tmp_path / "work"
     work.mkdir()

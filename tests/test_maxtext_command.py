@@ -67,14 +67,22 @@ def value(text: str):
         return text
 
 
-def test_printed_command_is_whole_words(tmp_path):
-    r = to_maxtext(tmp_path, "mt/myrun/checkpoints", "--overrides-json", "ov.json")
-    command, cpu = printed(r.stdout)
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """`to-maxtext LIVE <tmp>/data/mt/myrun/checkpoints --overrides-json ov.json`, run once: (tmp, stdout)."""
+    tmp = tmp_path_factory.mktemp("to_maxtext")
+    r = to_maxtext(tmp, "data/mt/myrun/checkpoints", "--overrides-json", "ov.json")
+    return tmp, r.stdout
+
+
+def test_printed_command_is_whole_words(written):
+    tmp, stdout = written
+    command, cpu = printed(stdout)
     words = shlex.split(command)
     assert words[:4] == ["python", "-m", "maxtext.trainers.pre_train.train", "src/maxtext/configs/base.yml"]
     kv = settings(words[4:])
-    assert kv.pop("base_output_directory") == str(tmp_path / "mt") and kv.pop("run_name") == "myrun"
-    overrides = json.load(open(tmp_path / "ov.json"))
+    assert kv.pop("base_output_directory") == str(tmp / "data" / "mt") and kv.pop("run_name") == "myrun"
+    overrides = json.load(open(tmp / "ov.json"))
     assert set(kv) == set(overrides)
     for k, v in overrides.items():
         assert value(kv[k]) == v, k
@@ -92,12 +100,12 @@ def _doc_commands(path: str) -> list[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip().startswith("python -m maxtext.")]
 
 
-def test_readme_and_docs_show_the_printed_command(tmp_path):
+def test_readme_and_docs_show_the_printed_command(written):
     """The README and docs/maxtext.md show what `to-maxtext LIVE /data/mt/myrun/checkpoints` prints."""
-    r = to_maxtext(tmp_path, str(tmp_path / "data" / "mt" / "myrun" / "checkpoints"))
-    command, cpu = printed(r.stdout)
-    command = command.replace(f"base_output_directory={tmp_path}/data/mt", "base_output_directory=/data/mt")
-    assert f"run_name=myrun" in command and "/data/mt " in command
+    tmp, stdout = written
+    command, cpu = printed(stdout)
+    command = command.replace(f"base_output_directory={tmp}/data/mt", "base_output_directory=/data/mt")
+    assert "run_name=myrun" in command and "/data/mt " in command
     for doc in ("README.md", os.path.join("docs", "maxtext.md")):
         shown = _doc_commands(os.path.join(ROOT, doc))
         assert shown == [command], (doc, shown)

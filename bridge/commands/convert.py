@@ -186,13 +186,15 @@ def dry_run(args: argparse.Namespace) -> int:
 
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         _locate(args)
-        opts = _options(args)
-        opts.announce = None
-        cp = plan_conversion(args.src, opts)
+        cp = plan_conversion(args.src, _options(args))
     dst = absolute(args.dst)
     if args.orbax_manager:  # the step directory the real run would commit (Orbax's default item name)
+        from bridge.errors import BridgeError
         from bridge.store.manager import ITEM
 
+        if cp.step is None:
+            raise BridgeError("the checkpoint records no step, so it cannot become a step of an Orbax "
+                              "CheckpointManager root; write it to a plain directory instead")
         dst = join(dst, str(cp.step), ITEM)
     check_destination_free(dst)
     if not is_remote(dst):

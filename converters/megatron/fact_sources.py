@@ -91,7 +91,8 @@ def fact_sources(src: SourceCheckpoint, hints: Hints) -> list[Fact]:
         found = source_of(name, name)
         value = src.args.get(name)
         if value is None and name in notes:
-            value = notes[name]["value"]
+            text = notes[name]["value"]
+            value = int(text) if text.isdigit() else text
         if found is not None and value is not None:
             out.append(Fact(name, value, *found))
     return out
