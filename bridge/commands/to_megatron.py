@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
                         "dp_reshardable writes one buffer per chunk)")
     p.add_argument("--format", dest="fmt", default="fully_reshardable",
                    choices=["fully_reshardable", "dp_reshardable"], help="optimizer format (default fully_reshardable)")
-    p.add_argument("--megatron-core", dest="release", default="0.19", choices=RELEASES,
+    p.add_argument("--megatron-core", dest="release", default="0.19", choices=RELEASES, type=_release,
                    help="release that will load DST (default 0.19): 0.15 / 0.16 read the common state from common.pt "
                         "(0.14 loads none of the formats to-megatron writes)")
     p.add_argument("--pad-for-alignment", type=int, help="GTP pad_for_alignment of the target run (default: source's, else 16)")
@@ -57,6 +57,14 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout (what was written); other lines go to stderr")
     p.set_defaults(func=run)
+
+
+def _release(text: str) -> str:
+    """--megatron-core's value; 0.14, which --help does not offer, is refused with the reason."""
+    if text == "0.14":
+        raise argparse.ArgumentTypeError("megatron-core 0.14 does not load the formats to-megatron writes "
+                                         "(fully_reshardable, dp_reshardable); load with 0.15 or later")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
