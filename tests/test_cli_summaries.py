@@ -138,6 +138,16 @@ def test_convert_json_and_given_flags(tmp_path):
     assert "given: num_attention_heads=4" in r.stderr and "inferred: num_attention" not in r.stderr
 
 
+def test_convert_report_keeps_given_flags_apart(tmp_path):
+    """The human report: a flag the user passed is "given", not "inferred"; no "of N asked" without --workers."""
+    r = cli("convert", DEMO, str(tmp_path / "out"), "--num-attention-heads", "4")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "given: num_attention_heads=4 (--num-attention-heads)" in lines
+    assert not any(ln.startswith("inferred:") and "--num-attention-heads" in ln for ln in lines)
+    assert lines[0].startswith("convert: 1 worker,") and "asked" not in r.stdout
+
+
 def test_to_megatron_and_verify_json(tmp_path):
     pytest.importorskip("torch")
     logical = str(tmp_path / "logical")
