@@ -12,7 +12,7 @@ def test_demo_runs_end_to_end(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
     assert "all checks passed" in out and "bit-exact vs TensorStore" in out and "identical to the first conversion" in out
-    assert "legacy_padded_gtp TP=1 GTP=2" in out
+    assert "fully_reshardable (0.19.2 padded GTP grid) TP=1 GTP=2" in out
     for d in ("logical", "megatron_tp2_dp2", "logical_again"):
         assert (tmp_path / "w" / d).is_dir()
     # a second run into the same workdir refuses, one line, exit 2

@@ -12,6 +12,8 @@ EPILOG = """examples:
   gtp-bridge convert lib_gtp out --num-attention-heads 32 --num-query-groups 8 --vocab-size 50304
   gtp-bridge convert lib_ckpt out --model-config model.yaml              # facts from a file (Megatron names)
   gtp-bridge convert runs/gpt jax_ckpts --orbax-step-dir                # as step <iter> of an Orbax CheckpointManager
+  gtp-bridge convert runs/gpt ckpt/logical --dry-run                     # the plan, facts and bytes; writes nothing
+  gtp-bridge convert runs/gpt ckpt/logical --json | jq .arrays           # the summary as one JSON object
 """
 
 
@@ -93,6 +95,11 @@ def add_parser(sub) -> None:
     p.add_argument("--model-only", action="store_true",
                    help="convert the weights alone, leaving the checkpoint's optimizer state out (without it, a "
                         "checkpoint whose optimizer state cannot be read is refused)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="read SRC's metadata and print the plan: the facts with their sources (flag / save / "
+                        "default), the arrays and the bytes it would write; writes nothing")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout (the summary, or --dry-run's plan); other lines go to stderr")
     add_hint_flags(p)
     p.set_defaults(func=run)
 
@@ -107,9 +114,27 @@ def _source_step(src: str, hints) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bridge.commands.summary import convert_json, run_reporting
+    from converters.megatron.fact_sources import split_notes
+
+    if args.dry_run:
+        return dry_run(args)
+    return run_reporting(args, lambda: _convert(args), lambda res: convert_json(res, args.src, *split_notes(res.inferred)))
+
+
+def _options(args: argparse.Namespace):
+    """ConvertOptions from the command line (the announce line goes to stdout, i.e. with the human text)."""
     from bridge.units import parse_size
+    from converters.megatron.convert import ConvertOptions
+
+    budget = parse_size(args.budget) if args.budget is not None else None
+    return ConvertOptions(workers=args.workers, budget=budget, force=args.force, hints=hints_from(args),
+                          announce=lambda line: print(line, flush=True))
+
+
+def _locate(args: argparse.Namespace) -> None:
+    """SRC / DST as locations (an unknown scheme refused in one line), SRC's iteration from a run directory."""
     from bridge.location import location
-    from converters.megatron.convert import ConvertOptions, convert
     from converters.megatron.rundir import locate_megatron_dir
 
     # before anything looks at them: an unknown scheme is refused in one line, never taken for a local path
@@ -118,9 +143,14 @@ def run(args: argparse.Namespace) -> int:
     if found.note:
         print(found.note)
     args.src = found.path
-    budget = parse_size(args.budget) if args.budget is not None else None
-    opts = ConvertOptions(workers=args.workers, budget=budget, force=args.force, hints=hints_from(args),
-                          announce=lambda line: print(line, flush=True))
+
+
+def _convert(args: argparse.Namespace):
+    from converters.megatron.convert import convert
+    from converters.megatron.fact_sources import split_notes
+
+    _locate(args)
+    opts = _options(args)
     if args.orbax_manager:
         from bridge.location import is_remote
         from bridge.store.manager import write_step
@@ -135,6 +165,43 @@ def run(args: argparse.Namespace) -> int:
     print(f"converted {args.src} ({res.source_format}, TP={lay['tp']} GTP={lay['gtp']} DP={lay['dp']} "
           f"EP={lay['ep']}, step {res.step}) -> {res.dst}: {res.params} params, {res.arrays} arrays, "
           f"{res.bytes / 2**20:.1f} MiB")
-    if res.inferred:
-        print("inferred: " + ", ".join(res.inferred))
+    given, inferred = split_notes(res.inferred)
+    if given:
+        print("given: " + ", ".join(given))
+    if inferred:
+        print("inferred: " + ", ".join(inferred))
+    return res
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """`convert --dry-run`: plan from SRC's metadata, print it; nothing is written or claimed."""
+    import contextlib
+    import sys
+
+    from bridge.commands.summary import dry_run_json, emit, print_dry_run
+    from bridge.location import absolute, is_remote, join
+    from bridge.store.claim import check_destination_free, check_sources
+    from converters.megatron.convert import plan_conversion
+    from converters.megatron.fact_sources import fact_sources
+
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        _locate(args)
+        cp = plan_conversion(args.src, _options(args))
+    dst = absolute(args.dst)
+    if args.orbax_manager:  # the step directory the real run would commit (Orbax's default item name)
+        from bridge.errors import BridgeError
+        from bridge.store.manager import ITEM
+
+        if cp.step is None:
+            raise BridgeError("the checkpoint records no step, so it cannot become a step of an Orbax "
+                              "CheckpointManager root; write it to a plain directory instead")
+        dst = join(dst, str(cp.step), ITEM)
+    check_destination_free(dst)
+    if not is_remote(dst):
+        check_sources(dst, [args.src])
+    rep = dry_run_json(cp, args.src, dst, fact_sources(cp.src, cp.hints))
+    if args.json:
+        emit(rep)
+    else:
+        print_dry_run(rep, sys.stdout)
     return 0

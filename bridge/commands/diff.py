@@ -23,10 +23,10 @@ from bridge.inspect.stream import DEFAULT_BUDGET, stream_diff
 from bridge.progress import progress
 
 EPILOG = """examples:
-  gtp-bridge diff before/ after/                 exact comparison (NaN == NaN; -0.0 vs 0.0 noted)
-  gtp-bridge diff torch_rt/ jax_rt/ --ulp 4      allow 4 ulp per element
+  gtp-bridge diff before/ after/                 # exact comparison (NaN == NaN; -0.0 vs 0.0 noted)
+  gtp-bridge diff torch_rt/ jax_rt/ --ulp 4      # allow 4 ulp per element
   gtp-bridge diff a/ b/ --atol 1e-6 --json --only 'params/*'
-  gtp-bridge diff a/ b/ --all                    every array's row, equal ones too
+  gtp-bridge diff a/ b/ --all                    # every array's row, equal ones too
 exit status: 0 within tolerance, 1 beyond it (or arrays missing / shape or dtype differ), 2 bad input
 """
 

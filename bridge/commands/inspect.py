@@ -16,8 +16,8 @@ from bridge.inspect.stream import DEFAULT_BUDGET, stream_stats
 from bridge.progress import progress
 
 EPILOG = """examples:
-  gtp-bridge inspect ckpt/                      arrays, shapes, dtypes, chunking, provenance
-  gtp-bridge inspect ckpt/ --stats --budget 512M   + min/max/mean/RMS/zeros/NaN/Inf per array, streamed
+  gtp-bridge inspect ckpt/                         # arrays, shapes, dtypes, chunking, provenance
+  gtp-bridge inspect ckpt/ --stats --budget 512M   # + min/max/mean/RMS/zeros/NaN/Inf per array, streamed
   gtp-bridge inspect ckpt/ --json --only 'opt_state/0/nu/*' --stats | jq .arrays
 """
 

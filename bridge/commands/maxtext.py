@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 TO_EPILOG = """examples:
-  gtp-bridge to-maxtext logical_ckpt/ maxtext_run/checkpoints          # MaxText resumes with run_name=maxtext_run
-  gtp-bridge to-maxtext logical_ckpt/ ckpts --decoder-block llama2    # MaxText's llama2 block: query scale folded
+  gtp-bridge to-maxtext logical_ckpt/ mt/myrun/checkpoints              # MaxText resumes with run_name=myrun
+  gtp-bridge to-maxtext logical_ckpt/ mt/l2/checkpoints --decoder-block llama2   # query scale folded
 
 The step directory is <ROOT>/<step - 1> (MaxText's naming: the last step index taken) holding
-items/ (MaxText's train state: params, adamw state, step) and gtp_bridge_maxtext.json. The printed
-key=value overrides make MaxText build this model and optimizer (pass them on its command line with
-base_output_directory/run_name so that its checkpoint_dir is ROOT). --decoder-block qwen2 (default)
+items/ (MaxText's train state: params, adamw state, step) and gtp_bridge_maxtext.json. It prints
+MaxText's command that resumes from it, as one line that runs as printed (base_output_directory and
+run_name make MaxText's checkpoint_dir ROOT, so ROOT is <dir>/<run>/checkpoints; the key=value
+settings build this model and optimizer, shell-quoted), and the settings to append for a one-step
+try on a CPU. --decoder-block qwen2 (default)
 is MaxText's llama layer with the attention's 1/sqrt(head_dim) applied in the op: the state is
 carried over exactly. llama2 folds it into the query kernel and its moments (forward exact, the
 Adam trajectory is not). docs/maxtext.md has the mapping table.
@@ -76,9 +79,25 @@ def run_to(args: argparse.Namespace) -> int:
     if args.overrides_json:
         with open(args.overrides_json, "w") as f:
             json.dump(w.overrides, f, indent=1)
-    print("MaxText overrides: " + " ".join(f"{k}={json.dumps(v) if isinstance(v, (list, bool)) else v}"
-                                           for k, v in w.overrides.items()))
+    print_command(os.path.dirname(w.step_dir), w.overrides, w.step)
     return 0
+
+
+def print_command(root: str, overrides: dict, step: int) -> None:
+    """MaxText's command resuming from `root`, one line that runs as printed, and the CPU try's settings."""
+    from bridge.jaxside.presets.maxtext_command import maxtext_command, quoted
+
+    cmd = maxtext_command(root, overrides, step)
+    if cmd is None:
+        print(f"gtp-bridge: note: MaxText resumes only from <base_output_directory>/<run_name>/checkpoints, and "
+              f"{root} is not named so; write to such a root (e.g. {os.path.join(root, 'myrun', 'checkpoints')}) "
+              f"to get the command that resumes it", file=sys.stderr)
+        print("MaxText settings: " + quoted(overrides))
+        return
+    print(f"MaxText resumes at step {step} with this command (in MaxText's Python environment, as printed):")
+    print(cmd.command)
+    print("For a local try on a CPU (one step, MaxText's synthetic data), append to it:")
+    print(cmd.cpu_settings)
 
 
 def run_from(args: argparse.Namespace) -> int:

@@ -7,10 +7,15 @@ import argparse
 from bridge.commands.convert import add_split_flags
 from bridge.format.scheduler_args import add_scheduler_flags, given_args
 
+#: the megatron-core releases --megatron-core offers: those that load a format to-megatron writes
+#: (converters.megatron.write.RELEASES; tests/test_cli_help.py keeps the two in step)
+RELEASES = ["0.15", "0.16", "0.19"]
+
 EPILOG = """examples:
   gtp-bridge to-megatron ckpt/logical runs/gpt_tp2 --tp 2 --dp 4          # -> runs/gpt_tp2/iter_<step>
   gtp-bridge to-megatron ckpt/logical runs/gpt_tp2/iter_0001000 --tp 2    # the same, naming the iteration
   gtp-bridge to-megatron ckpt/logical out --tp 1 --gtp 2 --format dp_reshardable
+  gtp-bridge to-megatron ckpt/logical out --tp 2 --json | jq .run_dir     # the summary as one JSON object
 
 The run directory gets iter_<step, 7 digits>/ and latest_checkpointed_iteration.txt (set last, atomically),
 so Megatron-LM's --load <run directory> resumes at that step; other iterations there are kept.
@@ -39,9 +44,9 @@ def add_parser(sub) -> None:
                         "dp_reshardable writes one buffer per chunk)")
     p.add_argument("--format", dest="fmt", default="fully_reshardable",
                    choices=["fully_reshardable", "dp_reshardable"], help="optimizer format (default fully_reshardable)")
-    p.add_argument("--megatron-core", dest="release", default="0.19", choices=["0.14", "0.15", "0.16", "0.19"],
-                   help="release that will load DST (default 0.19): 0.15 / 0.16 read the common state from common.pt; "
-                        "0.14 loads no format to-megatron writes (refused)")
+    p.add_argument("--megatron-core", dest="release", default="0.19", choices=RELEASES, type=_release,
+                   help="release that will load DST (default 0.19): 0.15 / 0.16 read the common state from common.pt "
+                        "(0.14 loads none of the formats to-megatron writes)")
     p.add_argument("--pad-for-alignment", type=int, help="GTP pad_for_alignment of the target run (default: source's, else 16)")
     p.add_argument("--bucket-size", type=int, help="DDP bucket size in elements (dp_reshardable; default one bucket)")
     p.add_argument("--budget", help="host memory for data in flight, e.g. 512M, 2G (default: a quarter of the "
@@ -54,10 +59,26 @@ def add_parser(sub) -> None:
     p.add_argument("--weights-from-masters", action="store_true",
                    help="write the bf16 weights as bf16(fp32 masters) instead of the stored model arrays "
                         "(the default when the checkpoint has none)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout (what was written); other lines go to stderr")
     p.set_defaults(func=run)
 
 
+def _release(text: str) -> str:
+    """--megatron-core's value; 0.14, which --help does not offer, is refused with the reason."""
+    if text == "0.14":
+        raise argparse.ArgumentTypeError("megatron-core 0.14 does not load the formats to-megatron writes "
+                                         "(fully_reshardable, dp_reshardable); load with 0.15 or later")
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
+    from bridge.commands.summary import run_reporting, to_megatron_json
+
+    return run_reporting(args, lambda: _write(args), to_megatron_json)
+
+
+def _write(args: argparse.Namespace) -> dict:
     from bridge.errors import BridgeError
     from bridge.units import human_bytes, parse_size
     from converters.megatron.write import MegatronTarget, to_megatron
@@ -90,4 +111,4 @@ def run(args: argparse.Namespace) -> int:
     sched = {"built": "built from the scheduler arguments given", "carried": "carried from SRC",
              None: "none (--no-scheduler: Megatron-LM loads it only with --no-load-optim or --finetune)"}
     print(f"keys: {args.key_convention}; LR-scheduler state: {sched[res['scheduler']]}")
-    return 0
+    return res

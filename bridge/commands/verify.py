@@ -15,14 +15,24 @@ def add_parser(sub) -> None:
                                    "compare it with the recorded shapes, dtypes and digests; check the metadata "
                                    "checksum. Exit 0 intact, 1 damaged (data or metadata), 2 bad usage (DIR is "
                                    "not a checkpoint directory).",
-                       epilog="example:\n  gtp-bridge verify logical_ckpt/",
+                       epilog="examples:\n  gtp-bridge verify logical_ckpt/\n"
+                              "  gtp-bridge verify logical_ckpt/ --json | jq .damaged     # one JSON object",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", help="checkpoint directory")
     p.add_argument("--threads", type=int, default=None, help="parallel reads (default: 2 per CPU, 4..32)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout (ok, arrays checked, damaged arrays); other lines go to stderr")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from bridge.commands.summary import run_reporting, verify_json
+
+    return run_reporting(args, lambda: _verify(args), lambda res: verify_json(args.dir, res),
+                         lambda res: 0 if res.ok else 1)
+
+
+def _verify(args):
     if args.threads is not None and args.threads < 1:
         raise BridgeError(f"--threads must be >= 1, got {args.threads}")
     res = verify_checkpoint(args.dir, threads=args.threads)
@@ -33,7 +43,7 @@ def run(args) -> int:
     if res.ok:
         note = "" if res.has_manifest else " (no gtp-bridge manifest: read check only, no digests)"
         print(f"OK: {res.checked} arrays intact{note}")
-        return 0
+        return res
     print(f"{len(res.damaged)} of {res.checked} arrays damaged" +
           (", metadata damaged" if res.metadata_problems else ""), file=sys.stderr)
-    return 1
+    return res

@@ -108,6 +108,24 @@ class WritePlan:
     def total_bytes(self) -> int:
         return sum(a.spec.nbytes for a in self.arrays.values())
 
+    def stored_bytes(self) -> int | None:
+        """Bytes TensorStore will store for every array's chunks (None when compressed: unknowable before).
+
+        zarr3 `sharding_indexed`, data equal to the fill value stored too: each outer chunk (shard)
+        holds every inner chunk that reaches into the array, whole (zarr pads edge chunks) plus its
+        crc32c, then an index of 16 bytes per inner-chunk slot and the index's crc32c. Excludes
+        `zarr.json`, OCDBT's B-tree nodes and the checkpoint's metadata files.
+
+        >>> p = make_write_plan([ArraySpec(("params", "w"), (5, 2), "float32")], 1, inner_chunk_bytes=16)
+        >>> p.lookup(("params", "w")).ownership.chunk_shape, p.lookup(("params", "w")).inner_chunk_shape
+        ((5, 2), (1, 2))
+        >>> p.stored_bytes()  # 5 inner chunks of 8 bytes + 4 (crc) each, an index of 5 x 16 + 4
+        144
+        """
+        if self.compression:
+            return None
+        return sum(_stored_bytes(a, self.checksum) for a in self.arrays.values())
+
     def bytes_of_writer(self, writer: int) -> int:
         """Logical bytes writer `writer` owns (for balance reports)."""
         total = 0
@@ -115,6 +133,26 @@ class WritePlan:
             for box in a.ownership.boxes_owned_by(writer):
                 total += box.size * a.spec.itemsize
         return total
+
+
+def _stored_bytes(a: ArrayPlan, checksum: bool) -> int:
+    """`WritePlan.stored_bytes` of one uncompressed array (per axis: shards' inner chunks summed)."""
+    inner, outer, shape = a.inner_chunk_shape, a.ownership.chunk_shape, a.spec.shape
+    present = shards = slots = 1
+    for s, o, i in zip(shape, outer, inner):
+        extents = [min(o, s - start) for start in range(0, s, o)]
+        present *= sum(-(-e // i) for e in extents)
+        shards *= len(extents)
+        slots *= o // i
+    chunk = a.spec.itemsize * _prod(inner) + (4 if checksum else 0)
+    return present * chunk + shards * (16 * slots + 4)
+
+
+def _prod(xs: Sequence[int]) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
 
 
 def make_write_plan(catalog: Sequence[ArraySpec], num_writers: int,

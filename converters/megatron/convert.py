@@ -857,17 +857,35 @@ def budget_line(workers: int, budget: int, asked: int | None = None) -> str:
 
 
 
-def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> ConvertResult:
-    """Convert a torch_dist checkpoint at `src_dir` into a logical checkpoint at `dst`."""
-    src_dir, dst = location(src_dir, "source"), location(dst, "destination")
+@dataclass
+class ConversionPlan:
+    """Everything `convert` decides before writing a byte (what `convert --dry-run` shows)."""
+
+    ck: DcpCheckpoint
+    src: SourceCheckpoint
+    hints: Hints
+    groups: list[list[dict]]
+    step: int | None
+    units: list[Unit]
+    asked_workers: int | None     # --workers as given (None: the default was used)
+    workers: int
+    budget: int
+    share: int
+    blocks: list[Block]
+    owners: list[int]
+    plan: WritePlan
+    manifest: Manifest
+
+    @property
+    def total_bytes(self) -> int:
+        """Logical bytes of every array (what the workers read and hand to TensorStore)."""
+        return sum(u.nbytes for u in self.units)
+
+
+def plan_conversion(src_dir: str, opts: ConvertOptions | None = None) -> ConversionPlan:
+    """Read `src_dir`'s metadata and plan its conversion: no byte written, nothing claimed."""
     opts = opts or ConvertOptions()
     hints = opts.hints or Hints()
-    dst = absolute(dst)
-    check_destination_free(dst)  # s3:// / gs:// too (bridge.store.remote.check_remote_free)
-    if not is_remote(dst):
-        check_sources(dst, [src_dir])
-    t_start = time.perf_counter()
-    timings: dict[str, float] = {}
     asked_workers = default_workers() if opts.workers is None else opts.workers
     if asked_workers < 1:
         raise BridgeError(f"--workers must be >= 1, got {asked_workers}")
@@ -891,8 +909,25 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     owners = assign_blocks(blocks, workers)
     plan = make_plan(units, blocks, owners, chunks, workers)
     manifest = build_manifest(src, units, step, groups)
+    return ConversionPlan(ck, src, hints, groups, step, units, opts.workers, workers, budget, share, list(blocks),
+                          list(owners), plan, manifest)
+
+
+def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> ConvertResult:
+    """Convert a torch_dist checkpoint at `src_dir` into a logical checkpoint at `dst`."""
+    src_dir, dst = location(src_dir, "source"), location(dst, "destination")
+    opts = opts or ConvertOptions()
+    dst = absolute(dst)
+    check_destination_free(dst)  # s3:// / gs:// too (bridge.store.remote.check_remote_free)
+    if not is_remote(dst):
+        check_sources(dst, [src_dir])
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    cp = plan_conversion(src_dir, opts)
+    ck, src, step, units, workers, budget, share = cp.ck, cp.src, cp.step, cp.units, cp.workers, cp.budget, cp.share
+    blocks, owners, plan, manifest, total_bytes = cp.blocks, cp.owners, cp.plan, cp.manifest, cp.total_bytes
     if opts.announce is not None:
-        opts.announce(budget_line(workers, budget, asked_workers))
+        opts.announce(budget_line(workers, budget, cp.asked_workers))
     suspect = is_defect_suspect(src)
     warnings: list[str] = []
     # The claim makes DST this run's alone; leaving the block by an error, Ctrl-C or SIGTERM removes

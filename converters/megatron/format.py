@@ -158,9 +158,9 @@ class SourceCheckpoint:
 
     @property
     def format_label(self) -> str:
-        if self.fmt == "fully_reshardable" and self.legacy:
-            return "legacy_padded_gtp"
-        return self.fmt
+        """The optimizer format, and 0.19.2's padded GTP grid when the weights are stored in it (two facts
+        of one save: a GTP `fully_reshardable` save is both)."""
+        return f"{self.fmt} (0.19.2 padded GTP grid)" if self.legacy else self.fmt
 
 
 @dataclass
