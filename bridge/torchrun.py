@@ -16,6 +16,7 @@ under another, so rank 0 can show every rank's bytes while they write without an
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -31,6 +32,9 @@ from bridge.errors import BridgeError
 #: sockets close, or torchrun stops the others)
 COLLECTIVE_TIMEOUT_S = 6 * 3600
 _NEEDED = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+#: a private test seam: "<rank>:<action>" makes that rank fail once its share is written, before the
+#: ranks meet ("error": a BridgeError; "kill": SIGKILL of the rank itself)
+_TESTING_FAULT_ENV = "_GTPB_TESTING_RANK_FAULT"
 
 
 def launched_world(environ: Mapping[str, str] = os.environ) -> int:
@@ -194,3 +198,14 @@ class _Adder:
 
     def update(self, n: int = 1) -> None:
         self.counter.add(n)
+
+
+def _testing_fault(rank: int, environ: Mapping[str, str] = os.environ) -> None:
+    """The private seam (`_TESTING_FAULT_ENV`): fail this rank at a known point, for the tests."""
+    spec = environ.get(_TESTING_FAULT_ENV, "")
+    at, _, action = spec.partition(":")
+    if not spec or at != str(rank):
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise BridgeError(f"testing fault on rank {rank}")

@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
                                                   loss_in_split=bool(args.loss_in_split), vpp=args.vpp),
                       budget=parse_size(args.budget) if args.budget else None, workers=args.workers,
                       weights_from_masters=args.weights_from_masters)
+    if res.get("rank", 0) != 0:  # under torchrun rank 0 reports for every rank
+        return 0
     lay = res["layout"]
     prev = res["tracker_previous"]
     print(f"wrote {res['dst']} ({res['format']}, TP={lay['tp']} GTP={lay['gtp']} DP={lay['dp']} EP={lay['ep']} "
@@ -75,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
         "stored weights, each checked equal to bf16(its fp32 master)"
     print(f"weights: {how}; budget {human_bytes(res['budget'])}, {res['workers']} workers; read "
           f"{res['elements_read']:,} elements for {res['elements_needed']:,} needed")
+    if res.get("ranks"):
+        from converters.megatron.distributed import rank_summary
+
+        print(rank_summary(res["ranks"], res["seconds"]))
     if not res["scheduler"]:  # load_checkpoint reads state_dict['opt_param_scheduler'] with the optimizer
         print("note: SRC records no Megatron LR-scheduler state, so none was written; Megatron-LM's --load of it "
               "needs --no-load-optim (or --finetune)")

@@ -22,7 +22,6 @@ final report (bytes, seconds, per-rank skew) is gathered there too.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from contextlib import ExitStack
@@ -33,16 +32,11 @@ from bridge.location import basename, is_remote
 from bridge.progress import progress
 from bridge.store.claim import claim_destination, hold_claim
 from bridge.store.commit import commit_checkpoint
-from bridge.torchrun import Ranks, command_ranks
+from bridge.torchrun import Ranks, _testing_fault, command_ranks
 from bridge.units import human_bytes
 from converters.megatron.cache import check_records
 from converters.megatron.convert import (ConvertOptions, ConvertPlan, ConvertResult, budget_line, plan_conversion,
                                          write_share)
-
-#: a private test seam: "<rank>:<action>" makes that rank fail once its writers are done, before
-#: the ranks meet ("error": a BridgeError; "kill": SIGKILL of the rank itself)
-_TESTING_FAULT_ENV = "_GTPB_TESTING_RANK_FAULT"
-
 
 def convert_ranks(src_dir: str, dst: str, opts: ConvertOptions, budget: int, asked_workers: int) -> ConvertResult:
     """`convert` as one rank of a torchrun launch (every rank calls it alike); see the module doc."""
@@ -130,21 +124,10 @@ def _write(ranks: Ranks, cp: ConvertPlan, tmp: str, dst: str, opts: ConvertOptio
             ranks.counter.watch(bar) as update:
         results = write_share(cp, tmp, writers, opts.force, update, timings)
     check_records([r[2] for r in results], window=min(cp.share, 8 << 20))
-    _testing_fault(rank, os.environ)
+    _testing_fault(rank)
     return {"rank": rank, "writers": len(writers), "bytes": sum(b.nbytes for w in writers for b in cp.blocks_of(w)),
             "read": sum(r[1] for r in results), "seconds": round(time.perf_counter() - t0, 3),
             "warnings": [f"rank {rank}: {w}" for r in results for w in r[0]]}
-
-
-def _testing_fault(rank: int, environ: Mapping[str, str]) -> None:
-    """The private seam (`_TESTING_FAULT_ENV`): fail this rank at a known point, for the tests."""
-    spec = environ.get(_TESTING_FAULT_ENV, "")
-    at, _, action = spec.partition(":")
-    if not spec or at != str(rank):
-        return
-    if action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise BridgeError(f"testing fault on rank {rank}")
 
 
 def ranks_line(world: int, cp: ConvertPlan, budget: int, asked: int) -> str:
