@@ -63,6 +63,22 @@ def launched_world(environ: Mapping[str, str] = os.environ) -> int:
     return world
 
 
+def host_ranks(environ: Mapping[str, str] = os.environ) -> int:
+    """Ranks of the launch on this host (torchrun's LOCAL_WORLD_SIZE; 1 without a launch): the
+    defaults that size themselves from the host (memory budget, worker count) take 1/host_ranks each.
+
+    >>> host_ranks({}), host_ranks({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "RANK": "5", "MASTER_ADDR": "h",
+    ...                                "MASTER_PORT": "1"})
+    (1, 4)
+    """
+    if launched_world(environ) == 1:
+        return 1
+    try:
+        return max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 @dataclass
 class Ranks:
     """This process's place in a torchrun launch: the coordinator and the progress counter."""

@@ -12,6 +12,7 @@ SIGTERM the workers are killed and the temporary directory is removed.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Callable
@@ -32,7 +33,7 @@ from bridge.format.scheduler import SchedulerRecord
 from bridge.progress import progress
 from bridge.store.claim import check_destination_free, check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
-from bridge.torchrun import launched_world
+from bridge.torchrun import host_ranks, launched_world
 from bridge.format.manifest import (MEGATRON_KEY, Manifest, MegatronParam, MegatronRecord, OptimizerConfig,
                                     SourceLayout)
 from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_DTYPE, SCALAR_PATHS, STATE_ROLE,
@@ -907,10 +908,13 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
         check_sources(dst, [src_dir])
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
-    asked_workers = default_workers() if opts.workers is None else opts.workers
+    # under torchrun the host's cores and memory are shared by its ranks (bridge.torchrun.host_ranks)
+    on_host = host_ranks()
+    asked_workers = default_workers((os.cpu_count() or 1) // on_host) if opts.workers is None else opts.workers
     if asked_workers < 1:
         raise BridgeError(f"--workers must be >= 1, got {asked_workers}")
-    budget = default_budget(asked_workers, mem_available()) if opts.budget is None else opts.budget
+    free = mem_available()
+    budget = default_budget(asked_workers, free and free // on_host) if opts.budget is None else opts.budget
     if budget < (64 << 10):
         raise BridgeError(f"--budget must be at least 64k, got {budget} bytes")
     if launched_world() > 1:

@@ -47,7 +47,7 @@ from bridge.progress import progress
 from bridge.store.claim import claim_destination
 from bridge.store.remote import claim_remote
 from bridge.store.durable import fsync_path
-from bridge.torchrun import launched_world
+from bridge.torchrun import host_ranks, launched_world
 from bridge.format.manifest import Manifest, MegatronRecord
 from bridge.format import schema
 from bridge.format.schema import COUNT_PATH, MODEL, OPTIMIZER_ROLES, PARAMS, STEP_PATH, has_role, split_role
@@ -527,8 +527,9 @@ def plan_megatron(src: str, dst: str, target: MegatronTarget, budget: int | None
     """Check the request and the checkpoint, and plan every file's work (no output written)."""
     src, dst = location(src, "source"), location(dst, "destination")
     require("to-megatron", "torch")
-    budget = int(budget or default_budget())
-    workers = int(workers or default_workers())
+    on_host = host_ranks()  # under torchrun the host's memory and cores are shared by its ranks
+    budget = int(budget or default_budget() // on_host)
+    workers = int(workers or default_workers((os.cpu_count() or 1) // on_host))
     if target.fmt not in FORMATS:
         raise BridgeError(f"unknown --format {target.fmt!r}; use one of {list(FORMATS)}")
     if target.release not in RELEASES:
@@ -616,8 +617,7 @@ def publish_iteration(claim: Any, index: DcpIndex, remote: bool) -> None:
 
 
 def take_back(mp: MegatronPlan, published: bool, created_run: bool) -> None:
-    """After a failure: remove a published iteration whose tracker could not be set (the command
-    failed), and the run directory this run created if it is left empty."""
+    """After a failure: remove a published iteration (its tracker was not set), and an emptied new run dir."""
     if published and mp.remote:
         from bridge.store import kvstore
 
