@@ -237,6 +237,26 @@ def test_to_megatron_under_torchrun_writes_what_one_process_writes(source, refer
 
 
 @pytest.mark.slow
+def test_to_megatron_to_s3_under_torchrun_converts_back(source, reference, tmp_path):
+    """Ranks upload their own `__<i>_<j>.distcp` objects; rank 0 `.metadata` last, then the tracker."""
+    from converters.megatron.convert import ConvertOptions, convert
+    from servers import remote_servers
+
+    d, _ = source
+    with remote_servers() as servers:
+        s3 = servers["s3"]
+        url = s3.url("torchrun34/meg")
+        _ok(torchrun(2, "to-megatron", str(d / "ref"), url, "--tp", "2", "--workers", "2", "--budget", "256k"))
+        keys = s3.list_keys("torchrun34/meg/")
+        assert "torchrun34/meg/iter_0000003/.metadata" in keys and \
+            "torchrun34/meg/latest_checkpointed_iteration.txt" in keys, keys
+        assert any(k.startswith("torchrun34/meg/iter_0000003/__3_") for k in keys), keys   # rank 1's second file
+        back = str(tmp_path / "back")
+        convert(url, back, ConvertOptions(workers=1))
+    assert_same_arrays(plain_arrays(back), reference)
+
+
+@pytest.mark.slow
 def test_to_megatron_failing_rank_publishes_nothing(source, tmp_path):
     d, _ = source
     run = str(tmp_path / "run")
