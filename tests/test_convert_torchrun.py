@@ -270,7 +270,6 @@ def test_to_megatron_failing_rank_publishes_nothing(source, tmp_path):
 
 
 def _main(src: str, dst: str) -> None:  # pragma: no cover - a rank of test_two_ranks_of_two_writer_processes
-    from bridge.commands.convert import run as _unused  # noqa: F401 (the CLI module imports cleanly here)
     from converters.megatron.convert import ConvertOptions, convert
     from converters.megatron.distributed import rank_summary
 
