@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from bridge.errors import BridgeError
+
 
 EPILOG = """examples:
   gtp-bridge convert runs/gpt/iter_0001000 ckpt/logical
@@ -153,6 +155,11 @@ def _convert(args: argparse.Namespace):
     opts = _options(args)
     if args.orbax_manager:
         from bridge.location import is_remote
+        from bridge.torchrun import launched_world
+
+        if launched_world() > 1:
+            raise BridgeError("--orbax-step-dir is not supported under torchrun yet; convert to a plain DST, or "
+                              "run one process")
         from bridge.store.manager import write_step
 
         # On object storage the step prefix is written in place: its number is needed before writing.
@@ -161,6 +168,8 @@ def _convert(args: argparse.Namespace):
         res.dst = step_dir
     else:
         res = convert(args.src, args.dst, opts)
+    if res.rank != 0:  # under torchrun rank 0 reports for every rank
+        return 0
     lay = res.layout
     print(f"converted {args.src} ({res.source_format}, TP={lay['tp']} GTP={lay['gtp']} DP={lay['dp']} "
           f"EP={lay['ep']}, step {res.step}) -> {res.dst}: {res.params} params, {res.arrays} arrays, "
@@ -170,6 +179,10 @@ def _convert(args: argparse.Namespace):
         print("given: " + ", ".join(given))
     if inferred:
         print("inferred: " + ", ".join(inferred))
+    if res.ranks:
+        from converters.megatron.distributed import rank_summary
+
+        print(rank_summary(res.ranks, sum(res.timings.values())))
     return res
 
 

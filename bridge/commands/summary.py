@@ -50,7 +50,7 @@ def convert_json(res: Any, src: str, given: list[str], inferred: list[str]) -> d
 
 
 def dry_run_json(cp: Any, src: str, dst: str, facts: list[Any]) -> dict[str, Any]:
-    """`convert --dry-run`: the plan (`converters.megatron.convert.ConversionPlan`), the facts with their
+    """`convert --dry-run`: the plan (`converters.megatron.convert.ConvertPlan`), the facts with their
     sources, and the bytes the conversion would write."""
     arrays = []
     for name, ap in cp.plan.arrays.items():

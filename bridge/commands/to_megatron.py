@@ -97,6 +97,8 @@ def _write(args: argparse.Namespace) -> dict:
                                                   require_scheduler=not args.no_scheduler),
                       budget=parse_size(args.budget) if args.budget else None, workers=args.workers,
                       weights_from_masters=args.weights_from_masters)
+    if res.get("rank", 0) != 0:  # under torchrun rank 0 reports for every rank
+        return 0
     lay = res["layout"]
     prev = res["tracker_previous"]
     print(f"wrote {res['dst']} ({res['format']}, TP={lay['tp']} GTP={lay['gtp']} DP={lay['dp']} EP={lay['ep']} "
@@ -108,6 +110,10 @@ def _write(args: argparse.Namespace) -> dict:
         "stored weights, each checked equal to bf16(its fp32 master)"
     print(f"weights: {how}; budget {human_bytes(res['budget'])}, {res['workers']} workers; read "
           f"{res['elements_read']:,} elements for {res['elements_needed']:,} needed")
+    if res.get("ranks"):
+        from converters.megatron.distributed import rank_summary
+
+        print(rank_summary(res["ranks"], res["seconds"]))
     sched = {"built": "built from the scheduler arguments given", "carried": "carried from SRC",
              None: "none (--no-scheduler: Megatron-LM loads it only with --no-load-optim or --finetune)"}
     print(f"keys: {args.key_convention}; LR-scheduler state: {sched[res['scheduler']]}")

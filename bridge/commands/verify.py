@@ -35,7 +35,12 @@ def run(args) -> int:
 def _verify(args):
     if args.threads is not None and args.threads < 1:
         raise BridgeError(f"--threads must be >= 1, got {args.threads}")
-    res = verify_checkpoint(args.dir, threads=args.threads)
+    from bridge.torchrun import command_ranks
+
+    with command_ranks(f"verify {args.dir}") as ranks:  # under torchrun: each rank reads a share
+        res = verify_checkpoint(args.dir, threads=args.threads, coordinator=ranks.coord if ranks else None)
+        if ranks is not None and ranks.rank != 0:  # rank 0 reports for every rank, all exit alike
+            return 0 if res.ok else 1
     for problem in res.metadata_problems:
         print(f"DAMAGED metadata: {problem}")
     for name, why in sorted(res.damaged.items()):

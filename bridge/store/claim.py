@@ -435,11 +435,27 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
+def _rmtree_claim_last(path: str) -> None:
+    """rmtree of a temp directory, its claim file last: a removal cut short (a second signal, as
+    torchrun's SIGTERM landing in rank 0's cleanup after a peer died) leaves a claim a later run can
+    prove stale, never a directory without one, which no run may touch."""
+    with os.scandir(path) as it:
+        names = [e.name for e in it if e.name != CLAIM_FILE]
+    for name in names:
+        p = os.path.join(path, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        else:
+            _remove_quietly(p)
+    _remove_quietly(os.path.join(path, CLAIM_FILE))
+    os.rmdir(path)
+
+
 def _rmtree_retry(path: str, attempts: int = 5) -> None:
     """rmtree that tolerates files still appearing (in-flight writes of a dying run)."""
     for i in range(attempts):
         try:
-            shutil.rmtree(path)
+            _rmtree_claim_last(path)
             return
         except FileNotFoundError:
             return

@@ -20,7 +20,9 @@ from typing import Sequence
 
 import numpy as np
 
+from bridge.dist import Coordinator, LocalCoordinator
 from bridge.errors import IntegrityError
+from bridge.layout.shares import contiguous_parts
 from bridge.layout.boxes import Box
 from bridge.progress import progress
 from bridge.store import digest as dg
@@ -120,8 +122,13 @@ def digest_threads(reads: int) -> int:
 
 
 def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int = READ_BLOCK_BYTES,
-                      show_progress: bool | None = None, digests: bool = True) -> VerifyResult:
+                      show_progress: bool | None = None, digests: bool = True,
+                      coordinator: Coordinator | None = None) -> VerifyResult:
     """Re-read every array once, in parallel; compare with the manifest (shape, dtype, digest).
+
+    With a `coordinator` of several ranks (`verify` under torchrun) each rank reads a contiguous
+    share of the blocks and every rank returns the same result: the digests are sums, so the
+    ranks' partial digests of an array add up to the one a single reader computes.
 
     `threads`: blocks read at once (default `default_threads()`); as many reused buffers.
     `digests=False` reads every byte but computes no digest: it checks structure and readability only
@@ -150,8 +157,16 @@ def verify_checkpoint(path: str, *, threads: int | None = None, block_bytes: int
         problem = _check_info(ck, p, records.get(".".join(p)), expect, infos)
         if problem:
             res.damaged[path_str(p)] = problem
-    partial, failed, res.bytes_read = _read_all(ck, infos, threads or default_threads(), block_bytes, show_progress,
-                                                digests)
+    coord = coordinator or LocalCoordinator()
+
+    def read() -> tuple[dict, dict, int]:
+        return _read_all(ck, infos, threads or default_threads(), block_bytes,
+                         show_progress if coord.rank == 0 else False, digests, part=(coord.rank, coord.world))
+
+    if coord.world > 1:  # a rank's error reaches every rank (the coordinator), read failures travel as results
+        partial, failed, res.bytes_read = _merge_parts(coord.all_gather("verify", lambda: _part_json(*read())), infos)
+    else:
+        partial, failed, res.bytes_read = read()
     for p, why in failed.items():
         res.damaged[path_str(p)] = why
     for p, info in infos.items():
@@ -181,15 +196,19 @@ class _Block:
 
 
 def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
-              show_progress: bool | None, digests: bool = True) -> tuple[dict, dict, int]:
+              show_progress: bool | None, digests: bool = True, part: tuple[int, int] = (0, 1)) -> tuple[dict, dict, int]:
     """Read and digest every array's blocks: `threads` blocks read at once by TensorStore into reused
     buffers of block_bytes (memory ~threads x block_bytes, no block allocated and page-faulted anew);
     `digest_threads` workers digest blocks as their reads land, in large steps (few GIL round trips).
+    `part` = (rank, ranks): only this rank's contiguous share of the blocks (`contiguous_parts`).
     Returns (path -> partial digests, path -> first failure, bytes read)."""
     import tensorstore as ts
 
     jobs = [(p, box) for p, info in infos.items()
             for box in read_blocks(info.shape, info.chunk_shape, info.inner_chunk_shape, _itemsize(info), block_bytes)]
+    if part[1] > 1:
+        owner = contiguous_parts([_nbytes(infos, p, box) for p, box in jobs], part[1])
+        jobs = [j for j, o in zip(jobs, owner) if o == part[0]]
     partial: dict = {p: [] for p in infos}
     failed: dict = {}
     free: queue.SimpleQueue = queue.SimpleQueue()
@@ -229,7 +248,7 @@ def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
             nread += n
             bar.update(n)
 
-    with progress(sum(i.nbytes for i in infos.values()), "verify", enabled=show_progress) as bar, \
+    with progress(sum(_nbytes(infos, p, box) for p, box in jobs), "verify", enabled=show_progress) as bar, \
             ThreadPoolExecutor(digest_threads(threads), thread_name_prefix="verify") as pool:
         for p, box in jobs:
             if pending:
@@ -254,6 +273,24 @@ def _read_all(ck: Checkpoint, infos: dict, threads: int, block_bytes: int,
         while pending:
             collect(block=True)
     return partial, failed, nread
+
+
+def _part_json(partial: dict, failed: dict, nread: int) -> dict:
+    """One rank's share of `_read_all` as JSON: its digest sum per array, failures, bytes read."""
+    return {"digests": [[list(p), dg.to_hex(dg.combine(d))] for p, d in partial.items()],
+            "failed": [[list(p), why] for p, why in failed.items()], "read": nread}
+
+
+def _merge_parts(parts: list, infos: dict) -> tuple[dict, dict, int]:
+    """Every rank's `_part_json` back into `_read_all`'s result (a failure: the lowest rank's reason)."""
+    partial: dict = {p: [] for p in infos}
+    failed: dict = {}
+    for part in parts:
+        for p, d in part["digests"]:
+            partial[tuple(p)].append(int(d, 16))
+        for p, why in part["failed"]:
+            failed.setdefault(tuple(p), why)
+    return partial, failed, sum(part["read"] for part in parts)
 
 
 def _nbytes(infos: dict, p, box: Box) -> int:

@@ -12,12 +12,9 @@ SIGTERM the workers are killed and the temporary directory is removed.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import signal
 import sys
 import time
-import traceback
 from typing import Callable
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -36,6 +33,7 @@ from bridge.format.scheduler import SchedulerRecord
 from bridge.progress import progress
 from bridge.store.claim import check_destination_free, check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
+from bridge.torchrun import host_ranks, launched_world
 from bridge.format.manifest import (MEGATRON_KEY, Manifest, MegatronParam, MegatronRecord, OptimizerConfig,
                                     SourceLayout)
 from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_DTYPE, SCALAR_PATHS, STATE_ROLE,
@@ -48,6 +46,7 @@ from bridge.store.writer import CheckpointWriter
 from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
 from converters.megatron.object_layout import object_tensors
 from converters.megatron.cache import ChunkCache, check_records
+from converters.megatron.writer_procs import run_parallel
 from converters.megatron.format import (BUCKETED, Hints, SourceCheckpoint, _as_dict, bucket_space_flat_chunks, describe,
                                         merge_split_keys,
                                         optimizer_groups,
@@ -107,6 +106,9 @@ class ConvertResult:
     #: worker_start (spawn to the first worker at work, the slowest), worker_work (longest run),
     #: worker_exit (last result to every worker gone)
     timings: dict[str, float] = field(default_factory=dict)
+    #: under torchrun: this process's rank, and every rank's report (rank, writers, bytes, read, seconds)
+    rank: int = 0
+    ranks: list[dict] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -687,45 +689,6 @@ def fill_block(cache: ChunkCache, index: CopyIndex, unit: Unit, role: str, b: Bl
     return buf
 
 
-def die_with_parent() -> None:
-    """In a worker: be killed (SIGKILL) when the parent process dies, however it dies (Linux), and
-    leave SIGINT to the parent, which stops the workers and cleans up."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() == 1:  # the parent died before the death signal was armed
-        os._exit(1)
-
-
-def _worker_main(q, src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step) -> None:  # pragma: no cover - subprocess
-    die_with_parent()
-    try:
-        t0 = time.time()  # wall clock: the parent compares it with its own
-        res = run_blocks(src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step,
-                         on_progress=lambda n: q.put(("p", w, n)))
-        q.put(("t", w, (t0, time.time())))
-        q.put(("ok", w, res))
-        # Done: everything is on disk and the result in the queue's pipe. Leave without the
-        # interpreter's teardown (a collection over torch's and TensorStore's objects, module by
-        # module: seconds the parent would wait for in join()).
-        q.close()
-        q.join_thread()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    except BridgeError as e:
-        q.put(("err", w, f"writer {w}: {e}"))
-    except BaseException as e:  # noqa: BLE001 - report any crash as one line
-        q.put(("err", w, f"writer {w} crashed: {type(e).__name__}: {e}".splitlines()[0]))
-        traceback.print_exc(file=sys.stderr)
-
-
 # ---------------------------------------------------------------------------------------------
 # Manifest
 
@@ -858,40 +821,68 @@ def budget_line(workers: int, budget: int, asked: int | None = None) -> str:
 
 
 @dataclass
-class ConversionPlan:
-    """Everything `convert` decides before writing a byte (what `convert --dry-run` shows)."""
+class ConvertPlan:
+    """Everything planned before a byte is written (the same on every rank of a torchrun launch)."""
 
     ck: DcpCheckpoint
     src: SourceCheckpoint
-    hints: Hints
-    groups: list[list[dict]]
-    step: int | None
     units: list[Unit]
-    asked_workers: int | None     # --workers as given (None: the default was used)
-    workers: int
-    budget: int
-    share: int
     blocks: list[Block]
-    owners: list[int]
+    owners: list[int]       # writer of each block
     plan: WritePlan
     manifest: Manifest
+    workers: int            # writers in all (every rank's together)
+    per_rank: int           # writers each rank runs (the last ranks may run fewer, or none)
+    share: int              # budget bytes of one writer
+    step: int | None
+    groups: list
+    total_bytes: int
+    suspect: bool
+    hints: Hints | None = None
+    budget: int = 0                   # bytes, every writer of this process together
+    asked_workers: int | None = None  # --workers as given (None: the default was used)
 
-    @property
-    def total_bytes(self) -> int:
-        """Logical bytes of every array (what the workers read and hand to TensorStore)."""
-        return sum(u.nbytes for u in self.units)
+    def blocks_of(self, writer: int) -> list[Block]:
+        """The blocks writer `writer` assembles and writes, in plan order."""
+        return [b for b, w in zip(self.blocks, self.owners) if w == writer]
+
+    def writers_of(self, rank: int) -> list[int]:
+        """The writers rank `rank` runs: a contiguous run of ids, so a rank reads a compact part of the source.
+
+        >>> ConvertPlan(*[None] * 7, workers=5, per_rank=2, share=0, step=0, groups=[], total_bytes=0,
+        ...             suspect=False).writers_of(2)
+        [4]
+        """
+        return list(range(rank * self.per_rank, min(self.workers, (rank + 1) * self.per_rank)))
 
 
-def plan_conversion(src_dir: str, opts: ConvertOptions | None = None) -> ConversionPlan:
-    """Read `src_dir`'s metadata and plan its conversion: no byte written, nothing claimed."""
-    opts = opts or ConvertOptions()
-    hints = opts.hints or Hints()
-    asked_workers = default_workers() if opts.workers is None else opts.workers
+def resources(opts: ConvertOptions) -> tuple[int, int]:
+    """(budget bytes, writers asked) of this process: the options', else the defaults from the host's
+    cores and free memory, shared by the host's ranks under torchrun (`bridge.torchrun.host_ranks`)."""
+    on_host = host_ranks()
+    asked_workers = default_workers((os.cpu_count() or 1) // on_host) if opts.workers is None else opts.workers
     if asked_workers < 1:
         raise BridgeError(f"--workers must be >= 1, got {asked_workers}")
-    budget = default_budget(asked_workers, mem_available()) if opts.budget is None else opts.budget
+    free = mem_available()
+    budget = default_budget(asked_workers, free and free // on_host) if opts.budget is None else opts.budget
     if budget < (64 << 10):
         raise BridgeError(f"--budget must be at least 64k, got {budget} bytes")
+    return budget, asked_workers
+
+
+def plan_conversion(src_dir: str, opts: ConvertOptions | None = None, budget: int | None = None,
+                    asked_workers: int | None = None, ranks: int = 1) -> ConvertPlan:
+    """Describe the source and plan every block, each writer's share and the commit's WritePlan: no
+    byte written, nothing claimed (what `convert --dry-run` shows).
+
+    `ranks` processes each run up to `asked_workers` writers with `budget` bytes of their own (a
+    torchrun launch: `converters.megatron.distributed`); one rank plans exactly as a lone process.
+    Without `budget` / `asked_workers`, `resources(opts)`.
+    """
+    opts = opts or ConvertOptions()
+    if budget is None or asked_workers is None:
+        budget, asked_workers = resources(opts)
+    hints = opts.hints or Hints()
     ck = DcpCheckpoint(src_dir)
     src = describe(ck, hints)
     groups = optimizer_groups(src)
@@ -902,19 +893,36 @@ def plan_conversion(src_dir: str, opts: ConvertOptions | None = None) -> Convers
     # A worker process costs seconds to start (torch + TensorStore imports): give each at least
     # min_worker_bytes of work, so small checkpoints convert in-process.
     total_bytes = sum(u.nbytes for u in units)
-    workers = max(1, min(asked_workers, -(-total_bytes // max(1, opts.min_worker_bytes))))
-    share = budget // workers    # workers hold the data; the parent only plans and commits
+    per_rank = max(1, min(asked_workers, -(-total_bytes // max(1, ranks * opts.min_worker_bytes))))
+    share = budget // per_rank    # workers hold the data; the parent only plans and commits
     blocks, chunks = plan_blocks(units, split_share(share).block)
-    workers = max(1, min(workers, len(blocks)))
+    workers = max(1, min(per_rank * ranks, len(blocks)))
     owners = assign_blocks(blocks, workers)
     plan = make_plan(units, blocks, owners, chunks, workers)
     manifest = build_manifest(src, units, step, groups)
-    return ConversionPlan(ck, src, hints, groups, step, units, opts.workers, workers, budget, share, list(blocks),
-                          list(owners), plan, manifest)
+    return ConvertPlan(ck, src, units, blocks, owners, plan, manifest, workers, per_rank if ranks > 1 else workers,
+                       share, step, groups, total_bytes, is_defect_suspect(src), hints, budget, opts.workers)
+
+
+def write_share(cp: ConvertPlan, tmp: str, writers: Sequence[int], force: bool, bar, timings: dict[str, float]) -> list[tuple]:
+    """Run `writers` of plan `cp` into `tmp` (in this process when one, else one process each), each
+    publishing its report; returns their results (warnings, bytes read, CRC spans to check)."""
+    per = {w: cp.blocks_of(w) for w in writers}
+    if not per:
+        return []
+    if len(per) == 1:
+        (w, blocks), = per.items()
+        return [run_blocks(str(cp.ck.root), dict(enumerate(cp.units)), blocks, cp.plan, tmp, w, cp.share,
+                           force, cp.suspect, cp.step or 0, on_progress=bar.update)]
+    return run_parallel(str(cp.ck.root), cp.units, per, cp.plan, tmp, cp.share, force, cp.suspect,
+                         cp.step or 0, bar, timings)
 
 
 def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> ConvertResult:
-    """Convert a torch_dist checkpoint at `src_dir` into a logical checkpoint at `dst`."""
+    """Convert a torch_dist checkpoint at `src_dir` into a logical checkpoint at `dst`.
+
+    Under torchrun (WORLD_SIZE > 1) every rank calls it alike and converts a share of the blocks
+    (`converters.megatron.distributed`); the commit is one, after every rank's share is written."""
     src_dir, dst = location(src_dir, "source"), location(dst, "destination")
     opts = opts or ConvertOptions()
     dst = absolute(dst)
@@ -923,26 +931,25 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
         check_sources(dst, [src_dir])
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
-    cp = plan_conversion(src_dir, opts)
-    ck, src, step, units, workers, budget, share = cp.ck, cp.src, cp.step, cp.units, cp.workers, cp.budget, cp.share
-    blocks, owners, plan, manifest, total_bytes = cp.blocks, cp.owners, cp.plan, cp.manifest, cp.total_bytes
+    budget, asked_workers = resources(opts)
+    if launched_world() > 1:
+        from converters.megatron.distributed import convert_ranks
+
+        return convert_ranks(src_dir, dst, opts, budget, asked_workers)
+    cp = plan_conversion(src_dir, opts, budget, asked_workers)
+    ck, src, units, plan, manifest, workers = cp.ck, cp.src, cp.units, cp.plan, cp.manifest, cp.workers
+    step, total_bytes = cp.step, cp.total_bytes
+    share = cp.share
     if opts.announce is not None:
-        opts.announce(budget_line(workers, budget, cp.asked_workers))
-    suspect = is_defect_suspect(src)
+        opts.announce(budget_line(workers, budget, opts.workers))
     warnings: list[str] = []
     # The claim makes DST this run's alone; leaving the block by an error, Ctrl-C or SIGTERM removes
-    # the temp directory (after _run_parallel has killed the workers writing into it).
+    # the temp directory (after run_parallel has killed the workers writing into it).
     with claim_destination(dst, sources=[src_dir, str(ck.root)]) as claim:
         timings["plan"] = time.perf_counter() - t_start
         t0 = time.perf_counter()
         with progress(total_bytes, f"convert {basename(dst)}", enabled=opts.show_progress) as bar:
-            per = [[b for b, w in zip(blocks, owners) if w == i] for i in range(workers)]
-            if workers == 1:
-                results = [run_blocks(str(ck.root), dict(enumerate(units)), per[0], plan, claim.tmp, 0, share,
-                                      opts.force, suspect, step or 0, on_progress=bar.update)]
-            else:
-                results = _run_parallel(str(ck.root), units, per, plan, claim.tmp, share, opts.force, suspect,
-                                        step or 0, bar, timings)
+            results = write_share(cp, claim.tmp, range(workers), opts.force, bar, timings)
         timings["write"] = time.perf_counter() - t0
         warnings += [w for r in results for w in r[0]]
         # Records read by ranges were CRC'd span by span as their bytes came in (one read of each
@@ -957,56 +964,3 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
         print(f"gtp-bridge: warning: {w}", file=sys.stderr)
     return ConvertResult(dst, src.format_label, src.layout.to_json(), len(plan.arrays), plan.total_bytes,
                          len(units), step, warnings, src.inferred, workers, budget, timings)
-
-
-def _run_parallel(root: str, units: Sequence[Unit], per: list[list[Block]], plan: WritePlan, tmp: str, share: int,
-                  force: bool, suspect: bool, step: int, bar, timings: dict[str, float] | None = None) -> list[tuple]:
-    # spawn: TensorStore aborts in a forked child once the parent has used it
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = []
-    for w, blocks in enumerate(per):
-        mine = {b.unit: units[b.unit] for b in blocks}
-        procs.append(ctx.Process(target=_worker_main, args=(q, root, mine, blocks, plan, tmp, w, share, force,
-                                                            suspect, step), daemon=True))
-    done: dict[int, Any] = {}
-    errors: list[str] = []
-    spans: dict[int, tuple[float, float]] = {}   # worker -> wall clock at work, done
-    t_spawn = time.time()
-    try:
-        for p in procs:
-            p.start()
-        while len(done) + len(errors) < len(procs):
-            try:
-                kind, w, payload = q.get(timeout=1.0)
-            except Exception:  # queue.Empty
-                dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in done and p.exitcode not in (0, None)]
-                if dead and q.empty():
-                    errors.append(f"writer {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-                    break
-                continue
-            if kind == "p":
-                bar.update(payload)
-            elif kind == "t":
-                spans[w] = payload
-            elif kind == "ok":
-                done[w] = payload
-            else:
-                errors.append(payload)
-                break
-    finally:
-        if len(done) < len(procs):   # an error, Ctrl-C or SIGTERM: stop every worker before tmp goes
-            for p in procs:
-                if p.pid is not None and p.is_alive():
-                    p.kill()
-        t_last = time.time()
-        for p in procs:
-            if p.pid is not None:
-                p.join()
-    if timings is not None and spans:
-        timings["worker_start"] = max(a for a, _ in spans.values()) - t_spawn
-        timings["worker_work"] = max(b - a for a, b in spans.values())
-        timings["worker_exit"] = time.time() - t_last
-    if errors:
-        raise BridgeError(errors[0])
-    return [done[w] for w in sorted(done)]

@@ -23,6 +23,7 @@ import numpy as np
 
 from bridge.dtypes import ITEMSIZE
 from bridge.errors import BridgeError
+from bridge.layout.shares import contiguous_parts
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import grid_shape
 from bridge.layout.distopt import BufferLayout, BufferParam, buffer_layout
@@ -197,13 +198,7 @@ def assign_blocks(blocks: Sequence[Block], workers: int) -> list[int]:
     >>> assign_blocks([Block(0, "a", Box((), ()), n) for n in (4, 4, 4, 4, 8)], 2)
     [0, 0, 0, 1, 1]
     """
-    total = sum(b.nbytes for b in blocks)
-    out, done = [], 0
-    for b in blocks:
-        # the block goes to the worker whose share its middle byte falls in
-        out.append(min(workers - 1, int((done + b.nbytes / 2) * workers // max(1, total))))
-        done += b.nbytes
-    return out
+    return contiguous_parts([b.nbytes for b in blocks], workers)
 
 
 class CopyIndex:

@@ -48,6 +48,7 @@ from bridge.progress import progress
 from bridge.store.claim import claim_destination
 from bridge.store.remote import claim_remote
 from bridge.store.durable import fsync_path
+from bridge.torchrun import host_ranks, launched_world
 from bridge.format.manifest import Manifest, MegatronRecord, check_hyperparameters
 from bridge.format import schema
 from bridge.format.schema import COUNT_PATH, MODEL, OPTIMIZER_ROLES, PARAMS, STEP_PATH, has_role, split_role
@@ -436,13 +437,108 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
     is `latest_checkpointed_iteration.txt` set to N (atomically), so `--load RUN` finds it.
     Without `model` arrays (or with `weights_from_masters`) the weights are bf16(fp32 masters),
     rounded to nearest even as Megatron's optimizer does; otherwise each weight is checked to be that.
-    `open_file` opens each worker's `.distcp` file (default `default_open_file`): a caller may pass
-    its own, e.g. one whose writes fail midway.
+    `open_file` opens each worker's `.distcp` file (default `default_open_file`), e.g. one whose writes
+    fail midway. Under torchrun every rank writes a share (`converters.megatron.write_ranks`).
     """
+    mp = plan_megatron(src, dst, target, budget, workers, weights_from_masters)
+    if launched_world() > 1:
+        from converters.megatron.write_ranks import to_megatron_ranks
+
+        return to_megatron_ranks(mp, open_file, show_progress)
+    where, remote = mp.where, mp.remote
+    created_run = not remote and not os.path.lexists(where.run_dir)
+    if not remote:
+        os.makedirs(where.run_dir, exist_ok=True)
+    published = False
+    importer = _import_dcp_meanwhile()
+    try:
+        with mp.claim() as claim:
+            index = mp.index()
+            with progress(mp.total_bytes, f"to-megatron {where.iter_dir}", enabled=show_progress) as bar:
+                written, stats, nbytes = write_files(mp, claim.tmp, open_file, 0, mp.jobs(), True, bar)
+            index.written += written
+            publish_iteration(claim, index, remote)
+            published = True
+        write_tracker(where.run_dir, mp.step)  # only now: the iteration directory is complete
+    except BaseException:
+        take_back(mp, published, created_run)
+        raise
+    finally:
+        if importer is not None:
+            importer.join()
+    return mp.result(nbytes, stats)
+
+
+@dataclass
+class MegatronPlan:
+    """What `to_megatron` writes, planned before anything is (the same on every rank under torchrun)."""
+
+    src: str
+    ck: Checkpoint
+    man: Manifest
+    params: list
+    lay: ParallelLayout
+    target: MegatronTarget
+    step: int
+    where: Any              # converters.megatron.rundir.RunDirPlan
+    groups: list[ChunkGroup]
+    dp_jobs: list[DpJob]
+    dp_objects: list
+    derive: bool
+    budget: int
+    workers: int
+    limit: int
+    sched: dict | None      # common_state["opt_param_scheduler"], or None (none written)
+    objects: list           # (key, value) of the common state and other objects, in the target's convention
+
+    @property
+    def remote(self) -> bool:
+        return is_remote(self.where.iter_dir)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.nbytes for g in self.groups for c in g.chunks) + sum(j.nbytes for j in self.dp_jobs)
+
+    def jobs(self) -> list[tuple[Callable, Any, int]]:
+        """(function, job, bytes) of every chunk group and DistOpt bucket job, in plan order."""
+        return [(_run_group, g, sum(c.nbytes for c in g.chunks)) for g in self.groups] + \
+               [(_run_dp_job, j, j.nbytes) for j in self.dp_jobs]
+
+    def index(self) -> DcpIndex:
+        """The DCP index with every tensor declared (the blobs are added as they are written)."""
+        index = DcpIndex()
+        for g in self.groups:
+            for c in g.chunks:
+                index.declare(c.fqn, c.dtype, c.global_shape)
+        for j in self.dp_jobs:
+            index.declare(j.fqn, "float32", (j.numel,))
+        return index
+
+    def claim(self):
+        """Exclusive temp dir beside the iteration dir, renamed when complete (bridge.store.claim); on
+        object storage the iteration prefix itself, `.metadata` written last (bridge.store.remote)."""
+        if self.remote:
+            return claim_remote(self.where.iter_dir, sources=[self.src], marker=".metadata")
+        return claim_destination(self.where.iter_dir, sources=[self.src])
+
+    def result(self, nbytes: int, stats: "Stats") -> dict:
+        man, where = self.man, self.where
+        return {"dst": where.iter_dir, "run_dir": where.run_dir, "tracker": where.tracker,
+                "tracker_previous": where.previous, "layout": self.lay.to_json(), "format": self.target.fmt,
+                "bytes": nbytes, "params": len(self.params), "step": self.step,  # foreign: report keys (commands/to_megatron.py)
+                "weights_derived": self.derive, "budget": self.budget, "workers": self.workers,
+                "scheduler": ("built" if self.target.scheduler_args else "carried") if self.sched else None,
+                "elements_read": stats.read, "elements_needed": stats.needed, "bytes_read": stats.read_bytes}
+
+
+def plan_megatron(src: str, dst: str, target: MegatronTarget, budget: int | None, workers: int | None,
+                  weights_from_masters: bool) -> MegatronPlan:
+    """Check the request and the checkpoint, and plan every file's work (no output written)."""
     src, dst = location(src, "source"), location(dst, "destination")
     require("to-megatron", "torch")
-    budget = int(budget or default_budget())
-    workers = int(workers or default_workers())
+    on_host = host_ranks()  # under torchrun the host's memory and cores are shared by its ranks
+    budget = int(budget or default_budget() // on_host)
+    workers = int(workers or default_workers((os.cpu_count() or 1) // on_host))
     if target.fmt not in FORMATS:
         raise BridgeError(f"unknown --format {target.fmt!r}; use one of {list(FORMATS)}")
     if target.release not in RELEASES:
@@ -484,7 +580,6 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
         raise BridgeError(f"{src}: step {step} and {path_str(COUNT_PATH)} {count} differ; the checkpoint is inconsistent")
     sched = scheduler_state(src, man, step, target)
     where = plan_run_dir(dst, step)
-    return_freed_memory()
     limit = max(1, budget // workers)
     prefix = key_prefix(target.key_convention)
     groups = plan_groups(params, lay, target.fmt, derive=derive, limit=limit, key_prefix=prefix)
@@ -495,74 +590,59 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
     check_one_convention([c.fqn for g in groups for c in g.chunks] + [j.fqn for j in dp_jobs] +
                          [k for k, _ in dp_objects + objects], target.key_convention,
                          {p.name.split(".", 1)[0] for p in params})
-    remote = is_remote(where.iter_dir)
-    created_run = not remote and not os.path.lexists(where.run_dir)
-    stats = Stats()
-    if not remote:
-        os.makedirs(where.run_dir, exist_ok=True)
-    published = False
-    importer = _import_dcp_meanwhile()
-    try:
-        # The claim: exclusive temp dir next to the iteration dir, removed on any error / SIGINT /
-        # SIGTERM, no-replace rename when complete (bridge.store.claim); on object storage the
-        # iteration prefix itself, `.metadata` written last (bridge.store.remote).
-        claim = (claim_remote(where.iter_dir, sources=[src], marker=".metadata") if remote
-                 else claim_destination(where.iter_dir, sources=[src]))
-        with claim:
-            opener = open_file or default_open_file(remote, limit)
-            files = [opener(claim.tmp, i) for i in range(workers)]
-            try:
-                index = DcpIndex()
-                for g in groups:
-                    for c in g.chunks:
-                        index.declare(c.fqn, c.dtype, c.global_shape)
-                for j in dp_jobs:
-                    index.declare(j.fqn, "float32", (j.numel,))
-                total = sum(c.nbytes for g in groups for c in g.chunks) + sum(j.nbytes for j in dp_jobs)
-                with progress(total, f"to-megatron {where.iter_dir}", enabled=show_progress) as bar:
-                    jobs = [(_run_group, g, sum(c.nbytes for c in g.chunks)) for g in groups] + \
-                           [(_run_dp_job, j, j.nbytes) for j in dp_jobs]
-                    for written, st in _run_pool(jobs, ck, files, bar):
-                        index.written += written
-                        stats.add(st)
-                for fqn, value in dp_objects:
-                    index.written.append(files[0].obj(fqn, value))
-                for fqn, value in objects:
-                    if fqn.startswith("common_state/") and target.release in LEGACY_COMMON:
-                        _write_common_pt(claim.tmp, value)
-                        continue
-                    index.written.append(files[0].obj(fqn, value))
-                nbytes = sum(f.bytes for f in files)
-            finally:
-                for f in files:
-                    f.close()
-            if remote:
-                md, mj = index.encode()
-                claim.publish(files=[("metadata.json", mj), (".metadata", md)])
-            else:
-                index.write(claim.tmp)
-                claim.publish()
-            published = True
-        write_tracker(where.run_dir, step)  # only now: the iteration directory is complete
-    except BaseException:
-        if published and remote:  # only what this run wrote there
-            from bridge.store.remote import remove_written
+    return MegatronPlan(src, ck, man, params, lay, target, step, where, groups, dp_jobs, dp_objects, derive, budget,
+                        workers, limit, sched, objects)
 
-            remove_written(where.iter_dir, ".metadata")
-        elif published:  # the tracker could not be set: take the iteration back out (the command failed)
-            shutil.rmtree(where.iter_dir, ignore_errors=True)
-        if created_run:
-            _remove_if_empty(where.run_dir)
-        raise
+
+def write_files(mp: MegatronPlan, tmp: str, open_file: OpenFile | None, first: int, jobs: list, objects: bool,
+                bar) -> tuple[list[Written], "Stats", int]:
+    """Run `jobs` on `mp.workers` threads, each with its own `.distcp` file (numbered from `first`),
+    then, with `objects`, the plan's objects (common state, DistOpt objects) into the first file.
+    Returns (every blob written, read statistics, bytes written)."""
+    return_freed_memory()
+    opener = open_file or default_open_file(mp.remote, mp.limit)
+    files = [opener(tmp, first + i) for i in range(mp.workers)]
+    written: list[Written] = []
+    stats = Stats()
+    try:
+        for w, st in _run_pool(jobs, mp.ck, files, bar):
+            written += w
+            stats.add(st)
+        if objects:
+            for fqn, value in mp.dp_objects:
+                written.append(files[0].obj(fqn, value))
+            for fqn, value in mp.objects:
+                if fqn.startswith("common_state/") and mp.target.release in LEGACY_COMMON:
+                    _write_common_pt(tmp, value)
+                    continue
+                written.append(files[0].obj(fqn, value))
+        nbytes = sum(f.bytes for f in files)
     finally:
-        if importer is not None:
-            importer.join()
-    return {"dst": where.iter_dir, "run_dir": where.run_dir, "tracker": where.tracker,
-            "tracker_previous": where.previous, "layout": lay.to_json(), "format": target.fmt, "bytes": nbytes,
-            "params": len(params), "step": step,  # foreign: report keys (commands/to_megatron.py)
-            "weights_derived": derive, "budget": budget, "workers": workers,
-            "scheduler": ("built" if target.scheduler_args else "carried") if sched else None,
-            "elements_read": stats.read, "elements_needed": stats.needed, "bytes_read": stats.read_bytes}
+        for f in files:
+            f.close()
+    return written, stats, nbytes
+
+
+def publish_iteration(claim: Any, index: DcpIndex, remote: bool) -> None:
+    """Write the DCP metadata and make the iteration directory visible (`.metadata` last on object storage)."""
+    if remote:
+        md, mj = index.encode()
+        claim.publish(files=[("metadata.json", mj), (".metadata", md)])
+    else:
+        index.write(claim.tmp)
+        claim.publish()
+
+
+def take_back(mp: MegatronPlan, published: bool, created_run: bool) -> None:
+    """After a failure: remove a published iteration (its tracker was not set), and an emptied new run dir."""
+    if published and mp.remote:  # only what this run wrote there
+        from bridge.store.remote import remove_written
+
+        remove_written(mp.where.iter_dir, ".metadata")
+    elif published:
+        shutil.rmtree(mp.where.iter_dir, ignore_errors=True)
+    if created_run:
+        _remove_if_empty(mp.where.run_dir)
 
 
 def scheduler_state(src: str, man: Manifest, step: int, target: MegatronTarget) -> dict | None:
