@@ -106,6 +106,9 @@ class Unit:
     copies: dict[str, list[Copy]] = field(default_factory=dict)
     stacked: int = 0                                 # leading layer / expert axes
     mirrors: dict[str, list[Copy]] = field(default_factory=dict)   # a second stored copy, checked equal
+    # other TP / GTP ranks' copies of a replicated parameter, by replica label ("tp1"): compared with
+    # the written copy, never written (converters.megatron.replicas)
+    replicas: dict[str, dict[str, list[Copy]]] = field(default_factory=dict)
 
     def element_bytes(self) -> int:
         """Bytes one logical element costs over the roles this unit fills."""
