@@ -153,7 +153,7 @@ class MegatronRecord:
 class ReplicaDiff:
     """Copies of one logical array in one role that differ from the main replica's."""
 
-    param: str                      # logical array (Megatron name, fused sections dotted)
+    param: str                      # the Megatron parameter (without wrappers; fused sections together)
     role: str                       # "params" (fp32 master), "mu" (exp_avg), "nu" (exp_avg_sq), "model"
     replicas: list[str]             # the other copies that differ ("tp1", "gtp1", "tp1.gtp1")
     elements: int                   # elements compared (over every other copy)
@@ -171,7 +171,7 @@ class ReplicaRecord:
     version: int = 1
     kept: str = "tp0.gtp0"          # the copy written: Megatron's main replica (replica_id 0)
     copies: int = 1                 # copies of each replicated parameter the save holds
-    arrays_compared: int = 0        # (array, role) pairs with another copy compared
+    compared: int = 0               # parameter states (parameter, role) with another copy compared
     elements_compared: int = 0
     differ: list[ReplicaDiff] = field(default_factory=list)
 

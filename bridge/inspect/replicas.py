@@ -49,17 +49,17 @@ def param_lines(rec: ReplicaRecord) -> list[str]:
 def record_lines(rec: ReplicaRecord | None) -> list[str]:
     """What `inspect` shows of the record.
 
-    >>> record_lines(ReplicaRecord(copies=2, arrays_compared=3, elements_compared=72))
-    ['replicas: 2 copies of each replicated parameter; 3 arrays compared (72 elements): all equal; kept tp0.gtp0']
+    >>> record_lines(ReplicaRecord(copies=2, compared=3, elements_compared=72))
+    ['replicas: 2 copies of each replicated parameter; 3 parameter states compared (72 elements): all equal; kept tp0.gtp0']
     >>> record_lines(ReplicaRecord())
     ['replicas: the source holds one copy of each replicated parameter (nothing to compare)']
     """
     if rec is None:
         return []
-    if not rec.arrays_compared:
+    if not rec.compared:
         return ["replicas: the source holds one copy of each replicated parameter (nothing to compare)"]
     state = f"{len(rec.differ)} differ" if rec.differ else "all equal"
-    lines = [f"replicas: {rec.copies} copies of each replicated parameter; {rec.arrays_compared} arrays compared "
+    lines = [f"replicas: {rec.copies} copies of each replicated parameter; {rec.compared} parameter states compared "
              f"({rec.elements_compared} elements): {state}; kept {rec.kept}"]
     return lines + ["  " + line for line in param_lines(rec)]
 

@@ -57,7 +57,7 @@ def copies_target(u: Unit, label: str) -> dict[str, list[Copy]]:
 class BlockDiff:
     """One block of one array in one role against one other copy."""
 
-    array: str
+    param: str                      # the Megatron parameter (its fused sections together)
     role: str
     replica: str
     elements: int
@@ -104,7 +104,7 @@ class ReplicaCheck:
                 if role not in copies:
                     continue
                 n, mx, nonfinite = compare(main, fill(index, role))
-                self.diffs.append(BlockDiff(b.array, role, label, int(main.size), n, mx, nonfinite))
+                self.diffs.append(BlockDiff(unit.name, role, label, int(main.size), n, mx, nonfinite))
 
 
 def summarize(diffs: Iterable[BlockDiff], units: Sequence[Unit]) -> ReplicaRecord:
@@ -115,7 +115,7 @@ def summarize(diffs: Iterable[BlockDiff], units: Sequence[Unit]) -> ReplicaRecor
     compared = 0
     for d in diffs:
         compared += d.elements
-        e = by.setdefault((d.array, d.role), {"replicas": set(), "elements": 0, "differ": 0, "max": 0.0, "nf": 0})
+        e = by.setdefault((d.param, d.role), {"replicas": set(), "elements": 0, "differ": 0, "max": 0.0, "nf": 0})
         e["elements"] += d.elements
         e["differ"] += d.differ
         e["max"] = max(e["max"], d.max_abs_diff)
@@ -124,7 +124,7 @@ def summarize(diffs: Iterable[BlockDiff], units: Sequence[Unit]) -> ReplicaRecor
             e["replicas"].add(d.replica)
     differ = [ReplicaDiff(a, r, sorted(e["replicas"]), e["elements"], e["differ"], e["max"], e["nf"])
               for (a, r), e in sorted(by.items()) if e["differ"]]
-    return ReplicaRecord(kept=MAIN_REPLICA, copies=1 + len(labels), arrays_compared=len(by),
+    return ReplicaRecord(kept=MAIN_REPLICA, copies=1 + len(labels), compared=len(by),
                          elements_compared=compared, differ=differ)
 
 
@@ -134,7 +134,7 @@ def report_lines(rec: ReplicaRecord) -> list[str]:
         return []
     lines = param_lines(rec)
     head = (f"the copies of {len(lines)} replicated parameter(s) differ between ranks ({len(rec.differ)} of "
-            f"{rec.arrays_compared} arrays compared); kept {MAIN_REPLICA_TEXT}; recorded in the manifest "
+            f"{rec.compared} parameter states compared); kept {MAIN_REPLICA_TEXT}; recorded in the manifest "
             f"(gtp-bridge inspect); --strict-replicas refuses such a source")
     return [head] + ["  " + line for line in lines]
 
