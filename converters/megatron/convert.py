@@ -643,7 +643,8 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
         if unit.mirrors:
             check_mirrors(cache, unit, b, bufs, force, warnings)
         if unit.replicas:  # compared while the block is in memory, before the writer may take its buffers
-            replica_check.block(unit, b, bufs, lambda idx, role: fill_block(cache, idx, unit, role, b))
+            replica_check.block(unit, b, bufs, lambda idx, role: fill_block(
+                cache, idx, unit, role, b, out=pool.take("replica", b.box.shape, numpy_dtype(unit.dtypes[role]))))
         if PARAMS in bufs and MODEL in bufs:
             check_master(b.array, bufs[PARAMS], bufs[MODEL], b.box, force, defect_suspect, warnings)
         for role, buf in bufs.items():

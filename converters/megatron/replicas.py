@@ -66,26 +66,36 @@ class BlockDiff:
     nonfinite: int
 
 
-def compare(main: np.ndarray, other: np.ndarray) -> tuple[int, float, int]:
-    """(elements whose bits differ, largest finite |main - other| among them, non-finite differences).
+def compare(main: np.ndarray, other: np.ndarray, step: int = 1 << 18) -> tuple[int, float, int]:
+    """(elements whose bits differ, largest finite |main - other| among them, non-finite differences),
+    `step` elements at a time (float64 temporaries of a slice, not of the block).
 
-    >>> compare(np.array([1.0, 2.0, np.nan], np.float32), np.array([1.0, 2.5, np.nan], np.float32))
+    >>> compare(np.array([1.0, 2.0, np.nan], np.float32), np.array([1.0, 2.5, np.nan], np.float32), step=2)
     (1, 0.5, 0)
     >>> compare(np.array([1.0, np.inf], np.float32), np.array([0.0, 1.0], np.float32))
     (2, 1.0, 1)
     """
-    diff = ~bits_equal(main, other)
-    n = int(diff.sum())
-    if not n:
-        return 0, 0.0, 0
-    d = np.abs(main[diff].astype(np.float64) - other[diff].astype(np.float64))
-    finite = np.isfinite(d)
-    return n, float(d[finite].max()) if finite.any() else 0.0, int((~finite).sum())
+    a, b = main.reshape(-1), other.reshape(-1)
+    n, mx, nonfinite = 0, 0.0, 0
+    for i in range(0, a.size, step):
+        x, y = a[i:i + step], b[i:i + step]
+        diff = ~bits_equal(x, y)
+        k = int(diff.sum())
+        if not k:
+            continue
+        d = np.abs(x[diff].astype(np.float64) - y[diff].astype(np.float64))
+        finite = np.isfinite(d)
+        n += k
+        nonfinite += int((~finite).sum())
+        if finite.any():
+            mx = max(mx, float(d[finite].max()))
+    return n, mx, nonfinite
 
 
 class ReplicaCheck:
     """Compares the other copies of a unit's block with the block about to be written (one CopyIndex
-    per unit and replica, built once)."""
+    per unit and replica, built once). Memory: `fill` assembles one role of one other copy at a time
+    (convert reuses one buffer for it), and the comparison's temporaries are per slice."""
 
     def __init__(self) -> None:
         self._index: dict[tuple[str, str], CopyIndex] = {}
