@@ -56,7 +56,7 @@ from converters.megatron.format import (BUCKETED, Hints, SourceCheckpoint, _as_d
 from converters.megatron.plan import (ROLES, Block, Copy, CopyIndex, Instance, Unit, assign_blocks, flat_copies,
                                       dp_group_places, literal, local_instances, model_space_copies,
                                       model_space_copies_flat, object_tensor_key, parse_dtype_key,
-                                      plan_blocks, rebuild_bucket_layout, role_path, FIRST_FLAG, LAST_FLAG,
+                                      plan_blocks, rebuild_bucket_layout, replica_label, role_path, FIRST_FLAG, LAST_FLAG,
                                       SPLIT_FLAGS, infer_split, placement_str, split_flags,
                                       stage_placement)
 
@@ -388,7 +388,7 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
                     tp, gtp = sizes[inst.name]
                     if bid != b:
                         continue
-                    replica = replicas.replica_label(geom, tp, gtp, t, g)   # None: a copy to write
+                    replica = replica_label(geom, tp, gtp, t, g)   # None: a copy to write
                     u = units[inst.name]
                     u.dtypes[role] = np_dtype_name(info.dtype)
                     copies_of(u, inst, replica).setdefault(role, []).extend(
@@ -456,7 +456,7 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
                         p0, _p1, bid = blay.index[inst.label]
                         geom = gmap[inst.name]
                         tp, gtp = sizes[inst.name]
-                        replica = replicas.replica_label(geom, tp, gtp, t, g)   # None: a copy to write
+                        replica = replica_label(geom, tp, gtp, t, g)   # None: a copy to write
                         u = units[inst.name]
                         u.dtypes[role] = np_dtype_name(ten.dtype)
                         copies_of(u, inst, replica).setdefault(role, []).extend(

@@ -23,29 +23,10 @@ import numpy as np
 from bridge.cast_check import bits_equal
 from bridge.format.manifest import ReplicaDiff, ReplicaRecord
 from bridge.inspect.replicas import MAIN_REPLICA, describe, param_lines
-from bridge.layout.params import ParamGeometry
 from converters.megatron.plan import Block, Copy, CopyIndex, Unit
 
 MAIN_REPLICA_TEXT = ("TP rank 0, GTP rank 0 (replica_id 0: Megatron's main replica, the copy its fully_reshardable "
                      "save keeps)")
-
-
-def replica_label(geom: ParamGeometry, tp: int, gtp: int, t: int, g: int) -> str | None:
-    """None when TP rank t / GTP rank g holds the main (written) copy or a distinct shard, else the
-    label of its replica.
-
-    >>> geom = ParamGeometry("decoder.final_layernorm.weight", (4,), "replicated")
-    >>> replica_label(geom, 2, 1, 0, 0), replica_label(geom, 2, 1, 1, 0), replica_label(geom, 2, 2, 1, 1)
-    (None, 'tp1', 'tp1.gtp1')
-    >>> replica_label(ParamGeometry("w", (4, 4), "column"), 2, 1, 1, 0) is None
-    True
-    """
-    tp_copy = geom.tp_kind == "replicated" and t != 0
-    gtp_copy = not geom.gtp_active(gtp) and g != 0
-    if not (tp_copy or gtp_copy):
-        return None
-    parts = ([f"tp{t}"] if tp > 1 else []) + ([f"gtp{g}"] if gtp > 1 else [])
-    return ".".join(parts)
 
 
 def copies_target(u: Unit, label: str) -> dict[str, list[Copy]]:
