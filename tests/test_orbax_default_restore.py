@@ -168,6 +168,7 @@ def _export(rank, world, dst):
     return {}
 
 
+@pytest.mark.slow
 def test_live_export_restores_by_default(tmp_path):
     from test_live_sharding import spawn
 
