@@ -153,3 +153,11 @@ def test_inspect_shows_the_record(tmp_path):
     pos = stats[("embedding.position_embeddings.weight", "params")]
     assert any(line.strip().startswith("embedding.position_embeddings.weight") and
                f"master: {pos[1]} of {pos[0]} elements differ, max |diff| {pos[2]:.3g}" in line for line in lines)
+
+
+def test_worker_processes_report_the_same_record(tmp_path):
+    """Blocks compared in three writer processes (small budget: many blocks) sum to the same record."""
+    src = os.path.join(FIX, "tp2", "dp_reshardable")
+    one = _convert(src, str(tmp_path / "one"))
+    three = _convert(src, str(tmp_path / "three"), workers=3, min_worker_bytes=1, budget=1 << 20)
+    assert three.workers == 3 and three.replicas == one.replicas and one.replicas["differ"]
