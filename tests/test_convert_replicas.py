@@ -155,6 +155,7 @@ def test_inspect_shows_the_record(tmp_path):
                f"master: {pos[1]} of {pos[0]} elements differ, max |diff| {pos[2]:.3g}" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_worker_processes_report_the_same_record(tmp_path):
     """Blocks compared in three writer processes (small budget: many blocks) sum to the same record."""
     src = os.path.join(FIX, "tp2", "dp_reshardable")
