@@ -28,7 +28,7 @@ def _role_text(d: ReplicaDiff) -> str:
 
 
 def param_lines(rec: ReplicaRecord) -> list[str]:
-    """One line per array whose copies differ, its roles together.
+    """One line per parameter whose copies differ, its roles together.
 
     >>> rec = ReplicaRecord(differ=[ReplicaDiff("w", "params", ["tp1"], 4, 4, 0.5), ReplicaDiff("w", "mu", ["tp1"], 4, 1, 0.25)])
     >>> param_lines(rec)

@@ -99,7 +99,7 @@ class ReplicaCheck:
 
 
 def summarize(diffs: Iterable[BlockDiff], units: Sequence[Unit]) -> ReplicaRecord:
-    """The manifest record of every worker's block comparisons: one entry per (array, role) that
+    """The manifest record of every worker's block comparisons: one entry per (parameter, role) that
     differs, its counts summed over blocks and replicas, the largest difference kept."""
     labels = {label for u in units for label in u.replicas}
     by: dict[tuple[str, str], dict] = {}
@@ -137,6 +137,6 @@ def strict_error(rec: ReplicaRecord) -> str | None:
     worst = max(rec.differ, key=lambda d: d.max_abs_diff)
     more = len(rec.differ) - 1
     return (f"--strict-replicas: the replicated copies of {describe(worst)}"
-            + (f"; {more} more array(s) differ" if more else "")
+            + (f"; {more} more parameter state(s) differ" if more else "")
             + "; nothing was written. Without --strict-replicas convert keeps TP rank 0's copy (Megatron's main "
               "replica) and records the differences")
