@@ -113,7 +113,7 @@ def test_manifest_json_keeps_its_key_order(converted):
     assert list(man) == ["format_version", "source", "optimizer", "fused", "arrays", "digest_algorithm", "extra"]
     assert list(man["source"]) == ["framework", "tp", "gtp", "dp", "ep", "etp", "egtp", "pp", "cp", "pad_for_alignment",
                                    "optimizer_format", "world_size"]
-    assert list(man["extra"]) == ["megatron"]
+    assert list(man["extra"]) == ["megatron", "replicas"]  # replicas: appended last (issue 30)
     assert list(man["extra"]["megatron"])[:10] == [
         "source_dir", "params", "param_groups", "extra_state_keys", "extra_state_payload", "args", "inferred",
         "wd_mult_zero_params", "iteration", "checkpoint_version"]

@@ -115,7 +115,7 @@ def test_four_writers_read_back_bit_exact_with_digests(written):
     for p, a in data.items():
         got = ck.read(p)
         assert got.dtype == a.dtype and got.shape == a.shape and _bits(got) == _bits(a), p
-    assert sorted(os.listdir(written)) == sorted(["_CHECKPOINT_METADATA", "_METADATA", "commit_success.txt", "d",
+    assert sorted(os.listdir(written)) == sorted(["_CHECKPOINT_METADATA", "_METADATA", "_sharding", "commit_success.txt", "d",
                                                   "manifest.ocdbt"] + [f"ocdbt.process_{w}" for w in range(W)])
 
 

@@ -94,6 +94,10 @@ def add_parser(sub) -> None:
     p.add_argument("--orbax-step-dir", "--orbax-manager", dest="orbax_manager", action="store_true",
                    help="DST is an Orbax CheckpointManager root (created if missing): write the checkpoint as its "
                         "step <iteration> (DST/<step>/default/), where CheckpointManager.latest_step() finds it")
+    p.add_argument("--strict-replicas", action="store_true",
+                   help="refuse (writing nothing) when the save's copies of a replicated parameter (norms, biases, "
+                        "position embeddings: each TP / GTP rank's optimizer holds one) differ; by default the "
+                        "differences are reported and recorded, and TP rank 0's copy (Megatron's main replica) is kept")
     p.add_argument("--model-only", action="store_true",
                    help="convert the weights alone, leaving the checkpoint's optimizer state out (without it, a "
                         "checkpoint whose optimizer state cannot be read is refused)")
@@ -131,7 +135,7 @@ def _options(args: argparse.Namespace):
 
     budget = parse_size(args.budget) if args.budget is not None else None
     return ConvertOptions(workers=args.workers, budget=budget, force=args.force, hints=hints_from(args),
-                          announce=lambda line: print(line, flush=True))
+                          announce=lambda line: print(line, flush=True), strict_replicas=args.strict_replicas)
 
 
 def _locate(args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ from bridge.format.schema import split_role
 from bridge.inspect.format import fmt_num, fmt_shape, summarize_value, table
 from bridge.units import human_bytes, parse_size
 from bridge.inspect.open import CheckpointInfo, open_for_inspection
+from bridge.inspect.replicas import replica_lines
 from bridge.inspect.stream import DEFAULT_BUDGET, stream_stats
 from bridge.progress import progress
 
@@ -119,6 +120,7 @@ def render_text(report: dict[str, Any]) -> str:
         for k, v in manifest.items():
             text = f"{len(v)} records (digests in the table)" if k == "arrays" and isinstance(v, dict) else summarize_value(v)
             out.append(f"  {k}: {text}")
+        out += replica_lines(manifest)
     else:
         out.append("provenance: none (not written by gtp-bridge)")
     if report["empty_nodes"]:

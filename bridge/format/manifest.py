@@ -27,6 +27,7 @@ PREVIOUS_SOURCE_KEY = "previous_source"   # a JAX save-back: the SourceLayout of
 OPTIMIZER_EXTRA_KEY = "optimizer_extra"   # live export: LiveRun.optimizer.extra, as given
 PADS_KEY = "pad_for_alignment_values"     # live export: every pad_for_alignment when params differ
 MAXTEXT_KEY = "maxtext"                   # the maxtext preset: the options it wrote a MaxText checkpoint with
+REPLICAS_KEY = "replicas"                 # ReplicaRecord: convert's comparison of the source's replicated copies
 
 DEFAULT_BETAS = (0.9, 0.999)              # Megatron's --adam-beta1/2, --adam-eps and --weight-decay defaults
 DEFAULT_EPS = 1e-8                        # (megatron-core OptimizerConfig: adam_beta1/2, adam_eps, weight_decay)
@@ -222,6 +223,49 @@ class MegatronRecord:
 
 
 @dataclass
+class ReplicaDiff:
+    """Copies of one logical array in one role that differ from the main replica's."""
+
+    param: str                      # the Megatron parameter (without wrappers; fused sections together)
+    role: str                       # "params" (fp32 master), "mu" (exp_avg), "nu" (exp_avg_sq), "model"
+    replicas: list[str]             # the other copies that differ ("tp1", "gtp1", "tp1.gtp1")
+    elements: int                   # elements compared (over every other copy)
+    differ: int                     # of those, elements whose bits differ from the main replica's
+    max_abs_diff: float             # largest |main - copy| over finite differences
+    nonfinite: int = 0              # differences that are not finite (NaN / Inf in one copy only)
+
+
+@dataclass
+class ReplicaRecord:
+    """`extra["replicas"]`: what `convert` found comparing the copies of TP-/GTP-replicated parameters
+    a save holds (each TP / GTP rank's DistributedOptimizer keeps its own copy of norms, biases,
+    position embeddings), and which copy it kept. Versioned on its own (`version`)."""
+
+    version: int = 1
+    kept: str = "tp0.gtp0"          # the copy written: Megatron's main replica (replica_id 0)
+    copies: int = 1                 # copies of each replicated parameter the save holds
+    compared: int = 0               # parameter states (parameter, role) with another copy compared
+    elements_compared: int = 0
+    differ: list[ReplicaDiff] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "ReplicaRecord":
+        """Parse what convert wrote; IntegrityError when malformed.
+
+        >>> r = ReplicaRecord(copies=2, differ=[ReplicaDiff("w", "params", ["tp1"], 4, 3, 0.5)])
+        >>> ReplicaRecord.from_json(json.loads(json.dumps(asdict(r)))) == r
+        True
+        """
+        try:
+            known = _known(cls, d)
+            known["differ"] = [ReplicaDiff(**_known(ReplicaDiff, x)) for x in known.get("differ") or []]
+            return cls(**known)
+        except (TypeError, AttributeError) as e:
+            raise IntegrityError(f"gtp_bridge manifest's replica record is malformed ({e}); the checkpoint "
+                                 f"metadata is damaged") from None
+
+
+@dataclass
 class ArrayRecord:
     """What the writer promised for one array: logical shape, dtype name, digest (hex) or None."""
 
@@ -291,6 +335,12 @@ class Manifest:
         """What convert recorded about a Megatron source, or None (written by another writer)."""
         rec = self.extra.get(MEGATRON_KEY) if isinstance(self.extra, Mapping) else None
         return MegatronRecord.from_json(rec) if isinstance(rec, Mapping) else None
+
+    @property
+    def replicas(self) -> ReplicaRecord | None:
+        """What convert recorded comparing the source's replicated copies, or None (not recorded)."""
+        rec = self.extra.get(REPLICAS_KEY) if isinstance(self.extra, Mapping) else None
+        return ReplicaRecord.from_json(rec) if isinstance(rec, Mapping) else None
 
 
 def as_manifest(manifest: "Manifest | Mapping | None") -> "Manifest | None":

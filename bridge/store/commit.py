@@ -41,6 +41,7 @@ from bridge.store.claim import (ClaimInfo, Destination, DestinationClaim, claim_
 from bridge.store.durable import json_bytes
 from bridge.format.manifest import ArrayRecord, Manifest, custom_metadata
 from bridge.format.seal import CHECKSUM_KEY, seal_metadata
+from bridge.format.sharding_file import SHARDING_FILE, record_sharding, sharding_file
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.format.tree import path_str, tree_metadata
 from bridge.store.writer import MAX_COMMIT_DEPTH, REPORT_DIR, CheckpointWriter, report_key, report_path, slot_db_dir
@@ -162,10 +163,21 @@ def publish_checkpoint(claim: Destination, metadata: dict, checkpoint_metadata: 
     into `checkpoint_metadata`'s custom_metadata, so a removed manifest is told apart from a plain
     Orbax checkpoint), then `claim.publish` the payload (default: the claim's temp directory) with
     `_CHECKPOINT_METADATA`, the commit marker when asked, and `_METADATA` last. Returns DST; on any
-    failure the claim is released (nothing of this run stays)."""
+    failure the claim is released (nothing of this run stays).
+
+    `_sharding` (what Orbax's default restore places arrays with, `bridge.format.sharding_file`):
+    written here for the store's own payload; a payload Orbax wrote keeps Orbax's. Either way its
+    digest goes into `_METADATA` before sealing, so the checksum covers it."""
     try:
-        checksum = seal_metadata(metadata)
         files = []
+        if payload is None:
+            sharding = sharding_file(metadata.get("tree_metadata") or {})
+            files.append((SHARDING_FILE, sharding))
+        else:
+            sharding = _payload_file(payload, SHARDING_FILE)
+        if sharding is not None:
+            record_sharding(metadata, sharding)
+        checksum = seal_metadata(metadata)
         if checkpoint_metadata is not None:
             checkpoint_metadata["custom_metadata"] = {**(checkpoint_metadata.get("custom_metadata") or {}),
                                                       CHECKSUM_KEY: checksum}
@@ -177,6 +189,15 @@ def publish_checkpoint(claim: Destination, metadata: dict, checkpoint_metadata: 
     except BaseException:
         claim.release()
         raise
+
+
+def _payload_file(payload: str, name: str) -> bytes | None:
+    """A file of a local payload directory, None when absent."""
+    try:
+        with open(os.path.join(payload, name), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def publish_orbax_checkpoint(claim: Destination, payload: str) -> str:

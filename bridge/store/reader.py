@@ -24,6 +24,7 @@ from bridge.store import specs
 from bridge.store.claim import TMP_SUFFIX
 from bridge.format.manifest import Manifest, manifest_from_custom
 from bridge.format.seal import CHECKSUM_KEY, metadata_problems
+from bridge.format.sharding_file import SHARDING_DIGEST_KEY, SHARDING_FILE, sharding_problems
 from bridge.dtypes import numpy_dtype
 from bridge.format.tree import Path, parse_tree_metadata, path_str, validate_path
 
@@ -290,7 +291,18 @@ def read_metadata(root: str) -> tuple[dict, list[str]]:
         ckpt_meta = json.loads(_read_file(root, "_CHECKPOINT_METADATA"))
     except (OSError, ValueError):
         ckpt_meta = None  # optional (older Orbax); the checksum in _METADATA still applies
-    return metadata, metadata_problems(metadata, ckpt_meta)
+    problems = metadata_problems(metadata, ckpt_meta)
+    custom = metadata.get("custom_metadata")
+    if isinstance(custom, dict) and SHARDING_DIGEST_KEY in custom:  # sealed with its `_sharding`
+        try:
+            sharding = _read_file(root, SHARDING_FILE)
+        except FileNotFoundError:
+            sharding = None
+        except OSError as e:
+            raise IntegrityError(f"{root}/{SHARDING_FILE} is unreadable ({_one_line(e)}); the checkpoint is "
+                                 f"damaged") from e
+        problems += sharding_problems(metadata, sharding)
+    return metadata, problems
 
 
 def edited_metadata_allowed(allow: bool | None) -> bool:

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from typing import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 import ml_dtypes
@@ -34,7 +34,7 @@ from bridge.progress import progress
 from bridge.store.claim import check_destination_free, check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
 from bridge.torchrun import host_ranks, launched_world
-from bridge.format.manifest import (MEGATRON_KEY, Manifest, MegatronParam, MegatronRecord, OptimizerConfig,
+from bridge.format.manifest import (MEGATRON_KEY, REPLICAS_KEY, Manifest, MegatronParam, MegatronRecord, OptimizerConfig,
                                     SourceLayout)
 from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_DTYPE, SCALAR_PATHS, STATE_ROLE,
                                   adamw_empty_paths)
@@ -47,14 +47,15 @@ from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
 from converters.megatron.object_layout import object_tensors
 from converters.megatron.cache import ChunkCache, check_records
 from converters.megatron.writer_procs import run_parallel
+from converters.megatron import replicas
 from converters.megatron.format import (BUCKETED, Hints, SourceCheckpoint, _as_dict, bucket_space_flat_chunks, describe,
                                         merge_split_keys,
                                         optimizer_groups,
                                         parse_groups_hyper, plain_value, step_of)
-from converters.megatron.plan import (ROLES, Block, Copy, CopyIndex, Instance, Unit, assign_blocks, contributes, flat_copies,
+from converters.megatron.plan import (ROLES, Block, Copy, CopyIndex, Instance, Unit, assign_blocks, flat_copies,
                                       dp_group_places, literal, local_instances, model_space_copies,
                                       model_space_copies_flat, object_tensor_key, parse_dtype_key,
-                                      plan_blocks, rebuild_bucket_layout, role_path, FIRST_FLAG, LAST_FLAG,
+                                      plan_blocks, rebuild_bucket_layout, replica_label, role_path, FIRST_FLAG, LAST_FLAG,
                                       SPLIT_FLAGS, infer_split, placement_str, split_flags,
                                       stage_placement)
 
@@ -85,6 +86,7 @@ class ConvertOptions:
     show_progress: bool | None = None
     min_worker_bytes: int = MIN_BYTES_PER_WORKER
     announce: Callable[[str], None] | None = None   # gets the "convert: N workers, budget ..." line
+    strict_replicas: bool = False    # refuse a source whose replicated copies differ (converters.megatron.replicas)
 
 
 @dataclass
@@ -109,6 +111,8 @@ class ConvertResult:
     #: under torchrun: this process's rank, and every rank's report (rank, writers, bytes, read, seconds)
     rank: int = 0
     ranks: list[dict] = field(default_factory=list)
+    #: the manifest's ReplicaRecord (JSON): replicated copies compared, and those that differ
+    replicas: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,9 +326,12 @@ def first_chunk(src: SourceCheckpoint, stage: int, gbuf: int) -> bool:
     return stage == 0 and (src.split.vpp == 1 or gbuf == 0)
 
 
-def copies_of(u: Unit, inst: Instance) -> dict[str, list[Copy]]:
-    """Where a buffer instance's copies go: the unit's arrays, or, for the last stage's copy of tied
-    embeddings, the unit's `mirrors` (checked equal to the first stage's, never written)."""
+def copies_of(u: Unit, inst: Instance, replica: str | None = None) -> dict[str, list[Copy]]:
+    """Where a buffer instance's copies go: the unit's arrays; for the last stage's copy of tied
+    embeddings, the unit's `mirrors` (checked equal to the first stage's, never written); for another
+    TP / GTP rank's copy of a replicated parameter, that replica's (compared, never written)."""
+    if replica is not None:
+        return replicas.copies_target(u, replica)
     return u.mirrors if inst.tied_copy else u.copies
 
 
@@ -381,11 +388,12 @@ def add_dp_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hints) -
                     p0, _p1, bid = blay.index[inst.label]
                     geom = gmap[inst.name]
                     tp, gtp = sizes[inst.name]
-                    if bid != b or not contributes(geom, tp, gtp, t, g):
+                    if bid != b:
                         continue
+                    replica = replica_label(geom, tp, gtp, t, g)   # None: a copy to write
                     u = units[inst.name]
                     u.dtypes[role] = np_dtype_name(info.dtype)
-                    copies_of(u, inst).setdefault(role, []).extend(
+                    copies_of(u, inst, replica).setdefault(role, []).extend(
                         flat_copies(key, chunks, geom, tp, gtp, t, g, inst.index, p0 - b0))
 
 
@@ -450,11 +458,10 @@ def add_dp_zero_copies(src: SourceCheckpoint, units: dict[str, Unit], hints: Hin
                         p0, _p1, bid = blay.index[inst.label]
                         geom = gmap[inst.name]
                         tp, gtp = sizes[inst.name]
-                        if not contributes(geom, tp, gtp, t, g):
-                            continue
+                        replica = replica_label(geom, tp, gtp, t, g)   # None: a copy to write
                         u = units[inst.name]
                         u.dtypes[role] = np_dtype_name(ten.dtype)
-                        copies_of(u, inst).setdefault(role, []).extend(
+                        copies_of(u, inst, replica).setdefault(role, []).extend(
                             flat_copies(key, chunk, geom, tp, gtp, t, g, inst.index, p0 - blay.buckets[bid][0] + before[bid]))
 
 
@@ -567,10 +574,11 @@ def is_defect_suspect(src: SourceCheckpoint) -> bool:
 
 def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], plan: WritePlan, tmp: str,
                writer_id: int, share: int, force: bool, defect_suspect: bool, step: int,
-               on_progress=None) -> tuple[list[str], int, dict]:
+               on_progress=None) -> tuple[list[str], int, dict, list]:
     """One writer's work: assemble each of its blocks (one outer chunk, every role), check it and
     write it whole. Returns (warnings, source bytes read, CRC-32 spans of the records read by
-    ranges: `check_records` must pass on them before the output is committed)."""
+    ranges: `check_records` must pass on them before the output is committed, the comparisons of
+    replicated copies: `replicas.BlockDiff`s)."""
     mem = split_share(share)
     return_freed_memory()
     ck = DcpCheckpoint(src_root)
@@ -620,10 +628,11 @@ class BlockBuffers:
 
 
 def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, Unit], blocks: Sequence[Block],
-                  writer_id: int, force: bool, defect_suspect: bool, step: int, on_progress) -> tuple[list[str], int, dict]:
+                  writer_id: int, force: bool, defect_suspect: bool, step: int, on_progress) -> tuple[list[str], int, dict, list]:
     warnings: list[str] = []
     index: tuple[int, CopyIndex] | None = None
     pool = BlockBuffers()
+    replica_check = replicas.ReplicaCheck()
     for b in blocks:
         unit = units[b.unit]
         if index is None or index[0] != b.unit:
@@ -635,6 +644,9 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
                 for role in unit.copies}
         if unit.mirrors:
             check_mirrors(cache, unit, b, bufs, force, warnings)
+        if unit.replicas:  # compared while the block is in memory, before the writer may take its buffers
+            replica_check.block(unit, b, bufs, lambda idx, role: fill_block(
+                cache, idx, unit, role, b, out=pool.take("replica", b.box.shape, numpy_dtype(unit.dtypes[role]))))
         if PARAMS in bufs and MODEL in bufs:
             check_master(b.array, bufs[PARAMS], bufs[MODEL], b.box, force, defect_suspect, warnings)
         for role, buf in bufs.items():
@@ -647,7 +659,7 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
         for p in SCALAR_PATHS:
             writer.write(p, Box((), ()), np.asarray(step, dtype=SCALAR_DTYPE))
     writer.finish()
-    return warnings, cache.bytes_read, cache.crcs.spans()
+    return warnings, cache.bytes_read, cache.crcs.spans(), replica_check.diffs
 
 
 def check_mirrors(cache: ChunkCache, unit: Unit, b: Block, bufs: dict[str, np.ndarray], force: bool,
@@ -957,10 +969,25 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
         t0 = time.perf_counter()
         check_records([r[2] for r in results], window=min(share, 8 << 20))
         timings["check_records"] = time.perf_counter() - t0
+        replica_rec = record_replicas(manifest, units, [d for r in results for d in r[3]], opts.strict_replicas)
+        warnings += replicas.report_lines(replica_rec)
         t0 = time.perf_counter()
         commit_checkpoint(dst, plan, manifest, timeout=60.0, claim=claim)
         timings["commit"] = time.perf_counter() - t0
     for w in warnings:
         print(f"gtp-bridge: warning: {w}", file=sys.stderr)
     return ConvertResult(dst, src.format_label, src.layout.to_json(), len(plan.arrays), plan.total_bytes,
-                         len(units), step, warnings, src.inferred, workers, budget, timings)
+                         len(units), step, warnings, src.inferred, workers, budget, timings,
+                         replicas=manifest.extra[REPLICAS_KEY])
+
+
+def record_replicas(manifest: Manifest, units: Sequence[Unit], diffs: Sequence, strict: bool):
+    """Put the comparison of the source's replicated copies into the manifest (`extra["replicas"]`,
+    in place); with `strict`, refuse (BridgeError, before the commit) when any copy differs."""
+    rec = replicas.summarize(diffs, units)
+    err = replicas.strict_error(rec) if strict else None
+    if err:
+        raise BridgeError(err)
+    manifest.extra[REPLICAS_KEY] = asdict(rec)
+    return rec
+

@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from contextlib import ExitStack
+from dataclasses import asdict
 from typing import Any, Mapping, Sequence
 
 from bridge.errors import BridgeError
@@ -34,9 +35,13 @@ from bridge.store.claim import claim_destination, hold_claim
 from bridge.store.commit import commit_checkpoint
 from bridge.torchrun import Ranks, _testing_fault, command_ranks
 from bridge.units import human_bytes
+from bridge.format.manifest import REPLICAS_KEY
+from converters.megatron import replicas
 from converters.megatron.cache import check_records
 from converters.megatron.convert import (ConvertOptions, ConvertPlan, ConvertResult, budget_line, plan_conversion,
+                                         record_replicas,
                                          write_share)
+
 
 def convert_ranks(src_dir: str, dst: str, opts: ConvertOptions, budget: int, asked_workers: int) -> ConvertResult:
     """`convert` as one rank of a torchrun launch (every rank calls it alike); see the module doc."""
@@ -73,17 +78,22 @@ def _convert(ranks: Ranks, src_dir: str, dst: str, opts: ConvertOptions, budget:
         shares = coord.all_gather("writing", lambda: _write(ranks, cp, tmp, dst, opts))
         timings["write"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        # every rank records (and, with --strict-replicas, refuses) alike, from every rank's comparisons
+        replica_rec = record_replicas(cp.manifest, cp.units, [replicas.BlockDiff(**d) for s in shares for d in s["replicas"]],
+                                      opts.strict_replicas)
         coord.broadcast("the commit", lambda: commit_checkpoint(dst, cp.plan, cp.manifest, timeout=60.0,
                                                                 claim=mine["claim"]))
         timings["commit"] = time.perf_counter() - t0
-    warnings = [w for s in shares for w in s["warnings"]]
+    warnings = [w for s in shares for w in s["warnings"]] + replicas.report_lines(replica_rec)
     if coord.rank == 0:
         for w in warnings:
             print(f"gtp-bridge: warning: {w}", file=sys.stderr)
     src = cp.src
     return ConvertResult(dst, src.format_label, src.layout.to_json(), len(cp.plan.arrays), cp.plan.total_bytes,
                          len(cp.units), cp.step, warnings, src.inferred, cp.workers, budget, timings,
-                         rank=coord.rank, ranks=[{k: v for k, v in s.items() if k != "warnings"} for s in shares])
+                         rank=coord.rank, ranks=[{k: v for k, v in s.items() if k not in ("warnings", "replicas")}
+                                                 for s in shares],
+                         replicas=cp.manifest.extra[REPLICAS_KEY])
 
 
 def check_same_plan(fingerprints: Sequence[str]) -> None:
@@ -127,7 +137,8 @@ def _write(ranks: Ranks, cp: ConvertPlan, tmp: str, dst: str, opts: ConvertOptio
     _testing_fault(rank)
     return {"rank": rank, "writers": len(writers), "bytes": sum(b.nbytes for w in writers for b in cp.blocks_of(w)),
             "read": sum(r[1] for r in results), "seconds": round(time.perf_counter() - t0, 3),
-            "warnings": [f"rank {rank}: {w}" for r in results for w in r[0]]}
+            "warnings": [f"rank {rank}: {w}" for r in results for w in r[0]],
+            "replicas": [asdict(d) for r in results for d in r[3]]}
 
 
 def ranks_line(world: int, cp: ConvertPlan, budget: int, asked: int) -> str:

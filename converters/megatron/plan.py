@@ -107,6 +107,9 @@ class Unit:
     copies: dict[str, list[Copy]] = field(default_factory=dict)
     stacked: int = 0                                 # leading layer / expert axes
     mirrors: dict[str, list[Copy]] = field(default_factory=dict)   # a second stored copy, checked equal
+    # other TP / GTP ranks' copies of a replicated parameter, by replica label ("tp1"): compared with
+    # the written copy, never written (converters.megatron.replicas)
+    replicas: dict[str, dict[str, list[Copy]]] = field(default_factory=dict)
 
     def element_bytes(self) -> int:
         """Bytes one logical element costs over the roles this unit fills."""
@@ -780,13 +783,22 @@ def flat_copies(key: str, chunks: Sequence[ChunkInfo], geom: ParamGeometry, tp: 
     return out
 
 
-def contributes(geom: ParamGeometry, tp: int, gtp: int, t: int, g: int) -> bool:
-    """Whether TP rank t / GTP rank g holds a distinct copy (replicas export once, from rank 0)."""
-    if geom.tp_kind == "replicated" and t != 0:
-        return False
-    if not geom.gtp_active(gtp) and g != 0:
-        return False
-    return True
+def replica_label(geom: ParamGeometry, tp: int, gtp: int, t: int, g: int) -> str | None:
+    """None when TP rank t / GTP rank g holds a distinct copy (a shard, or the main replica: rank 0
+    exports replicas), else the label of its replica (compared with the main one, never written).
+
+    >>> geom = ParamGeometry("decoder.final_layernorm.weight", (4,), "replicated")
+    >>> replica_label(geom, 2, 1, 0, 0), replica_label(geom, 2, 1, 1, 0), replica_label(geom, 2, 2, 1, 1)
+    (None, 'tp1', 'tp1.gtp1')
+    >>> replica_label(ParamGeometry("w", (4, 4), "column"), 2, 1, 1, 0) is None
+    True
+    """
+    tp_copy = geom.tp_kind == "replicated" and t != 0
+    gtp_copy = not geom.gtp_active(gtp) and g != 0
+    if not (tp_copy or gtp_copy):
+        return None
+    parts = ([f"tp{t}"] if tp > 1 else []) + ([f"gtp{g}"] if gtp > 1 else [])
+    return ".".join(parts)
 
 
 def literal(s: str):
