@@ -223,7 +223,7 @@ def test_to_megatron_under_torchrun_writes_what_one_process_writes(source, refer
     one = str(tmp_path / "one")
     to_megatron(str(d / "ref"), one, MegatronTarget(tp=2, dp=2), budget=256 << 10, workers=2)
     run = str(tmp_path / "run")
-    out = _ok(torchrun(2, "to-megatron", str(d / "ref"), run, "--tp", "2", "--dp", "2", "--workers", "2",
+    out = _ok(torchrun(2, "to-megatron", "--no-scheduler", str(d / "ref"), run, "--tp", "2", "--dp", "2", "--workers", "2",
                        "--budget", "256k"))
     assert out.count("wrote ") == 1 and "ranks: 2 (4 writers)" in out, out
     it = os.path.join(run, "iter_0000003")
@@ -246,7 +246,7 @@ def test_to_megatron_to_s3_under_torchrun_converts_back(source, reference, tmp_p
     with remote_servers() as servers:
         s3 = servers["s3"]
         url = s3.url("torchrun34/meg")
-        _ok(torchrun(2, "to-megatron", str(d / "ref"), url, "--tp", "2", "--workers", "2", "--budget", "256k"))
+        _ok(torchrun(2, "to-megatron", "--no-scheduler", str(d / "ref"), url, "--tp", "2", "--workers", "2", "--budget", "256k"))
         keys = s3.list_keys("torchrun34/meg/")
         assert "torchrun34/meg/iter_0000003/.metadata" in keys and \
             "torchrun34/meg/latest_checkpointed_iteration.txt" in keys, keys
@@ -260,7 +260,7 @@ def test_to_megatron_to_s3_under_torchrun_converts_back(source, reference, tmp_p
 def test_to_megatron_failing_rank_publishes_nothing(source, tmp_path):
     d, _ = source
     run = str(tmp_path / "run")
-    argv = ("to-megatron", str(d / "ref"), run, "--tp", "2", "--workers", "2", "--budget", "256k")
+    argv = ("to-megatron", "--no-scheduler", str(d / "ref"), run, "--tp", "2", "--workers", "2", "--budget", "256k")
     res = torchrun(2, *argv, extra_env={"_GTPB_TESTING_RANK_FAULT": "1:error"})
     assert res.returncode != 0
     assert "rank 1 failed during writing: testing fault on rank 1" in res.stderr, res.stderr[-3000:]

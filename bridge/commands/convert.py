@@ -173,7 +173,7 @@ def _convert(args: argparse.Namespace):
     else:
         res = convert(args.src, args.dst, opts)
     if res.rank != 0:  # under torchrun rank 0 reports for every rank
-        return 0
+        return res
     lay = res.layout
     print(f"converted {args.src} ({res.source_format}, TP={lay['tp']} GTP={lay['gtp']} DP={lay['dp']} "
           f"EP={lay['ep']}, step {res.step}) -> {res.dst}: {res.params} params, {res.arrays} arrays, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from typing import Any, Callable, TextIO
 
@@ -34,7 +35,8 @@ def run_reporting(args: Any, body: Callable[[], Any], summarize: Callable[[Any],
         return exit_code(body())
     with contextlib.redirect_stdout(sys.stderr):
         res = body()
-    emit(summarize(res))
+    if os.environ.get("RANK", "0") == "0":   # under torchrun rank 0 reports for every rank
+        emit(summarize(res))
     return exit_code(res)
 
 

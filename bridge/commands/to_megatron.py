@@ -98,7 +98,7 @@ def _write(args: argparse.Namespace) -> dict:
                       budget=parse_size(args.budget) if args.budget else None, workers=args.workers,
                       weights_from_masters=args.weights_from_masters)
     if res.get("rank", 0) != 0:  # under torchrun rank 0 reports for every rank
-        return 0
+        return res
     lay = res["layout"]
     prev = res["tracker_previous"]
     print(f"wrote {res['dst']} ({res['format']}, TP={lay['tp']} GTP={lay['gtp']} DP={lay['dp']} EP={lay['ep']} "

@@ -40,7 +40,7 @@ def _verify(args):
     with command_ranks(f"verify {args.dir}") as ranks:  # under torchrun: each rank reads a share
         res = verify_checkpoint(args.dir, threads=args.threads, coordinator=ranks.coord if ranks else None)
         if ranks is not None and ranks.rank != 0:  # rank 0 reports for every rank, all exit alike
-            return 0 if res.ok else 1
+            return res
     for problem in res.metadata_problems:
         print(f"DAMAGED metadata: {problem}")
     for name, why in sorted(res.damaged.items()):
