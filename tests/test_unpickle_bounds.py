@@ -1,0 +1,113 @@
+"""The restricted unpickler is bounded in time as in memory (issue 29 item 5; offsets of item 6).
+
+Hash flooding (distinct keys sharing one hash value) made building a dict quadratic: 1 MiB of
+`.metadata` took 35 s. The refusal must come before the dict is built: the message counts the
+colliding keys it admitted (MAX_SAME_HASH + 1), so the work done is bounded by that count, whatever
+the file's size. The 4 MiB file would take many minutes if quadratic, which the timeout catches.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bridge.errors import BridgeError
+from converters.megatron.dcp_reader import DcpCheckpoint, safe_loads
+from converters.megatron.unpickle_bounds import MAX_SAME_HASH
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "megatron" / "dp2" / "fully_reshardable"
+M = 2**61 - 1   # hash(k * M) == 0 for every int k
+
+
+def _long(x: int) -> bytes:
+    """LONG1 opcode for `x` (built by hand: pickling a flooded dict would itself be quadratic)."""
+    b = pickle.encode_long(x)
+    return pickle.LONG1 + bytes([len(b)]) + b
+
+
+def flooded(n: int, shape: str) -> bytes:
+    """A pickle of n colliding keys in a dict (SETITEMS or DICT), set, frozenset or as 1-tuples."""
+    keys = [_long(k * M) for k in range(1, n + 1)]
+    if shape == "tuple_keys":
+        keys = [k + pickle.TUPLE1 for k in keys]
+    if shape in ("setitems", "tuple_keys"):
+        body = pickle.EMPTY_DICT + pickle.MARK + b"".join(k + pickle.NONE for k in keys) + pickle.SETITEMS
+    elif shape == "dict":
+        body = pickle.MARK + b"".join(k + pickle.NONE for k in keys) + pickle.DICT
+    elif shape == "set":
+        body = pickle.EMPTY_SET + pickle.MARK + b"".join(keys) + pickle.ADDITEMS
+    else:
+        body = pickle.MARK + b"".join(keys) + pickle.FROZENSET
+    return pickle.PROTO + b"\x04" + body + pickle.STOP
+
+
+@pytest.mark.timeout(120)
+def test_hash_flooded_metadata_is_refused_before_the_dict_is_built(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURE, src)
+    raw = flooded(300_000, "setitems")
+    assert 1 << 20 < len(raw) < 4 << 20
+    (src / ".metadata").write_bytes(raw)
+    with pytest.raises(BridgeError) as e:
+        DcpCheckpoint(str(src))
+    msg = str(e.value)
+    assert ".metadata" in msg and "hash flooding" in msg, msg
+    # refused at the first key past the bound: at most MAX_SAME_HASH equality tests per insertion
+    assert f"{MAX_SAME_HASH + 1} distinct dict/set keys with one hash value" in msg, msg
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shape", ["dict", "set", "frozenset", "tuple_keys"])
+def test_every_way_to_build_a_hashed_container_is_guarded(shape):
+    with pytest.raises(BridgeError, match=f"{MAX_SAME_HASH + 1} distinct dict/set keys"):
+        safe_loads(flooded(20_000, shape), "f")
+
+
+def test_distinct_and_repeated_keys_still_load():
+    """What real files hold: many distinct int keys, the same keys in many dicts, -1 and -2 (one hash)."""
+    obj = {"state": {i: {"step": i} for i in range(50_000)}, "groups": [{0: "a", -1: "b", -2: "c"}] * 3,
+           "set": set(range(1000)), "frozen": frozenset((i, i) for i in range(1000))}
+    assert safe_loads(pickle.dumps(obj), "f") == obj
+
+
+def _shared_tuple_key(levels: int) -> bytes:
+    """{t: None} where t = (t', t') nested `levels` deep through the memo: hashing t visits 2**levels tuples."""
+    t: tuple = (0,)
+    for _ in range(levels):
+        t = (t, t)
+    body = pickle.dumps(t, protocol=2)[2:-1]   # the tuple's opcodes, memo shared (never hashed here)
+    return b"\x80\x02" + pickle.EMPTY_DICT + body + pickle.NONE + pickle.SETITEM + pickle.STOP
+
+
+@pytest.mark.timeout(120)
+def test_a_key_whose_hash_unfolds_exponentially_is_refused():
+    raw = _shared_tuple_key(48)   # under MAX_NESTING; hashing it once would take days
+    assert len(raw) < 2000
+    with pytest.raises(BridgeError, match="objects per byte"):
+        safe_loads(raw, "f")
+
+
+@pytest.mark.timeout(120)
+def test_a_list_shared_at_every_level_is_refused():
+    """Tiny as a pickle, 2**60 nodes for the recursive walks that read common_state."""
+    x: list = [0]
+    for _ in range(60):
+        x = [x, x]
+    with pytest.raises(BridgeError, match="unfolds into more than"):
+        safe_loads(pickle.dumps(x), "common_state")
+
+
+def test_offsets_of_huge_integers_are_refused_naming_the_entry(tmp_path):
+    """Offsets of 2**20000: a one-line refusal, not `ValueError ... 4300 digits` (item 6)."""
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURE, src)
+    md = pickle.loads((src / ".metadata").read_bytes())   # our own copy of a real save: trusted
+    fqn, entry = next((k, v) for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks"))
+    entry.chunks[0].offsets = (2**20000,) + tuple(entry.chunks[0].offsets[1:])
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(BridgeError) as e:
+        DcpCheckpoint(str(src))
+    assert fqn in str(e.value) and "2**63" in str(e.value), str(e.value)
