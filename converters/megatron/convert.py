@@ -47,6 +47,7 @@ from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
 from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
 from converters.megatron.object_layout import object_tensors
+from converters.megatron.save_facts import check_against_save
 from converters.megatron.cache import ChunkCache, check_records
 from converters.megatron.format import (BUCKETED, Hints, SourceCheckpoint, _as_dict, bucket_space_flat_chunks, describe,
                                         merge_split_keys,
@@ -876,6 +877,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
         raise BridgeError(f"--budget must be at least 64k, got {budget} bytes")
     ck = DcpCheckpoint(src_dir)
     src = describe(ck, hints)
+    check_against_save(src, hints)   # layers, ranks and pipeline stages the save shows, before any work
     groups = optimizer_groups(src)
     step = step_of(src, groups)
     units = build_units(src, hints)
