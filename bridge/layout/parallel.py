@@ -23,7 +23,7 @@ from bridge.errors import BridgeError
 
 TOKENS = ("tp", "gtp_remat", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
-#: more ranks than any run has had (the largest have ~10^5 accelerators): refused before any table of ranks
+#: beyond any machine Megatron-Core runs on: a typo like --pp 100000000 is refused before any table of ranks
 MAX_WORLD = 1 << 20
 MEGATRON_APPEND_ORDER = ("tp", "pp", "dp", "ep", "cp", "gtp_remat")  # RankGenerator.name_to_size order
 

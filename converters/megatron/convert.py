@@ -175,7 +175,7 @@ def writer_rank(rel: str) -> int | None:
     """
     name = rel.rsplit("/", 1)[-1]
     head = name[2:].split("_", 1)[0] if name.startswith("__") and name.endswith(".distcp") else ""
-    return int(head) if head.isdigit() else None
+    return int(head) if head.isdigit() and len(head) < 10 else None   # a hostile name: no 10**4300-digit int
 
 
 def saved_stage_layers(src: SourceCheckpoint) -> tuple[int, list[list[int]]] | None:
