@@ -642,11 +642,25 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
             writer.write(role_path(role, b.array), b.box, buf, donate=donate[role])
             if on_progress:
                 on_progress(buf.nbytes)
+        _testing_hold(writer_id)
     if writer_id == 0:
         for p in SCALAR_PATHS:
             writer.write(p, Box((), ()), np.asarray(step, dtype=SCALAR_DTYPE))
     writer.finish()
     return warnings, cache.bytes_read, cache.crcs.spans()
+
+
+#: private test seam, not an option: a directory where each writer, once its first block is written,
+#: creates `held.<writer>` and then waits, so that a test signals a run known to be mid-write
+_TESTING_HOLD_ENV = "_GTP_BRIDGE_TESTING_HOLD_WRITERS"
+
+
+def _testing_hold(writer_id: int) -> None:
+    where = os.environ.get(_TESTING_HOLD_ENV)
+    if where and not os.path.exists(os.path.join(where, f"held.{writer_id}")):
+        open(os.path.join(where, f"held.{writer_id}"), "w").close()
+        while True:
+            time.sleep(3600)   # until the test's signal ends the run
 
 
 def check_mirrors(cache: ChunkCache, unit: Unit, b: Block, bufs: dict[str, np.ndarray], force: bool,
