@@ -20,6 +20,8 @@ from converters.megatron.unpickle_bounds import MAX_SAME_HASH
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "megatron" / "dp2" / "fully_reshardable"
 M = 2**61 - 1   # hash(k * M) == 0 for every int k
+#: the old code's quadratic dict build is one C call, which a SIGALRM cannot interrupt: the thread method ends the run
+BOUNDED = pytest.mark.timeout(120, method="thread")
 
 
 def _long(x: int) -> bytes:
@@ -44,7 +46,7 @@ def flooded(n: int, shape: str) -> bytes:
     return pickle.PROTO + b"\x04" + body + pickle.STOP
 
 
-@pytest.mark.timeout(120)
+@BOUNDED
 def test_hash_flooded_metadata_is_refused_before_the_dict_is_built(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(FIXTURE, src)
@@ -59,7 +61,7 @@ def test_hash_flooded_metadata_is_refused_before_the_dict_is_built(tmp_path):
     assert f"{MAX_SAME_HASH + 1} distinct dict/set keys with one hash value" in msg, msg
 
 
-@pytest.mark.timeout(120)
+@BOUNDED
 @pytest.mark.parametrize("shape", ["dict", "set", "frozenset", "tuple_keys"])
 def test_every_way_to_build_a_hashed_container_is_guarded(shape):
     with pytest.raises(BridgeError, match=f"{MAX_SAME_HASH + 1} distinct dict/set keys"):
@@ -82,7 +84,7 @@ def _shared_tuple_key(levels: int) -> bytes:
     return b"\x80\x02" + pickle.EMPTY_DICT + body + pickle.NONE + pickle.SETITEM + pickle.STOP
 
 
-@pytest.mark.timeout(120)
+@BOUNDED
 def test_a_key_whose_hash_unfolds_exponentially_is_refused():
     raw = _shared_tuple_key(48)   # under MAX_NESTING; hashing it once would take days
     assert len(raw) < 2000
@@ -90,7 +92,7 @@ def test_a_key_whose_hash_unfolds_exponentially_is_refused():
         safe_loads(raw, "f")
 
 
-@pytest.mark.timeout(120)
+@BOUNDED
 def test_a_list_shared_at_every_level_is_refused():
     """Tiny as a pickle, 2**60 nodes for the recursive walks that read common_state."""
     x: list = [0]
