@@ -113,3 +113,47 @@ def test_offsets_of_huge_integers_are_refused_naming_the_entry(tmp_path):
     with pytest.raises(BridgeError) as e:
         DcpCheckpoint(str(src))
     assert fqn in str(e.value) and "2**63" in str(e.value), str(e.value)
+
+
+def colliding_pairs(n: int) -> list[tuple[int, int]]:
+    """n pairs (a, b) of ints in [0, 2**61) whose tuples share one hash: CPython's tuple hash (xxHash's
+    rounds over the items' hashes) solved for b, given a (an int's hash is itself below 2**61 - 1)."""
+    mask, p1, p2, p5 = (1 << 64) - 1, 11400714785074694791, 14029467366897019727, 2870177450012600261
+
+    def rot(x: int, r: int) -> int:
+        return ((x << r) | (x >> (64 - r))) & mask
+
+    def after(acc: int, lane: int) -> int:
+        return rot((acc + lane * p2) & mask, 31) * p1 & mask
+
+    target = after(after(p5, 0), 0)   # the hash state of (0, 0) before its length is mixed in
+    out, a = [], 0
+    while len(out) < n:
+        acc1 = after(p5, a)
+        b = (rot(target * pow(p1, -1, 1 << 64) & mask, 33) - acc1) * pow(p2, -1, 1 << 64) & mask
+        if b < M:
+            out.append((a, b))
+        a += 1
+    return out
+
+
+def test_chunk_offsets_chosen_to_collide_are_refused(tmp_path):
+    """The flood moved past the unpickler: `.metadata` chunk offsets (a, b) whose tuples share one hash
+    made the storage lookup quadratic. Refused at the first key past the bound."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    pairs = colliding_pairs(64)
+    assert len({hash(p) for p in pairs}) == 1 and len(set(pairs)) == 64   # the reference: Python's own hash
+    big = torch.Size([2**62, 2**62])
+    chunks = [ChunkStorageMetadata(torch.Size(p), torch.Size([1, 1])) for p in pairs]
+    storage = {MetadataIndex("w", torch.Size(p)): _StorageInfo("__0_0.distcp", 0, 1) for p in pairs}
+    md = Metadata({"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), big, chunks)}, None, storage)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    (src / "__0_0.distcp").write_bytes(b"\0")
+    with pytest.raises(BridgeError, match=f"{MAX_SAME_HASH + 1} distinct dict/set keys with one hash value"):
+        DcpCheckpoint(str(src))
