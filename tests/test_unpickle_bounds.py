@@ -75,20 +75,25 @@ def test_distinct_and_repeated_keys_still_load():
     assert safe_loads(pickle.dumps(obj), "f") == obj
 
 
-def _shared_tuple_key(levels: int) -> bytes:
-    """{t: None} where t = (t', t') nested `levels` deep through the memo: hashing t visits 2**levels tuples."""
+def _shared_tuple(levels: int, use: bytes) -> bytes:
+    """t = (t', t') nested `levels` deep through the memo, then `use` (opcodes that hash it): hashing t
+    visits 2**levels tuples."""
     t: tuple = (0,)
     for _ in range(levels):
         t = (t, t)
     body = pickle.dumps(t, protocol=2)[2:-1]   # the tuple's opcodes, memo shared (never hashed here)
-    return b"\x80\x02" + pickle.EMPTY_DICT + body + pickle.NONE + pickle.SETITEM + pickle.STOP
+    return b"\x80\x04" + (pickle.EMPTY_DICT if use.endswith(pickle.SETITEM) else b"") + body + use + pickle.STOP
 
 
 @BOUNDED
-def test_a_key_whose_hash_unfolds_exponentially_is_refused():
-    raw = _shared_tuple_key(48)   # under MAX_NESTING; hashing it once would take days
+@pytest.mark.parametrize("use,refusal", [
+    (pickle.NONE + pickle.SETITEM, "objects per byte"),                # a dict key: {t: None}
+    (pickle.EMPTY_TUPLE + pickle.REDUCE, "calling a tuple"),           # looked up as a callable
+    (pickle.EMPTY_TUPLE + pickle.NEWOBJ, "calling a tuple")])
+def test_a_tuple_whose_hash_unfolds_exponentially_is_refused(use, refusal):
+    raw = _shared_tuple(48, use)   # under MAX_NESTING; hashing it once would take days
     assert len(raw) < 2000
-    with pytest.raises(BridgeError, match="objects per byte"):
+    with pytest.raises(BridgeError, match=refusal):
         safe_loads(raw, "f")
 
 

@@ -606,6 +606,8 @@ class SafeUnpickler(pickle._Unpickler):
     def call(self, func: Any, args: Any, kw: dict | None = None) -> Any:
         if type(args) is not tuple or (kw is not None and type(kw) is not dict):
             self.refuse("a call with arguments that are not a tuple")
+        if type(func) in (tuple, frozenset):   # looking it up would hash it: 2**48 steps for a shared one
+            self.refuse(f"calling a {type(func).__name__}")
         if _is_stub_class(func):
             return func(*args, **(kw or {}))
         try:
@@ -617,7 +619,7 @@ class SafeUnpickler(pickle._Unpickler):
         return rule(self, args, kw or {})
 
     def new(self, cls: Any, args: Any, kw: dict | None = None) -> Any:
-        if _is_stub_class(cls):
+        if _is_stub_class(cls) or type(cls) in (tuple, frozenset):
             return self.call(cls, args, kw)
         try:
             empty = cls in _EMPTY_NEW
