@@ -108,7 +108,7 @@ def _shared_tuple(levels: int, use: bytes) -> bytes:
 @pytest.mark.parametrize("use,refusal", [
     (pickle.NONE + pickle.SETITEM, "objects per byte"),                # a dict key: {t: None}
     (pickle.EMPTY_TUPLE + pickle.REDUCE, "calling a tuple"),           # looked up as a callable
-    (pickle.EMPTY_TUPLE + pickle.NEWOBJ, "calling a tuple")])
+    (pickle.EMPTY_TUPLE + pickle.NEWOBJ, "calling a tuple")], ids=["dict_key", "reduce", "newobj"])
 def test_a_tuple_whose_hash_unfolds_exponentially_is_refused(use, refusal, tmp_path):
     raw = _shared_tuple(48, use)   # under MAX_NESTING; hashing it once would take days
     assert len(raw) < 2000
