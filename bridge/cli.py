@@ -20,7 +20,7 @@ import sys
 from typing import Callable, NoReturn
 
 from bridge import __version__
-from bridge.errors import BridgeError
+from bridge.errors import NO_SPACE, BridgeError, write_failure
 
 # Order is the order shown in --help.
 COMMANDS = ["convert", "to_megatron", "maxtext", "inspect", "verify", "diff", "demo"]
@@ -99,6 +99,9 @@ def run(make_parser: Callable[[], argparse.ArgumentParser], argv: list[str] | No
     except OSError as e:
         if debug:
             raise
+        if e.errno in NO_SPACE:
+            print(f"gtp-bridge: error: {write_failure(e.filename or 'the destination', e)}", file=sys.stderr)
+            return 2
         print(f"gtp-bridge: error: {_one_line(str(e))} (check the path and permissions)", file=sys.stderr)
         return 2
     except Exception as e:  # a bug or an input we failed to classify: still one line, traceback on --debug

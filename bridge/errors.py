@@ -8,7 +8,9 @@ fix it. The CLI prints it and exits 2 (bad usage / bad input) without a tracebac
 
 from __future__ import annotations
 
+import errno
 import importlib
+import os
 
 
 class BridgeError(Exception):
@@ -25,6 +27,31 @@ class IntegrityError(BridgeError):
 
 class MissingExtra(BridgeError, ModuleNotFoundError):
     """An optional dependency is missing. Also a ModuleNotFoundError, so `except ImportError` still works."""
+
+
+#: errno values that mean "the file system has no room": full, or the user's quota spent
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_failure(path: str, e: BaseException) -> BridgeError:
+    """One line for a failed write of file `path`: "disk full" when that is the cause.
+
+    The cause is an OSError with ENOSPC / EDQUOT, or the file system has less than 1 MiB free right
+    after the failure: torch's zip writer reports a short write as a RuntimeError without the errno
+    ("[enforce fail at inline_container.cc:672] . unexpected pos ...").
+    """
+    full = isinstance(e, OSError) and e.errno in NO_SPACE
+    if not full:
+        try:
+            st = os.statvfs(os.path.dirname(path) or ".")
+            full = st.f_bavail * st.f_frsize < (1 << 20)
+        except OSError:
+            pass
+    if full:
+        return BridgeError(f"{path}: disk full (no space left on its file system) while writing; free some space "
+                           f"or write elsewhere (the partial output is removed)")
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    return BridgeError(f"{path}: writing failed ({type(e).__name__}: {first[:200]})")
 
 
 # Which extra of pyproject.toml installs each optional top-level module.

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from bridge.errors import BridgeError
-from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.convert import _TESTING_HOLD_ENV, ConvertOptions, convert
 import convert_synth as synth
 
 TMP = ".orbax-checkpoint-tmp"
@@ -51,16 +51,19 @@ def alive(pid: int) -> bool:
 
 
 def start_and_wait_for_workers(src, dst) -> tuple[subprocess.Popen, list[int]]:
-    proc = subprocess.Popen([sys.executable, "-c", RUN, str(src), str(dst)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
+    """Start a 2-writer convert whose writers are held after their first block (convert's private seam),
+    and wait until both are: the run is then known to be mid-write, however fast or loaded the machine."""
+    held = f"{dst}.held"
+    os.mkdir(held)
+    proc = subprocess.Popen([sys.executable, "-c", RUN, str(src), str(dst)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=dict(os.environ, **{_TESTING_HOLD_ENV: held}))
+    deadline = time.monotonic() + 300   # only for a run that fails before writing: not a race
     while time.monotonic() < deadline and proc.poll() is None:
-        tmp = str(dst) + TMP
-        if os.path.isdir(tmp) and sum(n.startswith("ocdbt.process_") for n in os.listdir(tmp)) >= 2:
+        if sorted(os.listdir(held)) == ["held.0", "held.1"]:
             return proc, children(proc.pid)
         time.sleep(0.05)
     proc.kill()
-    pytest.fail(f"the workers never started writing: {proc.stderr.read()[-1000:]!r}")
+    pytest.fail(f"the workers never reached their first block: {proc.stderr.read()[-1000:]!r}")
 
 
 def tree(path: str) -> dict[str, int]:

@@ -23,6 +23,8 @@ from bridge.errors import BridgeError
 
 TOKENS = ("tp", "gtp_remat", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+#: beyond any machine Megatron-Core runs on: a typo like --pp 100000000 is refused before any table of ranks
+MAX_WORLD = 1 << 20
 MEGATRON_APPEND_ORDER = ("tp", "pp", "dp", "ep", "cp", "gtp_remat")  # RankGenerator.name_to_size order
 
 
@@ -180,6 +182,9 @@ class ParallelLayout:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise BridgeError(f"ParallelLayout: {name}={v!r} must be a positive integer")
         world = self.world
+        if world > MAX_WORLD:   # before any per-rank table: --pp 10**8 would build one of 10**8 ranks
+            raise BridgeError(f"ParallelLayout: world size {world} (= tp·gtp·cp·dp·pp = {self.tp}·{self.gtp}·{self.cp}·"
+                              f"{self.dp}·{self.pp}) is more than any run has (at most {MAX_WORLD} ranks)")
         emodel = self.etp * self.ep * self.egtp * self.pp
         if world % emodel:
             raise BridgeError(

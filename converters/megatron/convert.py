@@ -45,6 +45,7 @@ from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
 from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
 from converters.megatron.object_layout import object_tensors
+from converters.megatron.save_facts import check_against_save
 from converters.megatron.cache import ChunkCache, check_records
 from converters.megatron.writer_procs import run_parallel
 from converters.megatron import replicas
@@ -180,7 +181,7 @@ def writer_rank(rel: str) -> int | None:
     """
     name = rel.rsplit("/", 1)[-1]
     head = name[2:].split("_", 1)[0] if name.startswith("__") and name.endswith(".distcp") else ""
-    return int(head) if head.isdigit() else None
+    return int(head) if head.isdigit() and len(head) < 10 else None   # a hostile name: no 10**4300-digit int
 
 
 def saved_stage_layers(src: SourceCheckpoint) -> tuple[int, list[list[int]]] | None:
@@ -655,11 +656,25 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
             writer.write(role_path(role, b.array), b.box, buf, donate=donate[role])
             if on_progress:
                 on_progress(buf.nbytes)
+        _testing_hold(writer_id)
     if writer_id == 0:
         for p in SCALAR_PATHS:
             writer.write(p, Box((), ()), np.asarray(step, dtype=SCALAR_DTYPE))
     writer.finish()
     return warnings, cache.bytes_read, cache.crcs.spans(), replica_check.diffs
+
+
+#: private test seam, not an option: a directory where each writer, once its first block is written,
+#: creates `held.<writer>` and then waits, so that a test signals a run known to be mid-write
+_TESTING_HOLD_ENV = "_GTP_BRIDGE_TESTING_HOLD_WRITERS"
+
+
+def _testing_hold(writer_id: int) -> None:
+    where = os.environ.get(_TESTING_HOLD_ENV)
+    if where and not os.path.exists(os.path.join(where, f"held.{writer_id}")):
+        open(os.path.join(where, f"held.{writer_id}"), "w").close()
+        while True:
+            time.sleep(3600)   # until the test's signal ends the run
 
 
 def check_mirrors(cache: ChunkCache, unit: Unit, b: Block, bufs: dict[str, np.ndarray], force: bool,
@@ -897,6 +912,7 @@ def plan_conversion(src_dir: str, opts: ConvertOptions | None = None, budget: in
     hints = opts.hints or Hints()
     ck = DcpCheckpoint(src_dir)
     src = describe(ck, hints)
+    check_against_save(src, hints)   # layers, ranks and pipeline stages the save shows, before any work
     groups = optimizer_groups(src)
     step = step_of(src, groups)
     units = build_units(src, hints)

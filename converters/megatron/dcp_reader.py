@@ -44,6 +44,7 @@ from typing import Any, Iterator
 from bridge.errors import BridgeError
 from bridge.location import is_remote, local_path
 from bridge.store.ranged import RangeReader, open_range  # noqa: F401 - RangeReader: readers name it here
+from converters.megatron.unpickle_bounds import MAX_NESTING, Immutables, KeyGuard, check_graph, copy_keys
 from converters.megatron.torch_archive import (DTYPE_NAMES, LAYOUT_NAMES, MEMORY_FORMAT_NAMES, STORAGE_DTYPES,
                                                ArchiveTensor, Storage, TorchDevice, TorchDtype, TorchLayout,
                                                TorchMemoryFormat, to_torch)
@@ -65,7 +66,6 @@ RECORD_CLASSES |= {("torch.distributed.checkpoint.planner", n) for n in (
     "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadItemType")}
 
 #: Limits that keep a hostile pickle from costing more than a constant times its size.
-MAX_NESTING = 64          # containers inside containers (a real checkpoint needs < 10)
 MAX_DIMS = 64             # dimensions of a torch.Size / array shape
 ALLOC_PER_INPUT_BYTE = 16  # objects/bytes a pickle may copy through allowed callables, per input byte
 ALLOC_SLACK = 1 << 20
@@ -236,16 +236,18 @@ def _int_tuple(x: Any, what: str, max_len: int = MAX_DIMS) -> tuple[int, ...]:
     ok = isinstance(x, (tuple, list)) and len(x) <= max_len
     if ok:
         for v in x:  # a plain loop: this runs for every chunk offset of a large .metadata
-            if type(v) is not int or v < 0:
+            if type(v) is not int or not 0 <= v < 1 << 63:   # torch sizes are int64
                 ok = False
                 break
     if not ok:
-        raise BridgeError(f"{what}: expected at most {max_len} non-negative integers, found {_short(x)}")
+        raise BridgeError(f"{what}: expected at most {max_len} integers in [0, 2**63), found {_short(x)}")
     return tuple(x)
 
 
 def _short(x: Any) -> str:
     """A bounded description of an untrusted value for messages."""
+    if isinstance(x, int) and x.bit_length() > 128:
+        return f"an integer of {x.bit_length()} bits"   # repr would fail past 4300 digits
     if isinstance(x, (int, float, bool, type(None))):
         return repr(x)[:40]
     if isinstance(x, str):
@@ -278,6 +280,7 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
                                   f"only a copy of an already-built container is allowed")
             if args:
                 u.charge(len(args[0]))
+                u.keys.admit_all(copy_keys(cls, args[0]))
             out = cls(*args)
             if cls in (tuple, frozenset):
                 u.note_immutable(out, out)
@@ -474,9 +477,6 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
     return rules
 
 
-_IMMUTABLE = (tuple, frozenset)
-
-
 class SafeUnpickler(pickle._Unpickler):
     """A pickle reader that can only build what DCP metadata and Megatron objects hold.
 
@@ -502,7 +502,8 @@ class SafeUnpickler(pickle._Unpickler):
         self.storages: dict[str, Storage] = {}
         self._open_arrays: dict[int, Any] = {}   # id -> array from _reconstruct awaiting its one BUILD
         self._open_dtypes: dict[int, Any] = {}   # id -> dtype copy that one BUILD may still adjust
-        self._depth: dict[int, tuple[Any, int]] = {}  # id -> (tuple/frozenset, nesting), kept alive
+        self.immutables = Immutables()   # nesting and unfolded size of tuples / frozensets (hash costs)
+        self.keys = KeyGuard(self.refuse, self.charge, self.immutables)   # hash flooding refused
 
     def load(self) -> Any:  # noqa: D102 - pickle API
         # The input is one in-memory buffer, so frames need no unframer: reading opcodes straight from
@@ -557,16 +558,9 @@ class SafeUnpickler(pickle._Unpickler):
         self._open_dtypes.pop(id(d), None)
 
     def note_immutable(self, obj: Any, items: Any) -> None:
-        """Record a tuple/frozenset's nesting; deep ones are refused (hashing them recurses in C)."""
-        d = 1
-        for i in items:
-            if type(i) in _IMMUTABLE:
-                rec = self._depth.get(id(i))
-                d = max(d, 1 + (rec[1] if rec is not None and rec[0] is i else 1))
-        if d > MAX_NESTING:
+        """Record a tuple/frozenset's nesting and size; deep ones are refused (hashing them recurses in C)."""
+        if self.immutables.note(obj, items) > MAX_NESTING:
             self.refuse(f"tuples nested more than {MAX_NESTING} deep")
-        if d > 1:
-            self._depth[id(obj)] = (obj, d)
 
     # -- globals ----------------------------------------------------------------------------------
 
@@ -613,6 +607,8 @@ class SafeUnpickler(pickle._Unpickler):
     def call(self, func: Any, args: Any, kw: dict | None = None) -> Any:
         if type(args) is not tuple or (kw is not None and type(kw) is not dict):
             self.refuse("a call with arguments that are not a tuple")
+        if type(func) in (tuple, frozenset):   # looking it up would hash it: 2**48 steps for a shared one
+            self.refuse(f"calling a {type(func).__name__}")
         if _is_stub_class(func):
             return func(*args, **(kw or {}))
         try:
@@ -624,7 +620,7 @@ class SafeUnpickler(pickle._Unpickler):
         return rule(self, args, kw or {})
 
     def new(self, cls: Any, args: Any, kw: dict | None = None) -> Any:
-        if _is_stub_class(cls):
+        if _is_stub_class(cls) or type(cls) in (tuple, frozenset):
             return self.call(cls, args, kw)
         try:
             empty = cls in _EMPTY_NEW
@@ -731,6 +727,7 @@ class SafeUnpickler(pickle._Unpickler):
         self._setitems(self.stack[-1], zip(items[::2], items[1::2]))
 
     def _setitems(self, target: Any, pairs: Any) -> None:
+        pairs = self.keys.pairs(pairs)
         if type(target) is dict:
             target.update(pairs)
         elif isinstance(target, (dict, InertStub)):  # OrderedDict, Counter...: their own __setitem__
@@ -760,10 +757,12 @@ class SafeUnpickler(pickle._Unpickler):
         target = self.stack[-1]
         if type(target) is not set:
             self.refuse(f"adding items to a {type(target).__name__}")
+        self.keys.admit_all(items)
         target.update(items)
 
     def load_frozenset(self) -> None:
         items = self.pop_mark()
+        self.keys.admit_all(items)
         out = frozenset(items)
         self.note_immutable(out, items)
         self.append(out)
@@ -790,7 +789,7 @@ class SafeUnpickler(pickle._Unpickler):
 
     def load_dict(self) -> None:
         items = self.pop_mark()
-        self.append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
+        self.append(dict(self.keys.pairs(zip(items[::2], items[1::2]))))
 
     def load_next_buffer(self) -> None:
         self.refuse("an out-of-band buffer (pickle protocol 5 buffers are not used by checkpoints)")
@@ -836,56 +835,6 @@ for _op, _fn in ((pickle.REDUCE, SafeUnpickler.load_reduce), (pickle.NEWOBJ, Saf
 # INST reads "module\nname\n" then calls _instantiate (checked above); READONLY_BUFFER/BYTEARRAY8 etc. are inert.
 
 
-def _children(x: Any) -> Any:
-    """The objects a container of an unpickled graph refers to (none for leaves)."""
-    t = type(x)
-    if t is list or t is tuple or t is set or t is frozenset:
-        return x
-    if isinstance(x, dict):
-        return [*x.keys(), *x.values()]
-    if isinstance(x, InertStub):
-        return [x.stub_args, x.stub_kwargs, x.stub_state, x.stub_items, x.stub_list]
-    if t is argparse.Namespace or t is types.SimpleNamespace:
-        return list(vars(x).values())
-    return ()
-
-
-_LEAVES = {str, int, float, bool, bytes, type(None)}
-
-
-def check_graph(obj: Any, what: str) -> None:
-    """Refuse cycles and nesting deeper than MAX_NESTING in an unpickled object (iterative walk).
-
-    Later code walks these objects recursively; a cycle or a 10^6-deep list must stop here.
-    """
-    depth: dict[int, int] = {}
-    on_path: set[int] = set()
-    todo: list[tuple[Any, bool]] = [(obj, False)]
-    keep: list[Any] = []  # ids stay unique while the walk holds the objects
-    while todo:
-        x, done = todo.pop()
-        i = id(x)
-        if done:
-            on_path.discard(i)
-            d = 0
-            for c in _children(x):
-                if type(c) not in _LEAVES:
-                    d = max(d, depth.get(id(c), 0))
-            if d >= MAX_NESTING:
-                raise BridgeError(f"{what}: objects nested more than {MAX_NESTING} deep; the file is damaged or hostile")
-            depth[i] = d + 1
-            continue
-        if i in depth:
-            continue
-        if i in on_path:
-            raise BridgeError(f"{what}: an object that contains itself; the file is damaged or hostile")
-        kids = [c for c in _children(x) if type(c) not in _LEAVES and id(c) not in depth]
-        keep.append(x)
-        on_path.add(i)
-        todo.append((x, True))
-        todo.extend((c, False) for c in kids)
-
-
 def safe_loads(data: bytes | memoryview, what: str, records: dict[str, memoryview | int] | None = None,
                check: bool = True) -> Any:
     """Unpickle untrusted bytes with the allow-list and limits of `SafeUnpickler`.
@@ -899,7 +848,7 @@ def safe_loads(data: bytes | memoryview, what: str, records: dict[str, memoryvie
     try:
         obj = SafeUnpickler(io.BytesIO(data), what, len(data), records).load()
         if check:
-            check_graph(obj, what)
+            check_graph(obj, what, max_size=ALLOC_PER_INPUT_BYTE * len(data) + ALLOC_SLACK)
         return obj
     except BridgeError:
         raise
@@ -1199,6 +1148,10 @@ def _record(obj: Any, kind: str, what: str) -> InertStub:
     return obj
 
 
+def _refuse(what: str, why: str) -> None:
+    raise BridgeError(f"{what}: {why}; the file is damaged or hostile")
+
+
 def _index_tuple(x: Any, what: str) -> tuple[int, ...]:
     """A chunk offset / size / shape: a torch.Size or tuple of non-negative ints."""
     return _int_tuple(x, what)
@@ -1218,6 +1171,7 @@ def _interpret_metadata(md: Any, root: Path, what: str) -> tuple[dict[str, "Tens
     if type(sdm) is not dict or type(storage) is not dict:
         raise BridgeError(f"{what}: not a DCP Metadata object (unknown format); is this a torch_dist checkpoint?")
     by_key: dict[tuple[str, tuple[int, ...]], StorageRef] = {}
+    keys = KeyGuard(lambda why: _refuse(what, why), lambda n: None, Immutables())   # offsets chosen to collide
     by_fqn: dict[str, list[tuple[tuple[int, ...], StorageRef]]] = {}
     for idx, info in storage.items():
         idx = _record(idx, "MetadataIndex", f"{what}: storage_data key")
@@ -1230,9 +1184,10 @@ def _interpret_metadata(md: Any, root: Path, what: str) -> tuple[dict[str, "Tens
         rel, o, n = info.get("relative_path"), info.get("offset"), info.get("length")
         if info.get("transform_descriptors"):
             raise BridgeError(f"{what}: entry {fqn} uses storage transforms (compression?), which are not supported")
-        if type(o) is not int or type(n) is not int or o < 0 or n < 0:
+        if type(o) is not int or type(n) is not int or not (0 <= o < 1 << 63 and 0 <= n < 1 << 63):
             raise BridgeError(f"{what}: entry {fqn} has an invalid byte range ({_short(o)}, {_short(n)})")
         check_relative_path(root, rel, what)
+        keys.admit((fqn, off))
         if (fqn, off) in by_key:
             raise BridgeError(f"{what}: entry {fqn} at {off} is stored twice; the file is damaged")
         ref = by_key[(fqn, off)] = StorageRef(rel, o, n)

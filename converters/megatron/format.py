@@ -556,7 +556,9 @@ def _layout_from(args: dict, hints: Hints, tp_inferred: int, world: int, inferre
     try:
         return ParallelLayout(tp=tp, gtp=gtp, dp=dp, cp=cp, pp=pp, ep=ep, etp=etp)
     except BridgeError as e:
-        raise BridgeError(f"the checkpoint's layout does not fit together ({e}); pass --tp/--dp/--ep") from None
+        given = ", ".join(f"--{f} {getattr(hints, f)}" for f in ("tp", "gtp", "dp", "pp", "ep") if getattr(hints, f))
+        raise BridgeError(f"the checkpoint's layout does not fit together ({e}); pass the run's --tp/--gtp/--dp/--pp/--ep"
+                          + (f" (given: {given})" if given else "")) from None
 
 
 def describe(ck: DcpCheckpoint, hints: Hints | None = None) -> SourceCheckpoint:

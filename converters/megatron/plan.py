@@ -763,6 +763,11 @@ def rebuild_bucket_layout(instances: Sequence[Instance], numels: dict[Instance, 
             continue
         return lay
     got = last.numel_unpadded if last is not None else []
+    if per_bucket_padded is not None and last is not None and list(got) == [int(n) for n in per_bucket_unpadded or got]:
+        # the parameters fit; only the padding, set by the DistOpt group's size, does not
+        raise BridgeError(f"{where}: the saved per_bucket_numel {[int(n) for n in per_bucket_padded]} (buckets padded "
+                          f"for the DistOpt group) differs from {last.per_bucket_numel()}, the padding for a group of "
+                          f"{dp_size} ranks; pass the run's --dp (and --tp / --gtp / --cp / --pp)")
     raise BridgeError(f"{where}: rebuilt bucket numels {list(got)} do not match the saved per_bucket_numel_unpadded "
                       f"{list(per_bucket_unpadded or [])}; the parameter order, bucket size or GTP padding differs — "
                       f"pass --bucket-size and/or --pad-for-alignment")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import contextlib
 import importlib
 import io
 import json
@@ -30,13 +31,13 @@ import threading
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
 
 from bridge.cast_check import cast_mismatch
-from bridge.errors import BridgeError, require
+from bridge.errors import BridgeError, require, write_failure
 from bridge.location import is_remote, location
 from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
@@ -228,6 +229,16 @@ SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty 
 WRITEBACK_BYTES = 64 << 20  # start the disk writing once this much of a file is dirty
 
 
+@contextlib.contextmanager
+def writing(path: str) -> Iterator[None]:
+    """A failed write of `path` as one line naming it: "disk full" for ENOSPC, or for torch's short-write
+    RuntimeError on a full file system (`bridge.errors.write_failure`)."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        raise write_failure(path, e) from e
+
+
 class DcpFile:
     """`.distcp` file number `index` (`__<index>_0.distcp`) in directory `root`: independent
     `torch.save` blobs; used by one thread at a time.
@@ -251,7 +262,8 @@ class DcpFile:
     def tensor(self, fqn: str, offsets: Sequence[int], tensor: Any) -> Written:
         # Straight into the file, as DCP's own _write_item does (no in-memory copy of the blob).
         off = self.f.tell()
-        self.torch.save(tensor, self.f)
+        with writing(self.f.name):
+            self.torch.save(tensor, self.f)
         n = self.f.tell() - off
         self.bytes += n
         self._writeback(off + n)
@@ -269,15 +281,19 @@ class DcpFile:
         buf = io.BytesIO()
         self.torch.save([value], buf)
         off = self.f.tell()
-        self.f.write(buf.getbuffer())
+        with writing(self.f.name):
+            self.f.write(buf.getbuffer())
         self.bytes += buf.tell()
         return Written(fqn, None, None, self.rel, off, buf.tell())
 
     def close(self) -> None:
         if not self.f.closed:
-            self.f.flush()
-            os.fsync(self.f.fileno())
-            self.f.close()
+            with writing(self.f.name):
+                try:
+                    self.f.flush()
+                    os.fsync(self.f.fileno())
+                finally:
+                    self.f.close()   # flushes what is left again: a full disk raises here too
 
 
 class RemoteDcpFile:
@@ -358,14 +374,12 @@ class DcpIndex:
     def write(self, root: str) -> None:
         """`.metadata` and `metadata.json` into directory `root` (fsync'd)."""
         md, mj = self.encode()
-        with open(os.path.join(root, ".metadata"), "wb") as f:
-            f.write(md)
-            f.flush()
-            os.fsync(f.fileno())
-        with open(os.path.join(root, "metadata.json"), "wb") as f:
-            f.write(mj)
-            f.flush()
-            os.fsync(f.fileno())
+        for name, data in ((".metadata", md), ("metadata.json", mj)):
+            path = os.path.join(root, name)
+            with writing(path), open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
         fsync_path(root)
 
     def encode(self) -> tuple[bytes, bytes]:
@@ -403,7 +417,7 @@ def _write_common_pt(root: str, common: dict) -> None:
     import torch
 
     path = os.path.join(root, "common.pt")
-    with open(path, "wb") as f:
+    with writing(path), open(path, "wb") as f:
         torch.save(common, f)
         f.flush()
         os.fsync(f.fileno())
@@ -580,6 +594,7 @@ def plan_megatron(src: str, dst: str, target: MegatronTarget, budget: int | None
         raise BridgeError(f"{src}: step {step} and {path_str(COUNT_PATH)} {count} differ; the checkpoint is inconsistent")
     sched = scheduler_state(src, man, step, target)
     where = plan_run_dir(dst, step)
+    workers = min(workers, len(params) * lay.world)   # a file each: more than the chunks to write leaves some empty
     limit = max(1, budget // workers)
     prefix = key_prefix(target.key_convention)
     groups = plan_groups(params, lay, target.fmt, derive=derive, limit=limit, key_prefix=prefix)

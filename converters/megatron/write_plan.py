@@ -20,7 +20,7 @@ from bridge.dtypes import ITEMSIZE
 from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
 from bridge.layout.legacy import legacy_box_map, legacy_shape
-from bridge.layout.parallel import ParallelLayout
+from bridge.layout.parallel import MAX_WORLD, ParallelLayout
 from bridge.layout.params import ParamGeometry
 from converters.megatron.dcp_reader import ChunkInfo, StorageRef
 from bridge.format.schema import MODEL, OPTIMIZER_ROLES, PARAMS, ROLE_STATE, in_role, to_role
@@ -29,7 +29,6 @@ from converters.megatron.plan import box_copies, is_scrambled_swiglu, logical_ro
 
 STATE_NAMES = ROLE_STATE  # role -> the `optimizer.state.<name>.<param>` name Megatron saves it under
 READ_FACTOR = 2  # host bytes per byte read while a TensorStore read is in flight
-MAX_WORLD = 1 << 20  # beyond any machine Megatron-Core runs on; a typo like --dp 100000000 is caught at once
 
 
 @dataclass(frozen=True)
