@@ -24,28 +24,6 @@ from bridge.jaxside.keypaths import Path, path_str
 from bridge.layout.boxes import Box
 
 
-def stored_arrays_remote(url: str, allow_edited_metadata: bool | None = None):
-    """`bridge.jaxside.abstract.stored_arrays` for an s3:// / gs:// checkpoint (no data read)."""
-    from bridge.format.tree import validate_path
-    from bridge.jaxside.abstract import StoredArray, StoredTree
-    from bridge.store.reader import find_checkpoint_root, open_checkpoint
-
-    root = find_checkpoint_root(url)
-    ck = open_checkpoint(root, allow_edited_metadata=allow_edited_metadata)
-    for p in ck.paths():
-        validate_path(p)
-    arrays = {tuple(p): StoredArray(tuple(p), tuple(int(s) for s in info.shape), _np_dtype(info.dtype))
-              for p, info in ck.arrays().items()}
-    custom = ck.metadata.get("custom_metadata") or {}
-    return StoredTree(root, arrays, dict(custom) if isinstance(custom, dict) else {})
-
-
-def _np_dtype(name: str) -> np.dtype:
-    from bridge.dtypes import numpy_dtype
-
-    return numpy_dtype(name)
-
-
 # Orbax's PyTreeCheckpointHandler default for `restore_concurrent_gb`: a local restore (Orbax) and a
 # remote one (below) bound their host memory with the same knob, `restore(..., concurrent_gb=)`.
 DEFAULT_CONCURRENT_GB = 96
