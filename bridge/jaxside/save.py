@@ -50,8 +50,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
          manifest: Manifest | Mapping | None = None, plans: Mapping[str, Plan] | None = None,
          hyperparams: Mapping[str, Any] | None = None, chunk_byte_size: int | None = None,
          concurrent_gb: int | None = None, model_dtype: Any = None, with_model: bool = True,
-         allow_inconsistent_model: bool = False, orbax_manager: bool = False,
-         writer_class: type | None = None) -> Manifest:
+         allow_inconsistent_model: bool = False, orbax_manager: bool = False) -> Manifest:
     """Write a logical checkpoint at `directory` (must not exist); returns the manifest written.
 
     `model` (the weights) defaults to `params` cast to `model_dtype` (default: the base manifest's
@@ -66,8 +65,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     `manifest` is the base manifest (e.g. `restored.manifest`) whose section tables and
     hyper-parameters are kept; `hyperparams` ({"lr", "betas", "eps", "weight_decay"}) overrides them.
     `chunk_byte_size` asks Orbax for inner chunks of that size (cheaper resharded reads later);
-    `concurrent_gb` bounds Orbax's in-flight save bytes (host memory). `writer_class` (s3:// / gs://
-    only; default the store's `CheckpointWriter`) is a seam for tests that watch the writer's calls.
+    `concurrent_gb` bounds Orbax's in-flight save bytes (host memory).
     """
     directory = location(directory, "destination")  # a path, s3:// or gs://; an unknown scheme is refused
     remote = is_remote(directory)
@@ -128,7 +126,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     if remote:  # Orbax cannot write s3:// (and needs gcsfs for gs://): the store's writer and commit
         from bridge.jaxside.remote import save_remote
 
-        save_remote(d, tree, out, chunk_byte_size=chunk_byte_size, writer_class=writer_class)
+        save_remote(d, tree, out, chunk_byte_size=chunk_byte_size)
         return out
     # The store's inner-chunk policy (one layer / expert per inner chunk), as Orbax SaveArgs.
     save_args = jax.tree_util.tree_map_with_path(
