@@ -40,11 +40,10 @@ from typing import Iterable, Iterator, Protocol, Sequence
 
 from bridge.errors import BridgeError
 from bridge.location import is_remote
-from bridge.store import held
+from bridge.store import held, remote
 from bridge.store.claim_info import CLAIM_FILE, TOOL, ClaimInfo, process_alive  # noqa: F401 - TOOL: from here too
 from bridge.store.durable import fsync_path, fsync_tree, write_bytes_atomic
 from bridge.store.held import HeldDestination, Terminated  # noqa: F401 - Terminated: from here too
-from bridge.store.remote import check_remote_free, claim_remote, held_remote
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
@@ -151,7 +150,7 @@ def check_destination_free(dst: str | os.PathLike) -> None:
     bridge.errors.BridgeError: destination / already exists; choose a new directory or remove it
     """
     if is_remote(os.fspath(dst)):
-        check_remote_free(os.fspath(dst))
+        remote.check_remote_free(os.fspath(dst))
     elif os.path.lexists(dst):
         raise BridgeError(f"destination {os.fspath(dst)} already exists; choose a new directory or remove it")
 
@@ -310,7 +309,7 @@ def held_claim(tmp_or_dst: str) -> DestinationClaim | None:
 def held_destination(dst: str | os.PathLike) -> "Destination | None":
     """The destination this process claimed at `dst` (a path or an s3:// / gs:// prefix), if any."""
     if is_remote(os.fspath(dst)):
-        return held_remote(os.fspath(dst))
+        return remote.held_remote(os.fspath(dst))
     return held_claim(os.fspath(dst))
 
 
@@ -323,7 +322,7 @@ def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
     SIGTERM / SIGHUP raise `Terminated` in the main thread while a claim is held, so cleanup runs.
     """
     if is_remote(os.fspath(dst)):  # object storage: no rename, `_METADATA` written last (bridge.store.remote)
-        return claim_remote(os.fspath(dst), sources=[os.fspath(s) for s in sources])
+        return remote.claim_remote(os.fspath(dst), sources=[os.fspath(s) for s in sources])
     dst = os.path.abspath(os.fspath(dst)).rstrip("/")
     check_sources(dst, sources)
     _prune_finished()
