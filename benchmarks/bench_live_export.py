@@ -149,7 +149,7 @@ _TIMELINE: dict[str, float] = {}
 
 def timed_writer_class() -> type:
     """A `CheckpointWriter` subclass adding the seconds spent in each TIMELINE_METHODS to _TIMELINE;
-    handed to the export as `ExportOptions(writer_class=...)` and used by the store variant."""
+    handed to the export as the `writer_class` testing seam (`bridge._testing`) and used by the store variant."""
     from bridge.store.writer import CheckpointWriter
 
     def timed(name):
@@ -335,6 +335,19 @@ VARIANTS = ("export", "export_replan", "store", "dcp", "raw_ts")
 
 
 def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
+    """One rank of the benchmark, under the diagnostics' testing seams (`bridge._testing`)."""
+    from bridge import _testing
+    from bridge.store.writer import CheckpointWriter
+
+    writer_class = timed_writer_class() if args.get("writer_timeline") else CheckpointWriter
+    # diagnostics: TensorStore copies inner chunks itself (export and store alone); the OCDBT data
+    # file size (how many files a commit writes at once); the writer timed per method
+    with _testing.seams(writer_staging=not args.get("writer_nostage"), writer_class=writer_class,
+                        target_data_file_size=args.get("target_file")):
+        _worker(rank, world, init, args, out_json, writer_class)
+
+
+def _worker(rank: int, world: int, init: str, args: dict, out_json: str, writer_class: type) -> None:
     import torch.distributed.checkpoint as dcp
 
     import tensorstore as ts
@@ -344,17 +357,10 @@ def worker(rank: int, world: int, init: str, args: dict, out_json: str) -> None:
     from bridge.live.export import Exporter, ExportOptions
 
     torch.set_num_threads(1)
-    from bridge.store.writer import CheckpointWriter
-
-    writer_class = timed_writer_class() if args.get("writer_timeline") else CheckpointWriter
     timeline: dict[str, list] = {"export": [], "store": []}
-    # diagnostics: TensorStore copies inner chunks itself (export and store alone); writer commits in
-    # flight while device data is staged
+    # diagnostic: writer commits in flight while device data is staged
     opts = ExportOptions(inflight_bytes=args["inflight"], target_chunk_bytes=args["chunk"],
                          inner_chunk_bytes=args["inner"], digest=args["digest"],
-                         writer_staging=not args.get("writer_nostage"), writer_class=writer_class,
-                         # diagnostic: OCDBT data file size (how many files a commit writes at once)
-                         target_data_file_size=args.get("target_file"),
                          **({"device_commits": args["device_commits"]} if args.get("device_commits") else {}))
     exporter = Exporter()
     device = torch.device("cpu")

@@ -48,7 +48,7 @@ def fuzz_main(seconds: float, outdir: str, url: str) -> None:  # pragma: no cove
 
     import converters.megatron.dcp_reader as R
     from bridge.store import kvstore
-    from converters.megatron.cache import _Window
+    from converters.megatron.records import Window
     from converters.megatron.dcp_reader import DcpCheckpoint, StorageRef, open_range
     from converters.megatron.object_layout import MAX_OBJECT_PICKLE
 
@@ -98,9 +98,9 @@ def fuzz_main(seconds: float, outdir: str, url: str) -> None:  # pragma: no cove
         (out / "record.bin").write_bytes(blob)
         local_bytes = blob[pad:pad + len(data)]
         with open_range(out / "record.bin") as fd:   # the same parse over the local file
-            want = _outcome(lambda: record_parses(_Window(fd, pad, len(data)), len(data), kind))
+            want = _outcome(lambda: record_parses(Window(fd, pad, len(data)), len(data), kind))
         with open_range(f"{url}/record.bin") as fd:
-            got = _outcome(lambda: record_parses(_Window(fd, pad, len(data)), len(data), kind))
+            got = _outcome(lambda: record_parses(Window(fd, pad, len(data)), len(data), kind))
             buf = bytearray(len(data))
             n = fd.readinto(buf, pad)
         if got != want:

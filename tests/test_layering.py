@@ -5,12 +5,16 @@
   on top of both;
 - no module of `bridge/` or `converters/` imports `bridge.testing` (the test harness), except the
   harness itself;
-- no import cycle among the modules' top-level imports;
+- no import cycle among the modules (issue 32), imports made inside functions included;
 - `import bridge` stays light: neither torch, nor JAX, nor TensorStore.
 
-Imports inside functions and under `if TYPE_CHECKING:` count for the layer rules (a deferred import
-is still a dependency) but not for cycles (deferring an import is how a module avoids one at import
-time).
+Imports inside functions count for both rules: a deferred import is still a dependency, and
+deferring one only hides a circle from the interpreter (the two modules still need each other;
+issue 32 found four such circles). Imports under `if TYPE_CHECKING:` count for the layer rules but
+not for cycles: they never run, so they order no initialisation and bind no name at run time (a
+run-time use of such a name fails with NameError in the tests); they only let annotations name a
+type, which is how two modules that mention each other's types stay importable (PEP 563). A
+circle that a module needs at run time therefore cannot hide there.
 """
 
 from __future__ import annotations
@@ -47,11 +51,15 @@ def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def imports(root: Path) -> dict[str, list[tuple[str, bool]]]:
-    """Module -> [(imported project module, run at import time?)] for every module of PACKAGES under `root`.
+TOP, DEFERRED, TYPING = "top", "deferred", "typing"   # when an import runs: at import time, in a call, never
+
+
+def imports(root: Path) -> dict[str, list[tuple[str, str, int]]]:
+    """Module -> [(imported project module, TOP / DEFERRED / TYPING, line)] for every module of PACKAGES
+    under `root`.
 
     `from a.b import c` counts as importing `a.b.c` when that is a module, else `a.b`. Imports inside
-    functions and under `if TYPE_CHECKING:` are listed too, as not run at import time.
+    functions are DEFERRED; those under a module-level `if TYPE_CHECKING:` are TYPING.
     """
     files = {module_name(root, p): p for pkg in PACKAGES if (root / pkg).is_dir() for p in (root / pkg).rglob("*.py")}
     out: dict[str, list[tuple[str, bool]]] = {}
@@ -61,7 +69,7 @@ def imports(root: Path) -> dict[str, list[tuple[str, bool]]]:
         for n in tree.body:  # `if TYPE_CHECKING:` / try-import blocks at module level are still top level
             if isinstance(n, (ast.If, ast.Try)):
                 top |= {id(c) for c in ast.walk(n)}
-        deps: list[tuple[str, bool]] = []
+        deps: list[tuple[str, str, int]] = []
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -70,10 +78,10 @@ def imports(root: Path) -> dict[str, list[tuple[str, bool]]]:
                 names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
             else:
                 continue
-            at_import = id(node) in top and not _type_checking_only(tree, node)
+            when = TYPING if _type_checking_only(tree, node) else TOP if id(node) in top else DEFERRED
             for name in names:
                 if name.split(".")[0] in PACKAGES:
-                    deps.append((name, at_import))
+                    deps.append((name, when, node.lineno))
         out[mod] = deps
     return out
 
@@ -104,7 +112,7 @@ def layer_violations(root: Path) -> list[str]:
     """Every import that runs against the layers, as `importer -> imported: why` (sorted, once each)."""
     bad = set()
     for mod, deps in imports(root).items():
-        for dep, _top in deps:
+        for dep, _when, _line in deps:
             if is_core(mod) and dep.split(".")[0] == "converters":
                 bad.add(f"{mod} -> {dep}: the core must not import converters")
             if not is_top(mod) and is_top(dep):
@@ -115,9 +123,21 @@ def layer_violations(root: Path) -> list[str]:
     return sorted(bad)
 
 
+def import_graph(root: Path) -> dict[str, dict[str, int]]:
+    """Module -> {imported module: line of the first such import} over every import that runs
+    (TOP and DEFERRED; see the module docstring for why TYPING is left out)."""
+    graph: dict[str, dict[str, int]] = {}
+    for mod, deps in imports(root).items():
+        edges = graph.setdefault(mod, {})
+        for dep, when, line in deps:
+            if when != TYPING and dep != mod:
+                edges.setdefault(dep, line)
+    return graph
+
+
 def import_cycles(root: Path) -> list[list[str]]:
-    """Cycles among top-level imports (strongly connected components of more than one module)."""
-    graph = {m: sorted({d for d, top in deps if top and d != m}) for m, deps in imports(root).items()}
+    """Cycles among the imports that run (strongly connected components of more than one module)."""
+    graph = {m: sorted(edges) for m, edges in import_graph(root).items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -154,12 +174,42 @@ def import_cycles(root: Path) -> list[list[str]]:
     return out
 
 
+def describe_cycle(root: Path, component: list[str]) -> str:
+    """One circle through the first module of a cycle `component`, each step with the line that imports.
+
+    A shortest path back (breadth first) inside the component, e.g.
+    `a (line 3) -> b (line 9) -> a`: a imports b on its line 3, b imports a on its line 9.
+    """
+    graph = import_graph(root)
+    inside = set(component)
+    start = component[0]
+    came: dict[str, str] = {}
+    frontier = [start]
+    while frontier and start not in came:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v]):
+                if w in inside and w not in came:
+                    came[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    path = [start]
+    while True:
+        path.append(came[path[-1]])
+        if path[-1] == start:
+            break
+    path.reverse()
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(path, path[1:])) + f" -> {start}"
+
+
 def test_layers_run_one_way():
     assert layer_violations(REPO) == []
 
 
 def test_no_import_cycle():
-    assert import_cycles(REPO) == []
+    """No circle among bridge/ and converters/, imports made inside functions included (issue 32)."""
+    circles = [f"{{{', '.join(c)}}}, e.g. {describe_cycle(REPO, c)}" for c in import_cycles(REPO)]
+    assert circles == [], "import circles:\n" + "\n".join(circles)
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -172,7 +222,8 @@ def _write(root: Path, files: dict[str, str]) -> None:
 def test_checks_catch_the_old_shapes(tmp_path):
     """The checks would have caught what the #19 redesign removed: the JAX side importing its naming
     engine from `converters.jax_naming` (the layers ran both ways), product code importing the
-    reference trainer, and a cycle."""
+    reference trainer, and a cycle; and the circles of issue 32, hidden behind an import inside a
+    function. An annotation-only import under TYPE_CHECKING makes no circle."""
     _write(tmp_path, {
         "bridge/__init__.py": "",
         "bridge/jaxside/__init__.py": "",
@@ -188,6 +239,11 @@ def test_checks_catch_the_old_shapes(tmp_path):
         "converters/jax_naming.py": "import bridge.jaxside.abstract\n",
         "converters/megatron/convert.py": "from bridge.commands.convert import run\nfrom bridge import errors\n",
         "bridge/errors.py": "", "bridge/commands/__init__.py": "", "bridge/commands/convert.py": "run = 1\n",
+        "bridge/store/__init__.py": "",
+        "bridge/store/claim.py": "import os\n\n\ndef claim():\n    from bridge.store.remote import claim_remote\n",
+        "bridge/store/remote.py": "from bridge.store import claim as local_claim\n",
+        "bridge/live/api.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from bridge.live.fp8 import q\n",
+        "bridge/live/fp8.py": "from bridge.live.api import LocalParam\n",
     })
     assert layer_violations(tmp_path) == [
         "bridge.jaxside.abstract -> converters.jax_naming: the core must not import converters",
@@ -197,8 +253,12 @@ def test_checks_catch_the_old_shapes(tmp_path):
         "converters.megatron.convert -> bridge.commands.convert: only the command line and the facade build on "
         "the command line / facade",
     ]
-    assert import_cycles(tmp_path) == [["bridge.jaxside.abstract", "converters.jax_naming"],
-                                       ["bridge.live.export", "bridge.live.plan"]]
+    cycles = import_cycles(tmp_path)
+    assert cycles == [["bridge.jaxside.abstract", "converters.jax_naming"],
+                      ["bridge.live.export", "bridge.live.plan"],
+                      ["bridge.store.claim", "bridge.store.remote"]]
+    assert describe_cycle(tmp_path, cycles[2]) == ("bridge.store.claim (line 5) -> bridge.store.remote (line 1) "
+                                                   "-> bridge.store.claim")
 
 
 def test_docstring_examples():

@@ -150,12 +150,14 @@ def _export_staged(rank, world, dst, commits=1):
 
     from bridge.layout import ParallelLayout
     from bridge.live.api import AdamConfig, LiveRun
+    from bridge import _testing
     from bridge.live.export import ExportOptions, export_state
 
     params, _ = local_params(MODEL, 1, 2, 2, 4, rank, FP8)
     run = LiveRun(ParallelLayout(tp=1, gtp=2, dp=2), rank, STEP, AdamConfig(lr=1e-3))
-    rep = export_state(dst, run, params, ExportOptions(inflight_bytes=3 * 1024, target_chunk_bytes=64,
-                                                       stage_all=True, device_commits=commits))
+    with _testing.seams(stage_all=True):
+        rep = export_state(dst, run, params, ExportOptions(inflight_bytes=3 * 1024, target_chunk_bytes=64,
+                                                           device_commits=commits))
     return {"peak": rep.staging.peak_bytes, "calls": rep.staging.write_calls}
 
 

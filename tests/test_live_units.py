@@ -179,7 +179,7 @@ def test_wire_blocks_keep_every_piece_aligned():
     assert items[2].data.view(torch.uint8).reshape(-1).tolist() == list(range(16, 24))  # second block starts at 16
 
 
-@pytest.mark.parametrize("module", ["bridge.live.fp8", "bridge.live.exchange", "bridge.live.holdings", "bridge.live.plan",
+@pytest.mark.parametrize("module", ["bridge.live.fp8", "bridge.live.fp8_scales", "bridge.live.exchange", "bridge.live.holdings", "bridge.live.plan",
                                     "bridge.live.staging", "bridge.live.reload", "bridge.live.export",
                                     "bridge.live.snapshot"])
 def test_doctests(module):

@@ -2,7 +2,8 @@
 
 A patched module global leaks into every later test in the process and hides the option the
 product lacks; what a test needs to vary goes through an argument (`to_megatron(open_file=...)`,
-`ExportOptions(...)`, `CheckpointWriter(target_data_file_size=...)`). The scan reads every .py file
+`ExportOptions(...)`, `CheckpointWriter(target_data_file_size=...)`, or a test seam set for a block
+with `bridge._testing.seams(...)`). The scan reads every .py file
 under tests/, benchmarks/ and scripts/ (and the Python programs they hold in string literals, run in
 subprocesses) with `ast` and refuses:
 

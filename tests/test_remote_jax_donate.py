@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from jax_checkpoints import bits, logical_state, tiny_manifest, tiny_params, write_store_checkpoint  # noqa: E402
 from servers import S3Server, environ  # noqa: E402
 
+from bridge import _testing  # noqa: E402
 from bridge.jaxside.keypaths import leaves_by_path  # noqa: E402
 
 
@@ -57,8 +58,8 @@ def test_save_to_s3_donates_only_its_own_blocks_and_stores_exact(tmp_path):
 
     with S3Server() as srv, environ(**srv.env):
         url = srv.url("jax/donated")
-        save(url, params=params, opt_state=r.opt_state, step=r.step, model=r.model, manifest=r.manifest,
-             writer_class=Recording)
+        with _testing.seams(writer_class=Recording):
+            save(url, params=params, opt_state=r.opt_state, step=r.step, model=r.model, manifest=r.manifest)
         for path, want in arrays.items():
             got = _read(url, path)
             assert got.dtype == want.dtype and np.array_equal(bits(got), bits(want)), path

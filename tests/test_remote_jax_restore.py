@@ -21,6 +21,7 @@ import pytest
 import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from bridge import _testing
 from bridge.errors import BridgeError
 from bridge.jaxside import remote
 from bridge.store.commit import save_checkpoint
@@ -121,7 +122,7 @@ def big():
 
 
 def _counting_watch():
-    """A `restore_remote(watch=)` that keeps the bytes in flight between a read starting and its block placed."""
+    """A `restore_watch` seam (`bridge._testing`) that keeps the bytes in flight between a read starting and its block placed."""
     seen = {"now": 0, "peak": 0, "started": 0, "blocks": 0}
 
     def watch(event: str, n: int) -> None:
@@ -146,7 +147,8 @@ def test_restore_remote_holds_at_most_the_budget(big, budget_bytes, most_blocks)
     want = {("params", "x"): jax.ShapeDtypeStruct((512, 1024), np.float32, sharding=NamedSharding(mesh, P("d", None))),
             ("params", "y"): jax.ShapeDtypeStruct((512, 1024), np.float32, sharding=NamedSharding(mesh, P(None, "d")))}
     seen, watch = _counting_watch()
-    got = remote.restore_remote(url, want, budget_bytes / 1e9, watch=watch)
+    with _testing.seams(restore_watch=watch):
+        got = remote.restore_remote(url, want, budget_bytes / 1e9)
     block = 512 * 1024 * 4 // 8
     assert seen["started"] == sum(a.nbytes for a in arrays.values()) and seen["blocks"] == 16 and seen["now"] == 0
     assert seen["peak"] == most_blocks * block, seen

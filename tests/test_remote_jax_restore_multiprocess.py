@@ -33,12 +33,13 @@ def _worker(rank: int, world: int, port: int, urls: list[str]) -> None:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=world, process_id=rank)
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    from bridge import _testing
     from bridge.jaxside import remote
     from jax_checkpoints import bits
 
     started = []
 
-    def watch(event: str, nbytes: int) -> None:  # restore_remote's seam: each read started
+    def watch(event: str, nbytes: int) -> None:  # restore_remote's testing seam: each read started
         if event == "read":
             started.append(nbytes)
 
@@ -48,7 +49,8 @@ def _worker(rank: int, world: int, port: int, urls: list[str]) -> None:
             for p, a in arrays.items()}
     for url in urls:
         started.clear()
-        got = remote.restore_remote(url, want, 1e-5, watch=watch)
+        with _testing.seams(restore_watch=watch):
+            got = remote.restore_remote(url, want, 1e-5)
         expected = 0
         for p, a in arrays.items():
             assert got[p].shape == a.shape and got[p].sharding == want[p].sharding, p

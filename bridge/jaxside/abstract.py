@@ -64,10 +64,8 @@ def stored_arrays(directory: str | os.PathLike, *, allow_edited_metadata: bool |
     checkpoint whose `_METADATA` was edited after commit (unless `allow_edited_metadata`, or
     GTP_BRIDGE_ALLOW_EDITED_METADATA=1).
     """
-    if isinstance(directory, str) and is_remote(location(directory)):  # s3:// / gs:// (bridge.jaxside.remote)
-        from bridge.jaxside.remote import stored_arrays_remote
-
-        return stored_arrays_remote(location(directory), allow_edited_metadata)
+    if isinstance(directory, str) and is_remote(location(directory)):  # s3:// / gs://
+        return _stored_arrays_remote(location(directory), allow_edited_metadata)
     import orbax.checkpoint as ocp
 
     # the same rules as `open_checkpoint`; absolute, since Orbax reads no metadata from a relative path
@@ -79,6 +77,22 @@ def stored_arrays(directory: str | os.PathLike, *, allow_edited_metadata: bool |
             continue
         arrays[p] = StoredArray(p, tuple(int(s) for s in m.shape), np.dtype(m.dtype))
     return StoredTree(d, arrays, dict(meta.custom_metadata or {}))
+
+
+def _stored_arrays_remote(url: str, allow_edited_metadata: bool | None = None) -> StoredTree:
+    """`stored_arrays` for an s3:// / gs:// checkpoint, through the store's reader (no data read)."""
+    from bridge.dtypes import numpy_dtype
+    from bridge.format.tree import validate_path
+    from bridge.store.reader import find_checkpoint_root, open_checkpoint
+
+    root = find_checkpoint_root(url)
+    ck = open_checkpoint(root, allow_edited_metadata=allow_edited_metadata)
+    for p in ck.paths():
+        validate_path(p)
+    arrays = {tuple(p): StoredArray(tuple(p), tuple(int(s) for s in info.shape), numpy_dtype(info.dtype))
+              for p, info in ck.arrays().items()}
+    custom = ck.metadata.get("custom_metadata") or {}
+    return StoredTree(root, arrays, dict(custom) if isinstance(custom, dict) else {})
 
 
 ShardingSource = Callable[[Path, tuple[int, ...]], Sharding]

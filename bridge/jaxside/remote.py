@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -22,28 +22,6 @@ import numpy as np
 from bridge.errors import BridgeError, IntegrityError
 from bridge.jaxside.keypaths import Path, path_str
 from bridge.layout.boxes import Box
-
-
-def stored_arrays_remote(url: str, allow_edited_metadata: bool | None = None):
-    """`bridge.jaxside.abstract.stored_arrays` for an s3:// / gs:// checkpoint (no data read)."""
-    from bridge.format.tree import validate_path
-    from bridge.jaxside.abstract import StoredArray, StoredTree
-    from bridge.store.reader import find_checkpoint_root, open_checkpoint
-
-    root = find_checkpoint_root(url)
-    ck = open_checkpoint(root, allow_edited_metadata=allow_edited_metadata)
-    for p in ck.paths():
-        validate_path(p)
-    arrays = {tuple(p): StoredArray(tuple(p), tuple(int(s) for s in info.shape), _np_dtype(info.dtype))
-              for p, info in ck.arrays().items()}
-    custom = ck.metadata.get("custom_metadata") or {}
-    return StoredTree(root, arrays, dict(custom) if isinstance(custom, dict) else {})
-
-
-def _np_dtype(name: str) -> np.dtype:
-    from bridge.dtypes import numpy_dtype
-
-    return numpy_dtype(name)
 
 
 # Orbax's PyTreeCheckpointHandler default for `restore_concurrent_gb`: a local restore (Orbax) and a
@@ -88,8 +66,7 @@ def plan_block_reads(abstract: Mapping[Path, jax.ShapeDtypeStruct],
 
 
 def restore_remote(directory: str, abstract: Mapping[Path, jax.ShapeDtypeStruct],
-                   concurrent_gb: float | None = None, *,
-                   watch: Callable[[str, int], None] | None = None) -> dict[Path, jax.Array]:
+                   concurrent_gb: float | None = None) -> dict[Path, jax.Array]:
     """Every requested array of the committed checkpoint at `directory` (a URL) on its sharding.
 
     All device boxes of all arrays are read at once (TensorStore futures), so the round trips of
@@ -97,11 +74,13 @@ def restore_remote(directory: str, abstract: Mapping[Path, jax.ShapeDtypeStruct]
     budget of `concurrent_gb` (GB, 10**9 bytes; default Orbax's, as for a local restore): a read
     starts only while the blocks read and not yet placed on their devices fit in it (a block
     larger than the budget is read alone). Each finished block goes to its devices and the array
-    is built from the placed shards. `watch(event, nbytes)`, if given, hears each block's
-    "read" (started) and "placed" (on its devices): a seam for tests of the budget."""
+    is built from the placed shards. (Tests of the budget hear each block's "read" and "placed"
+    through `bridge._testing`'s `restore_watch`.)"""
+    from bridge import _testing
     from bridge.progress import progress
     from bridge.store.reader import open_checkpoint
 
+    watch = _testing.current().restore_watch
     budget = _budget_bytes(concurrent_gb)
     ck = open_checkpoint(directory)
     paths = list(abstract)
@@ -176,8 +155,7 @@ def _to_devices(block: np.ndarray, devices: Sequence) -> list[jax.Array]:
     return [jax.device_put(block, d) for d in devices]
 
 
-def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None = None,
-                writer_class: type | None = None) -> None:
+def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None = None) -> None:
     """Write the logical tree `bridge.jaxside.save` built to an s3:// / gs:// prefix with the store's
     writer and commit (claim object, OCDBT databases, `_METADATA` last): the same arrays, names and
     manifest Orbax would have written to a local path.
@@ -186,8 +164,9 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
     s3://): process 0 claims the prefix, each process is one writer of the regions its devices hold
     (`shard_ownership`) and writes them from its addressable shards, and process 0 commits once
     every writer reported; all processes return or raise the same error. With one process arrays
-    move to host memory one at a time. `writer_class` (default `CheckpointWriter`) is a seam for tests
-    that watch the writer's calls."""
+    move to host memory one at a time. (Tests that watch the writer's calls pass its class through
+    `bridge._testing`'s `writer_class`.)"""
+    from bridge import _testing
     from bridge.dist import JaxCoordinator
     from bridge.format.schema import adamw_empty_paths
     from bridge.jaxside.keypaths import leaves_by_path
@@ -199,6 +178,7 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
     from bridge.store.specs import DEFAULT_INNER_CHUNK_BYTES, max_chunk_bytes
     from bridge.store.writer import CheckpointWriter
 
+    writer_class = _testing.current().writer_class  # read on the caller's thread
     coord = JaxCoordinator(job=f"save to {url}")
     rank, world = coord.rank, coord.world
     flat = {p: a for p, a in leaves_by_path(tree).items() if a is not None}

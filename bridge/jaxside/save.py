@@ -51,7 +51,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
          hyperparams: Mapping[str, Any] | None = None, chunk_byte_size: int | None = None,
          concurrent_gb: int | None = None, model_dtype: Any = None, with_model: bool = True,
          allow_inconsistent_model: bool = False, orbax_manager: bool = False,
-         writer_class: type | None = None, lr_schedule: Any = None) -> Manifest:
+         lr_schedule: Any = None) -> Manifest:
     """Write a logical checkpoint at `directory` (must not exist); returns the manifest written.
 
     `model` (the weights) defaults to `params` cast to `model_dtype` (default: the base manifest's
@@ -69,8 +69,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     `concurrent_gb` bounds Orbax's in-flight save bytes (host memory). `lr_schedule`: the optax
     schedule trained with, when it is Megatron's (`bridge.lr_schedule.megatron_schedule`, or the one
     `optimizer_from_manifest` built); recorded, so `to-megatron` writes the scheduler state Megatron-LM's
-    `--load` needs (another schedule is refused: optax schedules are plain functions). `writer_class` (s3:// / gs://
-    only; default the store's `CheckpointWriter`) is a seam for tests that watch the writer's calls.
+    `--load` needs (another schedule is refused: optax schedules are plain functions).
     """
     directory = location(directory, "destination")  # a path, s3:// or gs://; an unknown scheme is refused
     remote = is_remote(directory)
@@ -136,7 +135,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     if remote:  # Orbax cannot write s3:// (and needs gcsfs for gs://): the store's writer and commit
         from bridge.jaxside.remote import save_remote
 
-        save_remote(d, tree, out, chunk_byte_size=chunk_byte_size, writer_class=writer_class)
+        save_remote(d, tree, out, chunk_byte_size=chunk_byte_size)
         return out
     # The store's inner-chunk policy (one layer / expert per inner chunk), as Orbax SaveArgs.
     save_args = jax.tree_util.tree_map_with_path(

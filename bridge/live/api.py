@@ -72,9 +72,11 @@ class QuantizedWeight:
 
     def dequantize(self) -> "torch.Tensor":
         """bf16 copy of the shard whose `_gtp_dequant_src` is this object."""
-        from bridge.live.fp8 import dequantize
+        from bridge.live.fp8_scales import dequantized  # torch: this module stays cheap to import
 
-        return dequantize(self)
+        out = dequantized(self.data, self.scale_inv, self.block)
+        out._gtp_dequant_src = self
+        return out
 
 
 @dataclass(eq=False)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bridge import _testing
 from bridge.dist import TorchCoordinator
 from bridge.dtypes import torch_dtype
 from bridge.errors import BridgeError
@@ -81,15 +82,7 @@ class ExportOptions:
     # as this rank's share of the checkpoint, so the call returns right after its device -> host
     # copies; less: the call also waits while the writer frees slots: less memory, longer blocked).
     staging_bytes: int | None = None
-    # Tests: send CPU pieces through the staging buffers in one pass after the exchange, as CUDA pieces
-    # go on a GPU machine (exercises that path on gloo).
-    stage_all: bool = False
-    # Diagnostics: False lets TensorStore copy inner chunks itself (`CheckpointWriter(staging=False)`).
-    writer_staging: bool = True
-    # Diagnostics: OCDBT data file size (None: the store's default, `specs.TARGET_DATA_FILE_SIZE`), and
-    # the writer class (a `CheckpointWriter` subclass, e.g. one timing its methods: bench_live_export).
-    target_data_file_size: int | None = None
-    writer_class: type[CheckpointWriter] = CheckpointWriter
+    # (Tests and benchmarks vary the writer and the staging path through `bridge._testing`, not here.)
 
 
 @dataclass(frozen=True)
@@ -346,7 +339,8 @@ class Exporter:
         tmp = begin_checkpoint(dst, coordinator=coord)  # rank 0 claims, every rank gets the path or the error
         clock.mark("begin")
         try:
-            written = _exchange_and_write(planned, holdings, run, tmp, coord, clock, on_stage, opts, self.buffers)
+            written = _exchange_and_write(planned, holdings, run, tmp, coord, clock, on_stage, opts, self.buffers,
+                                          _testing.current())
             clock.mark("barrier")
         except BaseException:
             claim = held_destination(dst)  # rank 0's: nothing of this run stays
@@ -392,6 +386,7 @@ class Exporter:
         self.settle()
         t_call = time.perf_counter()
         opts = options or ExportOptions()
+        seams = _testing.current()  # read on the caller's thread: the background writer uses them too
         dst = location(dst, "export destination")
         group = run.group if run.group is not None else dist.group.WORLD
         coord = TorchCoordinator(group, job=f"export to {dst}")
@@ -414,7 +409,7 @@ class Exporter:
             raise
 
         def background() -> ExportReport:
-            written = _write_staged(job, planned, run, tmp, bg.rank, opts, on_stage)
+            written = _write_staged(job, planned, run, tmp, bg.rank, opts, on_stage, seams)
             clock.mark("finish")
             try:
                 bg.all_gather("writing", written.outcome)  # every writer finished, or every rank raises
@@ -606,7 +601,7 @@ def _options(options: ExportOptions | None, fields: dict) -> ExportOptions | Non
 
 def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun, tmp: str, coord: TorchCoordinator,
                         clock: _Clock, on_stage: Callable[[str], None] | None, opts: ExportOptions,
-                        buffers: HostBuffers) -> "_Written":
+                        buffers: HostBuffers, seams: _testing.Seams) -> "_Written":
     """Move every piece to its chunk owner and write the chunks this rank owns (steps pack..barrier).
 
     The exchange is one all_to_all over flat byte buffers; on CPU this rank's own pieces are
@@ -640,17 +635,15 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
     # batch, each refilled once its commit landed). Host data is donated as is: two in flight.
     # CPU holdings with a device exchange (NCCL) stage everything after the exchange, so that no
     # flush of the staging pipeline falls between a chunk's local and received pieces.
-    on_host = not opts.stage_all and not recv.is_cuda and not any(it.data.is_cuda for it in local_items)
+    on_host = not seams.stage_all and not recv.is_cuda and not any(it.data.is_cuda for it in local_items)
     depth = 2 if on_host else opts.device_commits
     order = {name: i for i, name in enumerate(wplan.arrays)}
     with progress(plan.written_bytes(rank), f"export rank {rank}") as bar:
         # CPU items (views of the holdings and of `recv`) stay alive until the writer has finished, so
         # it references them instead of copying (donate); so does every staged buffer.
         writer = attempt(lambda: StagedWriter(
-            opts.writer_class(tmp, wplan, rank, inflight_bytes=batch, compute_digest=opts.digest,
-                              commit_depth=depth, staging=opts.writer_staging,
-                              target_data_file_size=opts.target_data_file_size, digest_step=LIVE_DIGEST_STEP),
-            (depth + 2) * batch, commits_in_flight=depth, stage_all=opts.stage_all, buffers=buffers,
+            _store_writer(seams, tmp, wplan, rank, inflight_bytes=batch, digest=opts.digest, depth=depth),
+            (depth + 2) * batch, commits_in_flight=depth, stage_all=seams.stage_all, buffers=buffers,
             on_bytes=bar.update))
 
         def write_all(items: list[WriteItem]) -> None:
@@ -792,17 +785,24 @@ class _StagedWritten:
 LIVE_DIGEST_STEP = 1 << 20
 
 
+def _store_writer(seams: _testing.Seams, tmp: str, wplan: WritePlan, rank: int, *, inflight_bytes: int,
+                  digest: bool, depth: int) -> CheckpointWriter:
+    """This rank's store writer (the class, staging and data file size as the testing seams say)."""
+    return (seams.writer_class or CheckpointWriter)(
+        tmp, wplan, rank, inflight_bytes=inflight_bytes, compute_digest=digest, commit_depth=depth,
+        staging=seams.writer_staging, target_data_file_size=seams.target_data_file_size,
+        digest_step=LIVE_DIGEST_STEP)
+
+
 def _write_staged(job: _StageJob, planned: _Planned, run: LiveRun, tmp: str, rank: int, opts: ExportOptions,
-                  on_stage: Callable[[str], None] | None) -> _StagedWritten:
+                  on_stage: Callable[[str], None] | None, seams: _testing.Seams) -> _StagedWritten:
     """The background writer: each staged batch donated to the store writer as one transaction,
     `job.depth` commits in flight; a batch's slot is released once its commit landed (after the
     flush of the batch `depth` later: see `CheckpointWriter.flush`). Failures are kept, not raised."""
     failed = job.failed
     attempt = _attempter(failed)
-    writer = attempt(lambda: opts.writer_class(
-        tmp, planned.wplan, rank, inflight_bytes=2 * job.stats.slot_bytes, compute_digest=opts.digest,
-        commit_depth=job.depth, staging=opts.writer_staging, target_data_file_size=opts.target_data_file_size,
-        digest_step=LIVE_DIGEST_STEP))
+    writer = attempt(lambda: _store_writer(seams, tmp, planned.wplan, rank, inflight_bytes=2 * job.stats.slot_bytes,
+                                           digest=opts.digest, depth=job.depth))
     inflight: deque[int] = deque()
     calls = 0
     while (staged := job.queue.get()) is not None:

@@ -13,50 +13,21 @@ import torch
 
 from bridge.errors import BridgeError
 from bridge.live.api import LocalParam, OptimFragment, QuantizedWeight
+from bridge.live.fp8_scales import scale_grid
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 BACKLINK_ATTRS = ("_gtp_dequant_src", "gtp_pad_src")
 
 
-def _scale_grid(q: QuantizedWeight) -> torch.Tensor:
-    """fp32 scale_inv broadcastable to `q.data` (per-block grids expanded and cropped).
-
-    >>> import torch
-    >>> q = QuantizedWeight(torch.zeros(3, 4, dtype=torch.float8_e4m3fn), torch.tensor([[1., 2.], [3., 4.]]), (2, 2))
-    >>> _scale_grid(q).tolist()
-    [[1.0, 1.0, 2.0, 2.0], [1.0, 1.0, 2.0, 2.0], [3.0, 3.0, 4.0, 4.0]]
-    """
-    s = q.scale_inv.to(torch.float32)
-    if q.block is None:
-        if s.numel() != 1:
-            raise BridgeError(f"per-tensor FP8 scale_inv has {s.numel()} elements; pass block=(rows, cols) for per-block scaling")
-        return s.reshape(())
-    if q.data.dim() < 2:
-        raise BridgeError(f"per-block FP8 scaling needs a >=2-D shard, got shape {tuple(q.data.shape)}")
-    br, bc = q.block
-    rows, cols = q.data.shape[-2], q.data.shape[-1]
-    need = (-(-rows // br), -(-cols // bc))
-    if s.dim() < 2 or s.shape[-2] < need[0] or s.shape[-1] < need[1]:
-        raise BridgeError(f"FP8 scale_inv shape {tuple(s.shape)} is too small for data {tuple(q.data.shape)} with block {q.block}; "
-                          f"need at least {need}")
-    s = s[..., : need[0], : need[1]]
-    s = s.repeat_interleave(br, dim=-2)[..., :rows, :].repeat_interleave(bc, dim=-1)[..., :cols]
-    return s
-
-
 def dequantize(q: QuantizedWeight) -> torch.Tensor:
-    """bf16 `float32(data) * scale_inv`, tagged `_gtp_dequant_src = q` (Megatron's checkpoint copy).
+    """bf16 `float32(data) * scale_inv`, tagged `_gtp_dequant_src = q` (Megatron's checkpoint copy):
+    `q.dequantize()`.
 
     >>> import torch
     >>> q = QuantizedWeight(torch.tensor([[1.0, -2.0]]).to(torch.float8_e4m3fn), torch.tensor([0.5]))
     >>> dequantize(q).tolist(), dequantize(q)._gtp_dequant_src is q
     ([[0.5, -1.0]], True)
     """
-    if q.data.dtype not in FP8_DTYPES:
-        raise BridgeError(f"QuantizedWeight.data has dtype {q.data.dtype}; expected torch.float8_e4m3fn or torch.float8_e5m2")
-    out = (q.data.to(torch.float32) * _scale_grid(q).to(q.data.device)).to(torch.bfloat16)
-    out._gtp_dequant_src = q
-    return out
+    return q.dequantize()
 
 
 def quantize_into(q: QuantizedWeight, value: torch.Tensor) -> None:
@@ -83,7 +54,7 @@ def quantize_into(q: QuantizedWeight, value: torch.Tensor) -> None:
         scale_inv = torch.where(blocks > 0, blocks / fmax, torch.ones_like(blocks))
         q.scale_inv.fill_(1.0)
         q.scale_inv[..., : nb[0], : nb[1]].copy_(scale_inv)
-    q.data.copy_((x / _scale_grid(q).to(x.device)).clamp(-fmax, fmax).to(q.data.dtype))
+    q.data.copy_((x / scale_grid(q.data, q.scale_inv, q.block).to(x.device)).clamp(-fmax, fmax).to(q.data.dtype))
 
 
 def backlink_source(entry: object) -> object:

@@ -24,32 +24,28 @@ process of a killed run (an orphaned worker) still writes into is never taken fo
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
-import atexit
 import ctypes
 import errno
 import fcntl
 import json
 import os
 import shutil
-import signal
 import socket
 import sys
 import threading
 import time
-import uuid
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator, Protocol, Self, Sequence
+from dataclasses import asdict
+from typing import Iterable, Iterator, Protocol, Sequence
 
 from bridge.errors import BridgeError
 from bridge.location import is_remote
+from bridge.store import held, remote
+from bridge.store.claim_info import CLAIM_FILE, TOOL, ClaimInfo, process_alive  # noqa: F401 - TOOL: from here too
 from bridge.store.durable import fsync_path, fsync_tree, write_bytes_atomic
+from bridge.store.held import HeldDestination, Terminated  # noqa: F401 - Terminated: from here too
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
-CLAIM_FILE = ".gtpb-claim.json"
-TOOL = "gtp-bridge"
 
 
 def tmp_dir_for(dst: str) -> str:
@@ -59,115 +55,6 @@ def tmp_dir_for(dst: str) -> str:
     '/c/step_1.orbax-checkpoint-tmp'
     """
     return os.path.abspath(dst).rstrip("/") + TMP_SUFFIX
-
-
-class Terminated(SystemExit):
-    """SIGTERM (or SIGHUP) turned into an exception, so cleanup handlers run; exit code 128 + signal."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(128 + signum)
-        self.signum = signum
-
-
-@dataclass(frozen=True)
-class ClaimInfo:
-    """Who holds a claim: enough to prove, on this host, that its process is gone."""
-
-    run_id: str
-    pid: int
-    host: str
-    boot_id: str
-    pid_start: str      # the process's start time (/proc/<pid>/stat field 22): tells a reused pid apart
-    created: float
-    dst: str
-    tool: str = TOOL
-
-    @classmethod
-    def mine(cls, dst: str) -> "ClaimInfo":
-        pid = os.getpid()
-        return cls(uuid.uuid4().hex, pid, socket.gethostname(), _boot_id(), _start_time(pid), time.time(), dst)
-
-    @classmethod
-    def load(cls, tmp: str) -> "ClaimInfo | None":
-        """The claim in `tmp`, or None when there is none or it is not a gtp-bridge claim."""
-        try:
-            with open(os.path.join(tmp, CLAIM_FILE)) as f:
-                d = json.load(f)
-            info = cls(**{k: d[k] for k in cls.__dataclass_fields__})
-        except (OSError, ValueError, TypeError, KeyError):
-            return None
-        return info if info.tool == TOOL else None
-
-    def describe(self) -> str:
-        return f"pid {self.pid} on host {self.host}, started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.created))}"
-
-    def dead_here(self, tmp: str) -> bool:
-        """True only when the claiming process provably no longer exists (same host, same boot or a
-        reboot) and no process holds the claim file's lock (see `hold_claim`)."""
-        if self.host != socket.gethostname():
-            return False
-        if self.boot_id and self.boot_id != _boot_id():
-            return True  # the machine rebooted since: every process of that boot is gone
-        # The kernel may drop a killed process's locks a moment after it is gone: allow a short grace.
-        return not _alive(self.pid, self.pid_start) and not _lock_held(os.path.join(tmp, CLAIM_FILE), grace=1.0)
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    return text[text.rfind(")") + 2:].split()  # fields after "(comm)", which may hold spaces
-
-
-def _start_time(pid: int) -> str:
-    st = _proc_stat(pid)
-    return st[19] if st and len(st) > 19 else ""
-
-
-def _alive(pid: int, start: str) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: not provably dead
-    st = _proc_stat(pid)
-    if st is None:
-        return not os.path.isdir("/proc")  # no procfs: kill(0) said it exists
-    if st[0] == "Z":
-        return False  # killed, waiting to be reaped
-    return not start or st[19] == start  # a different start time: the pid was reused
-
-
-def _lock_held(path: str, grace: float = 0.0) -> bool:
-    """True when some process holds a flock on `path` (a process of the run that claimed it),
-    still after `grace` seconds."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    deadline = time.monotonic() + grace
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return False
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    return True
-                time.sleep(0.02)
-    finally:
-        os.close(fd)
 
 
 class ClaimHold:
@@ -263,9 +150,7 @@ def check_destination_free(dst: str | os.PathLike) -> None:
     bridge.errors.BridgeError: destination / already exists; choose a new directory or remove it
     """
     if is_remote(os.fspath(dst)):
-        from bridge.store.remote import check_remote_free
-
-        check_remote_free(os.fspath(dst))
+        remote.check_remote_free(os.fspath(dst))
     elif os.path.lexists(dst):
         raise BridgeError(f"destination {os.fspath(dst)} already exists; choose a new directory or remove it")
 
@@ -292,35 +177,6 @@ class Destination(Protocol):
 
     def release(self, reason: str = "") -> None:
         """Remove what this run wrote (never anyone else's files)."""
-
-
-class HeldDestination(ABC):
-    """What every `Destination` shares: the run id, and a `with` block that releases the destination
-    unless it was published (on an error, SIGINT or SIGTERM: `Terminated`)."""
-
-    info: ClaimInfo
-    published: bool
-
-    @property
-    def run_id(self) -> str:
-        return self.info.run_id
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if not self.published:
-            self.release(reason=_reason(exc))
-
-    @abstractmethod
-    def release(self, reason: str = "") -> None:
-        """Remove what this run wrote unless it was published (each storage knows its own)."""
-
-
-_HELD: dict[str, "DestinationClaim"] = {}   # tmp path -> claim held by this process
-_HELD_LOCK = threading.Lock()
-_PREVIOUS_HANDLERS: dict[int, object] = {}
-_TERM_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 @contextmanager
@@ -418,16 +274,6 @@ class DestinationClaim(HeldDestination):
             print(f"gtp-bridge: {reason}; removed this run's temporary directory {self.tmp}", file=sys.stderr)
 
 
-def _reason(exc: BaseException | None) -> str:
-    if exc is None:
-        return ""
-    if isinstance(exc, Terminated):
-        return f"terminated by {signal.Signals(exc.signum).name}"
-    if isinstance(exc, KeyboardInterrupt):
-        return "interrupted"
-    return ""  # errors are reported by whoever catches them
-
-
 def _remove_quietly(path: str) -> None:
     try:
         os.remove(path)
@@ -466,27 +312,20 @@ def _rmtree_retry(path: str, attempts: int = 5) -> None:
 
 
 def _forget(claim: DestinationClaim) -> None:
-    with _HELD_LOCK:
-        if _HELD.get(claim.tmp) is claim:
-            del _HELD[claim.tmp]
-        empty = not _HELD
-    if empty:
-        _restore_signal_handlers()
+    held.forget(claim.tmp, claim)
 
 
 def held_claim(tmp_or_dst: str) -> DestinationClaim | None:
     """The claim this process holds on a destination (or its temp directory), if any."""
     p = os.path.abspath(tmp_or_dst).rstrip("/")
-    with _HELD_LOCK:
-        return _HELD.get(p if p.endswith(TMP_SUFFIX) else p + TMP_SUFFIX)
+    mine = held.lookup(p if p.endswith(TMP_SUFFIX) else p + TMP_SUFFIX)
+    return mine if isinstance(mine, DestinationClaim) else None
 
 
 def held_destination(dst: str | os.PathLike) -> "Destination | None":
     """The destination this process claimed at `dst` (a path or an s3:// / gs:// prefix), if any."""
     if is_remote(os.fspath(dst)):
-        from bridge.store.remote import held_remote
-
-        return held_remote(os.fspath(dst))
+        return remote.held_remote(os.fspath(dst))
     return held_claim(os.fspath(dst))
 
 
@@ -499,9 +338,7 @@ def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
     SIGTERM / SIGHUP raise `Terminated` in the main thread while a claim is held, so cleanup runs.
     """
     if is_remote(os.fspath(dst)):  # object storage: no rename, `_METADATA` written last (bridge.store.remote)
-        from bridge.store.remote import claim_remote
-
-        return claim_remote(os.fspath(dst), sources=[os.fspath(s) for s in sources])
+        return remote.claim_remote(os.fspath(dst), sources=[os.fspath(s) for s in sources])
     dst = os.path.abspath(os.fspath(dst)).rstrip("/")
     check_sources(dst, sources)
     _prune_finished()
@@ -528,17 +365,14 @@ def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
             raise
     claim = DestinationClaim(dst, info)
     claim._hold = hold
-    with _HELD_LOCK:
-        _HELD[claim.tmp] = claim
-    _install_signal_handlers()
+    held.hold(claim.tmp, claim)
     return claim
 
 
 def _prune_finished() -> None:
     """Forget claims of this process whose temp directory is gone (another process of the run
     published it): closes their lock and, with the last one, restores the signal handlers."""
-    with _HELD_LOCK:
-        done = [c for c in _HELD.values() if not os.path.isdir(c.tmp)]
+    done = [c for c in held.all_held() if isinstance(c, DestinationClaim) and not os.path.isdir(c.tmp)]
     for c in done:
         c.release()
 
@@ -566,7 +400,7 @@ def _take_over_stale(dst: str, tmp: str) -> None:
     if not info.dead_here(tmp):
         if info.host != socket.gethostname():
             where = "a run on another host"
-        elif _alive(info.pid, info.pid_start):
+        elif process_alive(info.pid, info.pid_start):
             where = "a live run"
         else:
             where = "a run whose main process died but whose writer processes still hold its claim"
@@ -579,41 +413,3 @@ def _take_over_stale(dst: str, tmp: str) -> None:
                           f"({info.describe()}): {e}; is a process of that run still writing?") from None
     print(f"gtp-bridge: removed the stale temporary directory {tmp} left by a killed run ({info.describe()})",
           file=sys.stderr)
-
-
-# -- signals and exit ------------------------------------------------------------------------------
-def _on_terminate(signum, frame) -> None:
-    raise Terminated(signum)
-
-
-def _install_signal_handlers() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return  # only the main thread may set handlers; its own claims install them
-    for sig in _TERM_SIGNALS:
-        if sig in _PREVIOUS_HANDLERS:
-            continue
-        prev = signal.getsignal(sig)
-        if prev not in (signal.SIG_DFL, None):
-            continue  # the application handles it (e.g. a training loop's graceful stop): leave it be
-        _PREVIOUS_HANDLERS[sig] = signal.SIG_DFL if prev is None else prev  # None: not set from Python
-        signal.signal(sig, _on_terminate)
-
-
-def _restore_signal_handlers() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig, prev in list(_PREVIOUS_HANDLERS.items()):
-        if signal.getsignal(sig) is _on_terminate:
-            signal.signal(sig, prev)
-        del _PREVIOUS_HANDLERS[sig]
-
-
-@atexit.register
-def _release_all_at_exit() -> None:
-    with _HELD_LOCK:
-        held = list(_HELD.values())
-    for claim in held:
-        try:
-            claim.release(reason="exiting before the commit")
-        except OSError:
-            pass

@@ -60,7 +60,7 @@ def find_checkpoint_root(path: str) -> str:
     from bridge.store.manager import resolve
 
     if is_remote(path):
-        from bridge.store.remote import committed_root
+        from bridge.store.committed import committed_root
 
         return committed_root(location(path))
     path = os.path.abspath(resolve(path))  # refuses URLs; an Orbax manager root -> its latest step

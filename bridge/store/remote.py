@@ -29,7 +29,6 @@ destination that exists is, and nothing there is removed.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import re
@@ -39,14 +38,13 @@ from dataclasses import asdict
 from typing import Iterable, Sequence
 
 from bridge.dist import wait_for_writers
-from bridge.errors import BridgeError, IntegrityError
+from bridge.errors import BridgeError
 from bridge.location import is_remote, parse_url
 from bridge.store import kvstore as kv
-from bridge.store import claim as local_claim
-from bridge.store.claim import ClaimInfo
+from bridge.store.claim_info import TOOL, ClaimInfo, boot_id, process_alive
+from bridge.store.held import HeldDestination, forget, hold, lookup
 
 CLAIM_KEY = "_gtpb_claim.json"
-_HELD: dict[str, "RemoteDestination"] = {}   # dst URL -> claim held by this process (guarded by claim's lock)
 METADATA = "_METADATA"
 
 _HEX = "[0-9a-f]{32}"   # OCDBT names its data files by 128 random bits
@@ -95,16 +93,16 @@ def _parse_claim(data: bytes | None) -> ClaimInfo | None:
         info = ClaimInfo(**{k: d[k] for k in ClaimInfo.__dataclass_fields__})
     except (ValueError, TypeError, KeyError):
         return None
-    return info if info.tool == local_claim.TOOL else None
+    return info if info.tool == TOOL else None
 
 
 def _writer_gone(info: ClaimInfo) -> bool:
     """True only when the claiming process provably no longer exists (this host; dead or rebooted)."""
     if info.host != socket.gethostname():
         return False
-    if info.boot_id and info.boot_id != local_claim._boot_id():
+    if info.boot_id and info.boot_id != boot_id():
         return True
-    return not local_claim._alive(info.pid, info.pid_start)
+    return not process_alive(info.pid, info.pid_start)
 
 
 def check_remote_sources(dst: str, sources: Iterable[str]) -> None:
@@ -120,7 +118,7 @@ def check_remote_sources(dst: str, sources: Iterable[str]) -> None:
             raise BridgeError(f"destination {dst} overlaps the source {s}; choose a destination outside it")
 
 
-class RemoteDestination(local_claim.HeldDestination):
+class RemoteDestination(HeldDestination):
     """This run's hold on an object-storage prefix: writers write under `tmp` (= `dst`), `publish()`
     writes the metadata files, `_METADATA` last; `release()` removes what this run wrote.
 
@@ -229,12 +227,7 @@ class RemoteDestination(local_claim.HeldDestination):
         return True
 
     def _forget(self) -> None:
-        with local_claim._HELD_LOCK:
-            if _HELD.get(self.dst) is self:
-                del _HELD[self.dst]
-            empty = not _HELD and not local_claim._HELD
-        if empty:
-            local_claim._restore_signal_handlers()
+        forget(self.dst, self)
 
 
 def remove_written(dst: str, marker: str) -> None:
@@ -294,54 +287,14 @@ def claim_remote(dst: str, *, sources: Iterable[str] = (), marker: str = METADAT
     if held is None or held.run_id != info.run_id:
         raise BridgeError(f"destination {dst} was claimed by another run at the same time; choose another destination")
     dest = RemoteDestination(dst, info, marker)
-    with local_claim._HELD_LOCK:
-        _HELD[dest.dst] = dest
-    local_claim._install_signal_handlers()  # SIGTERM raises, so the `with` block's release runs
+    hold(dest.dst, dest)  # SIGTERM raises, so the `with` block's release runs
     return dest
 
 
 def held_remote(dst: str) -> RemoteDestination | None:
     """The claim this process holds on the prefix `dst`, if any."""
-    with local_claim._HELD_LOCK:
-        return _HELD.get(dst.rstrip("/"))
-
-
-@atexit.register
-def _release_all_at_exit() -> None:
-    with local_claim._HELD_LOCK:
-        held = list(_HELD.values())
-    for dest in held:
-        dest.release(reason="exiting before the commit")
-
-
-def committed_root(root: str) -> str:
-    """`root` (a URL) if it holds a committed checkpoint; else BridgeError / IntegrityError saying why.
-
-    An Orbax item sub-prefix (`state/`, `default/`) holding `_METADATA` is accepted as well, and an
-    Orbax CheckpointManager root stands for its latest committed step (`bridge.store.manager`)."""
-    keys = set(kv.list_keys(root))
-    if METADATA in keys:
-        return root
-    for item in ("state", "default"):
-        if f"{item}/{METADATA}" in keys:
-            return f"{root}/{item}"
-    from bridge.store.manager import ITEM, latest_step_note, steps_of_keys
-
-    steps = steps_of_keys(keys)  # an Orbax CheckpointManager root: its latest committed step
-    if steps:
-        latest_step_note(root, steps, f"{root}/{steps[-1]}")
-        return f"{root}/{steps[-1]}/{ITEM}"
-    if CLAIM_KEY in keys:
-        raise IntegrityError(f"{root} is a partial checkpoint (its writer never committed: no _METADATA); "
-                             f"rerun the write, which removes it")
-    if ".metadata" in keys:
-        raise BridgeError(f"{root} is a torch_dist (Megatron/DCP) checkpoint, not a logical one; "
-                          f"convert it first: gtp-bridge convert {root} OUT")
-    if any(k in keys for k in ("_CHECKPOINT_METADATA", "manifest.ocdbt", "commit_success.txt")):
-        raise IntegrityError(f"{root}/_METADATA is missing; the checkpoint is damaged")
-    if not keys:
-        raise BridgeError(f"{root} does not exist (no objects under it); pass a checkpoint location")
-    raise BridgeError(f"{root} has no _METADATA: not a committed Orbax checkpoint")
+    mine = lookup(dst.rstrip("/"))
+    return mine if isinstance(mine, RemoteDestination) else None
 
 
 def wait_for_objects(root: str, keys: Sequence[str], timeout: float, what: str) -> None:

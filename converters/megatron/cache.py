@@ -3,10 +3,8 @@ records too large to hold (pure index math first, then I/O)."""
 
 from __future__ import annotations
 
-import io
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass
 from math import prod
 from typing import Any, Hashable, Sequence
 
@@ -14,6 +12,7 @@ import numpy as np
 
 from bridge.errors import BridgeError
 from converters.megatron.dcp_reader import open_range
+from converters.megatron.records import RecordLayout, record_layout
 
 
 class ArrayLRU:
@@ -104,69 +103,6 @@ def split_box_reads(shape: Sequence[int], start: Sequence[int], stop: Sequence[i
 
 # ---------------------------------------------------------------------------------------------
 # Reading stored chunks
-
-
-class _Window(io.RawIOBase):
-    """Bytes [offset, offset + length) of a file as a read-only seekable file (pread, no buffering);
-    `fd` is a `dcp_reader.RangeReader` (a local file or an object)."""
-
-    def __init__(self, fd, offset: int, length: int) -> None:
-        self.fd, self.base, self.length, self.pos = fd, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, off: int, whence: int = 0) -> int:
-        self.pos = max(0, off if whence == 0 else self.pos + off if whence == 1 else self.length + off)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
-        data = self.fd.pread(n, self.base + self.pos) if n else b""
-        b[:len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-
-@dataclass(frozen=True)
-class RecordLayout:
-    """Where a stored chunk's elements lie in its file: element i (row-major) is at byte
-    `data_offset + i * itemsize`; `crc` is the zip member's CRC-32 over `member_offset..+member_size`;
-    `what` names it in errors (tensor key, chunk, file)."""
-
-    path: str
-    data_offset: int
-    itemsize: int
-    dtype: np.dtype
-    member_offset: int
-    member_size: int
-    crc: int
-    what: str = ""
-
-
-def record_layout(ck, key: str, chunk) -> RecordLayout:
-    """Parse a DCP tensor record's torch.save zip without reading its data (torch-free:
-    `dcp_reader.tensor_member`), the member's CRC from the zip directory. Refuses anything but one
-    contiguous, stored (uncompressed) tensor of the chunk's dtype and size."""
-    from converters.megatron.dcp_reader import check_relative_path, open_range, tensor_member
-
-    ref = chunk.storage
-    what = f"{key} chunk {chunk.offsets} in {ref.relative_path}"
-    path = check_relative_path(ck.root, ref.relative_path, str(ck.root))
-    with open_range(path) as fd:
-        m = tensor_member(_Window(fd, ref.offset, ref.length), ref.length, what)
-    ti = ck.tensors[key]
-    if m.dtype != ti.dtype or prod(m.shape) != chunk.numel:
-        raise BridgeError(f"cannot read {what}: stored tensor {m.dtype} {m.shape} does not match .metadata's "
-                          f"{ti.dtype} {chunk.sizes}; damaged")
-    return RecordLayout(str(path), ref.offset + m.data_offset, m.dtype.itemsize, m.dtype.numpy(),
-                        ref.offset + m.member_offset, m.member_size, m.crc, what)
 
 
 def crc_of_range(path: str, lo: int, hi: int, window: int, what: str) -> int:

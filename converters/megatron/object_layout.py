@@ -16,7 +16,7 @@ from math import prod
 from typing import Any
 
 from bridge.errors import BridgeError
-from converters.megatron.cache import RecordLayout, _Window
+from converters.megatron.records import RecordLayout, Window
 
 #: containers a param_state object is made of (walked to this depth at most: the file is untrusted)
 MAX_DEPTH = 8
@@ -60,7 +60,7 @@ def object_tensors(ck, name: str) -> Any:
     what = f"{fqn} in {ref.relative_path}"
     path = check_relative_path(ck.root, ref.relative_path, str(ck.root))
     with open_range(path) as fd:
-        f = _Window(fd, ref.offset, ref.length)
+        f = Window(fd, ref.offset, ref.length)
         members = archive_members(f, ref.length, what)
         if "data.pkl" not in members:
             raise BridgeError(f"cannot read {what}: the zip archive has no data.pkl (not a torch.save archive)")

@@ -39,7 +39,9 @@ def _export(rank, world, dst, batch_kib, chunk_kib, force_depth, k):
             super().__init__(*a, **k)
     params, _ = M.local_params(model(k), 1, 2, 1, 4, rank, None)
     run = LiveRun(ParallelLayout(tp=1, gtp=2, dp=1), rank, 3, AdamConfig(lr=1e-3))
-    export_state(dst, run, params, ExportOptions(inflight_bytes=4 * (batch_kib << 10), target_chunk_bytes=chunk_kib << 10, writer_class=W))
+    from bridge import _testing
+    with _testing.seams(writer_class=W):
+        export_state(dst, run, params, ExportOptions(inflight_bytes=4 * (batch_kib << 10), target_chunk_bytes=chunk_kib << 10))
     return {}
 
 if __name__ == "__main__":
