@@ -72,7 +72,7 @@ class Share:
         """>>> Share.of(64 << 20)
         Share(block=4194304, inflight=3355443)
         """
-        return cls(block=max(1 << 16, share // 16), inflight=max(share // 20, MIN_BATCH_BYTES))
+        return cls(block=max(4 << 10, share // 16), inflight=max(share // 20, MIN_BATCH_BYTES))
 
 
 # ------------------------------------------------------------------------------------ planning
@@ -156,7 +156,7 @@ def write_blocks(src: str, tmp: str, job: Job, writer_id: int, share: Share, dim
 
 
 def _worker_main(q, args) -> None:  # pragma: no cover - subprocess
-    w = args[2]
+    w = args[3]
     try:
         rep = write_blocks(*args, on_progress=lambda n: q.put(("p", w, n)))
         q.put(("ok", w, rep))
