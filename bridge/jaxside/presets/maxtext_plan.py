@@ -30,7 +30,6 @@ from bridge.format import schema
 from bridge.jaxside.presets.maxtext import Dims, Options, _drop_l, _maxtext_paths, _split, active_table, find_logical, parse_pattern
 
 Path = tuple[str, ...]
-LAYER = "L"
 
 
 @dataclass(frozen=True)
@@ -55,6 +54,13 @@ class Move:
     leaf: object = None
     dtype: str = "float32"
     whole: tuple[str, ...] = ()         # dims never cut (D of q/k: the RoPE permutation spans it)
+    logical_dst: bool = False           # the output is the logical side (from-maxtext)
+
+    @property
+    def cut_order(self) -> list[str]:
+        """Dims in the order chunks cut them: the logical layout's (layer first), whichever side it is
+        on, so that the chunks of the way there are the chunks of the way back."""
+        return [d for g in parse_pattern(self.dst_pattern if self.logical_dst else self.src_pattern) for d in g]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -75,9 +81,8 @@ class Move:
 
 
 def chunk_shape(move: Move, itemsize: int, max_bytes: int) -> tuple[int, ...]:
-    """Output chunk shape: whole on every axis but those cut: the layer axis first, then in the
-    source's axis order (a source box is then one run of whole layers, and the chunks of the way
-    there are the chunks of the way back).
+    """Output chunk shape: whole on every axis but those cut, cut in the logical layout's axis order
+    (`Move.cut_order`: the layer axis first; a source box is then one run of whole layers).
 
     The output axes are visited in that order (an axis by its first dim); each is
     cut to as many units as fit (a unit: one index, or the inner dims of a fused axis), evenly;
@@ -90,13 +95,13 @@ def chunk_shape(move: Move, itemsize: int, max_bytes: int) -> tuple[int, ...]:
     >>> u = Move(("w",), "L (H D) E", (("a",), ("b",)), "E H D", {"E": 2, "L": 2, "H": 3, "D": 4})
     >>> chunk_shape(u, 4, 1 << 20)                         # one layer per chunk: one source each
     (1, 12, 2)
-    >>> b = Move(("w",), "L (H D) E", (("s",),), "E L H D", {"E": 8, "L": 4, "H": 2, "D": 4})
-    >>> chunk_shape(b, 4, 2 * 64 * 4)                      # back from MaxText: whole layers too
-    (2, 8, 8)
+    >>> b = Move(("w",), "L (H D) E", (("s",),), "E L H D", {"E": 8, "L": 4, "H": 2, "D": 4}, logical_dst=True)
+    >>> chunk_shape(b, 4, 2 * 64 * 4), chunk_shape(b, 4, 32 * 4)   # back from MaxText: layers, then heads
+    ((2, 8, 8), (1, 4, 8))
     """
     groups = parse_pattern(move.dst_pattern)
     sizes = move.sizes
-    order = move.src_names
+    order = move.cut_order
     unit = [prod(sizes[d] for d in g[1:]) for g in groups]          # a fused axis is cut in whole inner units
     count = [sizes[g[0]] for g in groups]                           # units along each axis
     chunk = list(count)
@@ -109,7 +114,7 @@ def chunk_shape(move: Move, itemsize: int, max_bytes: int) -> tuple[int, ...]:
         return prod(c * u for c, u in zip(chunk, unit)) * itemsize
 
     rank = sorted((k for k, g in enumerate(groups) if g[0] not in stacked and g[0] not in move.whole),
-                  key=lambda k: (groups[k][0] != LAYER, order.index(groups[k][0])))
+                  key=lambda k: order.index(groups[k][0]))
     for k in rank:
         if nbytes() <= max_bytes:
             break
@@ -266,5 +271,5 @@ def moves_from_maxtext(dims: Dims, opts: Options) -> list[Move]:
             paths = _maxtext_paths(leaf, dims, opts)
             srcs = tuple(maxtext_root(role) + p for p, _ in paths)
             pattern = leaf.dst if paths[0][1] is None else _drop_l(leaf.dst)
-            out.append(Move(dst, leaf.src, srcs, pattern, sizes, {}, role, leaf, "float32", _whole(leaf)))
+            out.append(Move(dst, leaf.src, srcs, pattern, sizes, {}, role, leaf, "float32", _whole(leaf), True))
     return out
