@@ -81,6 +81,16 @@ def expected_maxtext(src: dict, dims: mx.Dims, opts: mx.Options) -> dict[tuple[s
     return out
 
 
+@pytest.mark.parametrize("name", ["bridge.jaxside.presets.maxtext_plan", "bridge.jaxside.presets.maxtext_stream",
+                                  "bridge.machine"])
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+
+    res = doctest.testmod(importlib.import_module(name))
+    assert res.attempted > 0 and res.failed == 0
+
+
 @pytest.mark.parametrize("opts", [mx.Options(), mx.Options(decoder_block="llama2"), mx.Options(scan_layers=False)],
                          ids=["qwen2", "llama2", "unscanned"])
 def test_streamed_arrays_equal_the_whole_array_mapping(tmp_path, opts):

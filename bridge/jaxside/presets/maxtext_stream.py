@@ -69,7 +69,9 @@ class Share:
 
     @classmethod
     def of(cls, share: int) -> "Share":
-        """>>> Share.of(64 << 20)
+        """The share's split (a sixteenth per chunk in hand, a twentieth per writer batch).
+
+        >>> Share.of(64 << 20)
         Share(block=4194304, inflight=3355443)
         """
         return cls(block=max(4 << 10, share // 16), inflight=max(share // 20, MIN_BATCH_BYTES))
@@ -225,7 +227,7 @@ def _run_parallel(args: list[tuple], bar) -> list[dict]:
     return [done[w] for w in sorted(done)]
 
 
-def resources(opts: StreamOptions, total_bytes: int, what: str) -> tuple[int, int]:
+def resources(opts: StreamOptions, total_bytes: int) -> tuple[int, int]:
     """(workers, budget) as `convert` picks them; the announce line is printed by the caller."""
     workers = default_workers() if opts.workers is None else opts.workers
     if workers < 1:
@@ -238,7 +240,9 @@ def resources(opts: StreamOptions, total_bytes: int, what: str) -> tuple[int, in
 
 
 def budget_line(cmd: str, workers: int, budget: int) -> str:
-    """>>> budget_line("to-maxtext", 2, 1 << 30)
+    """What the run will use, printed before it starts (as `convert` prints it).
+
+    >>> budget_line("to-maxtext", 2, 1 << 30)
     'to-maxtext: 2 workers, budget 1.0 GiB (512.0 MiB each)'
     """
     from bridge.units import human_bytes
@@ -304,7 +308,7 @@ def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", 
     c32 = np.asarray(count, np.int32)   # optax's counts and MaxText's TrainState.step are int32
     scalars = {MT_COUNT: c32, MT_SCHEDULE_COUNT: c32, MT_STEP: c32}
     total = sum(m.nbytes for m in moves)
-    workers, budget = resources(stream, total, "to-maxtext")
+    workers, budget = resources(stream, total)
     share = Share.of(budget // workers)
     job = plan_job(moves, scalars, workers, share, empty_paths=[MT_EMPTY], stacked_outputs=False)
     if stream.announce:
@@ -374,8 +378,6 @@ def stream_from_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, optio
                         rotary_base: float | None = None, norm_epsilon: float | None = None,
                         stream: StreamOptions | None = None) -> dict:
     """`maxtext_ckpt.read_maxtext`, streamed: MaxText checkpoint `src` as the logical checkpoint `dst`."""
-    from dataclasses import asdict as _asdict
-
     from bridge.jaxside.presets import maxtext_ckpt as mc
     from bridge.jaxside.presets.maxtext import active_table
     from bridge.store.reader import open_checkpoint
@@ -410,7 +412,7 @@ def stream_from_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, optio
         opts = Options(decoder_block=opts.decoder_block, scan_layers=scanned, rotary_interleaved=opts.rotary_interleaved)
     if not hyper.no_decay:
         norms = [leaf.logical[0] for leaf in active_table(dims) if leaf.no_decay]
-        hyper = Hyper(**{**_asdict(hyper), "no_decay": tuple(tuple(n.split("/")) for n in norms)})
+        hyper = Hyper(**{**asdict(hyper), "no_decay": tuple(tuple(n.split("/")) for n in norms)})
     moves = moves_from_maxtext(dims, opts)
     have = set(infos)
     wanted = {s for m in moves for s in m.sources}
@@ -427,7 +429,7 @@ def stream_from_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, optio
     scalars = {schema.COUNT_PATH: np.asarray(count, schema.SCALAR_DTYPE),
                schema.STEP_PATH: np.asarray(step, schema.SCALAR_DTYPE)}
     total = sum(m.nbytes for m in moves)
-    workers, budget = resources(stream, total, "from-maxtext")
+    workers, budget = resources(stream, total)
     share = Share.of(budget // workers)
     job = plan_job(moves, scalars, workers, share, empty_paths=schema.adamw_empty_paths())
     if stream.announce:
