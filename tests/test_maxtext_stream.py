@@ -140,6 +140,23 @@ def test_chunks_are_cut_along_layers(tmp_path):
     assert tuple(t.shape) == (24, 2, 40) and tuple(chunk) == (24, 1, 40)
 
 
+def test_a_moment_of_another_shape_is_refused_before_writing(tmp_path):
+    """A block reads a box of its source: a source of the wrong shape must be refused, not read in part."""
+    from bridge.errors import BridgeError
+    from bridge.jaxside.presets.maxtext_ckpt import write_maxtext
+    from bridge.store.commit import save_checkpoint
+    from bridge.store.reader import open_checkpoint
+
+    ck = open_checkpoint(LLAMA_LIVE)
+    arrays = {p: ck.read(p) for p in ck.paths()}
+    bad = schema.role_path("mu", ("decoder", "layers", "mlp", "linear_fc2", "weight"))
+    arrays[bad] = np.concatenate([arrays[bad], arrays[bad][:1]])      # one layer too many
+    save_checkpoint(str(tmp_path / "bad"), arrays, ck.manifest, empty_paths=ck.empty_paths)
+    with pytest.raises(BridgeError, match="linear_fc2/weight has shape"):
+        write_maxtext(str(tmp_path / "bad"), str(tmp_path / "mt"))
+    assert not (tmp_path / "mt").exists()                                  # nothing written
+
+
 # ---------------------------------------------------------------------------------------------- 0.5 GiB, 64M
 
 STREAM = """

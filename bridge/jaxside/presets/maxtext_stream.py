@@ -123,6 +123,19 @@ def plan_job(moves: Sequence[Move], scalars: Mapping[Path, np.ndarray], workers:
     return Job(list(moves), blocks, owners, workers, plan)
 
 
+def check_sources(moves: Sequence[Move], shapes: Mapping[Path, Sequence[int]], where: str) -> None:
+    """Every source array has the shape its layout needs (else a block would read a wrong region)."""
+    from bridge.jaxside.presets.maxtext import pattern_shape
+
+    for m in moves:
+        want = pattern_shape(m.src_pattern, m.sizes)     # (a stacked source whole, when a layer is taken)
+        for src in m.sources:
+            got = tuple(int(x) for x in shapes[src])
+            if got != want:
+                raise BridgeError(f"{where}: array {'/'.join(src)} has shape {got}, the {m.src_pattern!r} layout "
+                                  f"of this model needs {want}")
+
+
 # ------------------------------------------------------------------------------------ execution
 
 
@@ -305,6 +318,7 @@ def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", 
         raise BridgeError(f"{os.path.join(dst_root, str(dir_step))} exists; MaxText checkpoints are never "
                           f"overwritten (choose another root or step)")
     moves = moves_to_maxtext(trees[schema.PARAMS], dims, opts, dtype)
+    check_sources(moves, {p: i.shape for p, i in infos.items()}, src)
     c32 = np.asarray(count, np.int32)   # optax's counts and MaxText's TrainState.step are int32
     scalars = {MT_COUNT: c32, MT_SCHEDULE_COUNT: c32, MT_STEP: c32}
     total = sum(m.nbytes for m in moves)
@@ -424,6 +438,7 @@ def stream_from_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, optio
     missing = sorted(wanted - have)
     if missing:
         raise BridgeError(f"MaxText checkpoint lacks {'/'.join(missing[0])}")
+    check_sources(moves, {p: i.shape for p, i in infos.items()}, items)
     man = mc._manifest_for(dims, hyper, count, side["base_manifest"] if side else None, opts,
                            float(rotary_base or 10000.0), float(norm_epsilon or 1e-5))
     scalars = {schema.COUNT_PATH: np.asarray(count, schema.SCALAR_DTYPE),
