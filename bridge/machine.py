@@ -16,6 +16,9 @@ def default_workers(cores: int | None = None) -> int:
     return max(1, min(8, cores if cores is not None else (os.cpu_count() or 1)))
 
 
+# A writer process costs seconds to start (imports): each gets at least this much work, so small
+# checkpoints are converted in-process.
+MIN_BYTES_PER_WORKER = 1 << 30
 PROCESS_OVERHEAD = 512 << 20   # interpreter + torch + TensorStore, per process, outside the budget
 
 

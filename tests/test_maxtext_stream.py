@@ -97,7 +97,8 @@ def test_streamed_arrays_equal_the_whole_array_mapping(tmp_path, opts):
     from bridge.jaxside.presets.maxtext_ckpt import read_maxtext, write_maxtext
     from bridge.jaxside.presets.maxtext_stream import StreamOptions
 
-    tiny = StreamOptions(workers=2, budget=64 << 10)   # 4 KiB blocks: most arrays cut into several chunks
+    tiny = StreamOptions(workers=2, budget=64 << 10, min_worker_bytes=1)   # two writers, 2 KiB blocks: most arrays
+    # are cut into several chunks, owned by both
     w = write_maxtext(LLAMA_LIVE, str(tmp_path / "mt"), decoder_block=opts.decoder_block,
                       scan_layers=opts.scan_layers, stream=tiny)
     src = plain_read(LLAMA_LIVE)
@@ -164,7 +165,7 @@ import sys
 from bridge.jaxside.presets.maxtext_ckpt import read_maxtext, write_maxtext
 from bridge.jaxside.presets.maxtext_stream import StreamOptions
 if __name__ == "__main__":
-    s = StreamOptions(workers=int(sys.argv[4]), budget=int(sys.argv[5]))
+    s = StreamOptions(workers=int(sys.argv[4]), budget=int(sys.argv[5]), min_worker_bytes=1)
     if sys.argv[1] == "to":
         write_maxtext(sys.argv[2], sys.argv[3], stream=s)
     else:

@@ -28,7 +28,8 @@ import numpy as np
 from bridge.cast_check import bits_equal, cast_mismatch
 from bridge.errors import BridgeError
 from bridge.location import absolute, basename, is_remote, location
-from bridge.machine import PROCESS_OVERHEAD, default_budget, default_workers, mem_available, return_freed_memory  # noqa: F401 (re-export)
+from bridge.machine import (MIN_BYTES_PER_WORKER, PROCESS_OVERHEAD, default_budget, default_workers,  # noqa: F401
+                            mem_available, return_freed_memory)
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, grid_shape
 from bridge.layout.parallel import ParallelLayout
@@ -59,7 +60,6 @@ from converters.megatron.plan import (ROLES, Block, Copy, CopyIndex, Instance, U
                                       SPLIT_FLAGS, infer_split, placement_str, split_flags,
                                       stage_placement)
 
-MIN_BYTES_PER_WORKER = 1 << 30
 MIN_BATCH_BYTES = 1 << 20
 
 #: source tensor dtypes convert accepts (weights, masters, moments, and the integer buffers Megatron keeps)

@@ -34,7 +34,7 @@ from bridge.jaxside.presets.maxtext_plan import (MT_ADAM, Move, arrange_block, a
                                                 moves_from_maxtext, moves_to_maxtext, source_box)
 from bridge.layout.boxes import Box
 from bridge.location import absolute, basename, is_remote, join, location
-from bridge.machine import default_budget, default_workers, mem_available, return_freed_memory
+from bridge.machine import MIN_BYTES_PER_WORKER, default_budget, default_workers, mem_available, return_freed_memory
 from bridge.progress import progress
 
 Path = tuple[str, ...]
@@ -57,6 +57,7 @@ class StreamOptions:
     budget: int | None = None           # bytes for all processes together; None: default_budget()
     show_progress: bool | None = None
     announce: Callable[[str], None] | None = None
+    min_worker_bytes: int = MIN_BYTES_PER_WORKER   # fewer workers than asked for a small state (convert's rule)
 
 
 @dataclass(frozen=True)
@@ -248,8 +249,7 @@ def resources(opts: StreamOptions, total_bytes: int) -> tuple[int, int]:
     budget = default_budget(workers, mem_available()) if opts.budget is None else opts.budget
     if budget < (64 << 10):
         raise BridgeError(f"--budget must be at least 64k, got {budget} bytes")
-    # a writer process costs seconds to start: at least 64 MiB of work each (convert's min_worker_bytes)
-    return max(1, min(workers, -(-total_bytes // (64 << 20)))), budget
+    return max(1, min(workers, -(-total_bytes // max(1, opts.min_worker_bytes)))), budget
 
 
 def budget_line(cmd: str, workers: int, budget: int) -> str:
