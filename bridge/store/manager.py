@@ -199,7 +199,7 @@ def commit_step(item_dir: str, step: int, step_metadata: dict | None = None,
     if is_remote(item_dir):
         return _commit_remote_step(item_dir, step, step_metadata, files)
     from bridge.store.claim import rename_noreplace
-    from bridge.store.durable import fsync_path, write_json_atomic
+    from bridge.store.durable import fsync_path, write_bytes_atomic, write_json_atomic
 
     staging = os.path.dirname(os.path.abspath(item_dir))
     root = os.path.dirname(staging)
@@ -207,8 +207,7 @@ def commit_step(item_dir: str, step: int, step_metadata: dict | None = None,
     try:
         check_step_free(root, step)
         for name, data in (files or {}).items():
-            with open(os.path.join(staging, name), "wb") as f:
-                f.write(data)
+            write_bytes_atomic(os.path.join(staging, name), data)
         write_json_atomic(os.path.join(staging, STEP_METADATA), step_metadata or _step_metadata())
         try:
             rename_noreplace(staging, final)  # a step another process made meanwhile is never replaced

@@ -277,7 +277,7 @@ def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", 
     MaxText checkpoint root `dst_root` (see there), never holding more than the budget of its data."""
     from bridge.jaxside.presets import maxtext_ckpt as mc
     from bridge.jaxside.manifest_view import scheduler_of
-    from bridge.store.manager import check_step_free, write_step
+    from bridge.store.manager import COMMIT_SUCCESS, check_step_free, write_step
     from bridge.store.reader import open_checkpoint
 
     stream = stream or StreamOptions()
@@ -341,8 +341,9 @@ def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", 
                 stream.show_progress)
         return dir_step
 
-    files = {SIDECAR: json_bytes(sidecar),
-             "commit_success.txt": b"Checkpoint commit was successful"}
+    files = {SIDECAR: json_bytes(sidecar)}
+    if not is_remote(dst_root):   # (on object storage the step's commit writes Orbax's marker itself, last)
+        files[COMMIT_SUCCESS] = f"Checkpoint commit was successful to {join(dst_root, str(dir_step))}".encode()
     _, step_dir = write_step(dst_root, write, lambda s: s, step=dir_step, item=ITEMS, step_metadata=step_meta,
                              files=lambda _r: files)
     note = mc.schedule_note(scheduler_of(man), count)
