@@ -16,6 +16,24 @@ def default_workers(cores: int | None = None) -> int:
     return max(1, min(8, cores if cores is not None else (os.cpu_count() or 1)))
 
 
+# A writer process costs seconds to start (imports): each gets at least this much work, so small
+# checkpoints are converted in-process.
+MIN_BYTES_PER_WORKER = 1 << 30
+PROCESS_OVERHEAD = 512 << 20   # interpreter + torch + TensorStore, per process, outside the budget
+
+
+def default_budget(workers: int, available: int | None) -> int:
+    """Half of what is free after each process's fixed overhead, between 256 MiB and 16 GiB.
+
+    >>> default_budget(4, 16 << 30) >> 20, default_budget(4, None) >> 20, default_budget(8, 1 << 30) >> 20
+    (6912, 1024, 256)
+    """
+    if available is None:
+        return 1 << 30
+    spare = available - (workers + 1) * PROCESS_OVERHEAD
+    return int(min(16 << 30, max(256 << 20, spare // 2)))
+
+
 def mem_available() -> int | None:
     """Bytes the kernel says can be allocated without swapping (MemAvailable), None if unknown."""
     try:

@@ -46,6 +46,7 @@ def add_parser(sub) -> None:
                    help="MaxText decoder block (default qwen2: exact; llama2 folds the query scale)")
     p.add_argument("--unscanned", action="store_true", help="MaxText scan_layers=false (decoder/layers_<i>/...)")
     p.add_argument("--overrides-json", metavar="FILE", help="also write MaxText's config overrides to FILE (JSON)")
+    add_stream_flags(p)
     p.set_defaults(func=run_to)
 
     q = sub.add_parser("from-maxtext", help="MaxText train-state checkpoint -> logical checkpoint (maxtext preset)",
@@ -62,13 +63,33 @@ def add_parser(sub) -> None:
     q.add_argument("--decoder-block", choices=["qwen2", "llama2"], default=None,
                    help="the MaxText block the run used (llama2: the query scale is unfolded); default from the "
                         "checkpoint's sidecar, else qwen2")
+    add_stream_flags(q)
     q.set_defaults(func=run_from)
+
+
+def add_stream_flags(p: argparse.ArgumentParser) -> None:
+    """--workers / --budget, with convert's meaning and defaults (the conversion is streamed)."""
+    p.add_argument("--workers", type=int, default=None,
+                   help="writer processes (each owns whole output chunks); default: one per core, at most 8")
+    p.add_argument("--budget", default=None,
+                   help="host memory for the data of all processes together, e.g. 512M, 2G; each process also "
+                        "needs about 0.5 GiB for itself (default: half of the free memory left after that, "
+                        "256M..16G; printed)")
+
+
+def stream_options(args: argparse.Namespace):
+    from bridge.jaxside.presets.maxtext_stream import StreamOptions
+    from bridge.units import parse_size
+
+    budget = parse_size(args.budget) if args.budget is not None else None
+    return StreamOptions(workers=args.workers, budget=budget, announce=lambda line: print(line, flush=True))
 
 
 def run_to(args: argparse.Namespace) -> int:
     from bridge.jaxside.presets.maxtext_ckpt import write_maxtext
 
-    w = write_maxtext(args.src, args.root, decoder_block=args.decoder_block, scan_layers=not args.unscanned)
+    w = write_maxtext(args.src, args.root, decoder_block=args.decoder_block, scan_layers=not args.unscanned,
+                      stream=stream_options(args))
     d = w.dims
     print(f"wrote {w.step_dir} (MaxText step dir {w.step - 1 if w.step else 0}, resumes at step {w.step}): "
           f"{d.layers} layers, hidden {d.hidden}, {d.heads} heads / {d.kv_heads} kv, head dim {d.head_dim}, "
@@ -121,7 +142,7 @@ def run_from(args: argparse.Namespace) -> int:
     elif given:
         raise BridgeError("--betas/--eps/--weight-decay/--clip-grad need --lr (they replace the recorded settings)")
     opts = Options(decoder_block=args.decoder_block) if args.decoder_block else None
-    res = read_maxtext(args.src, args.dst, hyper=hyper, options=opts)
+    res = read_maxtext(args.src, args.dst, hyper=hyper, options=opts, stream=stream_options(args))
     d = res["dims"]
     how = "sidecar of the run gtp-bridge wrote" if res["sidecar"] else "the given AdamW settings"
     print(f"wrote {res['dst']} from {res['items']} (step {res['trained_steps']}, Adam count {res['adam_count']}): "

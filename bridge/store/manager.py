@@ -108,7 +108,7 @@ def resolve(location: str) -> str:
     return chosen
 
 
-def staging_item_dir(root: str, tag: str) -> str:
+def staging_item_dir(root: str, tag: str, item: str = ITEM) -> str:
     """Where a writer builds the item of a new step of manager root `root` (the root is created).
 
     Refuses a root that is itself a checkpoint. `tag` makes the staging name unique per save (a
@@ -129,45 +129,49 @@ def staging_item_dir(root: str, tag: str) -> str:
         os.makedirs(staging)
     except FileExistsError:  # another save of this tag: its directory is never taken over
         raise BridgeError(f"{staging} exists (another save is staging there); rerun") from None
-    return os.path.join(staging, ITEM)
+    return os.path.join(staging, item)
 
 
 def _remove_dead_staging(root: str) -> None:
     """Remove the staging directories of `root` whose item's claim proves its writer is gone (same
     host, process dead or machine rebooted): never a step, and nobody else's work in progress."""
-    from bridge.store.claim import ClaimInfo, tmp_dir_for
+    from bridge.store.claim import TMP_SUFFIX, ClaimInfo
 
     for name in os.listdir(root):
         if not name.startswith(STAGING_PREFIX):
             continue
-        tmp = tmp_dir_for(os.path.join(root, name, ITEM))
-        info = ClaimInfo.load(tmp)
-        if info is not None and info.dead_here(tmp):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        staging = os.path.join(root, name)
+        # the item's claim, whatever the item is named (`default`, MaxText's `items`)
+        for entry in (os.listdir(staging) if os.path.isdir(staging) else []):
+            tmp = os.path.join(staging, entry)
+            info = ClaimInfo.load(tmp) if entry.endswith(TMP_SUFFIX) and os.path.isdir(tmp) else None
+            if info is not None and info.dead_here(tmp):
+                shutil.rmtree(staging, ignore_errors=True)
+                break
 
 
 def _staging_tag(step: int) -> str:
     return f"{int(step)}-{uuid.uuid4().hex[:12]}"
 
 
-def begin_step(root: str, step: int) -> str:
+def begin_step(root: str, step: int, item: str = ITEM) -> str:
     """Where a writer writes the item of step `step` of manager root `root`: a hidden staging
     directory locally (`staging_item_dir`), the step's own `root/<step>/default` on object storage
     (refused when the root is itself a checkpoint or the step exists). `commit_step` then makes it
     the step."""
     if not is_remote(root):
-        return staging_item_dir(root, _staging_tag(step))
+        return staging_item_dir(root, _staging_tag(step), item)
     from bridge.store import kvstore
 
     root = location(root, "Orbax CheckpointManager root")
     if kvstore.exists(root, "_METADATA") or kvstore.exists(root, f"{ITEM}/_METADATA"):
         raise BridgeError(f"{root} is a checkpoint, not an Orbax CheckpointManager root; name the root prefix "
                           f"that holds the step prefixes")
-    check_step_free(root, step)
-    return join(root, str(int(step)), ITEM)
+    check_step_free(root, step, item)
+    return join(root, str(int(step)), item)
 
 
-def check_step_free(root: str, step: int) -> None:
+def check_step_free(root: str, step: int, item: str = ITEM) -> None:
     """BridgeError when `root/<step>` exists (checkpoints are never overwritten).
 
     On object storage the step exists once its item is committed or its step metadata written; a
@@ -178,30 +182,33 @@ def check_step_free(root: str, step: int) -> None:
         from bridge.store import kvstore
 
         prefix = join(root, str(int(step)))
-        if any(kvstore.exists(prefix, k) for k in (COMMIT_SUCCESS, STEP_METADATA, f"{ITEM}/_METADATA")):
+        if any(kvstore.exists(prefix, k) for k in (COMMIT_SUCCESS, STEP_METADATA, f"{item}/_METADATA")):
             raise BridgeError(f"{prefix} exists; the manager root already has step {step}")
         return
     if os.path.lexists(os.path.join(root, str(int(step)))):
         raise BridgeError(f"{os.path.join(root, str(int(step)))} exists; the manager root already has step {step}")
 
 
-def commit_step(item_dir: str, step: int) -> str:
+def commit_step(item_dir: str, step: int, step_metadata: dict | None = None,
+                files: dict[str, bytes] | None = None) -> str:
     """Turn the staging directory holding the written `item_dir` into step `step` of its root; returns it.
 
     Writes the step metadata Orbax's CheckpointManager reads, then renames the staging directory to
     `root/<step>` in one step (a crash leaves only the hidden staging directory).
     """
     if is_remote(item_dir):
-        return _commit_remote_step(item_dir, step)
+        return _commit_remote_step(item_dir, step, step_metadata, files)
     from bridge.store.claim import rename_noreplace
-    from bridge.store.durable import fsync_path, write_json_atomic
+    from bridge.store.durable import fsync_path, write_bytes_atomic, write_json_atomic
 
     staging = os.path.dirname(os.path.abspath(item_dir))
     root = os.path.dirname(staging)
     final = os.path.join(root, str(int(step)))
     try:
         check_step_free(root, step)
-        write_json_atomic(os.path.join(staging, STEP_METADATA), _step_metadata())
+        for name, data in (files or {}).items():
+            write_bytes_atomic(os.path.join(staging, name), data)
+        write_json_atomic(os.path.join(staging, STEP_METADATA), step_metadata or _step_metadata())
         try:
             rename_noreplace(staging, final)  # a step another process made meanwhile is never replaced
         except FileExistsError:
@@ -220,7 +227,8 @@ def _step_metadata() -> dict:
             "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}
 
 
-def _commit_remote_step(item_url: str, step: int) -> str:
+def _commit_remote_step(item_url: str, step: int, step_metadata: dict | None = None,
+                        files: dict[str, bytes] | None = None) -> str:
     """`commit_step` on object storage: the item at `root/<step>/default` is committed (its
     `_METADATA`); write the step metadata, then Orbax's `commit_success.txt` last."""
     from bridge.store import kvstore
@@ -229,13 +237,16 @@ def _commit_remote_step(item_url: str, step: int) -> str:
     final = item_url.rstrip("/").rsplit("/", 1)[0]
     if not kvstore.exists(item_url, "_METADATA"):
         raise BridgeError(f"{item_url} holds no committed checkpoint; the step {step} was not written")
-    kvstore.write_bytes(final, STEP_METADATA, json_bytes(_step_metadata()))
+    for name, data in (files or {}).items():
+        kvstore.write_bytes(final, name, data)
+    kvstore.write_bytes(final, STEP_METADATA, json_bytes(step_metadata or _step_metadata()))
     kvstore.write_bytes(final, COMMIT_SUCCESS, f"Checkpoint commit was successful to {final}".encode())
     return final
 
 
 def write_step(root: str, write: Callable[[str], R], step_of: Callable[[R], int], *,
-               step: int | None = None) -> tuple[R, str]:
+               step: int | None = None, item: str = ITEM, step_metadata: dict | None = None,
+               files: Callable[[R], dict[str, bytes]] | None = None) -> tuple[R, str]:
     """Run `write(item_dir)` (a writer that creates a new checkpoint directory) into a staging step of
     manager root `root`, then commit it as step `step_of(result)`; returns (result, step directory).
 
@@ -243,25 +254,29 @@ def write_step(root: str, write: Callable[[str], R], step_of: Callable[[R], int]
         write_step(root, lambda d: convert(src, d), lambda r: r.step)
 
     On object storage the item is written in place, so the step must be known before writing
-    (`step`); `step_of(result)` must then agree with it.
+    (`step`); `step_of(result)` must then agree with it. `item`: the item's name (Orbax's
+    `default`; MaxText's `items`); `step_metadata`: the step's `_CHECKPOINT_METADATA` when not a
+    PyTree item's default; `files(result)`: more files of the step directory, written before it
+    becomes a step.
     """
+    more = files or (lambda _r: {})
     if is_remote(root):
         if step is None:
             raise BridgeError(f"{root}: the checkpoint records no step, so it cannot become a step of an Orbax "
                               f"CheckpointManager root; write it to a plain prefix instead")
-        result = write(begin_step(root, step))
+        result = write(begin_step(root, step, item))
         if step_of(result) != int(step):
             raise BridgeError(f"{root}: the checkpoint written records step {step_of(result)}, not {step}; "
-                              f"it stays at {join(root, str(int(step)), ITEM)} without becoming a step")
-        return result, commit_step(join(root, str(int(step)), ITEM), int(step))
-    item = staging_item_dir(root, uuid.uuid4().hex[:12])
+                              f"it stays at {join(root, str(int(step)), item)} without becoming a step")
+        return result, commit_step(join(root, str(int(step)), item), int(step), step_metadata, more(result))
+    item_dir = staging_item_dir(root, uuid.uuid4().hex[:12], item)
     try:
-        result = write(item)
+        result = write(item_dir)
         step = step_of(result)
         if step is None:
             raise BridgeError("the checkpoint records no step, so it cannot become a step of an Orbax "
                               "CheckpointManager root; write it to a plain directory instead")
-        return result, commit_step(item, int(step))
+        return result, commit_step(item_dir, int(step), step_metadata, more(result))
     except BaseException:
-        shutil.rmtree(os.path.dirname(item), ignore_errors=True)
+        shutil.rmtree(os.path.dirname(item_dir), ignore_errors=True)
         raise

@@ -25,7 +25,8 @@ import numpy as np
 from bridge.cast_check import bits_equal, cast_mismatch
 from bridge.errors import BridgeError
 from bridge.location import absolute, basename, is_remote, location
-from bridge.machine import default_workers, mem_available, return_freed_memory
+from bridge.machine import (MIN_BYTES_PER_WORKER, PROCESS_OVERHEAD, default_budget, default_workers,  # noqa: F401
+                            mem_available, return_freed_memory)
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, grid_shape
 from bridge.layout.parallel import ParallelLayout
@@ -60,7 +61,6 @@ from converters.megatron.plan import (ROLES, Block, Copy, CopyIndex, Instance, U
                                       SPLIT_FLAGS, infer_split, placement_str, split_flags,
                                       stage_placement)
 
-MIN_BYTES_PER_WORKER = 1 << 30
 MIN_BATCH_BYTES = 1 << 20
 
 #: source tensor dtypes convert accepts (weights, masters, moments, and the integer buffers Megatron keeps)
@@ -815,21 +815,6 @@ def scheduler_record(common: dict, args: dict, at_count: int) -> dict | None:
 
 # ---------------------------------------------------------------------------------------------
 # Entry point
-
-PROCESS_OVERHEAD = 512 << 20   # interpreter + torch + TensorStore, per process, outside the budget
-
-
-def default_budget(workers: int, available: int | None) -> int:
-    """Half of what is free after each process's fixed overhead, between 256 MiB and 16 GiB.
-
-    >>> default_budget(4, 16 << 30) >> 20, default_budget(4, None) >> 20, default_budget(8, 1 << 30) >> 20
-    (6912, 1024, 256)
-    """
-    if available is None:
-        return 1 << 30
-    spare = available - (workers + 1) * PROCESS_OVERHEAD
-    return int(min(16 << 30, max(256 << 20, spare // 2)))
-
 
 def budget_line(workers: int, budget: int, asked: int | None = None) -> str:
     """What the run will use, printed before it starts.

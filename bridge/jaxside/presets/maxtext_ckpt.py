@@ -12,7 +12,8 @@ that tree, with the optax state built by `optax.adamw` the way MaxText's optimiz
 a JSON sidecar `<root>/<n>/gtp_bridge_maxtext.json` keeps the base manifest, the preset options and
 the overrides so the way back restores hyper-parameters and Megatron's records. MaxText checkpoints
 without it (a MaxText run of its own) are read with the hyper-parameters given by the caller.
-Arrays are read whole into host memory (the preset targets single-host conversions).
+`write_maxtext` / `read_maxtext` stream the arrays (`maxtext_stream`); `read_logical`, `read_maxtext_tree`
+and `train_state` hold whole trees in memory (small checkpoints, tests).
 """
 
 from __future__ import annotations
@@ -236,56 +237,18 @@ def train_state(params: Mapping[Path, np.ndarray], mu: Mapping[Path, np.ndarray]
 
 
 def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan_layers: bool = True,
-                  max_target_length: int | None = None) -> Written:
+                  max_target_length: int | None = None, stream=None) -> Written:
     """Write the logical checkpoint `src` as a step of MaxText checkpoint root `dst_root`.
 
     MaxText names a step directory by the index of the last step taken (`count - 1`) and stores
     `step = count` (the step it continues from), so Megatron's iteration n (n updates) becomes
-    `<dst_root>/<n - 1>/` with `step = n`.
+    `<dst_root>/<n - 1>/` with `step = n`. Streamed chunk by chunk within a budget
+    (`maxtext_stream.StreamOptions`: workers, budget, progress); local paths, s3:// or gs://.
     """
-    from orbax.checkpoint import v1 as ocp
+    from bridge.jaxside.presets.maxtext_stream import stream_to_maxtext
 
-    src = local_path(src, "source")
-    dst_root = os.path.abspath(local_path(dst_root, "destination"))
-    man, trees, count, _ = read_logical(src)
-    args = _megatron_args(man)
-    _check_megatron_args(args)
-    opts = Options(decoder_block=decoder_block, scan_layers=scan_layers,
-                   rotary_interleaved=bool(args.get("rotary_interleaved", False)))
-    shapes = {p: a.shape for p, a in trees[schema.PARAMS].items()}
-    dims = Dims.from_logical(shapes, _head_dim(man, args))
-    hyper = hyper_of(man, shapes)
-    step = count  # MaxText's TrainState.step: the step it continues from (completed updates)
-    mt = {role: to_maxtext(t, role, dims, opts) for role, t in trees.items()}
-    for role in schema.MOMENTS:
-        if set(mt[role]) != set(mt[schema.PARAMS]):
-            odd = sorted(set(mt[role]) ^ set(mt[schema.PARAMS]))[0]
-            raise BridgeError(f"logical checkpoint's {role} and masters differ at {'/'.join(odd)}")
-    overrides = maxtext_overrides(dims, opts, hyper, max_target_length=max_target_length or args.get("seq_length"),
-                                  norm_epsilon=float(args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))),
-                                  rotary_base=float(args.get("rotary_base", 10000)))
-    dir_step = max(count - 1, 0)
-    step_dir = os.path.join(dst_root, str(dir_step))
-    if os.path.lexists(step_dir):
-        raise BridgeError(f"{step_dir} exists; MaxText checkpoints are never overwritten (choose another root or step)")
-    state = train_state(mt[schema.PARAMS], mt[schema.MU], mt[schema.NU], count, step, hyper, dims, opts)
-    ckptr = ocp.training.Checkpointer(dst_root)
-    try:
-        ckptr.save_checkpointables(dir_step, {ITEMS: state}, custom_metadata={"scan_layers": scan_layers})
-    finally:
-        if hasattr(ckptr, "close"):
-            ckptr.close()
-    sidecar = {"format": 1, "options": asdict(opts), "dims": asdict(dims), "hyper": asdict(hyper),
-               "overrides": overrides, "adam_count": count,
-               "base_manifest": man.to_json() if man is not None else None}
-    from bridge.store.durable import write_json_atomic
-
-    write_json_atomic(os.path.join(step_dir, SIDECAR), sidecar)
-    from bridge.jaxside.manifest_view import scheduler_of
-
-    note = schedule_note(scheduler_of(man), count)
-    return Written(step_dir=step_dir, step=step, overrides=overrides, dims=dims, options=opts,
-                   notes=(note,) if note else ())
+    return stream_to_maxtext(src, dst_root, decoder_block=decoder_block, scan_layers=scan_layers,
+                             max_target_length=max_target_length, stream=stream)
 
 
 # ------------------------------------------------------------------------------------ the way back
@@ -353,13 +316,15 @@ def _fields(d: Any, cls: type, what: str, types: Mapping[str, tuple]) -> dict:
     return dict(d)
 
 
-def load_sidecar(path: str) -> Sidecar:
-    """Parse and check a sidecar: one-line BridgeError naming the file and the cause on any defect
-    (not JSON, not an object, a key missing or unknown, a value of the wrong type or out of range)."""
+def load_sidecar(path: str, raw: bytes | None = None) -> Sidecar:
+    """Parse and check a sidecar (the file `path`, or its bytes `raw` read from object storage): one-line
+    BridgeError naming the file and the cause on any defect (not JSON, not an object, a key missing or
+    unknown, a value of the wrong type or out of range)."""
     num, opt_num = (int, float), (int, float, type(None))
     try:
-        with open(path, "rb") as f:
-            raw = f.read(64 << 20)
+        if raw is None:
+            with open(path, "rb") as f:
+                raw = f.read(64 << 20)
         d = json.loads(raw)
         if not isinstance(d, dict):
             raise ValueError(f"it is a JSON {type(d).__name__}, not an object")
@@ -500,47 +465,16 @@ def _manifest_for(dims: Dims, hyper: Hyper, count: int, base: Mapping | None, op
 
 
 def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Options | None = None,
-                 rotary_base: float | None = None, norm_epsilon: float | None = None) -> dict:
+                 rotary_base: float | None = None, norm_epsilon: float | None = None, stream=None) -> dict:
     """Write a MaxText checkpoint (root / step dir / items dir) as the logical checkpoint `dst`.
 
     A checkpoint `write_maxtext` made carries its sidecar (preset options, hyper-parameters, the base
     manifest: Megatron's records come back). Any other MaxText checkpoint needs `hyper` (its AdamW
     settings; the no-decay set defaults to the norms, Megatron's rule) and, for the llama2 block,
-    `options=Options(decoder_block="llama2")` (the query scale is unfolded).
+    `options=Options(decoder_block="llama2")` (the query scale is unfolded). Streamed chunk by chunk
+    within a budget (`maxtext_stream.StreamOptions`); local paths, s3:// or gs://.
     """
-    from bridge.store.commit import save_checkpoint
+    from bridge.jaxside.presets.maxtext_stream import stream_from_maxtext
 
-    src = local_path(src, "source")
-    dst = local_path(dst, "destination")
-    items = find_items(src)
-    side_path = find_sidecar(items)
-    side = load_sidecar(side_path) if side_path else None
-    trees, count, step = read_maxtext_tree(items, side)
-    dims, scanned = Dims.from_maxtext({p: a.shape for p, a in trees[schema.PARAMS].items()})
-    if side is not None:
-        opts = side.options
-        hyper = hyper or side.hyper
-        rotary_base = rotary_base or side.overrides.get("rope_max_timescale", 10000.0)
-        norm_epsilon = norm_epsilon or side.overrides.get("normalization_layer_epsilon", 1e-5)
-    else:
-        opts = options or Options()
-        if hyper is None:
-            raise BridgeError(f"{items} was not written by gtp-bridge (no {SIDECAR}); give its AdamW settings "
-                              f"(--lr, --betas, --eps, --weight-decay) so the logical checkpoint records them")
-    if opts.scan_layers != scanned:
-        opts = Options(decoder_block=opts.decoder_block, scan_layers=scanned, rotary_interleaved=opts.rotary_interleaved)
-    if not hyper.no_decay:
-        norms = [leaf.logical[0] for leaf in active_table(dims) if leaf.no_decay]
-        hyper = Hyper(**{**asdict(hyper), "no_decay": tuple(tuple(n.split("/")) for n in norms)})
-    logical = {role: from_maxtext(t, role, dims, opts) for role, t in trees.items()}
-    man = _manifest_for(dims, hyper, count, side.base_manifest if side else None, opts,
-                        float(rotary_base or 10000.0), float(norm_epsilon or 1e-5))
-    arrays: dict[Path, np.ndarray] = {}
-    for role, tree in logical.items():
-        for p, a in tree.items():
-            arrays[schema.role_path(role, p)] = np.asarray(a, np.float32)
-    arrays[schema.COUNT_PATH] = np.asarray(count, schema.SCALAR_DTYPE)
-    arrays[schema.STEP_PATH] = np.asarray(step, schema.SCALAR_DTYPE)
-    save_checkpoint(dst, arrays, man, empty_paths=schema.adamw_empty_paths())
-    return {"dst": dst, "items": items, "trained_steps": step, "adam_count": count, "dims": asdict(dims),
-            "options": asdict(opts), "sidecar": side is not None}
+    return stream_from_maxtext(src, dst, hyper=hyper, options=options, rotary_base=rotary_base,
+                               norm_epsilon=norm_epsilon, stream=stream)

@@ -1,0 +1,459 @@
+"""The maxtext preset, streamed: logical checkpoint <-> MaxText train state, chunk by chunk within a budget.
+
+    stream_to_maxtext(src, root)      # logical -> MaxText CheckpointManager step <root>/<count - 1>/items
+    stream_from_maxtext(src, dst)     # MaxText root / step dir / items dir -> logical checkpoint
+
+Both read blocks of the source with the store's reader and write every output chunk once, whole,
+with the store's writer (one writer per chunk; `maxtext_plan` cuts the outputs on their chunk
+grid so that each chunk is one box of one source array), in worker processes that share
+`budget` bytes as `convert`'s do; the parent plans and makes the one commit. The tree written
+is the tree `maxtext_ckpt.train_state` builds (params/params, optax.adamw's state with its empty
+weight-decay node, step) in the store's Orbax layout; to-maxtext's step directory is made the way
+Orbax's v1 `training.Checkpointer` makes it (`_CHECKPOINT_METADATA` naming the `items` PyTree
+handler, `commit_success.txt`) plus the preset's sidecar. Local paths, s3:// and gs://.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from bridge.errors import BridgeError
+from bridge.format import schema
+from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, _value_forward, _value_inverse, check_llama,
+                                           maxtext_overrides)
+from bridge.jaxside.presets.maxtext_plan import (MT_ADAM, Move, arrange_block, assign, blocks_of, chunk_shape,
+                                                moves_from_maxtext, moves_to_maxtext, source_box)
+from bridge.layout.boxes import Box
+from bridge.location import absolute, basename, is_remote, join, location
+from bridge.machine import MIN_BYTES_PER_WORKER, default_budget, default_workers, mem_available, return_freed_memory
+from bridge.progress import progress
+
+Path = tuple[str, ...]
+ITEMS = "items"
+SIDECAR = "gtp_bridge_maxtext.json"
+# What Orbax's v1 training.Checkpointer records for MaxText's `items` (tests/fixtures/maxtext/fresh_maxtext).
+ITEMS_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
+MT_COUNT: Path = MT_ADAM + ("count",)
+MT_SCHEDULE_COUNT: Path = ("opt_state", "2", "count")   # optax ScaleByScheduleState.count (MaxText's lr schedule)
+MT_STEP: Path = ("step",)
+MT_EMPTY: Path = ("opt_state", "1")                     # adamw's weight-decay state: empty
+MIN_BATCH_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """Resources of a streamed conversion, as `convert`'s: writer processes and the bytes they share."""
+
+    workers: int | None = None          # None: default_workers()
+    budget: int | None = None           # bytes for all processes together; None: default_budget()
+    show_progress: bool | None = None
+    announce: Callable[[str], None] | None = None
+    min_worker_bytes: int = MIN_BYTES_PER_WORKER   # fewer workers than asked for a small state (convert's rule)
+
+
+@dataclass(frozen=True)
+class Share:
+    """How one process's share of the budget is spent: one output chunk (read + rearranged copy),
+    and the writer's batch (one filling, one committing)."""
+
+    block: int
+    inflight: int
+
+    @classmethod
+    def of(cls, share: int) -> "Share":
+        """The share's split (a sixteenth per chunk in hand, a twentieth per writer batch).
+
+        >>> Share.of(64 << 20)
+        Share(block=4194304, inflight=3355443)
+        """
+        return cls(block=max(4 << 10, share // 16), inflight=max(share // 20, MIN_BATCH_BYTES))
+
+
+# ------------------------------------------------------------------------------------ planning
+
+
+@dataclass(frozen=True)
+class Job:
+    """The blocks of a conversion and who writes them."""
+
+    moves: list[Move]
+    blocks: list[tuple[int, Box]]      # (move index, output box): one output chunk each
+    owners: list[int]
+    workers: int
+    plan: Any                          # bridge.store.plan.WritePlan
+
+
+def plan_job(moves: Sequence[Move], scalars: Mapping[Path, np.ndarray], workers: int, share: Share, *,
+             empty_paths: Sequence[Path] = (), stacked_outputs: bool = True, max_chunk_bytes: int = 1 << 30) -> Job:
+    """Cut every output on its chunk grid, give contiguous runs of chunks to `workers` writers, and
+    build the write plan (scalars to writer 0). `stacked_outputs=False`: the outputs have no leading
+    stacked axis (MaxText's layer axis is the second), so inner chunks are cut freely."""
+    from bridge.layout.chunks import ArrayOwnership, grid_shape
+    from bridge.store.plan import ArraySpec, make_write_plan
+
+    blocks: list[tuple[int, Box]] = []
+    chunks = []
+    for i, m in enumerate(moves):
+        cs = chunk_shape(m, np.dtype(m.dtype).itemsize, min(share.block, max_chunk_bytes))
+        chunks.append(cs)
+        blocks += [(i, b) for b in blocks_of(m.shape, cs)]
+    workers = max(1, min(workers, len(blocks)))
+    owners = assign([b.size * np.dtype(moves[i].dtype).itemsize for i, b in blocks], workers)
+    catalog, ownership, stacked = [], {}, {}
+    grids = {i: np.zeros(grid_shape(m.shape, chunks[i]), dtype=np.int32) for i, m in enumerate(moves)}
+    for (i, b), w in zip(blocks, owners):
+        grids[i][tuple(s // c for s, c in zip(b.start, chunks[i]))] = w
+    for i, m in enumerate(moves):
+        catalog.append(ArraySpec(m.dst, m.shape, m.dtype))
+        ownership[m.dst] = ArrayOwnership(m.shape, chunks[i], grids[i])
+        if not stacked_outputs:
+            stacked[m.dst] = 0
+    for p, a in scalars.items():
+        catalog.append(ArraySpec(p, (), a.dtype.name))
+        ownership[p] = ArrayOwnership((), (), np.zeros((), dtype=np.int32))
+    plan = make_write_plan(catalog, workers, ownership, empty_paths=empty_paths, stacked=stacked)
+    return Job(list(moves), blocks, owners, workers, plan)
+
+
+def check_sources(moves: Sequence[Move], shapes: Mapping[Path, Sequence[int]], where: str) -> None:
+    """Every source array has the shape its layout needs (else a block would read a wrong region)."""
+    from bridge.jaxside.presets.maxtext import pattern_shape
+
+    for m in moves:
+        want = pattern_shape(m.src_pattern, m.sizes)     # (a stacked source whole, when a layer is taken)
+        for src in m.sources:
+            got = tuple(int(x) for x in shapes[src])
+            if got != want:
+                raise BridgeError(f"{where}: array {'/'.join(src)} has shape {got}, the {m.src_pattern!r} layout "
+                                  f"of this model needs {want}")
+
+
+# ------------------------------------------------------------------------------------ execution
+
+
+def transform(move: Move, block: np.ndarray, dims: Dims, opts: Options, forward: bool) -> np.ndarray:
+    """The preset's value transform of one block (elementwise or along D, which blocks hold whole)."""
+    f = _value_forward if forward else _value_inverse
+    return np.ascontiguousarray(f(block, move.leaf, move.kind, dims, opts), dtype=move.dtype)
+
+
+def write_blocks(src: str, tmp: str, job: Job, writer_id: int, share: Share, dims: Dims, opts: Options,
+                 forward: bool, scalars: Mapping[Path, np.ndarray], on_progress=None) -> dict:
+    """Writer `writer_id`'s blocks: read each source box, rearrange, transform, write; its report."""
+    from bridge.store.reader import open_checkpoint
+    from bridge.store.writer import CheckpointWriter
+
+    return_freed_memory()
+    ck = open_checkpoint(src)
+    writer = CheckpointWriter(tmp, job.plan, writer_id, inflight_bytes=share.inflight)
+    for (i, box), w in zip(job.blocks, job.owners):
+        if w != writer_id:
+            continue
+        m = job.moves[i]
+        path, sbox = source_box(m, box)
+        y = transform(m, arrange_block(m, box, ck.read(path, sbox)), dims, opts, forward)
+        writer.write(m.dst, box, y, donate=True)
+        if on_progress:
+            on_progress(y.nbytes)
+        del y
+    if writer_id == 0:
+        for p, a in scalars.items():
+            writer.write(p, Box((), ()), np.asarray(a))
+    return writer.finish(publish=False)
+
+
+def _worker_main(q, args) -> None:  # pragma: no cover - subprocess
+    w = args[3]
+    try:
+        rep = write_blocks(*args, on_progress=lambda n: q.put(("p", w, n)))
+        q.put(("ok", w, rep))
+        q.close()
+        q.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)   # skip the interpreter's teardown (TensorStore's objects): the parent waits for it
+    except BridgeError as e:
+        q.put(("err", w, f"writer {w}: {e}"))
+    except BaseException as e:  # noqa: BLE001 - any crash as one line
+        q.put(("err", w, f"writer {w} crashed: {type(e).__name__}: {e}".splitlines()[0]))
+        traceback.print_exc(file=sys.stderr)
+
+
+def run_job(src: str, dst: str, job: Job, share: Share, dims: Dims, opts: Options, forward: bool,
+            scalars: Mapping[Path, np.ndarray], manifest, label: str, show_progress: bool | None) -> str:
+    """Claim `dst`, run the writers (in process for one), commit once; returns dst."""
+    from bridge.store.claim import claim_destination
+    from bridge.store.commit import commit_checkpoint
+
+    total = sum(b.size * np.dtype(job.moves[i].dtype).itemsize for i, b in job.blocks)
+    with claim_destination(dst, sources=[src]) as claim:
+        with progress(total, label, enabled=show_progress) as bar:
+            if job.workers == 1:
+                reports = [write_blocks(src, claim.tmp, job, 0, share, dims, opts, forward, scalars, bar.update)]
+            else:
+                reports = _run_parallel([(src, claim.tmp, job, w, share, dims, opts, forward, scalars)
+                                         for w in range(job.workers)], bar)
+        return commit_checkpoint(dst, job.plan, manifest, timeout=60.0, claim=claim, reports=reports)
+
+
+def _run_parallel(args: list[tuple], bar) -> list[dict]:
+    ctx = mp.get_context("spawn")   # TensorStore aborts in a forked child once the parent used it
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker_main, args=(q, a), daemon=True) for a in args]
+    done: dict[int, dict] = {}
+    errors: list[str] = []
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < len(procs) and not errors:
+            try:
+                kind, w, payload = q.get(timeout=1.0)
+            except Exception:  # queue.Empty: is a writer gone without a word?
+                dead = [i for i, p in enumerate(procs) if i not in done and p.exitcode not in (0, None)]
+                if dead and q.empty():
+                    errors.append(f"writer {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                continue
+            if kind == "p":
+                bar.update(payload)
+            elif kind == "ok":
+                done[w] = payload
+            else:
+                errors.append(payload)
+    finally:
+        if len(done) < len(procs):   # an error, Ctrl-C or SIGTERM: stop every writer before tmp goes
+            for p in procs:
+                if p.pid is not None and p.is_alive():
+                    p.kill()
+        for p in procs:
+            if p.pid is not None:
+                p.join()
+    if errors:
+        raise BridgeError(errors[0])
+    return [done[w] for w in sorted(done)]
+
+
+def resources(opts: StreamOptions, total_bytes: int) -> tuple[int, int]:
+    """(workers, budget) as `convert` picks them; the announce line is printed by the caller."""
+    workers = default_workers() if opts.workers is None else opts.workers
+    if workers < 1:
+        raise BridgeError(f"--workers must be >= 1, got {workers}")
+    budget = default_budget(workers, mem_available()) if opts.budget is None else opts.budget
+    if budget < (64 << 10):
+        raise BridgeError(f"--budget must be at least 64k, got {budget} bytes")
+    return max(1, min(workers, -(-total_bytes // max(1, opts.min_worker_bytes)))), budget
+
+
+def budget_line(cmd: str, workers: int, budget: int) -> str:
+    """What the run will use, printed before it starts (as `convert` prints it).
+
+    >>> budget_line("to-maxtext", 2, 1 << 30)
+    'to-maxtext: 2 workers, budget 1.0 GiB (512.0 MiB each)'
+    """
+    from bridge.units import human_bytes
+
+    each = "" if workers == 1 else f" ({human_bytes(budget // workers)} each)"
+    return f"{cmd}: {workers} worker{'s' if workers != 1 else ''}, budget {human_bytes(budget)}{each}"
+
+
+# ------------------------------------------------------------------------------------ to MaxText
+
+
+def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan_layers: bool = True,
+                      max_target_length: int | None = None, stream: StreamOptions | None = None):
+    """`maxtext_ckpt.write_maxtext`, streamed: the logical checkpoint `src` as step `count - 1` of
+    MaxText checkpoint root `dst_root` (see there), never holding more than the budget of its data."""
+    from bridge.jaxside.presets import maxtext_ckpt as mc
+    from bridge.jaxside.manifest_view import scheduler_of
+    from bridge.store.manager import COMMIT_SUCCESS, check_step_free, write_step
+    from bridge.store.reader import open_checkpoint
+
+    stream = stream or StreamOptions()
+    src, dst_root = absolute(location(src, "source")), absolute(location(dst_root, "destination"))
+    ck = open_checkpoint(src)
+    man = ck.manifest
+    infos = ck.arrays()
+    trees: dict[str, dict[Path, Any]] = {r: {} for r in mc.ROLES}
+    for p, info in infos.items():
+        sp = schema.split_role(p)
+        if sp and sp[0] in trees:
+            trees[sp[0]][sp[1]] = info
+    count = mc._scalar(ck, schema.COUNT_PATH, "Adam count") if schema.COUNT_PATH in infos else None
+    if not all(trees.values()) or count is None:
+        raise BridgeError(f"{src} has no full Adam state (masters, both moments and the count); the maxtext preset "
+                          f"writes the weights and the optimizer state together")
+    args = mc._megatron_args(man)
+    mc._check_megatron_args(args)
+    opts = Options(decoder_block=decoder_block, scan_layers=scan_layers,
+                   rotary_interleaved=bool(args.get("rotary_interleaved", False)))
+    shapes = {p: tuple(i.shape) for p, i in trees[schema.PARAMS].items()}
+    dims = Dims.from_logical(shapes, mc._head_dim(man, args))
+    for role, tree in trees.items():
+        check_llama(tree, dims)
+        if role != schema.PARAMS and set(tree) != set(shapes):
+            odd = sorted(set(tree) ^ set(shapes))[0]
+            raise BridgeError(f"logical checkpoint's {role} and masters differ at {'/'.join(odd)}")
+    hyper = mc.hyper_of(man, shapes)
+    # untrusted: each array's stored metadata as the manifest records it, and what will be read against
+    # the bytes stored, before any read
+    role_paths = [p for p in infos if (schema.split_role(p) or ("",))[0] in trees]
+    ck.check_read_bytes(sum(ck.checked_info(p).nbytes for p in role_paths), "the masters and moments")
+    dtypes = {np.dtype(i.dtype).name for i in trees[schema.PARAMS].values()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
+    overrides = maxtext_overrides(dims, opts, hyper, max_target_length=max_target_length or args.get("seq_length"),
+                                  norm_epsilon=float(args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))),
+                                  rotary_base=float(args.get("rotary_base", 10000)))
+    dir_step = max(count - 1, 0)
+    if is_remote(dst_root):
+        check_step_free(dst_root, dir_step, ITEMS)
+    elif os.path.lexists(os.path.join(dst_root, str(dir_step))):
+        raise BridgeError(f"{os.path.join(dst_root, str(dir_step))} exists; MaxText checkpoints are never "
+                          f"overwritten (choose another root or step)")
+    moves = moves_to_maxtext(trees[schema.PARAMS], dims, opts, dtype)
+    check_sources(moves, {p: i.shape for p, i in infos.items()}, src)
+    c32 = np.asarray(count, np.int32)   # optax's counts and MaxText's TrainState.step are int32
+    scalars = {MT_COUNT: c32, MT_SCHEDULE_COUNT: c32, MT_STEP: c32}
+    total = sum(m.nbytes for m in moves)
+    workers, budget = resources(stream, total)
+    share = Share.of(budget // workers)
+    job = plan_job(moves, scalars, workers, share, empty_paths=[MT_EMPTY], stacked_outputs=False)
+    if stream.announce:
+        stream.announce(budget_line("to-maxtext", job.workers, budget))
+    sidecar = {"format": 1, "options": asdict(opts), "dims": asdict(dims), "hyper": asdict(hyper),
+               "overrides": overrides, "adam_count": count,
+               "base_manifest": man.to_json() if man is not None else None}
+    now = time.time_ns()
+    step_meta = {"item_handlers": {ITEMS: ITEMS_HANDLER}, "metrics": {}, "performance_metrics": {},
+                 "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now,
+                 "custom_metadata": {"scan_layers": scan_layers}}
+    from bridge.store.durable import json_bytes
+
+    def write(item: str) -> int:
+        run_job(src, item, job, share, dims, opts, True, scalars, None, f"to-maxtext {basename(dst_root)}",
+                stream.show_progress)
+        return dir_step
+
+    files = {SIDECAR: json_bytes(sidecar)}
+    if not is_remote(dst_root):   # (on object storage the step's commit writes Orbax's marker itself, last)
+        files[COMMIT_SUCCESS] = f"Checkpoint commit was successful to {join(dst_root, str(dir_step))}".encode()
+    _, step_dir = write_step(dst_root, write, lambda s: s, step=dir_step, item=ITEMS, step_metadata=step_meta,
+                             files=lambda _r: files)
+    note = mc.schedule_note(scheduler_of(man), count)
+    return mc.Written(step_dir=step_dir, step=count, overrides=overrides, dims=dims, options=opts,
+                      notes=(note,) if note else ())
+
+
+# ------------------------------------------------------------------------------------ from MaxText
+
+
+def find_items(src: str) -> str:
+    """`maxtext_ckpt.find_items` for a local path or a URL (s3://, gs://)."""
+    from bridge.jaxside.presets.maxtext_ckpt import find_items as local_items
+
+    if not is_remote(src):
+        return local_items(src)
+    from bridge.store import kvstore
+
+    src = src.rstrip("/")
+    if src.rsplit("/", 1)[-1] == ITEMS and kvstore.exists(src, "_METADATA"):
+        return src
+    if kvstore.exists(src, f"{ITEMS}/_METADATA"):
+        return join(src, ITEMS)
+    steps = sorted({int(k.split("/", 1)[0]) for k in kvstore.list_keys(src)
+                    if k.split("/", 1)[0].isdigit() and k.endswith(f"/{ITEMS}/_METADATA")})
+    if not steps:
+        raise BridgeError(f"{src} is not a MaxText checkpoint (no items/ and no <step>/items/); pass its root, "
+                          f"a step directory or the items directory")
+    return join(src, str(steps[-1]), ITEMS)
+
+
+def read_sidecar(items: str):
+    """The preset's sidecar for an items directory, parsed and checked (`maxtext_ckpt.load_sidecar`), or
+    None (`maxtext_ckpt.find_sidecar`; on object storage: this step's own)."""
+    from bridge.jaxside.presets.maxtext_ckpt import find_sidecar, load_sidecar
+
+    if not is_remote(items):
+        path = find_sidecar(items)
+        return load_sidecar(path) if path else None
+    from bridge.store import kvstore
+
+    step_dir = items.rstrip("/").rsplit("/", 1)[0]
+    raw = kvstore.read_bytes(step_dir, SIDECAR)
+    return load_sidecar(join(step_dir, SIDECAR), raw) if raw is not None else None
+
+
+def stream_from_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Options | None = None,
+                        rotary_base: float | None = None, norm_epsilon: float | None = None,
+                        stream: StreamOptions | None = None) -> dict:
+    """`maxtext_ckpt.read_maxtext`, streamed: MaxText checkpoint `src` as the logical checkpoint `dst`."""
+    from bridge.jaxside.presets import maxtext_ckpt as mc
+    from bridge.jaxside.presets.maxtext import active_table
+    from bridge.store.reader import open_checkpoint
+
+    stream = stream or StreamOptions()
+    src, dst = absolute(location(src, "source")), absolute(location(dst, "destination"))
+    items = find_items(src)
+    side = read_sidecar(items)
+    ck = open_checkpoint(items)
+    infos = ck.arrays()
+    # untrusted: every leaf's metadata checked (shapes from the model's sizes, floating dtypes, the
+    # bytes to read against the bytes stored) before any read; count and step range-checked
+    moment_roots = {MT_ADAM + (m, mc.MT_MOMENT_ROOT): m for m in schema.MOMENTS}
+    roles = {p: ((schema.PARAMS, p[2:]) if p[:2] == mc.MT_PARAMS else (moment_roots[p[:4]], p[4:]))
+             for p in infos if p[:2] == mc.MT_PARAMS or p[:4] in moment_roots}
+    mc._check_tree(ck, items, {p: ck.checked_info(p) for p in roles}, roles, side)
+    params = {p[2:]: tuple(i.shape) for p, i in infos.items() if p[:2] == mc.MT_PARAMS}
+    count = mc._scalar(ck, MT_COUNT, "Adam count") if MT_COUNT in infos else None
+    if count is None or not any(p[:3] == MT_ADAM + (schema.MU,) for p in infos):
+        raise BridgeError(f"{items} holds no Adam state (moments and count); the maxtext preset needs MaxText's "
+                          f"adamw state (opt_type=adamw)")
+    step = mc._scalar(ck, MT_STEP, "step") if MT_STEP in infos else count
+    dims, scanned = Dims.from_maxtext(params)
+    if side is not None:
+        opts = side.options
+        hyper = hyper or side.hyper
+        rotary_base = rotary_base or side.overrides.get("rope_max_timescale", 10000.0)
+        norm_epsilon = norm_epsilon or side.overrides.get("normalization_layer_epsilon", 1e-5)
+    else:
+        opts = options or Options()
+        if hyper is None:
+            raise BridgeError(f"{items} was not written by gtp-bridge (no {SIDECAR}); give its AdamW settings "
+                              f"(--lr, --betas, --eps, --weight-decay) so the logical checkpoint records them")
+    if opts.scan_layers != scanned:
+        opts = Options(decoder_block=opts.decoder_block, scan_layers=scanned, rotary_interleaved=opts.rotary_interleaved)
+    if not hyper.no_decay:
+        norms = [leaf.logical[0] for leaf in active_table(dims) if leaf.no_decay]
+        hyper = Hyper(**{**asdict(hyper), "no_decay": tuple(tuple(n.split("/")) for n in norms)})
+    moves = moves_from_maxtext(dims, opts)
+    have = set(infos)
+    wanted = {s for m in moves for s in m.sources}
+    for role_root in [mc.MT_PARAMS] + [MT_ADAM + (r, mc.MT_MOMENT_ROOT) for r in schema.MOMENTS]:
+        extra = sorted(p for p in have - wanted if p[:len(role_root)] == role_root)
+        if extra:
+            raise BridgeError(f"MaxText leaf {'/'.join(extra[0][len(role_root):])} has no logical counterpart in "
+                              f"the maxtext preset (llama-family, no biases, no MoE)")
+    missing = sorted(wanted - have)
+    if missing:
+        raise BridgeError(f"MaxText checkpoint lacks {'/'.join(missing[0])}")
+    check_sources(moves, {p: i.shape for p, i in infos.items()}, items)
+    man = mc._manifest_for(dims, hyper, count, side.base_manifest if side else None, opts,
+                           float(rotary_base or 10000.0), float(norm_epsilon or 1e-5))
+    scalars = {schema.COUNT_PATH: np.asarray(count, schema.SCALAR_DTYPE),
+               schema.STEP_PATH: np.asarray(step, schema.SCALAR_DTYPE)}
+    total = sum(m.nbytes for m in moves)
+    workers, budget = resources(stream, total)
+    share = Share.of(budget // workers)
+    job = plan_job(moves, scalars, workers, share, empty_paths=schema.adamw_empty_paths())
+    if stream.announce:
+        stream.announce(budget_line("from-maxtext", job.workers, budget))
+    run_job(items, dst, job, share, dims, opts, False, scalars, man, f"from-maxtext {basename(dst)}",
+            stream.show_progress)
+    return {"dst": dst, "items": items, "trained_steps": step, "adam_count": count, "dims": asdict(dims),
+            "options": asdict(opts), "sidecar": side is not None}
