@@ -38,7 +38,8 @@ def layers_in(save: Path) -> int:
 
     md = FileSystemReader(str(save)).read_metadata()
     names = {k: k.split(".")[2] for k in md.state_dict_metadata if k.startswith("decoder.layers.")}
-    stacked = {md.state_dict_metadata[k].size[0] for k, part in names.items() if not part.isdigit()}
+    stacked = {md.state_dict_metadata[k].size[0] for k, part in names.items()   # tensors (not _extra_state bytes)
+               if not part.isdigit() and hasattr(md.state_dict_metadata[k], "size")}
     per_layer = {int(part) for part in names.values() if part.isdigit()}
     return max(per_layer) + 1 if per_layer else max(stacked)
 
@@ -78,7 +79,7 @@ def pp2_save(tmp_path_factory) -> Path:
     """A fully_reshardable save with PP=2 (2 layers), written by to-megatron from a real save."""
     d = tmp_path_factory.mktemp("pp2")
     convert(str(FIXTURES / "dp2/fully_reshardable"), str(d / "logical"), ConvertOptions(workers=1))
-    assert cli.main(["to-megatron", str(d / "logical"), str(d / "run"), "--tp", "1", "--pp", "2", "--workers", "1"]) == 0
+    assert cli.main(["to-megatron", "--no-scheduler", str(d / "logical"), str(d / "run"), "--tp", "1", "--pp", "2", "--workers", "1"]) == 0
     return d / "run" / "iter_0000003"
 
 

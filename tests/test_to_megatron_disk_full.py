@@ -48,7 +48,7 @@ def tiny_fs(tmp_path):
 @pytest.mark.parametrize("size_k", [64, 128, 200, 384])
 def test_full_disk_is_named_in_one_line_and_nothing_is_left(logical, tiny_fs, size_k, capsys):
     fs = tiny_fs(size_k)
-    rc = cli.main(["to-megatron", str(logical), str(fs / "run"), "--tp", "1", "--workers", "1"])
+    rc = cli.main(["to-megatron", "--no-scheduler", str(logical), str(fs / "run"), "--tp", "1", "--workers", "1"])
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
