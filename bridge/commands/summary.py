@@ -46,7 +46,7 @@ def run_reporting(args: Any, body: Callable[[], Any], summarize: Callable[[Any],
 def convert_json(res: Any, src: str, given: list[str], inferred: list[str]) -> dict[str, Any]:
     """`convert --json`: a `converters.megatron.convert.ConvertResult` as documented fields."""
     return {"schema": SCHEMA, "command": "convert", "source": src, "destination": res.dst,
-            "source_format": res.source_format, "layout": res.layout, "step": res.step, "params": res.params,
+            "source_format": res.source_format, "layout": res.layout, "step": res.step, "params": res.params,  # foreign: report keys
             "arrays": res.arrays, "array_bytes": res.bytes, "workers": res.workers, "budget": res.budget,
             "given": given, "inferred": inferred, "warnings": list(res.warnings)}
 
@@ -60,8 +60,8 @@ def dry_run_json(cp: Any, src: str, dst: str, facts: list[Any]) -> dict[str, Any
                        "chunk_shape": list(ap.ownership.chunk_shape), "chunks": ap.ownership.num_chunks,
                        "bytes": ap.spec.nbytes})
     return {"schema": SCHEMA, "command": "convert", "dry_run": True, "source": src, "destination": dst,
-            "source_format": cp.src.format_label, "layout": cp.src.layout.to_json(), "step": cp.step,
-            "params": len(cp.units), "arrays": len(arrays), "array_bytes": cp.plan.total_bytes,
+            "source_format": cp.src.format_label, "layout": cp.src.layout.to_json(), "step": cp.step,  # foreign: report keys
+            "params": len(cp.units), "arrays": len(arrays), "array_bytes": cp.plan.total_bytes,  # foreign: report keys
             "stored_bytes": cp.plan.stored_bytes(), "workers": cp.workers, "budget": cp.budget,
             "facts": [f.to_json() for f in facts], "plan": arrays}
 
@@ -72,7 +72,7 @@ def print_dry_run(rep: dict[str, Any], out: TextIO) -> None:
 
     lay = rep["layout"]
     print(f"dry run: convert {rep['source']} ({rep['source_format']}, TP={lay['tp']} GTP={lay['gtp']} "
-          f"DP={lay['dp']} EP={lay['ep']} PP={lay['pp']}, step {rep['step']}) -> {rep['destination']}", file=out)
+          f"DP={lay['dp']} EP={lay['ep']} PP={lay['pp']}, step {rep['step']}) -> {rep['destination']}", file=out)  # foreign: report keys
     print("facts (source: flag = you passed it, save = recorded in or read from the checkpoint, default = "
           "neither):", file=out)
     width = max((len(f["name"]) for f in rep["facts"]), default=0)
@@ -81,7 +81,7 @@ def print_dry_run(rep: dict[str, Any], out: TextIO) -> None:
         print(f"  {f['name'].ljust(width)}  {str(f['value']).ljust(vwidth)}  {f['source']:<7}  {f['detail']}",
               file=out)
     stored = rep["stored_bytes"]
-    print(f"would write {rep['arrays']} arrays of {rep['params']} params: {rep['array_bytes']:,} bytes of array "
+    print(f"would write {rep['arrays']} arrays of {rep['params']} params: {rep['array_bytes']:,} bytes of array "  # foreign: report keys
           f"data ({human_bytes(rep['array_bytes'])}), stored as {stored:,} bytes of chunks (data, checksums and "
           f"shard indexes), plus a few KiB of metadata; {rep['workers']} worker"
           f"{'s' if rep['workers'] != 1 else ''}, budget {human_bytes(rep['budget'])}", file=out)
@@ -95,7 +95,7 @@ def to_megatron_json(res: dict[str, Any]) -> dict[str, Any]:
     """`to-megatron --json`: what `converters.megatron.write.to_megatron` reports, as documented fields."""
     return {"schema": SCHEMA, "command": "to-megatron", "destination": res["dst"], "run_dir": res["run_dir"],
             "tracker": res["tracker"], "tracker_previous": res["tracker_previous"], "format": res["format"],
-            "layout": res["layout"], "step": res["step"], "params": res["params"], "bytes": res["bytes"],
+            "layout": res["layout"], "step": res["step"], "params": res["params"], "bytes": res["bytes"],  # foreign: report keys
             "weights_from_masters": res["weights_derived"], "scheduler_written": res["scheduler"],
             "workers": res["workers"], "budget": res["budget"], "elements_read": res["elements_read"],
             "elements_needed": res["elements_needed"]}

@@ -7,9 +7,10 @@ from typing import Any, Mapping
 
 from bridge.errors import IntegrityError
 from bridge.format.manifest import REPLICAS_KEY, ReplicaDiff, ReplicaRecord
+from bridge.format.schema import MODEL, MU, NU, PARAMS
 
 MAIN_REPLICA = ReplicaRecord.kept         # "tp0.gtp0": the copy convert writes
-ROLE_NAMES = {"params": "master", "mu": "exp_avg", "nu": "exp_avg_sq", "model": "weight"}
+ROLE_NAMES = {PARAMS: "master", MU: "exp_avg", NU: "exp_avg_sq", MODEL: "weight"}
 
 
 def describe(d: ReplicaDiff) -> str:

@@ -348,7 +348,7 @@ class CheckpointWriter:
             if staged:
                 self._digests.append((state, self._digest_pool().submit(_digest_cells, spec.shape, staged)))
             elif donate and data.nbytes >= _ASYNC_DIGEST_BYTES:
-                step = {"step": self.digest_step} if self.digest_step else {}
+                step = {"step": self.digest_step} if self.digest_step else {}  # foreign: digest_box keyword
                 self._digests.append((state, self._digest_pool().submit(dg.digest_box, spec.shape, box, data, **step)))
             else:
                 state.digest = dg.combine([state.digest, self._digest_now(spec.shape, box, data)])

@@ -44,6 +44,7 @@ from typing import Any, Iterator
 from bridge.errors import BridgeError
 from bridge.location import is_remote, local_path
 from bridge.store.ranged import RangeReader, open_range  # noqa: F401 - RangeReader: readers name it here
+from converters.megatron.inert import InertStub
 from converters.megatron.unpickle_bounds import MAX_NESTING, Immutables, KeyGuard, check_graph, copy_keys
 from converters.megatron.torch_archive import (DTYPE_NAMES, LAYOUT_NAMES, MEMORY_FORMAT_NAMES, STORAGE_DTYPES,
                                                ArchiveTensor, Storage, TorchDevice, TorchDtype, TorchLayout,
@@ -69,56 +70,6 @@ RECORD_CLASSES |= {("torch.distributed.checkpoint.planner", n) for n in (
 MAX_DIMS = 64             # dimensions of a torch.Size / array shape
 ALLOC_PER_INPUT_BYTE = 16  # objects/bytes a pickle may copy through allowed callables, per input byte
 ALLOC_SLACK = 1 << 20
-
-
-class InertStub:
-    """Stand-in for a class from an untrusted module: records what it was built from, runs nothing.
-
-    >>> s = make_stub("megatron.core.enums", "ModelType")(1)
-    >>> s.stub_name, s.stub_args
-    ('megatron.core.enums.ModelType', (1,))
-    """
-
-    stub_name = "?"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "InertStub":
-        obj = object.__new__(cls)
-        obj.__dict__["stub_args"] = args
-        obj.__dict__["stub_kwargs"] = kwargs
-        obj.__dict__["stub_state"] = None
-        obj.__dict__["stub_items"] = {}
-        obj.__dict__["stub_list"] = []
-        return obj
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # accept anything, do nothing
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        self.__dict__["stub_state"] = state
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.__dict__["stub_items"][key] = value
-
-    def append(self, value: Any) -> None:
-        self.__dict__["stub_list"].append(value)
-
-    def extend(self, values: Any) -> None:
-        self.__dict__["stub_list"].extend(values)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        """Attribute `name` from the pickled state (dict state or (dict, slots) state)."""
-        st = self.stub_state
-        if isinstance(st, tuple) and len(st) == 2 and isinstance(st[1], dict):
-            merged = dict(st[0]) if isinstance(st[0], dict) else {}
-            merged.update(st[1])
-            st = merged
-        if isinstance(st, dict):
-            return st.get(name, default)
-        return default
-
-    def __repr__(self) -> str:
-        return f"<stub {self.stub_name}{repr(self.stub_args)[:200]}>"
-
 
 _STUB_CACHE: dict[str, type] = {}
 

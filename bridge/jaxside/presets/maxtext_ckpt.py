@@ -160,7 +160,7 @@ def read_logical(src: str) -> tuple[Manifest | None, dict[str, dict[Path, np.nda
         if p == schema.COUNT_PATH:
             count = _scalar(ck, p, "Adam count")
         elif p == schema.STEP_PATH:
-            step = _scalar(ck, p, "step")
+            step = _scalar(ck, p, "step")  # foreign: the name in messages
     if not all(trees.values()) or count is None:
         raise BridgeError(f"{src} has no full Adam state (masters, both moments and the count); the maxtext preset "
                           f"writes the weights and the optimizer state together")
@@ -416,7 +416,7 @@ def read_maxtext_tree(items: str, side: Sidecar | None = None) -> tuple[dict[str
         if p == MT_COUNT:
             count = _scalar(ck, p, "Adam count")
         elif p == (MT_STEP,):
-            step = _scalar(ck, p, "step")
+            step = _scalar(ck, p, "step")  # foreign: the name in messages
     if count is None or len({r for r, _ in roles.values()}) < len(ROLES):
         raise BridgeError(f"{items} holds no Adam state (moments and count); the maxtext preset needs MaxText's "
                           f"adamw state (opt_type=adamw)")

@@ -50,7 +50,7 @@ class Move:
     src_pattern: str
     sizes: Mapping[str, int]
     fixed: Mapping[str, int] = field(default_factory=dict)
-    kind: str = "params"
+    kind: str = "params"  # foreign: maxtext / optax tree
     leaf: object = None
     dtype: str = "float32"
     whole: tuple[str, ...] = ()         # dims never cut (D of q/k: the RoPE permutation spans it)
@@ -227,8 +227,8 @@ def assign(sizes: Sequence[int], workers: int) -> list[int]:
 
 
 # MaxText's train-state tree (as `maxtext_ckpt` spells it): where each role's tree lives
-MT_PARAMS: Path = ("params", "params")
-MT_ADAM: Path = ("opt_state", "0")
+MT_PARAMS: Path = ("params", "params")  # foreign: maxtext / optax tree
+MT_ADAM: Path = ("opt_state", "0")  # foreign: maxtext / optax tree
 
 
 def maxtext_root(role: str) -> Path:
@@ -237,7 +237,7 @@ def maxtext_root(role: str) -> Path:
     >>> maxtext_root("params"), maxtext_root("mu")
     (('params', 'params'), ('opt_state', '0', 'mu', 'params'))
     """
-    return MT_PARAMS if role == schema.PARAMS else MT_ADAM + (role, "params")
+    return MT_PARAMS if role == schema.PARAMS else MT_ADAM + (role, "params")  # foreign: maxtext / optax tree
 
 
 def _whole(leaf) -> tuple[str, ...]:

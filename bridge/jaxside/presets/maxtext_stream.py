@@ -41,10 +41,10 @@ ITEMS = "items"
 SIDECAR = "gtp_bridge_maxtext.json"
 # What Orbax's v1 training.Checkpointer records for MaxText's `items` (tests/fixtures/maxtext/fresh_maxtext).
 ITEMS_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
-MT_COUNT: Path = MT_ADAM + ("count",)
-MT_SCHEDULE_COUNT: Path = ("opt_state", "2", "count")   # optax ScaleByScheduleState.count (MaxText's lr schedule)
-MT_STEP: Path = ("step",)
-MT_EMPTY: Path = ("opt_state", "1")                     # adamw's weight-decay state: empty
+MT_COUNT: Path = MT_ADAM + ("count",)  # foreign: maxtext / optax tree
+MT_SCHEDULE_COUNT: Path = ("opt_state", "2", "count")   # foreign: maxtext / optax tree; optax ScaleByScheduleState.count (MaxText's lr schedule)
+MT_STEP: Path = ("step",)  # foreign: maxtext / optax tree
+MT_EMPTY: Path = ("opt_state", "1")                     # foreign: maxtext / optax tree; adamw's weight-decay state: empty
 MIN_BATCH_BYTES = 1 << 20
 
 
@@ -414,7 +414,7 @@ def stream_from_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, optio
     if count is None or not any(p[:3] == MT_ADAM + (schema.MU,) for p in infos):
         raise BridgeError(f"{items} holds no Adam state (moments and count); the maxtext preset needs MaxText's "
                           f"adamw state (opt_type=adamw)")
-    step = mc._scalar(ck, MT_STEP, "step") if MT_STEP in infos else count
+    step = mc._scalar(ck, MT_STEP, "step") if MT_STEP in infos else count  # foreign: the name in messages
     dims, scanned = Dims.from_maxtext(params)
     if side is not None:
         opts = side.options
