@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from bridge.format import schema
+from test_convert_memory import descendants, vm_hwm   # the same /proc probes as convert's memory test
 from bridge.jaxside.presets import maxtext as mx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -172,27 +173,6 @@ if __name__ == "__main__":
         read_maxtext(sys.argv[2], sys.argv[3], stream=s)
     print(open("/proc/self/status").read())   # its own final VmHWM
 """
-
-
-def vm_hwm(status: str) -> int:
-    for line in status.splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                kids = [int(x) for x in f.read().split()]
-        except OSError:
-            continue
-        out += kids
-        todo += kids
-    return out
 
 
 def peak_rss(*args: str) -> int:
