@@ -19,7 +19,9 @@ import convert_synth as synth
 TMP = ".orbax-checkpoint-tmp"
 
 RUN = """
-import sys
+import signal, sys
+# Ctrl-C as from a terminal, even when the suite runs as a background job (SIGINT then ignored, inherited)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from converters.megatron.convert import ConvertOptions, convert
 if __name__ == "__main__":
     convert(sys.argv[1], sys.argv[2], ConvertOptions(workers=2, budget=256 << 10, min_worker_bytes=1))

@@ -255,6 +255,8 @@ def _cli_to_megatron(logical: str, run, tensor_hook: str) -> str:
     passed through `to_megatron(open_file=...)`."""
     return (
         "import argparse, os, signal, sys\n"
+        # Ctrl-C as from a terminal, even when the suite runs as a background job (SIGINT then ignored, inherited)
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from bridge.cli import run\n"
         "from converters.megatron.write import DcpFile, MegatronTarget, to_megatron\n"
         "class Hooked(DcpFile):\n"
