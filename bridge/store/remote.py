@@ -39,6 +39,7 @@ from typing import Iterable, Sequence
 
 from bridge.dist import wait_for_writers
 from bridge.errors import BridgeError
+from bridge.format.sharding_file import SHARDING_FILE
 from bridge.location import is_remote, parse_url
 from bridge.store import kvstore as kv
 from bridge.store.claim_info import TOOL, ClaimInfo, boot_id, process_alive
@@ -52,6 +53,7 @@ _HEX = "[0-9a-f]{32}"   # OCDBT names its data files by 128 random bits
 OWNED_NAMES: dict[str, re.Pattern] = {
     # a logical checkpoint: writer databases (commit slots), the merged root database, writer reports
     METADATA: re.compile(rf"_gtpb_claim\.json|_METADATA|_CHECKPOINT_METADATA|commit_success\.txt|manifest\.ocdbt"
+                         rf"|{re.escape(SHARDING_FILE)}"   # Orbax's sharding record (bridge.format.sharding_file)
                          rf"|d/{_HEX}|ocdbt\.process_\d+(\.\d+)?/(manifest\.ocdbt|d/{_HEX})"
                          rf"|_gtp_bridge_writers/writer_\d+\.json"),
     # a torch_dist iteration (to-megatron)
