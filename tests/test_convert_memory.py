@@ -66,8 +66,13 @@ def checkpoints(tmp_path_factory):
 
 def peak_rss(src: str, dst: str, workers: int, budget: int) -> int:
     """Largest VmHWM of the converting process and its workers."""
-    proc = subprocess.Popen([sys.executable, "-c", CONVERT, src, dst, str(workers), str(budget)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return peak_rss_of([sys.executable, "-c", CONVERT, src, dst, str(workers), str(budget)])
+
+
+def peak_rss_of(argv: list[str], env: dict | None = None) -> int:
+    """Largest VmHWM of a program (which prints its own /proc/self/status last) and its descendants,
+    sampled from /proc while they run (getrusage would count what a spawned child inherits before its exec)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak = 0
     while proc.poll() is None:
         for p in descendants(proc.pid):

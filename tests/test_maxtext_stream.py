@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from bridge.format import schema
-from test_convert_memory import descendants, vm_hwm   # the same /proc probes as convert's memory test
+from test_convert_memory import peak_rss_of   # the same /proc probe as convert's memory test
 from bridge.jaxside.presets import maxtext as mx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -176,23 +174,8 @@ if __name__ == "__main__":
 
 
 def peak_rss(*args: str) -> int:
-    """Largest VmHWM of the command's process and its writer processes (sampled from /proc while
-    they run: getrusage would count what a spawned child inherits before its exec)."""
-    env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.Popen([sys.executable, "-c", STREAM, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    peak = 0
-    while proc.poll() is None:
-        for p in descendants(proc.pid):
-            try:
-                with open(f"/proc/{p}/status") as f:
-                    peak = max(peak, vm_hwm(f.read()))
-            except OSError:
-                pass
-        time.sleep(0.02)
-    out, err = proc.communicate()
-    assert proc.returncode == 0, err[-2000:]
-    return max(peak, vm_hwm(out))
+    """Largest VmHWM of the command's process and its writer processes."""
+    return peak_rss_of([sys.executable, "-c", STREAM, *args], env=dict(os.environ, PYTHONPATH=REPO))
 
 
 @pytest.fixture(scope="module")
