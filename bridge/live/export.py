@@ -248,6 +248,26 @@ def _sent_by_group(plan: ExportPlan, layout, rank: int) -> dict:
     return out
 
 
+def _start_exchange(planned, holdings: Sequence[Holding], coord, attempt, on_stage, clock) -> tuple:
+    """Pack this rank's pieces and start the one all_to_all of flat byte buffers: (recv, work, bytes sent).
+
+    A failure here does not skip the collective: the failing rank joins the exchange with a zero buffer
+    of the sizes the plan gives, and reports its failure when the ranks meet."""
+    plan, rank, device = planned.plan, coord.rank, coord.device
+    if on_stage:
+        attempt(lambda: on_stage("planned"))
+    send = attempt(lambda: _send_buffer(plan, holdings, rank, device))
+    if send is None:  # this rank failed: still take part in the exchange, with the sizes the plan gives
+        send = torch.zeros(sum(plan.send_splits(rank)), dtype=torch.uint8, device=device)
+    clock.mark("pack")
+    with coord.guard("the exchange"):
+        if planned.moved:
+            recv, work = start_all_to_all_bytes(send, plan.send_splits(rank), plan.recv_splits(rank), coord.group)
+        else:  # every owner holds all it writes (same on every rank): no collective
+            recv, work = send, _NoWork()
+    return recv, work, send.numel()
+
+
 class _NoWork:
     """Stands in for the exchange's work handle when no bytes move."""
 
@@ -457,21 +477,10 @@ class Exporter:
         plan, rank = planned.plan, coord.rank
         failed: list[BaseException] = []
         attempt = _attempter(failed)
-        if on_stage:
-            attempt(lambda: on_stage("planned"))
-        device = coord.device
-        send = attempt(lambda: _send_buffer(plan, holdings, rank, device))
-        if send is None:
-            send = torch.zeros(sum(plan.send_splits(rank)), dtype=torch.uint8, device=device)
-        clock.mark("pack")
+        recv, work, bytes_sent = _start_exchange(planned, holdings, coord, attempt, on_stage, clock)
         with coord.guard("the exchange"):
-            if planned.moved:
-                recv, work = start_all_to_all_bytes(send, plan.send_splits(rank), plan.recv_splits(rank), coord.group)
-            else:
-                recv, work = send, _NoWork()
             work.wait()
-        bytes_sent = send.numel()
-        del send
+        del work   # the send buffer goes with its collective
         clock.mark("exchange_wait")
         if on_stage:
             attempt(lambda: on_stage("exchanged"))
@@ -609,24 +618,11 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
     exchange, then reports the failure when the ranks meet ("writing"), where every rank raises it.
     When this returns every rank's writer has finished (its report is published).
     """
-    plan, wplan, group = planned.plan, planned.wplan, coord.group
+    plan, wplan = planned.plan, planned.wplan
     rank = coord.rank
     failed: list[BaseException] = []
     attempt = _attempter(failed)
-
-    if on_stage:
-        attempt(lambda: on_stage("planned"))
-    device = coord.device
-    send = attempt(lambda: _send_buffer(plan, holdings, rank, device))
-    if send is None:  # this rank failed: still take part in the exchange, with the sizes the plan gives
-        send = torch.zeros(sum(plan.send_splits(rank)), dtype=torch.uint8, device=device)
-    clock.mark("pack")
-    with coord.guard("the exchange"):
-        if planned.moved:
-            recv, work = start_all_to_all_bytes(send, plan.send_splits(rank), plan.recv_splits(rank), group)
-        else:  # every owner holds all it writes (same on every rank): no collective
-            recv, work = send, _NoWork()
-    bytes_sent = send.numel()
+    recv, work, bytes_sent = _start_exchange(planned, holdings, coord, attempt, on_stage, clock)
     dtypes = {a.name: torch_dtype(a.dtype) for a in plan.catalog}
     local_items = attempt(lambda: [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t))
                                    for t in plan.sends(rank, rank)]) or []
@@ -655,7 +651,7 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
         clock.mark("write_local")
         with coord.guard("the exchange"):
             work.wait()
-        del send
+        del work   # the send buffer goes with its collective
         clock.mark("exchange_wait")
         if on_stage:
             attempt(lambda: on_stage("exchanged"))
