@@ -212,20 +212,6 @@ def blocks_of(shape: Sequence[int], chunk: Sequence[int]) -> list[Box]:
             for cell in product(*(range(n) for n in counts))]
 
 
-def assign(sizes: Sequence[int], workers: int) -> list[int]:
-    """Writer of each block: `workers` contiguous runs of about equal bytes.
-
-    >>> assign([4, 4, 4, 4, 8], 2)
-    [0, 0, 0, 1, 1]
-    """
-    total = sum(sizes)
-    out, done = [], 0
-    for n in sizes:
-        out.append(min(workers - 1, int((done + n / 2) * workers // max(1, total))))
-        done += n
-    return out
-
-
 # MaxText's train-state tree (as `maxtext_ckpt` spells it): where each role's tree lives
 MT_PARAMS: Path = ("params", "params")  # foreign: maxtext / optax tree
 MT_ADAM: Path = ("opt_state", "0")  # foreign: maxtext / optax tree

@@ -29,9 +29,10 @@ from bridge.errors import BridgeError
 from bridge.format import schema
 from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, _value_forward, _value_inverse, check_llama,
                                            maxtext_overrides)
-from bridge.jaxside.presets.maxtext_plan import (MT_ADAM, Move, arrange_block, assign, blocks_of, chunk_shape,
+from bridge.jaxside.presets.maxtext_plan import (MT_ADAM, Move, arrange_block, blocks_of, chunk_shape,
                                                 moves_from_maxtext, moves_to_maxtext, source_box)
 from bridge.layout.boxes import Box
+from bridge.layout.shares import contiguous_parts
 from bridge.location import absolute, basename, is_remote, join, location
 from bridge.machine import MIN_BYTES_PER_WORKER, default_budget, default_workers, mem_available, return_freed_memory
 from bridge.progress import progress
@@ -106,7 +107,7 @@ def plan_job(moves: Sequence[Move], scalars: Mapping[Path, np.ndarray], workers:
         chunks.append(cs)
         blocks += [(i, b) for b in blocks_of(m.shape, cs)]
     workers = max(1, min(workers, len(blocks)))
-    owners = assign([b.size * np.dtype(moves[i].dtype).itemsize for i, b in blocks], workers)
+    owners = contiguous_parts([b.size * np.dtype(moves[i].dtype).itemsize for i, b in blocks], workers)
     catalog, ownership, stacked = [], {}, {}
     grids = {i: np.zeros(grid_shape(m.shape, chunks[i]), dtype=np.int32) for i, m in enumerate(moves)}
     for (i, b), w in zip(blocks, owners):
