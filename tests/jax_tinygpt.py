@@ -236,7 +236,7 @@ def converted_fixture(run: str) -> str:
     """`gtp-bridge convert` of fixture `run`'s dp_reshardable save, once per process (a temp dir)."""
     if run not in _CONVERTED:
         from converters.megatron.convert import ConvertOptions, convert
-        from converters.megatron.format import Hints
+        from converters.megatron.plan.format import Hints
 
         base = tempfile.mkdtemp(prefix="jax_tinygpt_")
         atexit.register(shutil.rmtree, base, True)

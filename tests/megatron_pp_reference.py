@@ -1,5 +1,5 @@
 """megatron-core 0.19.2's pipeline layer placement, written out line by line as an independent
-reference for `converters.megatron.plan.PipelineSplit` (the tests never use the product's code here).
+reference for `converters.megatron.plan.convert_plan.PipelineSplit` (the tests never use the product's code here).
 
 Transliterated from the 0.19.2 wheel: `TransformerConfig.__post_init__`'s checks of uneven / virtual
 pipeline splits (transformer/transformer_config.py), `get_num_layers_to_build`

@@ -71,7 +71,7 @@ def test_python_entry_points_refuse_urls(logical, tmp_path, monkeypatch):
     from bridge.store.reader import open_checkpoint
     from bridge.store.verify import verify_checkpoint
     from converters.megatron.convert import convert
-    from converters.megatron.write import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
 
     monkeypatch.chdir(tmp_path)
     calls = [lambda: convert(str(DEMO_SRC), "hdfs://b/x"), lambda: convert("az://b/x", "out"),
@@ -146,7 +146,7 @@ try:
 except ImportError as e:  # also a BridgeError
     assert isinstance(e, BridgeError), type(e)
     print("JAX:", e)
-from converters.megatron.write import MegatronTarget, to_megatron
+from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
 try:
     to_megatron({logical!r}, {str(tmp_path / 'out')!r}, MegatronTarget(tp=1))
 except BridgeError as e:
@@ -161,7 +161,7 @@ except BridgeError as e:
 
 
 def test_convert_runs_without_torch(logical, tmp_path):
-    """convert reads torch_dist records without torch (converters.megatron.torch_archive): with torch not
+    """convert reads torch_dist records without torch (converters.megatron.read.torch_archive): with torch not
     installed it still converts, and its output is the one a run with torch gives, array for array."""
     from bridge.store.reader import open_checkpoint
 

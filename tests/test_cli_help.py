@@ -4,7 +4,7 @@
   it (`shlex`, `#` starts a comment, a pipe ends the command) and parsed by the real parser: trailing
   prose pasted along with an example would be taken as arguments and refused.
 - `to-megatron --megatron-core` offers exactly the releases that load a format to-megatron writes
-  (`converters.megatron.write.RELEASES`), so nothing --help lists is refused afterwards.
+  (`converters.megatron.write.torch_dist.RELEASES`), so nothing --help lists is refused afterwards.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_help_example_parses(cmd, line):
 
 
 def test_megatron_core_offers_only_loadable_releases():
-    from converters.megatron.write import RELEASES
+    from converters.megatron.write.torch_dist import RELEASES
 
     loadable = sorted(r for r, formats in RELEASES.items() if formats)
     p = build_parser()

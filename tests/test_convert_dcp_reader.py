@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from bridge.errors import BridgeError
-from converters.megatron.dcp_reader import DcpCheckpoint, InertStub, safe_loads, safe_torch_load_object
+from converters.megatron.read.dcp import DcpCheckpoint, InertStub, safe_loads, safe_torch_load_object
 from servers import free_port
 
 
@@ -196,7 +196,7 @@ def test_symlink_escape_refused(tmp_path):
 
 
 def test_record_crc_checked_unless_the_writer_recorded_none():
-    from converters.megatron.dcp_reader import safe_torch_load_tensor
+    from converters.megatron.read.dcp import safe_torch_load_tensor
 
     t = torch.arange(10.0)
     for compute_crc in (True, False):

@@ -2,7 +2,7 @@
 
 At scale that object is the whole fp32 state of a TP x PP rank, far larger than a worker's budget:
 `convert` must locate the tensors in the object's torch.save archive and read each copy's bytes,
-never the object whole (`converters/megatron/object_layout.py`). Synthetic saves (real DCP from real
+never the object whole (`converters/megatron/read/object_layout.py`). Synthetic saves (real DCP from real
 gloo ranks, `convert_synth.gathered`) are checked against the logical state they were made from; the
 real ones (megatron-core 0.14.0 to 0.19.2) are in `test_convert_savers.py`.
 """
@@ -13,9 +13,9 @@ import pytest
 
 import convert_synth as synth
 from converters.megatron.convert import ConvertOptions, convert
-from converters.megatron.dcp_reader import DcpCheckpoint
-from converters.megatron.format import Hints
-from converters.megatron.object_layout import ObjectTensor, object_tensors
+from converters.megatron.read.dcp import DcpCheckpoint
+from converters.megatron.plan.format import Hints
+from converters.megatron.read.object_layout import ObjectTensor, object_tensors
 from test_convert_megatron import assert_matches
 from test_convert_memory import MIB, SLACK, peak_rss
 

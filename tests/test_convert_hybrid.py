@@ -27,9 +27,9 @@ from bridge.cli import main
 from bridge.format.manifest import MANIFEST_KEY, Manifest
 from bridge.store.reader import open_checkpoint
 from converters.megatron.convert import ConvertOptions, convert
-from converters.megatron.dcp_reader import DcpCheckpoint
-from converters.megatron.plan import role_path
-from converters.megatron.write import MegatronTarget, to_megatron
+from converters.megatron.read.dcp import DcpCheckpoint
+from converters.megatron.plan.convert_plan import role_path
+from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
 from test_convert_megatron import assert_matches
 from test_convert_to_megatron import test_same_layout_reproduces_megatrons_own_save as same_layout_check
 

@@ -14,8 +14,8 @@ from bridge.cli import main
 from bridge.errors import BridgeError
 from bridge.store.reader import open_checkpoint
 from converters.megatron.convert import ConvertOptions, convert
-from converters.megatron.format import Hints
-from converters.megatron.plan import role_path
+from converters.megatron.plan.format import Hints
+from converters.megatron.plan.convert_plan import role_path
 import convert_reference as cref
 import convert_synth as synth
 
@@ -96,7 +96,7 @@ def test_manifest_records_source_and_hyperparameters(converted):
     assert [s[0] for s in m.fused[fc1]["sections"]] == ["gate", "up"]
     assert len(m.optimizer.groups) == 2 and {g["wd_mult"] for g in m.optimizer.groups} == {0.0, 1.0}
     # clip_grad: what the run's saved args say (tinygpt.build trains with clip_grad=1.0)
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
 
     args = DcpCheckpoint(os.path.join(cref.FIXTURES, run, "dp_reshardable")).common_state()["args"]
     assert args.clip_grad == 1.0 and m.optimizer.clip_grad == args.clip_grad
@@ -147,10 +147,10 @@ def test_synthetic_tp2_dp2_multibucket_dp_reshardable(synth_tp2_dp2, tmp_path):
 @pytest.mark.skipif("tp2" not in RUNS, reason="needs the tp2 fixture")
 def test_small_budget_streams_in_blocks_identically(tmp_path):
     """A 64k budget cuts parameters into many outer chunks; the result still equals the reference."""
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
     from converters.megatron.convert import build_units, split_share
-    from converters.megatron.format import describe
-    from converters.megatron.plan import plan_blocks
+    from converters.megatron.plan.format import describe
+    from converters.megatron.plan.convert_plan import plan_blocks
 
     src = os.path.join(cref.FIXTURES, "tp2", "dp_reshardable")
     units = build_units(describe(DcpCheckpoint(src)), Hints())

@@ -27,7 +27,7 @@ from bridge.cli import main
 from bridge.errors import BridgeError
 from bridge.store.reader import open_checkpoint
 from converters.megatron.convert import ConvertOptions, convert
-from converters.megatron.format import Hints
+from converters.megatron.plan.format import Hints
 import convert_reference as cref
 import convert_synth as synth
 from test_convert_megatron import assert_matches
@@ -212,7 +212,7 @@ def test_virtual_pipeline_chunks_convert_exactly(tmp_path, fmt):
     with synth.dims(L=8):
         st = synth.make_checkpoint(str(tmp_path / "vpp"), fmt, tp=1, pp=2, vpp=2, tied=True,
                                    bucket_size=500 if fmt == "dp_reshardable" else None)
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
 
     if fmt == "dp_reshardable":
         assert any(".gbuf_idx_1." in k for k in DcpCheckpoint(str(tmp_path / "vpp")).tensors)
@@ -262,7 +262,7 @@ def _dcp_read(it: str, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -
 def _assert_written(it: str, want: dict, objects: dict):
     """The iteration directory holds exactly the tensors `want` (convert_synth's key -> chunks), bit for
     bit as torch dcp.load reads them, and the per-bucket numel objects of `objects`."""
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
 
     ck = DcpCheckpoint(it)
     stored = {k for k in ck.tensors if not k.endswith("_extra_state")}
@@ -352,7 +352,7 @@ def test_to_megatron_pp2_with_gtp_or_ep_round_trips(run, flags, tmp_path, capsys
                   "--format", "dp_reshardable", "--bucket-size", "2000")
     assert rc == 0 and "PP=2" in out, out
     it = str(tmp_path / "run" / "iter_0000003")
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
 
     groups = {k.split(".")[k.split(".").index("distributed") + 1] for k in DcpCheckpoint(it).tensors
               if ".distributed." in k}

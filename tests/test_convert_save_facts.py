@@ -20,7 +20,7 @@ import bridge
 from bridge import cli
 from bridge.errors import BridgeError
 from converters.megatron.convert import ConvertOptions, convert
-from converters.megatron.format import Hints
+from converters.megatron.plan.format import Hints
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron"
 CODE = Path(bridge.__file__).resolve().parent.parent

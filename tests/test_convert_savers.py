@@ -29,8 +29,8 @@ from bridge.cli import main
 from bridge.errors import BridgeError
 from bridge.store.reader import open_checkpoint
 from converters.megatron.convert import ConvertOptions, convert
-from converters.megatron.dcp_reader import DcpCheckpoint
-from converters.megatron.format import Hints
+from converters.megatron.read.dcp import DcpCheckpoint
+from converters.megatron.plan.format import Hints
 import convert_reference as cref
 from test_convert_megatron import assert_matches
 
@@ -294,7 +294,7 @@ def test_model_only_converts_the_weights_alone(tmp_path, capsys):
     ref, _ = cref.load_reference("release_0_14_0")
     ck = open_checkpoint(str(tmp_path / "out"))
     assert not [p for p in ck.arrays() if p[0] in ("params",) or p[:3] in (("opt_state", "0", "mu"),)]
-    from converters.megatron.plan import role_path
+    from converters.megatron.plan.convert_plan import role_path
 
     for name, want in ref["model"].items():
         assert np.array_equal(cref.bits(ck.read(role_path("model", name))), cref.bits(want)), name
@@ -357,7 +357,7 @@ def test_to_megatron_for_016_writes_common_pt_and_round_trips(tmp_path, capsys):
     assert rc == 0, out
     it = tmp_path / "run" / "iter_0000003"
     assert (it / "common.pt").is_file()
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
 
     ck = DcpCheckpoint(str(it))
     assert ck.object_key("common_state") is None and ck.common_state()["iteration"] == 3
@@ -380,7 +380,7 @@ def test_to_megatron_pp2_round_trips(fmt, tmp_path, capsys):
                   "--format", fmt)
     assert rc == 0 and "PP=2" in out, out
     it = tmp_path / "run" / "iter_0000003"
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
 
     ck = DcpCheckpoint(str(it))
     assert ck.common_state()["args"].pipeline_model_parallel_size == 2
@@ -408,8 +408,8 @@ def test_synthetic_fully_sharded_bucket_space_converts(tmp_path, per_rank):
     assert_matches(str(tmp_path / "out"), {r: dict(v) for r, v in st.items()}, 3)
 
 
-@pytest.mark.parametrize("module", ["converters.megatron.format", "converters.megatron.plan",
-                                    "converters.megatron.model_facts"])
+@pytest.mark.parametrize("module", ["converters.megatron.plan.format", "converters.megatron.plan.convert_plan",
+                                    "converters.megatron.plan.model_facts"])
 def test_docstring_examples(module):
     import doctest
     import importlib

@@ -17,7 +17,7 @@ import pytest
 from bridge.store.reader import open_checkpoint
 from bridge.store.verify import verify_checkpoint
 from converters.megatron.convert import ConvertOptions, convert
-from converters.megatron.plan import role_path
+from converters.megatron.plan.convert_plan import role_path
 import convert_reference as cref
 import convert_synth as synth
 
@@ -83,11 +83,11 @@ def test_convert_small_budget_in_process(sources, tmp_path):
 def test_ranged_reads_equal_whole_chunk_reads(sources, fmt):
     """Records larger than the cache are read by byte ranges; each block's regions equal the same
     regions cut from whole chunks decoded by the DCP reader."""
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
     from converters.megatron.cache import ChunkCache, check_records
     from converters.megatron.convert import build_units
-    from converters.megatron.format import Hints, describe
-    from converters.megatron.plan import CopyIndex, plan_blocks
+    from converters.megatron.plan.format import Hints, describe
+    from converters.megatron.plan.convert_plan import CopyIndex, plan_blocks
 
     d, _ = sources
     ck = DcpCheckpoint(str(d / fmt))
@@ -110,7 +110,7 @@ def test_ranged_reads_equal_whole_chunk_reads(sources, fmt):
 
 
 def _flip_bit(src, suffix: str, at: int) -> None:
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
     from converters.megatron.cache import record_layout
 
     ck = DcpCheckpoint(str(src))
@@ -153,11 +153,11 @@ def test_records_near_the_cache_size_are_read_once(sources, fmt):
     source is read about once. Before the fix every record up to the cache's size was read whole
     and evicted by the other roles' records (12-48x the source read here, 2.6x on the GPU host's
     real 0.85 B conversion)."""
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
     from converters.megatron.cache import ChunkCache, check_records
     from converters.megatron.convert import build_units
-    from converters.megatron.format import Hints, describe
-    from converters.megatron.plan import CopyIndex, plan_blocks
+    from converters.megatron.plan.format import Hints, describe
+    from converters.megatron.plan.convert_plan import CopyIndex, plan_blocks
 
     d, _ = sources
     ck = DcpCheckpoint(str(d / fmt))
@@ -184,9 +184,9 @@ def tp1_source(tmp_path_factory):
 
 def _units_blocks(src, block_bytes):
     from converters.megatron.convert import build_units
-    from converters.megatron.dcp_reader import DcpCheckpoint
-    from converters.megatron.format import Hints, describe
-    from converters.megatron.plan import CopyIndex, plan_blocks
+    from converters.megatron.read.dcp import DcpCheckpoint
+    from converters.megatron.plan.format import Hints, describe
+    from converters.megatron.plan.convert_plan import CopyIndex, plan_blocks
 
     ck = DcpCheckpoint(str(src))
     units = build_units(describe(ck, Hints()), Hints())
@@ -268,7 +268,7 @@ def test_blocks_refilled_in_one_buffer_are_exact(wide_source, tmp_path, budget, 
     `verify`-clean (a buffer refilled while TensorStore still read it would corrupt earlier blocks)."""
     from bridge.store.staging import cells_are_row_runs
     from converters.megatron.convert import make_plan, split_share
-    from converters.megatron.plan import assign_blocks, plan_blocks
+    from converters.megatron.plan.convert_plan import assign_blocks, plan_blocks
 
     src, st = wide_source
     ck, units, _, _ = _units_blocks(src, 1)

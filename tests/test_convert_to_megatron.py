@@ -10,10 +10,10 @@ import torch.distributed.checkpoint as dcp
 
 import convert_reference as cref
 from bridge.cli import main
-from converters.megatron.dcp_reader import DcpCheckpoint
+from converters.megatron.read.dcp import DcpCheckpoint
 from converters.megatron.convert import ConvertOptions, convert
-from converters.megatron.naming import is_gtp_weight
-from converters.megatron.write import MegatronTarget, to_megatron
+from converters.megatron.plan.naming import is_gtp_weight
+from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
 
 RUNS = cref.available_runs()
 pytestmark = pytest.mark.skipif(not {"tp2", "gtp2_local", "moe_ep2"} <= set(RUNS), reason="needs the real fixtures")
@@ -110,7 +110,7 @@ def test_geometry_derived_from_tree_matches_recorded(run, logical):
     import dataclasses
 
     from bridge.store.reader import open_checkpoint
-    from converters.megatron.write import manifest_of, params_from_manifest
+    from converters.megatron.write.torch_dist import manifest_of, params_from_manifest
 
     ck = open_checkpoint(logical[run])
     man = manifest_of(ck)

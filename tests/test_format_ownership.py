@@ -30,9 +30,9 @@ MANIFEST_WORDS = {"gtp_bridge", "gtp_bridge_checksum", "previous_source", "optim
 # Modules that speak torch's optimizer API, where `params` / `step` / `model` are torch's or Megatron's
 # names (param_groups' keys, optimizer state keys, sharded-state-dict paths, module wrappers).
 FOREIGN_MODULES = {
-    "converters/megatron/live.py": ({"params", "step", "model"}, "torch param_groups / optimizer state keys, "
+    "converters/megatron/live/adapter.py": ({"params", "step", "model"}, "torch param_groups / optimizer state keys, "
                                     "Megatron sharded-state-dict paths and module wrappers"),
-    "converters/megatron/format.py": ({"params", "step", "model"}, "torch param_groups keys, Megatron module wrappers"),
+    "converters/megatron/plan/format.py": ({"params", "step", "model"}, "torch param_groups keys, Megatron module wrappers"),
 }
 
 
@@ -94,8 +94,8 @@ def test_scan_covers_the_code():
     # the modules that used to spell the tree (issue #19) are all scanned; the owner is not
     for rel in ("bridge/live/holdings.py", "bridge/live/export.py", "bridge/live/reload.py", "bridge/jaxside/abstract.py",
                 "bridge/jaxside/save.py", "bridge/jaxside/restore.py", "bridge/jaxside/manifest_view.py",
-                "bridge/commands/inspect.py", "converters/megatron/plan.py", "converters/megatron/convert.py",
-                "converters/megatron/write.py", "converters/megatron/write_plan.py"):
+                "bridge/commands/inspect.py", "converters/megatron/plan/convert_plan.py", "converters/megatron/convert.py",
+                "converters/megatron/write/torch_dist.py", "converters/megatron/plan/write_plan.py"):
         assert rel in rels, rel
     assert not any(r.startswith("bridge/format/") for r in rels)
     assert set(FOREIGN_MODULES) <= rels, "a FOREIGN_MODULES entry names a module that no longer exists"
@@ -134,8 +134,8 @@ def f():
         "m.py:2: 'params'", "m.py:3: 'model'", "m.py:3: 'mu'", "m.py:4: 'gtp_bridge'", "m.py:5: ' has no opt_state/0/count'",
         "m.py:10: 'step'"]
     # a module declared foreign may use torch's same-named keys, and nothing else
-    assert schema_literals("converters/megatron/live.py", 'g["step"]; g["params"]; s["mu"]\n') == \
-        ["converters/megatron/live.py:1: 'mu'"]
+    assert schema_literals("converters/megatron/live/adapter.py", 'g["step"]; g["params"]; s["mu"]\n') == \
+        ["converters/megatron/live/adapter.py:1: 'mu'"]
 
 
 def test_scheduler_record_is_the_dataclass_in_the_order_convert_wrote():

@@ -97,7 +97,7 @@ def test_forged_object_pointer_refused(tmp_path, variant):
 _MEMORY_PROBE = r"""
 import os, resource, sys
 from pathlib import Path
-import converters.megatron.dcp_reader as R
+import converters.megatron.read.dcp as R
 from bridge.errors import BridgeError
 import numpy, torch  # imported (and their thread pools started) before the limit
 torch.ones(4096).sum()
@@ -174,7 +174,7 @@ def test_flipped_bit_in_exp_avg_fails_convert_naming_file_and_key(tmp_path):
                                  "optimizer.state.param.embedding.word_embeddings.weight",
                                  "decoder.layers.mlp.linear_fc1.weight"])
 def test_flipped_bit_in_any_record_is_detected(tmp_path, key):
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
     from bridge.errors import BridgeError
 
     src = copy_base(tmp_path, CRC_BASE)
@@ -213,7 +213,7 @@ def _multi_disk(blob: bytes, zip64: bool) -> bytes:
 
 @pytest.mark.parametrize("damage", ["multi_disk", "multi_disk64", "not_zip", "truncated_directory"])
 def test_bad_common_state_zip_refused_naming_file(tmp_path, damage):
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
 
     src = copy_base(tmp_path, CRC_BASE)
     ck = DcpCheckpoint(src)
@@ -252,8 +252,8 @@ def test_missing_exp_avg_entry_fails_convert(tmp_path):
     ("optimizer.state.exp_avg_sq.embedding.word_embeddings.weight", "exp_avg_sq"),
 ])
 def test_missing_fully_reshardable_role_refused(tmp_path, key, what):
-    from converters.megatron.dcp_reader import DcpCheckpoint
-    from converters.megatron.format import describe
+    from converters.megatron.read.dcp import DcpCheckpoint
+    from converters.megatron.plan.format import describe
     from bridge.errors import BridgeError
 
     src = copy_base(tmp_path, CRC_BASE)
@@ -263,8 +263,8 @@ def test_missing_fully_reshardable_role_refused(tmp_path, key, what):
 
 
 def test_missing_dp_reshardable_bucket_state_refused(tmp_path):
-    from converters.megatron.dcp_reader import DcpCheckpoint
-    from converters.megatron.format import describe
+    from converters.megatron.read.dcp import DcpCheckpoint
+    from converters.megatron.plan.format import describe
     from bridge.errors import BridgeError
 
     src = copy_base(tmp_path, FIXTURES / "tp2" / "dp_reshardable")
@@ -274,13 +274,13 @@ def test_missing_dp_reshardable_bucket_state_refused(tmp_path):
 
 
 def test_missing_step_refused(tmp_path):
-    from converters.megatron.dcp_reader import DcpCheckpoint
-    from converters.megatron.format import describe
+    from converters.megatron.read.dcp import DcpCheckpoint
+    from converters.megatron.plan.format import describe
     from bridge.errors import BridgeError
     import io
     import torch
 
-    from converters.megatron.torch_archive import to_torch
+    from converters.megatron.read.torch_archive import to_torch
 
     src = copy_base(tmp_path, CRC_BASE)
     cs = to_torch(DcpCheckpoint(src).common_state())  # torch values again, to torch.save it
@@ -294,8 +294,8 @@ def test_missing_step_refused(tmp_path):
 
 
 def test_model_only_is_reported_and_hidden_optimizer_refused(tmp_path):
-    from converters.megatron.dcp_reader import DcpCheckpoint
-    from converters.megatron.format import describe
+    from converters.megatron.read.dcp import DcpCheckpoint
+    from converters.megatron.plan.format import describe
     from bridge.errors import BridgeError
 
     src = copy_base(tmp_path, CRC_BASE)
@@ -306,7 +306,7 @@ def test_model_only_is_reported_and_hidden_optimizer_refused(tmp_path):
     import io
     import torch
 
-    from converters.megatron.torch_archive import to_torch
+    from converters.megatron.read.torch_archive import to_torch
 
     cs = to_torch(DcpCheckpoint(src).common_state())  # torch values again, to torch.save it
     del cs["optimizer"]
@@ -327,7 +327,7 @@ def _fuzz_inputs(tmp: Path) -> dict[str, list[bytes]]:
     import io
     import zipfile
 
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
 
     # the first 18: plain DCP Metadata of the 0.19.2 runs (mutate_structure re-pickles them); the
     # release_* saves (0.15-0.16 pickle megatron's MCoreMetadata) are byte-mutated seeds, last
@@ -442,10 +442,10 @@ def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs i
     import torch
     import torch.distributed.checkpoint  # noqa: F401  (to re-pickle real Metadata in mutate_structure)
 
-    import converters.megatron.dcp_reader as R
+    import converters.megatron.read.dcp as R
     from bridge.errors import BridgeError
-    from converters.megatron.format import describe
-    from converters.megatron.torch_archive import to_torch
+    from converters.megatron.plan.format import describe
+    from converters.megatron.read.torch_archive import to_torch
 
     torch.ones(4096).sum()
     R._globals()

@@ -46,11 +46,11 @@ def fuzz_main(seconds: float, outdir: str, url: str) -> None:  # pragma: no cove
     import zipfile
     import io
 
-    import converters.megatron.dcp_reader as R
+    import converters.megatron.read.dcp as R
     from bridge.store import kvstore
-    from converters.megatron.records import Window
-    from converters.megatron.dcp_reader import DcpCheckpoint, StorageRef, open_range
-    from converters.megatron.object_layout import MAX_OBJECT_PICKLE
+    from converters.megatron.read.records import Window
+    from converters.megatron.read.dcp import DcpCheckpoint, StorageRef, open_range
+    from converters.megatron.read.object_layout import MAX_OBJECT_PICKLE
 
     out = Path(outdir)
     rng = random.Random(int(os.environ.get("GTP_FUZZ_SEED", "29")))

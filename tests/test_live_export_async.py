@@ -230,8 +230,8 @@ def test_two_exports_reuse_the_staging_slots(tmp_path):
 
 def _training_loop(rank, world, save_dir):
     """A loop shaped like Megatron-LM's with `AsyncSave`: finalize at each step's start, save every 2 steps."""
-    from converters.megatron.async_save import AsyncSave
-    from converters.megatron.rundir import read_tracker
+    from converters.megatron.live.async_save import AsyncSave
+    from converters.megatron.read.rundir import read_tracker
 
     params, run = _setup(rank, world)
     saver = AsyncSave(save_dir)
@@ -250,7 +250,7 @@ def _training_loop(rank, world, save_dir):
 @pytest.mark.slow
 def test_megatron_async_save_hook_run_directory(tmp_path):
     """`AsyncSave` writes iter_0000002 / iter_0000004 and the tracker as each commits; every save is finalized."""
-    from converters.megatron.rundir import iteration_dir_name
+    from converters.megatron.read.rundir import iteration_dir_name
 
     save_dir = str(tmp_path / "run")
     results, _ = spawn(2, _training_loop, (save_dir,), tmp_path)

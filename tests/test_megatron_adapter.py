@@ -21,7 +21,7 @@ import torch
 
 from bridge.errors import BridgeError
 from bridge.layout.parallel import ParallelLayout
-from converters.megatron.live import (
+from converters.megatron.live.adapter import (
     EntryRecord,
     ModelDims,
     ParamRecord,
@@ -31,8 +31,8 @@ from converters.megatron.live import (
     map_params,
     param_geometry,
 )
-from converters.megatron.naming import strip_wrappers
-from converters.megatron.dcp_reader import DcpCheckpoint
+from converters.megatron.plan.naming import strip_wrappers
+from converters.megatron.read.dcp import DcpCheckpoint
 
 FIX = Path(__file__).parent / "fixtures" / "megatron"
 RUNS = sorted(p.parent.name for p in FIX.glob("*/sharded_state_dict.json"))
@@ -382,7 +382,7 @@ def test_gtp_replicated_params_may_differ_across_gtp_ranks_and_rank0_is_exported
 def test_adapter_doctests():
     import doctest
 
-    import converters.megatron.live as mod
+    import converters.megatron.live.adapter as mod
 
     res = doctest.testmod(mod)
     assert res.attempted >= 5 and res.failed == 0
@@ -391,14 +391,14 @@ def test_adapter_doctests():
 @pytest.mark.parametrize("fn", ["export_megatron", "load_megatron"])
 def test_old_argument_order_is_refused(fn, tmp_path):
     """`fn(model, optimizer, path)` (the old order) is one clear error before anything is read or written."""
-    import converters.megatron.live as mod
+    import converters.megatron.live.adapter as mod
 
     with pytest.raises(BridgeError, match=fr"{fn}: the checkpoint path comes first.*the old order"):
         getattr(mod, fn)(object(), object(), str(tmp_path / "ck"))
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("module", ["converters.megatron.naming", "converters.megatron.format"])
+@pytest.mark.parametrize("module", ["converters.megatron.plan.naming", "converters.megatron.plan.format"])
 def test_megatron_naming_doctests(module):
     import doctest
     import importlib

@@ -28,8 +28,8 @@ pytestmark = pytest.mark.slow
 def replay_local_params(run: Run, rank: int):
     """This rank's `LocalParam`s + `LiveRun` from the recorded reference, via the adapter's mapping."""
     from bridge.live.api import LiveRun, LocalParam, OptimFragment
-    from converters.megatron.live import adam_config_from_groups, common_step
-    from converters.megatron.naming import strip_wrappers
+    from converters.megatron.live.adapter import adam_config_from_groups, common_step
+    from converters.megatron.plan.naming import strip_wrappers
 
     ref = run.refs[rank]
     frags, groups, keys, steps = {}, [], [], []

@@ -32,9 +32,9 @@ from bridge.layout.distopt import BufferParam, buffer_layout, owners_of
 from bridge.layout.parallel import ParallelLayout
 from bridge.store.reader import open_checkpoint
 from bridge.live.api import AdamConfig, LiveRun, LocalParam, OptimFragment
-from converters.megatron.live import (EntryRecord, ParamRecord, adam_config_from_groups, entries_from_description,
+from converters.megatron.live.adapter import (EntryRecord, ParamRecord, adam_config_from_groups, entries_from_description,
                                       map_params, merge_adam_configs)
-from converters.megatron.naming import strip_wrappers
+from converters.megatron.plan.naming import strip_wrappers
 from test_live_sharding import spawn
 from test_megatron_adapter import Run
 
@@ -141,7 +141,7 @@ class Staged:
         out, want = [], {}
         for m in maps:
             # A TP / GTP replica Megatron does not write need not equal the main copy (module
-            # docstring of converters.megatron.live); reload fills it with the main copy's values.
+            # docstring of converters.megatron.live.adapter); reload fills it with the main copy's values.
             src, name = (r, origin[m.param]) if m.model_parallel_main else self.main_copy(m.key, m.index)
             live = self.run.refs[src]["params"][name]["live"]
             full = self.full_state(src, name, m.geometry.expert)
@@ -205,7 +205,7 @@ def _export_worker(rank, world, name, dst):
 
     from dataclasses import replace
 
-    from converters.megatron.live import pipeline_adam_config
+    from converters.megatron.live.adapter import pipeline_adam_config
 
     params, lrun, _ = Staged(name).local_params(rank)
     # As export_megatron at PP > 1: each stage's optimizer knows only its own no-decay keys.

@@ -21,8 +21,8 @@ import torch
 from bridge.layout.distopt import BufferParam, buffer_layout, owners_of
 from bridge.layout.parallel import ParallelLayout
 from bridge.store.reader import open_checkpoint
-from converters.megatron.live import EntryRecord, ParamRecord, entries_from_description, map_params
-from converters.megatron.naming import strip_wrappers
+from converters.megatron.live.adapter import EntryRecord, ParamRecord, entries_from_description, map_params
+from converters.megatron.plan.naming import strip_wrappers
 from test_live_sharding import spawn
 from test_megatron_adapter_pp import PP, Staged, _convert, _place, _read_all
 
@@ -125,7 +125,7 @@ def _export_worker(rank, world, dst):
     from dataclasses import replace
 
     from bridge.live.export import export_state
-    from converters.megatron.live import pipeline_adam_config
+    from converters.megatron.live.adapter import pipeline_adam_config
 
     params, lrun, _ = TiedStaged("tp2").local_params(rank)
     lrun = replace(lrun, optimizer=pipeline_adam_config(lrun.optimizer))

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from bridge.live.api import LiveRun, LocalParam, OptimFragment
-from converters.megatron.naming import strip_wrappers
+from converters.megatron.plan.naming import strip_wrappers
 from bridge.live.reload import reload_state
 from test_megatron_adapter import Run
 
@@ -151,7 +151,7 @@ def test_reload_hybrid_state_into_tp2(name, tmp_path):
     `gtp-bridge convert`'s logical arrays of the run's own save."""
     from bridge.layout.parallel import ParallelLayout
     from bridge.store.reader import open_checkpoint
-    from converters.megatron.live import ParamRecord, entries_from_description, map_params
+    from converters.megatron.live.adapter import ParamRecord, entries_from_description, map_params
 
     run = Run(name)
     src = str(tmp_path / "logical")

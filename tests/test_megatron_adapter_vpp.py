@@ -38,9 +38,9 @@ from bridge.layout.distopt import BufferParam, buffer_layout, owners_of
 from bridge.layout.parallel import ParallelLayout
 from bridge.store.reader import open_checkpoint
 from bridge.live.api import LocalParam, OptimFragment
-from converters.megatron.live import EntryRecord, ParamRecord, entries_from_description, map_chunks
-from converters.megatron.naming import strip_wrappers
-from converters.megatron.plan import PipelineSplit
+from converters.megatron.live.adapter import EntryRecord, ParamRecord, entries_from_description, map_chunks
+from converters.megatron.plan.naming import strip_wrappers
+from converters.megatron.plan.convert_plan import PipelineSplit
 from test_live_sharding import spawn
 from test_megatron_adapter_pp import ROLES, Staged, _convert, _read_all
 from test_megatron_adapter_pp_tied import embedding_main_copy
@@ -261,7 +261,7 @@ def _export_worker(rank, world, name, dst, extra=None, tied=False, first=None):
     from dataclasses import replace
 
     from bridge.live.export import export_state
-    from converters.megatron.live import pipeline_adam_config
+    from converters.megatron.live.adapter import pipeline_adam_config
 
     split = SPLIT if first is None else PipelineSplit(pp=PP, vpp=VPP, first=first)
     params, lrun, _ = (TiedVStaged if tied else VStaged)(name, split).local_params(rank)
@@ -371,7 +371,7 @@ def test_to_megatron_vpp_save_converts_to_the_live_export(exported, tmp_path):
     res = subprocess.run([sys.executable, "-m", "bridge.cli", "to-megatron", "--no-scheduler", live, str(run), "--tp", "2", "--pp", "2",
                           "--vpp", "2", "--format", "dp_reshardable"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
 
     it = next(run.glob("iter_*"))
     assert any(".gbuf_idx_1." in k for k in DcpCheckpoint(str(it)).tensors)

@@ -160,7 +160,7 @@ def test_no_test_benchmark_or_script_patches_product_module_state():
 # --- the scanner itself: what it must catch and what it must let through ----------------------
 
 @pytest.mark.parametrize("src", [
-    "from converters.megatron import write as mw\ndef t(monkeypatch):\n    monkeypatch.setattr(mw, '_objects', f)\n",
+    "from converters.megatron.write import torch_dist as mw\ndef t(monkeypatch):\n    monkeypatch.setattr(mw, '_objects', f)\n",
     "def t(monkeypatch):\n    monkeypatch.setattr('bridge.store.specs.TARGET_DATA_FILE_SIZE', 1)\n",
     "def f():\n    from bridge.store import specs\n    specs.TARGET_DATA_FILE_SIZE = 1\n",
     "import bridge.store.specs\nbridge.store.specs.TARGET_DATA_FILE_SIZE += 1\n",
@@ -169,9 +169,9 @@ def test_no_test_benchmark_or_script_patches_product_module_state():
     "from bridge.store import specs\ndef t(monkeypatch):\n    monkeypatch.setitem(specs.OCDBT_CONFIG, 'k', 1)\n",
     "from unittest import mock\nfrom bridge.store import writer\nwith mock.patch.object(writer, 'x', 1):\n    pass\n",
     # a program run in a subprocess, as the old signal tests did (alias, then setattr)
-    "code = (\n    'import converters.megatron.write as mw\\n'\n    f'cls = mw.DcpFile\\n'\n"
+    "code = (\n    'import converters.megatron.write.torch_dist as mw\\n'\n    f'cls = mw.DcpFile\\n'\n"
     "    'setattr(cls, \"tensor\", chunk)\\n')\n",
-    "import converters.megatron.write as mw\ncls, meth = (mw.DcpFile, 'tensor') if x else (mw.W, 'chunk')\n"
+    "import converters.megatron.write.torch_dist as mw\ncls, meth = (mw.DcpFile, 'tensor') if x else (mw.W, 'chunk')\n"
     "setattr(cls, meth, f)\n",
 ])
 def test_scanner_catches_a_patch(src):
@@ -183,7 +183,7 @@ def test_scanner_catches_a_patch(src):
     "import sys\ndef t(monkeypatch):\n    monkeypatch.setattr(sys, 'argv', ['x'])\n",
     "from bridge.store.writer import CheckpointWriter\nw = CheckpointWriter(a, b, 0)\nw.threads = 2\n",
     "from bridge.store.writer import CheckpointWriter\nclass Timed(CheckpointWriter):\n    pass\nTimed.x = 1\n",
-    "from converters.megatron.write import DcpFile\nclass Full(DcpFile):\n    def obj(self, *a):\n        raise OSError\n",
+    "from converters.megatron.write.torch_dist import DcpFile\nclass Full(DcpFile):\n    def obj(self, *a):\n        raise OSError\n",
     "import os\nos.environ['X'] = '1'\n",
     "from bridge.format.tree import path_str\ngot = {path_str(p): 1 for p in ps}\ngot['step'] = 2\n",
     "from bridge.store import specs\nsize = specs.TARGET_DATA_FILE_SIZE * 2\nrec = {}\nrec['x'] = size\n",

@@ -1,6 +1,6 @@
 """Uneven pipeline splits with virtual pipeline chunks, placed as megatron-core 0.19.2 places them.
 
-`PipelineSplit` (converters/megatron/plan.py) against `megatron_pp_reference`: megatron-core's
+`PipelineSplit` (converters/megatron/plan/convert_plan.py) against `megatron_pp_reference`: megatron-core's
 `get_num_layers_to_build` / `get_transformer_layer_offset` and its `TransformerConfig` checks written
 out line by line (and, where the repository's `.whl/` holds the 0.19.2 wheel, checked against the
 wheel's own functions). Then `convert` of a synthetic uneven + VPP save (convert_synth, which places
@@ -20,7 +20,7 @@ import megatron_pp_reference as ref
 from bridge.cli import main
 from bridge.errors import BridgeError
 from converters.megatron.convert import ConvertOptions, convert
-from converters.megatron.plan import PipelineSplit
+from converters.megatron.plan.convert_plan import PipelineSplit
 from test_convert_megatron import assert_matches
 from test_convert_pp2 import _assert_written, cli, ref_of
 

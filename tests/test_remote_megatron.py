@@ -58,7 +58,7 @@ def test_convert_megatron_run_on_s3_to_gcs_with_ranged_reads(stores, tmp_path):
     """SRC is a Megatron run prefix on S3 (tracker -> iter_0000003), DST on GCS; a 64 KiB budget makes
     the larger records exceed the chunk cache, so they are read by byte ranges."""
     from converters.megatron.convert import ConvertOptions, convert
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
 
     s3, gs = stores["s3"], stores["gs"]
     src = FIXTURES / "tp1_buckets" / "dp_reshardable"
@@ -83,8 +83,8 @@ def test_to_megatron_on_s3_is_what_megatron_saved(stores, tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from converters.megatron.convert import ConvertOptions, convert
-    from converters.megatron.dcp_reader import DcpCheckpoint
-    from converters.megatron.write import MegatronTarget, to_megatron
+    from converters.megatron.read.dcp import DcpCheckpoint
+    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
 
     s3 = stores["s3"]
     theirs_dir = FIXTURES / "tp2" / "fully_reshardable"

@@ -63,7 +63,7 @@ def same_arrays(a_loc: str, b_loc: str) -> int:
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_every_read_returns_exactly_the_bytes_asked_for(stores, scheme):
-    from converters.megatron.dcp_reader import open_range   # where the readers take it from
+    from converters.megatron.read.dcp import open_range   # where the readers take it from
 
     srv = stores[scheme]
     size = 5 * READ_AHEAD + 12_345
@@ -112,7 +112,7 @@ def test_real_saves_have_records_of_every_size_class():
     and larger than the small budget's cache share (read by byte ranges)."""
     from bridge.store import ranged
     from converters.megatron.convert import split_share
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
 
     assert ranged.READ_AHEAD == READ_AHEAD
     lengths = [r.length for run, fmt in REAL for r in DcpCheckpoint(FIXTURES / run / fmt).all_refs()]
@@ -167,7 +167,7 @@ def test_readme_s3_round_trip_runs_as_written(stores, tmp_path, capfd):
 
     from bridge.cli import main
     from converters.megatron.convert import ConvertOptions, convert
-    from converters.megatron.dcp_reader import DcpCheckpoint
+    from converters.megatron.read.dcp import DcpCheckpoint
 
     cmds = readme_object_storage_commands()
     assert [c[0] for c in cmds] == ["convert", "verify", "to-megatron", "convert"], cmds

@@ -95,7 +95,7 @@ def test_every_key_in_one_convention_as_megatron_saves_it(logicals, tmp_path, fm
 
 
 def test_a_key_that_cannot_be_mapped_is_refused():
-    from converters.megatron.naming import check_one_convention
+    from converters.megatron.plan.naming import check_one_convention
 
     roots = {"decoder", "embedding", "output_layer"}
     check_one_convention(["decoder.layers.mlp.linear_fc1._extra_state/shard_0_2"], "unwrapped", roots)

@@ -211,7 +211,7 @@ def test_convert_names_a_tracker_pointing_nowhere(tmp_path, capsys):
 
 
 def test_resolve_megatron_dir(tmp_path):
-    from converters.megatron.rundir import resolve_megatron_dir
+    from converters.megatron.read.rundir import resolve_megatron_dir
 
     run = tmp_path / "run"
     it = run / "iter_0000042"
@@ -228,7 +228,7 @@ def test_resolve_megatron_dir(tmp_path):
 def test_failure_midway_leaves_the_run_dir_as_it_was(logical, tmp_path):
     """An error after part of the files are written: no iteration dir, no temp dir, tracker unchanged."""
     from bridge.errors import BridgeError
-    from converters.megatron.write import DcpFile, MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import DcpFile, MegatronTarget, to_megatron
 
     run = tmp_path / "run"
     (run / "iter_0000001").mkdir(parents=True)
@@ -258,7 +258,7 @@ def _cli_to_megatron(logical: str, run, tensor_hook: str) -> str:
         # Ctrl-C as from a terminal, even when the suite runs as a background job (SIGINT then ignored, inherited)
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from bridge.cli import run\n"
-        "from converters.megatron.write import DcpFile, MegatronTarget, to_megatron\n"
+        "from converters.megatron.write.torch_dist import DcpFile, MegatronTarget, to_megatron\n"
         "class Hooked(DcpFile):\n"
         "    def tensor(self, *a, **k):\n"
         + "".join(f"        {line}\n" for line in tensor_hook.splitlines()) +

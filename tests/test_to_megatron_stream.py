@@ -103,7 +103,7 @@ def test_weights_derived_from_masters_when_the_checkpoint_has_none(logical, tmp_
 def test_any_budget_and_workers_give_the_same_checkpoint_reading_each_element_once(logical, tmp_path, run, fmt,
                                                                                     tp, ep, dp):
     from bridge.store.reader import open_checkpoint
-    from converters.megatron.write import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
 
     target = MegatronTarget(tp=tp, ep=ep, dp=dp, fmt=fmt, bucket_size=3000 if fmt == "dp_reshardable" else None)
     ref = to_megatron(logical[run], str(tmp_path / "ref"), target, budget=1 << 30, workers=1)
@@ -128,8 +128,8 @@ def test_any_budget_and_workers_give_the_same_checkpoint_reading_each_element_on
 def test_plan_groups_fit_the_budget_and_read_exact_boxes(logical):
     from bridge.layout.parallel import ParallelLayout
     from bridge.store.reader import open_checkpoint
-    from converters.megatron.write import manifest_of, params_from_manifest
-    from converters.megatron.write_plan import plan_groups
+    from converters.megatron.write.torch_dist import manifest_of, params_from_manifest
+    from converters.megatron.plan.write_plan import plan_groups
 
     ck = open_checkpoint(logical["moe_ep2"])
     params = params_from_manifest(manifest_of(ck), ck.arrays(), 16, 1)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import convert_reference as cref
-import converters.megatron.write as w
+import converters.megatron.write.torch_dist as w
 
 RUNS = cref.available_runs()
 pytestmark = pytest.mark.skipif("tp2" not in RUNS, reason="needs the real fixtures")

@@ -1,4 +1,4 @@
-"""convert reads torch_dist checkpoints without torch (converters.megatron.torch_archive).
+"""convert reads torch_dist checkpoints without torch (converters.megatron.read.torch_archive).
 
 - convert's processes (parent and spawned workers) never import torch: watched from inside each
   process by an import probe (sitecustomize), on a real Megatron-Core fixture, output bit-exact
@@ -74,7 +74,7 @@ def test_convert_processes_never_import_torch(tmp_path, budget):
     assert "TORCH" not in text, text[:4000]
     # the conversion itself is right: every array equals the run's own dumps (tests/convert_reference.py)
     from bridge.store.reader import open_checkpoint
-    from converters.megatron.plan import role_path
+    from converters.megatron.plan.convert_plan import role_path
 
     ref, step = cref.load_reference(run)
     ck = open_checkpoint(str(out))
@@ -101,7 +101,7 @@ def _same(ours, theirs, seen: set, where: str = "") -> None:
     """`ours` (this reader's value) stands for `theirs` (torch.load's), element bits included."""
     import torch
 
-    from converters.megatron.torch_archive import ArchiveTensor, TorchDevice, TorchDtype
+    from converters.megatron.read.torch_archive import ArchiveTensor, TorchDevice, TorchDtype
 
     if isinstance(theirs, torch.Tensor):
         assert isinstance(ours, ArchiveTensor), (where, type(ours))
@@ -143,7 +143,7 @@ def _torch_load(data: bytes):
 def _check_checkpoint(path: str, seen: set) -> tuple[int, int]:
     """Every tensor record of `path`, whole and by layout, and every object torch reads weights-only."""
     from converters.megatron.cache import record_layout
-    from converters.megatron.dcp_reader import DcpCheckpoint, open_range
+    from converters.megatron.read.dcp import DcpCheckpoint, open_range
 
     ck = DcpCheckpoint(path)
     records = objects = 0
@@ -230,7 +230,7 @@ def _rezip(blob: bytes, edit) -> bytes:
 
 
 def _layout(blob: bytes):
-    from converters.megatron.dcp_reader import _MemFile, tensor_member
+    from converters.megatron.read.dcp import _MemFile, tensor_member
 
     return tensor_member(_MemFile(memoryview(blob)), len(blob), "rec")
 
@@ -238,8 +238,8 @@ def _layout(blob: bytes):
 def test_values_and_to_torch_round_trip():
     import torch
 
-    from converters.megatron.dcp_reader import load_tensor_record, safe_torch_load_object
-    from converters.megatron.torch_archive import to_torch
+    from converters.megatron.read.dcp import load_tensor_record, safe_torch_load_object
+    from converters.megatron.read.torch_archive import to_torch
 
     p = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3).to(torch.bfloat16), requires_grad=False)
     t = load_tensor_record(bytearray(_saved(p)), "rec")
@@ -260,7 +260,7 @@ def test_values_and_to_torch_round_trip():
 def test_non_contiguous_record_refused_in_one_line():
     import torch
 
-    from converters.megatron.dcp_reader import load_tensor_record
+    from converters.megatron.read.dcp import load_tensor_record
 
     blob = _saved(torch.arange(6.0).reshape(2, 3).t())   # strides (1, 3)
     t = load_tensor_record(bytearray(blob), "rec")   # parses: objects may hold such tensors
@@ -274,7 +274,7 @@ def test_non_contiguous_record_refused_in_one_line():
 def test_out_of_range_offset_and_foreign_storage_refused():
     import torch
 
-    from converters.megatron.dcp_reader import load_tensor_record
+    from converters.megatron.read.dcp import load_tensor_record
 
     blob = _saved(torch.arange(6.0)[4:])              # offset 4, 2 elements of a 6-element storage
     forged = _rezip(blob, lambda pkl: pkl.replace(b"QK\x04", b"QK\x05", 1))   # offset 5: one element past the end

@@ -22,8 +22,8 @@ import pytest
 import bridge
 
 from bridge.errors import BridgeError
-from converters.megatron.dcp_reader import DcpCheckpoint, safe_loads
-from converters.megatron.unpickle_bounds import MAX_SAME_HASH
+from converters.megatron.read.dcp import DcpCheckpoint, safe_loads
+from converters.megatron.read.unpickle_bounds import MAX_SAME_HASH
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "megatron" / "dp2" / "fully_reshardable"
 M = 2**61 - 1   # hash(k * M) == 0 for every int k
@@ -37,7 +37,7 @@ def parse_in_child(path: Path, metadata: bool = False) -> str:
     """The one-line error parsing `path` gives (safe_loads, or DcpCheckpoint for a `.metadata`), in a
     child process that a hang cannot outlive (TimeoutExpired: the test fails)."""
     code = ("import sys\nfrom bridge.errors import BridgeError\n"
-            "from converters.megatron.dcp_reader import DcpCheckpoint, safe_loads\n"
+            "from converters.megatron.read.dcp import DcpCheckpoint, safe_loads\n"
             "try:\n"
             + ("    DcpCheckpoint(sys.argv[1])\n" if metadata else
                "    safe_loads(open(sys.argv[1], 'rb').read(), sys.argv[1])\n") +

@@ -62,7 +62,7 @@ def add_split_flags(g) -> None:
 
 
 def hints_from(args: argparse.Namespace):
-    from converters.megatron.format import Hints
+    from converters.megatron.plan.format import Hints
 
     return Hints(tp=args.tp, gtp=args.gtp, dp=args.dp, ep=args.ep, pp=args.pp, pad_for_alignment=args.pad_for_alignment,
                  num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
@@ -112,8 +112,8 @@ def add_parser(sub) -> None:
 
 def _source_step(src: str, hints) -> int | None:
     """The step `convert` will record for the torch_dist checkpoint `src` (its metadata only)."""
-    from converters.megatron.dcp_reader import DcpCheckpoint
-    from converters.megatron.format import describe, optimizer_groups, step_of
+    from converters.megatron.read.dcp import DcpCheckpoint
+    from converters.megatron.plan.format import describe, optimizer_groups, step_of
 
     source = describe(DcpCheckpoint(src), hints)
     return step_of(source, optimizer_groups(source))
@@ -121,7 +121,7 @@ def _source_step(src: str, hints) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     from bridge.commands.summary import convert_json, run_reporting
-    from converters.megatron.fact_sources import split_notes
+    from converters.megatron.plan.fact_sources import split_notes
 
     if args.dry_run:
         return dry_run(args)
@@ -141,7 +141,7 @@ def _options(args: argparse.Namespace):
 def _locate(args: argparse.Namespace) -> None:
     """SRC / DST as locations (an unknown scheme refused in one line), SRC's iteration from a run directory."""
     from bridge.location import location
-    from converters.megatron.rundir import locate_megatron_dir
+    from converters.megatron.read.rundir import locate_megatron_dir
 
     # before anything looks at them: an unknown scheme is refused in one line, never taken for a local path
     args.src, args.dst = location(args.src, "source"), location(args.dst, "destination")
@@ -153,7 +153,7 @@ def _locate(args: argparse.Namespace) -> None:
 
 def _convert(args: argparse.Namespace):
     from converters.megatron.convert import convert
-    from converters.megatron.fact_sources import split_notes
+    from converters.megatron.plan.fact_sources import split_notes
 
     _locate(args)
     opts = _options(args)
@@ -199,7 +199,7 @@ def dry_run(args: argparse.Namespace) -> int:
     from bridge.location import absolute, is_remote, join
     from bridge.store.claim import check_destination_free, check_sources
     from converters.megatron.convert import plan_conversion
-    from converters.megatron.fact_sources import fact_sources
+    from converters.megatron.plan.fact_sources import fact_sources
 
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         _locate(args)

@@ -8,7 +8,7 @@ from bridge.commands.convert import add_split_flags
 from bridge.format.scheduler_args import add_scheduler_flags, given_args
 
 #: the megatron-core releases --megatron-core offers: those that load a format to-megatron writes
-#: (converters.megatron.write.RELEASES; tests/test_cli_help.py keeps the two in step)
+#: (converters.megatron.write.torch_dist.RELEASES; tests/test_cli_help.py keeps the two in step)
 RELEASES = ["0.15", "0.16", "0.19"]
 
 EPILOG = """examples:
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 def _write(args: argparse.Namespace) -> dict:
     from bridge.errors import BridgeError
     from bridge.units import human_bytes, parse_size
-    from converters.megatron.write import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
 
     sched_args = given_args(args)
     if sched_args and args.no_scheduler:

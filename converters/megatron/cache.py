@@ -11,8 +11,8 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from bridge.errors import BridgeError
-from converters.megatron.dcp_reader import open_range
-from converters.megatron.records import RecordLayout, record_layout
+from converters.megatron.read.dcp import open_range
+from converters.megatron.read.records import RecordLayout, record_layout
 
 
 class ArrayLRU:
@@ -276,7 +276,7 @@ WHOLE_RECORDS = 16
 
 
 class ChunkCache:
-    """Stored chunks of one DCP checkpoint, read for copies (`converters.megatron.plan.Copy`).
+    """Stored chunks of one DCP checkpoint, read for copies (`converters.megatron.plan.convert_plan.Copy`).
 
     A chunk whose record fits a quarter of `max_bytes` (`WHOLE_RECORDS`) is read whole, once,
     CRC-checked, and kept (least recently used out); a larger one is never held whole: each copy reads only the bytes of its
@@ -307,7 +307,7 @@ class ChunkCache:
     def object_tensor(self, key: str) -> np.ndarray:
         """A state tensor inside a pickled object (dp_zero_gather_scatter; `plan.object_tensor_key`):
         the object is read once and all its tensors kept, as it holds them together."""
-        from converters.megatron.plan import object_tensor_key, parse_object_tensor_key
+        from converters.megatron.plan.convert_plan import object_tensor_key, parse_object_tensor_key
 
         a = self._lru.get((key, 0))
         if a is None:
@@ -352,9 +352,9 @@ class ChunkCache:
         in a pickle: DCP's default planner), which `object_tensor` then reads whole. Each object's
         pickle is parsed once, no tensor data read: at scale dp_zero_gather_scatter's object is the
         whole optimizer state of a TP x PP rank."""
-        from converters.megatron.dcp_reader import ChunkInfo, StorageRef
-        from converters.megatron.object_layout import ObjectTensor, object_tensors
-        from converters.megatron.plan import object_tensor_key, parse_object_tensor_key
+        from converters.megatron.read.dcp import ChunkInfo, StorageRef
+        from converters.megatron.read.object_layout import ObjectTensor, object_tensors
+        from converters.megatron.plan.convert_plan import object_tensor_key, parse_object_tensor_key
 
         name, _gbuf, _dtype, _state = parse_object_tensor_key(key)
         if name not in self._objects:
@@ -380,7 +380,7 @@ class ChunkCache:
         """`region` of a copy from a tensor inside a pickled object: a large tensor's bytes read for
         this copy only, a small one read alone once and kept."""
         from bridge.layout.boxes import Box
-        from converters.megatron.plan import Copy
+        from converters.megatron.plan.convert_plan import Copy
 
         got = self.located_object_tensor(c.key)
         if got is None:
@@ -398,7 +398,7 @@ class ChunkCache:
         return a if not c.src else a[tuple(slice(x, y) for x, y in c.src)].reshape(c.dst.shape)
 
     def region(self, c) -> np.ndarray:
-        """The source data of copy `c` (a `converters.megatron.plan.Copy`), shaped like its logical box."""
+        """The source data of copy `c` (a `converters.megatron.plan.convert_plan.Copy`), shaped like its logical box."""
         if c.key not in self.ck.tensors:
             return self._object_region(c)
         else:

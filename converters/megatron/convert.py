@@ -1,6 +1,6 @@
 """Megatron-Core `torch_dist` checkpoint -> logical checkpoint (the `convert` command's engine).
 
-Steps: describe the source (`converters.megatron.format.describe`), plan copies per parameter
+Steps: describe the source (`converters.megatron.plan.format.describe`), plan copies per parameter
 (`megatron_plan`), cut every logical array on an outer chunk grid sized from each worker's share
 of the budget (`plan_blocks`), give contiguous runs of chunks to writer processes, then every
 worker streams: for each of its chunks, fill it in all four roles from the stored chunks (a
@@ -44,17 +44,17 @@ from bridge.store.staging import cells_are_row_runs
 from bridge.dtypes import name_of_torch, numpy_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
-from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
-from converters.megatron.object_layout import object_tensors
-from converters.megatron.save_facts import check_against_save
+from converters.megatron.read.dcp import ChunkInfo, DcpCheckpoint
+from converters.megatron.read.object_layout import object_tensors
+from converters.megatron.plan.save_facts import check_against_save
 from converters.megatron.cache import ChunkCache, check_records
 from converters.megatron.writer_procs import run_parallel
 from converters.megatron import replicas
-from converters.megatron.format import (BUCKETED, Hints, SourceCheckpoint, _as_dict, bucket_space_flat_chunks, describe,
+from converters.megatron.plan.format import (BUCKETED, Hints, SourceCheckpoint, _as_dict, bucket_space_flat_chunks, describe,
                                         merge_split_keys,
                                         optimizer_groups,
                                         parse_groups_hyper, plain_value, step_of)
-from converters.megatron.plan import (ROLES, Block, Copy, CopyIndex, Instance, Unit, assign_blocks, flat_copies,
+from converters.megatron.plan.convert_plan import (ROLES, Block, Copy, CopyIndex, Instance, Unit, assign_blocks, flat_copies,
                                       dp_group_places, literal, local_instances, model_space_copies,
                                       model_space_copies_flat, object_tensor_key, parse_dtype_key,
                                       plan_blocks, rebuild_bucket_layout, replica_label, role_path, FIRST_FLAG, LAST_FLAG,

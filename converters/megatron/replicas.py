@@ -23,7 +23,7 @@ import numpy as np
 from bridge.cast_check import bits_equal
 from bridge.format.manifest import ReplicaDiff, ReplicaRecord
 from bridge.inspect.replicas import MAIN_REPLICA, describe, param_lines
-from converters.megatron.plan import Block, Copy, CopyIndex, Unit
+from converters.megatron.plan.convert_plan import Block, Copy, CopyIndex, Unit
 
 MAIN_REPLICA_TEXT = ("TP rank 0, GTP rank 0 (replica_id 0: Megatron's main replica, the copy its fully_reshardable "
                      "save keeps)")

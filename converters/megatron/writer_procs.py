@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from bridge.errors import BridgeError
 from bridge.store.plan import WritePlan
-from converters.megatron.plan import Block, Unit
+from converters.megatron.plan.convert_plan import Block, Unit
 
 
 def die_with_parent() -> None:

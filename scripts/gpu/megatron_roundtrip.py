@@ -119,7 +119,7 @@ def export_grads(model, optimizer, path: str) -> None:
     from dataclasses import replace
 
     from bridge.live.export import export_state
-    from converters.megatron.live import local_params
+    from converters.megatron.live.adapter import local_params
 
     params, run = local_params(model, optimizer, for_export=True)
     out = []
@@ -145,7 +145,7 @@ def megatron_own_load(run_cfg: dict, ckpt: str):
 def step_and_record(model, optimizer, d: str, res: dict, prefix: str = "") -> None:
     """Steps 3 and 4; after step 3 export `<prefix>live_after` and `<prefix>live_grads`."""
     import tinygpt
-    from converters.megatron.live import export_megatron
+    from converters.megatron.live.adapter import export_megatron
 
     res[prefix + "next_losses"] = [tinygpt.train_step(model, optimizer, STEPS)]
     res[prefix + "step3"] = dict(tinygpt.LAST_STEP)
@@ -187,7 +187,7 @@ def main() -> None:
 
     import tinygpt
     from bridge.live.export import Exporter
-    from converters.megatron.live import export_megatron, load_megatron, local_params
+    from converters.megatron.live.adapter import export_megatron, load_megatron, local_params
 
     run_cfg = LAYOUTS[a.layout]
     tinygpt.setup_parallel(run_cfg.get("tp", 1), run_cfg.get("ep", 1), run_cfg.get("gtp", 1))

@@ -42,7 +42,7 @@ def sync() -> None:
 def main() -> None:
     from bridge.live.export import Exporter
     from bridge.store.reader import open_checkpoint
-    from converters.megatron.live import export_megatron, export_megatron_async
+    from converters.megatron.live.adapter import export_megatron, export_megatron_async
 
     D, out = sys.argv[1], sys.argv[2]
     deadline = float(os.environ.get("SP_DEADLINE_AT", "inf"))

@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--order", default="conv,live,live,conv")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false")
     a = ap.parse_args()
-    from converters.megatron.live import load_megatron
+    from converters.megatron.live.adapter import load_megatron
 
     res: dict = {"loads": []}
     tinygpt.setup_parallel(1)

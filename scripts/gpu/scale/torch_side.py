@@ -147,7 +147,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from bridge.live.export import Exporter
-    from converters.megatron.live import export_megatron, load_megatron
+    from converters.megatron.live.adapter import export_megatron, load_megatron
 
     R = Recorder(a.json)
     res = R.res

@@ -18,7 +18,7 @@ ranges, chunks inside tensors, byte ranges inside files, paths inside the direct
 Tensor records are unpickled by the same reader (not `torch.load`), sharing the read buffer.
 
 torch is never imported to read a checkpoint: torch's classes and rebuild functions are allow-listed
-by name and build inert values (`converters.megatron.torch_archive`: a tensor is an `ArchiveTensor`
+by name and build inert values (`converters.megatron.read.torch_archive`: a tensor is an `ArchiveTensor`
 whose `.numpy()` views the record's bytes), so convert's processes stay hundreds of MiB smaller. The
 functions named `*torch*` (`safe_torch_load_tensor`, `read_chunk`, `read_full`) convert to torch at
 their edge, for callers that want tensors.
@@ -44,9 +44,9 @@ from typing import Any, Iterator
 from bridge.errors import BridgeError
 from bridge.location import is_remote, local_path
 from bridge.store.ranged import RangeReader, open_range  # noqa: F401 - RangeReader: readers name it here
-from converters.megatron.inert import InertStub
-from converters.megatron.unpickle_bounds import MAX_NESTING, Immutables, KeyGuard, check_graph, copy_keys
-from converters.megatron.torch_archive import (DTYPE_NAMES, LAYOUT_NAMES, MEMORY_FORMAT_NAMES, STORAGE_DTYPES,
+from converters.megatron.read.inert import InertStub
+from converters.megatron.read.unpickle_bounds import MAX_NESTING, Immutables, KeyGuard, check_graph, copy_keys
+from converters.megatron.read.torch_archive import (DTYPE_NAMES, LAYOUT_NAMES, MEMORY_FORMAT_NAMES, STORAGE_DTYPES,
                                                ArchiveTensor, Storage, TorchDevice, TorchDtype, TorchLayout,
                                                TorchMemoryFormat, to_torch)
 
@@ -78,7 +78,7 @@ def make_stub(module: str, name: str) -> type:
     """An InertStub subclass standing in for `module.name` (cached, so identity is stable)."""
     full = f"{module}.{name}"
     if full not in _STUB_CACHE:
-        _STUB_CACHE[full] = type(name, (InertStub,), {"stub_name": full, "__module__": "converters.megatron.dcp_reader"})
+        _STUB_CACHE[full] = type(name, (InertStub,), {"stub_name": full, "__module__": "converters.megatron.read.dcp"})
     return _STUB_CACHE[full]
 
 
@@ -1433,7 +1433,7 @@ class DcpCheckpoint:
 
     def read_object(self, fqn: str) -> Any:
         """A byte entry unpickled with the allow-list (first blob; MCore wraps objects in a list);
-        torch values are `converters.megatron.torch_archive` stand-ins (`to_torch` converts)."""
+        torch values are `converters.megatron.read.torch_archive` stand-ins (`to_torch` converts)."""
         fqn = self.object_key(fqn) or fqn
         if fqn not in self.objects:
             raise BridgeError(f"{self.root}: no object {fqn!r} in the checkpoint")

@@ -22,10 +22,10 @@ from bridge.format import schema
 from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry, gtp_shard_dim0
-from converters.megatron import model_facts
-from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint, InertStub, TensorInfo
-from converters.megatron.plan import PipelineSplit, is_tied
-from converters.megatron.naming import (SPLIT_SECTIONS, is_gtp_weight, is_routed_expert, module_of, num_prepend_axes,
+from converters.megatron.plan import model_facts
+from converters.megatron.read.dcp import ChunkInfo, DcpCheckpoint, InertStub, TensorInfo
+from converters.megatron.plan.convert_plan import PipelineSplit, is_tied
+from converters.megatron.plan.naming import (SPLIT_SECTIONS, is_gtp_weight, is_routed_expert, module_of, num_prepend_axes,
                                         split_kind, strip_wrappers, tp_kind_by_name)
 
 OPT_STATE_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
@@ -219,12 +219,12 @@ def bucket_space_flat_chunks(key: str, info: TensorInfo, world_numel: int, dp: i
     flattened ranges as `(dp, world_numel // dp)`, each rank's pieces `(1, n)` at `(rank, start)`:
     row-major flat offset `rank * local + start`. Other shapes are refused.
 
-    >>> from converters.megatron.dcp_reader import ChunkInfo
+    >>> from converters.megatron.read.dcp import ChunkInfo
     >>> info = TensorInfo("k", "torch.float32", (2, 8), [ChunkInfo((0, 0), (1, 3), None), ChunkInfo((1, 2), (1, 6), None)])
     >>> [(c.offsets, c.sizes) for c in bucket_space_flat_chunks("k", info, 16, 2)]
     [((0,), (3,)), ((10,), (6,))]
     """
-    from converters.megatron.dcp_reader import ChunkInfo
+    from converters.megatron.read.dcp import ChunkInfo
 
     if tuple(info.shape) == (world_numel,):
         return list(info.chunks)
@@ -246,7 +246,7 @@ def split_spec(sections: Iterable[tuple[str, int]]) -> FusedSpec | None:
     """The section table of a fused parameter Megatron saves one key per section (`<key>.<section>`,
     naming.SPLIT_SECTIONS), from each section's rows along the instance's dim 0; None when the
     section names are no such kind. The one table both `merge_split_keys` (convert) and the live
-    adapter (`converters.megatron.live`) use, so both name the same arrays.
+    adapter (`converters.megatron.live.adapter`) use, so both name the same arrays.
 
     >>> split_spec([("B", 4), ("x", 8), ("C", 4)]).to_json()["sections"]
     [['x', 8], ['B', 4], ['C', 4]]

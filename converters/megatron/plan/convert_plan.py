@@ -33,7 +33,7 @@ from bridge.layout.rectangles import RowRun
 from bridge.format import schema
 from bridge.format.schema import ROLES  # noqa: F401 - the roles a Unit copies, in write order
 from bridge.format.tree import megatron_key_to_path
-from converters.megatron.dcp_reader import ChunkInfo, TensorInfo
+from converters.megatron.read.dcp import ChunkInfo, TensorInfo
 
 
 def role_path(role: str, array: str) -> tuple[str, ...]:
@@ -258,7 +258,7 @@ def logical_row_runs(geom: ParamGeometry) -> list[RowRun]:
 def box_copies(key: str, index: int, chunk: ChunkInfo, runs: Sequence[RowRun], npre: int) -> list[Copy]:
     """Copies of one stored chunk of a model-space key, through `runs` (row axis = `npre`).
 
-    >>> from converters.megatron.dcp_reader import ChunkInfo, StorageRef
+    >>> from converters.megatron.read.dcp import ChunkInfo, StorageRef
     >>> ch = ChunkInfo((1, 4, 0), (1, 4, 6), StorageRef("f", 0, 0))     # layer 1, rows 4..7
     >>> [(c.array, str(c.dst), c.src) for c in box_copies("k", 0, ch, [RowRun(0, 6, "a", (0, 0, 0)), RowRun(6, 6, "b", (0, 0, 0))], 1)]
     [('a', '[1:2, 4:6, 0:6]', ((0, 1), (0, 2), (0, 6))), ('b', '[1:2, 0:2, 0:6]', ((0, 1), (2, 4), (0, 6)))]

@@ -1,6 +1,6 @@
 """What a `torch.save` archive holds, as plain values: torch is never imported to read one.
 
-`converters.megatron.dcp_reader`'s restricted unpickler builds these instead of torch objects: a
+`converters.megatron.read.dcp`'s restricted unpickler builds these instead of torch objects: a
 dtype, layout, memory format or device is a small frozen record (`TorchDtype("bfloat16")` prints as
 `torch.bfloat16`), `torch.Size` is a tuple, and a tensor is an `ArchiveTensor`: its storage record
 (key, dtype, bytes shared with the archive buffer), element offset, shape and stride. `.numpy()`

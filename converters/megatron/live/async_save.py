@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 from bridge.dist import TorchCoordinator
 from bridge.location import is_remote
-from converters.megatron.rundir import plan_run_dir, write_tracker
+from converters.megatron.read.rundir import plan_run_dir, write_tracker
 
 
 class AsyncSave:
@@ -53,7 +53,7 @@ class AsyncSave:
 
         Finalizes the previous one first (waiting for it if it still runs; its failure is raised).
         """
-        from converters.megatron.live import export_megatron_async
+        from converters.megatron.live.adapter import export_megatron_async
 
         return self._start(iteration, lambda dst, on_commit: export_megatron_async(
             dst, model, optimizer, self.options, exporter=self.exporter, on_commit=on_commit, group=self.group,

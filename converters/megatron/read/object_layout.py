@@ -16,7 +16,7 @@ from math import prod
 from typing import Any
 
 from bridge.errors import BridgeError
-from converters.megatron.records import RecordLayout, Window
+from converters.megatron.read.records import RecordLayout, Window
 
 #: containers a param_state object is made of (walked to this depth at most: the file is untrusted)
 MAX_DEPTH = 8
@@ -46,9 +46,9 @@ def object_tensors(ck, name: str) -> Any:
     contiguous. None when the blob is a pickled BytesIO holding the archive (DCP's default planner
     saves a BytesIO so; Megatron's torch_dist writer stores the archive itself): its bytes are
     re-encoded inside the pickle, so nothing can be located."""
-    from converters.megatron.dcp_reader import (archive_members, check_relative_path, open_range, read_small_members,
+    from converters.megatron.read.dcp import (archive_members, check_relative_path, open_range, read_small_members,
                                                 safe_loads)
-    from converters.megatron.torch_archive import ArchiveTensor
+    from converters.megatron.read.torch_archive import ArchiveTensor
 
     fqn = ck.object_key(name) or name
     if fqn not in ck.objects:

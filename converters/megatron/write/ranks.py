@@ -30,8 +30,8 @@ from bridge.layout.shares import contiguous_parts
 from bridge.progress import progress
 from bridge.store.claim import hold_claim
 from bridge.torchrun import Ranks, _testing_fault, command_ranks
-from converters.megatron.rundir import write_tracker
-from converters.megatron.write import (MegatronPlan, OpenFile, Stats, Written, publish_iteration, take_back,
+from converters.megatron.read.rundir import write_tracker
+from converters.megatron.write.torch_dist import (MegatronPlan, OpenFile, Stats, Written, publish_iteration, take_back,
                                        write_files)
 
 

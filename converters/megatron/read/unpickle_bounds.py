@@ -163,7 +163,7 @@ def copy_keys(cls: type, arg: Any) -> Iterable[Any]:
 
 def _children(x: Any) -> Any:
     """The objects a container of an unpickled graph refers to (none for leaves)."""
-    from converters.megatron.inert import InertStub
+    from converters.megatron.read.inert import InertStub
 
     t = type(x)
     if t is list or t is tuple or t is set or t is frozenset:

@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from converters.megatron import model_facts
-from converters.megatron.format import Hints, SourceCheckpoint, _as_dict, checked_args
+from converters.megatron.plan import model_facts
+from converters.megatron.plan.format import Hints, SourceCheckpoint, _as_dict, checked_args
 
 FLAG, SAVE, DEFAULT = "flag", "save", "default"
 

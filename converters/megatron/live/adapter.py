@@ -64,8 +64,8 @@ from bridge.errors import BridgeError
 from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
-from converters.megatron.format import split_spec
-from converters.megatron.naming import SPLIT_SECTIONS, is_routed_expert, logical_key, module_of
+from converters.megatron.plan.format import split_spec
+from converters.megatron.plan.naming import SPLIT_SECTIONS, is_routed_expert, logical_key, module_of
 
 if TYPE_CHECKING:
     from bridge.live.api import AdamConfig, LiveRun, LocalParam, ReloadResult
@@ -813,7 +813,7 @@ def export_megatron_async(dst: str, model: Any, optimizer: Any, options: "Export
 
     As `bridge.live.export.Exporter.export_async`: the writes and the commit run in the background
     while training continues; pass the same `exporter` every time (it keeps the pinned staging slots
-    and waits for the export in flight). For a training loop, `converters.megatron.async_save.AsyncSave`
+    and waits for the export in flight). For a training loop, `converters.megatron.live.async_save.AsyncSave`
     wraps it with Megatron-LM's run directory, tracker file and per-step finalize.
     """
     from bridge.live.export import Exporter

@@ -7,7 +7,7 @@ and `metadata.json`. Chunks follow the target layout (one per stacked instance a
 per (TP, GTP) shard of the 0.19.2 padded grid for GTP-sharded weights; split into row slabs when one
 would not fit the budget), so Megatron-Core reads its own rectangles. The output is Megatron-LM's
 run directory layout (`<run>/iter_<step, 7 digits>/` + `latest_checkpointed_iteration.txt`,
-`converters.megatron.rundir`): the iteration directory is written under a temporary name, renamed
+`converters.megatron.read.rundir`): the iteration directory is written under a temporary name, renamed
 when complete, then the tracker set.
 
 Streaming: `megatron_write_plan` groups the work so each logical array's boxes are read once and a
@@ -57,12 +57,12 @@ from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.dtypes import numpy_dtype, torch_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.dtypes import from_numpy
-from converters.megatron.naming import (check_one_convention, convention_key, is_gtp_weight, is_routed_expert,
+from converters.megatron.plan.naming import (check_one_convention, convention_key, is_gtp_weight, is_routed_expert,
                                         key_prefix, num_prepend_axes, strip_wrappers, tp_kind_by_name)
-from converters.megatron.plan import (PipelineSplit, dp_group_places, is_scrambled_swiglu, is_tied, local_instances,
+from converters.megatron.plan.convert_plan import (PipelineSplit, dp_group_places, is_scrambled_swiglu, is_tied, local_instances,
                                       role_path)
-from converters.megatron.rundir import plan_run_dir, write_tracker
-from converters.megatron.write_plan import (STATE_NAMES, DpJob, ChunkGroup, ParamSpec, layout_limits, plan_groups,
+from converters.megatron.read.rundir import plan_run_dir, write_tracker
+from converters.megatron.plan.write_plan import (STATE_NAMES, DpJob, ChunkGroup, ParamSpec, layout_limits, plan_groups,
                                             shard_ranges)
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
@@ -452,11 +452,11 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
     Without `model` arrays (or with `weights_from_masters`) the weights are bf16(fp32 masters),
     rounded to nearest even as Megatron's optimizer does; otherwise each weight is checked to be that.
     `open_file` opens each worker's `.distcp` file (default `default_open_file`), e.g. one whose writes
-    fail midway. Under torchrun every rank writes a share (`converters.megatron.write_ranks`).
+    fail midway. Under torchrun every rank writes a share (`converters.megatron.write.ranks`).
     """
     mp = plan_megatron(src, dst, target, budget, workers, weights_from_masters)
     if launched_world() > 1:
-        from converters.megatron.write_ranks import to_megatron_ranks
+        from converters.megatron.write.ranks import to_megatron_ranks
 
         return to_megatron_ranks(mp, open_file, show_progress)
     where, remote = mp.where, mp.remote
@@ -494,7 +494,7 @@ class MegatronPlan:
     lay: ParallelLayout
     target: MegatronTarget
     step: int
-    where: Any              # converters.megatron.rundir.RunDirPlan
+    where: Any              # converters.megatron.read.rundir.RunDirPlan
     groups: list[ChunkGroup]
     dp_jobs: list[DpJob]
     dp_objects: list

@@ -9,7 +9,7 @@ from typing import Any
 class InertStub:
     """Stand-in for a class from an untrusted module: records what it was built from, runs nothing.
 
-    >>> from converters.megatron.dcp_reader import make_stub
+    >>> from converters.megatron.read.dcp import make_stub
     >>> s = make_stub("megatron.core.enums", "ModelType")(1)
     >>> s.stub_name, s.stub_args
     ('megatron.core.enums.ModelType', (1,))

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import re
 from bridge.errors import BridgeError
-from converters.megatron.format import Hints, SourceCheckpoint, _as_dict
-from converters.megatron.model_facts import FLAG_OF
-from converters.megatron.plan import PipelineSplit, stage_placement
+from converters.megatron.plan.format import Hints, SourceCheckpoint, _as_dict
+from converters.megatron.plan.model_facts import FLAG_OF
+from converters.megatron.plan.convert_plan import PipelineSplit, stage_placement
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d{1,9})\.")
 
