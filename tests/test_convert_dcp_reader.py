@@ -15,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from bridge.errors import BridgeError
-from converters.megatron.read.dcp import DcpCheckpoint, InertStub, safe_loads, safe_torch_load_object
+from converters.megatron.read.dcp import DcpCheckpoint, safe_loads, safe_torch_load_object
+from converters.megatron.read.inert import InertStub
 from servers import free_port
 
 

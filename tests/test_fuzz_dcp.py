@@ -443,12 +443,14 @@ def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs i
     import torch.distributed.checkpoint  # noqa: F401  (to re-pickle real Metadata in mutate_structure)
 
     import converters.megatron.read.dcp as R
+    from converters.megatron.read.dcp_metadata import interpret_metadata
+    from converters.megatron.read.unpickle_rules import allowed_globals
     from bridge.errors import BridgeError
     from converters.megatron.plan.format import describe
     from converters.megatron.read.torch_archive import to_torch
 
     torch.ones(4096).sum()
-    R._globals()
+    allowed_globals()
     out = Path(outdir)
     with tempfile.TemporaryDirectory() as tmpd:
         tmp = Path(tmpd)
@@ -472,7 +474,7 @@ def fuzz_main(seconds: float, outdir: str) -> None:  # pragma: no cover - runs i
             try:
                 if target == "metadata":
                     obj = R.safe_loads(data, "fuzz .metadata", check=False)
-                    R._interpret_metadata(obj, full, "fuzz .metadata")
+                    interpret_metadata(obj, full, "fuzz .metadata")
                 elif target == "checkpoint":
                     (full / ".metadata").write_bytes(data)
                     try:

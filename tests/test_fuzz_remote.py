@@ -49,7 +49,9 @@ def fuzz_main(seconds: float, outdir: str, url: str) -> None:  # pragma: no cove
     import converters.megatron.read.dcp as R
     from bridge.store import kvstore
     from converters.megatron.read.records import Window
-    from converters.megatron.read.dcp import DcpCheckpoint, StorageRef, open_range
+    from bridge.store.ranged import open_range
+    from converters.megatron.read.dcp import DcpCheckpoint
+    from converters.megatron.read.dcp_metadata import StorageRef
     from converters.megatron.read.object_layout import MAX_OBJECT_PICKLE
 
     out = Path(outdir)

@@ -63,7 +63,7 @@ def same_arrays(a_loc: str, b_loc: str) -> int:
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_every_read_returns_exactly_the_bytes_asked_for(stores, scheme):
-    from converters.megatron.read.dcp import open_range   # where the readers take it from
+    from bridge.store.ranged import open_range
 
     srv = stores[scheme]
     size = 5 * READ_AHEAD + 12_345

@@ -143,7 +143,8 @@ def _torch_load(data: bytes):
 def _check_checkpoint(path: str, seen: set) -> tuple[int, int]:
     """Every tensor record of `path`, whole and by layout, and every object torch reads weights-only."""
     from converters.megatron.cache import record_layout
-    from converters.megatron.read.dcp import DcpCheckpoint, open_range
+    from bridge.store.ranged import open_range
+    from converters.megatron.read.dcp import DcpCheckpoint
 
     ck = DcpCheckpoint(path)
     records = objects = 0

@@ -11,7 +11,7 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from bridge.errors import BridgeError
-from converters.megatron.read.dcp import open_range
+from bridge.store.ranged import open_range
 from converters.megatron.read.records import RecordLayout, record_layout
 
 
@@ -352,7 +352,7 @@ class ChunkCache:
         in a pickle: DCP's default planner), which `object_tensor` then reads whole. Each object's
         pickle is parsed once, no tensor data read: at scale dp_zero_gather_scatter's object is the
         whole optimizer state of a TP x PP rank."""
-        from converters.megatron.read.dcp import ChunkInfo, StorageRef
+        from converters.megatron.read.dcp_metadata import ChunkInfo, StorageRef
         from converters.megatron.read.object_layout import ObjectTensor, object_tensors
         from converters.megatron.plan.convert_plan import object_tensor_key, parse_object_tensor_key
 

@@ -44,7 +44,8 @@ from bridge.store.staging import cells_are_row_runs
 from bridge.dtypes import name_of_torch, numpy_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter
-from converters.megatron.read.dcp import ChunkInfo, DcpCheckpoint
+from converters.megatron.read.dcp import DcpCheckpoint
+from converters.megatron.read.dcp_metadata import ChunkInfo
 from converters.megatron.read.object_layout import object_tensors
 from converters.megatron.plan.save_facts import check_against_save
 from converters.megatron.cache import ChunkCache, check_records

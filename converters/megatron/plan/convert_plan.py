@@ -33,7 +33,7 @@ from bridge.layout.rectangles import RowRun
 from bridge.format import schema
 from bridge.format.schema import ROLES  # noqa: F401 - the roles a Unit copies, in write order
 from bridge.format.tree import megatron_key_to_path
-from converters.megatron.read.dcp import ChunkInfo, TensorInfo
+from converters.megatron.read.dcp_metadata import ChunkInfo, TensorInfo
 
 
 def role_path(role: str, array: str) -> tuple[str, ...]:

@@ -23,7 +23,9 @@ from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry, gtp_shard_dim0
 from converters.megatron.plan import model_facts
-from converters.megatron.read.dcp import ChunkInfo, DcpCheckpoint, InertStub, TensorInfo
+from converters.megatron.read.dcp import DcpCheckpoint
+from converters.megatron.read.dcp_metadata import ChunkInfo, TensorInfo
+from converters.megatron.read.inert import InertStub
 from converters.megatron.plan.convert_plan import PipelineSplit, is_tied
 from converters.megatron.plan.naming import (SPLIT_SECTIONS, is_gtp_weight, is_routed_expert, module_of, num_prepend_axes,
                                         split_kind, strip_wrappers, tp_kind_by_name)
@@ -224,7 +226,7 @@ def bucket_space_flat_chunks(key: str, info: TensorInfo, world_numel: int, dp: i
     >>> [(c.offsets, c.sizes) for c in bucket_space_flat_chunks("k", info, 16, 2)]
     [((0,), (3,)), ((10,), (6,))]
     """
-    from converters.megatron.read.dcp import ChunkInfo
+    from converters.megatron.read.dcp_metadata import ChunkInfo
 
     if tuple(info.shape) == (world_numel,):
         return list(info.chunks)

@@ -22,7 +22,7 @@ from bridge.layout.boxes import Box
 from bridge.layout.legacy import legacy_box_map, legacy_shape
 from bridge.layout.parallel import MAX_WORLD, ParallelLayout
 from bridge.layout.params import ParamGeometry
-from converters.megatron.read.dcp import ChunkInfo, StorageRef
+from converters.megatron.read.dcp_metadata import ChunkInfo, StorageRef
 from bridge.format.schema import MODEL, OPTIMIZER_ROLES, PARAMS, ROLE_STATE, in_role, to_role
 from converters.megatron.plan.naming import SPLIT_SECTIONS
 from converters.megatron.plan.convert_plan import box_copies, is_scrambled_swiglu, logical_row_runs, role_path

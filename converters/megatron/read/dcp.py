@@ -22,6 +22,11 @@ by name and build inert values (`converters.megatron.read.torch_archive`: a tens
 whose `.numpy()` views the record's bytes), so convert's processes stay hundreds of MiB smaller. The
 functions named `*torch*` (`safe_torch_load_tensor`, `read_chunk`, `read_full`) convert to torch at
 their edge, for callers that want tensors.
+
+This module holds the unpickler (`SafeUnpickler`, `safe_loads`), torch.save archives read without
+torch.load, and `DcpCheckpoint`; beside it: what a pickle may build (`read.unpickle_rules`), its time
+bounds (`read.unpickle_bounds`), `.metadata` as data (`read.dcp_metadata`), where bytes come from
+(`read.sources`).
 """
 
 from __future__ import annotations
@@ -31,402 +36,27 @@ import argparse
 import io
 import os
 import pickle
-import re
 import struct
 import types
 import zipfile
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 from typing import Any, Iterator
 
 from bridge.errors import BridgeError
 from bridge.location import is_remote, local_path
-from bridge.store.ranged import RangeReader, open_range  # noqa: F401 - RangeReader: readers name it here
+from bridge.store.ranged import open_range
+from converters.megatron.read.dcp_metadata import ChunkInfo, StorageRef, interpret_metadata
 from converters.megatron.read.inert import InertStub
-from converters.megatron.read.unpickle_bounds import MAX_NESTING, Immutables, KeyGuard, check_graph, copy_keys
-from converters.megatron.read.torch_archive import (DTYPE_NAMES, LAYOUT_NAMES, MEMORY_FORMAT_NAMES, STORAGE_DTYPES,
-                                               ArchiveTensor, Storage, TorchDevice, TorchDtype, TorchLayout,
-                                               TorchMemoryFormat, to_torch)
-
-# ---------------------------------------------------------------------------------------------
-# Restricted unpickling
-# ---------------------------------------------------------------------------------------------
-
-#: Module prefixes whose classes are replaced by inert stubs (they only carry data we may read).
-STUB_PREFIXES = ("megatron.", "transformer_engine.", "nvidia_resiliency_ext.", "megatron_core.")
-
-# DCP's own metadata classes are read as inert records (their pickled state is plain data): no torch
-# code runs while unpickling, and torch.distributed.checkpoint (seconds to import) is not needed.
-RECORD_CLASSES = {("torch.distributed.checkpoint.metadata", n) for n in (
-    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-    "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING")}
-RECORD_CLASSES |= {("torch.distributed.checkpoint.filesystem", n) for n in ("_StorageInfo", "_StoragePrefix")}
-RECORD_CLASSES |= {("torch.distributed.checkpoint.planner", n) for n in (
-    "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadItemType")}
-
-#: Limits that keep a hostile pickle from costing more than a constant times its size.
-MAX_DIMS = 64             # dimensions of a torch.Size / array shape
-ALLOC_PER_INPUT_BYTE = 16  # objects/bytes a pickle may copy through allowed callables, per input byte
-ALLOC_SLACK = 1 << 20
-
-_STUB_CACHE: dict[str, type] = {}
-
-
-def make_stub(module: str, name: str) -> type:
-    """An InertStub subclass standing in for `module.name` (cached, so identity is stable)."""
-    full = f"{module}.{name}"
-    if full not in _STUB_CACHE:
-        _STUB_CACHE[full] = type(name, (InertStub,), {"stub_name": full, "__module__": "converters.megatron.read.dcp"})
-    return _STUB_CACHE[full]
-
-
-def _is_stub_class(obj: Any) -> bool:
-    return isinstance(obj, type) and issubclass(obj, InertStub)
-
-
-@dataclass(frozen=True)
-class _StorageKind:
-    """What a `torch.<X>Storage` global means inside a torch.save pickle: the element dtype."""
-
-    dtype: TorchDtype
-
-
-@dataclass(frozen=True)
-class TorchGlobal:
-    """An allow-listed torch class or function, by name: what the pickle calls is checked and built
-    by its rule in `_call_rules` (torch itself is not imported)."""
-
-    module: str
-    name: str
-
-
-#: torch globals a torch.save pickle may name, and the markers standing for them
-_TORCH_GLOBALS = {(m, n): TorchGlobal(m, n) for m, n in (
-    ("torch", "Size"), ("torch", "device"), ("torch", "Tensor"), ("torch.serialization", "_get_layout"),
-    ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch._utils", "_rebuild_parameter"), ("torch._tensor", "_rebuild_from_type_v2"),
-    ("torch.nn.parameter", "Parameter"))}
-_TORCH_NAMES: dict[str, Any] = {**{n: TorchDtype(n) for n in DTYPE_NAMES}, **{n: TorchLayout(n) for n in LAYOUT_NAMES},
-                                **{n: TorchMemoryFormat(n) for n in MEMORY_FORMAT_NAMES}}
-_STORAGE_KINDS = {n: _StorageKind(_TORCH_NAMES[d]) for n, d in STORAGE_DTYPES.items()}
-
-
-_GLOBALS: dict[tuple[str, str], Any] | None = None
-_CALLS: dict[Any, Any] = {}       # allowed global -> checker(unpickler, args, kwargs) building the object
-_EMPTY_NEW: set[Any] = set()      # classes NEWOBJ may create empty (their state comes from later opcodes)
-
-
-def _globals() -> dict[tuple[str, str], Any]:
-    """The allow-list: (module, name) -> object; built once, on first use (imports numpy, not torch)."""
-    global _GLOBALS
-    if _GLOBALS is not None:
-        return _GLOBALS
-    import argparse
-    import collections
-    import codecs
-    import copyreg
-    import datetime
-    import pathlib
-    import types
-
-    import numpy as np
-
-    try:
-        from numpy._core import multiarray as np_ma
-    except ImportError:  # numpy 1
-        from numpy.core import multiarray as np_ma
-    b = __import__("builtins")
-    g: dict[tuple[str, str], Any] = {("builtins", n): getattr(b, n) for n in (
-        "dict", "list", "tuple", "set", "frozenset", "bytearray", "bytes", "str", "int", "float", "complex",
-        "bool", "slice", "object")}
-    g[("builtins", "NoneType")] = type(None)
-    g.update({
-        ("collections", "OrderedDict"): collections.OrderedDict, ("collections", "defaultdict"): collections.defaultdict,
-        ("collections", "deque"): collections.deque, ("collections", "Counter"): collections.Counter,
-        ("argparse", "Namespace"): argparse.Namespace, ("types", "SimpleNamespace"): types.SimpleNamespace,
-        ("_codecs", "encode"): codecs.encode, ("copyreg", "_reconstructor"): copyreg._reconstructor,
-        ("_io", "BytesIO"): io.BytesIO, ("pathlib", "PosixPath"): pathlib.PosixPath,
-        ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-        ("datetime", "datetime"): datetime.datetime, ("datetime", "date"): datetime.date,
-        ("datetime", "timedelta"): datetime.timedelta,
-        **_TORCH_GLOBALS,
-        ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
-    })
-    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        g[(mod, "_reconstruct")] = np_ma._reconstruct
-        g[(mod, "scalar")] = np_ma.scalar
-    for cls in (dict, list, set, bytearray, collections.OrderedDict, collections.Counter, collections.deque,
-                argparse.Namespace, types.SimpleNamespace, io.BytesIO, object):
-        _EMPTY_NEW.add(cls)
-    _CALLS.update(_call_rules(g))
-    _GLOBALS = g
-    return g
-
-
-def _sized(x: Any) -> bool:
-    """A concrete, already-built container (no lazy range/iterator that a copy would expand)."""
-    return type(x) in (list, tuple, dict, set, frozenset, str, bytes, bytearray) or isinstance(x, dict)
-
-
-def _plain_numeric_dtype(d: Any) -> bool:
-    """A numpy dtype whose raw bytes cannot encode pointers: bool/int/uint/float/complex, no fields.
-
-    >>> import numpy as np
-    >>> _plain_numeric_dtype(np.dtype("f4")), _plain_numeric_dtype(np.dtype("O")), _plain_numeric_dtype(np.dtype([("a", "O")]))
-    (True, False, False)
-    """
-    import numpy as np
-
-    return (isinstance(d, np.dtype) and d.kind in "biufc" and d.fields is None and d.subdtype is None
-            and not d.hasobject and d.flags == np.dtype(d.str).flags)
-
-
-def _int_tuple(x: Any, what: str, max_len: int = MAX_DIMS) -> tuple[int, ...]:
-    ok = isinstance(x, (tuple, list)) and len(x) <= max_len
-    if ok:
-        for v in x:  # a plain loop: this runs for every chunk offset of a large .metadata
-            if type(v) is not int or not 0 <= v < 1 << 63:   # torch sizes are int64
-                ok = False
-                break
-    if not ok:
-        raise BridgeError(f"{what}: expected at most {max_len} integers in [0, 2**63), found {_short(x)}")
-    return tuple(x)
-
-
-def _short(x: Any) -> str:
-    """A bounded description of an untrusted value for messages."""
-    if isinstance(x, int) and x.bit_length() > 128:
-        return f"an integer of {x.bit_length()} bits"   # repr would fail past 4300 digits
-    if isinstance(x, (int, float, bool, type(None))):
-        return repr(x)[:40]
-    if isinstance(x, str):
-        return repr(x[:40])
-    return type(x).__name__
-
-
-def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
-    """Per allowed callable, a checker that validates the arguments and then builds the object.
-
-    Every rule charges what it copies to the unpickler's allocation budget; callables that could
-    expand a small argument (bytearray(3e9), list(range(5e7)), torch.Tensor(1e5, 1e5)) do not exist here.
-    """
-    import argparse
-    import collections
-    import copyreg
-    import datetime
-    import pathlib
-    import types
-
-    import numpy as np
-
-    np_reconstruct = g[("numpy._core.multiarray", "_reconstruct")]
-    np_scalar = g[("numpy._core.multiarray", "scalar")]
-
-    def container(cls):
-        def rule(u, args, kw):
-            if kw or len(args) > 1 or (args and not _sized(args[0])):
-                raise BridgeError(f"{u.what}: {cls.__name__}() with arguments {[_short(a) for a in args]}; "
-                                  f"only a copy of an already-built container is allowed")
-            if args:
-                u.charge(len(args[0]))
-                u.keys.admit_all(copy_keys(cls, args[0]))
-            out = cls(*args)
-            if cls in (tuple, frozenset):
-                u.note_immutable(out, out)
-            return out
-        return rule
-
-    def scalar_of(cls, max_len: int = 4300):
-        def rule(u, args, kw):
-            if kw or len(args) > 2 or not all(isinstance(a, (int, float, str, bytes, complex)) for a in args) \
-                    or any(isinstance(a, (str, bytes)) and len(a) > max_len for a in args):
-                raise BridgeError(f"{u.what}: {cls.__name__}() with arguments {[_short(a) for a in args]}")
-            return cls(*args)
-        return rule
-
-    def bytes_like(cls):
-        def rule(u, args, kw):
-            if kw or len(args) > 3 or (args and isinstance(args[0], int)) or (args and not _sized(args[0])) \
-                    or not all(isinstance(a, str) for a in args[1:]):
-                raise BridgeError(f"{u.what}: {cls.__name__}() with arguments {[_short(a) for a in args]}; "
-                                  f"only bytes given in the file are allowed")
-            if args:
-                u.charge(len(args[0]) * (4 if isinstance(args[0], str) else 1))
-            return cls(*args)
-        return rule
-
-    def str_rule(u, args, kw):
-        if kw or len(args) > 3 or (args and not isinstance(args[0], (str, bytes, bytearray, int, float))):
-            raise BridgeError(f"{u.what}: str() with arguments {[_short(a) for a in args]}")
-        if args and isinstance(args[0], (str, bytes, bytearray)):
-            u.charge(len(args[0]) * 4)
-        return str(*args)
-
-    def encode(u, args, kw):
-        if kw or len(args) != 2 or not isinstance(args[0], str) or args[1] not in ("latin1", "latin-1"):
-            raise BridgeError(f"{u.what}: _codecs.encode only decodes latin1 text (protocol-2 bytes)")
-        u.charge(len(args[0]))
-        return args[0].encode("latin1")
-
-    def namespace(cls):
-        def rule(u, args, kw):
-            if args or not all(isinstance(k, str) for k in kw):
-                raise BridgeError(f"{u.what}: {cls.__name__}() with positional arguments")
-            u.charge(len(kw))
-            return cls(**kw)
-        return rule
-
-    def reconstructor(u, args, kw):
-        if kw or len(args) != 3 or args[1] is not object or args[2] is not None or \
-                not (_is_stub_class(args[0]) or args[0] in (argparse.Namespace, types.SimpleNamespace)):
-            raise BridgeError(f"{u.what}: copyreg._reconstructor may only create a Megatron record or a Namespace")
-        return args[0]() if _is_stub_class(args[0]) else object.__new__(args[0])
-
-    def bytesio(u, args, kw):
-        if kw or len(args) > 1 or (args and type(args[0]) not in (bytes, bytearray)):
-            raise BridgeError(f"{u.what}: BytesIO() with arguments {[_short(a) for a in args]}")
-        u.charge(len(args[0]) if args else 0)
-        return io.BytesIO(*args)
-
-    def path(cls):
-        def rule(u, args, kw):
-            if kw or len(args) > 64 or not all(isinstance(a, str) and len(a) < 4096 for a in args):
-                raise BridgeError(f"{u.what}: {cls.__name__}() with arguments that are not short strings")
-            return cls(*args)
-        return rule
-
-    def plain_args(cls, n: int):
-        def rule(u, args, kw):
-            ok = (type(None), int, float, bool, str, bytes)
-            if kw or len(args) > n or not all(isinstance(a, ok) and (not isinstance(a, (str, bytes)) or len(a) < 64)
-                                              for a in args):
-                raise BridgeError(f"{u.what}: {cls.__name__}() with arguments {[_short(a) for a in args]}")
-            return cls(*args)
-        return rule
-
-    def size(u, args, kw):
-        if kw or len(args) != 1:
-            raise BridgeError(f"{u.what}: torch.Size() needs one tuple of integers")
-        return _int_tuple(args[0], f"{u.what}: torch.Size")  # a tuple: torch.Size is one
-
-    def device(u, args, kw):
-        m = re.fullmatch(r"([a-z_]{1,24})(?::(\d{1,4}))?", args[0]) if args and isinstance(args[0], str) else None
-        if kw or not 1 <= len(args) <= 2 or m is None or \
-                (len(args) == 2 and (type(args[1]) is not int or not 0 <= args[1] < 1 << 16 or m.group(2))):
-            raise BridgeError(f"{u.what}: torch.device() with arguments {[_short(a) for a in args]}")
-        index = args[1] if len(args) == 2 else int(m.group(2)) if m.group(2) else None
-        return TorchDevice(m.group(1), index)
-
-    def layout(u, args, kw):
-        if kw or len(args) != 1 or not isinstance(args[0], str):
-            raise BridgeError(f"{u.what}: _get_layout() needs a layout name")
-        v = _TORCH_NAMES.get(args[0][len("torch."):]) if args[0].startswith("torch.") else None
-        if not isinstance(v, TorchLayout):
-            raise BridgeError(f"{u.what}: unknown tensor layout {_short(args[0])}")
-        return v
-
-    def rebuild_tensor(u, args, kw):
-        if kw or not 4 <= len(args) <= 7:
-            raise BridgeError(f"{u.what}: tensor rebuild with {len(args)} arguments")
-        storage, offset, shape, stride = args[:4]
-        hooks = args[5] if len(args) > 5 else None
-        meta = args[6] if len(args) > 6 else None
-        if not isinstance(storage, Storage):
-            raise BridgeError(f"{u.what}: a tensor without a stored record (a tensor rebuild outside a torch.save archive)")
-        shape = _int_tuple(shape, f"{u.what}: tensor shape")
-        stride = _int_tuple(stride, f"{u.what}: tensor stride")
-        if type(offset) is not int or offset < 0 or len(stride) != len(shape) \
-                or (len(args) > 4 and not isinstance(args[4], bool)) or hooks or meta:
-            raise BridgeError(f"{u.what}: invalid tensor rebuild arguments (offset {_short(offset)}, "
-                              f"shape {shape}, stride {stride})")
-        item = storage.dtype.itemsize
-        end = offset + (sum((n - 1) * s for n, s in zip(shape, stride)) + 1 if all(shape) else 0)
-        if end * item > storage.nbytes:
-            raise BridgeError(f"{u.what}: tensor of shape {shape} (stride {stride}, offset {offset}) needs "
-                              f"{end * item} bytes of a {storage.nbytes}-byte record")
-        return ArchiveTensor(storage, offset, shape, stride, requires_grad=len(args) > 4 and args[4])
-
-    def rebuild_parameter(u, args, kw):
-        if kw or len(args) != 3 or not isinstance(args[0], ArchiveTensor) or not isinstance(args[1], bool) or args[2]:
-            raise BridgeError(f"{u.what}: invalid Parameter rebuild")
-        return args[0].as_parameter(args[1])
-
-    def rebuild_from_type(u, args, kw):
-        if kw or len(args) != 4 or args[0] not in (g[("torch._utils", "_rebuild_tensor_v2")],
-                                                    g[("torch._utils", "_rebuild_tensor")]) \
-                or args[1] not in (g[("torch", "Tensor")], g[("torch.nn.parameter", "Parameter")]) \
-                or type(args[2]) is not tuple or not (args[3] is None or (type(args[3]) is dict and not args[3])):
-            raise BridgeError(f"{u.what}: invalid tensor rebuild (only plain tensors and Parameters)")
-        t = rebuild_tensor(u, args[2], {})
-        return t if args[1] is g[("torch", "Tensor")] else t.as_parameter(t.requires_grad)
-
-    def parameter(u, args, kw):
-        if kw or not 1 <= len(args) <= 2 or not isinstance(args[0], ArchiveTensor) or \
-                (len(args) == 2 and not isinstance(args[1], bool)):
-            raise BridgeError(f"{u.what}: Parameter() needs a tensor")
-        return args[0].as_parameter(args[1] if len(args) == 2 else True)
-
-    def dtype(u, args, kw):
-        # numpy pickles a dtype as dtype("f8", False, True) + a BUILD with byte order; only the plain
-        # numeric codes are accepted, as a private copy that one BUILD may still adjust
-        if kw or not 1 <= len(args) <= 3 or not isinstance(args[0], str) or \
-                re.fullmatch(r"[<>|=]?(?:[biufc]\d{1,2}|\?)", args[0]) is None or \
-                not all(isinstance(a, bool) for a in args[1:]):
-            raise BridgeError(f"{u.what}: numpy dtype {_short(args[0] if args else None)} refused: only "
-                              f"bool/integer/float/complex arrays may be stored in a checkpoint")
-        d = np.dtype(args[0], False, True)  # a private copy: BUILD must never change numpy's shared dtypes
-        if not _plain_numeric_dtype(d):
-            raise BridgeError(f"{u.what}: numpy dtype {args[0]!r} refused (not a plain numeric type)")
-        u.open_dtype(d)
-        return d
-
-    def reconstruct(u, args, kw):
-        if kw or len(args) != 3 or args[0] is not np.ndarray or type(args[1]) is not tuple or args[1] != (0,) \
-                or type(args[2]) not in (bytes, str) or args[2] not in (b"b", "b"):
-            raise BridgeError(f"{u.what}: numpy array reconstruction with arguments "
-                              f"{[_short(a) for a in args]} refused (only plain ndarrays)")
-        arr = np_reconstruct(np.ndarray, (0,), b"b")  # an empty int8 array until its BUILD
-        u.open_array(arr)
-        return arr
-
-    def scalar(u, args, kw):
-        if kw or len(args) != 2 or not _plain_numeric_dtype(args[0]) or type(args[1]) is not bytes \
-                or len(args[1]) != args[0].itemsize:
-            raise BridgeError(f"{u.what}: numpy scalar refused: only bool/integer/float/complex scalars "
-                              f"given as exactly their bytes")
-        u.close_dtype(args[0])
-        return np_scalar(args[0], args[1])
-
-    rules: dict[Any, Any] = {
-        dict: container(dict), list: container(list), tuple: container(tuple), set: container(set),
-        frozenset: container(frozenset), collections.OrderedDict: container(collections.OrderedDict),
-        collections.Counter: container(collections.Counter), collections.deque: container(collections.deque),
-        bytes: bytes_like(bytes), bytearray: bytes_like(bytearray), str: str_rule,
-        int: scalar_of(int), float: scalar_of(float), complex: scalar_of(complex), bool: scalar_of(bool),
-        slice: plain_args(slice, 3), object: plain_args(object, 0), type(None): plain_args(type(None), 0),
-        argparse.Namespace: namespace(argparse.Namespace), types.SimpleNamespace: namespace(types.SimpleNamespace),
-        g[("_codecs", "encode")]: encode, copyreg._reconstructor: reconstructor, io.BytesIO: bytesio,
-        pathlib.PosixPath: path(pathlib.PosixPath), pathlib.PurePosixPath: path(pathlib.PurePosixPath),
-        datetime.datetime: plain_args(datetime.datetime, 8), datetime.date: plain_args(datetime.date, 3),
-        datetime.timedelta: plain_args(datetime.timedelta, 3),
-        g[("torch", "Size")]: size, g[("torch", "device")]: device, g[("torch.serialization", "_get_layout")]: layout,
-        g[("torch._utils", "_rebuild_tensor")]: rebuild_tensor,
-        g[("torch._utils", "_rebuild_tensor_v2")]: rebuild_tensor,
-        g[("torch._utils", "_rebuild_parameter")]: rebuild_parameter,
-        g[("torch._tensor", "_rebuild_from_type_v2")]: rebuild_from_type,
-        g[("torch.nn.parameter", "Parameter")]: parameter, np.dtype: dtype, np_reconstruct: reconstruct, np_scalar: scalar,
-    }
-
-    def defaultdict_rule(u, args, kw):
-        if kw or len(args) > 1 or (args and args[0] not in (None, list, dict, int, float, set, str)):
-            raise BridgeError(f"{u.what}: defaultdict() with a factory that is not a plain type")
-        return collections.defaultdict(*args)
-
-    rules[collections.defaultdict] = defaultdict_rule
-    return rules
-
+from converters.megatron.read.sources import ObjectSource, source_of
+from converters.megatron.read.unpickle_bounds import MAX_NESTING, Immutables, KeyGuard, check_graph
+from converters.megatron.read.unpickle_rules import (ALLOC_PER_INPUT_BYTE, ALLOC_SLACK, CALL_RULES, EMPTY_NEW,
+                                                     RECORD_CLASSES, STORAGE_KINDS, STUB_PREFIXES, TORCH_NAMES,
+                                                     StorageKind, allowed_globals, int_tuple, is_stub_class,
+                                                     make_stub, plain_numeric_dtype, short_repr)
+from converters.megatron.read.torch_archive import ArchiveTensor, Storage, TorchDtype, to_torch
 
 class SafeUnpickler(pickle._Unpickler):
     """A pickle reader that can only build what DCP metadata and Megatron objects hold.
@@ -522,23 +152,23 @@ class SafeUnpickler(pickle._Unpickler):
             module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         if any(module == p.rstrip(".") or module.startswith(p) for p in STUB_PREFIXES) or (module, name) in RECORD_CLASSES:
             return make_stub(module, name)
-        g = _globals()
+        g = allowed_globals()
         if (module, name) in g:
             return g[(module, name)]
         if module == "torch":
-            if self.records is not None and name in _STORAGE_KINDS:
-                return _STORAGE_KINDS[name]
-            if name in _TORCH_NAMES:  # a dtype, layout or memory format
-                return _TORCH_NAMES[name]
+            if self.records is not None and name in STORAGE_KINDS:
+                return STORAGE_KINDS[name]
+            if name in TORCH_NAMES:  # a dtype, layout or memory format
+                return TORCH_NAMES[name]
         raise BridgeError(f"refusing to unpickle {module}.{name} in {self.what}: not an allowed class "
                           f"(the checkpoint may be malicious or from an unsupported writer)")
 
     def persistent_load(self, pid: Any) -> Any:  # noqa: D102 - pickle API
         if self.records is None:
             self.refuse("a persistent reference outside a torch.save archive")
-        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageKind)
+        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], StorageKind)
                 and type(pid[2]) is str and type(pid[4]) is int and pid[4] >= 0):
-            self.refuse(f"an invalid tensor storage reference {_short(pid)}")
+            self.refuse(f"an invalid tensor storage reference {short_repr(pid)}")
         _, kind, key, _loc, numel = pid
         if key in self.storages:
             return self.storages[key]
@@ -560,21 +190,21 @@ class SafeUnpickler(pickle._Unpickler):
             self.refuse("a call with arguments that are not a tuple")
         if type(func) in (tuple, frozenset):   # looking it up would hash it: 2**48 steps for a shared one
             self.refuse(f"calling a {type(func).__name__}")
-        if _is_stub_class(func):
+        if is_stub_class(func):
             return func(*args, **(kw or {}))
         try:
-            rule = _CALLS.get(func)
+            rule = CALL_RULES.get(func)
         except TypeError:
             rule = None
         if rule is None:
-            self.refuse(f"calling {_short(func) if not hasattr(func, '__name__') else func.__name__} is not allowed")
+            self.refuse(f"calling {short_repr(func) if not hasattr(func, '__name__') else func.__name__} is not allowed")
         return rule(self, args, kw or {})
 
     def new(self, cls: Any, args: Any, kw: dict | None = None) -> Any:
-        if _is_stub_class(cls) or type(cls) in (tuple, frozenset):
+        if is_stub_class(cls) or type(cls) in (tuple, frozenset):
             return self.call(cls, args, kw)
         try:
-            empty = cls in _EMPTY_NEW
+            empty = cls in EMPTY_NEW
         except TypeError:
             empty = False
         if empty:  # __new__ ignores the arguments of these; their content comes from BUILD/SETITEMS
@@ -643,9 +273,9 @@ class SafeUnpickler(pickle._Unpickler):
         if type(state) is not tuple or len(state) != 5 or state[0] != 1 or type(state[0]) is not int:
             self.refuse("a numpy array state that is not (1, shape, dtype, fortran, bytes)")
         _, shape, dtype, fortran, raw = state
-        shape = _int_tuple(shape, f"{self.what}: numpy array shape", 32)
-        if not _plain_numeric_dtype(dtype):
-            self.refuse(f"a numpy array of dtype {_short(str(dtype)) if isinstance(dtype, np.dtype) else _short(dtype)}: "
+        shape = int_tuple(shape, f"{self.what}: numpy array shape", 32)
+        if not plain_numeric_dtype(dtype):
+            self.refuse(f"a numpy array of dtype {short_repr(str(dtype)) if isinstance(dtype, np.dtype) else short_repr(dtype)}: "
                         f"only bool/integer/float/complex arrays (no object or structured dtypes)")
         if type(fortran) is not bool or type(raw) not in (bytes, bytearray):
             self.refuse("a numpy array whose data is not raw bytes")
@@ -665,7 +295,7 @@ class SafeUnpickler(pickle._Unpickler):
                 and (len(state) == 8 or state[8] is None)):
             self.refuse("a numpy dtype state with fields, sub-arrays or flags (only a byte order may be set)")
         d.__setstate__(state)
-        if not _plain_numeric_dtype(d):
+        if not plain_numeric_dtype(d):
             self.refuse("a numpy dtype that is not plain numeric after its state was set")
 
     def load_setitem(self) -> None:
@@ -987,7 +617,7 @@ def tensor_member(f: Any, size: int, what: str) -> TensorMember:
     data = {k: m[1] for k, m in members.items() if k.startswith("data/")}
     t = safe_loads(small["data.pkl"], what, data)
     if not isinstance(t, ArchiveTensor) or len(data) != 1:
-        raise BridgeError(f"cannot read {what}: expected one tensor in the record, found {_short(t)} and "
+        raise BridgeError(f"cannot read {what}: expected one tensor in the record, found {short_repr(t)} and "
                           f"{len(data)} data members; damaged checkpoint")
     if not t.is_contiguous() or t.dtype.itemsize is None:
         raise BridgeError(f"cannot read {what}: a {t.dtype} tensor of shape {t.shape} with strides {t.stride} "
@@ -1026,185 +656,6 @@ def load_tensor_record(data: bytes | bytearray, what: str) -> ArchiveTensor:
 def safe_torch_load_tensor(data: bytes | bytearray, what: str) -> "Any":
     """`load_tensor_record` as a torch tensor sharing `data` (imports torch)."""
     return to_torch(load_tensor_record(data, what))
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoint directory model
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StorageRef:
-    """Where one item's bytes live: `length` bytes at `offset` of `relative_path`."""
-
-    relative_path: str
-    offset: int
-    length: int
-
-
-@dataclass(frozen=True)
-class ChunkInfo:
-    """One stored chunk of a tensor: global offsets, sizes, and where its bytes are."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    storage: StorageRef
-
-    @property
-    def numel(self) -> int:
-        return prod(self.sizes)
-
-
-@dataclass
-class TensorInfo:
-    """A DCP tensor entry: dtype (`TorchDtype`: prints as `torch.bfloat16`, `.numpy()` for numpy's,
-    `.torch()` for torch's), global shape and its chunks."""
-
-    fqn: str
-    dtype: Any
-    shape: tuple[int, ...]
-    chunks: list[ChunkInfo] = field(default_factory=list)
-
-
-@dataclass
-class ObjectInfo:
-    """A DCP byte entry (ShardedObject / common_state): one or more stored blobs."""
-
-    fqn: str
-    items: list[tuple[tuple[int, ...], StorageRef]] = field(default_factory=list)
-
-
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    """Attribute of a real object or of an InertStub's pickled state.
-
-    `TensorProperties` pickles its state as a tuple `(dtype, layout, requires_grad, ...)`.
-    """
-    if isinstance(obj, InertStub):
-        st = obj.stub_state
-        if obj.stub_name.endswith(".TensorProperties") and isinstance(st, tuple) and st and name == "dtype":
-            return st[0]
-        return obj.get(name, default)
-    return getattr(obj, name, default)
-
-
-#: megatron-core 0.15 / 0.16 pickle `.metadata` as this subclass of DCP's Metadata
-MCORE_METADATA = "megatron.core.dist_checkpointing.strategies.torch.MCoreMetadata"
-
-
-def _record(obj: Any, kind: str, what: str) -> InertStub:
-    """`obj` must be the DCP record class `kind` (read as an InertStub)."""
-    if not isinstance(obj, InertStub) or obj.stub_name.rsplit(".", 1)[-1] != kind:
-        raise BridgeError(f"{what}: expected a DCP {kind}, found {_short(obj)}; the file is damaged "
-                          f"or not a torch_dist checkpoint")
-    return obj
-
-
-def _refuse(what: str, why: str) -> None:
-    raise BridgeError(f"{what}: {why}; the file is damaged or hostile")
-
-
-def _index_tuple(x: Any, what: str) -> tuple[int, ...]:
-    """A chunk offset / size / shape: a torch.Size or tuple of non-negative ints."""
-    return _int_tuple(x, what)
-
-
-def _interpret_metadata(md: Any, root: Path, what: str) -> tuple[dict[str, "TensorInfo"], dict[str, "ObjectInfo"]]:
-    """Tensors and byte objects of an unpickled DCP `Metadata`, every field type- and range-checked.
-
-    Chunks must lie inside their tensor and each have a storage entry; every storage entry must
-    name a file inside `root` and a non-negative byte range.
-    """
-    if isinstance(md, InertStub) and md.stub_name == MCORE_METADATA:
-        pass  # megatron-core 0.15-0.16: DCP Metadata plus an `mcore_data` dict, same fields
-    else:
-        md = _record(md, "Metadata", what)
-    sdm, storage = md.get("state_dict_metadata"), md.get("storage_data")
-    if type(sdm) is not dict or type(storage) is not dict:
-        raise BridgeError(f"{what}: not a DCP Metadata object (unknown format); is this a torch_dist checkpoint?")
-    by_key: dict[tuple[str, tuple[int, ...]], StorageRef] = {}
-    keys = KeyGuard(lambda why: _refuse(what, why), lambda n: None, Immutables())   # offsets chosen to collide
-    by_fqn: dict[str, list[tuple[tuple[int, ...], StorageRef]]] = {}
-    for idx, info in storage.items():
-        idx = _record(idx, "MetadataIndex", f"{what}: storage_data key")
-        fqn = idx.get("fqn")
-        if type(fqn) is not str:
-            raise BridgeError(f"{what}: a storage entry without a string fqn ({_short(fqn)})")
-        off = idx.get("offset")
-        off = () if off is None else _index_tuple(off, f"{what}: storage entry {fqn} offset")
-        info = _record(info, "_StorageInfo", f"{what}: storage entry {fqn}")
-        rel, o, n = info.get("relative_path"), info.get("offset"), info.get("length")
-        if info.get("transform_descriptors"):
-            raise BridgeError(f"{what}: entry {fqn} uses storage transforms (compression?), which are not supported")
-        if type(o) is not int or type(n) is not int or not (0 <= o < 1 << 63 and 0 <= n < 1 << 63):
-            raise BridgeError(f"{what}: entry {fqn} has an invalid byte range ({_short(o)}, {_short(n)})")
-        check_relative_path(root, rel, what)
-        keys.admit((fqn, off))
-        if (fqn, off) in by_key:
-            raise BridgeError(f"{what}: entry {fqn} at {off} is stored twice; the file is damaged")
-        ref = by_key[(fqn, off)] = StorageRef(rel, o, n)
-        by_fqn.setdefault(fqn, []).append((off, ref))
-    tensors: dict[str, TensorInfo] = {}
-    objects: dict[str, ObjectInfo] = {}
-    for fqn, entry in sdm.items():
-        if type(fqn) is not str:
-            raise BridgeError(f"{what}: an entry name that is not a string ({_short(fqn)})")
-        if isinstance(entry, InertStub) and entry.stub_name.endswith(".BytesStorageMetadata"):
-            items = by_fqn.get(fqn, [])
-            if not items:
-                raise BridgeError(f"{what}: object {fqn} has no stored bytes (incomplete checkpoint)")
-            objects[fqn] = ObjectInfo(fqn, list(items))
-            continue
-        entry = _record(entry, "TensorStorageMetadata", f"{what}: entry {fqn}")
-        props = entry.get("properties")
-        dtype = _get(props, "dtype") if isinstance(props, InertStub) else None
-        if not isinstance(dtype, TorchDtype):
-            raise BridgeError(f"{what}: tensor {fqn} has no valid dtype")
-        shape = _index_tuple(entry.get("size"), f"{what}: tensor {fqn} size")
-        chunks = entry.get("chunks")
-        if type(chunks) is not list:
-            raise BridgeError(f"{what}: tensor {fqn} has no chunk list (found {_short(chunks)})")
-        ti = TensorInfo(fqn, dtype, shape)
-        for ch in chunks:
-            ch = _record(ch, "ChunkStorageMetadata", f"{what}: tensor {fqn} chunk")
-            offs = _index_tuple(ch.get("offsets"), f"{what}: tensor {fqn} chunk offsets")
-            sizes = _index_tuple(ch.get("sizes"), f"{what}: tensor {fqn} chunk sizes")
-            if len(offs) != len(shape) or len(sizes) != len(shape) or \
-                    any(o + n > s for o, n, s in zip(offs, sizes, shape)):
-                raise BridgeError(f"{what}: tensor {fqn} of shape {shape} has a chunk at {offs} of size {sizes} "
-                                  f"outside it; the file is damaged")
-            ref = by_key.get((fqn, offs))
-            if ref is None:
-                raise BridgeError(f"{what}: tensor {fqn} chunk at {offs} has no storage entry "
-                                  f"(incomplete checkpoint)")
-            ti.chunks.append(ChunkInfo(offs, sizes, ref))
-        tensors[fqn] = ti
-    return tensors, objects
-
-
-def check_relative_path(root: Path, rel: str, what: str) -> Path:
-    """Resolve `rel` inside `root`, refusing absolute paths, `..` and symlink escapes.
-
-    >>> check_relative_path(Path("/ck"), "__0_0.distcp", "x").name
-    '__0_0.distcp'
-    """
-    if not isinstance(rel, str) or not rel or "\x00" in rel:
-        raise BridgeError(f"{what}: invalid file name {_short(rel)} in .metadata")
-    p = Path(rel)
-    if p.is_absolute() or ".." in p.parts or rel.startswith(("/", "\\")):
-        raise BridgeError(f"{what}: file name {rel!r} escapes the checkpoint directory; refusing")
-    if isinstance(root, str) and is_remote(root):
-        if "\\" in rel or any(c in ("", ".") for c in rel.split("/")):
-            raise BridgeError(f"{what}: file name {rel!r} is not a plain object name; refusing")
-        return f"{root}/{rel}"  # an object key: no symlinks to follow
-    full = root / p
-    try:
-        real_root = os.path.realpath(root)
-        real = os.path.realpath(full)
-    except OSError:
-        return full
-    if os.path.commonpath([real_root, real]) != real_root:
-        raise BridgeError(f"{what}: file {rel!r} resolves outside the checkpoint directory; refusing")
-    return full
 
 
 def resolve_checkpoint_dir(path: str | os.PathLike) -> Path | str:
@@ -1255,65 +706,6 @@ def _resolve_remote_dir(url: str) -> str:
                       f"iter_<N> prefix that Megatron-Core wrote")
 
 
-# ---------------------------------------------------------------------------------------------
-# Byte sources: where the files of a checkpoint are read from (a local directory or an object
-# store prefix), by byte ranges, so a large record is never read whole.
-# ---------------------------------------------------------------------------------------------
-
-
-class FileSource:
-    """The files of a local checkpoint directory."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def location(self, rel: str) -> str:
-        return str(check_relative_path(self.root, rel, str(self.root)))
-
-    def read_whole(self, rel: str) -> bytes | None:
-        p = self.root / rel
-        return p.read_bytes() if p.is_file() else None
-
-    def check_length(self, rel: str, end: int) -> None:
-        """BridgeError when file `rel` is missing or shorter than `end` bytes."""
-        p = self.root / rel
-        if not p.is_file():
-            raise BridgeError(f"missing shard file {p} (named in .metadata); copy the complete checkpoint")
-        size = p.stat().st_size
-        if size < end:
-            raise BridgeError(f"truncated shard file {p}: {size} bytes, .metadata needs {end}; "
-                              f"copy the complete checkpoint")
-
-
-class ObjectSource:
-    """The objects under an s3:// / gs:// prefix holding a torch_dist checkpoint."""
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-
-    def location(self, rel: str) -> str:
-        return check_relative_path(self.root, rel, self.root)
-
-    def read_whole(self, rel: str) -> bytes | None:
-        from bridge.store import kvstore
-
-        return kvstore.read_bytes(self.root, rel)
-
-    def check_length(self, rel: str, end: int) -> None:
-        """BridgeError when object `rel` is missing or shorter than `end` bytes (reads its last needed byte)."""
-        where = self.location(rel)
-        with open_range(where) as r:
-            if end > 0 and len(r.pread(1, end - 1)) != 1:
-                raise BridgeError(f"truncated shard file {where}: shorter than the {end} bytes .metadata needs; "
-                                  f"copy the complete checkpoint")
-            if end == 0 and self.read_whole(rel) is None:
-                raise BridgeError(f"missing shard file {where} (named in .metadata); copy the complete checkpoint")
-
-
-def source_of(root: Path | str) -> FileSource | ObjectSource:
-    return ObjectSource(root) if isinstance(root, str) and is_remote(root) else FileSource(Path(root))
-
-
 class DcpCheckpoint:
     """A read-only view of a `torch_dist` directory: entries, chunks, safe reads.
 
@@ -1334,7 +726,7 @@ class DcpCheckpoint:
         self.metadata = safe_loads(raw, f"{meta_path}", check=False)
         self.backend = self._read_backend()
         try:
-            self.tensors, self.objects = _interpret_metadata(self.metadata, self.root, str(meta_path))
+            self.tensors, self.objects = interpret_metadata(self.metadata, self.root, str(meta_path))
         except BridgeError:
             raise
         except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, RecursionError) as e:

@@ -64,7 +64,9 @@ def record_layout(ck, key: str, chunk) -> RecordLayout:
     """Parse a DCP tensor record's torch.save zip without reading its data (torch-free:
     `dcp_reader.tensor_member`), the member's CRC from the zip directory. Refuses anything but one
     contiguous, stored (uncompressed) tensor of the chunk's dtype and size."""
-    from converters.megatron.read.dcp import check_relative_path, open_range, tensor_member
+    from bridge.store.ranged import open_range
+    from converters.megatron.read.dcp import tensor_member
+    from converters.megatron.read.dcp_metadata import check_relative_path
 
     ref = chunk.storage
     what = f"{key} chunk {chunk.offsets} in {ref.relative_path}"
