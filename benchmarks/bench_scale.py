@@ -121,7 +121,8 @@ def _tomeg(conv: str, out: str) -> dict:
     import tensorstore  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
 
-    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget
+    from converters.megatron.write.to_megatron import to_megatron
 
     t0 = time.perf_counter()
     r = to_megatron(conv, out, MegatronTarget(tp=2), show_progress=False)

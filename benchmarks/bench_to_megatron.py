@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 
 def time_to_megatron(logical: str, run: str, tp: int, budget: int | None, workers: int | None) -> tuple[float, dict]:
-    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget
+    from converters.megatron.write.to_megatron import to_megatron
 
     shutil.rmtree(run, ignore_errors=True)
     t0 = time.perf_counter()
@@ -44,7 +45,8 @@ def time_old(checkout: str, logical: str, run: str, tp: int, budget: int | None)
     """Wall time of another checkout's to-megatron (its own process; import time excluded)."""
     shutil.rmtree(run, ignore_errors=True)
     code = ("import sys, time, torch, tensorstore\n"   # imports outside the timed region, as in this process
-            "from converters.megatron.write.torch_dist import MegatronTarget, to_megatron\n"
+            "from converters.megatron.write.torch_dist import MegatronTarget\n"
+            "from converters.megatron.write.to_megatron import to_megatron\n"
             "t0 = time.perf_counter()\n"
             f"to_megatron({logical!r}, {run!r}, MegatronTarget(tp={tp}), show_progress=False"
             + (f", budget={budget})\n" if budget else ")\n") +

@@ -36,7 +36,7 @@ _LAZY = {
     "verify": ("bridge.store.verify", "verify_checkpoint"),
     "convert": ("converters.megatron.convert", "convert"),
     "ConvertOptions": ("converters.megatron.convert", "ConvertOptions"),
-    "to_megatron": ("converters.megatron.write.torch_dist", "to_megatron"),
+    "to_megatron": ("converters.megatron.write.to_megatron", "to_megatron"),
     "MegatronTarget": ("converters.megatron.write.torch_dist", "MegatronTarget"),
     "export_megatron": ("converters.megatron.live.adapter", "export_megatron"),
     "load_megatron": ("converters.megatron.live.adapter", "load_megatron"),

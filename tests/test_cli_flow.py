@@ -71,7 +71,8 @@ def test_python_entry_points_refuse_urls(logical, tmp_path, monkeypatch):
     from bridge.store.reader import open_checkpoint
     from bridge.store.verify import verify_checkpoint
     from converters.megatron.convert import convert
-    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget
+    from converters.megatron.write.to_megatron import to_megatron
 
     monkeypatch.chdir(tmp_path)
     calls = [lambda: convert(str(DEMO_SRC), "hdfs://b/x"), lambda: convert("az://b/x", "out"),
@@ -146,7 +147,8 @@ try:
 except ImportError as e:  # also a BridgeError
     assert isinstance(e, BridgeError), type(e)
     print("JAX:", e)
-from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+from converters.megatron.write.torch_dist import MegatronTarget
+from converters.megatron.write.to_megatron import to_megatron
 try:
     to_megatron({logical!r}, {str(tmp_path / 'out')!r}, MegatronTarget(tp=1))
 except BridgeError as e:

@@ -29,7 +29,8 @@ from bridge.store.reader import open_checkpoint
 from converters.megatron.convert import ConvertOptions, convert
 from converters.megatron.read.dcp import DcpCheckpoint
 from converters.megatron.plan.convert_plan import role_path
-from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+from converters.megatron.write.torch_dist import MegatronTarget
+from converters.megatron.write.to_megatron import to_megatron
 from test_convert_megatron import assert_matches
 from test_convert_to_megatron import test_same_layout_reproduces_megatrons_own_save as same_layout_check
 

@@ -13,7 +13,8 @@ from bridge.cli import main
 from converters.megatron.read.dcp import DcpCheckpoint
 from converters.megatron.convert import ConvertOptions, convert
 from converters.megatron.plan.naming import is_gtp_weight
-from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+from converters.megatron.write.torch_dist import MegatronTarget
+from converters.megatron.write.to_megatron import to_megatron
 
 RUNS = cref.available_runs()
 pytestmark = pytest.mark.skipif(not {"tp2", "gtp2_local", "moe_ep2"} <= set(RUNS), reason="needs the real fixtures")

@@ -217,7 +217,8 @@ def test_to_megatron_under_torchrun_writes_what_one_process_writes(source, refer
     tracker. torch's DCP loader reads the same tensors as from the one-process output, and converting
     it back gives the logical checkpoint again."""
     from converters.megatron.convert import ConvertOptions, convert
-    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget
+    from converters.megatron.write.to_megatron import to_megatron
 
     d, _ = source
     one = str(tmp_path / "one")

@@ -340,7 +340,8 @@ def test_converted_manifest_carries_the_schedule(converted_with_scheduler):
 def test_to_megatron_writes_megatrons_scheduler_state_back(converted_with_scheduler, tmp_path):
     """convert -> to-megatron gives back the scheduler state_dict Megatron saved (same count)."""
     from converters.megatron.read.dcp import DcpCheckpoint
-    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget
+    from converters.megatron.write.to_megatron import to_megatron
 
     dst, kw, step = converted_with_scheduler
     out = str(tmp_path / "megatron")

@@ -147,7 +147,8 @@ def test_maxtext_step_equals_megatrons_next_update(trip):
 def test_back_through_to_megatron(trip, tmp_path):
     pytest.importorskip("torch")
     from converters.megatron.convert import convert
-    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget
+    from converters.megatron.write.to_megatron import to_megatron
 
     run_dir = str(tmp_path / "meg")
     to_megatron(trip["back"], run_dir, MegatronTarget(tp=1, fmt="dp_reshardable"))
@@ -173,7 +174,8 @@ def test_fresh_maxtext_run_converts_to_megatron(trip, tmp_path):
     from bridge.jaxside.presets import maxtext as mx
     from bridge.jaxside.presets.maxtext_ckpt import find_items, read_maxtext
     from converters.megatron.convert import convert
-    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget
+    from converters.megatron.write.to_megatron import to_megatron
     from test_maxtext_preset import _plain_read
 
     base = str(tmp_path)

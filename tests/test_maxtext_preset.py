@@ -283,7 +283,8 @@ def test_foreign_maxtext_checkpoint_reads_and_converts_to_megatron(tmp_path):
     pytest.importorskip("torch")
     from bridge.jaxside.presets.maxtext_ckpt import find_items, read_maxtext
     from converters.megatron.convert import convert
-    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget
+    from converters.megatron.write.to_megatron import to_megatron
 
     hyper = mx.Hyper(lr=0.01, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip_grad=1.0)
     res = read_maxtext(FRESH, str(tmp_path / "logical"), hyper=hyper)

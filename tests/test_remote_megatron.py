@@ -84,7 +84,8 @@ def test_to_megatron_on_s3_is_what_megatron_saved(stores, tmp_path):
 
     from converters.megatron.convert import ConvertOptions, convert
     from converters.megatron.read.dcp import DcpCheckpoint
-    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget
+    from converters.megatron.write.to_megatron import to_megatron
 
     s3 = stores["s3"]
     theirs_dir = FIXTURES / "tp2" / "fully_reshardable"

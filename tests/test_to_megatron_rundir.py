@@ -228,7 +228,8 @@ def test_resolve_megatron_dir(tmp_path):
 def test_failure_midway_leaves_the_run_dir_as_it_was(logical, tmp_path):
     """An error after part of the files are written: no iteration dir, no temp dir, tracker unchanged."""
     from bridge.errors import BridgeError
-    from converters.megatron.write.torch_dist import DcpFile, MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import DcpFile, MegatronTarget
+    from converters.megatron.write.to_megatron import to_megatron
 
     run = tmp_path / "run"
     (run / "iter_0000001").mkdir(parents=True)
@@ -258,7 +259,8 @@ def _cli_to_megatron(logical: str, run, tensor_hook: str) -> str:
         # Ctrl-C as from a terminal, even when the suite runs as a background job (SIGINT then ignored, inherited)
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from bridge.cli import run\n"
-        "from converters.megatron.write.torch_dist import DcpFile, MegatronTarget, to_megatron\n"
+        "from converters.megatron.write.torch_dist import DcpFile, MegatronTarget\n"
+        "from converters.megatron.write.to_megatron import to_megatron\n"
         "class Hooked(DcpFile):\n"
         "    def tensor(self, *a, **k):\n"
         + "".join(f"        {line}\n" for line in tensor_hook.splitlines()) +

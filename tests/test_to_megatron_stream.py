@@ -103,7 +103,8 @@ def test_weights_derived_from_masters_when_the_checkpoint_has_none(logical, tmp_
 def test_any_budget_and_workers_give_the_same_checkpoint_reading_each_element_once(logical, tmp_path, run, fmt,
                                                                                     tp, ep, dp):
     from bridge.store.reader import open_checkpoint
-    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget
+    from converters.megatron.write.to_megatron import to_megatron
 
     target = MegatronTarget(tp=tp, ep=ep, dp=dp, fmt=fmt, bucket_size=3000 if fmt == "dp_reshardable" else None)
     ref = to_megatron(logical[run], str(tmp_path / "ref"), target, budget=1 << 30, workers=1)

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 import convert_reference as cref
 import converters.megatron.write.torch_dist as w
+from converters.megatron.write.to_megatron import to_megatron
 
 RUNS = cref.available_runs()
 pytestmark = pytest.mark.skipif("tp2" not in RUNS, reason="needs the real fixtures")
@@ -49,7 +50,7 @@ def test_early_writeback_leaves_every_byte_and_reads_back_exactly(logical, tmp_p
     budget = 1 << 10  # below the largest array (chunks split into row slabs, many blobs per file)
     assert max(i.nbytes for i in open_checkpoint(logical).arrays().values()) > 4 * budget
     # without the hint: the reference bytes (one worker: the file's blob order is the plan's)
-    ref = w.to_megatron(logical, str(tmp_path / "ref"), target, budget=budget, workers=1,
+    ref = to_megatron(logical, str(tmp_path / "ref"), target, budget=budget, workers=1,
                         open_file=lambda root, index: w.DcpFile(root, index, sync_range=None))
     real = w._sync_file_range()
     calls = []
@@ -63,14 +64,14 @@ def test_early_writeback_leaves_every_byte_and_reads_back_exactly(logical, tmp_p
     def every_blob(root, index):  # the hint after every blob
         return w.DcpFile(root, index, writeback_bytes=1, sync_range=spy)
 
-    res = w.to_megatron(logical, str(tmp_path / "wb"), target, budget=budget, workers=1, open_file=every_blob)
+    res = to_megatron(logical, str(tmp_path / "wb"), target, budget=budget, workers=1, open_file=every_blob)
     assert len(calls) > 10
     # the ranges handed to the kernel tile the file's tensor blobs from 0 without gaps or overlaps
     assert calls[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(calls, calls[1:]))
     assert _files(res["dst"]) == _files(ref["dst"])
     # several workers: every file written back in pieces, the checkpoint converts back to the source
     calls.clear()
-    res3 = w.to_megatron(logical, str(tmp_path / "wb3"), target, budget=budget, workers=3, open_file=every_blob)
+    res3 = to_megatron(logical, str(tmp_path / "wb3"), target, budget=budget, workers=3, open_file=every_blob)
     assert len(calls) > 10
     got, want = _load_all(res3["dst"]), _load_all(ref["dst"])
     assert set(got) == set(want) and all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
@@ -83,7 +84,7 @@ def test_early_writeback_leaves_every_byte_and_reads_back_exactly(logical, tmp_p
 def test_cli_in_a_fresh_process_writes_what_the_api_writes(logical, tmp_path):
     """A fresh interpreter has not imported torch.distributed.checkpoint: to-megatron imports it on a
     thread while it works; the `.metadata` it then writes indexes the same tensors."""
-    api = w.to_megatron(logical, str(tmp_path / "api"), w.MegatronTarget(tp=2), budget=1 << 10, workers=2)
+    api = to_megatron(logical, str(tmp_path / "api"), w.MegatronTarget(tp=2), budget=1 << 10, workers=2)
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-m", "bridge.cli", "to-megatron", "--no-scheduler", logical, str(tmp_path / "cli"), "--tp", "2",
                         "--budget", "1K", "--workers", "2"], capture_output=True, text=True, env=env, timeout=300)

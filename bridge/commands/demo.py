@@ -143,7 +143,8 @@ def run_in(work: Path | str, keep: bool) -> int:
     there when `keep`)."""
     from bridge.errors import BridgeError
     from converters.megatron.convert import ConvertOptions, convert
-    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget
+    from converters.megatron.write.to_megatron import to_megatron
 
     names = ("logical", "megatron_tp2_dp2", "logical_again")
     if isinstance(work, str) and is_remote(work):

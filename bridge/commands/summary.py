@@ -92,7 +92,7 @@ def print_dry_run(rep: dict[str, Any], out: TextIO) -> None:
 
 
 def to_megatron_json(res: dict[str, Any]) -> dict[str, Any]:
-    """`to-megatron --json`: what `converters.megatron.write.torch_dist.to_megatron` reports, as documented fields."""
+    """`to-megatron --json`: what `converters.megatron.write.to_megatron.to_megatron` reports, as documented fields."""
     return {"schema": SCHEMA, "command": "to-megatron", "destination": res["dst"], "run_dir": res["run_dir"],
             "tracker": res["tracker"], "tracker_previous": res["tracker_previous"], "format": res["format"],
             "layout": res["layout"], "step": res["step"], "params": res["params"], "bytes": res["bytes"],  # foreign: report keys

@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
 def _write(args: argparse.Namespace) -> dict:
     from bridge.errors import BridgeError
     from bridge.units import human_bytes, parse_size
-    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget
+    from converters.megatron.write.to_megatron import to_megatron
 
     sched_args = given_args(args)
     if sched_args and args.no_scheduler:

@@ -1,4 +1,5 @@
-"""Logical checkpoint -> Megatron-Core `torch_dist` checkpoint at a target layout (`to-megatron`).
+"""Logical checkpoint -> Megatron-Core `torch_dist` checkpoint at a target layout (`to-megatron`):
+the plan (`plan_megatron`) and one process's writing; the entry is `write.to_megatron`.
 
 Writes what `dist_checkpointing.save` writes (megatron-layout.md §5.3): `.distcp` files of
 independent `torch.save` blobs, a `.metadata` pickle of DCP's `Metadata`, ShardedObjects
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import contextlib
-import importlib
 import io
 import json
 import os
@@ -45,11 +45,10 @@ from bridge.layout.distopt import buffer_layout, BufferParam
 from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
-from bridge.progress import progress
 from bridge.store.claim import claim_destination
 from bridge.store.remote import claim_remote
 from bridge.store.durable import fsync_path
-from bridge.torchrun import host_ranks, launched_world
+from bridge.torchrun import host_ranks
 from bridge.format.manifest import Manifest, MegatronRecord, check_hyperparameters
 from bridge.format import schema
 from bridge.format.schema import COUNT_PATH, MODEL, OPTIMIZER_ROLES, PARAMS, STEP_PATH, has_role, split_role
@@ -61,7 +60,7 @@ from converters.megatron.plan.naming import (check_one_convention, convention_ke
                                         key_prefix, num_prepend_axes, strip_wrappers, tp_kind_by_name)
 from converters.megatron.plan.convert_plan import (PipelineSplit, dp_group_places, is_scrambled_swiglu, is_tied, local_instances,
                                       role_path)
-from converters.megatron.read.rundir import plan_run_dir, write_tracker
+from converters.megatron.read.rundir import plan_run_dir
 from converters.megatron.plan.write_plan import (STATE_NAMES, DpJob, ChunkGroup, ParamSpec, layout_limits, plan_groups,
                                             shard_ranges)
 
@@ -441,48 +440,6 @@ class Stats:
         self.read_bytes += other.read_bytes
 
 
-def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | None = None, workers: int | None = None,
-                weights_from_masters: bool = False, show_progress: bool | None = None,
-                open_file: OpenFile | None = None) -> dict:
-    """Write step N of logical checkpoint `src` for `target` as Megatron-LM's run directory layout.
-
-    DST is the run directory or its `iter_<step, 7 digits>` (see `megatron_rundir.plan_run_dir`); the
-    iteration directory is written under a temporary name, renamed when complete, and only then
-    is `latest_checkpointed_iteration.txt` set to N (atomically), so `--load RUN` finds it.
-    Without `model` arrays (or with `weights_from_masters`) the weights are bf16(fp32 masters),
-    rounded to nearest even as Megatron's optimizer does; otherwise each weight is checked to be that.
-    `open_file` opens each worker's `.distcp` file (default `default_open_file`), e.g. one whose writes
-    fail midway. Under torchrun every rank writes a share (`converters.megatron.write.ranks`).
-    """
-    mp = plan_megatron(src, dst, target, budget, workers, weights_from_masters)
-    if launched_world() > 1:
-        from converters.megatron.write.ranks import to_megatron_ranks
-
-        return to_megatron_ranks(mp, open_file, show_progress)
-    where, remote = mp.where, mp.remote
-    created_run = not remote and not os.path.lexists(where.run_dir)
-    if not remote:
-        os.makedirs(where.run_dir, exist_ok=True)
-    published = False
-    importer = _import_dcp_meanwhile()
-    try:
-        with mp.claim() as claim:
-            index = mp.index()
-            with progress(mp.total_bytes, f"to-megatron {where.iter_dir}", enabled=show_progress) as bar:
-                written, stats, nbytes = write_files(mp, claim.tmp, open_file, 0, mp.jobs(), True, bar)
-            index.written += written
-            publish_iteration(claim, index, remote)
-            published = True
-        write_tracker(where.run_dir, mp.step)  # only now: the iteration directory is complete
-    except BaseException:
-        take_back(mp, published, created_run)
-        raise
-    finally:
-        if importer is not None:
-            importer.join()
-    return mp.result(nbytes, stats)
-
-
 @dataclass
 class MegatronPlan:
     """What `to_megatron` writes, planned before anything is (the same on every rank under torchrun)."""
@@ -681,28 +638,6 @@ def scheduler_state(src: str, man: Manifest, step: int, target: MegatronTarget) 
                       f"optimizer only with one (KeyError 'opt_param_scheduler'); pass the loading run's scheduler "
                       f"arguments ({NEEDED} [--min-lr X] [--lr-decay-style S] [--lr-warmup-iters N] "
                       f"[--lr-decay-iters N] [--weight-decay X] ..., or --megatron-args FILE), or --no-scheduler")
-
-
-def _import_dcp_meanwhile() -> threading.Thread | None:
-    """Import torch.distributed.checkpoint (needed only for the `.metadata` at the end; most of a
-    second of CPU) on a thread while the arrays are read and written: `DcpIndex.encode`'s own import
-    then finds it done, or waits on the import lock for the rest. An error is left for that import
-    to raise. The caller joins the thread before returning (no import running at interpreter exit)."""
-    import sys
-
-    name = "torch.distributed.checkpoint.filesystem"
-    if name in sys.modules:
-        return None
-
-    def load() -> None:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 (raised again, with its message, by encode's import)
-            pass
-
-    t = threading.Thread(target=load, name="to-megatron-import", daemon=True)
-    t.start()
-    return t
 
 
 def _check_arrays(src: str, params: Sequence[ParamInfo], arrays: dict, derive: bool) -> None:

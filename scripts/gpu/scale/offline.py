@@ -22,7 +22,7 @@
                                            (wall, CPU, peak RSS, bytes); the second conversion's digests
                                            equal the first's (DST kept, DST_b removed)
     offline.py tomeg CONV DST --json F     `gtp-bridge to-megatron --tp 2 CONV DST`'s code path in this process
-                                           (converters.megatron.write.torch_dist.to_megatron at the CLI's defaults), timed
+                                           (converters.megatron.write.to_megatron.to_megatron at the CLI's defaults), timed
                                            after the imports; DST removed after
     offline.py tomeg_anchor CONV OUT --json F  to-megatron's anchor in this process (bench_scale._anchor_tomeg:
                                            raw TensorStore read of every array + dcp.save); OUT removed after
@@ -229,7 +229,8 @@ def cmd_tomeg(a) -> int:
     import tensorstore  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
 
-    from converters.megatron.write.torch_dist import MegatronTarget, to_megatron
+    from converters.megatron.write.torch_dist import MegatronTarget
+    from converters.megatron.write.to_megatron import to_megatron
 
     src, dst = a.paths
     t0 = time.perf_counter()
