@@ -58,7 +58,8 @@ def build_source(path: str, hidden: int, layers: int, vocab: int) -> int:
 
 def time_convert(src: str, dst: str, workers: int, budget: int | None) -> float:
     """Wall time of convert with exactly `workers` writer processes (1 = in-process)."""
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     shutil.rmtree(dst, ignore_errors=True)
     t0 = time.perf_counter()

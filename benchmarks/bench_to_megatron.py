@@ -91,7 +91,8 @@ def main() -> None:
     from bench_convert import build_source
 
     from bridge.units import parse_size
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     root = args.dir or tempfile.mkdtemp(prefix="bench-to-megatron-")
     os.makedirs(root, exist_ok=True)

@@ -63,7 +63,7 @@ def rss(pid: int) -> int:
 # checkpoint's bytes stay cold, the libraries' files do not (a user's machine has torch and
 # TensorStore cached, and an anchor timed in-process never pays for loading them).
 WARM_IMPORTS = ("import torch, torch.distributed.checkpoint, tensorstore, numpy, ml_dtypes, bridge.cli, "
-                "bridge.store.reader, converters.megatron.convert, converters.megatron.write.torch_dist")
+                "bridge.store.reader, converters.megatron.convert_entry, converters.megatron.write.to_megatron")
 
 
 def drop_caches() -> bool:

@@ -95,7 +95,8 @@ def digests_equal(a: str, ref: str) -> dict:
 
 
 API_CONVERT = """import sys
-from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.convert import ConvertOptions
+from converters.megatron.convert_entry import convert
 src, out, budget, workers, mwb = sys.argv[1:6]
 budget = None if budget == 'default' else int(budget)
 convert(src, out, ConvertOptions(workers=int(workers), budget=budget, min_worker_bytes=int(mwb), announce=print))

@@ -34,7 +34,7 @@ _LAZY = {
     "open_checkpoint": ("bridge.store.reader", "open_checkpoint"),
     "Checkpoint": ("bridge.store.reader", "Checkpoint"),
     "verify": ("bridge.store.verify", "verify_checkpoint"),
-    "convert": ("converters.megatron.convert", "convert"),
+    "convert": ("converters.megatron.convert_entry", "convert"),
     "ConvertOptions": ("converters.megatron.convert", "ConvertOptions"),
     "to_megatron": ("converters.megatron.write.to_megatron", "to_megatron"),
     "MegatronTarget": ("converters.megatron.write.torch_dist", "MegatronTarget"),

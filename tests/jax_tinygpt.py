@@ -235,7 +235,8 @@ _CONVERTED: dict[str, str] = {}
 def converted_fixture(run: str) -> str:
     """`gtp-bridge convert` of fixture `run`'s dp_reshardable save, once per process (a temp dir)."""
     if run not in _CONVERTED:
-        from converters.megatron.convert import ConvertOptions, convert
+        from converters.megatron.convert import ConvertOptions
+        from converters.megatron.convert_entry import convert
         from converters.megatron.plan.format import Hints
 
         base = tempfile.mkdtemp(prefix="jax_tinygpt_")

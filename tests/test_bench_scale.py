@@ -19,7 +19,8 @@ SIZES = ss.Sizes(hidden=64, layers=3, ffn=176, heads=8, groups=2, vocab=256)
 @pytest.mark.parametrize("fmt", ["dp_reshardable", "fully_reshardable"])
 def test_streamed_checkpoint_converts_to_the_regenerated_values(tmp_path, fmt):
     from bridge.store.reader import open_checkpoint
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     bucket = SIZES.n_params() // 5

@@ -38,7 +38,8 @@ def one_line_error(r, needle: str) -> None:
 
 @pytest.fixture(scope="module")
 def logical(tmp_path_factory):
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     d = str(tmp_path_factory.mktemp("flow") / "logical")
     convert(str(DEMO_SRC), d, ConvertOptions(workers=1))
@@ -70,7 +71,7 @@ def test_python_entry_points_refuse_urls(logical, tmp_path, monkeypatch):
     from bridge.jaxside import restore, save
     from bridge.store.reader import open_checkpoint
     from bridge.store.verify import verify_checkpoint
-    from converters.megatron.convert import convert
+    from converters.megatron.convert_entry import convert
     from converters.megatron.write.torch_dist import MegatronTarget
     from converters.megatron.write.to_megatron import to_megatron
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 import convert_synth as synth
-from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.convert import ConvertOptions
+from converters.megatron.convert_entry import convert
 from converters.megatron.read.dcp import DcpCheckpoint
 from converters.megatron.plan.format import Hints
 from converters.megatron.read.object_layout import ObjectTensor, object_tensors

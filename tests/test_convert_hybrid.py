@@ -26,7 +26,8 @@ import convert_reference as cref
 from bridge.cli import main
 from bridge.format.manifest import MANIFEST_KEY, Manifest
 from bridge.store.reader import open_checkpoint
-from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.convert import ConvertOptions
+from converters.megatron.convert_entry import convert
 from converters.megatron.read.dcp import DcpCheckpoint
 from converters.megatron.plan.convert_plan import role_path
 from converters.megatron.write.torch_dist import MegatronTarget

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from bridge.errors import BridgeError
-from converters.megatron.convert import _TESTING_HOLD_ENV, ConvertOptions, convert
+from converters.megatron.convert import _TESTING_HOLD_ENV, ConvertOptions
+from converters.megatron.convert_entry import convert
 import convert_synth as synth
 
 TMP = ".orbax-checkpoint-tmp"
@@ -22,7 +23,8 @@ RUN = """
 import signal, sys
 # Ctrl-C as from a terminal, even when the suite runs as a background job (SIGINT then ignored, inherited)
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.convert import ConvertOptions
+from converters.megatron.convert_entry import convert
 if __name__ == "__main__":
     convert(sys.argv[1], sys.argv[2], ConvertOptions(workers=2, budget=256 << 10, min_worker_bytes=1))
 """

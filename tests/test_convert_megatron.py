@@ -13,7 +13,8 @@ import pytest
 from bridge.cli import main
 from bridge.errors import BridgeError
 from bridge.store.reader import open_checkpoint
-from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.convert import ConvertOptions
+from converters.megatron.convert_entry import convert
 from converters.megatron.plan.format import Hints
 from converters.megatron.plan.convert_plan import role_path
 import convert_reference as cref

@@ -27,7 +27,8 @@ OVERHEAD = 512 * MIB   # the fixed cost issue 16 allows
 
 CONVERT = """
 import sys
-from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.convert import ConvertOptions
+from converters.megatron.convert_entry import convert
 if __name__ == "__main__":
     convert(sys.argv[1], sys.argv[2], ConvertOptions(workers=int(sys.argv[3]), budget=int(sys.argv[4]), min_worker_bytes=1))
     print(open("/proc/self/status").read())   # its own final VmHWM

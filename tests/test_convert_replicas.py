@@ -74,7 +74,8 @@ def gtp_replicated(attrs) -> bool:
 
 
 def _convert(src: str, dst: str, **kw):
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     return convert(src, dst, ConvertOptions(**kw))
 

@@ -19,7 +19,8 @@ import pytest
 import bridge
 from bridge import cli
 from bridge.errors import BridgeError
-from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.convert import ConvertOptions
+from converters.megatron.convert_entry import convert
 from converters.megatron.plan.format import Hints
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron"

@@ -16,7 +16,8 @@ import pytest
 
 from bridge.store.reader import open_checkpoint
 from bridge.store.verify import verify_checkpoint
-from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.convert import ConvertOptions
+from converters.megatron.convert_entry import convert
 from converters.megatron.plan.convert_plan import role_path
 import convert_reference as cref
 import convert_synth as synth

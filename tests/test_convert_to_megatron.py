@@ -11,7 +11,8 @@ import torch.distributed.checkpoint as dcp
 import convert_reference as cref
 from bridge.cli import main
 from converters.megatron.read.dcp import DcpCheckpoint
-from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.convert import ConvertOptions
+from converters.megatron.convert_entry import convert
 from converters.megatron.plan.naming import is_gtp_weight
 from converters.megatron.write.torch_dist import MegatronTarget
 from converters.megatron.write.to_megatron import to_megatron

@@ -34,7 +34,8 @@ def source(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(source):
     """The single-process conversion (the existing path, unchanged), read with plain TensorStore."""
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     d, st = source
     convert(str(d / "src"), str(d / "ref"), ConvertOptions(workers=1, budget=64 << 10))
@@ -216,7 +217,8 @@ def test_to_megatron_under_torchrun_writes_what_one_process_writes(source, refer
     """Two ranks of two writer threads each write their files; rank 0 the metadata, common state and
     tracker. torch's DCP loader reads the same tensors as from the one-process output, and converting
     it back gives the logical checkpoint again."""
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
     from converters.megatron.write.torch_dist import MegatronTarget
     from converters.megatron.write.to_megatron import to_megatron
 
@@ -240,7 +242,8 @@ def test_to_megatron_under_torchrun_writes_what_one_process_writes(source, refer
 @pytest.mark.slow
 def test_to_megatron_to_s3_under_torchrun_converts_back(source, reference, tmp_path):
     """Ranks upload their own `__<i>_<j>.distcp` objects; rank 0 `.metadata` last, then the tracker."""
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
     from servers import remote_servers
 
     d, _ = source
@@ -271,7 +274,8 @@ def test_to_megatron_failing_rank_publishes_nothing(source, tmp_path):
 
 
 def _main(src: str, dst: str) -> None:  # pragma: no cover - a rank of test_two_ranks_of_two_writer_processes
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
     from converters.megatron.distributed import rank_summary
 
     res = convert(src, dst, ConvertOptions(workers=2, budget=128 << 10, min_worker_bytes=1))

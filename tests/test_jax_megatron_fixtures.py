@@ -23,7 +23,8 @@ RUNS = [r for r in ("tp1", "moe_ep1") if os.path.isdir(os.path.join(FIXTURES, r,
 
 @pytest.fixture(scope="module", params=RUNS)
 def converted(request, tmp_path_factory):
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
     from converters.megatron.plan.format import Hints
 
     hints = Hints(kv_channels=6) if request.param == "tp1" else None  # tp1 was saved without args
@@ -71,7 +72,8 @@ def test_jax_trained_state_goes_back_to_megatron(tmp_path):
     from bridge.cli import main as cli_main
     from bridge.jaxside.save import save
     from bridge.store.reader import open_checkpoint
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
     from converters.megatron.plan.format import Hints
 
     src = str(tmp_path / "logical")

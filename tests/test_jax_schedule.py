@@ -299,7 +299,8 @@ def _common_state(sched_sd: dict, step: int, lr: float) -> dict:
 def converted_with_scheduler(tmp_path_factory):
     """A synthetic tp1/dp1 checkpoint whose common_state has Megatron's scheduler state_dict, via real DCP."""
     import convert_synth as synth
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     step = 31   # inside the WSD anneal (warmup 5 iterations, decay ends at 40, anneal starts at 28)
     kw = _kwargs(dict(lr_decay_style="WSD", wsd_decay_steps=12 * GBS, lr_wsd_decay_style="cosine"))

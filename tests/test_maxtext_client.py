@@ -86,7 +86,7 @@ def trip(tmp_path_factory):
     from bridge.jaxside.presets import maxtext as mx
     from bridge.jaxside.presets.maxtext_ckpt import read_logical, read_maxtext, write_maxtext
 
-    from converters.megatron.convert import convert
+    from converters.megatron.convert_entry import convert
 
     base = str(tmp_path_factory.mktemp("maxtext"))
     root = os.path.join(base, "run", "checkpoints")
@@ -146,7 +146,7 @@ def test_maxtext_step_equals_megatrons_next_update(trip):
 
 def test_back_through_to_megatron(trip, tmp_path):
     pytest.importorskip("torch")
-    from converters.megatron.convert import convert
+    from converters.megatron.convert_entry import convert
     from converters.megatron.write.torch_dist import MegatronTarget
     from converters.megatron.write.to_megatron import to_megatron
 
@@ -173,7 +173,7 @@ def test_fresh_maxtext_run_converts_to_megatron(trip, tmp_path):
     pytest.importorskip("torch")
     from bridge.jaxside.presets import maxtext as mx
     from bridge.jaxside.presets.maxtext_ckpt import find_items, read_maxtext
-    from converters.megatron.convert import convert
+    from converters.megatron.convert_entry import convert
     from converters.megatron.write.torch_dist import MegatronTarget
     from converters.megatron.write.to_megatron import to_megatron
     from test_maxtext_preset import _plain_read

@@ -282,7 +282,7 @@ def test_foreign_maxtext_checkpoint_reads_and_converts_to_megatron(tmp_path):
     to-megatron -> the converter reads it back equal."""
     pytest.importorskip("torch")
     from bridge.jaxside.presets.maxtext_ckpt import find_items, read_maxtext
-    from converters.megatron.convert import convert
+    from converters.megatron.convert_entry import convert
     from converters.megatron.write.torch_dist import MegatronTarget
     from converters.megatron.write.to_megatron import to_megatron
 
@@ -358,7 +358,7 @@ def test_cli_to_and_from_maxtext(tmp_path):
     r = _cli("from-maxtext", str(tmp_path), str(tmp_path / "y"))               # not a MaxText checkpoint
     assert r.returncode == 2 and "not a MaxText checkpoint" in r.stderr and not os.path.exists(tmp_path / "y")
     dp2 = os.path.join(HERE, "fixtures", "megatron", "dp2", "dp_reshardable")  # biases, learned positions
-    from converters.megatron.convert import convert
+    from converters.megatron.convert_entry import convert
 
     convert(dp2, str(tmp_path / "gpt"))
     r = _cli("to-maxtext", str(tmp_path / "gpt"), str(tmp_path / "z"))

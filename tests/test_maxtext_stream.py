@@ -184,7 +184,8 @@ def half_gib(tmp_path_factory):
     pytest.importorskip("torch")
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import scale_synth
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     d = tmp_path_factory.mktemp("half")
     sizes = scale_synth.Sizes.for_gib(0.5)

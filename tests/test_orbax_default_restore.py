@@ -101,7 +101,7 @@ def restore_on_one_device(root: str) -> None:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    from converters.megatron.convert import convert
+    from converters.megatron.convert_entry import convert
 
     dst = str(tmp_path_factory.mktemp("conv") / "tp2")
     convert(TP2, dst)

@@ -19,7 +19,8 @@ import convert_synth as synth
 import megatron_pp_reference as ref
 from bridge.cli import main
 from bridge.errors import BridgeError
-from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.convert import ConvertOptions
+from converters.megatron.convert_entry import convert
 from converters.megatron.plan.convert_plan import PipelineSplit
 from test_convert_megatron import assert_matches
 from test_convert_pp2 import _assert_written, cli, ref_of

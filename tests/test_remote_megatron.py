@@ -57,7 +57,8 @@ def same_arrays(a_loc, b_loc):
 def test_convert_megatron_run_on_s3_to_gcs_with_ranged_reads(stores, tmp_path):
     """SRC is a Megatron run prefix on S3 (tracker -> iter_0000003), DST on GCS; a 64 KiB budget makes
     the larger records exceed the chunk cache, so they are read by byte ranges."""
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
     from converters.megatron.read.dcp import DcpCheckpoint
 
     s3, gs = stores["s3"], stores["gs"]
@@ -82,7 +83,8 @@ def test_to_megatron_on_s3_is_what_megatron_saved(stores, tmp_path):
     copy back gives the logical checkpoint again."""
     import torch.distributed.checkpoint as dcp
 
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
     from converters.megatron.read.dcp import DcpCheckpoint
     from converters.megatron.write.torch_dist import MegatronTarget
     from converters.megatron.write.to_megatron import to_megatron

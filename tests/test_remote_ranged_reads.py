@@ -97,7 +97,8 @@ REAL = [("release_0_14_0_bucket_space", "fully_sharded_bucket_space"), ("release
 
 @pytest.fixture(scope="module")
 def local_conversions(tmp_path_factory):
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     out = {}
     for run, fmt in REAL:
@@ -127,7 +128,8 @@ def test_real_saves_have_records_of_every_size_class():
                          ids=["s3-default-budget", "gs-default-budget", "gs-64k-budget", "s3-64k-budget"])
 @pytest.mark.parametrize("run,fmt", REAL, ids=[r for r, _ in REAL])
 def test_real_save_on_object_storage_converts_as_the_local_copy(stores, local_conversions, scheme, budget, run, fmt):
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     srv = stores[scheme]
     key = f"ranged/{run}/{budget}"
@@ -166,7 +168,8 @@ def test_readme_s3_round_trip_runs_as_written(stores, tmp_path, capfd):
     import convert_synth as synth
 
     from bridge.cli import main
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
     from converters.megatron.read.dcp import DcpCheckpoint
 
     cmds = readme_object_storage_commands()

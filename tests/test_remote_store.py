@@ -58,7 +58,8 @@ def one_line_error(r, text):
 @pytest.fixture(scope="module")
 def local_reference(tmp_path_factory):
     """The demo checkpoint converted to a local directory: what every remote copy must equal."""
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     dst = tmp_path_factory.mktemp("ref") / "ck"
     convert(str(DEMO_SRC), str(dst), ConvertOptions(workers=1, show_progress=False))
@@ -115,7 +116,8 @@ def test_cli_convert_verify_inspect_diff_on_s3(stores, local_reference, tmp_path
 
 def test_convert_and_verify_on_gcs(stores, local_reference):
     from bridge.store.verify import verify_checkpoint
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     srv = stores["gs"]
     dst = srv.url("runs/convert-api")

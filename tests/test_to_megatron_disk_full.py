@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from bridge import cli
-from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.convert import ConvertOptions
+from converters.megatron.convert_entry import convert
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "megatron" / "dp2" / "fully_reshardable"
 

@@ -112,7 +112,7 @@ def megatron_load(run_dir: str) -> tuple[int, str, dict]:
 
 @pytest.fixture(scope="module")
 def logical(tmp_path_factory):
-    from converters.megatron.convert import convert
+    from converters.megatron.convert_entry import convert
 
     d = str(tmp_path_factory.mktemp("rundir") / "tp2_logical")
     convert(os.path.join(cref.FIXTURES, "tp2", "dp_reshardable"), d)

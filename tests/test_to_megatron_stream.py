@@ -22,7 +22,7 @@ QKV = ("model", "decoder", "layers", "self_attention", "linear_qkv", "weight", "
 
 @pytest.fixture(scope="module")
 def logical(tmp_path_factory):
-    from converters.megatron.convert import convert
+    from converters.megatron.convert_entry import convert
 
     d = tmp_path_factory.mktemp("stream")
     out = {}

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def logical(tmp_path_factory):
-    from converters.megatron.convert import convert
+    from converters.megatron.convert_entry import convert
 
     out = str(tmp_path_factory.mktemp("wb") / "tp2")
     convert(os.path.join(cref.FIXTURES, "tp2", "dp_reshardable"), out)

@@ -50,7 +50,8 @@ if _LOG:
 '''
 
 _CONVERT = """import sys
-from converters.megatron.convert import ConvertOptions, convert
+from converters.megatron.convert import ConvertOptions
+from converters.megatron.convert_entry import convert
 r = convert(sys.argv[1], sys.argv[2], ConvertOptions(workers=2, budget=int(sys.argv[3]), min_worker_bytes=1))
 print("WORKERS", r.workers)
 """
@@ -298,7 +299,8 @@ def test_dp_zero_object_larger_than_the_cache_converts(tmp_path):
     """dp_zero_gather_scatter keeps a group's state in one pickled object, read whole (as ArchiveTensors)
     then cut into the cache: at a budget whose cache holds fewer of its tensors than it has, the one
     asked for was evicted by its siblings ("no such tensor in the object"). Now equal to a roomy run."""
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     src = str(FIXTURES / "megatron" / "release_0_15_3" / "dp_zero_gather_scatter")
     roomy, tight = str(tmp_path / "roomy"), str(tmp_path / "tight")

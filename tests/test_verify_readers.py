@@ -37,7 +37,8 @@ def _edit_optimizer(dst, **values):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     if not os.path.isdir(FIXTURE):
         pytest.skip("needs the moe_ep1 Megatron fixture")

@@ -152,7 +152,7 @@ def _locate(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace):
-    from converters.megatron.convert import convert
+    from converters.megatron.convert_entry import convert
     from converters.megatron.plan.fact_sources import split_notes
 
     _locate(args)

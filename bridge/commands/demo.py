@@ -142,7 +142,8 @@ def run_in(work: Path | str, keep: bool) -> int:
     """The demo's steps with their outputs under `work` (a directory, or an s3:// / gs:// prefix; kept
     there when `keep`)."""
     from bridge.errors import BridgeError
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
     from converters.megatron.write.torch_dist import MegatronTarget
     from converters.megatron.write.to_megatron import to_megatron
 

@@ -8,12 +8,14 @@ bounded cache), cross-check bf16 weights against bf16(fp32 master), and write it
 through `bridge.store.CheckpointWriter` (so OCDBT never keeps a superseded version of a chunk).
 The parent claims DST (`bridge.store.claim`) and commits atomically; on any error, Ctrl-C or
 SIGTERM the workers are killed and the temporary directory is removed.
+
+The entry `convert()` is in `converters.megatron.convert_entry`, above this module and the torchrun
+ranks (`converters.megatron.distributed`), which both build on the plan and the write share here.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Callable
 from dataclasses import asdict, dataclass, field
@@ -24,17 +26,13 @@ import numpy as np
 
 from bridge.cast_check import bits_equal, cast_mismatch
 from bridge.errors import BridgeError
-from bridge.location import absolute, basename, is_remote, location
 from bridge.machine import (MIN_BYTES_PER_WORKER, PROCESS_OVERHEAD, default_budget, default_workers,  # noqa: F401
                             mem_available, return_freed_memory)
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, grid_shape
 from bridge.layout.parallel import ParallelLayout
 from bridge.format.scheduler import SchedulerRecord
-from bridge.progress import progress
-from bridge.store.claim import check_destination_free, check_sources, claim_destination
-from bridge.store.commit import commit_checkpoint
-from bridge.torchrun import host_ranks, launched_world
+from bridge.torchrun import host_ranks
 from bridge.format.manifest import (MEGATRON_KEY, REPLICAS_KEY, Manifest, MegatronParam, MegatronRecord, OptimizerConfig,
                                     SourceLayout)
 from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_DTYPE, SCALAR_PATHS, STATE_ROLE,
@@ -47,11 +45,12 @@ from bridge.store.writer import CheckpointWriter
 from converters.megatron.read.dcp import DcpCheckpoint
 from converters.megatron.read.dcp_metadata import ChunkInfo
 from converters.megatron.read.object_layout import object_tensors
+from converters.megatron.plan.fact_sources import SPLIT_ARGS, split_source
 from converters.megatron.plan.save_facts import check_against_save
-from converters.megatron.cache import ChunkCache, check_records
+from converters.megatron.cache import ChunkCache
 from converters.megatron.writer_procs import run_parallel
 from converters.megatron import replicas
-from converters.megatron.plan.format import (BUCKETED, Hints, SourceCheckpoint, _as_dict, bucket_space_flat_chunks, describe,
+from converters.megatron.plan.format import (BUCKETED, Hints, SourceCheckpoint, bucket_space_flat_chunks, describe,
                                         merge_split_keys,
                                         optimizer_groups,
                                         parse_groups_hyper, plain_value, step_of)
@@ -168,12 +167,6 @@ def _units(src: SourceCheckpoint, hints: Hints) -> list[Unit]:
     return list(units.values())
 
 
-#: the run's arguments that set the pipeline split (Megatron-LM names)
-SPLIT_ARGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-              "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-              "virtual_pipeline_model_parallel_size")
-
-
 def writer_rank(rel: str) -> int | None:
     """The rank that wrote a DCP file (`__<rank>_<i>.distcp`), None for another name.
 
@@ -217,18 +210,6 @@ def saved_vpp(src: SourceCheckpoint) -> int | None:
     for d in src.dp_keys:
         per.setdefault((d.chain, d.dp_group_idx, d.dtype), set()).add(d.gbuf)
     return max(len(g) for g in per.values()) if per else None
-
-
-def split_source(src: SourceCheckpoint, hints: Hints) -> str | None:
-    """Where the planned pipeline split came from (None: nowhere, Megatron's defaults were assumed)."""
-    if any(v is not None for v in (hints.pp_first, hints.pp_last, hints.embedding_in_split, hints.loss_in_split)):
-        return "the flags"
-    saved = _as_dict(src.common.get("args"))
-    if any(k in saved for k in SPLIT_ARGS):
-        return "the checkpoint's args"
-    if any(src.args.get(k) is not None for k in SPLIT_ARGS):
-        return "the run's config"
-    return None
 
 
 def split_from_save(src: SourceCheckpoint, hints: Hints, err: BridgeError) -> list[Unit]:
@@ -928,59 +909,8 @@ def write_share(cp: ConvertPlan, tmp: str, writers: Sequence[int], force: bool, 
         (w, blocks), = per.items()
         return [run_blocks(str(cp.ck.root), dict(enumerate(cp.units)), blocks, cp.plan, tmp, w, cp.share,
                            force, cp.suspect, cp.step or 0, on_progress=bar.update)]
-    return run_parallel(str(cp.ck.root), cp.units, per, cp.plan, tmp, cp.share, force, cp.suspect,
+    return run_parallel(run_blocks, str(cp.ck.root), cp.units, per, cp.plan, tmp, cp.share, force, cp.suspect,
                          cp.step or 0, bar, timings)
-
-
-def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> ConvertResult:
-    """Convert a torch_dist checkpoint at `src_dir` into a logical checkpoint at `dst`.
-
-    Under torchrun (WORLD_SIZE > 1) every rank calls it alike and converts a share of the blocks
-    (`converters.megatron.distributed`); the commit is one, after every rank's share is written."""
-    src_dir, dst = location(src_dir, "source"), location(dst, "destination")
-    opts = opts or ConvertOptions()
-    dst = absolute(dst)
-    check_destination_free(dst)  # s3:// / gs:// too (bridge.store.remote.check_remote_free)
-    if not is_remote(dst):
-        check_sources(dst, [src_dir])
-    t_start = time.perf_counter()
-    timings: dict[str, float] = {}
-    budget, asked_workers = resources(opts)
-    if launched_world() > 1:
-        from converters.megatron.distributed import convert_ranks
-
-        return convert_ranks(src_dir, dst, opts, budget, asked_workers)
-    cp = plan_conversion(src_dir, opts, budget, asked_workers)
-    ck, src, units, plan, manifest, workers = cp.ck, cp.src, cp.units, cp.plan, cp.manifest, cp.workers
-    step, total_bytes = cp.step, cp.total_bytes
-    share = cp.share
-    if opts.announce is not None:
-        opts.announce(budget_line(workers, budget, opts.workers))
-    warnings: list[str] = []
-    # The claim makes DST this run's alone; leaving the block by an error, Ctrl-C or SIGTERM removes
-    # the temp directory (after run_parallel has killed the workers writing into it).
-    with claim_destination(dst, sources=[src_dir, str(ck.root)]) as claim:
-        timings["plan"] = time.perf_counter() - t_start
-        t0 = time.perf_counter()
-        with progress(total_bytes, f"convert {basename(dst)}", enabled=opts.show_progress) as bar:
-            results = write_share(cp, claim.tmp, range(workers), opts.force, bar, timings)
-        timings["write"] = time.perf_counter() - t0
-        warnings += [w for r in results for w in r[0]]
-        # Records read by ranges were CRC'd span by span as their bytes came in (one read of each
-        # byte); their CRC-32s are complete and compared here, before anything is committed.
-        t0 = time.perf_counter()
-        check_records([r[2] for r in results], window=min(share, 8 << 20))
-        timings["check_records"] = time.perf_counter() - t0
-        replica_rec = record_replicas(manifest, units, [d for r in results for d in r[3]], opts.strict_replicas)
-        warnings += replicas.report_lines(replica_rec)
-        t0 = time.perf_counter()
-        commit_checkpoint(dst, plan, manifest, timeout=60.0, claim=claim)
-        timings["commit"] = time.perf_counter() - t0
-    for w in warnings:
-        print(f"gtp-bridge: warning: {w}", file=sys.stderr)
-    return ConvertResult(dst, src.format_label, src.layout.to_json(), len(plan.arrays), plan.total_bytes,
-                         len(units), step, warnings, src.inferred, workers, budget, timings,
-                         replicas=manifest.extra[REPLICAS_KEY])
 
 
 def record_replicas(manifest: Manifest, units: Sequence[Unit], diffs: Sequence, strict: bool):

@@ -1,6 +1,7 @@
-"""Writer processes of `convert`: one spawned process per writer, each running its blocks
-(`converters.megatron.convert.run_blocks`), reporting progress and its result through a queue; any
-error, Ctrl-C or SIGTERM in the parent kills them all before the temp directory goes."""
+"""Writer processes of `convert`: one spawned process per writer, each running its blocks with the
+`run_blocks` it is given (`converters.megatron.convert.run_blocks`: passed in, so this module does not
+import its caller), reporting progress and its result through a queue; any error, Ctrl-C or SIGTERM
+in the parent kills them all before the temp directory goes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from bridge.errors import BridgeError
 from bridge.store.plan import WritePlan
@@ -33,12 +34,11 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def _worker_main(q, src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step) -> None:  # pragma: no cover - subprocess
+def _worker_main(q, run_blocks, src_root, units, blocks, plan, tmp, w, share, force, defect_suspect,  # pragma: no cover - subprocess
+                 step) -> None:
     die_with_parent()
     try:
         t0 = time.time()  # wall clock: the parent compares it with its own
-        from converters.megatron.convert import run_blocks
-
         res = run_blocks(src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step,
                          on_progress=lambda n: q.put(("p", w, n)))
         q.put(("t", w, (t0, time.time())))
@@ -58,9 +58,11 @@ def _worker_main(q, src_root, units, blocks, plan, tmp, w, share, force, defect_
         traceback.print_exc(file=sys.stderr)
 
 
-def run_parallel(root: str, units: Sequence[Unit], per: dict[int, list[Block]], plan: WritePlan, tmp: str, share: int,
-                  force: bool, suspect: bool, step: int, bar, timings: dict[str, float] | None = None) -> list[tuple]:
-    """One process per writer of `per` (writer id -> its blocks); their results in writer order."""
+def run_parallel(run_blocks: Callable[..., Any], root: str, units: Sequence[Unit], per: dict[int, list[Block]],
+                 plan: WritePlan, tmp: str, share: int, force: bool, suspect: bool, step: int, bar,
+                 timings: dict[str, float] | None = None) -> list[tuple]:
+    """One process per writer of `per` (writer id -> its blocks), each calling `run_blocks` (a module-level
+    function: the spawned process imports it by name) on its blocks; their results in writer order."""
     # spawn: TensorStore aborts in a forked child once the parent has used it
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -68,8 +70,8 @@ def run_parallel(root: str, units: Sequence[Unit], per: dict[int, list[Block]], 
     ids = list(per)
     for w, blocks in per.items():
         mine = {b.unit: units[b.unit] for b in blocks}
-        procs.append(ctx.Process(target=_worker_main, args=(q, root, mine, blocks, plan, tmp, w, share, force,
-                                                            suspect, step), daemon=True))
+        procs.append(ctx.Process(target=_worker_main, args=(q, run_blocks, root, mine, blocks, plan, tmp, w, share,
+                                                            force, suspect, step), daemon=True))
     done: dict[int, Any] = {}
     errors: list[str] = []
     spans: dict[int, tuple[float, float]] = {}   # worker -> wall clock at work, done

@@ -96,3 +96,21 @@ def fact_sources(src: SourceCheckpoint, hints: Hints) -> list[Fact]:
         if found is not None and value is not None:
             out.append(Fact(name, value, *found))
     return out
+
+
+#: the run's arguments that set the pipeline split (Megatron-LM names)
+SPLIT_ARGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+              "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+              "virtual_pipeline_model_parallel_size")
+
+
+def split_source(src: SourceCheckpoint, hints: Hints) -> str | None:
+    """Where the planned pipeline split came from (None: nowhere, Megatron's defaults were assumed)."""
+    if any(v is not None for v in (hints.pp_first, hints.pp_last, hints.embedding_in_split, hints.loss_in_split)):
+        return "the flags"
+    saved = _as_dict(src.common.get("args"))
+    if any(k in saved for k in SPLIT_ARGS):
+        return "the checkpoint's args"
+    if any(src.args.get(k) is not None for k in SPLIT_ARGS):
+        return "the run's config"
+    return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from bridge.errors import BridgeError
+from converters.megatron.plan.fact_sources import split_source
 from converters.megatron.plan.format import Hints, SourceCheckpoint, _as_dict
 from converters.megatron.plan.model_facts import FLAG_OF
 from converters.megatron.plan.convert_plan import PipelineSplit, stage_placement
@@ -58,8 +59,6 @@ def check_against_save(src: SourceCheckpoint, hints: Hints) -> None:
     if lay.pp == 1:
         return
     pp = f"{given_as(src, hints, 'pipeline_model_parallel_size')} {lay.pp}"
-    from converters.megatron.convert import split_source
-
     if split_source(src, hints) is not None:
         try:
             stage_placement(src.split, layers)

@@ -13,7 +13,7 @@
                [--baseline OLD_VERIFY_PY]  warm A B B A against an older verify.py;
                [--reads-only]              a warm run with the digest skipped (the reads' own rate)
     offline.py convert SRC DST --json F    `gtp-bridge convert SRC DST`'s code path in this process at the CLI's
-                                           defaults (converters.megatron.convert.convert, workers and budget
+                                           defaults (converters.megatron.convert_entry.convert, workers and budget
                                            None): its phase timings (ConvertResult.timings)
     offline.py convert_ab SRC DST --json F convert vs its anchor in the order A B B A: `gtp-bridge convert`
                                            (CLI), anchor, anchor, `offline.py convert` (same code, with
@@ -157,7 +157,8 @@ def cmd_anchor(a) -> int:
 
 
 def cmd_convert(a) -> int:
-    from converters.megatron.convert import ConvertOptions, convert
+    from converters.megatron.convert import ConvertOptions
+    from converters.megatron.convert_entry import convert
 
     t0 = time.perf_counter()
     r = convert(a.paths[0], a.paths[1], ConvertOptions(workers=None, budget=None, show_progress=False))
