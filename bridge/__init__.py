@@ -53,8 +53,8 @@ _LAZY = {
     "save": ("bridge.jaxside.save", "save"),
     "optimizer_from_manifest": ("bridge.jaxside.manifest_view", "optimizer_from_manifest"),
     "ShardingRules": ("bridge.jaxside.sharding_rules", "ShardingRules"),
-    "write_maxtext": ("bridge.jaxside.presets.maxtext_ckpt", "write_maxtext"),
-    "read_maxtext": ("bridge.jaxside.presets.maxtext_ckpt", "read_maxtext"),
+    "write_maxtext": ("bridge.jaxside.presets.maxtext_stream", "write_maxtext"),
+    "read_maxtext": ("bridge.jaxside.presets.maxtext_stream", "read_maxtext"),
 }
 
 __all__ = ["BridgeError", "IntegrityError", "MissingExtra", "__version__", *_LAZY]

@@ -86,7 +86,7 @@ def fuzz_main(seconds: float, written: str, outdir: str) -> None:  # pragma: no 
     from bridge.errors import BridgeError
     from bridge.jaxside.presets.maxtext import Hyper
     from bridge.commands.inspect import inspect_report
-    from bridge.jaxside.presets.maxtext_ckpt import read_maxtext
+    from bridge.jaxside.presets.maxtext_stream import read_maxtext
     from bridge.store.verify import verify_checkpoint
 
     out = Path(outdir)
@@ -177,7 +177,7 @@ def fuzz_main(seconds: float, written: str, outdir: str) -> None:  # pragma: no 
 
 def test_fuzz_maxtext_read_path(tmp_path):
     """A bounded fuzz run (GTP_FUZZ_MAXTEXT_SECONDS, default 12): no crash, no other exception, memory bounded."""
-    from bridge.jaxside.presets.maxtext_ckpt import write_maxtext
+    from bridge.jaxside.presets.maxtext_stream import write_maxtext
 
     written = tmp_path / "written"
     write_maxtext(str(LIVE), str(written))

@@ -206,25 +206,9 @@ def test_layers_run_one_way():
     assert layer_violations(REPO) == []
 
 
-#: Circles known and still open (issue 32): each is a one-process entry point (`convert`, `to_megatron`,
-#: `write_maxtext` / `read_maxtext`) handing off, by an import inside the function, to the module that
-#: extends it (torchrun ranks, the streamed MaxText moves), which imports the entry module's pieces. The
-#: way out is the dispatch one layer up (the commands). Exactly these sets are tolerated: any other
-#: circle, or one of these growing, fails.
-KNOWN_CIRCLES = [
-    ("converters.megatron.convert", "converters.megatron.distributed", "converters.megatron.plan.save_facts",
-     "converters.megatron.writer_procs"),
-    ("converters.megatron.write.torch_dist", "converters.megatron.write.ranks"),
-    ("bridge.jaxside.presets.maxtext_ckpt", "bridge.jaxside.presets.maxtext_stream"),
-]
-
-
 def test_no_import_cycle():
-    """No circle among bridge/ and converters/, imports made inside functions included (issue 32),
-    but the known ones above."""
-    known = {frozenset(c) for c in KNOWN_CIRCLES}
-    circles = [f"{{{', '.join(c)}}}, e.g. {describe_cycle(REPO, c)}" for c in import_cycles(REPO)
-               if frozenset(c) not in known]
+    """No circle among bridge/ and converters/, imports made inside functions included (issue 32)."""
+    circles = [f"{{{', '.join(c)}}}, e.g. {describe_cycle(REPO, c)}" for c in import_cycles(REPO)]
     assert circles == [], "import circles:\n" + "\n".join(circles)
 
 

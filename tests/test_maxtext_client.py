@@ -84,7 +84,8 @@ def run_client(cmd: str, base: str, run: str, overrides: dict, **files: str) -> 
 def trip(tmp_path_factory):
     """Steps 1-2 once: write, MaxText restores + loss + its optimizer step + its save, read back."""
     from bridge.jaxside.presets import maxtext as mx
-    from bridge.jaxside.presets.maxtext_ckpt import read_logical, read_maxtext, write_maxtext
+    from bridge.jaxside.presets.maxtext_ckpt import read_logical
+    from bridge.jaxside.presets.maxtext_stream import read_maxtext, write_maxtext
 
     from converters.megatron.convert_entry import convert
 
@@ -172,7 +173,8 @@ def test_fresh_maxtext_run_converts_to_megatron(trip, tmp_path):
     """A checkpoint MaxText wrote on its own (init + 2 steps) -> logical -> to-megatron -> convert."""
     pytest.importorskip("torch")
     from bridge.jaxside.presets import maxtext as mx
-    from bridge.jaxside.presets.maxtext_ckpt import find_items, read_maxtext
+    from bridge.jaxside.presets.maxtext_ckpt import find_items
+    from bridge.jaxside.presets.maxtext_stream import read_maxtext
     from converters.megatron.convert_entry import convert
     from converters.megatron.write.torch_dist import MegatronTarget
     from converters.megatron.write.to_megatron import to_megatron
@@ -208,7 +210,8 @@ def test_llama2_block_forward_exact_adam_not(tmp_path):
     the loss is Megatron's, the moments continue exactly, and the query kernel's Adam step comes out
     sqrt(D) times Megatron's -- the documented reason the qwen2 block is the default."""
     from bridge.jaxside.presets import maxtext as mx
-    from bridge.jaxside.presets.maxtext_ckpt import read_logical, read_maxtext, write_maxtext
+    from bridge.jaxside.presets.maxtext_ckpt import read_logical
+    from bridge.jaxside.presets.maxtext_stream import read_maxtext, write_maxtext
 
     base = str(tmp_path)
     root = os.path.join(base, "l2", "checkpoints")
@@ -244,7 +247,8 @@ def test_llama2_block_forward_exact_adam_not(tmp_path):
 def _one_step(tmp: str, run: str, **opts) -> tuple[dict, dict]:
     """write_maxtext(live, **opts) -> MaxText restore + loss + its step on Megatron's grads + its save -> read back."""
     from bridge.jaxside.presets import maxtext as mx
-    from bridge.jaxside.presets.maxtext_ckpt import read_logical, read_maxtext, write_maxtext
+    from bridge.jaxside.presets.maxtext_ckpt import read_logical
+    from bridge.jaxside.presets.maxtext_stream import read_maxtext, write_maxtext
 
     root = os.path.join(tmp, run, "checkpoints")
     w = write_maxtext(os.path.join(LLAMA, "live"), root, **opts)

@@ -204,7 +204,7 @@ def test_from_maxtext_refuses_out_of_range_hyper_parameters(tmp_path, flags, fie
 def test_python_api_refuses_out_of_range_hyper_parameters(tmp_path):
     from bridge.errors import BridgeError
     from bridge.jaxside.presets import maxtext as mx
-    from bridge.jaxside.presets.maxtext_ckpt import read_maxtext
+    from bridge.jaxside.presets.maxtext_stream import read_maxtext
 
     good = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
     for bad in (dict(lr=math.nan), dict(lr=-1.0), dict(b1=5.0), dict(b2=-1.0), dict(eps=math.inf), dict(eps=0.0),

@@ -228,7 +228,7 @@ def read_all(path: str) -> dict:
 
 
 def test_write_read_round_trip_bit_exact(tmp_path):
-    from bridge.jaxside.presets.maxtext_ckpt import read_maxtext, write_maxtext
+    from bridge.jaxside.presets.maxtext_stream import read_maxtext, write_maxtext
 
     w = write_maxtext(os.path.join(LLAMA, "live"), str(tmp_path / "mt"))
     assert os.path.basename(w.step_dir) == "2"       # MaxText's name for the state after 3 steps
@@ -249,7 +249,8 @@ def _tree_keys(items: str) -> dict[str, list]:
 
 def test_written_tree_is_the_tree_maxtext_saves(tmp_path):
     """Key for key (names, key types, value types) what MaxText 0.2.5 itself saved for this model."""
-    from bridge.jaxside.presets.maxtext_ckpt import find_items, write_maxtext
+    from bridge.jaxside.presets.maxtext_ckpt import find_items
+    from bridge.jaxside.presets.maxtext_stream import write_maxtext
 
     w = write_maxtext(os.path.join(LLAMA, "live"), str(tmp_path / "mt"))
     ours, theirs = _tree_keys(os.path.join(w.step_dir, "items")), _tree_keys(find_items(FRESH))
@@ -281,7 +282,8 @@ def test_foreign_maxtext_checkpoint_reads_and_converts_to_megatron(tmp_path):
     """A checkpoint MaxText saved on its own (fresh CPU run) -> logical (values checked independently) ->
     to-megatron -> the converter reads it back equal."""
     pytest.importorskip("torch")
-    from bridge.jaxside.presets.maxtext_ckpt import find_items, read_maxtext
+    from bridge.jaxside.presets.maxtext_ckpt import find_items
+    from bridge.jaxside.presets.maxtext_stream import read_maxtext
     from converters.megatron.convert_entry import convert
     from converters.megatron.write.torch_dist import MegatronTarget
     from converters.megatron.write.to_megatron import to_megatron

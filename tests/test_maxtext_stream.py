@@ -93,7 +93,7 @@ def test_docstring_examples(name):
 @pytest.mark.parametrize("opts", [mx.Options(), mx.Options(decoder_block="llama2"), mx.Options(scan_layers=False)],
                          ids=["qwen2", "llama2", "unscanned"])
 def test_streamed_arrays_equal_the_whole_array_mapping(tmp_path, opts):
-    from bridge.jaxside.presets.maxtext_ckpt import read_maxtext, write_maxtext
+    from bridge.jaxside.presets.maxtext_stream import read_maxtext, write_maxtext
     from bridge.jaxside.presets.maxtext_stream import StreamOptions
 
     tiny = StreamOptions(workers=2, budget=64 << 10, min_worker_bytes=1)   # two writers, 2 KiB blocks: most arrays
@@ -126,7 +126,7 @@ def test_streamed_arrays_equal_the_whole_array_mapping(tmp_path, opts):
 
 def test_chunks_are_cut_along_layers(tmp_path):
     """A budget below one array's size gives MaxText arrays of several chunks, each whole layers."""
-    from bridge.jaxside.presets.maxtext_ckpt import write_maxtext
+    from bridge.jaxside.presets.maxtext_stream import write_maxtext
     from bridge.jaxside.presets.maxtext_stream import StreamOptions
 
     w = write_maxtext(LLAMA_LIVE, str(tmp_path / "mt"), stream=StreamOptions(workers=1, budget=64 << 10))
@@ -143,7 +143,7 @@ def test_chunks_are_cut_along_layers(tmp_path):
 def test_a_moment_of_another_shape_is_refused_before_writing(tmp_path):
     """A block reads a box of its source: a source of the wrong shape must be refused, not read in part."""
     from bridge.errors import BridgeError
-    from bridge.jaxside.presets.maxtext_ckpt import write_maxtext
+    from bridge.jaxside.presets.maxtext_stream import write_maxtext
     from bridge.store.commit import save_checkpoint
     from bridge.store.reader import open_checkpoint
 
@@ -161,7 +161,7 @@ def test_a_moment_of_another_shape_is_refused_before_writing(tmp_path):
 
 STREAM = """
 import sys
-from bridge.jaxside.presets.maxtext_ckpt import read_maxtext, write_maxtext
+from bridge.jaxside.presets.maxtext_stream import read_maxtext, write_maxtext
 from bridge.jaxside.presets.maxtext_stream import StreamOptions
 if __name__ == "__main__":
     s = StreamOptions(workers=int(sys.argv[4]), budget=int(sys.argv[5]), min_worker_bytes=1)
@@ -222,7 +222,7 @@ def test_to_and_from_maxtext_on_s3(tmp_path):
     its step metadata, sidecar and commit marker; back on S3 it equals the source."""
     from servers import remote_servers
 
-    from bridge.jaxside.presets.maxtext_ckpt import read_maxtext, write_maxtext
+    from bridge.jaxside.presets.maxtext_stream import read_maxtext, write_maxtext
     from bridge.jaxside.presets.maxtext_stream import StreamOptions
     from bridge.store.commit import save_checkpoint
     from bridge.store.reader import open_checkpoint

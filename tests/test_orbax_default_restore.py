@@ -146,7 +146,7 @@ def test_store_save_restores_by_default(tmp_path):
 
 def test_maxtext_writers_restore_by_default(tmp_path):
     """to-maxtext's items (an Orbax tree under a MaxText CheckpointManager root) and from-maxtext's output."""
-    from bridge.jaxside.presets.maxtext_ckpt import read_maxtext, write_maxtext
+    from bridge.jaxside.presets.maxtext_stream import read_maxtext, write_maxtext
 
     w = write_maxtext(LLAMA_LIVE, str(tmp_path / "mt"))
     items = os.path.join(w.step_dir, "items")

@@ -86,7 +86,7 @@ def stream_options(args: argparse.Namespace):
 
 
 def run_to(args: argparse.Namespace) -> int:
-    from bridge.jaxside.presets.maxtext_ckpt import write_maxtext
+    from bridge.jaxside.presets.maxtext_stream import write_maxtext
 
     w = write_maxtext(args.src, args.root, decoder_block=args.decoder_block, scan_layers=not args.unscanned,
                       stream=stream_options(args))
@@ -125,7 +125,7 @@ def run_from(args: argparse.Namespace) -> int:
     from bridge.errors import BridgeError
     from bridge.format.manifest import check_hyperparameters
     from bridge.jaxside.presets.maxtext import Hyper, Options
-    from bridge.jaxside.presets.maxtext_ckpt import read_maxtext
+    from bridge.jaxside.presets.maxtext_stream import read_maxtext
 
     given = {k: getattr(args, k) for k in ("eps", "weight_decay", "clip_grad") if getattr(args, k) is not None}
     if args.betas is not None:

@@ -1,7 +1,7 @@
 """The `maxtext` preset, I/O half: logical checkpoint <-> MaxText train-state checkpoint.
 
-    write_maxtext(src, dst_root)      # a logical (Megatron) checkpoint -> MaxText CheckpointManager step
-    read_maxtext(src, dst)            # a MaxText checkpoint (a root, a step dir or its items/) -> logical
+    maxtext_stream.write_maxtext(src, dst_root)   # a logical (Megatron) checkpoint -> MaxText CheckpointManager step
+    maxtext_stream.read_maxtext(src, dst)         # a MaxText checkpoint (a root, a step dir or its items/) -> logical
 
 MaxText (0.2.5) saves its train state with Orbax's v1 `training.Checkpointer` as checkpointable
 `items` of step `<n>`: `<root>/<n>/items/` holding the Linen layout `{params: {params: ...},
@@ -12,8 +12,9 @@ that tree, with the optax state built by `optax.adamw` the way MaxText's optimiz
 a JSON sidecar `<root>/<n>/gtp_bridge_maxtext.json` keeps the base manifest, the preset options and
 the overrides so the way back restores hyper-parameters and Megatron's records. MaxText checkpoints
 without it (a MaxText run of its own) are read with the hyper-parameters given by the caller.
-`write_maxtext` / `read_maxtext` stream the arrays (`maxtext_stream`); `read_logical`, `read_maxtext_tree`
-and `train_state` hold whole trees in memory (small checkpoints, tests).
+The two entry points `write_maxtext` / `read_maxtext` are in `maxtext_stream` (they stream the arrays
+and build on this module's tree and sidecar); `read_logical`, `read_maxtext_tree` and `train_state` hold
+whole trees in memory (small checkpoints, tests).
 """
 
 from __future__ import annotations
@@ -236,21 +237,6 @@ def train_state(params: Mapping[Path, np.ndarray], mu: Mapping[Path, np.ndarray]
     return {MT_STEP: jnp.asarray(step, dtype=jnp.int32), MT_PARAMS[0]: p_tree, MT_OPT: opt_state}
 
 
-def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan_layers: bool = True,
-                  max_target_length: int | None = None, stream=None) -> Written:
-    """Write the logical checkpoint `src` as a step of MaxText checkpoint root `dst_root`.
-
-    MaxText names a step directory by the index of the last step taken (`count - 1`) and stores
-    `step = count` (the step it continues from), so Megatron's iteration n (n updates) becomes
-    `<dst_root>/<n - 1>/` with `step = n`. Streamed chunk by chunk within a budget
-    (`maxtext_stream.StreamOptions`: workers, budget, progress); local paths, s3:// or gs://.
-    """
-    from bridge.jaxside.presets.maxtext_stream import stream_to_maxtext
-
-    return stream_to_maxtext(src, dst_root, decoder_block=decoder_block, scan_layers=scan_layers,
-                             max_target_length=max_target_length, stream=stream)
-
-
 # ------------------------------------------------------------------------------------ the way back
 
 
@@ -462,19 +448,3 @@ def _manifest_for(dims: Dims, hyper: Hyper, count: int, base: Mapping | None, op
                     fused=fused,
                     extra={MEGATRON_KEY: MegatronRecord(args=llama_args(dims, rotary_base, norm_epsilon)).to_json(),
                            MAXTEXT_KEY: {"options": asdict(opts)}})
-
-
-def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Options | None = None,
-                 rotary_base: float | None = None, norm_epsilon: float | None = None, stream=None) -> dict:
-    """Write a MaxText checkpoint (root / step dir / items dir) as the logical checkpoint `dst`.
-
-    A checkpoint `write_maxtext` made carries its sidecar (preset options, hyper-parameters, the base
-    manifest: Megatron's records come back). Any other MaxText checkpoint needs `hyper` (its AdamW
-    settings; the no-decay set defaults to the norms, Megatron's rule) and, for the llama2 block,
-    `options=Options(decoder_block="llama2")` (the query scale is unfolded). Streamed chunk by chunk
-    within a budget (`maxtext_stream.StreamOptions`); local paths, s3:// or gs://.
-    """
-    from bridge.jaxside.presets.maxtext_stream import stream_from_maxtext
-
-    return stream_from_maxtext(src, dst, hyper=hyper, options=options, rotary_base=rotary_base,
-                               norm_epsilon=norm_epsilon, stream=stream)

@@ -1,7 +1,7 @@
 """The maxtext preset, streamed: logical checkpoint <-> MaxText train state, chunk by chunk within a budget.
 
-    stream_to_maxtext(src, root)      # logical -> MaxText CheckpointManager step <root>/<count - 1>/items
-    stream_from_maxtext(src, dst)     # MaxText root / step dir / items dir -> logical checkpoint
+    write_maxtext(src, root)      # logical -> MaxText CheckpointManager step <root>/<count - 1>/items
+    read_maxtext(src, dst)        # MaxText root / step dir / items dir -> logical checkpoint
 
 Both read blocks of the source with the store's reader and write every output chunk once, whole,
 with the store's writer (one writer per chunk; `maxtext_plan` cuts the outputs on their chunk
@@ -267,10 +267,16 @@ def budget_line(cmd: str, workers: int, budget: int) -> str:
 # ------------------------------------------------------------------------------------ to MaxText
 
 
-def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan_layers: bool = True,
-                      max_target_length: int | None = None, stream: StreamOptions | None = None):
-    """`maxtext_ckpt.write_maxtext`, streamed: the logical checkpoint `src` as step `count - 1` of
-    MaxText checkpoint root `dst_root` (see there), never holding more than the budget of its data."""
+def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan_layers: bool = True,
+                  max_target_length: int | None = None, stream: StreamOptions | None = None):
+    """Write the logical checkpoint `src` as a step of MaxText checkpoint root `dst_root`.
+
+    MaxText names a step directory by the index of the last step taken (`count - 1`) and stores
+    `step = count` (the step it continues from), so Megatron's iteration n (n updates) becomes
+    `<dst_root>/<n - 1>/` with `step = n`. Streamed chunk by chunk, never holding more than the budget
+    of its data (`StreamOptions`: workers, budget, progress); local paths, s3:// or gs://.
+    Returns a `maxtext_ckpt.Written`.
+    """
     from bridge.jaxside.presets import maxtext_ckpt as mc
     from bridge.jaxside.manifest_view import scheduler_of
     from bridge.store.manager import COMMIT_SUCCESS, check_step_free, write_step
@@ -390,10 +396,17 @@ def read_sidecar(items: str):
     return load_sidecar(join(step_dir, SIDECAR), raw) if raw is not None else None
 
 
-def stream_from_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Options | None = None,
-                        rotary_base: float | None = None, norm_epsilon: float | None = None,
-                        stream: StreamOptions | None = None) -> dict:
-    """`maxtext_ckpt.read_maxtext`, streamed: MaxText checkpoint `src` as the logical checkpoint `dst`."""
+def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Options | None = None,
+                 rotary_base: float | None = None, norm_epsilon: float | None = None,
+                 stream: StreamOptions | None = None) -> dict:
+    """Write a MaxText checkpoint (root / step dir / items dir) as the logical checkpoint `dst`.
+
+    A checkpoint `write_maxtext` made carries its sidecar (preset options, hyper-parameters, the base
+    manifest: Megatron's records come back). Any other MaxText checkpoint needs `hyper` (its AdamW
+    settings; the no-decay set defaults to the norms, Megatron's rule) and, for the llama2 block,
+    `options=Options(decoder_block="llama2")` (the query scale is unfolded). Streamed chunk by chunk
+    within a budget (`StreamOptions`); local paths, s3:// or gs://.
+    """
     from bridge.jaxside.presets import maxtext_ckpt as mc
     from bridge.jaxside.presets.maxtext import active_table
     from bridge.store.reader import open_checkpoint
