@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-MODULES = ["boxes", "parallel", "params", "fused", "distopt", "rectangles", "assemble", "legacy", "ownership", "bulk"]
+MODULES = ["boxes", "parallel", "params", "fused", "distopt", "rectangles", "assemble", "ownership", "bulk"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from bridge.layout import Box, FusedSpec, ParamGeometry
-from bridge.layout.legacy import legacy_box_map, legacy_shape, padded_grid_runs
+from converters.megatron.plan.legacy_grid import legacy_box_map, legacy_shape, padded_grid_runs
 
 from test_layout_properties import geometries, make_logical, ref_shard, ref_tp_local
 
@@ -100,3 +100,14 @@ def test_padded_grid_maps_every_logical_element_once(case, data):
         hi = [data.draw(st.integers(a + 1, s)) for a, s in zip(lo, shape)]
         check_map(geom, tp, gtp, logical, lambda idx: stored_padded(geom, logical, tp, gtp, idx),
                   boxes_per_index=[Box(tuple(lo), tuple(hi))])
+
+
+def test_docstring_examples():
+    """The module's docstring examples are part of the contract (it moved out of bridge.layout, whose
+    doctests test_layout_doctests runs)."""
+    import doctest
+
+    import converters.megatron.plan.legacy_grid as mod
+
+    res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert res.attempted > 0 and res.failed == 0

@@ -32,8 +32,8 @@ from bridge.layout.distopt import BufferParam, buffer_layout, owners_of
 from bridge.layout.parallel import ParallelLayout
 from bridge.store.reader import open_checkpoint
 from bridge.live.api import AdamConfig, LiveRun, LocalParam, OptimFragment
-from converters.megatron.live.adapter import (EntryRecord, ParamRecord, adam_config_from_groups, entries_from_description,
-                                      map_params, merge_adam_configs)
+from converters.megatron.live.adapter import (EntryRecord, ParamRecord, adam_config_from_groups,
+                                              entries_from_description, map_params, merge_adam_configs)
 from converters.megatron.plan.naming import strip_wrappers
 from test_live_sharding import spawn
 from test_megatron_adapter import Run

@@ -51,15 +51,14 @@ from converters.megatron.cache import ChunkCache
 from converters.megatron.writer_procs import run_parallel
 from converters.megatron import replicas
 from converters.megatron.plan.format import (BUCKETED, Hints, SourceCheckpoint, bucket_space_flat_chunks, describe,
-                                        merge_split_keys,
-                                        optimizer_groups,
-                                        parse_groups_hyper, plain_value, step_of)
-from converters.megatron.plan.convert_plan import (ROLES, Block, Copy, CopyIndex, Instance, Unit, assign_blocks, flat_copies,
-                                      dp_group_places, literal, local_instances, model_space_copies,
-                                      model_space_copies_flat, object_tensor_key, parse_dtype_key,
-                                      plan_blocks, rebuild_bucket_layout, replica_label, role_path, FIRST_FLAG, LAST_FLAG,
-                                      SPLIT_FLAGS, infer_split, placement_str, split_flags,
-                                      stage_placement)
+                                             merge_split_keys, optimizer_groups, parse_groups_hyper, plain_value,
+                                             step_of)
+from converters.megatron.plan.convert_plan import (ROLES, Block, Copy, CopyIndex, Instance, Unit, assign_blocks,
+                                                   flat_copies, dp_group_places, literal, local_instances,
+                                                   model_space_copies, model_space_copies_flat, object_tensor_key,
+                                                   parse_dtype_key, plan_blocks, rebuild_bucket_layout, replica_label,
+                                                   role_path, FIRST_FLAG, LAST_FLAG, SPLIT_FLAGS, infer_split,
+                                                   placement_str, split_flags, stage_placement)
 
 MIN_BATCH_BYTES = 1 << 20
 

@@ -1,1 +1,2 @@
-"""The live adapter a Megatron-LM training loop calls: export / reload of a live model and DistributedOptimizer, and the asynchronous save."""
+"""The live adapter a Megatron-LM training loop calls: export / reload of a live model and its
+DistributedOptimizer (`adapter`), and the asynchronous save (`async_save`)."""

@@ -245,7 +245,7 @@ class CopyIndex:
 def logical_row_runs(geom: ParamGeometry) -> list[RowRun]:
     """Rows of a per-instance tensor stored in the logical layout -> logical arrays (stacked index 0):
     the TP=1 row runs, fused sections split. (The 0.19.2 padded GTP grid goes through
-    `bridge.layout.legacy.legacy_box_map` instead.)
+    `converters.megatron.plan.legacy_grid.legacy_box_map` instead.)
 
     >>> from bridge.layout.fused import FusedSpec
     >>> g = ParamGeometry("f", (12, 4), "column", fused=FusedSpec.swiglu(6))
@@ -287,10 +287,10 @@ def is_scrambled_swiglu(geom: ParamGeometry, gtp: int) -> bool:
 
 def model_space_copies(key: str, info: TensorInfo, geom: ParamGeometry, npre: int, legacy: bool,
                        tp: int, gtp: int) -> list[Copy]:
-    """Every copy of a model-space key (all chunks); legacy grids through `bridge.layout.legacy`."""
+    """Every copy of a model-space key (all chunks); legacy grids through `converters.megatron.plan.legacy_grid`."""
     out: list[Copy] = []
     if legacy:
-        from bridge.layout.legacy import legacy_box_map
+        from converters.megatron.plan.legacy_grid import legacy_box_map
 
         scrambled = is_scrambled_swiglu(geom, gtp)
         for i, ch in enumerate(info.chunks):

@@ -27,8 +27,8 @@ from converters.megatron.read.dcp import DcpCheckpoint
 from converters.megatron.read.dcp_metadata import ChunkInfo, TensorInfo
 from converters.megatron.read.inert import InertStub
 from converters.megatron.plan.convert_plan import PipelineSplit, is_tied
-from converters.megatron.plan.naming import (SPLIT_SECTIONS, is_gtp_weight, is_routed_expert, module_of, num_prepend_axes,
-                                        split_kind, strip_wrappers, tp_kind_by_name)
+from converters.megatron.plan.naming import (SPLIT_SECTIONS, is_gtp_weight, is_routed_expert, module_of,
+                                             num_prepend_axes, split_kind, strip_wrappers, tp_kind_by_name)
 
 OPT_STATE_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$")
 DP_TENSOR_RE = re.compile(

@@ -19,7 +19,7 @@ import numpy as np
 from bridge.dtypes import ITEMSIZE
 from bridge.errors import BridgeError
 from bridge.layout.boxes import Box
-from bridge.layout.legacy import legacy_box_map, legacy_shape
+from converters.megatron.plan.legacy_grid import legacy_box_map, legacy_shape
 from bridge.layout.parallel import MAX_WORLD, ParallelLayout
 from bridge.layout.params import ParamGeometry
 from converters.megatron.read.dcp_metadata import ChunkInfo, StorageRef

@@ -54,8 +54,8 @@ from converters.megatron.read.sources import ObjectSource, source_of
 from converters.megatron.read.unpickle_bounds import MAX_NESTING, Immutables, KeyGuard, check_graph
 from converters.megatron.read.unpickle_rules import (ALLOC_PER_INPUT_BYTE, ALLOC_SLACK, CALL_RULES, EMPTY_NEW,
                                                      RECORD_CLASSES, STORAGE_KINDS, STUB_PREFIXES, TORCH_NAMES,
-                                                     StorageKind, allowed_globals, int_tuple, is_stub_class,
-                                                     make_stub, plain_numeric_dtype, short_repr)
+                                                     StorageKind, allowed_globals, int_tuple, is_stub_class, make_stub,
+                                                     plain_numeric_dtype, short_repr)
 from converters.megatron.read.torch_archive import ArchiveTensor, Storage, TorchDtype, to_torch
 
 class SafeUnpickler(pickle._Unpickler):
@@ -197,7 +197,8 @@ class SafeUnpickler(pickle._Unpickler):
         except TypeError:
             rule = None
         if rule is None:
-            self.refuse(f"calling {short_repr(func) if not hasattr(func, '__name__') else func.__name__} is not allowed")
+            name = func.__name__ if hasattr(func, "__name__") else short_repr(func)
+            self.refuse(f"calling {name} is not allowed")
         return rule(self, args, kw or {})
 
     def new(self, cls: Any, args: Any, kw: dict | None = None) -> Any:
@@ -275,8 +276,9 @@ class SafeUnpickler(pickle._Unpickler):
         _, shape, dtype, fortran, raw = state
         shape = int_tuple(shape, f"{self.what}: numpy array shape", 32)
         if not plain_numeric_dtype(dtype):
-            self.refuse(f"a numpy array of dtype {short_repr(str(dtype)) if isinstance(dtype, np.dtype) else short_repr(dtype)}: "
-                        f"only bool/integer/float/complex arrays (no object or structured dtypes)")
+            shown = short_repr(str(dtype)) if isinstance(dtype, np.dtype) else short_repr(dtype)
+            self.refuse(f"a numpy array of dtype {shown}: only bool/integer/float/complex arrays (no object or "
+                        f"structured dtypes)")
         if type(fortran) is not bool or type(raw) not in (bytes, bytearray):
             self.refuse("a numpy array whose data is not raw bytes")
         n = prod(shape) * dtype.itemsize

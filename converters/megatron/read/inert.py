@@ -1,5 +1,6 @@
 """The inert stand-in the restricted unpickler builds for a class of an untrusted module (its own
-module so that both the unpickler, `dcp_reader`, and its bounds, `unpickle_bounds`, can name it)."""
+module so that the unpickler, `read.dcp`, its allow-list, `read.unpickle_rules`, and its bounds,
+`read.unpickle_bounds`, can name it)."""
 
 from __future__ import annotations
 

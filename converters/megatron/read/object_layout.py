@@ -42,7 +42,7 @@ MAX_OBJECT_PICKLE = 64 << 20
 def object_tensors(ck, name: str) -> Any:
     """The object `name` of checkpoint `ck` (one stored blob, as Megatron's ShardedObjects are) with
     every tensor replaced by an `ObjectTensor`; no tensor data is read, torch is not imported (the
-    restricted unpickler of `dcp_reader`, storages by size only). Refuses a tensor that is not
+    restricted unpickler of `read.dcp`, storages by size only). Refuses a tensor that is not
     contiguous. None when the blob is a pickled BytesIO holding the archive (DCP's default planner
     saves a BytesIO so; Megatron's torch_dist writer stores the archive itself): its bytes are
     re-encoded inside the pickle, so nothing can be located."""

@@ -18,7 +18,7 @@ from bridge.errors import BridgeError
 
 class Window(io.RawIOBase):
     """Bytes [offset, offset + length) of a file as a read-only seekable file (pread, no buffering);
-    `fd` is a `dcp_reader.RangeReader` (a local file or an object)."""
+    `fd` is a `bridge.store.ranged.RangeReader` (a local file or an object)."""
 
     def __init__(self, fd, offset: int, length: int) -> None:
         self.fd, self.base, self.length, self.pos = fd, offset, length, 0
@@ -62,7 +62,7 @@ class RecordLayout:
 
 def record_layout(ck, key: str, chunk) -> RecordLayout:
     """Parse a DCP tensor record's torch.save zip without reading its data (torch-free:
-    `dcp_reader.tensor_member`), the member's CRC from the zip directory. Refuses anything but one
+    `read.dcp.tensor_member`), the member's CRC from the zip directory. Refuses anything but one
     contiguous, stored (uncompressed) tensor of the chunk's dtype and size."""
     from bridge.store.ranged import open_range
     from converters.megatron.read.dcp import tensor_member

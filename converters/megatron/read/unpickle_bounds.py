@@ -1,6 +1,6 @@
 """Time bounds for reading untrusted pickles: hash flooding, costly hashes, shared and deep graphs.
 
-`dcp_reader.SafeUnpickler` bounds memory by charging what it builds to a budget proportional to the
+`read.dcp.SafeUnpickler` bounds memory by charging what it builds to a budget proportional to the
 input. Three things cost time without costing memory, and are bounded here:
 
 - Hash flooding. Inserting n distinct keys that share one hash value into a dict or set costs n**2 / 2

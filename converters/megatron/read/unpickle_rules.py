@@ -48,7 +48,7 @@ def make_stub(module: str, name: str) -> type:
     """An InertStub subclass standing in for `module.name` (cached, so identity is stable)."""
     full = f"{module}.{name}"
     if full not in _STUB_CACHE:
-        _STUB_CACHE[full] = type(name, (InertStub,), {"stub_name": full, "__module__": "converters.megatron.read.unpickle_rules"})
+        _STUB_CACHE[full] = type(name, (InertStub,), {"stub_name": full, "__module__": __name__})
     return _STUB_CACHE[full]
 
 

@@ -32,7 +32,7 @@ from bridge.store.claim import hold_claim
 from bridge.torchrun import Ranks, _testing_fault, command_ranks
 from converters.megatron.read.rundir import write_tracker
 from converters.megatron.write.torch_dist import (MegatronPlan, OpenFile, Stats, Written, publish_iteration, take_back,
-                                       write_files)
+                                                  write_files)
 
 
 def to_megatron_ranks(mp: MegatronPlan, open_file: OpenFile | None, show_progress: bool | None) -> dict:

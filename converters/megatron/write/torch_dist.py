@@ -57,12 +57,12 @@ from bridge.dtypes import numpy_dtype, torch_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.dtypes import from_numpy
 from converters.megatron.plan.naming import (check_one_convention, convention_key, is_gtp_weight, is_routed_expert,
-                                        key_prefix, num_prepend_axes, strip_wrappers, tp_kind_by_name)
-from converters.megatron.plan.convert_plan import (PipelineSplit, dp_group_places, is_scrambled_swiglu, is_tied, local_instances,
-                                      role_path)
+                                             key_prefix, num_prepend_axes, strip_wrappers, tp_kind_by_name)
+from converters.megatron.plan.convert_plan import (PipelineSplit, dp_group_places, is_scrambled_swiglu, is_tied,
+                                                   local_instances, role_path)
 from converters.megatron.read.rundir import plan_run_dir
 from converters.megatron.plan.write_plan import (STATE_NAMES, DpJob, ChunkGroup, ParamSpec, layout_limits, plan_groups,
-                                            shard_ranges)
+                                                 shard_ranges)
 
 FORMATS = ("fully_reshardable", "dp_reshardable")
 #: target megatron-core release -> the optimizer formats it loads that to-megatron writes. Up to 0.16
