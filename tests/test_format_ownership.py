@@ -31,7 +31,7 @@ MANIFEST_WORDS = {"gtp_bridge", "gtp_bridge_checksum", "previous_source", "optim
 # names (param_groups' keys, optimizer state keys, sharded-state-dict paths, module wrappers).
 FOREIGN_MODULES = {
     "converters/megatron/live/adapter.py": ({"params", "step", "model"}, "torch param_groups / optimizer state keys, "
-                                    "Megatron sharded-state-dict paths and module wrappers"),
+                                                       "Megatron sharded-state-dict paths and module wrappers"),
     "converters/megatron/plan/format.py": ({"params", "step", "model"}, "torch param_groups keys, Megatron module wrappers"),
 }
 
