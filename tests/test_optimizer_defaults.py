@@ -30,9 +30,9 @@ def test_jax_restore_uses_megatrons_defaults():
 
 
 def test_to_megatron_param_groups_use_megatrons_defaults():
-    from converters.megatron.write.torch_dist import _param_groups
+    from converters.megatron.write.objects import param_groups
 
-    groups = _param_groups(_unrecorded(), step=5)
+    groups = param_groups(_unrecorded(), step=5)
     decayed, not_decayed = groups   # Megatron's two default groups: wd_mult 1 and wd_mult 0
     assert decayed["weight_decay"] == MEGATRON_DEFAULT_WEIGHT_DECAY and decayed["wd_mult"] == 1.0
     assert decayed["betas"] == MEGATRON_DEFAULT_BETAS and decayed["eps"] == MEGATRON_DEFAULT_EPS
@@ -55,8 +55,8 @@ def test_reload_uses_megatrons_defaults(tmp_path):
 
 def test_a_recorded_weight_decay_is_kept_by_every_reader():
     from bridge.jaxside.manifest_view import adam_hparams
-    from converters.megatron.write.torch_dist import _param_groups
+    from converters.megatron.write.objects import param_groups
 
     m = Manifest(optimizer=OptimizerConfig(lr=3e-4, step=5, weight_decay=0.0))
     assert adam_hparams(m).weight_decay == 0.0
-    assert _param_groups(m, step=5)[0]["weight_decay"] == 0.0
+    assert param_groups(m, step=5)[0]["weight_decay"] == 0.0
