@@ -31,7 +31,9 @@ from bridge.format import schema
 from bridge.format.manifest import (MAXTEXT_KEY, MEGATRON_KEY, Manifest, MegatronRecord, OptimizerConfig,
                                    SourceLayout, check_step)
 from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, active_table, adamw_mask_patterns, decayed,
-                                           from_maxtext, maxtext_overrides, maxtext_shapes, to_maxtext)
+                                           from_maxtext, maxtext_moe_module, maxtext_overrides, maxtext_shapes,
+                                           to_maxtext)
+from bridge.jaxside.presets.maxtext_moe import block_of_module, check_moe_args
 from bridge.location import local_path
 from bridge.progress import progress
 
@@ -126,8 +128,7 @@ def _check_megatron_args(args: Mapping) -> None:
     if args.get("rotary_percent", 1.0) not in (None, 1.0):
         raise BridgeError(f"source model applies RoPE to {args['rotary_percent']} of the head dim; the maxtext "
                           f"preset needs rotary_percent 1.0")
-    if args.get("num_experts"):
-        raise BridgeError("source model is a mixture of experts; the maxtext preset covers dense llama-style models")
+    check_moe_args(args)
 
 
 def _scalar(ck: Any, p: Path, name: str) -> int:
@@ -236,7 +237,7 @@ def train_state(params: Mapping[Path, np.ndarray], mu: Mapping[Path, np.ndarray]
     return {MT_STEP: jnp.asarray(step, dtype=jnp.int32), MT_PARAMS[0]: p_tree, MT_OPT: opt_state}
 
 
-def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan_layers: bool = True,
+def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, scan_layers: bool = True,
                   max_target_length: int | None = None, stream=None) -> Written:
     """Write the logical checkpoint `src` as a step of MaxText checkpoint root `dst_root`.
 
@@ -244,6 +245,7 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan
     `step = count` (the step it continues from), so Megatron's iteration n (n updates) becomes
     `<dst_root>/<n - 1>/` with `step = n`. Streamed chunk by chunk within a budget
     (`maxtext_stream.StreamOptions`: workers, budget, progress); local paths, s3:// or gs://.
+    `decoder_block` None: qwen2 for a dense model, qwen3_moe for a mixture of experts (both exact).
     """
     from bridge.jaxside.presets.maxtext_stream import stream_to_maxtext
 
@@ -302,12 +304,14 @@ SIDECAR_FORMAT = 1
 
 def _fields(d: Any, cls: type, what: str, types: Mapping[str, tuple]) -> dict:
     """`d` as the keyword arguments of dataclass `cls`: a JSON object with exactly its fields, each of `types`."""
-    from dataclasses import fields
+    from dataclasses import MISSING, fields
 
     if not isinstance(d, dict):
         raise ValueError(f"{what} is a {type(d).__name__}, not a JSON object")
     names = [f.name for f in fields(cls)]
-    missing, extra = [n for n in names if n not in d], sorted(set(d) - set(names))
+    # a field with a default may be absent (sidecars written before it existed: dense Dims have no experts)
+    required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+    missing, extra = [n for n in required if n not in d], sorted(set(d) - set(names))
     if missing or extra:
         raise ValueError(f"{what} " + (f"lacks {missing[0]!r}" if missing else f"has unknown key {extra[0]!r}"))
     for k, v in d.items():
@@ -336,7 +340,7 @@ def load_sidecar(path: str, raw: bytes | None = None) -> Sidecar:
         opts = Options(**_fields(d["options"], Options, "options",
                                  {"decoder_block": (str,), "scan_layers": (bool,), "rotary_interleaved": (bool,)}))
         dims = Dims(**_fields(d["dims"], Dims, "dims", {"tied": (bool,), **{k: (int,) for k in
-                              ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab")}}))
+                              ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "experts", "topk")}}))
         h = _fields(d["hyper"], Hyper, "hyper", {"lr": num, "b1": num, "b2": num, "eps": num, "weight_decay": num,
                                                  "clip_grad": opt_num, "no_decay": (list,)})
         if not all(isinstance(q, list) and q and all(isinstance(c, str) for c in q) for q in h["no_decay"]):
@@ -373,17 +377,19 @@ def _check_tree(ck: Any, items: str, infos: Mapping[Path, Any], roles: Mapping[P
     params = {role_p[1]: infos[p].shape for p, role_p in roles.items() if role_p[0] == schema.PARAMS}
     if not params:
         raise BridgeError(f"{items} has no MaxText parameter tree; is it a MaxText train-state checkpoint?")
-    dims, scanned = Dims.from_maxtext(params)
+    dims, scanned = Dims.from_maxtext(params, topk=side.dims.topk if side is not None else 0)
     if side is not None and side.dims != dims:
         raise IntegrityError(f"{items}: the stored parameter shapes give {dims}, its sidecar records {side.dims}; "
                              f"the checkpoint or its {SIDECAR} is damaged")
-    want = maxtext_shapes(dims, Options(scan_layers=scanned))
+    module = maxtext_moe_module(params)
+    want = maxtext_shapes(dims, Options(decoder_block=block_of_module(module) if module else "qwen2",
+                                        scan_layers=scanned))
     seen: dict[str, set] = {r: set() for r in ROLES}
     for p, (role, param) in roles.items():
         info = infos[p]
         if param not in want:
             raise BridgeError(f"MaxText leaf {'/'.join(param)} ({role}) has no logical counterpart in the maxtext "
-                              f"preset (llama-family, no biases, no MoE)")
+                              f"preset (llama-family, no biases; MoE: routed experts and router only)")
         if tuple(info.shape) != want[param]:
             raise IntegrityError(f"{items}: array {path_str(p)} has shape {tuple(info.shape)}, the model's sizes "
                                  f"({dims}) give {want[param]}; its zarr.json is damaged")
@@ -435,7 +441,10 @@ def llama_args(dims: Dims, rotary_base: float = 10000.0, norm_epsilon: float = 1
                 padded_vocab_size=dims.vocab, untie_embeddings_and_output_weights=not dims.tied,
                 normalization="RMSNorm", norm_epsilon=norm_epsilon, position_embedding_type="rope",
                 rotary_base=rotary_base, rotary_percent=1.0, rotary_interleaved=False, add_bias_linear=False,
-                bf16=True, optimizer="adam")
+                bf16=True, optimizer="adam",
+                **(dict(num_experts=dims.experts, moe_router_topk=dims.topk, moe_ffn_hidden_size=dims.ffn,
+                        moe_router_pre_softmax=False, moe_grouped_gemm=False, moe_aux_loss_coeff=0.0)
+                   if dims.experts else {}))
 
 
 def _manifest_for(dims: Dims, hyper: Hyper, count: int, base: Mapping | None, opts: Options,
@@ -444,7 +453,8 @@ def _manifest_for(dims: Dims, hyper: Hyper, count: int, base: Mapping | None, op
 
     fused = {"decoder/layers/self_attention/linear_qkv/weight": FusedSpec.qkv(dims.heads, dims.kv_heads,
                                                                              dims.head_dim).to_json(),
-             "decoder/layers/mlp/linear_fc1/weight": FusedSpec.swiglu(dims.ffn).to_json()}
+             ("decoder/layers/mlp/experts/experts/linear_fc1/weight" if dims.experts
+              else "decoder/layers/mlp/linear_fc1/weight"): FusedSpec.swiglu(dims.ffn).to_json()}
     if base is not None:
         man = Manifest.from_json(base)
         man.arrays = {}
@@ -465,16 +475,18 @@ def _manifest_for(dims: Dims, hyper: Hyper, count: int, base: Mapping | None, op
 
 
 def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Options | None = None,
-                 rotary_base: float | None = None, norm_epsilon: float | None = None, stream=None) -> dict:
+                 rotary_base: float | None = None, norm_epsilon: float | None = None, stream=None,
+                 topk: int = 0) -> dict:
     """Write a MaxText checkpoint (root / step dir / items dir) as the logical checkpoint `dst`.
 
     A checkpoint `write_maxtext` made carries its sidecar (preset options, hyper-parameters, the base
     manifest: Megatron's records come back). Any other MaxText checkpoint needs `hyper` (its AdamW
-    settings; the no-decay set defaults to the norms, Megatron's rule) and, for the llama2 block,
-    `options=Options(decoder_block="llama2")` (the query scale is unfolded). Streamed chunk by chunk
+    settings; the no-decay set defaults to the norms, Megatron's rule), for the llama2 block
+    `options=Options(decoder_block="llama2")` (the query scale is unfolded) and, for an MoE tree,
+    `topk` (MaxText's num_experts_per_tok; the block is told by the tree). Streamed chunk by chunk
     within a budget (`maxtext_stream.StreamOptions`); local paths, s3:// or gs://.
     """
     from bridge.jaxside.presets.maxtext_stream import stream_from_maxtext
 
     return stream_from_maxtext(src, dst, hyper=hyper, options=options, rotary_base=rotary_base,
-                               norm_epsilon=norm_epsilon, stream=stream)
+                               norm_epsilon=norm_epsilon, stream=stream, topk=topk)

@@ -27,8 +27,9 @@ import numpy as np
 
 from bridge.errors import BridgeError
 from bridge.format import schema
-from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, _value_forward, _value_inverse, check_llama,
-                                           maxtext_overrides)
+from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, _value_forward, _value_inverse, block_for,
+                                           check_llama, maxtext_moe_module, maxtext_overrides)
+from bridge.jaxside.presets.maxtext_moe import block_of_module, logical_topk
 from bridge.jaxside.presets.maxtext_plan import (MT_ADAM, Move, arrange_block, blocks_of, chunk_shape,
                                                 moves_from_maxtext, moves_to_maxtext, source_box)
 from bridge.layout.boxes import Box
@@ -267,7 +268,7 @@ def budget_line(cmd: str, workers: int, budget: int) -> str:
 # ------------------------------------------------------------------------------------ to MaxText
 
 
-def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan_layers: bool = True,
+def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, scan_layers: bool = True,
                       max_target_length: int | None = None, stream: StreamOptions | None = None):
     """`maxtext_ckpt.write_maxtext`, streamed: the logical checkpoint `src` as step `count - 1` of
     MaxText checkpoint root `dst_root` (see there), never holding more than the budget of its data."""
@@ -292,10 +293,10 @@ def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", 
                           f"writes the weights and the optimizer state together")
     args = mc._megatron_args(man)
     mc._check_megatron_args(args)
-    opts = Options(decoder_block=decoder_block, scan_layers=scan_layers,
-                   rotary_interleaved=bool(args.get("rotary_interleaved", False)))
     shapes = {p: tuple(i.shape) for p, i in trees[schema.PARAMS].items()}
-    dims = Dims.from_logical(shapes, mc._head_dim(man, args))
+    dims = Dims.from_logical(shapes, mc._head_dim(man, args), topk=logical_topk(shapes, args))
+    opts = Options(decoder_block=block_for(dims, decoder_block), scan_layers=scan_layers,
+                   rotary_interleaved=bool(args.get("rotary_interleaved", False)))
     for role, tree in trees.items():
         check_llama(tree, dims)
         if role != schema.PARAMS and set(tree) != set(shapes):
@@ -392,8 +393,9 @@ def read_sidecar(items: str):
 
 def stream_from_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Options | None = None,
                         rotary_base: float | None = None, norm_epsilon: float | None = None,
-                        stream: StreamOptions | None = None) -> dict:
-    """`maxtext_ckpt.read_maxtext`, streamed: MaxText checkpoint `src` as the logical checkpoint `dst`."""
+                        stream: StreamOptions | None = None, topk: int = 0) -> dict:
+    """`maxtext_ckpt.read_maxtext`, streamed: MaxText checkpoint `src` as the logical checkpoint `dst`
+    (`topk`: an MoE tree's experts per token when it has no sidecar)."""
     from bridge.jaxside.presets import maxtext_ckpt as mc
     from bridge.jaxside.presets.maxtext import active_table
     from bridge.store.reader import open_checkpoint
@@ -416,14 +418,20 @@ def stream_from_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, optio
         raise BridgeError(f"{items} holds no Adam state (moments and count); the maxtext preset needs MaxText's "
                           f"adamw state (opt_type=adamw)")
     step = mc._scalar(ck, MT_STEP, "step") if MT_STEP in infos else count  # foreign: the name in messages
-    dims, scanned = Dims.from_maxtext(params)
+    dims, scanned = Dims.from_maxtext(params, topk=side.dims.topk if side is not None else topk)
     if side is not None:
         opts = side.options
         hyper = hyper or side.hyper
         rotary_base = rotary_base or side.overrides.get("rope_max_timescale", 10000.0)
         norm_epsilon = norm_epsilon or side.overrides.get("normalization_layer_epsilon", 1e-5)
     else:
-        opts = options or Options()
+        module = maxtext_moe_module(params)
+        # an MoE tree names its block by its module; a dense tree cannot tell llama2 from qwen2
+        opts = options or Options(decoder_block=block_of_module(module) if module else "qwen2")
+        block_for(dims, opts.decoder_block)
+        if module and opts.decoder_block != block_of_module(module):
+            raise BridgeError(f"{items} holds MaxText's {block_of_module(module)} experts ({module}); "
+                              f"--decoder-block {opts.decoder_block} does not match")
         if hyper is None:
             raise BridgeError(f"{items} was not written by gtp-bridge (no {SIDECAR}); give its AdamW settings "
                               f"(--lr, --betas, --eps, --weight-decay) so the logical checkpoint records them")
@@ -439,7 +447,7 @@ def stream_from_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, optio
         extra = sorted(p for p in have - wanted if p[:len(role_root)] == role_root)
         if extra:
             raise BridgeError(f"MaxText leaf {'/'.join(extra[0][len(role_root):])} has no logical counterpart in "
-                              f"the maxtext preset (llama-family, no biases, no MoE)")
+                              f"the maxtext preset (llama-family, no biases; MoE: routed experts and router only)")
     missing = sorted(wanted - have)
     if missing:
         raise BridgeError(f"MaxText checkpoint lacks {'/'.join(missing[0])}")
