@@ -122,6 +122,7 @@ def moe_overrides(experts: int, topk: int, ffn: int) -> dict[str, Any]:
     >>> moe_overrides(4, 2, 40)["num_experts_per_tok"]
     2
     """
+    # routed_score_func stays at its default "" (softmax): an empty value on the command line parses as None
     return {"num_experts": experts, "num_experts_per_tok": topk, "base_moe_mlp_dim": ffn, "capacity_factor": -1.0,
-            "load_balance_loss_weight": 0.0, "routed_score_func": "", "routed_bias": False,
+            "load_balance_loss_weight": 0.0, "routed_bias": False,
             "norm_topk_prob": False, "interleave_moe_layer_step": 1}
