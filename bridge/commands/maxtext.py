@@ -46,6 +46,8 @@ def add_parser(sub) -> None:
     p.add_argument("--decoder-block", default=None, choices=["qwen2", "llama2", "qwen3_moe", "mixtral"],
                    help="MaxText decoder block (default qwen2, for MoE qwen3_moe: exact; llama2 / mixtral fold "
                         "the query scale)")
+    p.add_argument("--num-experts-per-tok", type=int, default=0, metavar="K",
+                   help="an MoE model's experts per token when the source records no moe_router_topk")
     p.add_argument("--unscanned", action="store_true", help="MaxText scan_layers=false (decoder/layers_<i>/...)")
     p.add_argument("--overrides-json", metavar="FILE", help="also write MaxText's config overrides to FILE (JSON)")
     add_stream_flags(p)
@@ -94,7 +96,7 @@ def run_to(args: argparse.Namespace) -> int:
     from bridge.jaxside.presets.maxtext_ckpt import write_maxtext
 
     w = write_maxtext(args.src, args.root, decoder_block=args.decoder_block, scan_layers=not args.unscanned,
-                      stream=stream_options(args))
+                      stream=stream_options(args), num_experts_per_tok=args.num_experts_per_tok)
     d = w.dims
     print(f"wrote {w.step_dir} (MaxText step dir {w.step - 1 if w.step else 0}, resumes at step {w.step}): "
           f"{d.layers} layers, hidden {d.hidden}, {d.heads} heads / {d.kv_heads} kv, head dim {d.head_dim}, "

@@ -238,19 +238,21 @@ def train_state(params: Mapping[Path, np.ndarray], mu: Mapping[Path, np.ndarray]
 
 
 def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, scan_layers: bool = True,
-                  max_target_length: int | None = None, stream=None) -> Written:
+                  max_target_length: int | None = None, stream=None, num_experts_per_tok: int = 0) -> Written:
     """Write the logical checkpoint `src` as a step of MaxText checkpoint root `dst_root`.
 
     MaxText names a step directory by the index of the last step taken (`count - 1`) and stores
     `step = count` (the step it continues from), so Megatron's iteration n (n updates) becomes
     `<dst_root>/<n - 1>/` with `step = n`. Streamed chunk by chunk within a budget
     (`maxtext_stream.StreamOptions`: workers, budget, progress); local paths, s3:// or gs://.
-    `decoder_block` None: qwen2 for a dense model, qwen3_moe for a mixture of experts (both exact).
+    `decoder_block` None: qwen2 for a dense model, qwen3_moe for a mixture of experts (both exact);
+    `num_experts_per_tok`: an MoE model's top-k when its manifest records no Megatron args.
     """
     from bridge.jaxside.presets.maxtext_stream import stream_to_maxtext
 
     return stream_to_maxtext(src, dst_root, decoder_block=decoder_block, scan_layers=scan_layers,
-                             max_target_length=max_target_length, stream=stream)
+                             max_target_length=max_target_length, stream=stream,
+                             num_experts_per_tok=num_experts_per_tok)
 
 
 # ------------------------------------------------------------------------------------ the way back
@@ -367,7 +369,7 @@ def load_sidecar(path: str, raw: bytes | None = None) -> Sidecar:
 
 
 def _check_tree(ck: Any, items: str, infos: Mapping[Path, Any], roles: Mapping[Path, tuple[str, Path]],
-                side: Sidecar | None) -> None:
+                side: Sidecar | None, topk: int = 0) -> None:
     """Every MaxText leaf read is checked from its zarr metadata alone, before any allocation: masters and
     moments are floating arrays of exactly the shapes the model's sizes give (sizes derived from the
     query, key, mlp and embedding leaves, and equal to the sidecar's when there is one), all of them
@@ -377,7 +379,7 @@ def _check_tree(ck: Any, items: str, infos: Mapping[Path, Any], roles: Mapping[P
     params = {role_p[1]: infos[p].shape for p, role_p in roles.items() if role_p[0] == schema.PARAMS}
     if not params:
         raise BridgeError(f"{items} has no MaxText parameter tree; is it a MaxText train-state checkpoint?")
-    dims, scanned = Dims.from_maxtext(params, topk=side.dims.topk if side is not None else 0)
+    dims, scanned = Dims.from_maxtext(params, topk=side.dims.topk if side is not None else topk)
     if side is not None and side.dims != dims:
         raise IntegrityError(f"{items}: the stored parameter shapes give {dims}, its sidecar records {side.dims}; "
                              f"the checkpoint or its {SIDECAR} is damaged")

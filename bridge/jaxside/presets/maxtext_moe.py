@@ -98,21 +98,27 @@ def topk_of(args: Mapping[str, Any], experts: int) -> int:
     """
     k = args.get("moe_router_topk")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= experts:
-        raise BridgeError(f"the logical checkpoint records moe_router_topk={k!r} for {experts} experts; the maxtext "
-                          f"preset needs the number of experts per token (1..{experts}) from the source's args")
+        raise BridgeError(f"experts per token {k!r} for {experts} experts: the maxtext preset needs the source's "
+                          f"moe_router_topk in 1..{experts} (recorded in its args, or --num-experts-per-tok)")
     return k
 
 
-def logical_topk(shapes: Mapping[tuple[str, ...], tuple[int, ...]], args: Mapping[str, Any]) -> int:
-    """Experts per token of a logical tree: 0 when dense (no router), else Megatron's `moe_router_topk`
-    (checked against the router's expert count: one line when absent or out of range)."""
+def logical_topk(shapes: Mapping[tuple[str, ...], tuple[int, ...]], args: Mapping[str, Any], given: int = 0) -> int:
+    """Experts per token of a logical tree: 0 when dense (no router), else `given` (a flag) or Megatron's
+    recorded `moe_router_topk` (checked against the router's expert count and each other: one line)."""
     router = shapes.get(ROUTER)
     if router is None:
+        if given:
+            raise BridgeError(f"--num-experts-per-tok {given}: the logical checkpoint is a dense model "
+                              f"(no {'/'.join(ROUTER)})")
         return 0
     if len(router) != 3:
         raise BridgeError(f"logical array {'/'.join(ROUTER)} has shape {tuple(router)}; a layer-stacked router "
                           f"is (layers, experts, hidden)")
-    return topk_of(args, router[1])
+    recorded = args.get("moe_router_topk")
+    if given and recorded is not None and given != recorded:
+        raise BridgeError(f"--num-experts-per-tok {given}: the source run records moe_router_topk={recorded!r}")
+    return topk_of({"moe_router_topk": given or recorded}, router[1])
 
 
 def moe_overrides(experts: int, topk: int, ffn: int) -> dict[str, Any]:

@@ -269,7 +269,8 @@ def budget_line(cmd: str, workers: int, budget: int) -> str:
 
 
 def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, scan_layers: bool = True,
-                      max_target_length: int | None = None, stream: StreamOptions | None = None):
+                      max_target_length: int | None = None, stream: StreamOptions | None = None,
+                      num_experts_per_tok: int = 0):
     """`maxtext_ckpt.write_maxtext`, streamed: the logical checkpoint `src` as step `count - 1` of
     MaxText checkpoint root `dst_root` (see there), never holding more than the budget of its data."""
     from bridge.jaxside.presets import maxtext_ckpt as mc
@@ -294,7 +295,7 @@ def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str | None = No
     args = mc._megatron_args(man)
     mc._check_megatron_args(args)
     shapes = {p: tuple(i.shape) for p, i in trees[schema.PARAMS].items()}
-    dims = Dims.from_logical(shapes, mc._head_dim(man, args), topk=logical_topk(shapes, args))
+    dims = Dims.from_logical(shapes, mc._head_dim(man, args), topk=logical_topk(shapes, args, num_experts_per_tok))
     opts = Options(decoder_block=block_for(dims, decoder_block), scan_layers=scan_layers,
                    rotary_interleaved=bool(args.get("rotary_interleaved", False)))
     for role, tree in trees.items():
@@ -411,7 +412,7 @@ def stream_from_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, optio
     moment_roots = {MT_ADAM + (m, mc.MT_MOMENT_ROOT): m for m in schema.MOMENTS}
     roles = {p: ((schema.PARAMS, p[2:]) if p[:2] == mc.MT_PARAMS else (moment_roots[p[:4]], p[4:]))
              for p in infos if p[:2] == mc.MT_PARAMS or p[:4] in moment_roots}
-    mc._check_tree(ck, items, {p: ck.checked_info(p) for p in roles}, roles, side)
+    mc._check_tree(ck, items, {p: ck.checked_info(p) for p in roles}, roles, side, topk)
     params = {p[2:]: tuple(i.shape) for p, i in infos.items() if p[:2] == mc.MT_PARAMS}
     count = mc._scalar(ck, MT_COUNT, "Adam count") if MT_COUNT in infos else None
     if count is None or not any(p[:3] == MT_ADAM + (schema.MU,) for p in infos):
