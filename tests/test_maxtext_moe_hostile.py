@@ -63,7 +63,7 @@ def test_experts_on_the_wrong_axis_are_refused(fresh, tmp_path):
         edit_zarr(items(fresh), pre + WI0, shape=[2, 4, 24, 40])
         edit_zarr(items(fresh), pre + "decoder.layers.moe_block.wi_1", shape=[2, 4, 24, 40])
     r = cli("from-maxtext", fresh, str(tmp_path / "out"), *FROM)
-    assert_one_line(r, "moe_block")
+    assert_one_line(r, "moe_block/wi_", "(2, 4, 24, 40)", "give (4, 2, 24, 40)")
     assert not os.path.exists(tmp_path / "out")
 
 

@@ -276,8 +276,9 @@ class Dims:
         if scanned:
             e, layers, h, d = shapes[_split("decoder/layers/self_attention/query/kernel")]
             k = shapes[_split("decoder/layers/self_attention/key/kernel")][2]
-            if module:
-                experts, _, _, f = shapes[_split(f"decoder/layers/{module}/wi_0")]
+            if module:   # the expert count from the router (E, L, X), the expert size from wi_0 (X, L, E, F)
+                experts = shapes[_split(f"decoder/layers/{module}/gate/kernel")][2]
+                f = shapes[_split(f"decoder/layers/{module}/wi_0")][3]
             else:
                 f = shapes[_split("decoder/layers/mlp/wi_0/kernel")][2]
         else:
@@ -290,7 +291,8 @@ class Dims:
             e, h, d = shapes[_split("decoder/layers_0/self_attention/query/kernel")]
             k = shapes[_split("decoder/layers_0/self_attention/key/kernel")][1]
             if module:
-                experts, _, f = shapes[_split(f"decoder/layers_0/{module}/wi_0")]
+                experts = shapes[_split(f"decoder/layers_0/{module}/gate/kernel")][1]
+                f = shapes[_split(f"decoder/layers_0/{module}/wi_0")][2]
             else:
                 f = shapes[_split("decoder/layers_0/mlp/wi_0/kernel")][1]
         if _split("token_embedder/embedding") not in shapes:
