@@ -2,12 +2,15 @@
 
     python tests/maxtext_client.py step --base-dir DIR --run RUN --overrides JSON --batch JSON --grads JSON --out JSON
     python tests/maxtext_client.py fresh --base-dir DIR --run RUN --overrides JSON --out JSON
+    python tests/maxtext_client.py train --base-dir DIR --run RUN --overrides JSON --batch JSON --out JSON
 
 `step`: MaxText's own code restores the train state under DIR/RUN/checkpoints (the latest step, as
 its trainer does), computes its loss on the given tokens (`loss_fn`, eval mode), applies its own
 optimizer (`TrainStateNNX.apply_gradients`: the optax.adamw its `get_optimizer` built from the
 config) to the given gradients (a .npz of MaxText-layout leaves under `params/...`), computes the
 loss on the next batch, and saves the new state with its own `checkpointing.save_checkpoint`.
+`train`: as `step`, but the gradients are MaxText's own (`nnx.grad` of its `loss_fn`, training mode,
+on batch 3), so the step is wholly MaxText's (used for the MoE fixture, whose grads were not kept).
 `fresh`: a fresh tiny MaxText run (`train_loop`, synthetic data, 2 steps) saves a checkpoint we
 did not write. Prints and writes a JSON report. Imports nothing from gtp-bridge.
 """
@@ -104,6 +107,41 @@ def cmd_step(a) -> dict:
     return report
 
 
+def cmd_train(a) -> dict:
+    from flax import nnx
+
+    from maxtext.trainers.pre_train.train import loss_fn
+    from maxtext.utils import train_utils
+
+    overrides = json.load(open(a.overrides))
+    batches = json.load(open(a.batch))
+    config = config_of(a.base_dir, a.run, overrides, {"steps": 100, "per_device_batch_size": len(batches["3"][0]),
+                                                      "max_target_length": len(batches["3"][0][0])})
+    (_, _, _, _, _, _, _, _, _, _, state) = train_utils.setup_train_loop(config, None)
+    report: dict = {"restored_step": int(state.optimizer.step[...])}
+    b3, b4 = batch_of(*batches["3"]), batch_of(*batches["4"])
+    report["loss_batch3"] = eval_loss(state, config, b3)
+    report["loss_batch4_before"] = eval_loss(state, config, b4)
+
+    def train_loss(model):
+        loss, _ = loss_fn(model, config, dict(b3), None, None, is_train=True)
+        return loss
+
+    grads = nnx.grad(train_loss, argnums=nnx.DiffState(0, nnx.Param))(state.model)
+    report["grad_norm"] = float(np.sqrt(sum(float((np.asarray(g, np.float64) ** 2).sum())
+                                            for g in jax_leaves(grads))))
+    state.apply_gradients(grads)
+    report["step_after"] = int(state.optimizer.step[...])
+    report["loss_batch4_after"] = eval_loss(state, config, b4)
+    return report
+
+
+def jax_leaves(tree) -> list:
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
 def cmd_fresh(a) -> dict:
     from maxtext.trainers.pre_train import train
 
@@ -116,7 +154,7 @@ def cmd_fresh(a) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=["step", "fresh"])
+    ap.add_argument("cmd", choices=["step", "fresh", "train"])
     ap.add_argument("--base-dir", required=True)
     ap.add_argument("--run", required=True)
     ap.add_argument("--overrides", required=True)
@@ -124,7 +162,7 @@ def main() -> None:
     ap.add_argument("--grads")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    report = cmd_step(a) if a.cmd == "step" else cmd_fresh(a)
+    report = {"step": cmd_step, "fresh": cmd_fresh, "train": cmd_train}[a.cmd](a)
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)
     print("REPORT", json.dumps(report), flush=True)

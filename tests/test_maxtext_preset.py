@@ -212,7 +212,8 @@ def test_refuses_non_llama_models(tmp_path):
     from bridge.jaxside.presets.maxtext_ckpt import _check_megatron_args
 
     for args, msg in (({"normalization": "LayerNorm"}, "RMSNorm"), ({"apply_layernorm_1p": True}, "zero-centred"),
-                      ({"position_embedding_type": "learned_absolute"}, "RoPE"), ({"num_experts": 8}, "experts")):
+                      ({"position_embedding_type": "learned_absolute"}, "RoPE"),
+                      ({"num_experts": 8, "moe_shared_expert_intermediate_size": 64}, "shared experts")):
         with pytest.raises(BridgeError, match=msg):
             _check_megatron_args(args)
 

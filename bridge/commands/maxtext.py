@@ -10,6 +10,7 @@ import sys
 TO_EPILOG = """examples:
   gtp-bridge to-maxtext logical_ckpt/ mt/myrun/checkpoints              # MaxText resumes with run_name=myrun
   gtp-bridge to-maxtext logical_ckpt/ mt/l2/checkpoints --decoder-block llama2   # query scale folded
+  gtp-bridge to-maxtext moe_logical/ mt/moe/checkpoints        # MoE run: qwen3_moe block (mixtral: folded)
 
 The step directory is <ROOT>/<step - 1> (MaxText's naming: the last step index taken) holding
 items/ (MaxText's train state: params, adamw state, step) and gtp_bridge_maxtext.json. It prints
@@ -42,8 +43,11 @@ def add_parser(sub) -> None:
                        epilog=TO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC", help="logical checkpoint directory (with Adam state)")
     p.add_argument("root", metavar="ROOT", help="MaxText checkpoint root (its checkpoint_dir); created if missing")
-    p.add_argument("--decoder-block", default="qwen2", choices=["qwen2", "llama2"],
-                   help="MaxText decoder block (default qwen2: exact; llama2 folds the query scale)")
+    p.add_argument("--decoder-block", default=None, choices=["qwen2", "llama2", "qwen3_moe", "mixtral"],
+                   help="MaxText decoder block (default qwen2, for MoE qwen3_moe: exact; llama2 / mixtral fold "
+                        "the query scale)")
+    p.add_argument("--num-experts-per-tok", type=int, default=0, metavar="K",
+                   help="an MoE model's experts per token when the source records no moe_router_topk")
     p.add_argument("--unscanned", action="store_true", help="MaxText scan_layers=false (decoder/layers_<i>/...)")
     p.add_argument("--overrides-json", metavar="FILE", help="also write MaxText's config overrides to FILE (JSON)")
     add_stream_flags(p)
@@ -60,7 +64,10 @@ def add_parser(sub) -> None:
     q.add_argument("--eps", type=float, default=None, help="Adam eps (default 1e-8)")
     q.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay (default 0.1, MaxText's)")
     q.add_argument("--clip-grad", type=float, default=None, help="global-norm clipping threshold (default none)")
-    q.add_argument("--decoder-block", choices=["qwen2", "llama2"], default=None,
+    q.add_argument("--num-experts-per-tok", type=int, default=0, metavar="K",
+                   help="an MoE checkpoint's experts per token (MaxText's num_experts_per_tok; a MaxText run "
+                        "we did not start)")
+    q.add_argument("--decoder-block", choices=["qwen2", "llama2", "qwen3_moe", "mixtral"], default=None,
                    help="the MaxText block the run used (llama2: the query scale is unfolded); default from the "
                         "checkpoint's sidecar, else qwen2")
     add_stream_flags(q)
@@ -89,11 +96,12 @@ def run_to(args: argparse.Namespace) -> int:
     from bridge.jaxside.presets.maxtext_stream import write_maxtext
 
     w = write_maxtext(args.src, args.root, decoder_block=args.decoder_block, scan_layers=not args.unscanned,
-                      stream=stream_options(args))
+                      stream=stream_options(args), num_experts_per_tok=args.num_experts_per_tok)
     d = w.dims
     print(f"wrote {w.step_dir} (MaxText step dir {w.step - 1 if w.step else 0}, resumes at step {w.step}): "
           f"{d.layers} layers, hidden {d.hidden}, {d.heads} heads / {d.kv_heads} kv, head dim {d.head_dim}, "
-          f"ffn {d.ffn}, vocab {d.vocab}{' (tied)' if d.tied else ''}; block {w.options.decoder_block}"
+          f"ffn {d.ffn}, vocab {d.vocab}{' (tied)' if d.tied else ''}"
+          f"{f', {d.experts} experts (top {d.topk})' if d.experts else ''}; block {w.options.decoder_block}"
           f"{', scanned' if w.options.scan_layers else ', unscanned'}")
     for note in w.notes:
         print(f"gtp-bridge: note: {note}", file=sys.stderr)
@@ -142,7 +150,8 @@ def run_from(args: argparse.Namespace) -> int:
     elif given:
         raise BridgeError("--betas/--eps/--weight-decay/--clip-grad need --lr (they replace the recorded settings)")
     opts = Options(decoder_block=args.decoder_block) if args.decoder_block else None
-    res = read_maxtext(args.src, args.dst, hyper=hyper, options=opts, stream=stream_options(args))
+    res = read_maxtext(args.src, args.dst, hyper=hyper, options=opts, stream=stream_options(args),
+                       topk=args.num_experts_per_tok)
     d = res["dims"]
     how = "sidecar of the run gtp-bridge wrote" if res["sidecar"] else "the given AdamW settings"
     print(f"wrote {res['dst']} from {res['items']} (step {res['trained_steps']}, Adam count {res['adam_count']}): "

@@ -8,6 +8,9 @@ MaxText (0.2.5) keeps a llama-family decoder as (scanned layers: the layer axis 
     decoder/layers/mlp/wi_0|wi_1/kernel (E, L, F), wo/kernel (F, L, E)
 
 and unscanned (`scan_layers=False`) the same leaves per layer under `decoder/layers_<i>/` without the L axis.
+A mixture-of-experts model (X routed experts of hidden size F; `maxtext_moe` says which Megatron runs
+qualify) has, in place of `mlp/`, MaxText's routed-experts module (`moe_block` in the qwen3_moe block,
+`MoeBlock_0` in mixtral): `gate/kernel (E, L, X)`, `wi_0|wi_1 (X, L, E, F)`, `wo (X, L, F, E)`.
 `TABLE` is the mapping, leaf by leaf, as data: each row names the logical (Megatron) leaf, its
 layout as a pattern of named dims and the MaxText layout (`"L (H D) E" -> "E L H D"`: split the
 fused head axis, move the layer axis to position 1). A pattern change is a reshape + transpose:
@@ -50,10 +53,12 @@ import numpy as np
 from bridge.errors import BridgeError
 from bridge.format import schema
 from bridge.format.manifest import check_hyperparameters
+from bridge.jaxside.presets.maxtext_moe import DEFAULT_MOE_BLOCK, MOE_MODULES, check_block, moe_module, moe_overrides
 
 Path = tuple[str, ...]
 
-BLOCKS = ("qwen2", "llama2")
+BLOCKS = ("qwen2", "llama2") + tuple(MOE_MODULES)
+FOLDING_BLOCKS = ("llama2", "mixtral")   # the attention expects 1/sqrt(D) folded into the query kernel
 
 
 def _split(s: str) -> Path:
@@ -144,6 +149,7 @@ class Leaf:
     query: bool = False
     untied: bool = False
     no_decay: bool = False  # Megatron's default no-decay rule (1-D own shape): the norms
+    mlp: str = ""           # "dense" / "moe": a row of the dense MLP or of the routed experts ("": both)
 
     @property
     def layered(self) -> bool:
@@ -151,6 +157,7 @@ class Leaf:
 
 
 _ATT = "decoder/layers/self_attention"
+_MOE = "decoder/layers/mlp"
 TABLE: tuple[Leaf, ...] = (
     Leaf("token_embedder/embedding", ("embedding/word_embeddings/weight",), "V E", "V E"),
     Leaf("decoder/logits_dense/kernel", ("output_layer/weight",), "V E", "E V", untied=True),
@@ -167,15 +174,27 @@ TABLE: tuple[Leaf, ...] = (
          rope=True),
     Leaf("decoder/layers/self_attention/value/kernel", (f"{_ATT}/linear_qkv/weight/value",), "L (K D) E", "E L K D"),
     Leaf("decoder/layers/self_attention/out/kernel", (f"{_ATT}/linear_proj/weight",), "L E (H D)", "H L D E"),
-    Leaf("decoder/layers/mlp/wi_0/kernel", ("decoder/layers/mlp/linear_fc1/weight/gate",), "L F E", "E L F"),
-    Leaf("decoder/layers/mlp/wi_1/kernel", ("decoder/layers/mlp/linear_fc1/weight/up",), "L F E", "E L F"),
-    Leaf("decoder/layers/mlp/wo/kernel", ("decoder/layers/mlp/linear_fc2/weight",), "L E F", "F L E"),
+    Leaf("decoder/layers/mlp/wi_0/kernel", ("decoder/layers/mlp/linear_fc1/weight/gate",), "L F E", "E L F",
+         mlp="dense"),
+    Leaf("decoder/layers/mlp/wi_1/kernel", ("decoder/layers/mlp/linear_fc1/weight/up",), "L F E", "E L F",
+         mlp="dense"),
+    Leaf("decoder/layers/mlp/wo/kernel", ("decoder/layers/mlp/linear_fc2/weight",), "L E F", "F L E", mlp="dense"),
+    # routed experts ({moe}: the block's module, `maxtext_moe.moe_module`); Megatron's SequentialMLP /
+    # grouped experts are one logical array per leaf with the experts on axis 1
+    Leaf("decoder/layers/{moe}/gate/kernel", (f"{_MOE}/router/weight",), "L X E", "E L X", mlp="moe"),
+    Leaf("decoder/layers/{moe}/wi_0", (f"{_MOE}/experts/experts/linear_fc1/weight/gate",), "L X F E", "X L E F",
+         mlp="moe"),
+    Leaf("decoder/layers/{moe}/wi_1", (f"{_MOE}/experts/experts/linear_fc1/weight/up",), "L X F E", "X L E F",
+         mlp="moe"),
+    Leaf("decoder/layers/{moe}/wo", (f"{_MOE}/experts/experts/linear_fc2/weight",), "L X E F", "X L F E", mlp="moe"),
 )
+_ROUTER, _EXPERT_GATE = f"{_MOE}/router/weight", f"{_MOE}/experts/experts/linear_fc1/weight/gate"
 
 
 @dataclass(frozen=True)
 class Dims:
-    """Model sizes: layers L, hidden E, ffn F, heads H, query groups K, head dim D, padded vocab V."""
+    """Model sizes: layers L, hidden E, ffn F, heads H, query groups K, head dim D, padded vocab V;
+    MoE: X routed experts (`experts`, 0: dense) of hidden size F, `topk` of them per token."""
 
     layers: int
     hidden: int
@@ -185,13 +204,15 @@ class Dims:
     head_dim: int
     vocab: int
     tied: bool = False
+    experts: int = 0
+    topk: int = 0
 
     def sizes(self) -> dict[str, int]:
         return {"L": self.layers, "E": self.hidden, "F": self.ffn, "H": self.heads, "K": self.kv_heads,
-                "D": self.head_dim, "V": self.vocab}
+                "D": self.head_dim, "V": self.vocab, "X": self.experts}
 
     @classmethod
-    def from_logical(cls, shapes: Mapping[Path, tuple[int, ...]], head_dim: int) -> "Dims":
+    def from_logical(cls, shapes: Mapping[Path, tuple[int, ...]], head_dim: int, topk: int = 0) -> "Dims":
         """Sizes from the logical parameter shapes (paths without the `params/` prefix) and the head dim.
 
         >>> s = {("embedding", "word_embeddings", "weight"): (72, 24),
@@ -199,7 +220,7 @@ class Dims:
         ...      ("decoder", "layers", "self_attention", "linear_qkv", "weight", "key"): (2, 12, 24),
         ...      ("decoder", "layers", "mlp", "linear_fc1", "weight", "gate"): (2, 40, 24)}
         >>> Dims.from_logical(s, head_dim=6)
-        Dims(layers=2, hidden=24, ffn=40, heads=4, kv_heads=2, head_dim=6, vocab=72, tied=True)
+        Dims(layers=2, hidden=24, ffn=40, heads=4, kv_heads=2, head_dim=6, vocab=72, tied=True, experts=0, topk=0)
         """
         def get(path: str) -> tuple[int, ...]:
             p = _split(path)
@@ -211,37 +232,55 @@ class Dims:
         v, e = get("embedding/word_embeddings/weight")
         layers, q_rows, _ = get(f"{_ATT}/linear_qkv/weight/query")
         _, k_rows, _ = get(f"{_ATT}/linear_qkv/weight/key")
-        _, f, _ = get("decoder/layers/mlp/linear_fc1/weight/gate")
+        if _split(_ROUTER) in shapes:   # MoE: the expert count and size from the experts' own arrays
+            _, experts, f, _ = get(_EXPERT_GATE)
+        else:
+            experts, topk = 0, 0
+            _, f, _ = get("decoder/layers/mlp/linear_fc1/weight/gate")
         if q_rows % head_dim or k_rows % head_dim:
             raise BridgeError(f"query rows {q_rows} / key rows {k_rows} are not multiples of the head dim {head_dim}")
         return cls(layers=layers, hidden=e, ffn=f, heads=q_rows // head_dim, kv_heads=k_rows // head_dim,
-                   head_dim=head_dim, vocab=v, tied=_split("output_layer/weight") not in shapes)
+                   head_dim=head_dim, vocab=v, tied=_split("output_layer/weight") not in shapes, experts=experts,
+                   topk=topk)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise BridgeError(f"model size {name}={v!r} is not a positive integer")
+        for name, v in (("experts", self.experts), ("topk", self.topk)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise BridgeError(f"model size {name}={v!r} is not a non-negative integer")
+        if self.experts and not 1 <= self.topk <= self.experts:
+            raise BridgeError(f"{self.topk} experts per token of {self.experts}: the number of experts per token "
+                              f"(moe_router_topk / num_experts_per_tok) must be in 1..{self.experts}")
         if not isinstance(self.tied, bool):
             raise BridgeError(f"model size tied={self.tied!r} is not a boolean")
 
     @classmethod
-    def from_maxtext(cls, shapes: Mapping[Path, tuple[int, ...]]) -> tuple["Dims", bool]:
+    def from_maxtext(cls, shapes: Mapping[Path, tuple[int, ...]], topk: int = 0) -> tuple["Dims", bool]:
         """(sizes, scanned) from MaxText parameter shapes (paths under `params/params`); BridgeError when
-        a leaf the sizes come from is missing or has the wrong number of axes."""
+        a leaf the sizes come from is missing or has the wrong number of axes. The tree does not hold
+        the experts per token: `topk` (an MoE tree's `num_experts_per_tok`) comes from the caller."""
         try:
-            return cls._from_maxtext(shapes)
+            return cls._from_maxtext(shapes, topk)
         except (KeyError, ValueError, TypeError, IndexError) as e:
             raise BridgeError(f"MaxText parameter tree is not a llama-family tree this preset reads (at {e}); "
                               f"is it a MaxText llama/qwen2 checkpoint?") from None
 
     @classmethod
-    def _from_maxtext(cls, shapes: Mapping[Path, tuple[int, ...]]) -> tuple["Dims", bool]:
+    def _from_maxtext(cls, shapes: Mapping[Path, tuple[int, ...]], topk: int) -> tuple["Dims", bool]:
         scanned = _split("decoder/layers/self_attention/query/kernel") in shapes
+        module = maxtext_moe_module(shapes)
+        experts = 0
         if scanned:
             e, layers, h, d = shapes[_split("decoder/layers/self_attention/query/kernel")]
             k = shapes[_split("decoder/layers/self_attention/key/kernel")][2]
-            f = shapes[_split("decoder/layers/mlp/wi_0/kernel")][2]
+            if module:   # the expert count from the router (E, L, X), the expert size from wi_0 (X, L, E, F)
+                experts = shapes[_split(f"decoder/layers/{module}/gate/kernel")][2]
+                f = shapes[_split(f"decoder/layers/{module}/wi_0")][3]
+            else:
+                f = shapes[_split("decoder/layers/mlp/wi_0/kernel")][2]
         else:
             idx = sorted(int(p[1][len("layers_"):]) for p in shapes
                          if len(p) > 1 and p[0] == "decoder" and re.fullmatch(r"layers_\d+", p[1]))
@@ -251,12 +290,41 @@ class Dims:
             layers = idx[-1] + 1
             e, h, d = shapes[_split("decoder/layers_0/self_attention/query/kernel")]
             k = shapes[_split("decoder/layers_0/self_attention/key/kernel")][1]
-            f = shapes[_split("decoder/layers_0/mlp/wi_0/kernel")][1]
+            if module:
+                experts = shapes[_split(f"decoder/layers_0/{module}/gate/kernel")][1]
+                f = shapes[_split(f"decoder/layers_0/{module}/wi_0")][2]
+            else:
+                f = shapes[_split("decoder/layers_0/mlp/wi_0/kernel")][1]
         if _split("token_embedder/embedding") not in shapes:
             raise BridgeError("MaxText tree has no token_embedder/embedding; is it a llama-family MaxText checkpoint?")
         v = shapes[_split("token_embedder/embedding")][0]
         tied = _split("decoder/logits_dense/kernel") not in shapes
-        return cls(layers=layers, hidden=e, ffn=f, heads=h, kv_heads=k, head_dim=d, vocab=v, tied=tied), scanned
+        if experts and not topk:
+            raise BridgeError("MaxText tree has routed experts and the number of experts per token is not known "
+                              "(no gtp-bridge sidecar); pass --num-experts-per-tok (MaxText's num_experts_per_tok)")
+        return (cls(layers=layers, hidden=e, ffn=f, heads=h, kv_heads=k, head_dim=d, vocab=v, tied=tied,
+                    experts=experts, topk=topk if experts else 0), scanned)
+
+
+def maxtext_moe_module(shapes: Iterable[Path]) -> str:
+    """The routed-experts module a MaxText parameter tree holds ("" for a dense tree; one line when two).
+
+    >>> maxtext_moe_module([("decoder", "layers", "moe_block", "wi_0")]), maxtext_moe_module([("decoder",)])
+    ('moe_block', '')
+    """
+    found = sorted({p[2] for p in shapes if len(p) > 2 and p[0] == "decoder" and p[2] in MOE_MODULES.values()
+                    and (p[1] == "layers" or re.fullmatch(r"layers_\d+", p[1]))})
+    if len(found) > 1:
+        raise BridgeError(f"MaxText tree holds routed experts under both {found[0]} and {found[1]}; is it one model?")
+    return found[0] if found else ""
+
+
+def block_for(dims: "Dims", decoder_block: str | None) -> str:
+    """The decoder block to use: the one named (checked against the model), else qwen2 for a dense model
+    and qwen3_moe for an MoE model (both exact)."""
+    block = decoder_block or (DEFAULT_MOE_BLOCK if dims.experts else "qwen2")
+    check_block(dims.experts, block)
+    return block
 
 
 @dataclass(frozen=True)
@@ -274,7 +342,7 @@ class Options:
 
     @property
     def fold_query_scale(self) -> bool:
-        return self.decoder_block == "llama2"
+        return self.decoder_block in FOLDING_BLOCKS
 
 
 def rope_permutation(head_dim: int) -> np.ndarray:
@@ -327,12 +395,13 @@ def _value_inverse(x: np.ndarray, leaf: Leaf, kind: str, dims: Dims, opts: Optio
 
 def active_table(dims: Dims) -> list[Leaf]:
     """The rows that apply to this model (the output layer only when untied)."""
-    return [leaf for leaf in TABLE if not (leaf.untied and dims.tied)]
+    mlp = "moe" if dims.experts else "dense"
+    return [leaf for leaf in TABLE if not (leaf.untied and dims.tied) and leaf.mlp in ("", mlp)]
 
 
 def _maxtext_paths(leaf: Leaf, dims: Dims, opts: Options) -> list[tuple[Path, int | None]]:
     """MaxText path(s) of a row: one (scanned / layerless) or one per layer (unscanned) with its index."""
-    p = _split(leaf.maxtext)
+    p = _split(leaf.maxtext.format(moe=moe_module(opts.decoder_block)) if leaf.mlp == "moe" else leaf.maxtext)
     if opts.scan_layers or not leaf.layered:
         return [(p, None)]
     i = p.index("layers")
@@ -362,8 +431,12 @@ def check_llama(paths: Iterable[Path], dims: Dims) -> None:
     known = {_split(n) for leaf in active_table(dims) for n in leaf.logical}
     for p in sorted(paths):
         if p not in known:
-            raise BridgeError(f"logical array {'/'.join(p)} has no MaxText counterpart in the maxtext preset "
-                              f"(llama-style models only: RMSNorm, SwiGLU, GQA, RoPE, no biases, no MoE)")
+            name = "/".join(p)
+            what = (" (shared experts: MaxText's qwen3_moe / mixtral blocks have none)" if "shared_experts" in p
+                    else " (a router bias: MaxText's qwen3_moe / mixtral routers have none)" if "router" in p
+                    else "")
+            raise BridgeError(f"logical array {name} has no MaxText counterpart in the maxtext preset{what} "
+                              f"(llama-style models: RMSNorm, SwiGLU, GQA, RoPE, no biases; MoE: routed experts)")
 
 
 def to_maxtext(tree: Mapping[Path, np.ndarray], kind: str, dims: Dims, opts: Options) -> dict[Path, np.ndarray]:
@@ -390,7 +463,7 @@ def from_maxtext(tree: Mapping[Path, np.ndarray], kind: str, dims: Dims, opts: O
     extra = sorted(set(tree) - expected)
     if extra:
         raise BridgeError(f"MaxText leaf {'/'.join(extra[0])} has no logical counterpart in the maxtext preset "
-                          f"(llama-family, no biases, no MoE)")
+                          f"(llama-family, no biases; MoE: routed experts and router only)")
     out: dict[Path, np.ndarray] = {}
     for leaf in active_table(dims):
         parts = []
@@ -491,6 +564,9 @@ def maxtext_overrides(dims: Dims, opts: Options, hyper: Hyper, max_target_length
         "wsd_decay_steps_fraction": 0.0, "learning_rate_final_fraction": 1.0,
         "gradient_clipping_threshold": hyper.clip_grad or 0.0,
     }
+    check_block(dims.experts, opts.decoder_block)
+    if dims.experts:
+        o.update(moe_overrides(dims.experts, dims.topk, dims.ffn))
     if max_target_length:
         o["max_target_length"] = max_target_length
     return o

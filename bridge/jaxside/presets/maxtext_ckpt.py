@@ -32,7 +32,9 @@ from bridge.format import schema
 from bridge.format.manifest import (MAXTEXT_KEY, MEGATRON_KEY, Manifest, MegatronRecord, OptimizerConfig,
                                    SourceLayout, check_step)
 from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, active_table, adamw_mask_patterns, decayed,
-                                           from_maxtext, maxtext_overrides, maxtext_shapes, to_maxtext)
+                                           from_maxtext, maxtext_moe_module, maxtext_overrides, maxtext_shapes,
+                                           to_maxtext)
+from bridge.jaxside.presets.maxtext_moe import block_of_module, check_moe_args
 from bridge.location import local_path
 from bridge.progress import progress
 
@@ -127,8 +129,7 @@ def _check_megatron_args(args: Mapping) -> None:
     if args.get("rotary_percent", 1.0) not in (None, 1.0):
         raise BridgeError(f"source model applies RoPE to {args['rotary_percent']} of the head dim; the maxtext "
                           f"preset needs rotary_percent 1.0")
-    if args.get("num_experts"):
-        raise BridgeError("source model is a mixture of experts; the maxtext preset covers dense llama-style models")
+    check_moe_args(args)
 
 
 def _scalar(ck: Any, p: Path, name: str) -> int:
@@ -288,12 +289,14 @@ SIDECAR_FORMAT = 1
 
 def _fields(d: Any, cls: type, what: str, types: Mapping[str, tuple]) -> dict:
     """`d` as the keyword arguments of dataclass `cls`: a JSON object with exactly its fields, each of `types`."""
-    from dataclasses import fields
+    from dataclasses import MISSING, fields
 
     if not isinstance(d, dict):
         raise ValueError(f"{what} is a {type(d).__name__}, not a JSON object")
     names = [f.name for f in fields(cls)]
-    missing, extra = [n for n in names if n not in d], sorted(set(d) - set(names))
+    # a field with a default may be absent (sidecars written before it existed: dense Dims have no experts)
+    required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+    missing, extra = [n for n in required if n not in d], sorted(set(d) - set(names))
     if missing or extra:
         raise ValueError(f"{what} " + (f"lacks {missing[0]!r}" if missing else f"has unknown key {extra[0]!r}"))
     for k, v in d.items():
@@ -322,7 +325,7 @@ def load_sidecar(path: str, raw: bytes | None = None) -> Sidecar:
         opts = Options(**_fields(d["options"], Options, "options",
                                  {"decoder_block": (str,), "scan_layers": (bool,), "rotary_interleaved": (bool,)}))
         dims = Dims(**_fields(d["dims"], Dims, "dims", {"tied": (bool,), **{k: (int,) for k in
-                              ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab")}}))
+                              ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "experts", "topk")}}))
         h = _fields(d["hyper"], Hyper, "hyper", {"lr": num, "b1": num, "b2": num, "eps": num, "weight_decay": num,
                                                  "clip_grad": opt_num, "no_decay": (list,)})
         if not all(isinstance(q, list) and q and all(isinstance(c, str) for c in q) for q in h["no_decay"]):
@@ -349,7 +352,7 @@ def load_sidecar(path: str, raw: bytes | None = None) -> Sidecar:
 
 
 def _check_tree(ck: Any, items: str, infos: Mapping[Path, Any], roles: Mapping[Path, tuple[str, Path]],
-                side: Sidecar | None) -> None:
+                side: Sidecar | None, topk: int = 0) -> None:
     """Every MaxText leaf read is checked from its zarr metadata alone, before any allocation: masters and
     moments are floating arrays of exactly the shapes the model's sizes give (sizes derived from the
     query, key, mlp and embedding leaves, and equal to the sidecar's when there is one), all of them
@@ -359,17 +362,19 @@ def _check_tree(ck: Any, items: str, infos: Mapping[Path, Any], roles: Mapping[P
     params = {role_p[1]: infos[p].shape for p, role_p in roles.items() if role_p[0] == schema.PARAMS}
     if not params:
         raise BridgeError(f"{items} has no MaxText parameter tree; is it a MaxText train-state checkpoint?")
-    dims, scanned = Dims.from_maxtext(params)
+    dims, scanned = Dims.from_maxtext(params, topk=side.dims.topk if side is not None else topk)
     if side is not None and side.dims != dims:
         raise IntegrityError(f"{items}: the stored parameter shapes give {dims}, its sidecar records {side.dims}; "
                              f"the checkpoint or its {SIDECAR} is damaged")
-    want = maxtext_shapes(dims, Options(scan_layers=scanned))
+    module = maxtext_moe_module(params)
+    want = maxtext_shapes(dims, Options(decoder_block=block_of_module(module) if module else "qwen2",
+                                        scan_layers=scanned))
     seen: dict[str, set] = {r: set() for r in ROLES}
     for p, (role, param) in roles.items():
         info = infos[p]
         if param not in want:
             raise BridgeError(f"MaxText leaf {'/'.join(param)} ({role}) has no logical counterpart in the maxtext "
-                              f"preset (llama-family, no biases, no MoE)")
+                              f"preset (llama-family, no biases; MoE: routed experts and router only)")
         if tuple(info.shape) != want[param]:
             raise IntegrityError(f"{items}: array {path_str(p)} has shape {tuple(info.shape)}, the model's sizes "
                                  f"({dims}) give {want[param]}; its zarr.json is damaged")
@@ -421,7 +426,10 @@ def llama_args(dims: Dims, rotary_base: float = 10000.0, norm_epsilon: float = 1
                 padded_vocab_size=dims.vocab, untie_embeddings_and_output_weights=not dims.tied,
                 normalization="RMSNorm", norm_epsilon=norm_epsilon, position_embedding_type="rope",
                 rotary_base=rotary_base, rotary_percent=1.0, rotary_interleaved=False, add_bias_linear=False,
-                bf16=True, optimizer="adam")
+                bf16=True, optimizer="adam",
+                **(dict(num_experts=dims.experts, moe_router_topk=dims.topk, moe_ffn_hidden_size=dims.ffn,
+                        moe_router_pre_softmax=False, moe_grouped_gemm=False, moe_aux_loss_coeff=0.0)
+                   if dims.experts else {}))
 
 
 def _manifest_for(dims: Dims, hyper: Hyper, count: int, base: Mapping | None, opts: Options,
@@ -430,7 +438,8 @@ def _manifest_for(dims: Dims, hyper: Hyper, count: int, base: Mapping | None, op
 
     fused = {"decoder/layers/self_attention/linear_qkv/weight": FusedSpec.qkv(dims.heads, dims.kv_heads,
                                                                              dims.head_dim).to_json(),
-             "decoder/layers/mlp/linear_fc1/weight": FusedSpec.swiglu(dims.ffn).to_json()}
+             ("decoder/layers/mlp/experts/experts/linear_fc1/weight" if dims.experts
+              else "decoder/layers/mlp/linear_fc1/weight"): FusedSpec.swiglu(dims.ffn).to_json()}
     if base is not None:
         man = Manifest.from_json(base)
         man.arrays = {}

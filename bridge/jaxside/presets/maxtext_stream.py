@@ -27,8 +27,9 @@ import numpy as np
 
 from bridge.errors import BridgeError
 from bridge.format import schema
-from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, _value_forward, _value_inverse, check_llama,
-                                           maxtext_overrides)
+from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, _value_forward, _value_inverse, block_for,
+                                           check_llama, maxtext_moe_module, maxtext_overrides)
+from bridge.jaxside.presets.maxtext_moe import block_of_module, logical_topk
 from bridge.jaxside.presets.maxtext_plan import (MT_ADAM, Move, arrange_block, blocks_of, chunk_shape,
                                                 moves_from_maxtext, moves_to_maxtext, source_box)
 from bridge.layout.boxes import Box
@@ -267,14 +268,17 @@ def budget_line(cmd: str, workers: int, budget: int) -> str:
 # ------------------------------------------------------------------------------------ to MaxText
 
 
-def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan_layers: bool = True,
-                  max_target_length: int | None = None, stream: StreamOptions | None = None):
+def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, scan_layers: bool = True,
+                  max_target_length: int | None = None, stream: StreamOptions | None = None,
+                  num_experts_per_tok: int = 0):
     """Write the logical checkpoint `src` as a step of MaxText checkpoint root `dst_root`.
 
     MaxText names a step directory by the index of the last step taken (`count - 1`) and stores
     `step = count` (the step it continues from), so Megatron's iteration n (n updates) becomes
     `<dst_root>/<n - 1>/` with `step = n`. Streamed chunk by chunk, never holding more than the budget
     of its data (`StreamOptions`: workers, budget, progress); local paths, s3:// or gs://.
+    `decoder_block` None: qwen2 for a dense model, qwen3_moe for a mixture of experts (both exact);
+    `num_experts_per_tok`: an MoE model's top-k when its manifest records no Megatron args.
     Returns a `maxtext_ckpt.Written`.
     """
     from bridge.jaxside.presets import maxtext_ckpt as mc
@@ -298,10 +302,10 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan
                           f"writes the weights and the optimizer state together")
     args = mc._megatron_args(man)
     mc._check_megatron_args(args)
-    opts = Options(decoder_block=decoder_block, scan_layers=scan_layers,
-                   rotary_interleaved=bool(args.get("rotary_interleaved", False)))
     shapes = {p: tuple(i.shape) for p, i in trees[schema.PARAMS].items()}
-    dims = Dims.from_logical(shapes, mc._head_dim(man, args))
+    dims = Dims.from_logical(shapes, mc._head_dim(man, args), topk=logical_topk(shapes, args, num_experts_per_tok))
+    opts = Options(decoder_block=block_for(dims, decoder_block), scan_layers=scan_layers,
+                   rotary_interleaved=bool(args.get("rotary_interleaved", False)))
     for role, tree in trees.items():
         check_llama(tree, dims)
         if role != schema.PARAMS and set(tree) != set(shapes):
@@ -398,13 +402,14 @@ def read_sidecar(items: str):
 
 def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Options | None = None,
                  rotary_base: float | None = None, norm_epsilon: float | None = None,
-                 stream: StreamOptions | None = None) -> dict:
+                 stream: StreamOptions | None = None, topk: int = 0) -> dict:
     """Write a MaxText checkpoint (root / step dir / items dir) as the logical checkpoint `dst`.
 
     A checkpoint `write_maxtext` made carries its sidecar (preset options, hyper-parameters, the base
     manifest: Megatron's records come back). Any other MaxText checkpoint needs `hyper` (its AdamW
-    settings; the no-decay set defaults to the norms, Megatron's rule) and, for the llama2 block,
-    `options=Options(decoder_block="llama2")` (the query scale is unfolded). Streamed chunk by chunk
+    settings; the no-decay set defaults to the norms, Megatron's rule), for the llama2 block
+    `options=Options(decoder_block="llama2")` (the query scale is unfolded) and, for an MoE tree,
+    `topk` (MaxText's num_experts_per_tok; the block is told by the tree). Streamed chunk by chunk
     within a budget (`StreamOptions`); local paths, s3:// or gs://.
     """
     from bridge.jaxside.presets import maxtext_ckpt as mc
@@ -422,21 +427,27 @@ def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Opt
     moment_roots = {MT_ADAM + (m, mc.MT_MOMENT_ROOT): m for m in schema.MOMENTS}
     roles = {p: ((schema.PARAMS, p[2:]) if p[:2] == mc.MT_PARAMS else (moment_roots[p[:4]], p[4:]))
              for p in infos if p[:2] == mc.MT_PARAMS or p[:4] in moment_roots}
-    mc._check_tree(ck, items, {p: ck.checked_info(p) for p in roles}, roles, side)
+    mc._check_tree(ck, items, {p: ck.checked_info(p) for p in roles}, roles, side, topk)
     params = {p[2:]: tuple(i.shape) for p, i in infos.items() if p[:2] == mc.MT_PARAMS}
     count = mc._scalar(ck, MT_COUNT, "Adam count") if MT_COUNT in infos else None
     if count is None or not any(p[:3] == MT_ADAM + (schema.MU,) for p in infos):
         raise BridgeError(f"{items} holds no Adam state (moments and count); the maxtext preset needs MaxText's "
                           f"adamw state (opt_type=adamw)")
     step = mc._scalar(ck, MT_STEP, "step") if MT_STEP in infos else count  # foreign: the name in messages
-    dims, scanned = Dims.from_maxtext(params)
+    dims, scanned = Dims.from_maxtext(params, topk=side.dims.topk if side is not None else topk)
     if side is not None:
         opts = side.options
         hyper = hyper or side.hyper
         rotary_base = rotary_base or side.overrides.get("rope_max_timescale", 10000.0)
         norm_epsilon = norm_epsilon or side.overrides.get("normalization_layer_epsilon", 1e-5)
     else:
-        opts = options or Options()
+        module = maxtext_moe_module(params)
+        # an MoE tree names its block by its module; a dense tree cannot tell llama2 from qwen2
+        opts = options or Options(decoder_block=block_of_module(module) if module else "qwen2")
+        block_for(dims, opts.decoder_block)
+        if module and opts.decoder_block != block_of_module(module):
+            raise BridgeError(f"{items} holds MaxText's {block_of_module(module)} experts ({module}); "
+                              f"--decoder-block {opts.decoder_block} does not match")
         if hyper is None:
             raise BridgeError(f"{items} was not written by gtp-bridge (no {SIDECAR}); give its AdamW settings "
                               f"(--lr, --betas, --eps, --weight-decay) so the logical checkpoint records them")
@@ -452,7 +463,7 @@ def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Opt
         extra = sorted(p for p in have - wanted if p[:len(role_root)] == role_root)
         if extra:
             raise BridgeError(f"MaxText leaf {'/'.join(extra[0][len(role_root):])} has no logical counterpart in "
-                              f"the maxtext preset (llama-family, no biases, no MoE)")
+                              f"the maxtext preset (llama-family, no biases; MoE: routed experts and router only)")
     missing = sorted(wanted - have)
     if missing:
         raise BridgeError(f"MaxText checkpoint lacks {'/'.join(missing[0])}")
