@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from bridge.format.scheduler_args import add_scheduler_flags
+
 TO_EPILOG = """examples:
   gtp-bridge to-maxtext logical_ckpt/ mt/myrun/checkpoints              # MaxText resumes with run_name=myrun
   gtp-bridge to-maxtext logical_ckpt/ mt/l2/checkpoints --decoder-block llama2   # query scale folded
@@ -46,6 +48,12 @@ def add_parser(sub) -> None:
                    help="MaxText decoder block (default qwen2: exact; llama2 folds the query scale)")
     p.add_argument("--unscanned", action="store_true", help="MaxText scan_layers=false (decoder/layers_<i>/...)")
     p.add_argument("--overrides-json", metavar="FILE", help="also write MaxText's config overrides to FILE (JSON)")
+    p.add_argument("--constant-lr", action="store_true",
+                   help="continue at the constant recorded lr instead of following the Megatron run's lr schedule "
+                        "(needed where MaxText cannot express that schedule: to-maxtext says so)")
+    add_scheduler_flags(p, ("Megatron-LM scheduler (default: the one SRC records)",
+                            "the Megatron run's scheduler arguments; MaxText's lr schedule settings are set so that "
+                            "MaxText applies Megatron's lr at every following step"), opt_out=False)
     add_stream_flags(p)
     p.set_defaults(func=run_to)
 
@@ -88,8 +96,12 @@ def stream_options(args: argparse.Namespace):
 def run_to(args: argparse.Namespace) -> int:
     from bridge.jaxside.presets.maxtext_ckpt import write_maxtext
 
+    from bridge.format.scheduler_args import given_args
+    from bridge.jaxside.presets.maxtext_schedule import ScheduleOptions
+
+    schedule = ScheduleOptions(scheduler_args=given_args(args) or None, constant_lr=args.constant_lr)
     w = write_maxtext(args.src, args.root, decoder_block=args.decoder_block, scan_layers=not args.unscanned,
-                      stream=stream_options(args))
+                      stream=stream_options(args), schedule=schedule)
     d = w.dims
     print(f"wrote {w.step_dir} (MaxText step dir {w.step - 1 if w.step else 0}, resumes at step {w.step}): "
           f"{d.layers} layers, hidden {d.hidden}, {d.heads} heads / {d.kv_heads} kv, head dim {d.head_dim}, "

@@ -61,38 +61,6 @@ class Written:
     notes: tuple[str, ...] = ()
 
 
-def schedule_note(rec, count: int) -> str | None:
-    """Why MaxText's constant learning rate departs from the Megatron run's schedule after `count`, or None.
-
-    The preset continues at the recorded lr (MaxText's WSD with no warmup and no decay), which is exact
-    only where Megatron's own lr and weight decay stay constant from `count` on.
-
-    >>> from bridge.format.scheduler import SchedulerRecord
-    >>> r = SchedulerRecord(1e-3, 1e-5, 800, 8000, "cosine", num_steps=1600, increment=8, at_count=200)
-    >>> schedule_note(r, 200).startswith("the Megatron run decays its learning rate (cosine to 1e-05")
-    True
-    >>> schedule_note(r, 50).startswith("the Megatron run is still warming up")   # sample 400 of 800
-    True
-    >>> schedule_note(SchedulerRecord(1e-3, 1e-3, 0, 0, "constant", num_steps=80, increment=8, at_count=10), 10)
-    """
-    from bridge.lr_schedule import samples_at
-
-    if rec is None:
-        return None
-    samples = samples_at(rec, count)
-    if samples < float(rec.lr_warmup_steps):
-        return (f"the Megatron run is still warming up its learning rate (sample {samples} of "
-                f"{rec.lr_warmup_steps}); MaxText continues at the constant recorded lr instead")
-    if rec.lr_decay_style != "constant" and samples < float(rec.lr_decay_steps):
-        return (f"the Megatron run decays its learning rate ({rec.lr_decay_style} to {rec.min_lr} by sample "
-                f"{rec.lr_decay_steps}, now {samples}); MaxText continues at the constant recorded lr instead "
-                f"(set MaxText's lr schedule yourself to follow it)")
-    if rec.wd_incr_style not in (None, "constant") and rec.wd_incr_steps and samples < float(rec.wd_incr_steps):
-        return (f"the Megatron run changes its weight decay ({rec.wd_incr_style} to {rec.end_wd}); MaxText "
-                f"continues at the constant recorded weight decay instead")
-    return None
-
-
 # ------------------------------------------------------------------------------------ logical side
 
 
@@ -237,18 +205,20 @@ def train_state(params: Mapping[Path, np.ndarray], mu: Mapping[Path, np.ndarray]
 
 
 def write_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan_layers: bool = True,
-                  max_target_length: int | None = None, stream=None) -> Written:
+                  max_target_length: int | None = None, stream=None, schedule=None) -> Written:
     """Write the logical checkpoint `src` as a step of MaxText checkpoint root `dst_root`.
 
     MaxText names a step directory by the index of the last step taken (`count - 1`) and stores
     `step = count` (the step it continues from), so Megatron's iteration n (n updates) becomes
     `<dst_root>/<n - 1>/` with `step = n`. Streamed chunk by chunk within a budget
-    (`maxtext_stream.StreamOptions`: workers, budget, progress); local paths, s3:// or gs://.
+    (`maxtext_stream.StreamOptions`: workers, budget, progress); local paths, s3:// or gs://. MaxText's
+    lr schedule follows the Megatron run's recorded scheduler, or the one `schedule`
+    (`maxtext_schedule.ScheduleOptions`) gives; refused in one line where MaxText cannot express it.
     """
     from bridge.jaxside.presets.maxtext_stream import stream_to_maxtext
 
     return stream_to_maxtext(src, dst_root, decoder_block=decoder_block, scan_layers=scan_layers,
-                             max_target_length=max_target_length, stream=stream)
+                             max_target_length=max_target_length, stream=stream, schedule=schedule)
 
 
 # ------------------------------------------------------------------------------------ the way back

@@ -251,3 +251,97 @@ def record_from_maxtext(settings: Mapping[str, Any], count: int, global_batch_si
     if args["lr_decay_style"] == "constant" and args["min_lr"] > lr:
         args["min_lr"] = lr
     return record_from_args(args, int(count))
+
+
+# ------------------------------------------------------------------------------------ to-maxtext's choice
+
+
+def schedule_note(rec, count: int) -> str | None:
+    """Why MaxText's constant learning rate departs from the Megatron run's schedule after `count`, or None.
+
+    The preset continues at the recorded lr (MaxText's WSD with no warmup and no decay), which is exact
+    only where Megatron's own lr and weight decay stay constant from `count` on.
+
+    >>> from bridge.format.scheduler import SchedulerRecord
+    >>> r = SchedulerRecord(1e-3, 1e-5, 800, 8000, "cosine", num_steps=1600, increment=8, at_count=200)
+    >>> schedule_note(r, 200).startswith("the Megatron run decays its learning rate (cosine to 1e-05")
+    True
+    >>> schedule_note(r, 50).startswith("the Megatron run is still warming up")   # sample 400 of 800
+    True
+    >>> schedule_note(SchedulerRecord(1e-3, 1e-3, 0, 0, "constant", num_steps=80, increment=8, at_count=10), 10)
+    """
+    from bridge.lr_schedule import samples_at
+
+    if rec is None:
+        return None
+    samples = samples_at(rec, count)
+    if samples < float(rec.lr_warmup_steps):
+        return (f"the Megatron run is still warming up its learning rate (sample {samples} of "
+                f"{rec.lr_warmup_steps}); MaxText continues at the constant recorded lr instead")
+    if rec.lr_decay_style != "constant" and samples < float(rec.lr_decay_steps):
+        return (f"the Megatron run decays its learning rate ({rec.lr_decay_style} to {rec.min_lr} by sample "
+                f"{rec.lr_decay_steps}, now {samples}); MaxText continues at the constant recorded lr instead")
+    if rec.wd_incr_style not in (None, "constant") and rec.wd_incr_steps and samples < float(rec.wd_incr_steps):
+        return (f"the Megatron run changes its weight decay ({rec.wd_incr_style} to {rec.end_wd}); MaxText "
+                f"continues at the constant recorded weight decay instead")
+    return None
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """How `to-maxtext` sets MaxText's schedule: from `scheduler_args` (Megatron-LM's argument names, as
+    `to-megatron` takes them; they win over a recorded scheduler) or the source's recorded scheduler;
+    `constant_lr` keeps the recorded constant lr instead (the schedule is then not followed)."""
+
+    scheduler_args: Mapping[str, Any] | None = None
+    constant_lr: bool = False
+
+
+@dataclass(frozen=True)
+class PlannedSchedule:
+    """MaxText settings to merge into the overrides, the Megatron record the sidecar keeps for the
+    way back (None: the source's own, if any), and notes for the user."""
+
+    settings: dict[str, Any]
+    record: SchedulerRecord | None
+    notes: tuple[str, ...]
+
+
+def plan_schedule(recorded: SchedulerRecord | None, megatron_args: Mapping[str, Any], count: int,
+                  opts: ScheduleOptions, where: str) -> PlannedSchedule:
+    """MaxText's schedule for a source at optax count `count` whose manifest records `recorded` (or
+    None) and Megatron args `megatron_args`. No schedule known: {} (MaxText continues at the recorded
+    lr, as the overrides say). BridgeError naming the difference where MaxText cannot follow it."""
+    from bridge.format.scheduler_args import record_from_args
+    from bridge.lr_schedule import samples_at
+
+    built = None
+    if opts.scheduler_args:
+        built = record_from_args(opts.scheduler_args, count)
+        if recorded is not None:   # the samples the source consumed, as to-megatron does
+            built = SchedulerRecord(**{**built.to_json(), "num_steps": samples_at(recorded, count)})
+    rec = built or recorded
+    if rec is None:
+        return PlannedSchedule({}, None, ())
+    if opts.constant_lr:
+        note = schedule_note(rec, count)
+        return PlannedSchedule({}, built, (note,) if note else ())
+    # the run's end: from the arguments' weight-decay horizon (train_iters x G), else the recorded run's args
+    iters = None if built else megatron_args.get("train_iters")
+    horizon = horizon_of(rec, int(iters) if iters else None)
+    try:
+        s = maxtext_schedule(rec, count, horizon)
+    except ScheduleGap as e:
+        raise BridgeError(f"{where}: MaxText cannot follow the Megatron run's lr schedule: {e}; pass --constant-lr "
+                          f"to continue at the constant recorded lr instead") from None
+    return PlannedSchedule(s.settings, built, s.notes)
+
+
+def with_scheduler(manifest_json: dict, record: SchedulerRecord | None) -> dict:
+    """The manifest JSON the sidecar keeps, with `record` as its Megatron scheduler (`extra.megatron.scheduler`)
+    when one was built from scheduler arguments: from-maxtext brings it back and to-megatron writes it."""
+    if record is None:
+        return manifest_json
+    extra = dict(manifest_json.get("extra") or {})
+    extra["megatron"] = {**(extra.get("megatron") or {}), "scheduler": record.to_json()}
+    return {**manifest_json, "extra": extra}

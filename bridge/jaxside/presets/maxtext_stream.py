@@ -31,6 +31,7 @@ from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, _value_forward
                                            maxtext_overrides)
 from bridge.jaxside.presets.maxtext_plan import (MT_ADAM, Move, arrange_block, blocks_of, chunk_shape,
                                                 moves_from_maxtext, moves_to_maxtext, source_box)
+from bridge.jaxside.presets.maxtext_schedule import ScheduleOptions, plan_schedule, with_scheduler
 from bridge.layout.boxes import Box
 from bridge.layout.shares import contiguous_parts
 from bridge.location import absolute, basename, is_remote, join, location
@@ -268,9 +269,11 @@ def budget_line(cmd: str, workers: int, budget: int) -> str:
 
 
 def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", scan_layers: bool = True,
-                      max_target_length: int | None = None, stream: StreamOptions | None = None):
+                      max_target_length: int | None = None, stream: StreamOptions | None = None,
+                      schedule: ScheduleOptions | None = None):
     """`maxtext_ckpt.write_maxtext`, streamed: the logical checkpoint `src` as step `count - 1` of
-    MaxText checkpoint root `dst_root` (see there), never holding more than the budget of its data."""
+    MaxText checkpoint root `dst_root` (see there), never holding more than the budget of its data;
+    MaxText's lr schedule follows the Megatron run's (`maxtext_schedule.plan_schedule`)."""
     from bridge.jaxside.presets import maxtext_ckpt as mc
     from bridge.jaxside.manifest_view import scheduler_of
     from bridge.store.manager import COMMIT_SUCCESS, check_step_free, write_step
@@ -311,6 +314,8 @@ def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", 
     overrides = maxtext_overrides(dims, opts, hyper, max_target_length=max_target_length or args.get("seq_length"),
                                   norm_epsilon=float(args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))),
                                   rotary_base=float(args.get("rotary_base", 10000)))
+    planned = plan_schedule(scheduler_of(man), args, count, schedule or ScheduleOptions(), src)
+    overrides.update(planned.settings)
     dir_step = max(count - 1, 0)
     if is_remote(dst_root):
         check_step_free(dst_root, dir_step, ITEMS)
@@ -329,7 +334,7 @@ def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", 
         stream.announce(budget_line("to-maxtext", job.workers, budget))
     sidecar = {"format": 1, "options": asdict(opts), "dims": asdict(dims), "hyper": asdict(hyper),
                "overrides": overrides, "adam_count": count,
-               "base_manifest": man.to_json() if man is not None else None}
+               "base_manifest": with_scheduler(man.to_json(), planned.record) if man is not None else None}
     now = time.time_ns()
     step_meta = {"item_handlers": {ITEMS: ITEMS_HANDLER}, "metrics": {}, "performance_metrics": {},
                  "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now,
@@ -346,9 +351,8 @@ def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", 
         files[COMMIT_SUCCESS] = f"Checkpoint commit was successful to {join(dst_root, str(dir_step))}".encode()
     _, step_dir = write_step(dst_root, write, lambda s: s, step=dir_step, item=ITEMS, step_metadata=step_meta,
                              files=lambda _r: files)
-    note = mc.schedule_note(scheduler_of(man), count)
     return mc.Written(step_dir=step_dir, step=count, overrides=overrides, dims=dims, options=opts,
-                      notes=(note,) if note else ())
+                      notes=planned.notes)
 
 
 # ------------------------------------------------------------------------------------ from MaxText
