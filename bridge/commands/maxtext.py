@@ -71,6 +71,12 @@ def add_parser(sub) -> None:
     q.add_argument("--decoder-block", choices=["qwen2", "llama2"], default=None,
                    help="the MaxText block the run used (llama2: the query scale is unfolded); default from the "
                         "checkpoint's sidecar, else qwen2")
+    q.add_argument("--maxtext-settings", metavar="FILE",
+                   help="the MaxText run's settings (a JSON object, e.g. to-maxtext's --overrides-json, or its "
+                        "key=value command line): its lr schedule is recorded as the Megatron scheduler to-megatron "
+                        "writes (needs --global-batch-size)")
+    q.add_argument("--global-batch-size", type=int, metavar="SIZE",
+                   help="samples per step of the MaxText run (Megatron's scheduler counts samples)")
     add_stream_flags(q)
     q.set_defaults(func=run_from)
 
@@ -133,6 +139,26 @@ def print_command(root: str, overrides: dict, step: int) -> None:
     print(cmd.cpu_settings)
 
 
+def run_schedule(args: argparse.Namespace):
+    """The MaxText run's schedule from --maxtext-settings / --global-batch-size, or None."""
+    from bridge.errors import BridgeError
+    from bridge.jaxside.presets.maxtext_schedule import MaxTextRunSchedule, settings_from_text
+
+    if args.maxtext_settings is None:
+        if args.global_batch_size is not None:
+            raise BridgeError("--global-batch-size goes with --maxtext-settings FILE (the MaxText run's schedule)")
+        return None
+    if args.global_batch_size is None or args.global_batch_size <= 0:
+        raise BridgeError("--maxtext-settings needs --global-batch-size N (N > 0: samples per MaxText step; "
+                          "Megatron's scheduler counts samples)")
+    try:
+        with open(args.maxtext_settings, encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    except (OSError, UnicodeDecodeError) as e:
+        raise BridgeError(f"--maxtext-settings {args.maxtext_settings}: cannot read it ({e})") from None
+    return MaxTextRunSchedule(settings_from_text(text, args.maxtext_settings), args.global_batch_size)
+
+
 def run_from(args: argparse.Namespace) -> int:
     from bridge.errors import BridgeError
     from bridge.format.manifest import check_hyperparameters
@@ -154,7 +180,8 @@ def run_from(args: argparse.Namespace) -> int:
     elif given:
         raise BridgeError("--betas/--eps/--weight-decay/--clip-grad need --lr (they replace the recorded settings)")
     opts = Options(decoder_block=args.decoder_block) if args.decoder_block else None
-    res = read_maxtext(args.src, args.dst, hyper=hyper, options=opts, stream=stream_options(args))
+    res = read_maxtext(args.src, args.dst, hyper=hyper, options=opts, stream=stream_options(args),
+                       schedule=run_schedule(args))
     d = res["dims"]
     how = "sidecar of the run gtp-bridge wrote" if res["sidecar"] else "the given AdamW settings"
     print(f"wrote {res['dst']} from {res['items']} (step {res['trained_steps']}, Adam count {res['adam_count']}): "

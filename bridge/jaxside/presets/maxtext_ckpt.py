@@ -435,16 +435,19 @@ def _manifest_for(dims: Dims, hyper: Hyper, count: int, base: Mapping | None, op
 
 
 def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Options | None = None,
-                 rotary_base: float | None = None, norm_epsilon: float | None = None, stream=None) -> dict:
+                 rotary_base: float | None = None, norm_epsilon: float | None = None, stream=None,
+                 schedule=None) -> dict:
     """Write a MaxText checkpoint (root / step dir / items dir) as the logical checkpoint `dst`.
 
     A checkpoint `write_maxtext` made carries its sidecar (preset options, hyper-parameters, the base
     manifest: Megatron's records come back). Any other MaxText checkpoint needs `hyper` (its AdamW
     settings; the no-decay set defaults to the norms, Megatron's rule) and, for the llama2 block,
     `options=Options(decoder_block="llama2")` (the query scale is unfolded). Streamed chunk by chunk
-    within a budget (`maxtext_stream.StreamOptions`); local paths, s3:// or gs://.
+    within a budget (`maxtext_stream.StreamOptions`); local paths, s3:// or gs://. `schedule`
+    (`maxtext_schedule.MaxTextRunSchedule`, the MaxText run's lr schedule) is recorded as the Megatron
+    scheduler that to-megatron writes (else a sidecar's recorded one comes back).
     """
     from bridge.jaxside.presets.maxtext_stream import stream_from_maxtext
 
     return stream_from_maxtext(src, dst, hyper=hyper, options=options, rotary_base=rotary_base,
-                               norm_epsilon=norm_epsilon, stream=stream)
+                               norm_epsilon=norm_epsilon, stream=stream, schedule=schedule)

@@ -345,3 +345,49 @@ def with_scheduler(manifest_json: dict, record: SchedulerRecord | None) -> dict:
     extra = dict(manifest_json.get("extra") or {})
     extra["megatron"] = {**(extra.get("megatron") or {}), "scheduler": record.to_json()}
     return {**manifest_json, "extra": extra}
+
+
+# ------------------------------------------------------------------------------------ from-maxtext's input
+
+
+@dataclass(frozen=True)
+class MaxTextRunSchedule:
+    """A MaxText run's schedule settings (`KEYS`, MaxText's `steps`) and its global batch size: what
+    `from-maxtext` records as the Megatron scheduler (`record_at`) for `to-megatron`."""
+
+    settings: Mapping[str, Any]
+    global_batch_size: int
+
+    def record_at(self, count: int, weight_decay: float | None = None) -> SchedulerRecord:
+        """The Megatron scheduler at optax count `count` for a run of AdamW `weight_decay` (see
+        `record_from_maxtext`)."""
+        steps = self.settings.get("steps")
+        return record_from_maxtext({k: v for k, v in self.settings.items() if k in KEYS}, count,
+                                   self.global_batch_size, int(steps) if steps is not None else None, weight_decay)
+
+
+def settings_from_text(text: str, where: str) -> dict[str, Any]:
+    """MaxText's schedule settings (`KEYS` and `steps`) from a JSON object (e.g. to-maxtext's
+    --overrides-json) or MaxText's command-line words `key=value` (other words and keys ignored).
+
+    >>> settings_from_text("python -m maxtext.train base.yml learning_rate=3e-4 steps=100 run_name=x", "f")
+    {'learning_rate': '3e-4', 'steps': '100'}
+    """
+    import json
+    import shlex
+
+    try:
+        d = json.loads(text)
+    except ValueError:
+        try:
+            d = dict(w.split("=", 1) for w in shlex.split(text, comments=True) if "=" in w)
+        except ValueError as e:
+            raise BridgeError(f"{where}: cannot read MaxText settings ({e}); give a JSON object or key=value "
+                              f"words") from None
+    if not isinstance(d, dict):
+        raise BridgeError(f"{where}: MaxText settings must be a JSON object or key=value words")
+    out = {k: v for k, v in d.items() if k in KEYS + ("steps",)}
+    if "learning_rate" not in out:
+        raise BridgeError(f"{where}: no learning_rate among the MaxText settings; give the run's schedule keys "
+                          f"({', '.join(KEYS)}, steps)")
+    return out

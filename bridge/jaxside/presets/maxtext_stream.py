@@ -31,7 +31,8 @@ from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, _value_forward
                                            maxtext_overrides)
 from bridge.jaxside.presets.maxtext_plan import (MT_ADAM, Move, arrange_block, blocks_of, chunk_shape,
                                                 moves_from_maxtext, moves_to_maxtext, source_box)
-from bridge.jaxside.presets.maxtext_schedule import ScheduleOptions, plan_schedule, with_scheduler
+from bridge.format.manifest import Manifest
+from bridge.jaxside.presets.maxtext_schedule import MaxTextRunSchedule, ScheduleOptions, plan_schedule, with_scheduler
 from bridge.layout.boxes import Box
 from bridge.layout.shares import contiguous_parts
 from bridge.location import absolute, basename, is_remote, join, location
@@ -396,8 +397,9 @@ def read_sidecar(items: str):
 
 def stream_from_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Options | None = None,
                         rotary_base: float | None = None, norm_epsilon: float | None = None,
-                        stream: StreamOptions | None = None) -> dict:
-    """`maxtext_ckpt.read_maxtext`, streamed: MaxText checkpoint `src` as the logical checkpoint `dst`."""
+                        stream: StreamOptions | None = None, schedule: MaxTextRunSchedule | None = None) -> dict:
+    """`maxtext_ckpt.read_maxtext`, streamed: MaxText checkpoint `src` as the logical checkpoint `dst`;
+    `schedule` (the MaxText run's lr schedule) is recorded as the Megatron scheduler for to-megatron."""
     from bridge.jaxside.presets import maxtext_ckpt as mc
     from bridge.jaxside.presets.maxtext import active_table
     from bridge.store.reader import open_checkpoint
@@ -450,6 +452,8 @@ def stream_from_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, optio
     check_sources(moves, {p: i.shape for p, i in infos.items()}, items)
     man = mc._manifest_for(dims, hyper, count, side.base_manifest if side else None, opts,
                            float(rotary_base or 10000.0), float(norm_epsilon or 1e-5))
+    if schedule is not None:
+        man = Manifest.from_json(with_scheduler(man.to_json(), schedule.record_at(count, hyper.weight_decay)))
     scalars = {schema.COUNT_PATH: np.asarray(count, schema.SCALAR_DTYPE),
                schema.STEP_PATH: np.asarray(step, schema.SCALAR_DTYPE)}
     total = sum(m.nbytes for m in moves)
