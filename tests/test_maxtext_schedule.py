@@ -212,3 +212,58 @@ def test_way_back_megatron_applies_maxtexts_lr(name, maxtext_lrs, monkeypatch):
     again = maxtext_schedule(record_from_maxtext(settings, 7, 8), 7, steps).settings
     assert again["learning_rate"] == settings["learning_rate"]
     print(f"{name}: {rec.lr_decay_style}, max |Megatron - MaxText| / lr = {rel:.1e}; forward again: {again}")
+
+
+LIVE = os.path.join(HERE, "fixtures", "maxtext", "llama", "live")   # a logical checkpoint at iteration 3
+
+
+def test_refusal_names_the_gap_and_writes_nothing(tmp_path):
+    """to-maxtext with a schedule MaxText cannot express: exit 2, one line, nothing written; --constant-lr goes on."""
+    import sys
+
+    root = tmp_path / "mt" / "run" / "checkpoints"
+    cmd = [sys.executable, "-m", "bridge.cli", "to-maxtext", LIVE, str(root), "--lr", "1e-3", "--lr-decay-style",
+           "inverse-square-root", "--lr-warmup-iters", "2", "--train-iters", "20", "--global-batch-size", "4"]
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "inverse-square-root" in r.stderr and "--constant-lr" in r.stderr and LIVE in r.stderr, r.stderr
+    assert not (tmp_path / "mt").exists()
+    r = subprocess.run(cmd + ["--constant-lr"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "constant recorded lr" in r.stderr, r.stderr
+    assert (root / "2" / "items").is_dir()
+
+
+def test_way_back_carries_the_scheduler_megatron_lm_builds(tmp_path, monkeypatch):
+    """to-maxtext with Megatron-LM's scheduler flags, then from-maxtext: the scheduler state to-megatron would
+    write at the step MaxText saved equals the state_dict() of Megatron-LM's own scheduler after that many
+    iterations; and from-maxtext --maxtext-settings records a MaxText run's schedule the same way."""
+    from bridge.jaxside.manifest_view import scheduler_of
+    from bridge.jaxside.presets.maxtext_ckpt import read_maxtext, write_maxtext
+    from bridge.jaxside.presets.maxtext_schedule import MaxTextRunSchedule, ScheduleOptions
+    from bridge.lr_schedule import scheduler_state_dict
+    from bridge.store.reader import open_checkpoint
+
+    args = dict(lr=1e-2, min_lr=1e-3, lr_decay_style="cosine", lr_warmup_iters=5, train_iters=12,
+                global_batch_size=4, weight_decay=0.1)
+    root = str(tmp_path / "mt" / "run" / "checkpoints")
+    w = write_maxtext(LIVE, root, schedule=ScheduleOptions(scheduler_args=args))
+    assert w.overrides["lr_schedule_type"] == "cosine" and w.overrides["learning_rate_schedule_steps"] == 13
+    read_maxtext(root, str(tmp_path / "back"))
+    rec = scheduler_of(open_checkpoint(str(tmp_path / "back")).manifest)
+    _, tr = _megatron(monkeypatch)
+    for later in (3, 9):    # the step written, and one MaxText might save after more steps
+        real, _ = real_scheduler(tr, megatron_args(**args))
+        for _ in range(later):
+            real.step(increment=args["global_batch_size"])
+        assert scheduler_state_dict(rec, later) == real.state_dict()
+    # a MaxText run's own schedule (its settings as to-maxtext printed them), with no Megatron record
+    run = MaxTextRunSchedule({k: v for k, v in w.overrides.items() if k in ("learning_rate", "lr_schedule_type",
+                              "learning_rate_schedule_steps", "warmup_steps_fraction", "wsd_decay_steps_fraction",
+                              "wsd_decay_style", "learning_rate_final_fraction")}, 4)
+    read_maxtext(root, str(tmp_path / "back2"), schedule=run)
+    rec2 = scheduler_of(open_checkpoint(str(tmp_path / "back2")).manifest)
+    want = megatron_lrs(monkeypatch, args, 12)
+    got = megatron_lrs_of_record(monkeypatch, rec2, 12)
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-15, (got, want)
+    assert rec2.lr_decay_steps == rec.lr_decay_steps and rec2.lr_warmup_steps == rec.lr_warmup_steps
