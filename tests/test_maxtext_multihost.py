@@ -51,6 +51,7 @@ def restore(tmp_path, overrides: dict, processes: int, devices_each: int, tag: s
     reports = [json.load(open(f"{out}.{i}.json")) for i in range(processes)]
     arrays: dict[str, np.ndarray] = {}
     covered: dict[str, np.ndarray] = {}
+    held: dict[str, list[set]] = {}     # per array, the boxes each process holds
     for i in range(processes):
         with np.load(f"{out}.{i}.npz") as z:
             for key in z.files:
@@ -62,9 +63,11 @@ def restore(tmp_path, overrides: dict, processes: int, devices_each: int, tag: s
                 box = tuple(slice(*map(int, r.split(":"))) for r in where.split(",")) if where else ()
                 arrays[name][box] = z[key]
                 covered[name][box] = True
+                held.setdefault(name, [set() for _ in range(processes)])[i].add(where)
     holes = [n for n, c in covered.items() if not c.all()]
     assert not holes, holes[:3]          # the processes' shards tile every array
-    return arrays, reports[0]
+    split = sorted(n for n, boxes in held.items() if not all(b == boxes[0] for b in boxes))
+    return arrays, dict(reports[0], split=split)
 
 
 @pytest.mark.slow
@@ -79,7 +82,8 @@ def test_two_process_restore_equals_one_process_restore(tmp_path):
     assert (mrep["processes"], mrep["devices"], srep["processes"], srep["devices"]) == (2, 4, 1, 4)
     assert mrep["step"] == srep["step"] == 3
     spanning = [k for k, v in mrep["spans"].items() if v]
-    assert len(spanning) >= 10, mrep["spans"]        # the mesh really splits arrays across the processes
+    assert len(spanning) == len(multi), mrep["spans"]    # every array lives on the mesh of both processes
+    assert len(mrep["split"]) >= 10, mrep["split"]       # and most are split: each process holds other parts
     assert set(multi) == set(single)
     differ = [k for k in multi if multi[k].dtype != single[k].dtype or not np.array_equal(multi[k], single[k])]
     assert not differ, differ[:5]
@@ -88,4 +92,5 @@ def test_two_process_restore_equals_one_process_restore(tmp_path):
     norm = written["params/params/decoder/decoder_norm/scale"]
     restored = [k for k in multi if "decoder_norm" in k and "model" in k and multi[k].shape == norm.shape]
     assert restored and all(np.array_equal(multi[k], norm) for k in restored), restored
-    print(f"{len(multi)} arrays bit-equal, {len(spanning)} of them sharded across both processes")
+    print(f"{len(multi)} arrays bit-equal; all on a mesh spanning both processes, {len(mrep['split'])} of them "
+          f"split between the processes")

@@ -12,6 +12,13 @@ from bridge.format.scheduler_args import add_scheduler_flags
 TO_EPILOG = """examples:
   gtp-bridge to-maxtext logical_ckpt/ mt/myrun/checkpoints              # MaxText resumes with run_name=myrun
   gtp-bridge to-maxtext logical_ckpt/ mt/l2/checkpoints --decoder-block llama2   # query scale folded
+  gtp-bridge to-maxtext logical_ckpt/ mt/run/checkpoints --lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 100 --train-iters 1000 --global-batch-size 256
+
+MaxText's lr schedule follows the Megatron run's (recorded in SRC, or given by Megatron-LM's scheduler
+flags): MaxText applies Megatron's lr at every following step. Where MaxText cannot express it
+(inverse-square-root, WSD exponential / minus_sqrt, a non-zero warmup start still running, ends not on
+whole iterations, min_lr held after the decay, a running weight-decay increment) it says so in one line;
+--constant-lr continues at the constant recorded lr instead.
 
 The step directory is <ROOT>/<step - 1> (MaxText's naming: the last step index taken) holding
 items/ (MaxText's train state: params, adamw state, step) and gtp_bridge_maxtext.json. It prints
