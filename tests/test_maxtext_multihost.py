@@ -20,8 +20,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from test_maxtext_command import to_maxtext
-from test_maxtext_schedule import _maxtext_ok
+from test_maxtext_command import _maxtext_ok, to_maxtext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CLIENT = os.path.join(HERE, "maxtext_multihost_client.py")
