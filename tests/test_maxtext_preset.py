@@ -119,9 +119,9 @@ def test_schedule_note_says_when_maxtexts_constant_lr_departs_from_megatrons_sch
     """Worked examples in `schedule_note`'s docstring: warmup, cosine decay, and a constant run (no note)."""
     import doctest
 
-    from bridge.jaxside.presets import maxtext_ckpt
+    from bridge.jaxside.presets import maxtext_schedule
 
-    out = doctest.testmod(maxtext_ckpt)
+    out = doctest.testmod(maxtext_schedule)
     assert out.attempted >= 5 and out.failed == 0, out
 
 

@@ -7,10 +7,19 @@ import json
 import os
 import sys
 
+from bridge.format.scheduler_args import add_scheduler_flags
+
 TO_EPILOG = """examples:
   gtp-bridge to-maxtext logical_ckpt/ mt/myrun/checkpoints              # MaxText resumes with run_name=myrun
   gtp-bridge to-maxtext logical_ckpt/ mt/l2/checkpoints --decoder-block llama2   # query scale folded
   gtp-bridge to-maxtext moe_logical/ mt/moe/checkpoints        # MoE run: qwen3_moe block (mixtral: folded)
+  gtp-bridge to-maxtext logical_ckpt/ mt/run/checkpoints --lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 100 --train-iters 1000 --global-batch-size 256
+
+MaxText's lr schedule follows the Megatron run's (recorded in SRC, or given by Megatron-LM's scheduler
+flags): MaxText applies Megatron's lr at every following step. Where MaxText cannot express it
+(inverse-square-root, WSD exponential / minus_sqrt, a non-zero warmup start still running, ends not on
+whole iterations, min_lr held after the decay, a running weight-decay increment) it says so in one line;
+--constant-lr continues at the constant recorded lr instead.
 
 The step directory is <ROOT>/<step - 1> (MaxText's naming: the last step index taken) holding
 items/ (MaxText's train state: params, adamw state, step) and gtp_bridge_maxtext.json. It prints
@@ -50,6 +59,12 @@ def add_parser(sub) -> None:
                    help="an MoE model's experts per token when the source records no moe_router_topk")
     p.add_argument("--unscanned", action="store_true", help="MaxText scan_layers=false (decoder/layers_<i>/...)")
     p.add_argument("--overrides-json", metavar="FILE", help="also write MaxText's config overrides to FILE (JSON)")
+    p.add_argument("--constant-lr", action="store_true",
+                   help="continue at the constant recorded lr instead of following the Megatron run's lr schedule "
+                        "(needed where MaxText cannot express that schedule: to-maxtext says so)")
+    add_scheduler_flags(p, ("Megatron-LM scheduler (default: the one SRC records)",
+                            "the Megatron run's scheduler arguments; MaxText's lr schedule settings are set so that "
+                            "MaxText applies Megatron's lr at every following step"), opt_out=False)
     add_stream_flags(p)
     p.set_defaults(func=run_to)
 
@@ -70,6 +85,12 @@ def add_parser(sub) -> None:
     q.add_argument("--decoder-block", choices=["qwen2", "llama2", "qwen3_moe", "mixtral"], default=None,
                    help="the MaxText block the run used (llama2: the query scale is unfolded); default from the "
                         "checkpoint's sidecar, else qwen2")
+    q.add_argument("--maxtext-settings", metavar="FILE",
+                   help="the MaxText run's settings (a JSON object, e.g. to-maxtext's --overrides-json, or its "
+                        "key=value command line): its lr schedule is recorded as the Megatron scheduler to-megatron "
+                        "writes (needs --global-batch-size)")
+    q.add_argument("--global-batch-size", type=int, metavar="SIZE",
+                   help="samples per step of the MaxText run (Megatron's scheduler counts samples)")
     add_stream_flags(q)
     q.set_defaults(func=run_from)
 
@@ -95,8 +116,13 @@ def stream_options(args: argparse.Namespace):
 def run_to(args: argparse.Namespace) -> int:
     from bridge.jaxside.presets.maxtext_stream import write_maxtext
 
+    from bridge.format.scheduler_args import given_args
+    from bridge.jaxside.presets.maxtext_schedule import ScheduleOptions
+
+    schedule = ScheduleOptions(scheduler_args=given_args(args) or None, constant_lr=args.constant_lr)
     w = write_maxtext(args.src, args.root, decoder_block=args.decoder_block, scan_layers=not args.unscanned,
-                      stream=stream_options(args), num_experts_per_tok=args.num_experts_per_tok)
+                      stream=stream_options(args), num_experts_per_tok=args.num_experts_per_tok,
+                      schedule=schedule)
     d = w.dims
     print(f"wrote {w.step_dir} (MaxText step dir {w.step - 1 if w.step else 0}, resumes at step {w.step}): "
           f"{d.layers} layers, hidden {d.hidden}, {d.heads} heads / {d.kv_heads} kv, head dim {d.head_dim}, "
@@ -129,6 +155,26 @@ def print_command(root: str, overrides: dict, step: int) -> None:
     print(cmd.cpu_settings)
 
 
+def run_schedule(args: argparse.Namespace):
+    """The MaxText run's schedule from --maxtext-settings / --global-batch-size, or None."""
+    from bridge.errors import BridgeError
+    from bridge.jaxside.presets.maxtext_schedule import MaxTextRunSchedule, settings_from_text
+
+    if args.maxtext_settings is None:
+        if args.global_batch_size is not None:
+            raise BridgeError("--global-batch-size goes with --maxtext-settings FILE (the MaxText run's schedule)")
+        return None
+    if args.global_batch_size is None or args.global_batch_size <= 0:
+        raise BridgeError("--maxtext-settings needs --global-batch-size N (N > 0: samples per MaxText step; "
+                          "Megatron's scheduler counts samples)")
+    try:
+        with open(args.maxtext_settings, encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    except (OSError, UnicodeDecodeError) as e:
+        raise BridgeError(f"--maxtext-settings {args.maxtext_settings}: cannot read it ({e})") from None
+    return MaxTextRunSchedule(settings_from_text(text, args.maxtext_settings), args.global_batch_size)
+
+
 def run_from(args: argparse.Namespace) -> int:
     from bridge.errors import BridgeError
     from bridge.format.manifest import check_hyperparameters
@@ -151,7 +197,8 @@ def run_from(args: argparse.Namespace) -> int:
         raise BridgeError("--betas/--eps/--weight-decay/--clip-grad need --lr (they replace the recorded settings)")
     opts = Options(decoder_block=args.decoder_block) if args.decoder_block else None
     res = read_maxtext(args.src, args.dst, hyper=hyper, options=opts, stream=stream_options(args),
-                       topk=args.num_experts_per_tok)
+                       topk=args.num_experts_per_tok,
+                       schedule=run_schedule(args))
     d = res["dims"]
     how = "sidecar of the run gtp-bridge wrote" if res["sidecar"] else "the given AdamW settings"
     print(f"wrote {res['dst']} from {res['items']} (step {res['trained_steps']}, Adam count {res['adam_count']}): "

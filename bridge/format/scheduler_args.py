@@ -56,19 +56,24 @@ def flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def add_scheduler_flags(parser: Any) -> None:
-    """Megatron-LM's scheduler arguments (their own names) and `--megatron-args FILE` on `parser`.
+TO_MEGATRON_GROUP = ("Megatron-LM scheduler (when SRC records none)",
+                     "the arguments the run that loads DST is given: its LR scheduler state is built from them exactly "
+                     "as Megatron-LM builds it (num_steps = step x global batch size samples)")
+
+
+def add_scheduler_flags(parser: Any, group: tuple[str, str] = TO_MEGATRON_GROUP, opt_out: bool = True) -> None:
+    """Megatron-LM's scheduler arguments (their own names) and `--megatron-args FILE` on `parser`
+    (with `--no-scheduler` when `opt_out`), in an argument group (title, description) `group`.
     Every default is None here, so what the user gave is known; Megatron's defaults apply later."""
-    g = parser.add_argument_group(
-        "Megatron-LM scheduler (when SRC records none)",
-        "the arguments the run that loads DST is given: its LR scheduler state is built from them exactly as "
-        "Megatron-LM builds it (num_steps = step x global batch size samples)")
+    g = parser.add_argument_group(*group)
     for dest, (typ, _, choices) in SCHEDULER_ARGS.items():
         g.add_argument(flag(dest), dest=f"sched_{dest}", type=typ, choices=choices, default=None, metavar=None
                        if choices else dest.split("_")[-1].upper())
     g.add_argument("--megatron-args", metavar="FILE",
                    help="a file holding the loading run's Megatron-LM arguments (e.g. its command line; "
                         "arguments other than the scheduler's are ignored; flags given here win)")
+    if not opt_out:
+        return
     g.add_argument("--no-scheduler", action="store_true",
                    help="write no scheduler state although SRC records none (Megatron-LM then loads it only with "
                         "--no-load-optim or --finetune, which drop the optimizer state)")

@@ -64,38 +64,6 @@ class Written:
     notes: tuple[str, ...] = ()
 
 
-def schedule_note(rec, count: int) -> str | None:
-    """Why MaxText's constant learning rate departs from the Megatron run's schedule after `count`, or None.
-
-    The preset continues at the recorded lr (MaxText's WSD with no warmup and no decay), which is exact
-    only where Megatron's own lr and weight decay stay constant from `count` on.
-
-    >>> from bridge.format.scheduler import SchedulerRecord
-    >>> r = SchedulerRecord(1e-3, 1e-5, 800, 8000, "cosine", num_steps=1600, increment=8, at_count=200)
-    >>> schedule_note(r, 200).startswith("the Megatron run decays its learning rate (cosine to 1e-05")
-    True
-    >>> schedule_note(r, 50).startswith("the Megatron run is still warming up")   # sample 400 of 800
-    True
-    >>> schedule_note(SchedulerRecord(1e-3, 1e-3, 0, 0, "constant", num_steps=80, increment=8, at_count=10), 10)
-    """
-    from bridge.lr_schedule import samples_at
-
-    if rec is None:
-        return None
-    samples = samples_at(rec, count)
-    if samples < float(rec.lr_warmup_steps):
-        return (f"the Megatron run is still warming up its learning rate (sample {samples} of "
-                f"{rec.lr_warmup_steps}); MaxText continues at the constant recorded lr instead")
-    if rec.lr_decay_style != "constant" and samples < float(rec.lr_decay_steps):
-        return (f"the Megatron run decays its learning rate ({rec.lr_decay_style} to {rec.min_lr} by sample "
-                f"{rec.lr_decay_steps}, now {samples}); MaxText continues at the constant recorded lr instead "
-                f"(set MaxText's lr schedule yourself to follow it)")
-    if rec.wd_incr_style not in (None, "constant") and rec.wd_incr_steps and samples < float(rec.wd_incr_steps):
-        return (f"the Megatron run changes its weight decay ({rec.wd_incr_style} to {rec.end_wd}); MaxText "
-                f"continues at the constant recorded weight decay instead")
-    return None
-
-
 # ------------------------------------------------------------------------------------ logical side
 
 

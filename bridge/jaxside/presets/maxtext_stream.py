@@ -32,6 +32,8 @@ from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, _value_forward
 from bridge.jaxside.presets.maxtext_moe import block_of_module, logical_topk
 from bridge.jaxside.presets.maxtext_plan import (MT_ADAM, Move, arrange_block, blocks_of, chunk_shape,
                                                 moves_from_maxtext, moves_to_maxtext, source_box)
+from bridge.format.manifest import Manifest
+from bridge.jaxside.presets.maxtext_schedule import MaxTextRunSchedule, ScheduleOptions, plan_schedule, with_scheduler
 from bridge.layout.boxes import Box
 from bridge.layout.shares import contiguous_parts
 from bridge.location import absolute, basename, is_remote, join, location
@@ -270,7 +272,7 @@ def budget_line(cmd: str, workers: int, budget: int) -> str:
 
 def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, scan_layers: bool = True,
                   max_target_length: int | None = None, stream: StreamOptions | None = None,
-                  num_experts_per_tok: int = 0):
+                  num_experts_per_tok: int = 0, schedule: ScheduleOptions | None = None):
     """Write the logical checkpoint `src` as a step of MaxText checkpoint root `dst_root`.
 
     MaxText names a step directory by the index of the last step taken (`count - 1`) and stores
@@ -279,6 +281,8 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
     of its data (`StreamOptions`: workers, budget, progress); local paths, s3:// or gs://.
     `decoder_block` None: qwen2 for a dense model, qwen3_moe for a mixture of experts (both exact);
     `num_experts_per_tok`: an MoE model's top-k when its manifest records no Megatron args.
+    MaxText's lr schedule follows the Megatron run's recorded scheduler, or the one `schedule` gives
+    (`maxtext_schedule.plan_schedule`); refused in one line where MaxText cannot express it.
     Returns a `maxtext_ckpt.Written`.
     """
     from bridge.jaxside.presets import maxtext_ckpt as mc
@@ -321,6 +325,8 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
     overrides = maxtext_overrides(dims, opts, hyper, max_target_length=max_target_length or args.get("seq_length"),
                                   norm_epsilon=float(args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))),
                                   rotary_base=float(args.get("rotary_base", 10000)))
+    planned = plan_schedule(scheduler_of(man), args, count, schedule or ScheduleOptions(), src)
+    overrides.update(planned.settings)
     dir_step = max(count - 1, 0)
     if is_remote(dst_root):
         check_step_free(dst_root, dir_step, ITEMS)
@@ -339,7 +345,7 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
         stream.announce(budget_line("to-maxtext", job.workers, budget))
     sidecar = {"format": 1, "options": asdict(opts), "dims": asdict(dims), "hyper": asdict(hyper),
                "overrides": overrides, "adam_count": count,
-               "base_manifest": man.to_json() if man is not None else None}
+               "base_manifest": with_scheduler(man.to_json(), planned.record) if man is not None else None}
     now = time.time_ns()
     step_meta = {"item_handlers": {ITEMS: ITEMS_HANDLER}, "metrics": {}, "performance_metrics": {},
                  "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now,
@@ -356,9 +362,8 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
         files[COMMIT_SUCCESS] = f"Checkpoint commit was successful to {join(dst_root, str(dir_step))}".encode()
     _, step_dir = write_step(dst_root, write, lambda s: s, step=dir_step, item=ITEMS, step_metadata=step_meta,
                              files=lambda _r: files)
-    note = mc.schedule_note(scheduler_of(man), count)
     return mc.Written(step_dir=step_dir, step=count, overrides=overrides, dims=dims, options=opts,
-                      notes=(note,) if note else ())
+                      notes=planned.notes)
 
 
 # ------------------------------------------------------------------------------------ from MaxText
@@ -402,7 +407,8 @@ def read_sidecar(items: str):
 
 def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Options | None = None,
                  rotary_base: float | None = None, norm_epsilon: float | None = None,
-                 stream: StreamOptions | None = None, topk: int = 0) -> dict:
+                 stream: StreamOptions | None = None, topk: int = 0,
+                 schedule: MaxTextRunSchedule | None = None) -> dict:
     """Write a MaxText checkpoint (root / step dir / items dir) as the logical checkpoint `dst`.
 
     A checkpoint `write_maxtext` made carries its sidecar (preset options, hyper-parameters, the base
@@ -410,7 +416,8 @@ def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Opt
     settings; the no-decay set defaults to the norms, Megatron's rule), for the llama2 block
     `options=Options(decoder_block="llama2")` (the query scale is unfolded) and, for an MoE tree,
     `topk` (MaxText's num_experts_per_tok; the block is told by the tree). Streamed chunk by chunk
-    within a budget (`StreamOptions`); local paths, s3:// or gs://.
+    within a budget (`StreamOptions`); local paths, s3:// or gs://. `schedule` (the MaxText run's lr
+    schedule) is recorded as the Megatron scheduler to-megatron writes (else a sidecar's comes back).
     """
     from bridge.jaxside.presets import maxtext_ckpt as mc
     from bridge.jaxside.presets.maxtext import active_table
@@ -470,6 +477,8 @@ def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Opt
     check_sources(moves, {p: i.shape for p, i in infos.items()}, items)
     man = mc._manifest_for(dims, hyper, count, side.base_manifest if side else None, opts,
                            float(rotary_base or 10000.0), float(norm_epsilon or 1e-5))
+    if schedule is not None:
+        man = Manifest.from_json(with_scheduler(man.to_json(), schedule.record_at(count, hyper.weight_decay)))
     scalars = {schema.COUNT_PATH: np.asarray(count, schema.SCALAR_DTYPE),
                schema.STEP_PATH: np.asarray(step, schema.SCALAR_DTYPE)}
     total = sum(m.nbytes for m in moves)
