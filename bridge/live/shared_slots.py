@@ -1,0 +1,68 @@
+"""Staging slots in shared memory, for the asynchronous export's writer process (bridge/live/writer_process.py).
+
+Each slot is a `memfd` (anonymous shared memory, not bounded by /dev/shm's size) mapped in the
+training process as a torch tensor and, for CUDA data, page-locked with `cudaHostRegister` so
+device -> host copies into it run as DMA at full speed; the writer process maps the same memory
+from the descriptor it is sent. Allocated once, reused by every export (`HostSlots`' rules).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+from bridge.errors import BridgeError
+from bridge.live.snapshot import HostSlots
+
+
+class SharedSlot:
+    """One staging slot in shared memory: a `memfd` of `size` bytes, mapped here (`tensor`)."""
+
+    def __init__(self, size: int, pinned: bool) -> None:
+        import torch
+
+        self.size = size
+        self.fd = os.memfd_create("gtp-bridge-slot", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, size)
+        self._map = mmap.mmap(self.fd, size)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.pinned = False
+        if pinned:
+            # Registered (page-locked) host memory: device -> host copies run as DMA at full speed,
+            # as into torch's pinned allocator (which can not allocate shared memory).
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0)
+            if int(err) != 0:
+                raise BridgeError(f"could not pin a {size}-byte staging slot (cudaHostRegister error {int(err)}); "
+                                  "lower staging_bytes or raise the locked-memory limit (ulimit -l)")
+            self.pinned = True
+
+    def close(self) -> None:
+        import torch
+
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+        self.tensor = None
+        try:
+            self._map.close()
+        except BufferError:  # a view is still alive somewhere: the mapping goes with it
+            pass
+        os.close(self.fd)
+
+
+class SharedSlots(HostSlots):
+    """`HostSlots` in shared memory (`SharedSlot`s), for the writer process to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared: list[SharedSlot] = []
+
+    def _new(self, size: int, pinned: bool):
+        slot = SharedSlot(size, pinned)
+        self.shared.append(slot)
+        return slot.tensor
+
+    def _drop(self) -> None:
+        self.slots.clear()
+        for s in self.shared:
+            s.close()
+        self.shared.clear()
