@@ -31,8 +31,9 @@ class SharedSlot:
             # Registered (page-locked) host memory: device -> host copies run as DMA at full speed,
             # as into torch's pinned allocator (which can not allocate shared memory).
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0)
-            if int(err) != 0:
-                raise BridgeError(f"could not pin a {size}-byte staging slot (cudaHostRegister error {int(err)}); "
+            code = int(getattr(err, "value", err))
+            if code != 0:
+                raise BridgeError(f"could not pin a {size}-byte staging slot (cudaHostRegister error {code}); "
                                   "lower staging_bytes or raise the locked-memory limit (ulimit -l)")
             self.pinned = True
 

@@ -1,0 +1,110 @@
+"""The asynchronous export's writer process (bridge/live/writer_process.py), on spawned gloo ranks.
+
+The background writes of `export_async` run in a process of the exporter's own (out of the
+training's GIL): it writes the checkpoint's bytes (its /proc write counter grows by at least the
+bytes written), is reused across exports, is replaced after it died (SIGKILLed mid-write: every
+rank raises naming the rank, nothing loadable is left, the next export commits), and dies with
+its parent (the rank SIGKILLed while its writer holds a batch).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+
+import pytest
+
+from test_live_export_async import _check_against_reference, _setup
+from test_live_sharding import spawn
+
+
+def _wchar(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("wchar:")))
+
+
+def _kill_writer_then_retry(rank, world, base):
+    """Rank 1 SIGKILLs its writer process after the first batch went to it; both ranks' wait() raise;
+    the same exporter's next export starts a new writer and commits; the one after reuses it."""
+    from bridge.errors import BridgeError
+    from bridge.live.export import Exporter, export_state_async
+
+    params, run = _setup(rank, world)
+    exporter = Exporter()
+    first_pid = []
+
+    def kill_writer(stage):
+        if stage == "writing":
+            first_pid.append(exporter.writer.pid)
+            if rank == 1:
+                os.kill(exporter.writer.pid, signal.SIGKILL)
+
+    export_state_async(f"{base}/a", run, params, exporter=exporter, target_chunk_bytes=64, on_stage=kill_writer)
+    try:  # the failure surfaces at the next export (it waits for the one in flight)
+        export_state_async(f"{base}/a", run, params, exporter=exporter, target_chunk_bytes=64)
+        raised = None
+    except BridgeError as e:
+        raised = str(e)
+    h = export_state_async(f"{base}/a", run, params, exporter=exporter, target_chunk_bytes=64)
+    h.wait()
+    second_pid = exporter.writer.pid
+    before = _wchar(second_pid)
+    report = export_state_async(f"{base}/b", run, params, exporter=exporter, target_chunk_bytes=64).wait()
+    return {"raised": raised, "pids": [first_pid[0], second_pid, exporter.writer.pid], "me": os.getpid(),
+            "child_wrote": _wchar(second_pid) - before, "bytes_written": report.bytes_written}
+
+
+def test_writer_process_killed_mid_write_fails_every_rank_and_is_replaced(tmp_path):
+    base = str(tmp_path)
+    results, _ = spawn(2, _kill_writer_then_retry, (base,), tmp_path, timeout_s=200, pg_timeout_s=30)
+    for rank, r in enumerate(results):
+        assert r["raised"] is not None and "rank 1 failed during writing" in r["raised"], r
+        assert "writer process" in r["raised"] and "signal 9" in r["raised"] and "nothing" in r["raised"], r
+        first, second, third = r["pids"]
+        assert r["me"] not in (first, second) and second == third, r
+        assert (first != second) == (rank == 1), r  # rank 1's writer was replaced, rank 0's kept
+        assert r["bytes_written"] > 0 and r["child_wrote"] >= r["bytes_written"], r  # the child wrote the bytes
+    _check_against_reference(f"{base}/a")  # the retry over the failed export's destination committed
+    _check_against_reference(f"{base}/b")
+
+
+def _die_while_writing(rank, world, base):
+    """Each rank records its writer's pid and SIGKILLs itself once the first batch went to the writer."""
+    from bridge.live.export import Exporter, export_state_async
+
+    params, run = _setup(rank, world)
+    exporter = Exporter()
+
+    def die(stage):
+        if stage == "writing":
+            with open(f"{base}/writer_{rank}.pid", "w") as f:
+                f.write(str(exporter.writer.pid))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    export_state_async(f"{base}/ckpt", run, params, exporter=exporter, target_chunk_bytes=64, on_stage=die).wait()
+
+
+@pytest.mark.slow
+def test_writer_process_dies_with_its_parent(tmp_path):
+    """SIGKILL of the training process: its writer process exits too, and nothing loadable is left."""
+    from bridge.errors import BridgeError
+    from bridge.store.reader import open_checkpoint
+
+    base = str(tmp_path)
+    _, errors = spawn(2, _die_while_writing, (base,), tmp_path, timeout_s=150, pg_timeout_s=20, allow_fail=True)
+    assert errors == {0: "exit code -9", 1: "exit code -9"}, errors
+    for rank in range(2):
+        pid = int(open(f"{base}/writer_{rank}.pid").read())
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue  # gone already
+        try:
+            # Readable once the process exited; the writer exits when its pipe ends (the parent died).
+            ready, _, _ = select.select([fd], [], [], 60)
+            assert ready, f"writer process {pid} of rank {rank} outlived its parent"
+        finally:
+            os.close(fd)
+    with pytest.raises(BridgeError):
+        open_checkpoint(f"{base}/ckpt")
