@@ -30,8 +30,8 @@ class SharedSlot:
         if pinned:
             # Registered (page-locked) host memory: device -> host copies run as DMA at full speed,
             # as into torch's pinned allocator (which can not allocate shared memory).
-            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0)
-            code = int(getattr(err, "value", err))
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 1)  # 1: portable
+            code = int(err)
             if code != 0:
                 raise BridgeError(f"could not pin a {size}-byte staging slot (cudaHostRegister error {code}); "
                                   "lower staging_bytes or raise the locked-memory limit (ulimit -l)")
