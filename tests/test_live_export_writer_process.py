@@ -2,7 +2,8 @@
 
 The background writes of `export_async` run in a process of the exporter's own (out of the
 training's GIL): it writes the checkpoint's bytes (its /proc write counter grows by at least the
-bytes written), is reused across exports, is replaced after it died (SIGKILLed mid-write: every
+bytes written), is reused across exports and follows the exporter's slots when they are allocated
+again at another size, is replaced after it died (SIGKILLed mid-write: every
 rank raises naming the rank, nothing loadable is left, the next export commits), and dies with
 its parent (the rank SIGKILLed while its writer holds a batch).
 """
@@ -49,10 +50,25 @@ def _kill_writer_then_retry(rank, world, base):
     h = export_state_async(f"{base}/a", run, params, exporter=exporter, target_chunk_bytes=64)
     h.wait()
     second_pid = exporter.writer.pid
+    sizes = [h.staging.slot_bytes]
+
+    def scribble():  # committed: the slots' content is no longer needed; a writer still reading them is caught
+        for t in exporter.slots.slots:
+            t.fill_(255)
+
+    scribble()
     before = _wchar(second_pid)
-    report = export_state_async(f"{base}/b", run, params, exporter=exporter, target_chunk_bytes=64).wait()
+    # smaller slots (more of them: every slot allocated again), then larger ones again (fewer)
+    h = export_state_async(f"{base}/b", run, params, exporter=exporter, target_chunk_bytes=64, inflight_bytes=4096)
+    report = h.wait()
+    wrote = _wchar(second_pid) - before
+    sizes.append(h.staging.slot_bytes)
+    scribble()
+    h = export_state_async(f"{base}/c", run, params, exporter=exporter, target_chunk_bytes=64)
+    h.wait()
+    sizes.append(h.staging.slot_bytes)
     return {"raised": raised, "pids": [first_pid[0], second_pid, exporter.writer.pid], "me": os.getpid(),
-            "child_wrote": _wchar(second_pid) - before, "bytes_written": report.bytes_written}
+            "child_wrote": wrote, "bytes_written": report.bytes_written, "slot_bytes": sizes}
 
 
 def test_writer_process_killed_mid_write_fails_every_rank_and_is_replaced(tmp_path):
@@ -65,8 +81,11 @@ def test_writer_process_killed_mid_write_fails_every_rank_and_is_replaced(tmp_pa
         assert r["me"] not in (first, second) and second == third, r
         assert (first != second) == (rank == 1), r  # rank 1's writer was replaced, rank 0's kept
         assert r["bytes_written"] > 0 and r["child_wrote"] >= r["bytes_written"], r  # the child wrote the bytes
+        a, b, c = r["slot_bytes"]
+        assert b < a and c == a, r
     _check_against_reference(f"{base}/a")  # the retry over the failed export's destination committed
-    _check_against_reference(f"{base}/b")
+    _check_against_reference(f"{base}/b")  # new slots: the writer maps the new memory, not the old
+    _check_against_reference(f"{base}/c")
 
 
 def _die_while_writing(rank, world, base):

@@ -434,7 +434,7 @@ class Exporter:
         def background() -> ExportReport:
             if seams.writer_class is None:
                 written = _write_in_process(job, planned, run, tmp, bg.rank, opts, on_stage, seams, self.writer,
-                                            self.slots.shared[:len(job.ring.slots)])
+                                            self.slots.shared)
             else:  # a test's writer class lives in this process: the thread writer runs it
                 written = _write_staged(job, planned, run, tmp, bg.rank, opts, on_stage, seams)
             clock.mark("finish")

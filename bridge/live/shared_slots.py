@@ -8,6 +8,7 @@ from the descriptor it is sent. Allocated once, reused by every export (`HostSlo
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 
@@ -18,9 +19,12 @@ from bridge.live.snapshot import HostSlots
 class SharedSlot:
     """One staging slot in shared memory: a `memfd` of `size` bytes, mapped here (`tensor`)."""
 
+    _serial = itertools.count()
+
     def __init__(self, size: int, pinned: bool) -> None:
         import torch
 
+        self.serial = next(SharedSlot._serial)   # never reused (an id() could be, after a slot is freed)
         self.size = size
         self.fd = os.memfd_create("gtp-bridge-slot", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, size)

@@ -17,7 +17,8 @@ slower while an export wrote. So that work runs in a writer process of its own:
   rank 0's commit stay in the training process (its gloo group), so a writer that dies leaves
   nothing committed, and a writer dies with its parent (its pipe reaches end of file).
 
-Protocol (parent -> child): ("slot", i, size) followed by the descriptor; ("begin", kwargs);
+Protocol (parent -> child): ("slot", i, size) followed by the descriptor; ("slots", n): unmap
+slots n and above; ("begin", kwargs);
 ("batch", slot, pieces); ("finish", scalars); ("abort",). Child -> parent: ("released", slot),
 ("error", text), ("done", bytes, calls, commit_wait_s).
 """
@@ -47,7 +48,7 @@ class WriterProcess:
     def __init__(self) -> None:
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
-        self._shared: dict[int, int] = {}   # slot index -> id() of the SharedSlot the child maps
+        self._shared: dict[int, int] = {}   # slot index -> serial of the SharedSlot the child maps
         self._lock = threading.Lock()       # one sender at a time (the call shares slots, the thread batches)
 
     @property
@@ -75,13 +76,18 @@ class WriterProcess:
         self._shared.clear()
 
     def share(self, slots: Sequence[Any]) -> None:
-        """Send the child the `SharedSlot`s (bridge.live.shared_slots) it does not map yet."""
+        """Make the child map exactly `slots` (every `SharedSlot` the exporter holds, by index): the
+        ones it does not map yet are sent, the ones the exporter dropped are unmapped."""
         with self._lock:
             for i, s in enumerate(slots):
-                if self._shared.get(i) != id(s):
+                if self._shared.get(i) != s.serial:
                     self._conn.send(("slot", i, s.size))
                     send_handle(self._conn, s.fd, self._proc.pid)
-                    self._shared[i] = id(s)
+                    self._shared[i] = s.serial
+            if len(self._shared) > len(slots):
+                self._conn.send(("slots", len(slots)))
+                for i in range(len(slots), len(self._shared)):
+                    del self._shared[i]
 
     def send(self, msg: tuple) -> None:
         with self._lock:
@@ -212,8 +218,11 @@ def _child(fd: int) -> None:
         if kind == "slot":
             _, i, size = msg
             h = recv_handle(conn)
-            maps[i] = mmap.mmap(h, size)
+            maps[i] = mmap.mmap(h, size)   # the slot it replaces, if any, is unmapped
             os.close(h)
+        elif kind == "slots":  # the exporter holds fewer slots now
+            for i in [i for i in maps if i >= msg[1]]:
+                del maps[i]
         elif kind == "begin":
             kw = msg[1]
             depth = kw.pop("depth")
