@@ -127,3 +127,42 @@ def test_writer_process_dies_with_its_parent(tmp_path):
             os.close(fd)
     with pytest.raises(BridgeError):
         open_checkpoint(f"{base}/ckpt")
+
+
+def _writer_fails_in_child(rank, world, dst):
+    """Rank 1's store writer fails inside the writer process (its database path is taken by a file,
+    put there before the writer starts); then the same exporter exports again to `dst`."""
+    from bridge.errors import BridgeError
+    from bridge.live.export import Exporter, export_state_async
+
+    params, run = _setup(rank, world)
+    exporter = Exporter()
+
+    def block(stage):
+        if rank == 1 and stage == "staged":  # the call's copies are done; the writer starts after this
+            open(os.path.join(dst + ".orbax-checkpoint-tmp", "ocdbt.process_1"), "w").close()
+
+    h = export_state_async(dst, run, params, exporter=exporter, target_chunk_bytes=64, on_stage=block)
+    try:
+        h.wait()
+        raised = None
+    except BridgeError as e:
+        raised = str(e)
+    try:  # the failure is raised again by the next export (it waits for the one in flight)
+        export_state_async(dst, run, params, exporter=exporter, target_chunk_bytes=64)
+    except BridgeError:
+        pass
+    export_state_async(dst, run, params, exporter=exporter, target_chunk_bytes=64).wait()
+    return {"raised": raised}
+
+
+@pytest.mark.slow
+def test_failure_inside_the_writer_process_reaches_every_rank(tmp_path):
+    """An error of rank 1's store writer in its writer process: both ranks' wait() raise it naming
+    rank 1; nothing is committed; the next export to the same destination commits."""
+    dst = str(tmp_path / "ckpt")
+    results, _ = spawn(2, _writer_fails_in_child, (dst,), tmp_path, timeout_s=200, pg_timeout_s=30)
+    for r in results:
+        assert r["raised"] is not None and "rank 1 failed during writing" in r["raised"], r
+        assert "ocdbt.process_1" in r["raised"] or "writer 1" in r["raised"], r
+    _check_against_reference(dst)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -191,6 +192,9 @@ def _child(fd: int) -> None:
     from bridge.layout.boxes import Box
     from bridge.store.writer import CheckpointWriter
 
+    # Ctrl-C reaches the whole process group: the training process decides, and the writer ends
+    # when its pipe does.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     maps: dict[int, mmap.mmap] = {}
     writer = None
@@ -235,7 +239,7 @@ def _child(fd: int) -> None:
             _, slot, pieces = msg
             if failed is None:
                 try:
-                    buf = maps[slot]
+                    buf, arr = maps[slot], None
                     for name, start, stop, dtype, off in pieces:
                         box = Box(start, stop)
                         dt = numpy_dtype(dtype)
@@ -249,8 +253,8 @@ def _child(fd: int) -> None:
             inflight.append(slot)
             release_down_to(0 if failed is not None else depth)
         elif kind in ("finish", "abort"):
-            if kind == "abort" and writer is not None:
-                try:  # let TensorStore finish with the slots before they are handed back
+            if (kind == "abort" or failed is not None) and writer is not None:
+                try:  # let TensorStore finish with the slots (and the temporary directory) first
                     writer.flush()
                 except Exception:  # noqa: BLE001 (already failing; the first error was reported)
                     pass
