@@ -395,14 +395,15 @@ class Exporter:
 
         In the call: the export in flight, if any, is waited for (its failure raised); planning and the
         claim as `export`; the exchange between ranks, if the plan moves bytes; every byte this rank
-        writes copied into the staging slots (`HostSlots`, pinned for CUDA data, kept for the next
-        export). Then the tensors may change: the checkpoint holds the state at the call, bit for bit.
-        In the background: writes, digests, the ranks' meeting and rank 0's commit (over a gloo group
-        of their own, `background_group`). Returns an `ExportHandle` (`wait()`, `done()`); a failure
+        writes copied into the staging slots (`SharedSlots`: shared memory, pinned for CUDA data, kept
+        for the next export). Then the tensors may change: the checkpoint holds the state at the call,
+        bit for bit. In the background: writes and digests in the exporter's writer process (started by
+        the first asynchronous export, reused: `bridge.live.writer_process`), the ranks' meeting and
+        rank 0's commit on a thread (over a gloo group of their own, `background_group`). Returns an `ExportHandle` (`wait()`, `done()`); a failure
         is raised by its `wait()` and by this exporter's next export, on every rank, naming the rank.
         `options.staging_bytes` bounds the slots (the call then also waits for the writer to free
         slots). `on_stage` is called as in `export`, plus "staged" (the call's copies are done) and,
-        in the background thread, "writing" (the first batch is with the store writer). `on_commit(path)`
+        in the background thread, "writing" (the first batch went to the writer). `on_commit(path)`
         runs on rank 0 in the background right after the commit, as part of it (its failure is the
         commit's, raised on every rank; e.g. a run directory's tracker file).
         """
