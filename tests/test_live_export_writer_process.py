@@ -166,3 +166,27 @@ def test_failure_inside_the_writer_process_reaches_every_rank(tmp_path):
         assert r["raised"] is not None and "rank 1 failed during writing" in r["raised"], r
         assert "ocdbt.process_1" in r["raised"] or "writer 1" in r["raised"], r
     _check_against_reference(dst)
+
+
+def test_shared_slots_free_their_memory():
+    """Slots allocated again at another size, or an exporter's slots dropped without close (as
+    `export_state_async` without `exporter=` does), give their shared memory back: the process's
+    open descriptors (each slot's memfd and its mapping's) return to where they were."""
+    import gc
+
+    import torch  # noqa: F401 (imported before the count: it opens descriptors of its own)
+
+    from bridge.live.shared_slots import SharedSlots
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    n0 = open_fds()
+    slots = SharedSlots()
+    slots.get(4, 1 << 20, pinned=False)
+    assert open_fds() == n0 + 8 and len(slots.shared) == 4
+    slots.get(3, 2 << 20, pinned=False)  # another size: the four are freed, three allocated
+    assert open_fds() == n0 + 6 and len(slots.shared) == 3 and slots.allocations == 7
+    del slots
+    gc.collect()
+    assert open_fds() == n0

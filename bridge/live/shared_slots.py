@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import weakref
 
 from bridge.errors import BridgeError
 from bridge.live.snapshot import HostSlots
@@ -40,18 +41,31 @@ class SharedSlot:
                 raise BridgeError(f"could not pin a {size}-byte staging slot (cudaHostRegister error {code}); "
                                   "lower staging_bytes or raise the locked-memory limit (ulimit -l)")
             self.pinned = True
+        # An exporter dropped without close (export_state_async without `exporter=` makes one per
+        # call): the descriptor keeps the memory alive, so it is closed (and the pages unpinned,
+        # while still mapped) when the slot is collected.
+        self._release = weakref.finalize(self, _release, self.tensor.data_ptr() if self.pinned else None, self.fd)
 
     def close(self) -> None:
-        import torch
-
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+        """Unpin, unmap and free the slot now."""
+        ptr = self.tensor.data_ptr() if self.pinned and self.tensor is not None else None
+        self._release.detach()
         self.tensor = None
+        _release(ptr, None)
         try:
             self._map.close()
         except BufferError:  # a view is still alive somewhere: the mapping goes with it
             pass
         os.close(self.fd)
+
+
+def _release(ptr: int | None, fd: int | None) -> None:
+    if ptr is not None:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    if fd is not None:
+        os.close(fd)
 
 
 class SharedSlots(HostSlots):
