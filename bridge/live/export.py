@@ -46,7 +46,9 @@ from bridge.live.holdings import (Holding, RankSummary, holdings_signature, rank
                                   tree_name)
 from bridge.live.plan import ExportPlan, PlanCache, Transfer, build_plan, choose_inner_bytes, plan_key
 from bridge.live.background import ExportHandle, background_group
-from bridge.live.snapshot import HostSlots, Recipe, SlotRing, Snapshot, SnapshotStats, StagedBatch, slot_size
+from bridge.live.shared_slots import SharedSlots
+from bridge.live.writer_process import WriterProcess, write_in_process
+from bridge.live.snapshot import Recipe, SlotRing, Snapshot, SnapshotStats, StagedBatch, slot_size
 from bridge.live.staging import HostBuffers, StagedWriter, StagingStats, WriteItem
 from bridge.dtypes import to_numpy
 from bridge.progress import progress
@@ -336,7 +338,8 @@ class Exporter:
         self._local = PlanCache(size=cache_size)   # holdings signature -> this rank's `_Local`
         self._plans = PlanCache(size=cache_size)   # global plan key -> `_Planned`
         self.buffers = HostBuffers()
-        self.slots = HostSlots()                   # the asynchronous export's staging slots
+        self.slots = SharedSlots()                 # the asynchronous export's staging slots (shared memory)
+        self.writer = WriterProcess()              # the asynchronous export's writer, started by the first one
         self._inflight: ExportHandle | None = None  # the asynchronous export still running, if any
         self._bg_groups: dict = {}                 # export group ranks -> its background gloo group
 
@@ -392,14 +395,15 @@ class Exporter:
 
         In the call: the export in flight, if any, is waited for (its failure raised); planning and the
         claim as `export`; the exchange between ranks, if the plan moves bytes; every byte this rank
-        writes copied into the staging slots (`HostSlots`, pinned for CUDA data, kept for the next
-        export). Then the tensors may change: the checkpoint holds the state at the call, bit for bit.
-        In the background: writes, digests, the ranks' meeting and rank 0's commit (over a gloo group
-        of their own, `background_group`). Returns an `ExportHandle` (`wait()`, `done()`); a failure
+        writes copied into the staging slots (`SharedSlots`: shared memory, pinned for CUDA data, kept
+        for the next export). Then the tensors may change: the checkpoint holds the state at the call,
+        bit for bit. In the background: writes and digests in the exporter's writer process (started by
+        the first asynchronous export, reused: `bridge.live.writer_process`), the ranks' meeting and
+        rank 0's commit on a thread (over a gloo group of their own, `background_group`). Returns an `ExportHandle` (`wait()`, `done()`); a failure
         is raised by its `wait()` and by this exporter's next export, on every rank, naming the rank.
         `options.staging_bytes` bounds the slots (the call then also waits for the writer to free
         slots). `on_stage` is called as in `export`, plus "staged" (the call's copies are done) and,
-        in the background thread, "writing" (the first batch is with the store writer). `on_commit(path)`
+        in the background thread, "writing" (the first batch went to the writer). `on_commit(path)`
         runs on rank 0 in the background right after the commit, as part of it (its failure is the
         commit's, raised on every rank; e.g. a run directory's tracker file).
         """
@@ -429,7 +433,11 @@ class Exporter:
             raise
 
         def background() -> ExportReport:
-            written = _write_staged(job, planned, run, tmp, bg.rank, opts, on_stage, seams)
+            if seams.writer_class is None:
+                written = _write_in_process(job, planned, run, tmp, bg.rank, opts, on_stage, seams, self.writer,
+                                            self.slots.shared)
+            else:  # a test's writer class lives in this process: the thread writer runs it
+                written = _write_staged(job, planned, run, tmp, bg.rank, opts, on_stage, seams)
             clock.mark("finish")
             try:
                 bg.all_gather("writing", written.outcome)  # every writer finished, or every rank raises
@@ -788,6 +796,25 @@ def _store_writer(seams: _testing.Seams, tmp: str, wplan: WritePlan, rank: int, 
         tmp, wplan, rank, inflight_bytes=inflight_bytes, compute_digest=digest, commit_depth=depth,
         staging=seams.writer_staging, target_data_file_size=seams.target_data_file_size,
         digest_step=LIVE_DIGEST_STEP)
+
+
+def _write_in_process(job: _StageJob, planned: _Planned, run: LiveRun, tmp: str, rank: int, opts: ExportOptions,
+                      on_stage: Callable[[str], None] | None, seams: _testing.Seams, proc: WriterProcess,
+                      slots: Sequence) -> _StagedWritten:
+    """The background part on this rank by the exporter's writer process (out of the training's GIL:
+    bridge/live/writer_process.py): the same store writer, batches and slot releases as
+    `_write_staged`. Failures are kept, not raised."""
+    begin = {"tmp": tmp, "plan": planned.wplan, "rank": rank, "inflight_bytes": 2 * job.stats.slot_bytes,
+             "compute_digest": opts.digest, "depth": job.depth, "staging": seams.writer_staging,
+             "target_data_file_size": seams.target_data_file_size, "digest_step": LIVE_DIGEST_STEP}
+    scalar = np.dtype(SCALAR_DTYPE).name
+    scalars = [] if rank != 0 else [(STEP_PATH, int(run.step), scalar)] + (
+        [(COUNT_PATH, int(run.step), scalar)] if run.optimizer is not None else [])
+    on_first = (lambda: on_stage("writing")) if on_stage else None
+    nbytes, calls, wait_s = write_in_process(proc, job, slots, begin, scalars, on_first)
+    if on_stage:
+        _attempter(job.failed)(lambda: on_stage("written"))
+    return _StagedWritten(job.failed, nbytes, calls, wait_s)
 
 
 def _write_staged(job: _StageJob, planned: _Planned, run: LiveRun, tmp: str, rank: int, opts: ExportOptions,

@@ -61,13 +61,19 @@ class HostSlots:
         """`count` slots of `size` bytes (the kept ones, more allocated if needed); and the seconds
         spent allocating now."""
         if self.slots and (self.size != size or self.pinned != pinned):
-            self.slots.clear()
+            self._drop()
         self.size, self.pinned = size, pinned
         t0 = time.perf_counter()
         while len(self.slots) < count:
-            self.slots.append(torch.empty(size, dtype=torch.uint8, pin_memory=pinned))
+            self.slots.append(self._new(size, pinned))
             self.allocations += 1
         return self.slots[:count], time.perf_counter() - t0
+
+    def _new(self, size: int, pinned: bool) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+
+    def _drop(self) -> None:
+        self.slots.clear()
 
     def held_bytes(self) -> int:
         return self.size * len(self.slots)
@@ -211,6 +217,12 @@ class StagedBatch:
     def wait(self) -> None:
         _Copier.wait(self.event)
         self.event = None
+
+    def wire_pieces(self) -> list[tuple]:
+        """The pieces as plain values for the writer process: (name, box start, box stop, dtype name, offset)."""
+        from bridge.dtypes import name_of_torch
+
+        return [(name, box.start, box.stop, name_of_torch(dtype), dst) for name, box, dtype, dst in self.pieces]
 
     def items(self) -> list[WriteItem]:
         """The pieces as host views of the slot (built by the writer, not in the call)."""

@@ -6,8 +6,10 @@ SP_DEADLINE_AT (epoch seconds) skips the steps that would not fit. In order:
   floor  every state tensor device -> host into those pinned slots, packed (the floor for blocking)
   plain  training step times without any export
   A B B A  A: synchronous `export_megatron`; B: `export_megatron_async`, then training steps until
-         the background part is done (blocked time, background time, step times while writing);
+         the background part is done (blocked time, background time, step times while writing; the
+         writes run in the exporter's writer process);
          the first A and B are taken at the same step (B right after A): their digests must be equal
+  Bthread  B with the writes on a thread of the training process (the GIL's effect on its steps)
   meg    Megatron-Core's own async save (caller blocked, then the rest), as async_probe.py measures it
   C      `export_async(...).wait()` without training (the asynchronous path run synchronously)
   raw    raw TensorStore write of the same bytes (the slots' content, one zarr3 uint8 array, 4 MiB
@@ -151,7 +153,7 @@ def main() -> None:
                  "background_s": h.finished_at - t_ret, "done_seen_s": t_seen - t_ret, "step_during_s": during,
                  "timings": rep.timings, "bytes_written": rep.bytes_written,
                  "slot_allocations": h.staging.allocations, "alloc_s": h.staging.alloc_s,
-                 "write_calls": rep.staging.write_calls}
+                 "write_calls": rep.staging.write_calls, "writer_pid": exporter.writer.pid}
         runs.append(r)
         if i < 2:
             dig[kind] = digests(path)
@@ -166,6 +168,28 @@ def main() -> None:
         save()
         print("[step]", kind, {k: v for k, v in r.items() if k not in ("timings", "step_during_s")}, flush=True)
     res["steps"].append("abba")
+
+    # diagnostic: the same asynchronous export with the background writes on a thread of this process
+    # (the writer-class seam selects the thread writer): the GIL's effect on the training steps
+    if left() > 150:
+        from bridge import _testing
+        from bridge.store.writer import CheckpointWriter
+
+        path = os.path.join(D, "Bthread")
+        drop_caches()
+        sync()
+        t = time.perf_counter()
+        with _testing.seams(writer_class=CheckpointWriter):
+            h = export_megatron_async(path, model, opt, exporter=exporter)
+        t_ret = time.perf_counter()
+        during = []
+        while not h.done():
+            during += train(1)
+        rep = h.wait()
+        res["b_thread"] = {"blocked_s": h.blocked_s, "background_s": h.finished_at - t_ret, "step_during_s": during}
+        rm(path)
+        save()
+        print("[step] Bthread", {k: v for k, v in res["b_thread"].items() if k != "step_during_s"}, flush=True)
 
     # diagnostic: the synchronous export with the store's default digest step (before LIVE_DIGEST_STEP)
     if left() > 150:
