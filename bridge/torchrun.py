@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterator, Mapping
 
@@ -85,6 +85,9 @@ class Ranks:
 
     coord: TorchCoordinator
     counter: "RankCounter"
+    #: seconds this process spent importing torch.distributed and joining the launch (the rendezvous
+    #: and the process group): phases of its report that one process does not have
+    phases: dict = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -105,10 +108,13 @@ def command_ranks(job: str, environ: Mapping[str, str] = os.environ) -> Iterator
     if launched_world(environ) == 1:
         yield None
         return
+    t0 = time.perf_counter()
     import torch.distributed as dist
 
+    phases = {"torch_import": round(time.perf_counter() - t0, 3)}
     made = not dist.is_initialized()
     store = None
+    t0 = time.perf_counter()
     if made:
         store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)))
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
@@ -117,7 +123,8 @@ def command_ranks(job: str, environ: Mapping[str, str] = os.environ) -> Iterator
         coord = TorchCoordinator(dist.group.WORLD, job=job, device=_cpu())
         counter = RankCounter(dist.PrefixStore(f"gtpb-progress/{job}", store) if store is not None else None,
                               coord.rank)
-        yield Ranks(coord, counter)
+        phases["rendezvous"] = round(time.perf_counter() - t0, 3)
+        yield Ranks(coord, counter, phases)
     finally:
         if made:
             dist.destroy_process_group()

@@ -31,6 +31,7 @@ from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership, grid_shape
 from bridge.layout.parallel import ParallelLayout
 from bridge.format.scheduler import SchedulerRecord
+from bridge.phases import seconds_since_start
 from bridge.progress import progress
 from bridge.store.claim import check_destination_free, check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
@@ -114,6 +115,10 @@ class ConvertResult:
     ranks: list[dict] = field(default_factory=list)
     #: the manifest's ReplicaRecord (JSON): replicated copies compared, and those that differ
     replicas: dict = field(default_factory=dict)
+    #: this process's wall seconds by phase, "start" (process start to the call: interpreter, imports,
+    #: parsing) first; under torchrun also the launch's own (torch_import, rendezvous, plan_exchange,
+    #: claim, barrier): `bridge.phases`
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -936,6 +941,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
 
     Under torchrun (WORLD_SIZE > 1) every rank calls it alike and converts a share of the blocks
     (`converters.megatron.distributed`); the commit is one, after every rank's share is written."""
+    started = seconds_since_start() or 0.0   # the phase before this call (interpreter, imports, parsing)
     src_dir, dst = location(src_dir, "source"), location(dst, "destination")
     opts = opts or ConvertOptions()
     dst = absolute(dst)
@@ -948,7 +954,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     if launched_world() > 1:
         from converters.megatron.distributed import convert_ranks
 
-        return convert_ranks(src_dir, dst, opts, budget, asked_workers)
+        return convert_ranks(src_dir, dst, opts, budget, asked_workers, started=started)
     cp = plan_conversion(src_dir, opts, budget, asked_workers)
     ck, src, units, plan, manifest, workers = cp.ck, cp.src, cp.units, cp.plan, cp.manifest, cp.workers
     step, total_bytes = cp.step, cp.total_bytes
@@ -979,7 +985,8 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
         print(f"gtp-bridge: warning: {w}", file=sys.stderr)
     return ConvertResult(dst, src.format_label, src.layout.to_json(), len(plan.arrays), plan.total_bytes,
                          len(units), step, warnings, src.inferred, workers, budget, timings,
-                         replicas=manifest.extra[REPLICAS_KEY])
+                         replicas=manifest.extra[REPLICAS_KEY],
+                         phases={"start": started, **{k: round(v, 3) for k, v in timings.items()}})
 
 
 def record_replicas(manifest: Manifest, units: Sequence[Unit], diffs: Sequence, strict: bool):

@@ -24,9 +24,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from bridge.errors import BridgeError
 from bridge.location import basename, is_remote
@@ -43,26 +43,35 @@ from converters.megatron.convert import (ConvertOptions, ConvertPlan, ConvertRes
                                          write_share)
 
 
-def convert_ranks(src_dir: str, dst: str, opts: ConvertOptions, budget: int, asked_workers: int) -> ConvertResult:
-    """`convert` as one rank of a torchrun launch (every rank calls it alike); see the module doc."""
+def convert_ranks(src_dir: str, dst: str, opts: ConvertOptions, budget: int, asked_workers: int,
+                  started: float = 0.0) -> ConvertResult:
+    """`convert` as one rank of a torchrun launch (every rank calls it alike); see the module doc.
+    `started`: this process's seconds before `convert` was called (its phase "start")."""
     with command_ranks(f"convert to {dst}") as ranks:
         if ranks is None:
             raise BridgeError("convert_ranks needs a torchrun launch of two or more processes")
-        return _convert(ranks, src_dir, dst, opts, budget, asked_workers)
+        return _convert(ranks, src_dir, dst, opts, budget, asked_workers, started)
 
 
 def _convert(ranks: Ranks, src_dir: str, dst: str, opts: ConvertOptions, budget: int,
-             asked_workers: int) -> ConvertResult:
+             asked_workers: int, started: float) -> ConvertResult:
     coord = ranks.coord
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     mine: dict[str, Any] = {}
+    # this rank's wall time phase by phase (start = process start to the command; then the launch's
+    # own phases), reported per rank so the cost of the coordination shows beside the work
+    phases: dict[str, float] = {"start": started, **ranks.phases}
 
     def plan() -> str:
-        mine["cp"] = plan_conversion(src_dir, opts, budget, asked_workers, ranks=coord.world)
+        with _phase(phases, "plan"):
+            mine["cp"] = plan_conversion(src_dir, opts, budget, asked_workers, ranks=coord.world)
         return mine["cp"].plan.fingerprint()
 
-    check_same_plan(coord.all_gather("planning", plan))
+    with _phase(phases, "plan_exchange"):
+        fingerprints = coord.all_gather("planning", plan)
+    phases["plan_exchange"] = round(phases["plan_exchange"] - phases["plan"], 3)
+    check_same_plan(fingerprints)
     cp: ConvertPlan = mine["cp"]
     if opts.announce is not None and coord.rank == 0:
         opts.announce(ranks_line(coord.world, cp, budget, asked_workers))
@@ -72,17 +81,22 @@ def _convert(ranks: Ranks, src_dir: str, dst: str, opts: ConvertOptions, budget:
             mine["claim"] = stack.enter_context(claim_destination(dst, sources=[src_dir, str(cp.ck.root)]))
             return mine["claim"].tmp
 
-        tmp = coord.broadcast("the claim", claim)
-        coord.all_gather("the claim", lambda: coord.rank == 0 or _join(stack, tmp, dst))
+        with _phase(phases, "claim"):
+            tmp = coord.broadcast("the claim", claim)
+            coord.all_gather("the claim", lambda: coord.rank == 0 or _join(stack, tmp, dst))
         t0 = time.perf_counter()
-        shares = coord.all_gather("writing", lambda: _write(ranks, cp, tmp, dst, opts))
+        with _phase(phases, "barrier"):
+            shares = coord.all_gather("writing", lambda: _write(ranks, cp, tmp, dst, opts, phases))
         timings["write"] = time.perf_counter() - t0
+        # the barrier is the wait for the slowest rank after this one's share was written
+        phases["barrier"] = round(phases["barrier"] - phases["write"], 3)
         t0 = time.perf_counter()
         # every rank records (and, with --strict-replicas, refuses) alike, from every rank's comparisons
         replica_rec = record_replicas(cp.manifest, cp.units, [replicas.BlockDiff(**d) for s in shares for d in s["replicas"]],
                                       opts.strict_replicas)
-        coord.broadcast("the commit", lambda: commit_checkpoint(dst, cp.plan, cp.manifest, timeout=60.0,
-                                                                claim=mine["claim"]))
+        with _phase(phases, "commit"):
+            coord.broadcast("the commit", lambda: commit_checkpoint(dst, cp.plan, cp.manifest, timeout=60.0,
+                                                                    claim=mine["claim"]))
         timings["commit"] = time.perf_counter() - t0
     warnings = [w for s in shares for w in s["warnings"]] + replicas.report_lines(replica_rec)
     if coord.rank == 0:
@@ -91,9 +105,10 @@ def _convert(ranks: Ranks, src_dir: str, dst: str, opts: ConvertOptions, budget:
     src = cp.src
     return ConvertResult(dst, src.format_label, src.layout.to_json(), len(cp.plan.arrays), cp.plan.total_bytes,
                          len(cp.units), cp.step, warnings, src.inferred, cp.workers, budget, timings,
-                         rank=coord.rank, ranks=[{k: v for k, v in s.items() if k not in ("warnings", "replicas")}
+                         rank=coord.rank, ranks=[{**{k: v for k, v in s.items() if k not in ("warnings", "replicas")},
+                                                  "phases": s["phases"] if s["rank"] != coord.rank else phases}
                                                  for s in shares],
-                         replicas=cp.manifest.extra[REPLICAS_KEY])
+                         replicas=cp.manifest.extra[REPLICAS_KEY], phases=phases)
 
 
 def check_same_plan(fingerprints: Sequence[str]) -> None:
@@ -123,22 +138,36 @@ def _join(stack: ExitStack, tmp: str, dst: str) -> bool:
     return True
 
 
-def _write(ranks: Ranks, cp: ConvertPlan, tmp: str, dst: str, opts: ConvertOptions) -> dict:
-    """This rank's writers, then the CRC check of what they read; returns this rank's report."""
+def _write(ranks: Ranks, cp: ConvertPlan, tmp: str, dst: str, opts: ConvertOptions, phases: dict[str, float]) -> dict:
+    """This rank's writers, then the CRC check of what they read; returns this rank's report (its
+    phases so far included: the ones after the barrier stay on the rank)."""
     rank = ranks.rank
     writers = cp.writers_of(rank)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     enabled = opts.show_progress if rank == 0 else False
-    with progress(cp.total_bytes, f"convert {basename(dst)}", enabled=enabled) as bar, \
-            ranks.counter.watch(bar) as update:
-        results = write_share(cp, tmp, writers, opts.force, update, timings)
-    check_records([r[2] for r in results], window=min(cp.share, 8 << 20))
+    with _phase(phases, "write"):
+        with progress(cp.total_bytes, f"convert {basename(dst)}", enabled=enabled) as bar, \
+                ranks.counter.watch(bar) as update:
+            results = write_share(cp, tmp, writers, opts.force, update, timings)
+        phases.update({k: round(v, 3) for k, v in timings.items() if k.startswith("worker_")})
+        with _phase(phases, "check_records"):
+            check_records([r[2] for r in results], window=min(cp.share, 8 << 20))
     _testing_fault(rank)
     return {"rank": rank, "writers": len(writers), "bytes": sum(b.nbytes for w in writers for b in cp.blocks_of(w)),
             "read": sum(r[1] for r in results), "seconds": round(time.perf_counter() - t0, 3),
             "warnings": [f"rank {rank}: {w}" for r in results for w in r[0]],
-            "replicas": [asdict(d) for r in results for d in r[3]]}
+            "replicas": [asdict(d) for r in results for d in r[3]], "phases": dict(phases)}
+
+
+@contextmanager
+def _phase(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Record the seconds the block takes as `phases[name]` (also when it raises)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = round(time.perf_counter() - t0, 3)
 
 
 def ranks_line(world: int, cp: ConvertPlan, budget: int, asked: int) -> str:
@@ -170,3 +199,21 @@ def rank_summary(ranks: Sequence[Mapping[str, Any]], seconds: float) -> str:
     return (f"ranks: {len(ranks)} ({sum(r['writers'] for r in ranks)} writers), {human_bytes(total)} in {seconds:.1f} s "
             f"({rate}); per rank {human_bytes(lo)}..{human_bytes(hi)} written in {min(secs):.1f}..{max(secs):.1f} s, "
             f"slowest rank {slow['rank']} (skew {skew:.2f}x)")
+
+
+def phases_line(ranks: Sequence[Mapping[str, Any]]) -> str:
+    """Rank 0's line of where the launch's time went: each phase's seconds on the slowest rank
+    (phases a rank reports after the barrier are rank 0's own).
+
+    >>> phases_line([{"rank": 0, "phases": {"start": 1.0, "rendezvous": 0.25, "write": 9.0}},
+    ...              {"rank": 1, "phases": {"start": 1.5, "rendezvous": 0.5, "write": 8.0}}])
+    'phases (slowest rank): start 1.50 s (rank 1), rendezvous 0.50 s (rank 1), write 9.00 s (rank 0)'
+    """
+    names: list[str] = []
+    for r in ranks:
+        names += [n for n in r.get("phases", {}) if n not in names]
+    parts = []
+    for n in names:
+        slow = max((r for r in ranks if n in r.get("phases", {})), key=lambda r: r["phases"][n])
+        parts.append(f"{n} {slow['phases'][n]:.2f} s (rank {slow['rank']})")
+    return "phases (slowest rank): " + ", ".join(parts)
