@@ -32,6 +32,7 @@ from bridge.layout.chunks import ArrayOwnership, grid_shape
 from bridge.layout.parallel import ParallelLayout
 from bridge.format.scheduler import SchedulerRecord
 from bridge.phases import seconds_since_start
+from bridge.worker_life import TESTING_HOLD_ENV as _TESTING_HOLD_ENV, testing_hold as _testing_hold  # noqa: F401 - the seam's name, for tests
 from bridge.progress import progress
 from bridge.store.claim import check_destination_free, check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
@@ -669,19 +670,6 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
     return warnings, cache.bytes_read, cache.crcs.spans(), replica_check.diffs
 
 
-#: private test seam, not an option: a directory where each writer, once its first block is written,
-#: creates `held.<writer>` and then waits, so that a test signals a run known to be mid-write
-_TESTING_HOLD_ENV = "_GTP_BRIDGE_TESTING_HOLD_WRITERS"
-
-
-def _testing_hold(writer_id: int) -> None:
-    where = os.environ.get(_TESTING_HOLD_ENV)
-    if where and not os.path.exists(os.path.join(where, f"held.{writer_id}")):
-        open(os.path.join(where, f"held.{writer_id}"), "w").close()
-        while True:
-            time.sleep(3600)   # until the test's signal ends the run
-
-
 def check_mirrors(cache: ChunkCache, unit: Unit, b: Block, bufs: dict[str, np.ndarray], force: bool,
                   warnings: list[str]) -> None:
     """The last pipeline stage's copy of tied embeddings must equal the first stage's, bit for bit
@@ -922,9 +910,11 @@ def plan_conversion(src_dir: str, opts: ConvertOptions | None = None, budget: in
                        share, step, groups, total_bytes, is_defect_suspect(src), hints, budget, opts.workers)
 
 
-def write_share(cp: ConvertPlan, tmp: str, writers: Sequence[int], force: bool, bar, timings: dict[str, float]) -> list[tuple]:
-    """Run `writers` of plan `cp` into `tmp` (in this process when one, else one process each), each
-    publishing its report; returns their results (warnings, bytes read, CRC spans to check)."""
+def write_share(cp: ConvertPlan, tmp: str, writers: Sequence[int], force: bool, bar, timings: dict[str, float],
+                pool=None) -> list[tuple]:
+    """Run `writers` of plan `cp` into `tmp` (in this process when one, else one process each: those
+    of `pool`, a `writer_procs.Prestarted`, when given), each publishing its report; returns their
+    results (warnings, bytes read, CRC spans to check)."""
     per = {w: cp.blocks_of(w) for w in writers}
     if not per:
         return []
@@ -933,7 +923,7 @@ def write_share(cp: ConvertPlan, tmp: str, writers: Sequence[int], force: bool, 
         return [run_blocks(str(cp.ck.root), dict(enumerate(cp.units)), blocks, cp.plan, tmp, w, cp.share,
                            force, cp.suspect, cp.step or 0, on_progress=bar.update)]
     return run_parallel(str(cp.ck.root), cp.units, per, cp.plan, tmp, cp.share, force, cp.suspect,
-                         cp.step or 0, bar, timings)
+                         cp.step or 0, bar, timings, pool=pool)
 
 
 def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> ConvertResult:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -33,7 +33,7 @@ from bridge.location import basename, is_remote
 from bridge.progress import progress
 from bridge.store.claim import claim_destination, hold_claim
 from bridge.store.commit import commit_checkpoint
-from bridge.torchrun import Ranks, _testing_fault, command_ranks
+from bridge.torchrun import Ranks, _testing_fault, command_ranks, launched_world
 from bridge.units import human_bytes
 from bridge.format.manifest import REPLICAS_KEY
 from converters.megatron import replicas
@@ -41,41 +41,57 @@ from converters.megatron.cache import check_records
 from converters.megatron.convert import (ConvertOptions, ConvertPlan, ConvertResult, budget_line, plan_conversion,
                                          record_replicas,
                                          write_share)
+from converters.megatron.writer_procs import Prestarted
 
 
 def convert_ranks(src_dir: str, dst: str, opts: ConvertOptions, budget: int, asked_workers: int,
                   started: float = 0.0) -> ConvertResult:
     """`convert` as one rank of a torchrun launch (every rank calls it alike); see the module doc.
-    `started`: this process's seconds before `convert` was called (its phase "start")."""
-    with command_ranks(f"convert to {dst}") as ranks:
+    `started`: this process's seconds before `convert` was called (its phase "start").
+
+    Planning reads SRC only, so it comes before joining the launch, and this rank's writer processes
+    start right after it: their start-up (interpreter, imports) overlaps the launch's own cost
+    (importing torch, the rendezvous, the claim) instead of following it. A planning error is kept
+    and raised inside the first exchange, so every rank reports it with the rank named."""
+    world = launched_world()
+    rank = int(os.environ.get("RANK", "0"))
+    phases: dict[str, float] = {"start": started}
+    cp: ConvertPlan | None = None
+    plan_error: BaseException | None = None
+    with _phase(phases, "plan"):
+        try:
+            cp = plan_conversion(src_dir, opts, budget, asked_workers, ranks=world)
+        except Exception as e:  # noqa: BLE001 - reported by the exchange, on every rank
+            plan_error = e
+    writers = cp.writers_of(rank) if cp is not None else []
+    with ExitStack() as stack:
+        pool = stack.enter_context(closing(Prestarted(len(writers)))) if len(writers) > 1 else None
+        ranks = stack.enter_context(command_ranks(f"convert to {dst}"))
         if ranks is None:
             raise BridgeError("convert_ranks needs a torchrun launch of two or more processes")
-        return _convert(ranks, src_dir, dst, opts, budget, asked_workers, started)
+        phases.update(ranks.phases)
+        return _convert(ranks, cp, plan_error, src_dir, dst, opts, budget, asked_workers, phases, pool)
 
 
-def _convert(ranks: Ranks, src_dir: str, dst: str, opts: ConvertOptions, budget: int,
-             asked_workers: int, started: float) -> ConvertResult:
+def _convert(ranks: Ranks, cp: ConvertPlan | None, plan_error: BaseException | None, src_dir: str, dst: str,
+             opts: ConvertOptions, budget: int, asked_workers: int, phases: dict[str, float],
+             pool: Prestarted | None) -> ConvertResult:
     coord = ranks.coord
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     mine: dict[str, Any] = {}
-    # this rank's wall time phase by phase (start = process start to the command; then the launch's
-    # own phases), reported per rank so the cost of the coordination shows beside the work
-    phases: dict[str, float] = {"start": started, **ranks.phases}
 
     def plan() -> str:
-        with _phase(phases, "plan"):
-            mine["cp"] = plan_conversion(src_dir, opts, budget, asked_workers, ranks=coord.world)
-        return mine["cp"].plan.fingerprint()
+        if plan_error is not None:
+            raise plan_error
+        return cp.plan.fingerprint()
 
     with _phase(phases, "plan_exchange"):
         fingerprints = coord.all_gather("planning", plan)
-    phases["plan_exchange"] = round(phases["plan_exchange"] - phases["plan"], 3)
     check_same_plan(fingerprints)
-    cp: ConvertPlan = mine["cp"]
     if opts.announce is not None and coord.rank == 0:
         opts.announce(ranks_line(coord.world, cp, budget, asked_workers))
-    timings["plan"] = time.perf_counter() - t_start
+    timings["plan"] = phases["plan"] + time.perf_counter() - t_start
     with ExitStack() as stack:
         def claim() -> str:
             mine["claim"] = stack.enter_context(claim_destination(dst, sources=[src_dir, str(cp.ck.root)]))
@@ -86,7 +102,7 @@ def _convert(ranks: Ranks, src_dir: str, dst: str, opts: ConvertOptions, budget:
             coord.all_gather("the claim", lambda: coord.rank == 0 or _join(stack, tmp, dst))
         t0 = time.perf_counter()
         with _phase(phases, "barrier"):
-            shares = coord.all_gather("writing", lambda: _write(ranks, cp, tmp, dst, opts, phases))
+            shares = coord.all_gather("writing", lambda: _write(ranks, cp, tmp, dst, opts, phases, pool))
         timings["write"] = time.perf_counter() - t0
         # the barrier is the wait for the slowest rank after this one's share was written
         phases["barrier"] = round(phases["barrier"] - phases["write"], 3)
@@ -138,7 +154,8 @@ def _join(stack: ExitStack, tmp: str, dst: str) -> bool:
     return True
 
 
-def _write(ranks: Ranks, cp: ConvertPlan, tmp: str, dst: str, opts: ConvertOptions, phases: dict[str, float]) -> dict:
+def _write(ranks: Ranks, cp: ConvertPlan, tmp: str, dst: str, opts: ConvertOptions, phases: dict[str, float],
+           pool: Prestarted | None) -> dict:
     """This rank's writers, then the CRC check of what they read; returns this rank's report (its
     phases so far included: the ones after the barrier stay on the rank)."""
     rank = ranks.rank
@@ -149,7 +166,7 @@ def _write(ranks: Ranks, cp: ConvertPlan, tmp: str, dst: str, opts: ConvertOptio
     with _phase(phases, "write"):
         with progress(cp.total_bytes, f"convert {basename(dst)}", enabled=enabled) as bar, \
                 ranks.counter.watch(bar) as update:
-            results = write_share(cp, tmp, writers, opts.force, update, timings)
+            results = write_share(cp, tmp, writers, opts.force, update, timings, pool)
         phases.update({k: round(v, 3) for k, v in timings.items() if k.startswith("worker_")})
         with _phase(phases, "check_records"):
             check_records([r[2] for r in results], window=min(cp.share, 8 << 20))

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from bridge.errors import BridgeError
+from bridge.worker_life import die_with_parent, testing_hold
 from bridge.format import schema
 from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, _value_forward, _value_inverse, check_llama,
                                            maxtext_overrides)
@@ -165,6 +166,7 @@ def write_blocks(src: str, tmp: str, job: Job, writer_id: int, share: Share, dim
         if on_progress:
             on_progress(y.nbytes)
         del y
+        testing_hold(writer_id)
     if writer_id == 0:
         for p, a in scalars.items():
             writer.write(p, Box((), ()), np.asarray(a))
@@ -172,6 +174,7 @@ def write_blocks(src: str, tmp: str, job: Job, writer_id: int, share: Share, dim
 
 
 def _worker_main(q, args) -> None:  # pragma: no cover - subprocess
+    die_with_parent()   # a SIGKILLed command leaves no writer behind
     w = args[3]
     try:
         rep = write_blocks(*args, on_progress=lambda n: q.put(("p", w, n)))
