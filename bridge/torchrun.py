@@ -20,13 +20,15 @@ import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from bridge.dist import TorchCoordinator
 from bridge.errors import BridgeError
+from bridge.location import is_remote
+from bridge.store.claim import hold_claim
 
 #: how long a collective waits for a slow rank: a rank converting its share of a large checkpoint
 #: reaches the barrier after its whole share is written (a rank that dies is noticed at once: its
@@ -148,6 +150,33 @@ def command_ranks(job: str, environ: Mapping[str, str] = os.environ) -> Iterator
     finally:
         if made:
             dist.destroy_process_group()
+
+
+def check_same_plan(fingerprints: Sequence[str]) -> None:
+    """Every rank must have planned the same conversion; else name the ranks that differ from rank 0.
+
+    >>> check_same_plan(["a", "a"])
+    >>> check_same_plan(["a", "b", "a"])
+    Traceback (most recent call last):
+    ...
+    bridge.errors.BridgeError: ranks [1] planned another conversion than rank 0 (their source, flags or gtp-bridge version differ); start every rank with the same SRC, DST and flags
+    """
+    other = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
+    if other:
+        raise BridgeError(f"ranks {other} planned another conversion than rank 0 (their source, flags or gtp-bridge "
+                          f"version differ); start every rank with the same SRC, DST and flags")
+
+
+def join_claim(stack: ExitStack, tmp: str, dst: str) -> bool:
+    """On a rank other than 0: rank 0's temp directory must be visible here; hold it while writing
+    (so no other run takes it for a stale one)."""
+    if is_remote(tmp):
+        return True
+    if not os.path.isdir(tmp):
+        raise BridgeError(f"rank 0's temporary directory {tmp} for {dst} is not visible here: under torchrun DST "
+                          f"must be on a file system every rank shares, or on s3:// / gs://")
+    stack.enter_context(hold_claim(tmp))
+    return True
 
 
 def _cpu() -> Any:

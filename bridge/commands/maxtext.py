@@ -82,7 +82,9 @@ def stream_options(args: argparse.Namespace):
     from bridge.units import parse_size
 
     budget = parse_size(args.budget) if args.budget is not None else None
-    return StreamOptions(workers=args.workers, budget=budget, announce=lambda line: print(line, flush=True))
+    first = os.environ.get("RANK", "0") == "0"   # under torchrun rank 0 speaks for every rank
+    return StreamOptions(workers=args.workers, budget=budget, show_progress=None if first else False,
+                         announce=(lambda line: print(line, flush=True)) if first else None)
 
 
 def run_to(args: argparse.Namespace) -> int:
@@ -143,6 +145,8 @@ def run_from(args: argparse.Namespace) -> int:
         raise BridgeError("--betas/--eps/--weight-decay/--clip-grad need --lr (they replace the recorded settings)")
     opts = Options(decoder_block=args.decoder_block) if args.decoder_block else None
     res = read_maxtext(args.src, args.dst, hyper=hyper, options=opts, stream=stream_options(args))
+    if os.environ.get("RANK", "0") != "0":   # under torchrun rank 0 reports for every rank
+        return 0
     d = res["dims"]
     how = "sidecar of the run gtp-bridge wrote" if res["sidecar"] else "the given AdamW settings"
     print(f"wrote {res['dst']} from {res['items']} (step {res['trained_steps']}, Adam count {res['adam_count']}): "

@@ -29,11 +29,11 @@ from dataclasses import asdict
 from typing import Any, Iterator, Mapping, Sequence
 
 from bridge.errors import BridgeError
-from bridge.location import basename, is_remote
+from bridge.location import basename
 from bridge.progress import progress
-from bridge.store.claim import claim_destination, hold_claim
+from bridge.store.claim import claim_destination
 from bridge.store.commit import commit_checkpoint
-from bridge.torchrun import Ranks, _testing_fault, command_ranks, launched_world
+from bridge.torchrun import Ranks, _testing_fault, check_same_plan, command_ranks, join_claim, launched_world
 from bridge.units import human_bytes
 from bridge.format.manifest import REPLICAS_KEY
 from converters.megatron import replicas
@@ -99,7 +99,7 @@ def _convert(ranks: Ranks, cp: ConvertPlan | None, plan_error: BaseException | N
 
         with _phase(phases, "claim"):
             tmp = coord.broadcast("the claim", claim)
-            coord.all_gather("the claim", lambda: coord.rank == 0 or _join(stack, tmp, dst))
+            coord.all_gather("the claim", lambda: coord.rank == 0 or join_claim(stack, tmp, dst))
         t0 = time.perf_counter()
         with _phase(phases, "barrier"):
             shares = coord.all_gather("writing", lambda: _write(ranks, cp, tmp, dst, opts, phases, pool))
@@ -125,33 +125,6 @@ def _convert(ranks: Ranks, cp: ConvertPlan | None, plan_error: BaseException | N
                                                   "phases": s["phases"] if s["rank"] != coord.rank else phases}
                                                  for s in shares],
                          replicas=cp.manifest.extra[REPLICAS_KEY], phases=phases)
-
-
-def check_same_plan(fingerprints: Sequence[str]) -> None:
-    """Every rank must have planned the same conversion; else name the ranks that differ from rank 0.
-
-    >>> check_same_plan(["a", "a"])
-    >>> check_same_plan(["a", "b", "a"])
-    Traceback (most recent call last):
-    ...
-    bridge.errors.BridgeError: ranks [1] planned another conversion than rank 0 (their source, flags or gtp-bridge version differ); start every rank with the same SRC, DST and flags
-    """
-    other = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
-    if other:
-        raise BridgeError(f"ranks {other} planned another conversion than rank 0 (their source, flags or gtp-bridge "
-                          f"version differ); start every rank with the same SRC, DST and flags")
-
-
-def _join(stack: ExitStack, tmp: str, dst: str) -> bool:
-    """On a rank other than 0: rank 0's temp directory must be visible here; hold it while writing
-    (so no other run takes it for a stale one)."""
-    if is_remote(tmp):
-        return True
-    if not os.path.isdir(tmp):
-        raise BridgeError(f"rank 0's temporary directory {tmp} for {dst} is not visible here: under torchrun DST "
-                          f"must be on a file system every rank shares, or on s3:// / gs://")
-    stack.enter_context(hold_claim(tmp))
-    return True
 
 
 def _write(ranks: Ranks, cp: ConvertPlan, tmp: str, dst: str, opts: ConvertOptions, phases: dict[str, float],

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from bridge.errors import BridgeError
+from bridge.torchrun import launched_world
 from bridge.worker_life import die_with_parent, testing_hold
 from bridge.format import schema
 from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, _value_forward, _value_inverse, check_llama,
@@ -197,15 +198,27 @@ def run_job(src: str, dst: str, job: Job, share: Share, dims: Dims, opts: Option
     from bridge.store.claim import claim_destination
     from bridge.store.commit import commit_checkpoint
 
+    from bridge.torchrun import command_ranks
+
     total = sum(b.size * np.dtype(job.moves[i].dtype).itemsize for i, b in job.blocks)
+
+    def write_share(tmp: str, ids, bar) -> list[dict]:
+        if len(ids) == 1:   # one writer here: in this process
+            return [write_blocks(src, tmp, job, ids[0], share, dims, opts, forward, scalars, bar.update)]
+        return _run_parallel([(src, tmp, job, w, share, dims, opts, forward, scalars) for w in ids], bar) if ids else []
+
+    def commit(d: str, claim, reports: list[dict]) -> str:
+        return commit_checkpoint(d, job.plan, manifest, timeout=60.0, claim=claim, reports=reports)
+
+    if launched_world() > 1:   # a rank of a torchrun launch: its share of the writers, one commit
+        from bridge.jaxside.presets.maxtext_ranks import run_job_ranks
+
+        with command_ranks(f"{label.split()[0]} to {dst}") as ranks:
+            return run_job_ranks(ranks, src, dst, job.plan, total, label, show_progress, write_share, commit)
     with claim_destination(dst, sources=[src]) as claim:
         with progress(total, label, enabled=show_progress) as bar:
-            if job.workers == 1:
-                reports = [write_blocks(src, claim.tmp, job, 0, share, dims, opts, forward, scalars, bar.update)]
-            else:
-                reports = _run_parallel([(src, claim.tmp, job, w, share, dims, opts, forward, scalars)
-                                         for w in range(job.workers)], bar)
-        return commit_checkpoint(dst, job.plan, manifest, timeout=60.0, claim=claim, reports=reports)
+            reports = write_share(claim.tmp, list(range(job.workers)), bar)
+        return commit(dst, claim, reports)
 
 
 def _run_parallel(args: list[tuple], bar) -> list[dict]:
@@ -280,6 +293,9 @@ def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", 
     from bridge.store.reader import open_checkpoint
 
     stream = stream or StreamOptions()
+    if launched_world() > 1:
+        raise BridgeError("to-maxtext does not run under torchrun yet: run it as one process (its --workers use "
+                          "the host's cores); from-maxtext does")
     src, dst_root = absolute(location(src, "source")), absolute(location(dst_root, "destination"))
     ck = open_checkpoint(src)
     man = ck.manifest
@@ -454,7 +470,8 @@ def stream_from_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, optio
     total = sum(m.nbytes for m in moves)
     workers, budget = resources(stream, total)
     share = Share.of(budget // workers)
-    job = plan_job(moves, scalars, workers, share, empty_paths=schema.adamw_empty_paths())
+    # under torchrun every rank runs `workers` writers of its own with its own budget (bridge.torchrun)
+    job = plan_job(moves, scalars, workers * launched_world(), share, empty_paths=schema.adamw_empty_paths())
     if stream.announce:
         stream.announce(budget_line("from-maxtext", job.workers, budget))
     run_job(items, dst, job, share, dims, opts, False, scalars, man, f"from-maxtext {basename(dst)}",

@@ -1,0 +1,76 @@
+"""`from-maxtext` under real `torchrun` (issues 34 and 31): ranks share the writers, one commit.
+
+A step directory MaxText itself saved (`tests/fixtures/maxtext/fresh_maxtext/1`) converted back by two
+ranks (one writer each, a tiny budget: many chunks per writer) equals, bit for bit and read with plain
+TensorStore, the single-process conversion; the same onto the local S3 server. A rank that fails
+after writing its share (the launch's private fault seam) makes every rank exit non-zero with the
+rank named, and nothing is committed. `to-maxtext` under torchrun is refused in one line (not built).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torchrun_cases import REPO, assert_same_arrays, env, plain_arrays, torchrun
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FRESH_STEP = os.path.join(HERE, "fixtures", "maxtext", "fresh_maxtext", "1")
+LLAMA_LIVE = os.path.join(HERE, "fixtures", "maxtext", "llama", "live")
+HYPER = ["--lr", "0.01", "--betas", "0.9,0.95", "--eps", "1e-8", "--weight-decay", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """from-maxtext in one process (the existing path), read with plain TensorStore."""
+    d = tmp_path_factory.mktemp("mtref")
+    r = subprocess.run([sys.executable, "-m", "bridge.cli", "from-maxtext", FRESH_STEP, str(d / "one"), *HYPER],
+                       capture_output=True, text=True, env=env(), cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    return plain_arrays(str(d / "one"))
+
+
+def _ok(res) -> str:
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+@pytest.mark.slow
+def test_from_maxtext_under_torchrun_equals_one_process(reference, tmp_path):
+    dst = str(tmp_path / "out")
+    out = _ok(torchrun(2, "from-maxtext", FRESH_STEP, dst, *HYPER, "--workers", "1", "--budget", "64k"))
+    assert out.count("wrote ") == 1, out               # rank 0 reports for every rank
+    assert sorted(n for n in os.listdir(dst) if n.startswith("ocdbt.process_")) == ["ocdbt.process_0",
+                                                                                     "ocdbt.process_1"]
+    assert_same_arrays(plain_arrays(dst), reference)
+
+
+@pytest.mark.slow
+def test_from_maxtext_to_s3_under_torchrun(reference, tmp_path):
+    from servers import remote_servers
+
+    with remote_servers() as servers:
+        s3 = servers["s3"]
+        url = s3.url(f"torchrun34/mt-{os.path.basename(str(tmp_path))}")
+        _ok(torchrun(2, "from-maxtext", FRESH_STEP, url, *HYPER, "--workers", "1", "--budget", "64k"))
+        assert_same_arrays(plain_arrays(url), reference)
+
+
+@pytest.mark.slow
+def test_a_failing_rank_stops_every_rank_and_commits_nothing(tmp_path):
+    dst = str(tmp_path / "out")
+    res = torchrun(2, "from-maxtext", FRESH_STEP, dst, *HYPER, "--workers", "1", "--budget", "64k",
+                   extra_env={"_GTPB_TESTING_RANK_FAULT": "1:error"})
+    assert res.returncode != 0
+    assert "rank 1" in res.stderr and "testing fault" in res.stderr, res.stderr[-3000:]
+    assert not os.path.exists(dst)
+
+
+def test_to_maxtext_under_torchrun_is_refused_in_one_line(tmp_path):
+    res = torchrun(2, "to-maxtext", LLAMA_LIVE, str(tmp_path / "mt"))
+    assert res.returncode != 0
+    assert res.stderr.count("gtp-bridge: error: to-maxtext does not run under torchrun yet") == 2, res.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "mt")
