@@ -53,9 +53,9 @@ def _phases(log: str) -> dict:
     """The command's `--json` summary's phases: this process's (A), every rank's (B), from the log."""
     try:
         with open(log, errors="replace") as f:
-            lines = [ln for ln in f if ln.startswith('{"schema"')]
-        rep = json.loads(lines[-1])
-    except (OSError, IndexError, ValueError):
+            text = f.read()
+        rep, _ = json.JSONDecoder().raw_decode(text, text.rindex('{\n "schema"'))   # `emit`'s indented object
+    except (OSError, ValueError):
         return {}
     return {"phases": rep.get("phases", {}), "rank_phases": [r.get("phases", {}) for r in rep.get("ranks", [])]}
 

@@ -92,6 +92,8 @@ def run_to(args: argparse.Namespace) -> int:
 
     w = write_maxtext(args.src, args.root, decoder_block=args.decoder_block, scan_layers=not args.unscanned,
                       stream=stream_options(args))
+    if os.environ.get("RANK", "0") != "0":   # under torchrun rank 0 reports for every rank
+        return 0
     d = w.dims
     print(f"wrote {w.step_dir} (MaxText step dir {w.step - 1 if w.step else 0}, resumes at step {w.step}): "
           f"{d.layers} layers, hidden {d.hidden}, {d.heads} heads / {d.kv_heads} kv, head dim {d.head_dim}, "

@@ -1,6 +1,8 @@
-"""`from-maxtext` under torchrun: every rank writes a share of the writers, rank 0 claims and commits once.
+"""`to-maxtext` / `from-maxtext` under torchrun: every rank writes a share of the writers, rank 0 claims
+and commits once.
 
     torchrun --nnodes N --nproc-per-node P ... gtp-bridge from-maxtext gs://run/checkpoints/1000 DST --workers W
+    torchrun --nnodes N --nproc-per-node P ... gtp-bridge to-maxtext s3://ckpts/logical gs://run/checkpoints
 
 Every rank plans alike (`maxtext_stream.plan_job` for W writers per rank, so the job has W x ranks
 writers in all) and runs the writers of its contiguous share of writer ids
@@ -9,7 +11,8 @@ The steps go through the launch's coordinator (`bridge.dist.TorchCoordinator`), 
 (`converters.megatron.distributed`): the plans' fingerprints must agree; rank 0 claims DST, the other
 ranks see and hold its temp directory (a shared file system, or s3:// / gs://); each rank's writers'
 reports are gathered and rank 0 commits them after the barrier. A failure on any rank raises the same
-one-line error on every rank, naming the rank, and nothing is committed.
+one-line error on every rank, naming the rank, and nothing is committed. `to-maxtext` writes a step of
+a MaxText root: rank 0 alone makes the step (`write_step_ranks`), the ranks write its item together.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from bridge.errors import BridgeError
 from bridge.layout.shares import contiguous_parts
-from bridge.torchrun import Ranks, _testing_fault, check_same_plan, join_claim
+from bridge.torchrun import Ranks, _testing_fault, check_same_plan, command_ranks, join_claim
 
 
 def writers_of(rank: int, world: int, writers: int) -> list[int]:
@@ -65,3 +68,42 @@ def run_job_ranks(ranks: Ranks, src: str, dst: str, plan: Any, total: int, label
             raise BridgeError(f"{dst}: {len(reports)} writer reports for {plan.num_writers} writers")
         coord.broadcast("the commit", lambda: commit(dst, mine["claim"], reports))
     return dst
+
+
+def write_step_ranks(job: str, write_item: Callable[[str, Ranks], int],
+                     write_step: Callable[[Callable[[str], int]], str]) -> str:
+    """A step of a checkpoint root written by every rank of the launch: rank 0 runs `write_step(write)`
+    (which stages the step, calls `write(item_dir)` and commits the step; `bridge.store.manager.
+    write_step`), and every rank runs `write_item(item_dir, ranks)` on the item rank 0 staged. Returns
+    the step directory on every rank. Rank 0's failure outside the item's own collectives (staging the
+    step, committing it) is sent to the other ranks through the stage they wait in."""
+    with command_ranks(job) as ranks:
+        coord = ranks.coord
+        if coord.rank != 0:
+            item = coord.broadcast("the step", lambda: None)
+            write_item(item, ranks)
+            return coord.broadcast("the step's commit", lambda: None)
+        stage = ["the step"]
+
+        def write(item: str) -> int:
+            coord.broadcast("the step", lambda: item)
+            stage[0] = ""   # inside the item's collectives: every rank learns a failure there
+            out = write_item(item, ranks)
+            stage[0] = "the step's commit"
+            return out
+
+        try:
+            step_dir = write_step(write)
+        except Exception as e:  # noqa: BLE001 - told to the ranks waiting in that stage, then raised
+            if not stage[0]:
+                raise
+            coord.broadcast(stage[0], _raising(e))
+            raise
+        return coord.broadcast("the step's commit", lambda: step_dir)
+
+
+def _raising(err: BaseException) -> Callable[[], None]:
+    """A stage's function that fails with `err` (so the coordinator tells every rank)."""
+    def fail() -> None:
+        raise err
+    return fail

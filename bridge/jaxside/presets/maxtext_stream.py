@@ -193,8 +193,10 @@ def _worker_main(q, args) -> None:  # pragma: no cover - subprocess
 
 
 def run_job(src: str, dst: str, job: Job, share: Share, dims: Dims, opts: Options, forward: bool,
-            scalars: Mapping[Path, np.ndarray], manifest, label: str, show_progress: bool | None) -> str:
-    """Claim `dst`, run the writers (in process for one), commit once; returns dst."""
+            scalars: Mapping[Path, np.ndarray], manifest, label: str, show_progress: bool | None,
+            ranks=None) -> str:
+    """Claim `dst`, run the writers (in process for one), commit once; returns dst. Under torchrun
+    (`ranks`, a `bridge.torchrun.Ranks`, or a launch this call joins) this rank's share of the writers."""
     from bridge.store.claim import claim_destination
     from bridge.store.commit import commit_checkpoint
 
@@ -210,11 +212,13 @@ def run_job(src: str, dst: str, job: Job, share: Share, dims: Dims, opts: Option
     def commit(d: str, claim, reports: list[dict]) -> str:
         return commit_checkpoint(d, job.plan, manifest, timeout=60.0, claim=claim, reports=reports)
 
-    if launched_world() > 1:   # a rank of a torchrun launch: its share of the writers, one commit
+    if ranks is not None or launched_world() > 1:   # a rank of a torchrun launch: its share of the writers
         from bridge.jaxside.presets.maxtext_ranks import run_job_ranks
 
-        with command_ranks(f"{label.split()[0]} to {dst}") as ranks:
+        if ranks is not None:
             return run_job_ranks(ranks, src, dst, job.plan, total, label, show_progress, write_share, commit)
+        with command_ranks(f"{label.split()[0]} to {dst}") as joined:
+            return run_job_ranks(joined, src, dst, job.plan, total, label, show_progress, write_share, commit)
     with claim_destination(dst, sources=[src]) as claim:
         with progress(total, label, enabled=show_progress) as bar:
             reports = write_share(claim.tmp, list(range(job.workers)), bar)
@@ -293,9 +297,6 @@ def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", 
     from bridge.store.reader import open_checkpoint
 
     stream = stream or StreamOptions()
-    if launched_world() > 1:
-        raise BridgeError("to-maxtext does not run under torchrun yet: run it as one process (its --workers use "
-                          "the host's cores); from-maxtext does")
     src, dst_root = absolute(location(src, "source")), absolute(location(dst_root, "destination"))
     ck = open_checkpoint(src)
     man = ck.manifest
@@ -343,7 +344,7 @@ def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", 
     total = sum(m.nbytes for m in moves)
     workers, budget = resources(stream, total)
     share = Share.of(budget // workers)
-    job = plan_job(moves, scalars, workers, share, empty_paths=[MT_EMPTY], stacked_outputs=False)
+    job = plan_job(moves, scalars, workers * launched_world(), share, empty_paths=[MT_EMPTY], stacked_outputs=False)
     if stream.announce:
         stream.announce(budget_line("to-maxtext", job.workers, budget))
     sidecar = {"format": 1, "options": asdict(opts), "dims": asdict(dims), "hyper": asdict(hyper),
@@ -355,16 +356,24 @@ def stream_to_maxtext(src: str, dst_root: str, *, decoder_block: str = "qwen2", 
                  "custom_metadata": {"scan_layers": scan_layers}}
     from bridge.store.durable import json_bytes
 
-    def write(item: str) -> int:
+    def write(item: str, ranks=None) -> int:
         run_job(src, item, job, share, dims, opts, True, scalars, None, f"to-maxtext {basename(dst_root)}",
-                stream.show_progress)
+                stream.show_progress, ranks=ranks)
         return dir_step
 
     files = {SIDECAR: json_bytes(sidecar)}
     if not is_remote(dst_root):   # (on object storage the step's commit writes Orbax's marker itself, last)
         files[COMMIT_SUCCESS] = f"Checkpoint commit was successful to {join(dst_root, str(dir_step))}".encode()
-    _, step_dir = write_step(dst_root, write, lambda s: s, step=dir_step, item=ITEMS, step_metadata=step_meta,
-                             files=lambda _r: files)
+    def make_step(write_item) -> str:
+        return write_step(dst_root, write_item, lambda s: s, step=dir_step, item=ITEMS, step_metadata=step_meta,
+                          files=lambda _r: files)[1]
+
+    if launched_world() > 1:   # torchrun: rank 0 makes the step, every rank writes a share of its item
+        from bridge.jaxside.presets.maxtext_ranks import write_step_ranks
+
+        step_dir = write_step_ranks(f"to-maxtext to {dst_root}", write, make_step)
+    else:
+        step_dir = make_step(write)
     note = mc.schedule_note(scheduler_of(man), count)
     return mc.Written(step_dir=step_dir, step=count, overrides=overrides, dims=dims, options=opts,
                       notes=(note,) if note else ())
