@@ -34,6 +34,16 @@ def reference(tmp_path_factory):
     return plain_arrays(str(d / "one"))
 
 
+@pytest.mark.parametrize("name", ["bridge.jaxside.presets.maxtext_ranks", "bridge.phases", "bridge.torchrun",
+                                  "converters.megatron.distributed"])
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+
+    res = doctest.testmod(importlib.import_module(name))
+    assert res.attempted > 0 and res.failed == 0, res
+
+
 def _ok(res) -> str:
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return res.stdout

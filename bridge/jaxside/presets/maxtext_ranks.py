@@ -28,8 +28,8 @@ from bridge.torchrun import Ranks, _testing_fault, check_same_plan, command_rank
 def writers_of(rank: int, world: int, writers: int) -> list[int]:
     """The writer ids rank `rank` of `world` runs: a contiguous run of about writers/world ids.
 
-    >>> [writers_of(r, 2, 4) for r in range(2)], writers_of(1, 2, 1)
-    ([[0, 1], [2, 3]], [])
+    >>> [writers_of(r, 2, 4) for r in range(2)], [writers_of(r, 2, 1) for r in range(2)]
+    ([[0, 1], [2, 3]], [[], [0]])
     """
     parts = contiguous_parts([1] * writers, world)
     return [w for w, r in enumerate(parts) if r == rank]
