@@ -47,3 +47,19 @@ def test_two_nodes_convert_as_one_process(source, reference, tmp_path):  # noqa:
     assert sorted(n for n in os.listdir(dst) if n.startswith("ocdbt.process_")) == \
         [f"ocdbt.process_{r}" for r in range(4)], out
     assert_same_arrays(plain_arrays(dst), reference)
+
+
+@pytest.mark.slow
+def test_a_planning_error_is_told_by_every_rank(tmp_path):
+    """Ranks plan before joining the launch (their writers start meanwhile); a source that is no
+    checkpoint still ends every rank with the same one-line error naming the ranks, nothing written."""
+    src = tmp_path / "not_a_checkpoint"
+    src.mkdir()
+    (src / "junk.txt").write_text("x")
+    res = torchrun(2, "convert", str(src), str(tmp_path / "out"))
+    assert res.returncode != 0
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("gtp-bridge: error:")]
+    assert len(errors) == 2 and errors[0] == errors[1], res.stderr[-3000:]
+    assert "rank 0 failed during planning" in errors[0] and "not a torch_dist checkpoint" in errors[0] \
+        and "also ranks [1]" in errors[0], errors[0]
+    assert not os.path.exists(tmp_path / "out")
