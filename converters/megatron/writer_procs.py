@@ -44,13 +44,11 @@ def _worker_main(q, src_root, units, blocks, plan, tmp, w, share, force, defect_
 
 def _waiting_main(q, jobs) -> None:  # pragma: no cover - subprocess
     """A prestarted writer: import the writer's modules (the seconds a spawned process costs), then
-    wait for its job (`_worker_main`'s arguments after the queue; None: not needed, leave)."""
+    wait for its job (`_worker_main`'s arguments after the queue) or to be killed (`Prestarted.close`)."""
     die_with_parent()
     import converters.megatron.convert  # noqa: F401 - the imports are the point
 
-    job = jobs.get()
-    if job is not None:
-        _worker_main(q, *job)
+    _worker_main(q, *jobs.get())
 
 
 class Prestarted:
@@ -63,7 +61,6 @@ class Prestarted:
         # spawn: TensorStore aborts in a forked child once the parent has used it
         self.ctx = mp.get_context("spawn")
         self.q = self.ctx.Queue()
-        self.t_spawn = time.time()
         self.jobs = [self.ctx.SimpleQueue() for _ in range(n)]
         self.procs = [self.ctx.Process(target=_waiting_main, args=(self.q, j), daemon=True) for j in self.jobs]
         self.handed = False

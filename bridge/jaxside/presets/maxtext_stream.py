@@ -199,7 +199,6 @@ def run_job(src: str, dst: str, job: Job, share: Share, dims: Dims, opts: Option
     (`ranks`, a `bridge.torchrun.Ranks`, or a launch this call joins) this rank's share of the writers."""
     from bridge.store.claim import claim_destination
     from bridge.store.commit import commit_checkpoint
-
     from bridge.torchrun import command_ranks
 
     total = sum(b.size * np.dtype(job.moves[i].dtype).itemsize for i, b in job.blocks)
@@ -262,11 +261,16 @@ def _run_parallel(args: list[tuple], bar) -> list[dict]:
 
 
 def resources(opts: StreamOptions, total_bytes: int) -> tuple[int, int]:
-    """(workers, budget) as `convert` picks them; the announce line is printed by the caller."""
-    workers = default_workers() if opts.workers is None else opts.workers
+    """(workers, budget) as `convert` picks them (under torchrun the defaults take this rank's part
+    of the host: `bridge.torchrun.host_ranks`); the announce line is printed by the caller."""
+    from bridge.torchrun import host_ranks
+
+    on_host = host_ranks()
+    workers = default_workers((os.cpu_count() or 1) // on_host) if opts.workers is None else opts.workers
     if workers < 1:
         raise BridgeError(f"--workers must be >= 1, got {workers}")
-    budget = default_budget(workers, mem_available()) if opts.budget is None else opts.budget
+    free = mem_available()
+    budget = default_budget(workers, free and free // on_host) if opts.budget is None else opts.budget
     if budget < (64 << 10):
         raise BridgeError(f"--budget must be at least 64k, got {budget} bytes")
     return max(1, min(workers, -(-total_bytes // max(1, opts.min_worker_bytes)))), budget
