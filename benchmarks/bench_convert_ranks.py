@@ -10,7 +10,8 @@ plan has the same blocks). The page cache is dropped before each run when runnin
 the libraries are imported once (warm, as on a user's host). Each
 run's wall time is measured as a user runs it (process start included); both outputs must hold the
 same per-array digests (the manifests'), which the commit computed from the bytes each writer wrote.
-Prints one JSON line: the runs, the B / A ratio of each adjacent pair and their median.
+Prints one JSON line: the runs (each with the command's phases from its `--json` summary: A's
+process, every rank of B), the B / A ratio of each adjacent pair and their median.
 """
 
 from __future__ import annotations
@@ -43,9 +44,20 @@ def _report(log: str) -> list[str]:
     """The command's own report lines (the budget line, the per-rank summary, any error)."""
     try:
         with open(log, errors="replace") as f:
-            return [ln.strip() for ln in f if ln.startswith(("convert:", "ranks:", "gtp-bridge:"))][-4:]
+            return [ln.strip() for ln in f if ln.startswith(("convert:", "ranks:", "phases", "gtp-bridge:"))][-5:]
     except OSError:
         return []
+
+
+def _phases(log: str) -> dict:
+    """The command's `--json` summary's phases: this process's (A), every rank's (B), from the log."""
+    try:
+        with open(log, errors="replace") as f:
+            text = f.read()
+        rep, _ = json.JSONDecoder().raw_decode(text, text.rindex('{\n "schema"'))   # `emit`'s indented object
+    except (OSError, ValueError):
+        return {}
+    return {"phases": rep.get("phases", {}), "rank_phases": [r.get("phases", {}) for r in rep.get("ranks", [])]}
 
 
 def main() -> None:
@@ -70,11 +82,11 @@ def main() -> None:
     t0 = time.perf_counter()
     scale_synth.write(src, sizes, "dp_reshardable", scale_synth.default_bucket_size(sizes))
     gen_s = time.perf_counter() - t0
-    gtpb = [sys.executable, "-m", "bridge.cli", "convert", src, out]
+    gtpb = [sys.executable, "-m", "bridge.cli", "convert", src, out, "--json"]
     one = gtpb + ["--workers", str(a.workers), "--budget", str(per * a.workers)]
     w = a.workers // a.ranks
     ranks = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.ranks}",
-             "-m", "bridge.cli", "convert", src, out, "--workers", str(w), "--budget", str(per * w)]
+             "-m", "bridge.cli", "convert", src, out, "--json", "--workers", str(w), "--budget", str(per * w)]
     order = ["A", "B", "B", "A"] * ((a.reps + 1) // 2)
     order = order[:2 * a.reps]
     runs, first = [], {}
@@ -90,7 +102,7 @@ def main() -> None:
         log = os.path.join(a.dir, f"{name}{len(runs)}.log")
         r = sm.measure(one if name == "A" else ranks, log=log)
         rec = {"run": name, "rc": r.rc, "seconds": round(r.seconds, 2), "dropped_caches": dropped,
-               "peak_process_rss": r.peak_process_rss, "report": _report(log)}
+               "peak_process_rss": r.peak_process_rss, "report": _report(log), **_phases(log)}
         if r.rc == 0:
             d = digests(out)
             first.setdefault("digests", d)

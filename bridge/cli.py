@@ -72,7 +72,12 @@ def examples_text(choices: dict[str, argparse.ArgumentParser]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse, run the subcommand, turn errors into one line and an exit code."""
-    return run(build_parser, argv)
+    rc = run(build_parser, argv)
+    if argv is None:   # the program itself (not a caller's argv): a torchrun rank leaves at once
+        from bridge.torchrun import leave_launch
+
+        leave_launch(rc)
+    return rc
 
 
 def run(make_parser: Callable[[], argparse.ArgumentParser], argv: list[str] | None = None) -> int:

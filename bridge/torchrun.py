@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from bridge.dist import TorchCoordinator
 from bridge.errors import BridgeError
+from bridge.location import is_remote
+from bridge.store.claim import hold_claim
 
 #: how long a collective waits for a slow rank: a rank converting its share of a large checkpoint
 #: reaches the barrier after its whole share is written (a rank that dies is noticed at once: its
@@ -63,6 +66,25 @@ def launched_world(environ: Mapping[str, str] = os.environ) -> int:
     return world
 
 
+def leave_launch(rc: int, environ: Mapping[str, str] = os.environ) -> None:
+    """As a rank of a torchrun launch of 2+ whose command has finished (committed, or failed on every
+    rank alike): flush the output and end the process now with `rc`. The interpreter's teardown of
+    torch, gloo and TensorStore (~1.3 s measured on the CPU machine) is time every rank, hence the
+    launch, waits for at the end while there is nothing left to write or release; one process
+    (no launch) returns and exits as usual."""
+    try:
+        if launched_world(environ) == 1:
+            return
+    except BridgeError:
+        return
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(rc)
+
+
 def host_ranks(environ: Mapping[str, str] = os.environ) -> int:
     """Ranks of the launch on this host (torchrun's LOCAL_WORLD_SIZE; 1 without a launch): the
     defaults that size themselves from the host (memory budget, worker count) take 1/host_ranks each.
@@ -85,6 +107,9 @@ class Ranks:
 
     coord: TorchCoordinator
     counter: "RankCounter"
+    #: seconds this process spent importing torch.distributed and joining the launch (the rendezvous
+    #: and the process group): phases of its report that one process does not have
+    phases: dict = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -105,10 +130,13 @@ def command_ranks(job: str, environ: Mapping[str, str] = os.environ) -> Iterator
     if launched_world(environ) == 1:
         yield None
         return
+    t0 = time.perf_counter()
     import torch.distributed as dist
 
+    phases = {"torch_import": round(time.perf_counter() - t0, 3)}
     made = not dist.is_initialized()
     store = None
+    t0 = time.perf_counter()
     if made:
         store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)))
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
@@ -117,10 +145,38 @@ def command_ranks(job: str, environ: Mapping[str, str] = os.environ) -> Iterator
         coord = TorchCoordinator(dist.group.WORLD, job=job, device=_cpu())
         counter = RankCounter(dist.PrefixStore(f"gtpb-progress/{job}", store) if store is not None else None,
                               coord.rank)
-        yield Ranks(coord, counter)
+        phases["rendezvous"] = round(time.perf_counter() - t0, 3)
+        yield Ranks(coord, counter, phases)
     finally:
         if made:
             dist.destroy_process_group()
+
+
+def check_same_plan(fingerprints: Sequence[str]) -> None:
+    """Every rank must have planned the same conversion; else name the ranks that differ from rank 0.
+
+    >>> check_same_plan(["a", "a"])
+    >>> check_same_plan(["a", "b", "a"])
+    Traceback (most recent call last):
+    ...
+    bridge.errors.BridgeError: ranks [1] planned another conversion than rank 0 (their source, flags or gtp-bridge version differ); start every rank with the same SRC, DST and flags
+    """
+    other = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
+    if other:
+        raise BridgeError(f"ranks {other} planned another conversion than rank 0 (their source, flags or gtp-bridge "
+                          f"version differ); start every rank with the same SRC, DST and flags")
+
+
+def join_claim(stack: ExitStack, tmp: str, dst: str) -> bool:
+    """On a rank other than 0: rank 0's temp directory must be visible here; hold it while writing
+    (so no other run takes it for a stale one)."""
+    if is_remote(tmp):
+        return True
+    if not os.path.isdir(tmp):
+        raise BridgeError(f"rank 0's temporary directory {tmp} for {dst} is not visible here: under torchrun DST "
+                          f"must be on a file system every rank shares, or on s3:// / gs://")
+    stack.enter_context(hold_claim(tmp))
+    return True
 
 
 def _cpu() -> Any:

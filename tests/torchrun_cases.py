@@ -41,11 +41,14 @@ def _kvstore(root: str) -> dict:
         bucket, _, prefix = root[len("s3://"):].partition("/")
         return {"driver": "s3", "bucket": bucket, "path": prefix.rstrip("/") + "/",
                 "endpoint": os.environ["AWS_ENDPOINT_URL"], "aws_region": os.environ.get("AWS_REGION", "us-east-1")}
+    if root.startswith("gs://"):   # the local GCS server: TensorStore reads TENSORSTORE_GCS_HTTP_URL
+        bucket, _, prefix = root[len("gs://"):].partition("/")
+        return {"driver": "gcs", "bucket": bucket, "path": prefix.rstrip("/") + "/"}
     return {"driver": "file", "path": root.rstrip("/") + "/"}
 
 
 def plain_arrays(root: str) -> dict[str, np.ndarray]:
-    """Every array of the checkpoint at `root` (a directory or s3:// prefix), by its OCDBT key name."""
+    """Every array of the checkpoint at `root` (a directory, s3:// or gs:// prefix), by its OCDBT key name."""
     import tensorstore as ts
 
     base = _kvstore(root)
@@ -65,3 +68,29 @@ def assert_same_arrays(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) 
         a, b = got[name], want[name]
         assert (a.dtype, a.shape) == (b.dtype, b.shape), name
         assert a.tobytes() == b.tobytes(), name
+
+
+def two_nodes(nproc: int, *argv: str, timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """`gtp-bridge argv` as a launch of two "nodes" on this machine: two torchrun agents, `--nnodes 2
+    --node-rank 0/1`, `nproc` ranks each, meeting through a c10d rendezvous on localhost (as two
+    hosts do through the first one's address); both agents' results, node 0's first."""
+    from servers import free_port
+
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc-per-node={nproc}",
+               f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               f"--rdzv-id=gtpb-two-nodes-{port}", f"--rdzv-conf=is_host={1 - node}",
+               "-m", "bridge.cli", *argv]
+        procs.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+    return out

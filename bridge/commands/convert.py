@@ -184,9 +184,10 @@ def _convert(args: argparse.Namespace):
     if inferred:
         print("inferred: " + ", ".join(inferred))
     if res.ranks:
-        from converters.megatron.distributed import rank_summary
+        from converters.megatron.distributed import phases_line, rank_summary
 
         print(rank_summary(res.ranks, sum(res.timings.values())))
+        print(phases_line(res.ranks))
     return res
 
 

@@ -110,7 +110,9 @@ def stream_options(args: argparse.Namespace):
     from bridge.units import parse_size
 
     budget = parse_size(args.budget) if args.budget is not None else None
-    return StreamOptions(workers=args.workers, budget=budget, announce=lambda line: print(line, flush=True))
+    first = os.environ.get("RANK", "0") == "0"   # under torchrun rank 0 speaks for every rank
+    return StreamOptions(workers=args.workers, budget=budget, show_progress=None if first else False,
+                         announce=(lambda line: print(line, flush=True)) if first else None)
 
 
 def run_to(args: argparse.Namespace) -> int:
@@ -123,6 +125,8 @@ def run_to(args: argparse.Namespace) -> int:
     w = write_maxtext(args.src, args.root, decoder_block=args.decoder_block, scan_layers=not args.unscanned,
                       stream=stream_options(args), num_experts_per_tok=args.num_experts_per_tok,
                       schedule=schedule)
+    if os.environ.get("RANK", "0") != "0":   # under torchrun rank 0 reports for every rank
+        return 0
     d = w.dims
     print(f"wrote {w.step_dir} (MaxText step dir {w.step - 1 if w.step else 0}, resumes at step {w.step}): "
           f"{d.layers} layers, hidden {d.hidden}, {d.heads} heads / {d.kv_heads} kv, head dim {d.head_dim}, "
@@ -199,6 +203,8 @@ def run_from(args: argparse.Namespace) -> int:
     res = read_maxtext(args.src, args.dst, hyper=hyper, options=opts, stream=stream_options(args),
                        topk=args.num_experts_per_tok,
                        schedule=run_schedule(args))
+    if os.environ.get("RANK", "0") != "0":   # under torchrun rank 0 reports for every rank
+        return 0
     d = res["dims"]
     how = "sidecar of the run gtp-bridge wrote" if res["sidecar"] else "the given AdamW settings"
     print(f"wrote {res['dst']} from {res['items']} (step {res['trained_steps']}, Adam count {res['adam_count']}): "

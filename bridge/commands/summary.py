@@ -48,7 +48,8 @@ def convert_json(res: Any, src: str, given: list[str], inferred: list[str]) -> d
     return {"schema": SCHEMA, "command": "convert", "source": src, "destination": res.dst,
             "source_format": res.source_format, "layout": res.layout, "step": res.step, "params": res.params,  # foreign: report keys
             "arrays": res.arrays, "array_bytes": res.bytes, "workers": res.workers, "budget": res.budget,
-            "given": given, "inferred": inferred, "warnings": list(res.warnings)}
+            "given": given, "inferred": inferred, "warnings": list(res.warnings),
+            "phases": dict(res.phases), "ranks": list(res.ranks)}
 
 
 def dry_run_json(cp: Any, src: str, dst: str, facts: list[Any]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from bridge.layout.chunks import ArrayOwnership, grid_shape
 from bridge.layout.parallel import ParallelLayout
 from bridge.format.scheduler import SchedulerRecord
 from bridge.torchrun import host_ranks
+from bridge.worker_life import TESTING_HOLD_ENV as _TESTING_HOLD_ENV, testing_hold as _testing_hold  # noqa: F401 - the seam's name, for tests
 from bridge.format.manifest import (MEGATRON_KEY, REPLICAS_KEY, Manifest, MegatronParam, MegatronRecord, OptimizerConfig,
                                     SourceLayout)
 from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_DTYPE, SCALAR_PATHS, STATE_ROLE,
@@ -113,6 +114,10 @@ class ConvertResult:
     ranks: list[dict] = field(default_factory=list)
     #: the manifest's ReplicaRecord (JSON): replicated copies compared, and those that differ
     replicas: dict = field(default_factory=dict)
+    #: this process's wall seconds by phase, "start" (process start to the call: interpreter, imports,
+    #: parsing) first; under torchrun also the launch's own (torch_import, rendezvous, plan_exchange,
+    #: claim, barrier): `bridge.phases`
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -645,19 +650,6 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
     return warnings, cache.bytes_read, cache.crcs.spans(), replica_check.diffs
 
 
-#: private test seam, not an option: a directory where each writer, once its first block is written,
-#: creates `held.<writer>` and then waits, so that a test signals a run known to be mid-write
-_TESTING_HOLD_ENV = "_GTP_BRIDGE_TESTING_HOLD_WRITERS"
-
-
-def _testing_hold(writer_id: int) -> None:
-    where = os.environ.get(_TESTING_HOLD_ENV)
-    if where and not os.path.exists(os.path.join(where, f"held.{writer_id}")):
-        open(os.path.join(where, f"held.{writer_id}"), "w").close()
-        while True:
-            time.sleep(3600)   # until the test's signal ends the run
-
-
 def check_mirrors(cache: ChunkCache, unit: Unit, b: Block, bufs: dict[str, np.ndarray], force: bool,
                   warnings: list[str]) -> None:
     """The last pipeline stage's copy of tied embeddings must equal the first stage's, bit for bit
@@ -898,9 +890,11 @@ def plan_conversion(src_dir: str, opts: ConvertOptions | None = None, budget: in
                        share, step, groups, total_bytes, is_defect_suspect(src), hints, budget, opts.workers)
 
 
-def write_share(cp: ConvertPlan, tmp: str, writers: Sequence[int], force: bool, bar, timings: dict[str, float]) -> list[tuple]:
-    """Run `writers` of plan `cp` into `tmp` (in this process when one, else one process each), each
-    publishing its report; returns their results (warnings, bytes read, CRC spans to check)."""
+def write_share(cp: ConvertPlan, tmp: str, writers: Sequence[int], force: bool, bar, timings: dict[str, float],
+                pool=None) -> list[tuple]:
+    """Run `writers` of plan `cp` into `tmp` (in this process when one, else one process each: those
+    of `pool`, a `writer_procs.Prestarted`, when given), each publishing its report; returns their
+    results (warnings, bytes read, CRC spans to check)."""
     per = {w: cp.blocks_of(w) for w in writers}
     if not per:
         return []
@@ -909,7 +903,7 @@ def write_share(cp: ConvertPlan, tmp: str, writers: Sequence[int], force: bool, 
         return [run_blocks(str(cp.ck.root), dict(enumerate(cp.units)), blocks, cp.plan, tmp, w, cp.share,
                            force, cp.suspect, cp.step or 0, on_progress=bar.update)]
     return run_parallel(run_blocks, str(cp.ck.root), cp.units, per, cp.plan, tmp, cp.share, force, cp.suspect,
-                         cp.step or 0, bar, timings)
+                         cp.step or 0, bar, timings, pool=pool)
 
 
 def record_replicas(manifest: Manifest, units: Sequence[Unit], diffs: Sequence, strict: bool):

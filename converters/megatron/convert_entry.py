@@ -12,6 +12,7 @@ import sys
 import time
 
 from bridge.format.manifest import REPLICAS_KEY
+from bridge.phases import seconds_since_start
 from bridge.location import absolute, basename, is_remote, location
 from bridge.progress import progress
 from bridge.store.claim import check_destination_free, check_sources, claim_destination
@@ -29,6 +30,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
 
     Under torchrun (WORLD_SIZE > 1) every rank calls it alike and converts a share of the blocks
     (`converters.megatron.distributed`); the commit is one, after every rank's share is written."""
+    started = seconds_since_start() or 0.0   # the phase before this call (interpreter, imports, parsing)
     src_dir, dst = location(src_dir, "source"), location(dst, "destination")
     opts = opts or ConvertOptions()
     dst = absolute(dst)
@@ -39,7 +41,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     timings: dict[str, float] = {}
     budget, asked_workers = resources(opts)
     if launched_world() > 1:
-        return convert_ranks(src_dir, dst, opts, budget, asked_workers)
+        return convert_ranks(src_dir, dst, opts, budget, asked_workers, started=started)
     cp = plan_conversion(src_dir, opts, budget, asked_workers)
     ck, src, units, plan, manifest, workers = cp.ck, cp.src, cp.units, cp.plan, cp.manifest, cp.workers
     step, total_bytes = cp.step, cp.total_bytes
@@ -70,4 +72,5 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
         print(f"gtp-bridge: warning: {w}", file=sys.stderr)
     return ConvertResult(dst, src.format_label, src.layout.to_json(), len(plan.arrays), plan.total_bytes,
                          len(units), step, warnings, src.inferred, workers, budget, timings,
-                         replicas=manifest.extra[REPLICAS_KEY])
+                         replicas=manifest.extra[REPLICAS_KEY],
+                         phases={"start": started, **{k: round(v, 3) for k, v in timings.items()}})

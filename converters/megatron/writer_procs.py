@@ -7,31 +7,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import sys
 import time
 import traceback
 from typing import Any, Callable, Sequence
 
 from bridge.errors import BridgeError
+from bridge.worker_life import die_with_parent
 from bridge.store.plan import WritePlan
 from converters.megatron.plan.convert_plan import Block, Unit
-
-
-def die_with_parent() -> None:
-    """In a worker: be killed (SIGKILL) when the parent process dies, however it dies (Linux), and
-    leave SIGINT to the parent, which stops the workers and cleans up."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() == 1:  # the parent died before the death signal was armed
-        os._exit(1)
 
 
 def _worker_main(q, run_blocks, src_root, units, blocks, plan, tmp, w, share, force, defect_suspect,  # pragma: no cover - subprocess
@@ -58,27 +42,75 @@ def _worker_main(q, run_blocks, src_root, units, blocks, plan, tmp, w, share, fo
         traceback.print_exc(file=sys.stderr)
 
 
+def _waiting_main(q, jobs, run_blocks) -> None:  # pragma: no cover - subprocess
+    """A prestarted writer: receiving `run_blocks` (pickled by reference) imports the writer's modules
+    (the seconds a spawned process costs); then wait for its job (`_worker_main`'s arguments after the
+    queue) or to be killed (`Prestarted.close`)."""
+    die_with_parent()
+    _worker_main(q, *jobs.get())
+
+
+class Prestarted:
+    """`n` writer processes started before their jobs are known: spawning them (interpreter start and
+    imports, seconds each) overlaps whatever the parent does meanwhile, e.g. a torchrun rank joining
+    its launch and claiming the destination (`converters.megatron.distributed`). `run_parallel` hands
+    them their jobs; `close()` ends those that got none (a failed launch) and is idempotent."""
+
+    def __init__(self, n: int, run_blocks: Callable[..., Any]) -> None:
+        # spawn: TensorStore aborts in a forked child once the parent has used it
+        self.ctx = mp.get_context("spawn")
+        self.q = self.ctx.Queue()
+        self.jobs = [self.ctx.SimpleQueue() for _ in range(n)]
+        self.procs = [self.ctx.Process(target=_waiting_main, args=(self.q, j, run_blocks), daemon=True) for j in self.jobs]
+        self.handed = False
+        try:
+            for p in self.procs:
+                p.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.handed:
+            return   # run_parallel owns them now (and stops them on its errors)
+        self.handed = True
+        for p in self.procs:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+        for p in self.procs:
+            if p.pid is not None:
+                p.join()
+
+
 def run_parallel(run_blocks: Callable[..., Any], root: str, units: Sequence[Unit], per: dict[int, list[Block]],
                  plan: WritePlan, tmp: str, share: int, force: bool, suspect: bool, step: int, bar,
-                 timings: dict[str, float] | None = None) -> list[tuple]:
+                 timings: dict[str, float] | None = None, pool: Prestarted | None = None) -> list[tuple]:
     """One process per writer of `per` (writer id -> its blocks), each calling `run_blocks` (a module-level
-    function: the spawned process imports it by name) on its blocks; their results in writer order."""
-    # spawn: TensorStore aborts in a forked child once the parent has used it
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = []
+    function: the spawned process imports it by name) on its blocks; their results in writer order.
+    With `pool` (as many processes as writers, not yet handed jobs) its processes run them."""
+    args = [(run_blocks, root, {b.unit: units[b.unit] for b in blocks}, blocks, plan, tmp, w, share, force, suspect, step)
+            for w, blocks in per.items()]
+    if pool is not None and (pool.handed or len(pool.procs) != len(args)):
+        raise BridgeError(f"internal: {len(pool.procs)} prestarted writers for {len(args)} jobs")
+    if pool is not None:   # started earlier: what is left of their start shows from the hand-over on
+        q, procs, t_spawn = pool.q, pool.procs, time.time()
+        pool.handed = True
+    else:
+        ctx = mp.get_context("spawn")   # spawn: TensorStore aborts in a forked child once the parent has used it
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_worker_main, args=(q, *a), daemon=True) for a in args]
+        t_spawn = time.time()
     ids = list(per)
-    for w, blocks in per.items():
-        mine = {b.unit: units[b.unit] for b in blocks}
-        procs.append(ctx.Process(target=_worker_main, args=(q, run_blocks, root, mine, blocks, plan, tmp, w, share,
-                                                            force, suspect, step), daemon=True))
     done: dict[int, Any] = {}
     errors: list[str] = []
     spans: dict[int, tuple[float, float]] = {}   # worker -> wall clock at work, done
-    t_spawn = time.time()
     try:
-        for p in procs:
-            p.start()
+        if pool is not None:
+            for jobs, a in zip(pool.jobs, args):
+                jobs.put(a)
+        else:
+            for p in procs:
+                p.start()
         while len(done) + len(errors) < len(procs):
             try:
                 kind, w, payload = q.get(timeout=1.0)

@@ -26,6 +26,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from bridge.errors import BridgeError
+from bridge.torchrun import launched_world
+from bridge.worker_life import die_with_parent, testing_hold
 from bridge.format import schema
 from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, _value_forward, _value_inverse, block_for,
                                            check_llama, maxtext_moe_module, maxtext_overrides)
@@ -168,6 +170,7 @@ def write_blocks(src: str, tmp: str, job: Job, writer_id: int, share: Share, dim
         if on_progress:
             on_progress(y.nbytes)
         del y
+        testing_hold(writer_id)
     if writer_id == 0:
         for p, a in scalars.items():
             writer.write(p, Box((), ()), np.asarray(a))
@@ -175,6 +178,7 @@ def write_blocks(src: str, tmp: str, job: Job, writer_id: int, share: Share, dim
 
 
 def _worker_main(q, args) -> None:  # pragma: no cover - subprocess
+    die_with_parent()   # a SIGKILLed command leaves no writer behind
     w = args[3]
     try:
         rep = write_blocks(*args, on_progress=lambda n: q.put(("p", w, n)))
@@ -192,20 +196,35 @@ def _worker_main(q, args) -> None:  # pragma: no cover - subprocess
 
 
 def run_job(src: str, dst: str, job: Job, share: Share, dims: Dims, opts: Options, forward: bool,
-            scalars: Mapping[Path, np.ndarray], manifest, label: str, show_progress: bool | None) -> str:
-    """Claim `dst`, run the writers (in process for one), commit once; returns dst."""
+            scalars: Mapping[Path, np.ndarray], manifest, label: str, show_progress: bool | None,
+            ranks=None) -> str:
+    """Claim `dst`, run the writers (in process for one), commit once; returns dst. Under torchrun
+    (`ranks`, a `bridge.torchrun.Ranks`, or a launch this call joins) this rank's share of the writers."""
     from bridge.store.claim import claim_destination
     from bridge.store.commit import commit_checkpoint
+    from bridge.torchrun import command_ranks
 
     total = sum(b.size * np.dtype(job.moves[i].dtype).itemsize for i, b in job.blocks)
+
+    def write_share(tmp: str, ids, bar) -> list[dict]:
+        if len(ids) == 1:   # one writer here: in this process
+            return [write_blocks(src, tmp, job, ids[0], share, dims, opts, forward, scalars, bar.update)]
+        return _run_parallel([(src, tmp, job, w, share, dims, opts, forward, scalars) for w in ids], bar) if ids else []
+
+    def commit(d: str, claim, reports: list[dict]) -> str:
+        return commit_checkpoint(d, job.plan, manifest, timeout=60.0, claim=claim, reports=reports)
+
+    if ranks is not None or launched_world() > 1:   # a rank of a torchrun launch: its share of the writers
+        from bridge.jaxside.presets.maxtext_ranks import run_job_ranks
+
+        if ranks is not None:
+            return run_job_ranks(ranks, src, dst, job.plan, total, label, show_progress, write_share, commit)
+        with command_ranks(f"{label.split()[0]} to {dst}") as joined:
+            return run_job_ranks(joined, src, dst, job.plan, total, label, show_progress, write_share, commit)
     with claim_destination(dst, sources=[src]) as claim:
         with progress(total, label, enabled=show_progress) as bar:
-            if job.workers == 1:
-                reports = [write_blocks(src, claim.tmp, job, 0, share, dims, opts, forward, scalars, bar.update)]
-            else:
-                reports = _run_parallel([(src, claim.tmp, job, w, share, dims, opts, forward, scalars)
-                                         for w in range(job.workers)], bar)
-        return commit_checkpoint(dst, job.plan, manifest, timeout=60.0, claim=claim, reports=reports)
+            reports = write_share(claim.tmp, list(range(job.workers)), bar)
+        return commit(dst, claim, reports)
 
 
 def _run_parallel(args: list[tuple], bar) -> list[dict]:
@@ -245,11 +264,16 @@ def _run_parallel(args: list[tuple], bar) -> list[dict]:
 
 
 def resources(opts: StreamOptions, total_bytes: int) -> tuple[int, int]:
-    """(workers, budget) as `convert` picks them; the announce line is printed by the caller."""
-    workers = default_workers() if opts.workers is None else opts.workers
+    """(workers, budget) as `convert` picks them (under torchrun the defaults take this rank's part
+    of the host: `bridge.torchrun.host_ranks`); the announce line is printed by the caller."""
+    from bridge.torchrun import host_ranks
+
+    on_host = host_ranks()
+    workers = default_workers((os.cpu_count() or 1) // on_host) if opts.workers is None else opts.workers
     if workers < 1:
         raise BridgeError(f"--workers must be >= 1, got {workers}")
-    budget = default_budget(workers, mem_available()) if opts.budget is None else opts.budget
+    free = mem_available()
+    budget = default_budget(workers, free and free // on_host) if opts.budget is None else opts.budget
     if budget < (64 << 10):
         raise BridgeError(f"--budget must be at least 64k, got {budget} bytes")
     return max(1, min(workers, -(-total_bytes // max(1, opts.min_worker_bytes)))), budget
@@ -340,7 +364,7 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
     total = sum(m.nbytes for m in moves)
     workers, budget = resources(stream, total)
     share = Share.of(budget // workers)
-    job = plan_job(moves, scalars, workers, share, empty_paths=[MT_EMPTY], stacked_outputs=False)
+    job = plan_job(moves, scalars, workers * launched_world(), share, empty_paths=[MT_EMPTY], stacked_outputs=False)
     if stream.announce:
         stream.announce(budget_line("to-maxtext", job.workers, budget))
     sidecar = {"format": 1, "options": asdict(opts), "dims": asdict(dims), "hyper": asdict(hyper),
@@ -352,16 +376,24 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
                  "custom_metadata": {"scan_layers": scan_layers}}
     from bridge.store.durable import json_bytes
 
-    def write(item: str) -> int:
+    def write(item: str, ranks=None) -> int:
         run_job(src, item, job, share, dims, opts, True, scalars, None, f"to-maxtext {basename(dst_root)}",
-                stream.show_progress)
+                stream.show_progress, ranks=ranks)
         return dir_step
 
     files = {SIDECAR: json_bytes(sidecar)}
     if not is_remote(dst_root):   # (on object storage the step's commit writes Orbax's marker itself, last)
         files[COMMIT_SUCCESS] = f"Checkpoint commit was successful to {join(dst_root, str(dir_step))}".encode()
-    _, step_dir = write_step(dst_root, write, lambda s: s, step=dir_step, item=ITEMS, step_metadata=step_meta,
-                             files=lambda _r: files)
+    def make_step(write_item) -> str:
+        return write_step(dst_root, write_item, lambda s: s, step=dir_step, item=ITEMS, step_metadata=step_meta,
+                          files=lambda _r: files)[1]
+
+    if launched_world() > 1:   # torchrun: rank 0 makes the step, every rank writes a share of its item
+        from bridge.jaxside.presets.maxtext_ranks import write_step_ranks
+
+        step_dir = write_step_ranks(f"to-maxtext to {dst_root}", write, make_step)
+    else:
+        step_dir = make_step(write)
     return mc.Written(step_dir=step_dir, step=count, overrides=overrides, dims=dims, options=opts,
                       notes=planned.notes)
 
@@ -484,7 +516,8 @@ def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Opt
     total = sum(m.nbytes for m in moves)
     workers, budget = resources(stream, total)
     share = Share.of(budget // workers)
-    job = plan_job(moves, scalars, workers, share, empty_paths=schema.adamw_empty_paths())
+    # under torchrun every rank runs `workers` writers of its own with its own budget (bridge.torchrun)
+    job = plan_job(moves, scalars, workers * launched_world(), share, empty_paths=schema.adamw_empty_paths())
     if stream.announce:
         stream.announce(budget_line("from-maxtext", job.workers, budget))
     run_job(items, dst, job, share, dims, opts, False, scalars, man, f"from-maxtext {basename(dst)}",
