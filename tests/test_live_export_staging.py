@@ -87,7 +87,7 @@ def _export(dst: str, flush_commits: bool, depth: int = 1, part: int = 2048):
     plan = _plan(src, 512, chunk_rows=8)
     tmp = begin_checkpoint(dst)
     writer = _Watched(CheckpointWriter(tmp, plan, 0, inflight_bytes=1 << 20, commit_depth=depth), flush_commits)
-    staged = StagedWriter(writer, (depth + 2) * part, commits_in_flight=depth, stage_all=True, cut_cells=False)
+    staged = StagedWriter(writer, (depth + 2) * part, commit_depth=depth, stage_all=True, cut_cells=False)
     staged.write_items(_items(src))
     staged.finish()
     commit_checkpoint(dst, plan)
@@ -208,7 +208,7 @@ def test_cells_cut_before_staging_are_written_without_a_second_copy(tmp_path):
         writer = Boxes(CheckpointWriter(begin_checkpoint(dst), plan, 0, inflight_bytes=1 << 20, commit_depth=2))
         items = [WriteItem(".".join(p), Box((r, 0), (r + 256, a.shape[1])), from_numpy(a[r:r + 256].copy()))
                  for p, a in src.items() for r in range(0, a.shape[0], 256)]
-        staged = StagedWriter(writer, 4 << 20, commits_in_flight=2, stage_all=True, cut_cells=cut)
+        staged = StagedWriter(writer, 4 << 20, commit_depth=2, stage_all=True, cut_cells=cut)
         staged.write_items(items)
         staged.finish()
         commit_checkpoint(dst, plan)

@@ -639,7 +639,7 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
         # it references them instead of copying (donate); so does every staged buffer.
         writer = attempt(lambda: StagedWriter(
             _store_writer(seams, tmp, wplan, rank, inflight_bytes=batch, digest=opts.digest, depth=depth),
-            (depth + 2) * batch, commits_in_flight=depth, stage_all=seams.stage_all, buffers=buffers,
+            (depth + 2) * batch, commit_depth=depth, stage_all=seams.stage_all, buffers=buffers,
             on_bytes=bar.update))
 
         def write_all(items: list[WriteItem]) -> None:
