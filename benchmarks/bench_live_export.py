@@ -361,7 +361,7 @@ def _worker(rank: int, world: int, init: str, args: dict, out_json: str, writer_
     # diagnostic: writer commits in flight while device data is staged
     opts = ExportOptions(inflight_bytes=args["inflight"], target_chunk_bytes=args["chunk"],
                          inner_chunk_bytes=args["inner"], digest=args["digest"],
-                         **({"device_commits": args["device_commits"]} if args.get("device_commits") else {}))
+                         **({"commit_depth": args["device_commits"]} if args.get("device_commits") else {}))
     exporter = Exporter()
     device = torch.device("cpu")
     if args["backend"] == "nccl":

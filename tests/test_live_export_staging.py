@@ -157,7 +157,7 @@ def _export_staged(rank, world, dst, commits=1):
     run = LiveRun(ParallelLayout(tp=1, gtp=2, dp=2), rank, STEP, AdamConfig(lr=1e-3))
     with _testing.seams(stage_all=True):
         rep = export_state(dst, run, params, ExportOptions(inflight_bytes=3 * 1024, target_chunk_bytes=64,
-                                                           device_commits=commits))
+                                                           commit_depth=commits))
     return {"peak": rep.staging.peak_bytes, "calls": rep.staging.write_calls}
 
 

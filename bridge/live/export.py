@@ -26,7 +26,7 @@ import hashlib
 import queue
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -50,6 +50,7 @@ from bridge.live.snapshot import HostSlots, Recipe, SlotRing, Snapshot, Snapshot
 from bridge.live.staging import HostBuffers, StagedWriter, StagingStats, WriteItem
 from bridge.dtypes import to_numpy
 from bridge.progress import progress
+from bridge.renamed import renamed
 from bridge.store.claim import held_destination
 from bridge.store.commit import begin_checkpoint, commit_checkpoint
 from bridge.format.manifest import (GROUP_PARAMS, OPTIMIZER_EXTRA_KEY, PADS_KEY, Manifest, OptimizerConfig,
@@ -77,12 +78,22 @@ class ExportOptions:
     # read amplification is <= 1.2 (`bridge.live.plan.choose_inner_bytes`), None the whole outer chunk.
     inner_chunk_bytes: int | str | None = "auto"
     # Writer commits in flight while device data is staged (each costs one more pinned buffer of a batch).
-    device_commits: int = 2
+    commit_depth: int = 2
     # Asynchronous export (`Exporter.export_async`): bytes of host staging slots at most (None: as many
     # as this rank's share of the checkpoint, so the call returns right after its device -> host
     # copies; less: the call also waits while the writer frees slots: less memory, longer blocked).
     staging_bytes: int | None = None
     # (Tests and benchmarks vary the writer and the staging path through `bridge._testing`, not here.)
+    # Former names, accepted with a DeprecationWarning (not fields: no part of the plan's cache key).
+    device_commits: InitVar[int | None] = None
+
+    def __post_init__(self, device_commits: int | None) -> None:
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for old, new, value in (("device_commits", "commit_depth", device_commits),):
+            if value is not None:
+                given = getattr(self, new)
+                mine = None if given == defaults[new] else given
+                object.__setattr__(self, new, renamed("ExportOptions", old, new, value, mine, stacklevel=4))
 
 
 @dataclass(frozen=True)
@@ -515,7 +526,7 @@ class Exporter:
         # with `count` slots at most count - 1 may be in flight for the copier to make progress.
         return _StageJob(Snapshot(SlotRing(slots), cuda, recipe, items), nbatch, stats, failed, bytes_sent, recv,
                          on_stage, clock,
-                         depth=max(1, min(opts.device_commits, count - 1)))
+                         depth=max(1, min(opts.commit_depth, count - 1)))
 
     def _holdings(self, params: Sequence[LocalParam], run: LiveRun, rank: int) -> tuple[list[Holding], _Local]:
         """This rank's holdings (current tensors) and its summary, reusing the pieces of an equal signature."""
@@ -597,11 +608,14 @@ def export_state_async(dst: str, run: LiveRun, params: Sequence[LocalParam], opt
                                                  on_commit=on_commit)
 
 
+_FORMER_NAMES = {"device_commits"}  # still accepted as keyword overrides (with a DeprecationWarning)
+
+
 def _options(options: ExportOptions | None, fields: dict) -> ExportOptions | None:
     """`options` with keyword overrides named like `ExportOptions` fields (unknown names refused)."""
     if not fields:
         return options
-    names = {f.name for f in dataclasses.fields(ExportOptions)}
+    names = {f.name for f in dataclasses.fields(ExportOptions)} | _FORMER_NAMES
     bad = sorted(set(fields) - names)
     if bad:
         raise BridgeError(f"export_state: unknown option {bad[0]!r}; the options are {', '.join(sorted(names))}")
@@ -627,12 +641,12 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
     local_items = attempt(lambda: [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t))
                                    for t in plan.sends(rank, rank)]) or []
     batch = writer_batch_bytes(opts.inflight_bytes) if opts.inflight_bytes else default_batch_bytes(is_remote(tmp))
-    # Device data goes through the donated staging pipeline (device_commits + 2 pinned buffers of one
+    # Device data goes through the donated staging pipeline (commit_depth + 2 pinned buffers of one
     # batch, each refilled once its commit landed). Host data is donated as is: two in flight.
     # CPU holdings with a device exchange (NCCL) stage everything after the exchange, so that no
     # flush of the staging pipeline falls between a chunk's local and received pieces.
     on_host = not seams.stage_all and not recv.is_cuda and not any(it.data.is_cuda for it in local_items)
-    depth = 2 if on_host else opts.device_commits
+    depth = 2 if on_host else opts.commit_depth
     order = {name: i for i, name in enumerate(wplan.arrays)}
     with progress(plan.written_bytes(rank), f"export rank {rank}") as bar:
         # CPU items (views of the holdings and of `recv`) stay alive until the writer has finished, so
