@@ -359,7 +359,7 @@ def _worker(rank: int, world: int, init: str, args: dict, out_json: str, writer_
     torch.set_num_threads(1)
     timeline: dict[str, list] = {"export": [], "store": []}
     # diagnostic: writer commits in flight while device data is staged
-    opts = ExportOptions(inflight_bytes=args["inflight"], target_chunk_bytes=args["chunk"],
+    opts = ExportOptions(budget=args["inflight"], target_chunk_bytes=args["chunk"],
                          inner_chunk_bytes=args["inner"], digest=args["digest"],
                          **({"commit_depth": args["device_commits"]} if args.get("device_commits") else {}))
     exporter = Exporter()

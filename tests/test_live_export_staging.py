@@ -156,7 +156,7 @@ def _export_staged(rank, world, dst, commits=1):
     params, _ = local_params(MODEL, 1, 2, 2, 4, rank, FP8)
     run = LiveRun(ParallelLayout(tp=1, gtp=2, dp=2), rank, STEP, AdamConfig(lr=1e-3))
     with _testing.seams(stage_all=True):
-        rep = export_state(dst, run, params, ExportOptions(inflight_bytes=3 * 1024, target_chunk_bytes=64,
+        rep = export_state(dst, run, params, ExportOptions(budget=3 * 1024, target_chunk_bytes=64,
                                                            commit_depth=commits))
     return {"peak": rep.staging.peak_bytes, "calls": rep.staging.write_calls}
 

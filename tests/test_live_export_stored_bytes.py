@@ -39,7 +39,7 @@ def _export(rank, world, dst):
 
     params, _ = local_params(MODEL, 1, 2, 1, 4, rank, None)
     run = LiveRun(ParallelLayout(tp=1, gtp=2, dp=1), rank, 3, AdamConfig(lr=1e-3))
-    export_state(dst, run, params, ExportOptions(inflight_bytes=4 * BATCH, target_chunk_bytes=64 << 10))
+    export_state(dst, run, params, ExportOptions(budget=4 * BATCH, target_chunk_bytes=64 << 10))
     return {}
 
 

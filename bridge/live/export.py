@@ -69,7 +69,7 @@ class ExportOptions:
     # and, for CUDA tensors, four pinned staging buffers of one transaction each; None: four of the
     # store's `default_batch_bytes()` (larger on object storage, where a transaction's data files are
     # the PUTs in flight).
-    inflight_bytes: int | None = None
+    budget: int | None = None
     target_chunk_bytes: int = 4 << 20   # outer (write) chunk size
     compression: str | None = None
     timeout: float = 600.0              # seconds rank 0's commit waits for every writer's report
@@ -85,11 +85,13 @@ class ExportOptions:
     staging_bytes: int | None = None
     # (Tests and benchmarks vary the writer and the staging path through `bridge._testing`, not here.)
     # Former names, accepted with a DeprecationWarning (not fields: no part of the plan's cache key).
+    inflight_bytes: InitVar[int | None] = None
     device_commits: InitVar[int | None] = None
 
-    def __post_init__(self, device_commits: int | None) -> None:
+    def __post_init__(self, inflight_bytes: int | None, device_commits: int | None) -> None:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for old, new, value in (("device_commits", "commit_depth", device_commits),):
+        for old, new, value in (("inflight_bytes", "budget", inflight_bytes),
+                                ("device_commits", "commit_depth", device_commits)):
             if value is not None:
                 given = getattr(self, new)
                 mine = None if given == defaults[new] else given
@@ -500,7 +502,7 @@ class Exporter:
                                  for t in plan.sends(rank, rank)] + _received_items(plan, recv, rank, dtypes)) or []
         order = {name: i for i, name in enumerate(planned.wplan.arrays)}
         items.sort(key=lambda it: (order[it.name], _first_chunk(planned.wplan, it), it.box.start))
-        batch = writer_batch_bytes(opts.inflight_bytes) if opts.inflight_bytes else default_batch_bytes(False)
+        batch = writer_batch_bytes(opts.budget) if opts.budget else default_batch_bytes(False)
         recipe = planned.recipes.get(batch)
         if recipe is None and not failed:
             recipe = attempt(lambda: Recipe.of(items, planned.wplan, batch))
@@ -608,7 +610,7 @@ def export_state_async(dst: str, run: LiveRun, params: Sequence[LocalParam], opt
                                                  on_commit=on_commit)
 
 
-_FORMER_NAMES = {"device_commits"}  # still accepted as keyword overrides (with a DeprecationWarning)
+_FORMER_NAMES = {"inflight_bytes", "device_commits"}  # still accepted as keyword overrides (with a DeprecationWarning)
 
 
 def _options(options: ExportOptions | None, fields: dict) -> ExportOptions | None:
@@ -640,7 +642,7 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
     dtypes = {a.name: torch_dtype(a.dtype) for a in plan.catalog}
     local_items = attempt(lambda: [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t))
                                    for t in plan.sends(rank, rank)]) or []
-    batch = writer_batch_bytes(opts.inflight_bytes) if opts.inflight_bytes else default_batch_bytes(is_remote(tmp))
+    batch = writer_batch_bytes(opts.budget) if opts.budget else default_batch_bytes(is_remote(tmp))
     # Device data goes through the donated staging pipeline (commit_depth + 2 pinned buffers of one
     # batch, each refilled once its commit landed). Host data is donated as is: two in flight.
     # CPU holdings with a device exchange (NCCL) stage everything after the exchange, so that no
