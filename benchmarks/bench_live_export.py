@@ -294,7 +294,8 @@ def _store_only(run, params, args: dict, rank: int, writer_class: type):
     live part (holdings, plan, exchange, staging).
     """
     from bridge.dist import TorchCoordinator, all_gather_json
-    from bridge.live.export import COUNT_PATH, STEP_PATH, _plan, _summary, writer_batch_bytes
+    from bridge.budget import export_split
+    from bridge.live.export import COUNT_PATH, STEP_PATH, _plan, _summary
     from bridge.live.holdings import RankSummary
     from bridge.store.commit import begin_checkpoint, finalize
     from bridge.format.manifest import Manifest
@@ -317,7 +318,7 @@ def _store_only(run, params, args: dict, rank: int, writer_class: type):
     def write(path: str) -> None:
         coord = TorchCoordinator(dist.group.WORLD)
         tmp = begin_checkpoint(path, coordinator=coord)
-        batch = writer_batch_bytes(args["inflight"]) if args["inflight"] else None  # None: the export's default
+        batch = export_split(args["inflight"], 2).batch if args["inflight"] else None  # None: the export's default
         w = writer_class(tmp, planned.wplan, rank, inflight_bytes=batch, compute_digest=args["digest"],
                          staging=not args.get("writer_nostage"), target_data_file_size=args.get("target_file"))
         for name, box, arr in data:

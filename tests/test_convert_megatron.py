@@ -148,7 +148,8 @@ def test_synthetic_tp2_dp2_multibucket_dp_reshardable(synth_tp2_dp2, tmp_path):
 def test_small_budget_streams_in_blocks_identically(tmp_path):
     """A 64k budget cuts parameters into many outer chunks; the result still equals the reference."""
     from converters.megatron.dcp_reader import DcpCheckpoint
-    from converters.megatron.convert import build_units, split_share
+    from bridge.budget import split_share
+    from converters.megatron.convert import build_units
     from converters.megatron.format import describe
     from converters.megatron.plan import plan_blocks
 

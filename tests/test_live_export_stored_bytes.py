@@ -44,10 +44,10 @@ def _export(rank, world, dst):
 
 
 def test_live_export_stores_the_logical_bytes_once(tmp_path):
-    from bridge.live.export import writer_batch_bytes
+    from bridge.budget import export_split
     from bridge.store.reader import open_checkpoint
 
-    assert writer_batch_bytes(4 * BATCH) == BATCH  # (the batch the test means to use)
+    assert export_split(4 * BATCH, 2).batch == BATCH  # (the batch the test means to use)
     dst = str(tmp_path / "ck")
     _, errors = spawn(2, _export, (dst,), tmp_path, timeout_s=240)
     assert not errors, errors

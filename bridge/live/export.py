@@ -50,6 +50,7 @@ from bridge.live.snapshot import HostSlots, Recipe, SlotRing, Snapshot, Snapshot
 from bridge.live.staging import HostBuffers, StagedWriter, StagingStats, WriteItem
 from bridge.dtypes import to_numpy
 from bridge.progress import progress
+from bridge.budget import export_split, staged_split
 from bridge.renamed import renamed
 from bridge.store.claim import held_destination
 from bridge.store.commit import begin_checkpoint, commit_checkpoint
@@ -288,19 +289,6 @@ class _NoWork:
         return None
 
 
-def writer_batch_bytes(inflight_bytes: int) -> int:
-    """Bytes per writer transaction (and per staging buffer) for an export budget.
-
-    A quarter of the budget: the writer holds the batch being filled plus the two committing, and
-    GPU staging four buffers of one batch each (the writer then references them, no slabs), so
-    host memory stays near the budget.
-
-    >>> writer_batch_bytes(256 << 20) >> 20
-    64
-    """
-    return max(1, int(inflight_bytes) // 4)
-
-
 def _plan(summaries: Sequence[RankSummary], run: LiveRun, world: int, target_chunk_bytes: int, compression: str | None,
           inner_chunk_bytes: int | str | None) -> _Planned:
     """The global plan and the store's write plan from every rank's summary (pure; identical on every rank)."""
@@ -502,7 +490,7 @@ class Exporter:
                                  for t in plan.sends(rank, rank)] + _received_items(plan, recv, rank, dtypes)) or []
         order = {name: i for i, name in enumerate(planned.wplan.arrays)}
         items.sort(key=lambda it: (order[it.name], _first_chunk(planned.wplan, it), it.box.start))
-        batch = writer_batch_bytes(opts.budget) if opts.budget else default_batch_bytes(False)
+        batch = export_split(opts.budget, opts.commit_depth).batch if opts.budget else default_batch_bytes(False)
         recipe = planned.recipes.get(batch)
         if recipe is None and not failed:
             recipe = attempt(lambda: Recipe.of(items, planned.wplan, batch))
@@ -642,20 +630,21 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
     dtypes = {a.name: torch_dtype(a.dtype) for a in plan.catalog}
     local_items = attempt(lambda: [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t))
                                    for t in plan.sends(rank, rank)]) or []
-    batch = writer_batch_bytes(opts.budget) if opts.budget else default_batch_bytes(is_remote(tmp))
     # Device data goes through the donated staging pipeline (commit_depth + 2 pinned buffers of one
     # batch, each refilled once its commit landed). Host data is donated as is: two in flight.
     # CPU holdings with a device exchange (NCCL) stage everything after the exchange, so that no
     # flush of the staging pipeline falls between a chunk's local and received pieces.
     on_host = not seams.stage_all and not recv.is_cuda and not any(it.data.is_cuda for it in local_items)
     depth = 2 if on_host else opts.commit_depth
+    mem = (export_split(opts.budget, depth) if opts.budget
+           else staged_split(default_batch_bytes(is_remote(tmp)), depth))  # bridge.budget: the one split
     order = {name: i for i, name in enumerate(wplan.arrays)}
     with progress(plan.written_bytes(rank), f"export rank {rank}") as bar:
         # CPU items (views of the holdings and of `recv`) stay alive until the writer has finished, so
         # it references them instead of copying (donate); so does every staged buffer.
         writer = attempt(lambda: StagedWriter(
-            _store_writer(seams, tmp, wplan, rank, inflight_bytes=batch, digest=opts.digest, depth=depth),
-            (depth + 2) * batch, commit_depth=depth, stage_all=seams.stage_all, buffers=buffers,
+            _store_writer(seams, tmp, wplan, rank, inflight_bytes=mem.batch, digest=opts.digest, depth=depth),
+            mem.staging, commit_depth=depth, stage_all=seams.stage_all, buffers=buffers,
             on_bytes=bar.update))
 
         def write_all(items: list[WriteItem]) -> None:

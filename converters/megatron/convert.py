@@ -25,6 +25,7 @@ import numpy as np
 from bridge.cast_check import bits_equal, cast_mismatch
 from bridge.errors import BridgeError
 from bridge.location import absolute, basename, is_remote, location
+from bridge.budget import per_worker, split_share
 from bridge.machine import (MIN_BYTES_PER_WORKER, PROCESS_OVERHEAD, default_budget, default_workers,  # noqa: F401
                             mem_available, return_freed_memory)
 from bridge.layout.boxes import Box
@@ -61,7 +62,6 @@ from converters.megatron.plan import (ROLES, Block, Copy, CopyIndex, Instance, U
                                       SPLIT_FLAGS, infer_split, placement_str, split_flags,
                                       stage_placement)
 
-MIN_BATCH_BYTES = 1 << 20
 
 #: source tensor dtypes convert accepts (weights, masters, moments, and the integer buffers Megatron keeps)
 CONVERTIBLE_DTYPES = ("bfloat16", "float32", "float16", "float64", "int64", "int32", "uint8")
@@ -498,39 +498,6 @@ def make_plan(units: Sequence[Unit], blocks: Sequence[Block], owners: Sequence[i
     return make_write_plan(catalog, workers, ownership, empty_paths=adamw_empty_paths(), stacked=stacked)
 
 
-@dataclass(frozen=True)
-class ShareSplit:
-    """How one process's share of the budget is spent (bytes)."""
-
-    block: int      # one block being assembled, all roles
-    cache: int      # decoded stored chunks kept for the next blocks
-    inflight: int   # per writer transaction (one filling + one committing)
-
-
-def split_share(share: int) -> ShareSplit:
-    """A sixteenth each for the block being filled and the source chunks kept, a twentieth for the
-    writer's batch (at least MIN_BATCH_BYTES).
-
-    Each costs several times its nominal size (resident bytes measured on the CPU): the writer
-    holds a batch filling and one committing, each up to a block beyond its size, plus TensorStore's
-    encoded shards (~3x batch + block); a block is assembled next to its master check's cast
-    (~1.4x); whole-chunk reads decode next to the raw record (~1.6x). With these fractions the sum
-    stays near half the share, the rest covers allocator slack and the per-process state that
-    grows with the share (larger fractions overshot the 0.5 GiB + share bound on the GPU host;
-    README, tuning constants).
-
-    The batch floor: every transaction adds OCDBT B-tree nodes that later commits rewrite, and
-    below about 1 MiB of data per commit they outgrow the data on disk.
-
-    >>> split_share(192 << 20)
-    ShareSplit(block=12582912, cache=12582912, inflight=10066329)
-    >>> split_share(1 << 20).inflight == MIN_BATCH_BYTES
-    True
-    """
-    q = max(1, share // 16)
-    return ShareSplit(block=q, cache=q, inflight=max(share // 20, MIN_BATCH_BYTES))
-
-
 # ---------------------------------------------------------------------------------------------
 # Execution
 
@@ -580,7 +547,7 @@ def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], p
     write it whole. Returns (warnings, source bytes read, CRC-32 spans of the records read by
     ranges: `check_records` must pass on them before the output is committed, the comparisons of
     replicated copies: `replicas.BlockDiff`s)."""
-    mem = split_share(share)
+    mem = split_share(share)  # bridge.budget: the one split of a budget
     return_freed_memory()
     ck = DcpCheckpoint(src_root)
     merge_split_keys(ck)  # the keys describe() planned with (Mamba / GDN per-section keys merged)
@@ -588,7 +555,7 @@ def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], p
     # commit_depth=1: one batch committing while the next fills, both inside the share
     # B-tree cache off: this process only writes, and cached nodes of every commit would pile up
     # outside the budget (~100 MiB at the store's default limit)
-    writer = CheckpointWriter(tmp, plan, writer_id, inflight_bytes=mem.inflight, commit_depth=1, btree_cache_bytes=0)
+    writer = CheckpointWriter(tmp, plan, writer_id, inflight_bytes=mem.batch, commit_depth=1, btree_cache_bytes=0)
     try:
         return _write_blocks(cache, writer, units, blocks, writer_id, force, defect_suspect, step, on_progress)
     except BaseException:
@@ -907,7 +874,7 @@ def plan_conversion(src_dir: str, opts: ConvertOptions | None = None, budget: in
     # min_worker_bytes of work, so small checkpoints convert in-process.
     total_bytes = sum(u.nbytes for u in units)
     per_rank = max(1, min(asked_workers, -(-total_bytes // max(1, ranks * opts.min_worker_bytes))))
-    share = budget // per_rank    # workers hold the data; the parent only plans and commits
+    share = per_worker(budget, per_rank)    # workers hold the data; the parent only plans and commits
     blocks, chunks = plan_blocks(units, split_share(share).block)
     workers = max(1, min(per_rank * ranks, len(blocks)))
     owners = assign_blocks(blocks, workers)
