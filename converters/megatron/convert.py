@@ -49,6 +49,7 @@ from converters.megatron.dcp_reader import ChunkInfo, DcpCheckpoint
 from converters.megatron.object_layout import object_tensors
 from converters.megatron.save_facts import check_against_save
 from converters.megatron.cache import ChunkCache, check_records
+from converters.megatron.writer_job import WriterJob
 from converters.megatron.writer_procs import run_parallel
 from converters.megatron import replicas
 from converters.megatron.format import (BUCKETED, Hints, SourceCheckpoint, _as_dict, bucket_space_flat_chunks, describe,
@@ -540,24 +541,24 @@ def is_defect_suspect(src: SourceCheckpoint) -> bool:
     return bool(plain_value(src.args.get("overlap_grad_reduce")))
 
 
-def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], plan: WritePlan, tmp: str,
-               writer_id: int, share: int, force: bool, defect_suspect: bool, step: int,
+def run_blocks(job: WriterJob, units: dict[int, Unit], blocks: Sequence[Block], writer_id: int,
                on_progress=None) -> tuple[list[str], int, dict, list]:
     """One writer's work: assemble each of its blocks (one outer chunk, every role), check it and
     write it whole. Returns (warnings, source bytes read, CRC-32 spans of the records read by
     ranges: `check_records` must pass on them before the output is committed, the comparisons of
     replicated copies: `replicas.BlockDiff`s)."""
-    mem = split_share(share)  # bridge.budget: the one split of a budget
+    mem = split_share(job.share)  # bridge.budget: the one split of a budget
     return_freed_memory()
-    ck = DcpCheckpoint(src_root)
+    ck = DcpCheckpoint(job.src_root)
     merge_split_keys(ck)  # the keys describe() planned with (Mamba / GDN per-section keys merged)
     cache = ChunkCache(ck, mem.cache)
     # commit_depth=1: one batch committing while the next fills, both inside the share
     # B-tree cache off: this process only writes, and cached nodes of every commit would pile up
     # outside the budget (~100 MiB at the store's default limit)
-    writer = CheckpointWriter(tmp, plan, writer_id, inflight_bytes=mem.batch, commit_depth=1, btree_cache_bytes=0)
+    writer = CheckpointWriter(job.tmp, job.plan, writer_id, inflight_bytes=mem.batch, commit_depth=1,
+                              btree_cache_bytes=0)
     try:
-        return _write_blocks(cache, writer, units, blocks, writer_id, force, defect_suspect, step, on_progress)
+        return _write_blocks(cache, writer, units, blocks, writer_id, job, on_progress)
     except BaseException:
         # let TensorStore's in-flight writes land before the caller removes the temp directory,
         # else they recreate files in it afterwards
@@ -596,7 +597,7 @@ class BlockBuffers:
 
 
 def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, Unit], blocks: Sequence[Block],
-                  writer_id: int, force: bool, defect_suspect: bool, step: int, on_progress) -> tuple[list[str], int, dict, list]:
+                  writer_id: int, job: WriterJob, on_progress) -> tuple[list[str], int, dict, list]:
     warnings: list[str] = []
     index: tuple[int, CopyIndex] | None = None
     pool = BlockBuffers()
@@ -611,12 +612,12 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
                                  out=None if donate[role] else pool.take(role, b.box.shape, numpy_dtype(unit.dtypes[role])))
                 for role in unit.copies}
         if unit.mirrors:
-            check_mirrors(cache, unit, b, bufs, force, warnings)
+            check_mirrors(cache, unit, b, bufs, job.force, warnings)
         if unit.replicas:  # compared while the block is in memory, before the writer may take its buffers
             replica_check.block(unit, b, bufs, lambda idx, role: fill_block(
                 cache, idx, unit, role, b, out=pool.take("replica", b.box.shape, numpy_dtype(unit.dtypes[role]))))
         if PARAMS in bufs and MODEL in bufs:
-            check_master(b.array, bufs[PARAMS], bufs[MODEL], b.box, force, defect_suspect, warnings)
+            check_master(b.array, bufs[PARAMS], bufs[MODEL], b.box, job.force, job.defect_suspect, warnings)
         for role, buf in bufs.items():
             # donated: a fresh buffer, never touched again, so the writer need not copy it; else the
             # writer copies it before returning and the pool's buffer takes the next block
@@ -626,7 +627,7 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
         _testing_hold(writer_id)
     if writer_id == 0:
         for p in SCALAR_PATHS:
-            writer.write(p, Box((), ()), np.asarray(step, dtype=SCALAR_DTYPE))
+            writer.write(p, Box((), ()), np.asarray(job.step, dtype=SCALAR_DTYPE))
     writer.finish()
     return warnings, cache.bytes_read, cache.crcs.spans(), replica_check.diffs
 
@@ -890,12 +891,11 @@ def write_share(cp: ConvertPlan, tmp: str, writers: Sequence[int], force: bool, 
     per = {w: cp.blocks_of(w) for w in writers}
     if not per:
         return []
+    job = WriterJob(str(cp.ck.root), cp.plan, tmp, cp.share, force, cp.suspect, cp.step or 0)
     if len(per) == 1:
         (w, blocks), = per.items()
-        return [run_blocks(str(cp.ck.root), dict(enumerate(cp.units)), blocks, cp.plan, tmp, w, cp.share,
-                           force, cp.suspect, cp.step or 0, on_progress=bar.update)]
-    return run_parallel(str(cp.ck.root), cp.units, per, cp.plan, tmp, cp.share, force, cp.suspect,
-                         cp.step or 0, bar, timings)
+        return [run_blocks(job, dict(enumerate(cp.units)), blocks, w, on_progress=bar.update)]
+    return run_parallel(job, cp.units, per, bar, timings)
 
 
 def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> ConvertResult:

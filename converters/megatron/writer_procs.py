@@ -13,8 +13,8 @@ import traceback
 from typing import Any, Sequence
 
 from bridge.errors import BridgeError
-from bridge.store.plan import WritePlan
 from converters.megatron.plan import Block, Unit
+from converters.megatron.writer_job import WriterJob
 
 
 def die_with_parent() -> None:
@@ -33,14 +33,13 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def _worker_main(q, src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step) -> None:  # pragma: no cover - subprocess
+def _worker_main(q, job: WriterJob, units, blocks, w) -> None:  # pragma: no cover - subprocess
     die_with_parent()
     try:
         t0 = time.time()  # wall clock: the parent compares it with its own
         from converters.megatron.convert import run_blocks
 
-        res = run_blocks(src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step,
-                         on_progress=lambda n: q.put(("p", w, n)))
+        res = run_blocks(job, units, blocks, w, on_progress=lambda n: q.put(("p", w, n)))
         q.put(("t", w, (t0, time.time())))
         q.put(("ok", w, res))
         # Done: everything is on disk and the result in the queue's pipe. Leave without the
@@ -58,9 +57,9 @@ def _worker_main(q, src_root, units, blocks, plan, tmp, w, share, force, defect_
         traceback.print_exc(file=sys.stderr)
 
 
-def run_parallel(root: str, units: Sequence[Unit], per: dict[int, list[Block]], plan: WritePlan, tmp: str, share: int,
-                  force: bool, suspect: bool, step: int, bar, timings: dict[str, float] | None = None) -> list[tuple]:
-    """One process per writer of `per` (writer id -> its blocks); their results in writer order."""
+def run_parallel(job: WriterJob, units: Sequence[Unit], per: dict[int, list[Block]], bar,
+                 timings: dict[str, float] | None = None) -> list[tuple]:
+    """One process per writer of `per` (writer id -> its blocks), each doing `job`; their results in writer order."""
     # spawn: TensorStore aborts in a forked child once the parent has used it
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -68,8 +67,7 @@ def run_parallel(root: str, units: Sequence[Unit], per: dict[int, list[Block]], 
     ids = list(per)
     for w, blocks in per.items():
         mine = {b.unit: units[b.unit] for b in blocks}
-        procs.append(ctx.Process(target=_worker_main, args=(q, root, mine, blocks, plan, tmp, w, share, force,
-                                                            suspect, step), daemon=True))
+        procs.append(ctx.Process(target=_worker_main, args=(q, job, mine, blocks, w), daemon=True))
     done: dict[int, Any] = {}
     errors: list[str] = []
     spans: dict[int, tuple[float, float]] = {}   # worker -> wall clock at work, done
