@@ -319,7 +319,7 @@ def _store_only(run, params, args: dict, rank: int, writer_class: type):
         coord = TorchCoordinator(dist.group.WORLD)
         tmp = begin_checkpoint(path, coordinator=coord)
         batch = export_split(args["inflight"], 2).batch if args["inflight"] else None  # None: the export's default
-        w = writer_class(tmp, planned.wplan, rank, inflight_bytes=batch, compute_digest=args["digest"],
+        w = writer_class(tmp, planned.wplan, rank, batch_bytes=batch, compute_digest=args["digest"],
                          staging=not args.get("writer_nostage"), target_data_file_size=args.get("target_file"))
         for name, box, arr in data:
             w.write(name, box, arr, donate=True)

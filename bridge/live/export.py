@@ -643,7 +643,7 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
         # CPU items (views of the holdings and of `recv`) stay alive until the writer has finished, so
         # it references them instead of copying (donate); so does every staged buffer.
         writer = attempt(lambda: StagedWriter(
-            _store_writer(seams, tmp, wplan, rank, inflight_bytes=mem.batch, digest=opts.digest, depth=depth),
+            _store_writer(seams, tmp, wplan, rank, batch_bytes=mem.batch, digest=opts.digest, depth=depth),
             mem.staging, commit_depth=depth, stage_all=seams.stage_all, buffers=buffers,
             on_bytes=bar.update))
 
@@ -786,11 +786,11 @@ class _StagedWritten:
 LIVE_DIGEST_STEP = 1 << 20
 
 
-def _store_writer(seams: _testing.Seams, tmp: str, wplan: WritePlan, rank: int, *, inflight_bytes: int,
+def _store_writer(seams: _testing.Seams, tmp: str, wplan: WritePlan, rank: int, *, batch_bytes: int,
                   digest: bool, depth: int) -> CheckpointWriter:
     """This rank's store writer (the class, staging and data file size as the testing seams say)."""
     return (seams.writer_class or CheckpointWriter)(
-        tmp, wplan, rank, inflight_bytes=inflight_bytes, compute_digest=digest, commit_depth=depth,
+        tmp, wplan, rank, batch_bytes=batch_bytes, compute_digest=digest, commit_depth=depth,
         staging=seams.writer_staging, target_data_file_size=seams.target_data_file_size,
         digest_step=LIVE_DIGEST_STEP)
 
@@ -802,7 +802,7 @@ def _write_staged(job: _StageJob, planned: _Planned, run: LiveRun, tmp: str, ran
     flush of the batch `depth` later: see `CheckpointWriter.flush`). Failures are kept, not raised."""
     failed = job.failed
     attempt = _attempter(failed)
-    writer = attempt(lambda: _store_writer(seams, tmp, planned.wplan, rank, inflight_bytes=2 * job.stats.slot_bytes,
+    writer = attempt(lambda: _store_writer(seams, tmp, planned.wplan, rank, batch_bytes=2 * job.stats.slot_bytes,
                                            digest=opts.digest, depth=job.depth))
     inflight: deque[int] = deque()
     calls = 0

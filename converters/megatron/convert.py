@@ -555,7 +555,7 @@ def run_blocks(job: WriterJob, units: dict[int, Unit], blocks: Sequence[Block], 
     # commit_depth=1: one batch committing while the next fills, both inside the share
     # B-tree cache off: this process only writes, and cached nodes of every commit would pile up
     # outside the budget (~100 MiB at the store's default limit)
-    writer = CheckpointWriter(job.tmp, job.plan, writer_id, inflight_bytes=mem.batch, commit_depth=1,
+    writer = CheckpointWriter(job.tmp, job.plan, writer_id, batch_bytes=mem.batch, commit_depth=1,
                               btree_cache_bytes=0)
     try:
         return _write_blocks(cache, writer, units, blocks, writer_id, job, on_progress)

@@ -142,7 +142,7 @@ def write_blocks(src: str, tmp: str, job: Job, writer_id: int, share: ShareSplit
 
     return_freed_memory()
     ck = open_checkpoint(src)
-    writer = CheckpointWriter(tmp, job.plan, writer_id, inflight_bytes=share.batch)
+    writer = CheckpointWriter(tmp, job.plan, writer_id, batch_bytes=share.batch)
     for (i, box), w in zip(job.blocks, job.owners):
         if w != writer_id:
             continue
