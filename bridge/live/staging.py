@@ -212,7 +212,7 @@ class StagingStats:
 class StagedWriter:
     """A store writer (`CheckpointWriter`) with the staging policy inside: feed it `WriteItem`s.
 
-    `budget_bytes` bounds the host staging buffers. With `donate` (the writer commits in the
+    `budget` bounds the host staging buffers. With `donate` (the writer commits in the
     background with `commit_depth` commits outstanding) staged buffers are handed to the
     writer without a copy and CPU items are donated as numpy views: the caller keeps every item
     alive until `finish()` returns. Without it the writer copies everything it is given.
@@ -227,11 +227,11 @@ class StagedWriter:
     `staged_bytes` (copied device -> host), `d2h_wait_s` (blocked on those copies).
     """
 
-    def __init__(self, writer, budget_bytes: int, *, commit_depth: int = 1, donate: bool = True,
+    def __init__(self, writer, budget: int, *, commit_depth: int = 1, donate: bool = True,
                  stage_all: bool = False, cut_cells: bool = True, buffers: HostBuffers | None = None,
                  on_bytes: Callable[[int], None] | None = None) -> None:
         self.writer = writer
-        self.budget_bytes = max(3, int(budget_bytes))
+        self.budget = max(3, int(budget))
         self.commit_depth = max(1, int(commit_depth))
         self.donate = donate
         self.stage_all = stage_all
@@ -286,7 +286,7 @@ class StagedWriter:
         plan = self.writer.plan
         if self.cut_cells:
             dev = [c for it in dev for c in split_cells(it, plan.lookup(it.name).inner_chunk_shape)]
-        budget = self.budget_bytes
+        budget = self.budget
         if not self.donate:
             self._peak(self._stage(_batches(dev, budget // 2), budget // 2, 2, donated=False))
             return
