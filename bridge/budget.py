@@ -90,4 +90,14 @@ def staged_split(batch: int, commit_depth: int) -> ExportSplit:
     >>> staged_split(10, 2)
     ExportSplit(batch=10, staging=40)
     """
-    return ExportSplit(batch=batch, staging=(max(1, int(commit_depth)) + 2) * batch)
+    return ExportSplit(batch=batch, staging=staging_buffers(commit_depth) * batch)
+
+
+def staging_buffers(commit_depth: int) -> int:
+    """Pinned buffers a staged writer cuts its staging bytes into: one filling, one being handed
+    over, `commit_depth` committing (`bridge.live.staging.StagedWriter`).
+
+    >>> staging_buffers(2)
+    4
+    """
+    return max(1, int(commit_depth)) + 2

@@ -28,6 +28,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from bridge.budget import staging_buffers
 from bridge.layout.boxes import Box
 from bridge.store.staging import cells_are_row_runs, grid_cells
 from bridge.dtypes import numpy_dtype_of_torch, to_numpy
@@ -290,7 +291,7 @@ class StagedWriter:
         if not self.donate:
             self._peak(self._stage(_batches(dev, budget // 2), budget // 2, 2, donated=False))
             return
-        n = self.commit_depth + 2
+        n = staging_buffers(self.commit_depth)  # bridge.budget: the one split of a budget
         part = budget // n
         fit: list[list[WriteItem]] = []
         big: list[WriteItem] = []
