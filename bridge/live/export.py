@@ -644,7 +644,7 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
         # it references them instead of copying (donate); so does every staged buffer.
         writer = attempt(lambda: StagedWriter(
             _store_writer(seams, tmp, wplan, rank, batch_bytes=mem.batch, digest=opts.digest, depth=depth),
-            mem.staging, commit_depth=depth, stage_all=seams.stage_all, buffers=buffers,
+            mem.staging, stage_all=seams.stage_all, buffers=buffers,
             on_bytes=bar.update))
 
         def write_all(items: list[WriteItem]) -> None:

@@ -214,7 +214,7 @@ class StagedWriter:
     """A store writer (`CheckpointWriter`) with the staging policy inside: feed it `WriteItem`s.
 
     `budget` bounds the host staging buffers. With `donate` (the writer commits in the
-    background with `commit_depth` commits outstanding) staged buffers are handed to the
+    background with `commit_depth` commits outstanding, by default its own) staged buffers are handed to the
     writer without a copy and CPU items are donated as numpy views: the caller keeps every item
     alive until `finish()` returns. Without it the writer copies everything it is given.
     `stage_all` sends CPU items through the buffers as well, as CUDA items go on a GPU machine (tests
@@ -228,12 +228,13 @@ class StagedWriter:
     `staged_bytes` (copied device -> host), `d2h_wait_s` (blocked on those copies).
     """
 
-    def __init__(self, writer, budget: int, *, commit_depth: int = 1, donate: bool = True,
+    def __init__(self, writer, budget: int, *, commit_depth: int | None = None, donate: bool = True,
                  stage_all: bool = False, cut_cells: bool = True, buffers: HostBuffers | None = None,
                  on_bytes: Callable[[int], None] | None = None) -> None:
         self.writer = writer
         self.budget = max(3, int(budget))
-        self.commit_depth = max(1, int(commit_depth))
+        # the writer's own depth unless given (one number, not passed twice: `CheckpointWriter.commit_depth`)
+        self.commit_depth = max(1, int(commit_depth if commit_depth is not None else getattr(writer, "commit_depth", 1)))
         self.donate = donate
         self.stage_all = stage_all
         self.cut_cells = cut_cells
