@@ -294,7 +294,8 @@ def _store_only(run, params, args: dict, rank: int, writer_class: type):
     live part (holdings, plan, exchange, staging).
     """
     from bridge.dist import TorchCoordinator, all_gather_json
-    from bridge.live.export import COUNT_PATH, STEP_PATH, _plan, _summary, writer_batch_bytes
+    from bridge.budget import export_split
+    from bridge.live.export import COUNT_PATH, STEP_PATH, _plan, _summary
     from bridge.live.holdings import RankSummary
     from bridge.store.commit import begin_checkpoint, finalize
     from bridge.format.manifest import Manifest
@@ -317,8 +318,8 @@ def _store_only(run, params, args: dict, rank: int, writer_class: type):
     def write(path: str) -> None:
         coord = TorchCoordinator(dist.group.WORLD)
         tmp = begin_checkpoint(path, coordinator=coord)
-        batch = writer_batch_bytes(args["inflight"]) if args["inflight"] else None  # None: the export's default
-        w = writer_class(tmp, planned.wplan, rank, inflight_bytes=batch, compute_digest=args["digest"],
+        batch = export_split(args["inflight"], 2).batch if args["inflight"] else None  # None: the export's default
+        w = writer_class(tmp, planned.wplan, rank, batch_bytes=batch, compute_digest=args["digest"],
                          staging=not args.get("writer_nostage"), target_data_file_size=args.get("target_file"))
         for name, box, arr in data:
             w.write(name, box, arr, donate=True)
@@ -359,9 +360,9 @@ def _worker(rank: int, world: int, init: str, args: dict, out_json: str, writer_
     torch.set_num_threads(1)
     timeline: dict[str, list] = {"export": [], "store": []}
     # diagnostic: writer commits in flight while device data is staged
-    opts = ExportOptions(inflight_bytes=args["inflight"], target_chunk_bytes=args["chunk"],
+    opts = ExportOptions(budget=args["inflight"], target_chunk_bytes=args["chunk"],
                          inner_chunk_bytes=args["inner"], digest=args["digest"],
-                         **({"device_commits": args["device_commits"]} if args.get("device_commits") else {}))
+                         **({"commit_depth": args["device_commits"]} if args.get("device_commits") else {}))
     exporter = Exporter()
     device = torch.device("cpu")
     if args["backend"] == "nccl":

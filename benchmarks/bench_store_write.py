@@ -221,7 +221,7 @@ STORE_DIAGNOSTICS = {
     "store_lean": {"plan": {"checksum": False, "inner_chunk_bytes": None}, "writer": {"compute_digest": False}},
     "store_nostage": {"writer": {"staging": False}},
     "store_nodrop": {"writer": {"drop_behind": False}},
-    "store_old": {"writer": {"staging": False, "drop_behind": False, "inflight_bytes": 256 << 20, "commit_depth": 1}},
+    "store_old": {"writer": {"staging": False, "drop_behind": False, "batch_bytes": 256 << 20, "commit_depth": 1}},
 }
 
 
@@ -229,7 +229,7 @@ def store_diagnostic(name: str) -> dict | None:
     """Options of diagnostic store variant `name` (a named one, or store_if<N>[d<D>][tf<F>] / store_tf<F>).
 
     >>> store_diagnostic("store_if128d2tf16")
-    {'writer': {'inflight_bytes': 134217728, 'commit_depth': 2}, 'target_file': 16777216}
+    {'writer': {'batch_bytes': 134217728, 'commit_depth': 2}, 'target_file': 16777216}
     >>> store_diagnostic("store_tf32"), store_diagnostic("store")
     ({'target_file': 33554432}, None)
     """
@@ -240,7 +240,7 @@ def store_diagnostic(name: str) -> dict | None:
         return None
     diag: dict = {}
     if m.group(1):
-        diag["writer"] = {"inflight_bytes": int(m.group(1)) << 20, "commit_depth": int(m.group(2) or 1)}
+        diag["writer"] = {"batch_bytes": int(m.group(1)) << 20, "commit_depth": int(m.group(2) or 1)}
     if m.group(3):
         diag["target_file"] = int(m.group(3)) << 20
     return diag
@@ -332,7 +332,7 @@ def main(argv=None) -> int:
         variant(v)  # refuse an unknown name before anything runs
     store_extra = {}
     if args.inflight_mib:
-        store_extra["inflight_bytes"] = args.inflight_mib << 20
+        store_extra["batch_bytes"] = args.inflight_mib << 20
     if args.copy:
         store_extra["donate"] = False
     os.makedirs(args.workdir, exist_ok=True)

@@ -268,7 +268,8 @@ def test_blocks_refilled_in_one_buffer_are_exact(wide_source, tmp_path, budget, 
     role (the writer copies them before `write` returns); every output array is still bit-exact and
     `verify`-clean (a buffer refilled while TensorStore still read it would corrupt earlier blocks)."""
     from bridge.store.staging import cells_are_row_runs
-    from converters.megatron.convert import make_plan, split_share
+    from bridge.budget import split_share
+    from converters.megatron.convert import make_plan
     from converters.megatron.plan.convert_plan import assign_blocks, plan_blocks
 
     src, st = wide_source

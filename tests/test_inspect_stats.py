@@ -163,7 +163,7 @@ if mode == "stats":
     s = stream_stats(arr.view, budget, arr.read_chunk)
     count, top = s.count, s.max
 else:  # the array against itself through two views: both sides share the budget
-    d = stream_diff(arr.view, other.view, budget_bytes=budget, chunk=arr.read_chunk)
+    d = stream_diff(arr.view, other.view, budget=budget, chunk=arr.read_chunk)
     count, top = d.elements, (999.0 if d.differing == 0 else None)
 print(json.dumps({"growth": status("VmHWM:") - base, "count": count, "max": top,
                   "read_chunk_bytes": int(np.prod(arr.read_chunk)) * 4}))

@@ -85,7 +85,7 @@ def _export_then_reload(rank, world, dst, src_layout, targets, fp8):
     tp, gtp, dp, a = src_layout
     params, _ = local_params(MODEL, tp, gtp, dp, a, rank, fp8)
     run = LiveRun(ParallelLayout(tp=tp, gtp=gtp, dp=dp), rank, STEP, AdamConfig(lr=1e-3, betas=(0.9, 0.95)))
-    rep = export_state(dst, run, params, inflight_bytes=4096, target_chunk_bytes=64)
+    rep = export_state(dst, run, params, budget=4096, target_chunk_bytes=64)
     want = expected_state(MODEL, tp, gtp, dp, a, fp8)
     checked = 0
     for target in targets:

@@ -92,7 +92,7 @@ def _check_against_reference(dst):
     assert int(got["step"]) == STEP
 
 
-@pytest.mark.parametrize("opts", [{}, pytest.param({"inflight_bytes": 4096, "staging_bytes": 2048},
+@pytest.mark.parametrize("opts", [{}, pytest.param({"budget": 4096, "staging_bytes": 2048},
                                                   marks=pytest.mark.slow)], ids=["slots_for_all", "two_slots"])
 def test_async_export_is_the_state_at_the_call(tmp_path, opts):
     """Sources overwritten with NaN right after the call: the checkpoint still holds the state at the

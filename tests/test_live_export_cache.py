@@ -45,7 +45,7 @@ def _export_series(rank, world, root):
     from bridge.live.export import Exporter, ExportOptions
 
     exporter = Exporter()
-    opts = ExportOptions(inflight_bytes=4096, target_chunk_bytes=64)
+    opts = ExportOptions(budget=4096, target_chunk_bytes=64)
     out = []
     kept = {}
     for tag, model, (tp, gtp, dp, a) in EXPORTS:

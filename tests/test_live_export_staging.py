@@ -86,8 +86,8 @@ def _export(dst: str, flush_commits: bool, depth: int = 1, part: int = 2048):
     src = _sources()
     plan = _plan(src, 512, chunk_rows=8)
     tmp = begin_checkpoint(dst)
-    writer = _Watched(CheckpointWriter(tmp, plan, 0, inflight_bytes=1 << 20, commit_depth=depth), flush_commits)
-    staged = StagedWriter(writer, (depth + 2) * part, commits_in_flight=depth, stage_all=True, cut_cells=False)
+    writer = _Watched(CheckpointWriter(tmp, plan, 0, batch_bytes=1 << 20, commit_depth=depth), flush_commits)
+    staged = StagedWriter(writer, (depth + 2) * part, commit_depth=depth, stage_all=True, cut_cells=False)
     staged.write_items(_items(src))
     staged.finish()
     commit_checkpoint(dst, plan)
@@ -134,7 +134,7 @@ def test_copying_staging_path_round_trips(tmp_path, budget):
     src = _sources()
     dst = str(tmp_path / "ck")
     plan = _plan(src, 512, chunk_rows=8)
-    writer = _Watched(CheckpointWriter(begin_checkpoint(dst), plan, 0, inflight_bytes=1 << 20))
+    writer = _Watched(CheckpointWriter(begin_checkpoint(dst), plan, 0, batch_bytes=1 << 20))
     StagedWriter(writer, budget, donate=False, stage_all=True).write_items(_items(src))
     writer.finish()
     commit_checkpoint(dst, plan)
@@ -156,8 +156,8 @@ def _export_staged(rank, world, dst, commits=1):
     params, _ = local_params(MODEL, 1, 2, 2, 4, rank, FP8)
     run = LiveRun(ParallelLayout(tp=1, gtp=2, dp=2), rank, STEP, AdamConfig(lr=1e-3))
     with _testing.seams(stage_all=True):
-        rep = export_state(dst, run, params, ExportOptions(inflight_bytes=3 * 1024, target_chunk_bytes=64,
-                                                           device_commits=commits))
+        rep = export_state(dst, run, params, ExportOptions(budget=3 * 1024, target_chunk_bytes=64,
+                                                           commit_depth=commits))
     return {"peak": rep.staging.peak_bytes, "calls": rep.staging.write_calls}
 
 
@@ -205,10 +205,10 @@ def test_cells_cut_before_staging_are_written_without_a_second_copy(tmp_path):
             super().write(name, box, data, donate)
 
     def export(dst, cut):
-        writer = Boxes(CheckpointWriter(begin_checkpoint(dst), plan, 0, inflight_bytes=1 << 20, commit_depth=2))
+        writer = Boxes(CheckpointWriter(begin_checkpoint(dst), plan, 0, batch_bytes=1 << 20, commit_depth=2))
         items = [WriteItem(".".join(p), Box((r, 0), (r + 256, a.shape[1])), from_numpy(a[r:r + 256].copy()))
                  for p, a in src.items() for r in range(0, a.shape[0], 256)]
-        staged = StagedWriter(writer, 4 << 20, commits_in_flight=2, stage_all=True, cut_cells=cut)
+        staged = StagedWriter(writer, 4 << 20, commit_depth=2, stage_all=True, cut_cells=cut)
         staged.write_items(items)
         staged.finish()
         commit_checkpoint(dst, plan)

@@ -2,7 +2,7 @@
 
 World 2 on gloo (TP1 x GTP2), arrays of 128-512 KiB in chunks of 64 KiB and writer batches of
 256 KiB, so every rank's writer commits many transactions with two in flight (host data: the
-export's fixed depth 2; device data: `device_commits` = 2 by default), each into its slot's
+export's fixed depth 2; device data: `commit_depth` = 2 by default), each into its slot's
 database (see tests/test_store_commit_slots.py for the duplication that avoids: the live export
 did not hit it in the sizes measured, 1.001-1.010 before as well, but goes through the same
 writer). The bytes of every file of the checkpoint are compared with the logical bytes computed
@@ -39,15 +39,15 @@ def _export(rank, world, dst):
 
     params, _ = local_params(MODEL, 1, 2, 1, 4, rank, None)
     run = LiveRun(ParallelLayout(tp=1, gtp=2, dp=1), rank, 3, AdamConfig(lr=1e-3))
-    export_state(dst, run, params, ExportOptions(inflight_bytes=4 * BATCH, target_chunk_bytes=64 << 10))
+    export_state(dst, run, params, ExportOptions(budget=4 * BATCH, target_chunk_bytes=64 << 10))
     return {}
 
 
 def test_live_export_stores_the_logical_bytes_once(tmp_path):
-    from bridge.live.export import writer_batch_bytes
+    from bridge.budget import export_split
     from bridge.store.reader import open_checkpoint
 
-    assert writer_batch_bytes(4 * BATCH) == BATCH  # (the batch the test means to use)
+    assert export_split(4 * BATCH, 2).batch == BATCH  # (the batch the test means to use)
     dst = str(tmp_path / "ck")
     _, errors = spawn(2, _export, (dst,), tmp_path, timeout_s=240)
     assert not errors, errors

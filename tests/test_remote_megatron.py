@@ -67,7 +67,7 @@ def test_convert_megatron_run_on_s3_to_gcs_with_ranged_reads(stores, tmp_path):
     s3.client().put_object(Bucket=s3.buckets[0], Key="mega/run/latest_checkpointed_iteration.txt", Body=b"3")
     ck = DcpCheckpoint(s3.url("mega/run"))
     assert ck.root == s3.url("mega/run/iter_0000003")
-    from converters.megatron.convert import split_share
+    from bridge.budget import split_share
 
     assert max(r.length for r in ck.all_refs()) > split_share(64 << 10).cache  # some record is read by ranges
     ref = convert(str(src), str(tmp_path / "ref"), ConvertOptions(workers=1, show_progress=False))

@@ -112,7 +112,7 @@ def test_real_saves_have_records_of_every_size_class():
     """What the conversions below exercise: records below, inside and above the read-ahead window,
     and larger than the small budget's cache share (read by byte ranges)."""
     from bridge.store import ranged
-    from converters.megatron.convert import split_share
+    from bridge.budget import split_share
     from converters.megatron.read.dcp import DcpCheckpoint
 
     assert ranged.READ_AHEAD == READ_AHEAD

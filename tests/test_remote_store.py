@@ -242,7 +242,7 @@ def test_writer_in_many_transactions_stores_each_byte_once(stores, scheme):
     arrays = {f"params/w{i}": rng.standard_normal((1024, 512), dtype=np.float32) for i in range(6)}  # 2 MiB each
     plan = make_write_plan(catalog_of(arrays), 1, max_chunk_bytes=max_chunk_bytes(url) // 16)  # 1 MiB chunks
     with claim_destination(url) as claim:
-        writer = CheckpointWriter(claim.tmp, plan, 0, inflight_bytes=3 << 20)  # about 4 transactions
+        writer = CheckpointWriter(claim.tmp, plan, 0, batch_bytes=3 << 20)  # about 4 transactions
         for name, a in arrays.items():
             path = tuple(name.split("/"))
             for box in plan.lookup(path).ownership.boxes_owned_by(0):

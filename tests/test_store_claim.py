@@ -39,7 +39,7 @@ def _data(seed):
 
 def _write_all(tmp, plan, data, writer, stop_after=None):
     """Write `writer`'s chunks (flushing each box); with stop_after, return after that many boxes."""
-    w = CheckpointWriter(tmp, plan, writer, inflight_bytes=1)
+    w = CheckpointWriter(tmp, plan, writer, batch_bytes=1)
     n = 0
     for name, ap in plan.arrays.items():
         for box in ap.ownership.boxes_owned_by(writer):
@@ -367,7 +367,7 @@ WRITER_SCRIPT = textwrap.dedent("""
     from bridge.layout.boxes import Box
     dst, ready = sys.argv[1], sys.argv[2]
     plan = make_write_plan([ArraySpec(("params", "w"), (64, 32), "float32")], 1)
-    w = CheckpointWriter(begin_checkpoint(dst), plan, 0, inflight_bytes=1)
+    w = CheckpointWriter(begin_checkpoint(dst), plan, 0, batch_bytes=1)
     w.write(("params", "w"), Box((0, 0), (8, 32)), np.ones((8, 32), np.float32))
     w.flush()
     open(ready, "w").close()

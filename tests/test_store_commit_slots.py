@@ -36,7 +36,7 @@ def _write(dst: str, src: dict, depth: int, donate: bool) -> None:
 
     plan = scale._plan(1)
     with claim_destination(dst) as claim:
-        w = CheckpointWriter(claim.tmp, plan, 0, inflight_bytes=8 << 20, commit_depth=depth)
+        w = CheckpointWriter(claim.tmp, plan, 0, batch_bytes=8 << 20, commit_depth=depth)
         for param in scale.PARAMS:
             for chunk in plan.lookup(scale._path("params", param)).ownership.boxes_owned_by(0):
                 for role in scale.ROLES:

@@ -38,7 +38,7 @@ def _plan():
 def _write(dst, writer_id, stall_file=None):
     """Writer process; with `stall_file`, writes (and flushes) half its data, signals, then hangs."""
     plan, data = _plan()
-    w = CheckpointWriter(tmp_dir_for(dst), plan, writer_id, inflight_bytes=1)
+    w = CheckpointWriter(tmp_dir_for(dst), plan, writer_id, batch_bytes=1)
     boxes = [(ap, b) for ap in plan.arrays.values() for b in ap.ownership.boxes_owned_by(writer_id)]
     for i, (ap, box) in enumerate(boxes):
         if stall_file and i == len(boxes) // 2:

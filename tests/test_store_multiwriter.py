@@ -67,7 +67,7 @@ def writer_main(dst: str, writer_id: int) -> None:
     from bridge.store.commit import tmp_dir_for
 
     plan, data = make_plan()
-    w = CheckpointWriter(tmp_dir_for(dst), plan, writer_id, inflight_bytes=2048)
+    w = CheckpointWriter(tmp_dir_for(dst), plan, writer_id, batch_bytes=2048)
     for name, ap in plan.arrays.items():
         full = data[ap.spec.path]
         for box in ap.ownership.boxes_owned_by(writer_id):

@@ -116,7 +116,7 @@ def test_staged_writes_store_exact_bytes_across_many_batches(tmp_path, donate, t
     for w in range(plan.num_writers):
         # Tiny budget + two commits in flight: slabs are recycled while other batches still commit.
         t0 = time.perf_counter()
-        writer = CheckpointWriter(tmp, plan, w, inflight_bytes=1 << 20, commit_depth=2, threads=threads,
+        writer = CheckpointWriter(tmp, plan, w, batch_bytes=1 << 20, commit_depth=2, threads=threads,
                                   staging=True)
         for ap in plan.arrays.values():
             for owned in ap.ownership.boxes_owned_by(w):
@@ -150,7 +150,7 @@ def test_staging_off_and_on_write_identical_checkpoint_contents(tmp_path):
         dst = str(tmp_path / f"ck_{staging}")
         tmp = begin_checkpoint(dst)
         for w in range(plan.num_writers):
-            writer = CheckpointWriter(tmp, plan, w, staging=staging, inflight_bytes=2 << 20)
+            writer = CheckpointWriter(tmp, plan, w, staging=staging, batch_bytes=2 << 20)
             for ap in plan.arrays.values():
                 for box in ap.ownership.boxes_owned_by(w):
                     writer.write(ap.spec.path, box, ref[ap.spec.path][box.slices])

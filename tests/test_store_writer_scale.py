@@ -92,7 +92,7 @@ def test_arrays_larger_than_the_batch_written_over_many_transactions_are_exact(t
     tmp = begin_checkpoint(dst)
     transactions = 0
     for w in range(writers):
-        writer = CheckpointWriter(tmp, plan, w, inflight_bytes=batch)
+        writer = CheckpointWriter(tmp, plan, w, batch_bytes=batch)
         keep = []                               # donated pieces stay untouched until finish()
         for param, shape in PARAMS.items():
             aps = [plan.lookup(_path(role, param)) for role in ROLES]
@@ -151,7 +151,7 @@ def test_partial_writes_of_a_chunk_in_one_transaction_are_allowed_and_the_auto_f
     plan = _one_chunk_plan()
     a = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
     dst = str(tmp_path / "ck")
-    writer = CheckpointWriter(begin_checkpoint(dst), plan, 0, inflight_bytes=1024)
+    writer = CheckpointWriter(begin_checkpoint(dst), plan, 0, batch_bytes=1024)
     for k, r in enumerate([3, 0, 7, 1, 2, 6, 4, 5]):
         writer.write(("params", "w"), Box((r, 0), (r + 1, 256)), a[r:r + 1])
         assert writer._issued == (1 if k == 7 else 0)

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.atol < 0 or args.ulp < 0:
         raise BridgeError("--atol and --ulp must be >= 0")
     budget = parse_size(args.budget) if args.budget is not None else DEFAULT_BUDGET
-    report = diff_report(args.a, args.b, atol=args.atol, ulp=args.ulp, budget_bytes=budget, only=args.only)
+    report = diff_report(args.a, args.b, atol=args.atol, ulp=args.ulp, budget=budget, only=args.only)
     if args.json:
         json.dump(report, sys.stdout, indent=1, allow_nan=False)
         sys.stdout.write("\n")
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["equal"] else 1
 
 
-def diff_report(dir_a: str, dir_b: str, atol: float = 0.0, ulp: int = 0, budget_bytes: int = DEFAULT_BUDGET,
+def diff_report(dir_a: str, dir_b: str, atol: float = 0.0, ulp: int = 0, budget: int = DEFAULT_BUDGET,
                 only: list[str] | None = None) -> dict[str, Any]:
     """JSON-ready comparison of two checkpoints; `equal` is False when anything is beyond tolerance."""
     a_info, b_info = open_for_inspection(dir_a), open_for_inspection(dir_b)
@@ -84,7 +84,7 @@ def diff_report(dir_a: str, dir_b: str, atol: float = 0.0, ulp: int = 0, budget_
             else:
                 a_info.checkpoint.check_chunk_bytes(x.path)
                 b_info.checkpoint.check_chunk_bytes(y.path)
-                d = stream_diff(x.view, y.view, atol, ulp, budget_bytes, x.read_chunk, bar,
+                d = stream_diff(x.view, y.view, atol, ulp, budget, x.read_chunk, bar,
                                 names=[f"{n} of {dir_a}", f"{n} of {dir_b}"])
                 rec.update(d.to_json())
                 if x.dtype != y.dtype:

@@ -42,7 +42,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the inspection report; exit 0."""
     budget = parse_size(args.budget) if args.budget is not None else DEFAULT_BUDGET
-    report = inspect_report(args.dir, stats=args.stats, budget_bytes=budget, only=args.only)
+    report = inspect_report(args.dir, stats=args.stats, budget=budget, only=args.only)
     if args.json:
         json.dump(report, sys.stdout, indent=1, allow_nan=False)
         sys.stdout.write("\n")
@@ -58,7 +58,7 @@ def select(info: CheckpointInfo, only: list[str] | None) -> list:
     return [a for a in info.arrays if any(fnmatch.fnmatchcase(a.name, g) for g in only)]
 
 
-def inspect_report(directory: str, stats: bool = False, budget_bytes: int = DEFAULT_BUDGET,
+def inspect_report(directory: str, stats: bool = False, budget: int = DEFAULT_BUDGET,
                    only: list[str] | None = None) -> dict[str, Any]:
     """The JSON-ready report: format flags, manifest, and one record per array (with stats if asked)."""
     info = open_for_inspection(directory)
@@ -69,7 +69,7 @@ def inspect_report(directory: str, stats: bool = False, budget_bytes: int = DEFA
         with progress(total, "stats") as bar:
             for rec, a in zip(records, arrays):
                 info.checkpoint.check_chunk_bytes(a.path)  # before TensorStore decodes a chunk it claims
-                rec["stats"] = stream_stats(a.view, budget_bytes, a.read_chunk, bar, name=a.name).to_json()
+                rec["stats"] = stream_stats(a.view, budget, a.read_chunk, bar, name=a.name).to_json()
     return {
         "directory": info.directory,
         "format": {"use_ocdbt": info.use_ocdbt, "use_zarr3": info.use_zarr3},

@@ -94,10 +94,10 @@ def _slabs(prefix: tuple[int, ...], shape: tuple[int, ...], max_elems: int) -> I
         yield from _slabs(prefix + (i,), shape[1:], max_elems)
 
 
-def block_elems_for_budget(budget_bytes: int, itemsize: int, in_flight: int = 2) -> int:
-    """Elements per block so that `in_flight` blocks of `itemsize` bytes fit in `budget_bytes`.
+def block_elems_for_budget(budget: int, itemsize: int, in_flight: int = 2) -> int:
+    """Elements per block so that `in_flight` blocks of `itemsize` bytes fit in `budget`.
 
     >>> block_elems_for_budget(64 << 20, 4)
     8388608
     """
-    return max(1, int(budget_bytes) // (max(1, in_flight) * max(1, int(itemsize))))
+    return max(1, int(budget) // (max(1, in_flight) * max(1, int(itemsize))))

@@ -4,7 +4,7 @@ One read is in flight while the previous block is processed, so at most three bl
 are alive at once (the one the caller still holds, the one just read, the one being read), and a
 read in flight also holds TensorStore's raw and decoded chunk buffers (measured: about 4 bytes of
 peak RSS per byte of block in steady state). Blocks are sized at budget / COST_PER_BLOCK_BYTE, so
-host memory stays within `budget_bytes` plus a constant (a few read chunks, which TensorStore
+host memory stays within `budget` plus a constant (a few read chunks, which TensorStore
 always decodes whole), never proportional to the array size.
 """
 
@@ -29,7 +29,7 @@ def _itemsize(view: Any) -> int:
     return int(np.dtype(view.dtype.numpy_dtype).itemsize)
 
 
-def read_blocks(views: Sequence[Any], budget_bytes: int = DEFAULT_BUDGET, chunk: Sequence[int] | None = None,
+def read_blocks(views: Sequence[Any], budget: int = DEFAULT_BUDGET, chunk: Sequence[int] | None = None,
                 bar: Any = None, names: Sequence[str] | None = None) -> Iterator[tuple[Box, list[np.ndarray]]]:
     """Yield (box, [block of each view]) over equally shaped views, block by block, one read ahead.
 
@@ -38,7 +38,7 @@ def read_blocks(views: Sequence[Any], budget_bytes: int = DEFAULT_BUDGET, chunk:
     """
     shape = tuple(views[0].shape)
     per_elem = sum(_itemsize(v) for v in views)
-    max_elems = block_elems_for_budget(budget_bytes, per_elem, in_flight=COST_PER_BLOCK_BYTE)
+    max_elems = block_elems_for_budget(budget, per_elem, in_flight=COST_PER_BLOCK_BYTE)
     pending: tuple[Box, list[Any]] | None = None
     for box in plan_blocks(shape, max_elems, chunk):
         futures = [v[box.slices].read() for v in views]
@@ -66,28 +66,28 @@ def _finish(pending: tuple[Box, list[Any]], bar: Any, per_elem: int,
     return box, blocks
 
 
-def stream_stats(view: Any, budget_bytes: int = DEFAULT_BUDGET, chunk: Sequence[int] | None = None,
+def stream_stats(view: Any, budget: int = DEFAULT_BUDGET, chunk: Sequence[int] | None = None,
                  bar: Any = None, name: str | None = None) -> ArrayStats:
-    """ArrayStats of a lazy view, read block by block under `budget_bytes`."""
+    """ArrayStats of a lazy view, read block by block under `budget`."""
     stats = ArrayStats()
-    for _, (block,) in read_blocks([view], budget_bytes, chunk, bar, [name] if name else None):
+    for _, (block,) in read_blocks([view], budget, chunk, bar, [name] if name else None):
         stats.update(block)
         del block
     return stats
 
 
-def stream_diff(view_a: Any, view_b: Any, atol: float = 0.0, ulp: int = 0, budget_bytes: int = DEFAULT_BUDGET,
+def stream_diff(view_a: Any, view_b: Any, atol: float = 0.0, ulp: int = 0, budget: int = DEFAULT_BUDGET,
                 chunk: Sequence[int] | None = None, bar: Any = None, names: Sequence[str] | None = None) -> ArrayDiff:
-    """ArrayDiff of two equally shaped lazy views, read block by block under `budget_bytes` (both sides together)."""
+    """ArrayDiff of two equally shaped lazy views, read block by block under `budget` (both sides together)."""
     shape = tuple(view_a.shape)
     diff = ArrayDiff(shape=shape, atol=atol, ulp=ulp)
-    for box, (a, b) in read_blocks([view_a, view_b], budget_bytes, chunk, bar, names):
+    for box, (a, b) in read_blocks([view_a, view_b], budget, chunk, bar, names):
         diff.update(a, b, start=box.start)
         del a, b
     return diff
 
 
-def stream_rms_along(view: Any, axis: int = 0, budget_bytes: int = DEFAULT_BUDGET,
+def stream_rms_along(view: Any, axis: int = 0, budget: int = DEFAULT_BUDGET,
                      chunk: Sequence[int] | None = None) -> np.ndarray:
     """RMS over the finite elements of each index along `axis` (e.g. per layer of a stacked array).
 
@@ -96,7 +96,7 @@ def stream_rms_along(view: Any, axis: int = 0, budget_bytes: int = DEFAULT_BUDGE
     shape = tuple(view.shape)
     sumsq = np.zeros(shape[axis], np.float64)
     count = np.zeros(shape[axis], np.int64)
-    for box, (block,) in read_blocks([view], budget_bytes, chunk):
+    for box, (block,) in read_blocks([view], budget, chunk):
         ss, n = reduce_rms_along(block, axis)
         sumsq[box.start[axis]:box.stop[axis]] += ss
         count[box.start[axis]:box.stop[axis]] += n
@@ -104,13 +104,13 @@ def stream_rms_along(view: Any, axis: int = 0, budget_bytes: int = DEFAULT_BUDGE
         return np.sqrt(sumsq / count)
 
 
-def stream_histogram(view: Any, edges: np.ndarray, transform: Any = None, budget_bytes: int = DEFAULT_BUDGET,
+def stream_histogram(view: Any, edges: np.ndarray, transform: Any = None, budget: int = DEFAULT_BUDGET,
                      chunk: Sequence[int] | None = None) -> np.ndarray:
     """Counts of finite `transform(x)` values in the bins given by `edges`, streamed block by block.
     E.g. `transform=np.log10` for a histogram of exp_avg_sq magnitudes (zeros map to -inf and are skipped).
     """
     counts = np.zeros(len(edges) - 1, np.int64)
-    for _, (block,) in read_blocks([view], budget_bytes, chunk):
+    for _, (block,) in read_blocks([view], budget, chunk):
         x = as_float(block).reshape(-1)
         if transform is not None:
             with np.errstate(divide="ignore", invalid="ignore"):

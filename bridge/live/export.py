@@ -26,7 +26,7 @@ import hashlib
 import queue
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -52,6 +52,8 @@ from bridge.live.snapshot import Recipe, SlotRing, Snapshot, SnapshotStats, Stag
 from bridge.live.staging import HostBuffers, StagedWriter, StagingStats, WriteItem
 from bridge.dtypes import to_numpy
 from bridge.progress import progress
+from bridge.budget import export_split, staged_split
+from bridge.renamed import renamed
 from bridge.store.claim import held_destination
 from bridge.store.commit import begin_checkpoint, commit_checkpoint
 from bridge.format.manifest import (GROUP_PARAMS, OPTIMIZER_EXTRA_KEY, PADS_KEY, Manifest, OptimizerConfig,
@@ -70,7 +72,7 @@ class ExportOptions:
     # and, for CUDA tensors, four pinned staging buffers of one transaction each; None: four of the
     # store's `default_batch_bytes()` (larger on object storage, where a transaction's data files are
     # the PUTs in flight).
-    inflight_bytes: int | None = None
+    budget: int | None = None
     target_chunk_bytes: int = 4 << 20   # outer (write) chunk size
     compression: str | None = None
     timeout: float = 600.0              # seconds rank 0's commit waits for every writer's report
@@ -79,12 +81,24 @@ class ExportOptions:
     # read amplification is <= 1.2 (`bridge.live.plan.choose_inner_bytes`), None the whole outer chunk.
     inner_chunk_bytes: int | str | None = "auto"
     # Writer commits in flight while device data is staged (each costs one more pinned buffer of a batch).
-    device_commits: int = 2
+    commit_depth: int = 2
     # Asynchronous export (`Exporter.export_async`): bytes of host staging slots at most (None: as many
     # as this rank's share of the checkpoint, so the call returns right after its device -> host
     # copies; less: the call also waits while the writer frees slots: less memory, longer blocked).
     staging_bytes: int | None = None
     # (Tests and benchmarks vary the writer and the staging path through `bridge._testing`, not here.)
+    # Former names, accepted with a DeprecationWarning (not fields: no part of the plan's cache key).
+    inflight_bytes: InitVar[int | None] = None
+    device_commits: InitVar[int | None] = None
+
+    def __post_init__(self, inflight_bytes: int | None, device_commits: int | None) -> None:
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for old, new, value in (("inflight_bytes", "budget", inflight_bytes),
+                                ("device_commits", "commit_depth", device_commits)):
+            if value is not None:
+                given = getattr(self, new)
+                mine = None if given == defaults[new] else given
+                object.__setattr__(self, new, renamed("ExportOptions", old, new, value, mine, stacklevel=4))
 
 
 @dataclass(frozen=True)
@@ -275,19 +289,6 @@ class _NoWork:
 
     def wait(self) -> None:
         return None
-
-
-def writer_batch_bytes(inflight_bytes: int) -> int:
-    """Bytes per writer transaction (and per staging buffer) for an export budget.
-
-    A quarter of the budget: the writer holds the batch being filled plus the two committing, and
-    GPU staging four buffers of one batch each (the writer then references them, no slabs), so
-    host memory stays near the budget.
-
-    >>> writer_batch_bytes(256 << 20) >> 20
-    64
-    """
-    return max(1, int(inflight_bytes) // 4)
 
 
 def _plan(summaries: Sequence[RankSummary], run: LiveRun, world: int, target_chunk_bytes: int, compression: str | None,
@@ -497,7 +498,7 @@ class Exporter:
                                  for t in plan.sends(rank, rank)] + _received_items(plan, recv, rank, dtypes)) or []
         order = {name: i for i, name in enumerate(planned.wplan.arrays)}
         items.sort(key=lambda it: (order[it.name], _first_chunk(planned.wplan, it), it.box.start))
-        batch = writer_batch_bytes(opts.inflight_bytes) if opts.inflight_bytes else default_batch_bytes(False)
+        batch = export_split(opts.budget, opts.commit_depth).batch if opts.budget else default_batch_bytes(False)
         recipe = planned.recipes.get(batch)
         if recipe is None and not failed:
             recipe = attempt(lambda: Recipe.of(items, planned.wplan, batch))
@@ -523,7 +524,7 @@ class Exporter:
         # with `count` slots at most count - 1 may be in flight for the copier to make progress.
         return _StageJob(Snapshot(SlotRing(slots), cuda, recipe, items), nbatch, stats, failed, bytes_sent, recv,
                          on_stage, clock,
-                         depth=max(1, min(opts.device_commits, count - 1)))
+                         depth=max(1, min(opts.commit_depth, count - 1)))
 
     def _holdings(self, params: Sequence[LocalParam], run: LiveRun, rank: int) -> tuple[list[Holding], _Local]:
         """This rank's holdings (current tensors) and its summary, reusing the pieces of an equal signature."""
@@ -605,11 +606,14 @@ def export_state_async(dst: str, run: LiveRun, params: Sequence[LocalParam], opt
                                                  on_commit=on_commit)
 
 
+_FORMER_NAMES = {"inflight_bytes", "device_commits"}  # still accepted as keyword overrides (with a DeprecationWarning)
+
+
 def _options(options: ExportOptions | None, fields: dict) -> ExportOptions | None:
     """`options` with keyword overrides named like `ExportOptions` fields (unknown names refused)."""
     if not fields:
         return options
-    names = {f.name for f in dataclasses.fields(ExportOptions)}
+    names = {f.name for f in dataclasses.fields(ExportOptions)} | _FORMER_NAMES
     bad = sorted(set(fields) - names)
     if bad:
         raise BridgeError(f"export_state: unknown option {bad[0]!r}; the options are {', '.join(sorted(names))}")
@@ -634,20 +638,21 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
     dtypes = {a.name: torch_dtype(a.dtype) for a in plan.catalog}
     local_items = attempt(lambda: [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t))
                                    for t in plan.sends(rank, rank)]) or []
-    batch = writer_batch_bytes(opts.inflight_bytes) if opts.inflight_bytes else default_batch_bytes(is_remote(tmp))
-    # Device data goes through the donated staging pipeline (device_commits + 2 pinned buffers of one
+    # Device data goes through the donated staging pipeline (commit_depth + 2 pinned buffers of one
     # batch, each refilled once its commit landed). Host data is donated as is: two in flight.
     # CPU holdings with a device exchange (NCCL) stage everything after the exchange, so that no
     # flush of the staging pipeline falls between a chunk's local and received pieces.
     on_host = not seams.stage_all and not recv.is_cuda and not any(it.data.is_cuda for it in local_items)
-    depth = 2 if on_host else opts.device_commits
+    depth = 2 if on_host else opts.commit_depth
+    mem = (export_split(opts.budget, depth) if opts.budget
+           else staged_split(default_batch_bytes(is_remote(tmp)), depth))  # bridge.budget: the one split
     order = {name: i for i, name in enumerate(wplan.arrays)}
     with progress(plan.written_bytes(rank), f"export rank {rank}") as bar:
         # CPU items (views of the holdings and of `recv`) stay alive until the writer has finished, so
         # it references them instead of copying (donate); so does every staged buffer.
         writer = attempt(lambda: StagedWriter(
-            _store_writer(seams, tmp, wplan, rank, inflight_bytes=batch, digest=opts.digest, depth=depth),
-            (depth + 2) * batch, commits_in_flight=depth, stage_all=seams.stage_all, buffers=buffers,
+            _store_writer(seams, tmp, wplan, rank, batch_bytes=mem.batch, digest=opts.digest, depth=depth),
+            mem.staging, stage_all=seams.stage_all, buffers=buffers,
             on_bytes=bar.update))
 
         def write_all(items: list[WriteItem]) -> None:
@@ -789,11 +794,11 @@ class _StagedWritten:
 LIVE_DIGEST_STEP = 1 << 20
 
 
-def _store_writer(seams: _testing.Seams, tmp: str, wplan: WritePlan, rank: int, *, inflight_bytes: int,
+def _store_writer(seams: _testing.Seams, tmp: str, wplan: WritePlan, rank: int, *, batch_bytes: int,
                   digest: bool, depth: int) -> CheckpointWriter:
     """This rank's store writer (the class, staging and data file size as the testing seams say)."""
     return (seams.writer_class or CheckpointWriter)(
-        tmp, wplan, rank, inflight_bytes=inflight_bytes, compute_digest=digest, commit_depth=depth,
+        tmp, wplan, rank, batch_bytes=batch_bytes, compute_digest=digest, commit_depth=depth,
         staging=seams.writer_staging, target_data_file_size=seams.target_data_file_size,
         digest_step=LIVE_DIGEST_STEP)
 
@@ -824,7 +829,7 @@ def _write_staged(job: _StageJob, planned: _Planned, run: LiveRun, tmp: str, ran
     flush of the batch `depth` later: see `CheckpointWriter.flush`). Failures are kept, not raised."""
     failed = job.failed
     attempt = _attempter(failed)
-    writer = attempt(lambda: _store_writer(seams, tmp, planned.wplan, rank, inflight_bytes=2 * job.stats.slot_bytes,
+    writer = attempt(lambda: _store_writer(seams, tmp, planned.wplan, rank, batch_bytes=2 * job.stats.slot_bytes,
                                            digest=opts.digest, depth=job.depth))
     inflight: deque[int] = deque()
     calls = 0

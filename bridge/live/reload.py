@@ -26,6 +26,7 @@ from bridge.live.fp8 import quantize_into
 from bridge.live.holdings import tree_name
 from bridge.dtypes import from_numpy
 from bridge.progress import progress
+from bridge.renamed import renamed
 from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.format.schema import MODEL, PARAMS, SCALAR_PATHS, has_role
 from bridge.format.tree import name_to_path, path_str
@@ -141,15 +142,20 @@ def _copy_into(j: _Job, flat: np.ndarray) -> None:
         target.view(-1).copy_(src.to(target.device, target.dtype))
 
 
-def reload_state(src: str, run: LiveRun, params: Sequence[LocalParam], *,
-                 inflight_bytes: int = 256 << 20) -> ReloadResult:
+RELOAD_BUDGET = 256 << 20  # bytes read at a time by default
+
+
+def reload_state(src: str, run: LiveRun, params: Sequence[LocalParam], *, budget: int | None = None,
+                 inflight_bytes: int | None = None) -> ReloadResult:
     """Fill `params` (allocated for `run.layout` at `run.rank`) in place from checkpoint `src`.
 
     Weights come from `model/...` (bf16; FP8 targets re-quantized with current scaling), or from
     `params/...` when the checkpoint has no model tree; optimizer fragments from `params`, `mu`,
-    `nu`. Reads at most about `inflight_bytes` at a time. Returns the step and the recorded
-    optimizer settings.
+    `nu`. Reads at most about `budget` bytes at a time (None: `RELOAD_BUDGET`; `inflight_bytes` is
+    its former name, deprecated). Returns the step and the recorded optimizer settings.
     """
+    budget = renamed("reload_state", "inflight_bytes", "budget", inflight_bytes, budget)
+    budget = RELOAD_BUDGET if budget is None else int(budget)
     ck = open_checkpoint(src)
     have_model = has_role(ck.paths(), MODEL)
     jobs = [j for p in params for j in _jobs(p, run, have_model)]
@@ -161,7 +167,7 @@ def reload_state(src: str, run: LiveRun, params: Sequence[LocalParam], *,
         for j in jobs:
             batch.append(j)
             used += j.numel * 4
-            if used >= inflight_bytes:
+            if used >= budget:
                 total += _fill(batch, stores)
                 bar.update(used)
                 batch, used = [], 0

@@ -6,7 +6,7 @@ decides how each reaches the store. CPU tensors go to the writer as numpy views 
 copy). CUDA tensors are copied on a side stream into pinned host buffers that are kept across
 exports (`HostBuffers`), while the writer consumes the previous buffer:
 - donated (the writer commits in the background, `flush(wait=False)` with at most d =
-  `commits_in_flight` commits outstanding): d + 2 buffers sharing the budget, each cut into whole
+  `commit_depth` commits outstanding): d + 2 buffers sharing the budget, each cut into whole
   inner chunks of the store (`split_cells`) and handed to the writer without a copy, a flush after
   each, and a buffer refilled only once the commit that references it has landed (and the writer
   saw TensorStore let go of it). A buffer holds whole outer chunks only (`chunk_groups`): the
@@ -28,6 +28,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from bridge.budget import staging_buffers
 from bridge.layout.boxes import Box
 from bridge.store.staging import cells_are_row_runs, grid_cells
 from bridge.dtypes import numpy_dtype_of_torch, to_numpy
@@ -212,8 +213,8 @@ class StagingStats:
 class StagedWriter:
     """A store writer (`CheckpointWriter`) with the staging policy inside: feed it `WriteItem`s.
 
-    `budget_bytes` bounds the host staging buffers. With `donate` (the writer commits in the
-    background with `commits_in_flight` commits outstanding) staged buffers are handed to the
+    `budget` bounds the host staging buffers. With `donate` (the writer commits in the
+    background with `commit_depth` commits outstanding, by default its own) staged buffers are handed to the
     writer without a copy and CPU items are donated as numpy views: the caller keeps every item
     alive until `finish()` returns. Without it the writer copies everything it is given.
     `stage_all` sends CPU items through the buffers as well, as CUDA items go on a GPU machine (tests
@@ -227,12 +228,13 @@ class StagedWriter:
     `staged_bytes` (copied device -> host), `d2h_wait_s` (blocked on those copies).
     """
 
-    def __init__(self, writer, budget_bytes: int, *, commits_in_flight: int = 1, donate: bool = True,
+    def __init__(self, writer, budget: int, *, commit_depth: int | None = None, donate: bool = True,
                  stage_all: bool = False, cut_cells: bool = True, buffers: HostBuffers | None = None,
                  on_bytes: Callable[[int], None] | None = None) -> None:
         self.writer = writer
-        self.budget_bytes = max(3, int(budget_bytes))
-        self.commits_in_flight = max(1, int(commits_in_flight))
+        self.budget = max(3, int(budget))
+        # the writer's own depth unless given (one number, not passed twice: `CheckpointWriter.commit_depth`)
+        self.commit_depth = max(1, int(commit_depth if commit_depth is not None else getattr(writer, "commit_depth", 1)))
         self.donate = donate
         self.stage_all = stage_all
         self.cut_cells = cut_cells
@@ -286,11 +288,11 @@ class StagedWriter:
         plan = self.writer.plan
         if self.cut_cells:
             dev = [c for it in dev for c in split_cells(it, plan.lookup(it.name).inner_chunk_shape)]
-        budget = self.budget_bytes
+        budget = self.budget
         if not self.donate:
             self._peak(self._stage(_batches(dev, budget // 2), budget // 2, 2, donated=False))
             return
-        n = self.commits_in_flight + 2
+        n = staging_buffers(self.commit_depth)  # bridge.budget: the one split of a budget
         part = budget // n
         fit: list[list[WriteItem]] = []
         big: list[WriteItem] = []

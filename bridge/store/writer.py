@@ -6,7 +6,7 @@ Usage (every writer w of W, after `begin_checkpoint(dst)` created the tmp dir)::
     w.write(("params", "w"), Box.of((0, 0), block.shape), block)   # only boxes inside owned chunks
     w.finish()                                                      # flush + report for the commit
 
-Writes are batched into TensorStore transactions of about `inflight_bytes`, each committed as
+Writes are batched into TensorStore transactions of about `batch_bytes`, each committed as
 one OCDBT version while the next batch is staged, so host memory is bounded by that budget, not by
 the model size.
 
@@ -15,7 +15,7 @@ Two invariants the writer enforces itself:
   write to a chunk written in an earlier transaction is refused: OCDBT would keep every version
   of the chunk, and TensorStore would carry the earlier transaction's inner chunks forward by
   reference into the rewrite. The automatic flush waits until the chunks it would split are
-  complete, so a transaction may exceed `inflight_bytes` by the chunks still open.
+  complete, so a transaction may exceed `batch_bytes` by the chunks still open.
 - A buffer TensorStore references (staging slabs, donated data) is leased (`staging.Lease`) and
   refilled or handed back to the caller only once TensorStore dropped its references to it, not
   merely once the commit that wrote it landed.
@@ -241,7 +241,7 @@ class CheckpointWriter:
     fresh memory, whose page faults cost more client CPU than TensorStore's own copies (bench_remote).
     """
 
-    def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, inflight_bytes: int | None = None,
+    def __init__(self, tmp_dir: str, plan: WritePlan, writer_id: int, *, batch_bytes: int | None = None,
                  compute_digest: bool = True, threads: int | None = None, staging: bool | None = None,
                  drop_behind: bool = True, commit_depth: int = 1, btree_cache_bytes: int | None = None,
                  target_data_file_size: int | None = None, digest_step: int | None = None) -> None:
@@ -260,7 +260,7 @@ class CheckpointWriter:
         self.tmp_dir = tmp_dir
         self.plan = plan
         self.writer_id = writer_id
-        self.inflight_bytes = max(1, int(inflight_bytes or default_batch_bytes(self.remote)))
+        self.batch_bytes = max(1, int(batch_bytes or default_batch_bytes(self.remote)))
         self.compute_digest = compute_digest
         # elements per vectorised digest step of donated boxes (None: digest_box's default); larger
         # steps take and release the GIL less often (a writer in a training process shares it)
@@ -288,7 +288,7 @@ class CheckpointWriter:
         self._seen: dict[str, int] = {}      # data file -> commits issued when first listed
         self._issued = 0                     # commits issued so far
         # Staging holds the batch being filled plus the `commit_depth` committing (see flush).
-        self._slabs = SlabPool(keep_bytes=(self.commit_depth + 1) * self.inflight_bytes)
+        self._slabs = SlabPool(keep_bytes=(self.commit_depth + 1) * self.batch_bytes)
         self._futures: list = []
         self._commits: list = []   # (commit future, staging slab leases, donated leases, its digests)
         self._donated: list[Lease] = []  # data of the batch being staged that TensorStore references
@@ -359,7 +359,7 @@ class CheckpointWriter:
                 raise BridgeError(f"{where}: writing box {box} failed: {' '.join(str(e).split())}") from e
         self._pending += data.nbytes
         self.bytes_written += data.nbytes
-        if self._pending >= self.inflight_bytes and not self._open_chunks:
+        if self._pending >= self.batch_bytes and not self._open_chunks:
             self.flush(wait=False)
 
     @property
@@ -373,7 +373,7 @@ class CheckpointWriter:
         With ``wait=False`` (used when the in-flight budget fills) the commit and the batch's
         digests run in the background while the next batch is staged; at most `commit_depth`
         commits are outstanding, so host memory stays below about (commit_depth + 1) x
-        `inflight_bytes`. When it returns, the donated buffers of every commit that landed are free
+        `batch_bytes`. When it returns, the donated buffers of every commit that landed are free
         again (TensorStore dropped them): with ``wait=True`` all of them. Chunks left incomplete
         can not be written any more (see `open_chunk_count`).
         """

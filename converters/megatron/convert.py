@@ -26,6 +26,7 @@ import numpy as np
 
 from bridge.cast_check import bits_equal, cast_mismatch
 from bridge.errors import BridgeError
+from bridge.budget import per_worker, split_share
 from bridge.machine import (MIN_BYTES_PER_WORKER, PROCESS_OVERHEAD, default_budget, default_workers,  # noqa: F401
                             mem_available, return_freed_memory)
 from bridge.layout.boxes import Box
@@ -49,6 +50,7 @@ from converters.megatron.read.object_layout import object_tensors
 from converters.megatron.plan.fact_sources import SPLIT_ARGS, split_source
 from converters.megatron.plan.save_facts import check_against_save
 from converters.megatron.cache import ChunkCache
+from converters.megatron.writer_job import WriterJob
 from converters.megatron.writer_procs import run_parallel
 from converters.megatron import replicas
 from converters.megatron.plan.format import (BUCKETED, Hints, SourceCheckpoint, bucket_space_flat_chunks, describe,
@@ -61,7 +63,6 @@ from converters.megatron.plan.convert_plan import (ROLES, Block, Copy, CopyIndex
                                                    role_path, FIRST_FLAG, LAST_FLAG, SPLIT_FLAGS, infer_split,
                                                    placement_str, split_flags, stage_placement)
 
-MIN_BATCH_BYTES = 1 << 20
 
 #: source tensor dtypes convert accepts (weights, masters, moments, and the integer buffers Megatron keeps)
 CONVERTIBLE_DTYPES = ("bfloat16", "float32", "float16", "float64", "int64", "int32", "uint8")
@@ -484,39 +485,6 @@ def make_plan(units: Sequence[Unit], blocks: Sequence[Block], owners: Sequence[i
     return make_write_plan(catalog, workers, ownership, empty_paths=adamw_empty_paths(), stacked=stacked)
 
 
-@dataclass(frozen=True)
-class ShareSplit:
-    """How one process's share of the budget is spent (bytes)."""
-
-    block: int      # one block being assembled, all roles
-    cache: int      # decoded stored chunks kept for the next blocks
-    inflight: int   # per writer transaction (one filling + one committing)
-
-
-def split_share(share: int) -> ShareSplit:
-    """A sixteenth each for the block being filled and the source chunks kept, a twentieth for the
-    writer's batch (at least MIN_BATCH_BYTES).
-
-    Each costs several times its nominal size (resident bytes measured on the CPU): the writer
-    holds a batch filling and one committing, each up to a block beyond its size, plus TensorStore's
-    encoded shards (~3x batch + block); a block is assembled next to its master check's cast
-    (~1.4x); whole-chunk reads decode next to the raw record (~1.6x). With these fractions the sum
-    stays near half the share, the rest covers allocator slack and the per-process state that
-    grows with the share (larger fractions overshot the 0.5 GiB + share bound on the GPU host;
-    README, tuning constants).
-
-    The batch floor: every transaction adds OCDBT B-tree nodes that later commits rewrite, and
-    below about 1 MiB of data per commit they outgrow the data on disk.
-
-    >>> split_share(192 << 20)
-    ShareSplit(block=12582912, cache=12582912, inflight=10066329)
-    >>> split_share(1 << 20).inflight == MIN_BATCH_BYTES
-    True
-    """
-    q = max(1, share // 16)
-    return ShareSplit(block=q, cache=q, inflight=max(share // 20, MIN_BATCH_BYTES))
-
-
 # ---------------------------------------------------------------------------------------------
 # Execution
 
@@ -559,24 +527,24 @@ def is_defect_suspect(src: SourceCheckpoint) -> bool:
     return bool(plain_value(src.args.get("overlap_grad_reduce")))
 
 
-def run_blocks(src_root: str, units: dict[int, Unit], blocks: Sequence[Block], plan: WritePlan, tmp: str,
-               writer_id: int, share: int, force: bool, defect_suspect: bool, step: int,
+def run_blocks(job: WriterJob, units: dict[int, Unit], blocks: Sequence[Block], writer_id: int,
                on_progress=None) -> tuple[list[str], int, dict, list]:
     """One writer's work: assemble each of its blocks (one outer chunk, every role), check it and
     write it whole. Returns (warnings, source bytes read, CRC-32 spans of the records read by
     ranges: `check_records` must pass on them before the output is committed, the comparisons of
     replicated copies: `replicas.BlockDiff`s)."""
-    mem = split_share(share)
+    mem = split_share(job.share)  # bridge.budget: the one split of a budget
     return_freed_memory()
-    ck = DcpCheckpoint(src_root)
+    ck = DcpCheckpoint(job.src_root)
     merge_split_keys(ck)  # the keys describe() planned with (Mamba / GDN per-section keys merged)
     cache = ChunkCache(ck, mem.cache)
     # commit_depth=1: one batch committing while the next fills, both inside the share
     # B-tree cache off: this process only writes, and cached nodes of every commit would pile up
     # outside the budget (~100 MiB at the store's default limit)
-    writer = CheckpointWriter(tmp, plan, writer_id, inflight_bytes=mem.inflight, commit_depth=1, btree_cache_bytes=0)
+    writer = CheckpointWriter(job.tmp, job.plan, writer_id, batch_bytes=mem.batch, commit_depth=1,
+                              btree_cache_bytes=0)
     try:
-        return _write_blocks(cache, writer, units, blocks, writer_id, force, defect_suspect, step, on_progress)
+        return _write_blocks(cache, writer, units, blocks, writer_id, job, on_progress)
     except BaseException:
         # let TensorStore's in-flight writes land before the caller removes the temp directory,
         # else they recreate files in it afterwards
@@ -615,7 +583,7 @@ class BlockBuffers:
 
 
 def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, Unit], blocks: Sequence[Block],
-                  writer_id: int, force: bool, defect_suspect: bool, step: int, on_progress) -> tuple[list[str], int, dict, list]:
+                  writer_id: int, job: WriterJob, on_progress) -> tuple[list[str], int, dict, list]:
     warnings: list[str] = []
     index: tuple[int, CopyIndex] | None = None
     pool = BlockBuffers()
@@ -630,12 +598,12 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
                                  out=None if donate[role] else pool.take(role, b.box.shape, numpy_dtype(unit.dtypes[role])))
                 for role in unit.copies}
         if unit.mirrors:
-            check_mirrors(cache, unit, b, bufs, force, warnings)
+            check_mirrors(cache, unit, b, bufs, job.force, warnings)
         if unit.replicas:  # compared while the block is in memory, before the writer may take its buffers
             replica_check.block(unit, b, bufs, lambda idx, role: fill_block(
                 cache, idx, unit, role, b, out=pool.take("replica", b.box.shape, numpy_dtype(unit.dtypes[role]))))
         if PARAMS in bufs and MODEL in bufs:
-            check_master(b.array, bufs[PARAMS], bufs[MODEL], b.box, force, defect_suspect, warnings)
+            check_master(b.array, bufs[PARAMS], bufs[MODEL], b.box, job.force, job.defect_suspect, warnings)
         for role, buf in bufs.items():
             # donated: a fresh buffer, never touched again, so the writer need not copy it; else the
             # writer copies it before returning and the pool's buffer takes the next block
@@ -645,7 +613,7 @@ def _write_blocks(cache: ChunkCache, writer: CheckpointWriter, units: dict[int, 
         _testing_hold(writer_id)
     if writer_id == 0:
         for p in SCALAR_PATHS:
-            writer.write(p, Box((), ()), np.asarray(step, dtype=SCALAR_DTYPE))
+            writer.write(p, Box((), ()), np.asarray(job.step, dtype=SCALAR_DTYPE))
     writer.finish()
     return warnings, cache.bytes_read, cache.crcs.spans(), replica_check.diffs
 
@@ -880,7 +848,7 @@ def plan_conversion(src_dir: str, opts: ConvertOptions | None = None, budget: in
     # min_worker_bytes of work, so small checkpoints convert in-process.
     total_bytes = sum(u.nbytes for u in units)
     per_rank = max(1, min(asked_workers, -(-total_bytes // max(1, ranks * opts.min_worker_bytes))))
-    share = budget // per_rank    # workers hold the data; the parent only plans and commits
+    share = per_worker(budget, per_rank)    # workers hold the data; the parent only plans and commits
     blocks, chunks = plan_blocks(units, split_share(share).block)
     workers = max(1, min(per_rank * ranks, len(blocks)))
     owners = assign_blocks(blocks, workers)
@@ -898,12 +866,11 @@ def write_share(cp: ConvertPlan, tmp: str, writers: Sequence[int], force: bool, 
     per = {w: cp.blocks_of(w) for w in writers}
     if not per:
         return []
+    job = WriterJob(str(cp.ck.root), cp.plan, tmp, cp.share, force, cp.suspect, cp.step or 0)
     if len(per) == 1:
         (w, blocks), = per.items()
-        return [run_blocks(str(cp.ck.root), dict(enumerate(cp.units)), blocks, cp.plan, tmp, w, cp.share,
-                           force, cp.suspect, cp.step or 0, on_progress=bar.update)]
-    return run_parallel(run_blocks, str(cp.ck.root), cp.units, per, cp.plan, tmp, cp.share, force, cp.suspect,
-                         cp.step or 0, bar, timings, pool=pool)
+        return [run_blocks(job, dict(enumerate(cp.units)), blocks, w, on_progress=bar.update)]
+    return run_parallel(run_blocks, job, cp.units, per, bar, timings, pool=pool)
 
 
 def record_replicas(manifest: Manifest, units: Sequence[Unit], diffs: Sequence, strict: bool):

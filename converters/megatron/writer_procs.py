@@ -14,17 +14,15 @@ from typing import Any, Callable, Sequence
 
 from bridge.errors import BridgeError
 from bridge.worker_life import die_with_parent
-from bridge.store.plan import WritePlan
 from converters.megatron.plan.convert_plan import Block, Unit
+from converters.megatron.writer_job import WriterJob
 
 
-def _worker_main(q, run_blocks, src_root, units, blocks, plan, tmp, w, share, force, defect_suspect,  # pragma: no cover - subprocess
-                 step) -> None:
+def _worker_main(q, run_blocks, job: WriterJob, units, blocks, w) -> None:  # pragma: no cover - subprocess
     die_with_parent()
     try:
         t0 = time.time()  # wall clock: the parent compares it with its own
-        res = run_blocks(src_root, units, blocks, plan, tmp, w, share, force, defect_suspect, step,
-                         on_progress=lambda n: q.put(("p", w, n)))
+        res = run_blocks(job, units, blocks, w, on_progress=lambda n: q.put(("p", w, n)))
         q.put(("t", w, (t0, time.time())))
         q.put(("ok", w, res))
         # Done: everything is on disk and the result in the queue's pipe. Leave without the
@@ -82,13 +80,12 @@ class Prestarted:
                 p.join()
 
 
-def run_parallel(run_blocks: Callable[..., Any], root: str, units: Sequence[Unit], per: dict[int, list[Block]],
-                 plan: WritePlan, tmp: str, share: int, force: bool, suspect: bool, step: int, bar,
-                 timings: dict[str, float] | None = None, pool: Prestarted | None = None) -> list[tuple]:
+def run_parallel(run_blocks: Callable[..., Any], job: WriterJob, units: Sequence[Unit], per: dict[int, list[Block]],
+                 bar, timings: dict[str, float] | None = None, pool: Prestarted | None = None) -> list[tuple]:
     """One process per writer of `per` (writer id -> its blocks), each calling `run_blocks` (a module-level
-    function: the spawned process imports it by name) on its blocks; their results in writer order.
+    function: the spawned process imports it by name) on `job` and its blocks; their results in writer order.
     With `pool` (as many processes as writers, not yet handed jobs) its processes run them."""
-    args = [(run_blocks, root, {b.unit: units[b.unit] for b in blocks}, blocks, plan, tmp, w, share, force, suspect, step)
+    args = [(run_blocks, job, {b.unit: units[b.unit] for b in blocks}, blocks, w)
             for w, blocks in per.items()]
     if pool is not None and (pool.handed or len(pool.procs) != len(args)):
         raise BridgeError(f"internal: {len(pool.procs)} prestarted writers for {len(args)} jobs")

@@ -39,6 +39,7 @@ from bridge.jaxside.presets.maxtext_schedule import MaxTextRunSchedule, Schedule
 from bridge.layout.boxes import Box
 from bridge.layout.shares import contiguous_parts
 from bridge.location import absolute, basename, is_remote, join, location
+from bridge.budget import ShareSplit, per_worker, split_share
 from bridge.machine import MIN_BYTES_PER_WORKER, default_budget, default_workers, mem_available, return_freed_memory
 from bridge.progress import progress
 
@@ -51,7 +52,6 @@ MT_COUNT: Path = MT_ADAM + ("count",)  # foreign: maxtext / optax tree
 MT_SCHEDULE_COUNT: Path = ("opt_state", "2", "count")   # foreign: maxtext / optax tree; optax ScaleByScheduleState.count (MaxText's lr schedule)
 MT_STEP: Path = ("step",)  # foreign: maxtext / optax tree
 MT_EMPTY: Path = ("opt_state", "1")                     # foreign: maxtext / optax tree; adamw's weight-decay state: empty
-MIN_BATCH_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -65,22 +65,10 @@ class StreamOptions:
     min_worker_bytes: int = MIN_BYTES_PER_WORKER   # fewer workers than asked for a small state (convert's rule)
 
 
-@dataclass(frozen=True)
-class Share:
-    """How one process's share of the budget is spent: one output chunk (read + rearranged copy),
-    and the writer's batch (one filling, one committing)."""
-
-    block: int
-    inflight: int
-
-    @classmethod
-    def of(cls, share: int) -> "Share":
-        """The share's split (a sixteenth per chunk in hand, a twentieth per writer batch).
-
-        >>> Share.of(64 << 20)
-        Share(block=4194304, inflight=3355443)
-        """
-        return cls(block=max(4 << 10, share // 16), inflight=max(share // 20, MIN_BATCH_BYTES))
+def _split(budget: int, workers: int) -> ShareSplit:
+    """Each writer's share of the budget, split as `convert`'s (`bridge.budget.split_share`); one
+    output chunk in hand is the block, cut no smaller than 4 KiB."""
+    return split_share(per_worker(budget, workers), min_block=4 << 10)
 
 
 # ------------------------------------------------------------------------------------ planning
@@ -97,7 +85,7 @@ class Job:
     plan: Any                          # bridge.store.plan.WritePlan
 
 
-def plan_job(moves: Sequence[Move], scalars: Mapping[Path, np.ndarray], workers: int, share: Share, *,
+def plan_job(moves: Sequence[Move], scalars: Mapping[Path, np.ndarray], workers: int, share: ShareSplit, *,
              empty_paths: Sequence[Path] = (), stacked_outputs: bool = True, max_chunk_bytes: int = 1 << 30) -> Job:
     """Cut every output on its chunk grid, give contiguous runs of chunks to `workers` writers, and
     build the write plan (scalars to writer 0). `stacked_outputs=False`: the outputs have no leading
@@ -151,7 +139,7 @@ def transform(move: Move, block: np.ndarray, dims: Dims, opts: Options, forward:
     return np.ascontiguousarray(f(block, move.leaf, move.kind, dims, opts), dtype=move.dtype)
 
 
-def write_blocks(src: str, tmp: str, job: Job, writer_id: int, share: Share, dims: Dims, opts: Options,
+def write_blocks(src: str, tmp: str, job: Job, writer_id: int, share: ShareSplit, dims: Dims, opts: Options,
                  forward: bool, scalars: Mapping[Path, np.ndarray], on_progress=None) -> dict:
     """Writer `writer_id`'s blocks: read each source box, rearrange, transform, write; its report."""
     from bridge.store.reader import open_checkpoint
@@ -159,7 +147,7 @@ def write_blocks(src: str, tmp: str, job: Job, writer_id: int, share: Share, dim
 
     return_freed_memory()
     ck = open_checkpoint(src)
-    writer = CheckpointWriter(tmp, job.plan, writer_id, inflight_bytes=share.inflight)
+    writer = CheckpointWriter(tmp, job.plan, writer_id, batch_bytes=share.batch)
     for (i, box), w in zip(job.blocks, job.owners):
         if w != writer_id:
             continue
@@ -195,7 +183,7 @@ def _worker_main(q, args) -> None:  # pragma: no cover - subprocess
         traceback.print_exc(file=sys.stderr)
 
 
-def run_job(src: str, dst: str, job: Job, share: Share, dims: Dims, opts: Options, forward: bool,
+def run_job(src: str, dst: str, job: Job, share: ShareSplit, dims: Dims, opts: Options, forward: bool,
             scalars: Mapping[Path, np.ndarray], manifest, label: str, show_progress: bool | None,
             ranks=None) -> str:
     """Claim `dst`, run the writers (in process for one), commit once; returns dst. Under torchrun
@@ -363,7 +351,7 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
     scalars = {MT_COUNT: c32, MT_SCHEDULE_COUNT: c32, MT_STEP: c32}
     total = sum(m.nbytes for m in moves)
     workers, budget = resources(stream, total)
-    share = Share.of(budget // workers)
+    share = _split(budget, workers)
     job = plan_job(moves, scalars, workers * launched_world(), share, empty_paths=[MT_EMPTY], stacked_outputs=False)
     if stream.announce:
         stream.announce(budget_line("to-maxtext", job.workers, budget))
@@ -515,7 +503,7 @@ def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Opt
                schema.STEP_PATH: np.asarray(step, schema.SCALAR_DTYPE)}
     total = sum(m.nbytes for m in moves)
     workers, budget = resources(stream, total)
-    share = Share.of(budget // workers)
+    share = _split(budget, workers)
     # under torchrun every rank runs `workers` writers of its own with its own budget (bridge.torchrun)
     job = plan_job(moves, scalars, workers * launched_world(), share, empty_paths=schema.adamw_empty_paths())
     if stream.announce:

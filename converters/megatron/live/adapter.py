@@ -64,6 +64,7 @@ from bridge.errors import BridgeError
 from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
+from bridge.renamed import renamed
 from converters.megatron.plan.format import split_spec
 from converters.megatron.plan.naming import SPLIT_SECTIONS, is_routed_expert, logical_key, module_of
 
@@ -868,13 +869,13 @@ def _set_step(optimizer: Any, step: int) -> None:
 def load_megatron(src: str, model: Any, optimizer: Any, *,
                   metadata: Mapping[str, Any] | None = None, dims: ModelDims | None = None,
                   pad_for_alignment: int | None = None, group: Any = None, extra: Mapping[str, Any] | None = None,
-                  inflight_bytes: int = 256 << 20) -> "ReloadResult":
+                  budget: int | None = None, inflight_bytes: int | None = None) -> "ReloadResult":
     """Fill a live Megatron model + DistributedOptimizer (any layout) from the logical checkpoint `src`.
 
     Each rank reads only the boxes of its own shards and fragments (`bridge.live.reload`). The
     bf16 weights, fp32 masters and moments are written in place; the step is set on every group /
     state. Training continues as after Megatron's own load. Arguments as `export_megatron`'s, and
-    `inflight_bytes` as `bridge.live.reload.reload_state`'s.
+    `budget` (and its deprecated former name `inflight_bytes`) as `bridge.live.reload.reload_state`'s.
     """
     from bridge.live.reload import reload_state
 
@@ -882,6 +883,7 @@ def load_megatron(src: str, model: Any, optimizer: Any, *,
     _ensure_optimizer_state(optimizer)
     params, run = local_params(model, optimizer, metadata=metadata, dims=dims, pad_for_alignment=pad_for_alignment,
                                group=group, extra=extra)
-    result = reload_state(src, run, params, inflight_bytes=inflight_bytes)
+    budget = renamed("load_megatron", "inflight_bytes", "budget", inflight_bytes, budget)
+    result = reload_state(src, run, params, budget=budget)
     _set_step(optimizer, result.step)
     return result

@@ -38,6 +38,7 @@ import numpy as np
 from bridge.cast_check import cast_mismatch
 from bridge.errors import BridgeError, require, write_failure
 from bridge.location import is_remote, location
+from bridge.budget import per_worker
 from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
 from bridge.layout.distopt import buffer_layout, BufferParam
@@ -552,7 +553,7 @@ def plan_megatron(src: str, dst: str, target: MegatronTarget, budget: int | None
     sched = scheduler_state(src, man, step, target)
     where = plan_run_dir(dst, step)
     workers = min(workers, len(params) * lay.world)   # a file each: more than the chunks to write leaves some empty
-    limit = max(1, budget // workers)
+    limit = per_worker(budget, workers)  # bridge.budget: the one split of a budget
     prefix = key_prefix(target.key_convention)
     groups = plan_groups(params, lay, target.fmt, derive=derive, limit=limit, key_prefix=prefix)
     dp_jobs, dp_objects = (_plan_dp(params, lay, target, man, step, limit, split, sched) if target.fmt == "dp_reshardable"
