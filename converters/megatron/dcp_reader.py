@@ -44,6 +44,9 @@ from typing import Any, Iterator
 from bridge.errors import BridgeError
 from bridge.location import is_remote, local_path
 from bridge.store.ranged import RangeReader, open_range  # noqa: F401 - RangeReader: readers name it here
+from bridge.store.sources import (FileSource, ObjectSource, check_relative_path,  # noqa: F401 - readers name them here
+                                  source_of)
+from bridge.store.sources import short_value as _short
 from converters.megatron.inert import InertStub
 from converters.megatron.unpickle_bounds import MAX_NESTING, Immutables, KeyGuard, check_graph, copy_keys
 from converters.megatron.torch_archive import (DTYPE_NAMES, LAYOUT_NAMES, MEMORY_FORMAT_NAMES, STORAGE_DTYPES,
@@ -193,17 +196,6 @@ def _int_tuple(x: Any, what: str, max_len: int = MAX_DIMS) -> tuple[int, ...]:
     if not ok:
         raise BridgeError(f"{what}: expected at most {max_len} integers in [0, 2**63), found {_short(x)}")
     return tuple(x)
-
-
-def _short(x: Any) -> str:
-    """A bounded description of an untrusted value for messages."""
-    if isinstance(x, int) and x.bit_length() > 128:
-        return f"an integer of {x.bit_length()} bits"   # repr would fail past 4300 digits
-    if isinstance(x, (int, float, bool, type(None))):
-        return repr(x)[:40]
-    if isinstance(x, str):
-        return repr(x[:40])
-    return type(x).__name__
 
 
 def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
@@ -1181,32 +1173,6 @@ def _interpret_metadata(md: Any, root: Path, what: str) -> tuple[dict[str, "Tens
     return tensors, objects
 
 
-def check_relative_path(root: Path, rel: str, what: str) -> Path:
-    """Resolve `rel` inside `root`, refusing absolute paths, `..` and symlink escapes.
-
-    >>> check_relative_path(Path("/ck"), "__0_0.distcp", "x").name
-    '__0_0.distcp'
-    """
-    if not isinstance(rel, str) or not rel or "\x00" in rel:
-        raise BridgeError(f"{what}: invalid file name {_short(rel)} in .metadata")
-    p = Path(rel)
-    if p.is_absolute() or ".." in p.parts or rel.startswith(("/", "\\")):
-        raise BridgeError(f"{what}: file name {rel!r} escapes the checkpoint directory; refusing")
-    if isinstance(root, str) and is_remote(root):
-        if "\\" in rel or any(c in ("", ".") for c in rel.split("/")):
-            raise BridgeError(f"{what}: file name {rel!r} is not a plain object name; refusing")
-        return f"{root}/{rel}"  # an object key: no symlinks to follow
-    full = root / p
-    try:
-        real_root = os.path.realpath(root)
-        real = os.path.realpath(full)
-    except OSError:
-        return full
-    if os.path.commonpath([real_root, real]) != real_root:
-        raise BridgeError(f"{what}: file {rel!r} resolves outside the checkpoint directory; refusing")
-    return full
-
-
 def resolve_checkpoint_dir(path: str | os.PathLike) -> Path | str:
     """The directory holding `.metadata`: SRC itself, or SRC's latest `iter_*` (Megatron save dir).
     For an s3:// / gs:// SRC, the prefix (a URL string) found the same way."""
@@ -1253,65 +1219,6 @@ def _resolve_remote_dir(url: str) -> str:
                           f"rerun the write, which removes it")
     raise BridgeError(f"{url}: not a torch_dist checkpoint (no .metadata object); point SRC at the "
                       f"iter_<N> prefix that Megatron-Core wrote")
-
-
-# ---------------------------------------------------------------------------------------------
-# Byte sources: where the files of a checkpoint are read from (a local directory or an object
-# store prefix), by byte ranges, so a large record is never read whole.
-# ---------------------------------------------------------------------------------------------
-
-
-class FileSource:
-    """The files of a local checkpoint directory."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def location(self, rel: str) -> str:
-        return str(check_relative_path(self.root, rel, str(self.root)))
-
-    def read_whole(self, rel: str) -> bytes | None:
-        p = self.root / rel
-        return p.read_bytes() if p.is_file() else None
-
-    def check_length(self, rel: str, end: int) -> None:
-        """BridgeError when file `rel` is missing or shorter than `end` bytes."""
-        p = self.root / rel
-        if not p.is_file():
-            raise BridgeError(f"missing shard file {p} (named in .metadata); copy the complete checkpoint")
-        size = p.stat().st_size
-        if size < end:
-            raise BridgeError(f"truncated shard file {p}: {size} bytes, .metadata needs {end}; "
-                              f"copy the complete checkpoint")
-
-
-class ObjectSource:
-    """The objects under an s3:// / gs:// prefix holding a torch_dist checkpoint."""
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-
-    def location(self, rel: str) -> str:
-        return check_relative_path(self.root, rel, self.root)
-
-    def read_whole(self, rel: str) -> bytes | None:
-        from bridge.store import kvstore
-
-        return kvstore.read_bytes(self.root, rel)
-
-    def check_length(self, rel: str, end: int) -> None:
-        """BridgeError when object `rel` is missing or shorter than `end` bytes (reads its last needed byte)."""
-        where = self.location(rel)
-        with open_range(where) as r:
-            if end > 0 and len(r.pread(1, end - 1)) != 1:
-                raise BridgeError(f"truncated shard file {where}: shorter than the {end} bytes .metadata needs; "
-                                  f"copy the complete checkpoint")
-            if end == 0 and self.read_whole(rel) is None:
-                raise BridgeError(f"missing shard file {where} (named in .metadata); copy the complete checkpoint")
-
-
-def source_of(root: Path | str) -> FileSource | ObjectSource:
-    return ObjectSource(root) if isinstance(root, str) and is_remote(root) else FileSource(Path(root))
 
 
 class DcpCheckpoint:
