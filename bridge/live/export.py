@@ -37,7 +37,7 @@ from bridge import _testing
 from bridge.dist import TorchCoordinator
 from bridge.dtypes import torch_dtype
 from bridge.errors import BridgeError
-from bridge.location import is_remote, location
+from bridge.location import location
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
 from bridge.live.api import LiveRun, LocalParam
@@ -56,6 +56,7 @@ from bridge.format.manifest import (GROUP_PARAMS, OPTIMIZER_EXTRA_KEY, PADS_KEY,
                                     SourceLayout)
 from bridge.format.schema import COUNT_PATH, SCALAR_DTYPE, STEP_PATH, adamw_empty_paths
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
+from bridge.store import open_storage
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter, default_batch_bytes
 
@@ -626,7 +627,7 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
     dtypes = {a.name: torch_dtype(a.dtype) for a in plan.catalog}
     local_items = attempt(lambda: [WriteItem(t.array, t.box, _piece_tensor(holdings[t.src.holding], t))
                                    for t in plan.sends(rank, rank)]) or []
-    batch = writer_batch_bytes(opts.inflight_bytes) if opts.inflight_bytes else default_batch_bytes(is_remote(tmp))
+    batch = writer_batch_bytes(opts.inflight_bytes) if opts.inflight_bytes else open_storage(tmp).default_batch_bytes()
     # Device data goes through the donated staging pipeline (device_commits + 2 pinned buffers of one
     # batch, each refilled once its commit landed). Host data is donated as is: two in flight.
     # CPU holdings with a device exchange (NCCL) stage everything after the exchange, so that no

@@ -24,7 +24,7 @@ import numpy as np
 
 from bridge.cast_check import bits_equal, cast_mismatch
 from bridge.errors import BridgeError
-from bridge.location import absolute, basename, is_remote, location
+from bridge.location import absolute, basename, location
 from bridge.machine import (MIN_BYTES_PER_WORKER, PROCESS_OVERHEAD, default_budget, default_workers,  # noqa: F401
                             mem_available, return_freed_memory)
 from bridge.layout.boxes import Box
@@ -940,8 +940,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     opts = opts or ConvertOptions()
     dst = absolute(dst)
     check_destination_free(dst)  # s3:// / gs:// too (bridge.store.remote.check_remote_free)
-    if not is_remote(dst):
-        check_sources(dst, [src_dir])
+    check_sources(dst, [src_dir])
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     budget, asked_workers = resources(opts)

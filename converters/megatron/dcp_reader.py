@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from bridge.errors import BridgeError
-from bridge.location import is_remote, local_path
+from bridge.store import open_storage
 from bridge.store.ranged import RangeReader, open_range  # noqa: F401 - RangeReader: readers name it here
 from bridge.store.sources import (FileSource, ObjectSource, check_relative_path,  # noqa: F401 - readers name them here
                                   source_of)
@@ -1176,8 +1176,9 @@ def _interpret_metadata(md: Any, root: Path, what: str) -> tuple[dict[str, "Tens
 def resolve_checkpoint_dir(path: str | os.PathLike) -> Path | str:
     """The directory holding `.metadata`: SRC itself, or SRC's latest `iter_*` (Megatron save dir).
     For an s3:// / gs:// SRC, the prefix (a URL string) found the same way."""
-    if isinstance(path, str) and is_remote(path):
-        return _resolve_remote_dir(path)
+    storage = open_storage(path, "source")
+    if not storage.file_system:
+        return _resolve_remote_dir(storage.root)
     root = Path(path)
     if not root.exists():
         raise BridgeError(f"{root}: no such directory; give the torch_dist checkpoint directory (iter_<N>)")
@@ -1229,9 +1230,7 @@ class DcpCheckpoint:
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        if not isinstance(path, str) or not is_remote(path):
-            path = local_path(path, "source")
-        self.root = resolve_checkpoint_dir(path)
+        self.root = resolve_checkpoint_dir(open_storage(path, "source").root)
         self.source = source_of(self.root)
         meta_path = f"{self.root}/.metadata"
         raw = self.source.read_whole(".metadata")

@@ -21,7 +21,6 @@ final report (bytes, seconds, per-rank skew) is gathered there too.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from contextlib import ExitStack
@@ -29,9 +28,10 @@ from dataclasses import asdict
 from typing import Any, Mapping, Sequence
 
 from bridge.errors import BridgeError
-from bridge.location import basename, is_remote
+from bridge.location import basename
 from bridge.progress import progress
-from bridge.store.claim import claim_destination, hold_claim
+from bridge.store import open_storage
+from bridge.store.claim import claim_destination
 from bridge.store.commit import commit_checkpoint
 from bridge.torchrun import Ranks, _testing_fault, command_ranks
 from bridge.units import human_bytes
@@ -114,12 +114,11 @@ def check_same_plan(fingerprints: Sequence[str]) -> None:
 def _join(stack: ExitStack, tmp: str, dst: str) -> bool:
     """On a rank other than 0: rank 0's temp directory must be visible here; hold it while writing
     (so no other run takes it for a stale one)."""
-    if is_remote(tmp):
-        return True
-    if not os.path.isdir(tmp):
+    storage = open_storage(tmp)
+    if not storage.visible():
         raise BridgeError(f"rank 0's temporary directory {tmp} for {dst} is not visible here: under torchrun DST "
                           f"must be on a file system every rank shares, or on s3:// / gs://")
-    stack.enter_context(hold_claim(tmp))
+    stack.enter_context(storage.hold_claim())
     return True
 
 
