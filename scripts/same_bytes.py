@@ -7,7 +7,7 @@ fixtures, to a local directory and to the local S3 / GCS servers of tests/server
     PYTHONPATH=<tree B> python scripts/same_bytes.py digest b.json
     python scripts/same_bytes.py compare a1.json a2.json b.json
 
-Per case: the sha256 of every file / object (OCDBT's random 32-hex names replaced by <hex>), and of
+Per case: the sha256 of every file / object (OCDBT's random 32-hex names masked), and of
 every array read back (logical checkpoints through `open_checkpoint`; torch_dist iterations through
 torch DCP's own `FileSystemReader`, objects copied to a local directory first). The fixtures are
 copied to one fixed directory first, since a checkpoint records its source path. Files that differ
@@ -47,7 +47,12 @@ def read_all(root: str) -> dict[str, bytes]:
 
 
 def files(root: str) -> dict[str, str]:
-    return {HEX.sub("<hex>", k): hashlib.sha256(v).hexdigest()[:16] for k, v in read_all(root).items()}
+    """Name -> digest; the files that share a name once random names are masked (OCDBT's data files)
+    -> their digests, sorted."""
+    out: dict[str, list[str]] = {}
+    for k, v in read_all(root).items():
+        out.setdefault(HEX.sub("<hex>", k), []).append(hashlib.sha256(v).hexdigest()[:16])
+    return {k: ",".join(sorted(v)) for k, v in out.items()}
 
 
 def values(root: str) -> dict[str, str]:
