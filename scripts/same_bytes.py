@@ -46,11 +46,13 @@ def read_all(root: str) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in pathlib.Path(root).rglob("*") if p.is_file()}
 
 
-def files(root: str) -> dict[str, str]:
+def files(root: str, base: str) -> dict[str, str]:
     """Name -> digest; the files that share a name once random names are masked (OCDBT's data files)
-    -> their digests, sorted."""
+    -> their digests, sorted. `base` (this run's output root) is masked in contents that name it
+    (Orbax's commit_success.txt)."""
     out: dict[str, list[str]] = {}
     for k, v in read_all(root).items():
+        v = v.replace(base.encode(), b"<base>")
         out.setdefault(HEX.sub("<hex>", k), []).append(hashlib.sha256(v).hexdigest()[:16])
     return {k: ",".join(sorted(v)) for k, v in out.items()}
 
@@ -95,18 +97,18 @@ def digest(out: str) -> None:
         locs = {"local": os.path.join(tmp, "out"), "s3": srv["s3"].url(f"same/{tag}"), "gs": srv["gs"].url(f"same/{tag}")}
         for name, base in locs.items():
             cli("convert", str(COPY / "dp2"), base + "/logical")
-            res[f"convert-{name}"] = files(base + "/logical")
+            res[f"convert-{name}"] = files(base + "/logical", base)
             res[f"convert-values-{name}"] = values(base + "/logical")
             cli("to-megatron", locs["local"] + "/logical", base + "/mg", "--tp", "2", "--no-scheduler")
-            res[f"to-megatron-{name}"] = files(base + "/mg")
+            res[f"to-megatron-{name}"] = files(base + "/mg", base)
             res[f"to-megatron-values-{name}"] = dcp_values(base + "/mg", tmp)
             cli("convert", str(COPY / "dp2"), base + "/mgr", "--orbax-step-dir")
-            res[f"convert-step-dir-{name}"] = files(base + "/mgr")
+            res[f"convert-step-dir-{name}"] = files(base + "/mgr", base)
             cli("to-maxtext", str(COPY / "llama_live"), base + "/mt", "--decoder-block", "llama2")
-            res[f"to-maxtext-{name}"] = files(base + "/mt")
+            res[f"to-maxtext-{name}"] = files(base + "/mt", base)
             _, errors = spawn(2, _export_then_reload, (base + "/live", (1, 2, 1, 4), [], None), pathlib.Path(tmp))
             assert not errors, errors
-            res[f"export-{name}"] = files(base + "/live")
+            res[f"export-{name}"] = files(base + "/live", base)
             res[f"export-values-{name}"] = values(base + "/live")
     pathlib.Path(out).write_text(json.dumps(res, indent=0, sort_keys=True))
 
