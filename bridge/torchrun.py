@@ -27,8 +27,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from bridge.dist import TorchCoordinator
 from bridge.errors import BridgeError
-from bridge.location import is_remote
-from bridge.store.claim import hold_claim
+from bridge.store import open_storage
 
 #: how long a collective waits for a slow rank: a rank converting its share of a large checkpoint
 #: reaches the barrier after its whole share is written (a rank that dies is noticed at once: its
@@ -170,12 +169,11 @@ def check_same_plan(fingerprints: Sequence[str]) -> None:
 def join_claim(stack: ExitStack, tmp: str, dst: str) -> bool:
     """On a rank other than 0: rank 0's temp directory must be visible here; hold it while writing
     (so no other run takes it for a stale one)."""
-    if is_remote(tmp):
-        return True
-    if not os.path.isdir(tmp):
+    storage = open_storage(tmp)
+    if not storage.visible():
         raise BridgeError(f"rank 0's temporary directory {tmp} for {dst} is not visible here: under torchrun DST "
                           f"must be on a file system every rank shares, or on s3:// / gs://")
-    stack.enter_context(hold_claim(tmp))
+    stack.enter_context(storage.hold_claim())
     return True
 
 

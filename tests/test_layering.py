@@ -289,3 +289,60 @@ def test_facade_names_resolve():
     assert missing == []
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         bridge.nope  # noqa: B018
+
+
+#: The places above the storage layer allowed to ask whether a location is remote (issue 32: at most 3).
+#: The storage layer is `bridge/store/` and `bridge/location.py`, which parses the location strings.
+MAX_REMOTE_QUESTIONS = 3
+_REMOTE_PREFIXES = ("s3:", "gs:")
+
+
+def remote_questions(root: Path) -> list[str]:
+    """'module:line' of every place in bridge/ and converters/ above the storage layer that asks
+    whether a location is remote: a call of `is_remote` / `scheme_of` / `parse_url`, or a string test
+    against an object-store scheme (`x.startswith("s3://")`, `"gs://" in x`, `x[:5] == "s3://"`)."""
+    def remote_literal(n: ast.AST) -> bool:
+        return any(isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value.lower().startswith(_REMOTE_PREFIXES)
+                   for c in ast.walk(n))
+
+    found = []
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")) if (root / pkg).is_dir() else []:
+            rel = path.relative_to(root).as_posix()
+            if rel.startswith("bridge/store/") or rel == "bridge/location.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), rel)):
+                if isinstance(node, ast.Call):
+                    f = node.func
+                    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+                    asks = name in ("is_remote", "scheme_of", "parse_url") or (
+                        name in ("startswith", "endswith") and any(remote_literal(a) for a in node.args))
+                elif isinstance(node, ast.Compare):
+                    asks = any(isinstance(op, (ast.In, ast.NotIn, ast.Eq, ast.NotEq)) for op in node.ops) and \
+                        remote_literal(node)
+                else:
+                    continue
+                if asks:
+                    found.append(f"{module_name(root, path)}:{node.lineno}")
+    return found
+
+
+def test_nothing_above_the_store_asks_whether_a_location_is_remote():
+    """The storage object (`bridge.store.open_storage`) decides local vs object storage once; the
+    layers above call its methods instead of testing the location string again (issue 32)."""
+    found = remote_questions(REPO)
+    assert len(found) <= MAX_REMOTE_QUESTIONS, f"{len(found)} places above bridge/store ask whether a location is " \
+                                               f"remote (at most {MAX_REMOTE_QUESTIONS}): {', '.join(found)}"
+
+
+def test_remote_questions_are_found(tmp_path):
+    """Each form of the question is counted; a message that merely mentions s3:// is not."""
+    _write(tmp_path, {
+        "bridge/store/claim.py": "from bridge.location import is_remote\nis_remote('s3://b/k')\n",
+        "bridge/location.py": "def is_remote(x):\n    return x.startswith('s3://')\n",
+        "bridge/a.py": "from bridge.location import is_remote, scheme_of\nif is_remote(d): pass\n"
+                       "if scheme_of(d) == 's3': pass\n",
+        "converters/b.py": "ok = d.startswith(('s3://', 'gs://'))\nif 'GS://' in d[:5]: pass\n"
+                           "print(f'use a shared file system or s3:// / gs://')\nif x.startswith('/'): pass\n",
+    })
+    assert remote_questions(tmp_path) == ["bridge.a:2", "bridge.a:3", "converters.b:1", "converters.b:2"]

@@ -8,7 +8,7 @@ import pytest
 MODULES = ["bridge.layout.chunks", "bridge.format.tree", "bridge.store.specs", "bridge.store.plan", "bridge.store.claim",
            "bridge.format.manifest", "bridge.format.seal", "bridge.format.schema",
            "bridge.store.digest", "bridge.store.verify", "bridge.store.commit",
-           "bridge.store.staging", "bridge.store.writer", "bridge.store.ranged", "bridge.dist"]
+           "bridge.store.staging", "bridge.store.writer", "bridge.store.ranged", "bridge.store.sources", "bridge.dist"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -158,7 +158,6 @@ def _convert(args: argparse.Namespace):
     _locate(args)
     opts = _options(args)
     if args.orbax_manager:
-        from bridge.location import is_remote
         from bridge.torchrun import launched_world
 
         if launched_world() > 1:
@@ -166,9 +165,9 @@ def _convert(args: argparse.Namespace):
                               "run one process")
         from bridge.store.manager import write_step
 
-        # On object storage the step prefix is written in place: its number is needed before writing.
-        step = _source_step(args.src, opts.hints) if is_remote(args.dst) else None
-        res, step_dir = write_step(args.dst, lambda item: convert(args.src, item, opts), lambda r: r.step, step=step)
+        # Where the step is written in place (object storage) its number is needed before writing.
+        res, step_dir = write_step(args.dst, lambda item: convert(args.src, item, opts), lambda r: r.step,
+                                   step=lambda: _source_step(args.src, opts.hints))
         res.dst = step_dir
     else:
         res = convert(args.src, args.dst, opts)
@@ -197,7 +196,7 @@ def dry_run(args: argparse.Namespace) -> int:
     import sys
 
     from bridge.commands.summary import dry_run_json, emit, print_dry_run
-    from bridge.location import absolute, is_remote, join
+    from bridge.location import absolute, join
     from bridge.store.claim import check_destination_free, check_sources
     from converters.megatron.convert import plan_conversion
     from converters.megatron.plan.fact_sources import fact_sources
@@ -215,8 +214,7 @@ def dry_run(args: argparse.Namespace) -> int:
                               "CheckpointManager root; write it to a plain directory instead")
         dst = join(dst, str(cp.step), ITEM)
     check_destination_free(dst)
-    if not is_remote(dst):
-        check_sources(dst, [args.src])
+    check_sources(dst, [args.src])
     rep = dry_run_json(cp, args.src, dst, fact_sources(cp.src, cp.hints))
     if args.json:
         emit(rep)

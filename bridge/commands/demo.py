@@ -14,8 +14,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from bridge.location import is_remote, location
+if TYPE_CHECKING:
+    from bridge.store import Storage
 
 DEMO_SRC = Path(__file__).resolve().parent.parent / "demo_data" / "gtp2_local"
 DEVICES = 8
@@ -59,6 +61,7 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
     from bridge.format.schema import ADAM_INDEX, OPT_STATE
     from bridge.jaxside.keypaths import nested_from_paths
     from bridge.store.reader import open_checkpoint
+    from bridge.store import open_storage
     from bridge.dtypes import numpy_dtype
 
     devs = jax.devices()
@@ -79,7 +82,7 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
 
     abstract = {p: jax.ShapeDtypeStruct(tuple(info.shape), numpy_dtype(info.dtype), sharding=sharding(tuple(info.shape)))
                 for p, info in arrays.items()}
-    if is_remote(path):  # Orbax cannot open s3:// URLs: the bridge's TensorStore restore (bridge.jaxside.remote)
+    if not open_storage(path).file_system:  # Orbax cannot open s3:// URLs: the bridge's TensorStore restore
         from bridge.jaxside.remote import restore_remote
 
         restored = nested_from_paths(restore_remote(path, abstract))
@@ -121,24 +124,23 @@ def same_checkpoints(a: str, b: str) -> int:
 def run(args: argparse.Namespace) -> int:
     _force_host_devices()
     from bridge.errors import BridgeError, require
+    from bridge.store import open_storage
 
     require("demo", "torch", "jax", "orbax.checkpoint", "optax")
     if not (DEMO_SRC / ".metadata").is_file():
         raise BridgeError(f"embedded demo checkpoint missing at {DEMO_SRC}; reinstall gtp-bridge from the repository")
     if args.workdir is not None:
-        work = location(args.workdir, "--workdir")
-        if is_remote(work):  # a bucket prefix: every step reads and writes there
-            return run_in(work, keep=True)
-        Path(work).mkdir(parents=True, exist_ok=True)
-        return run_in(Path(work), keep=True)
+        work = open_storage(args.workdir, "--workdir")   # a directory, or a bucket prefix every step uses
+        work.make_dirs()
+        return run_in(work, keep=True)
     work = Path(tempfile.mkdtemp(prefix="gtp-bridge-demo-"))
     try:
-        return run_in(work, keep=False)
+        return run_in(open_storage(str(work)), keep=False)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # the outputs were only there to be checked
 
 
-def run_in(work: Path | str, keep: bool) -> int:
+def run_in(work: "Storage", keep: bool) -> int:
     """The demo's steps with their outputs under `work` (a directory, or an s3:// / gs:// prefix; kept
     there when `keep`)."""
     from bridge.errors import BridgeError
@@ -148,14 +150,8 @@ def run_in(work: Path | str, keep: bool) -> int:
     from converters.megatron.write.to_megatron import to_megatron
 
     names = ("logical", "megatron_tp2_dp2", "logical_again")
-    if isinstance(work, str) and is_remote(work):
-        from bridge.store import kvstore
-
-        outs = {k: f"{work}/{k}" for k in names}
-        taken = [u for u in outs.values() if kvstore.list_keys(u)]
-    else:
-        outs = {k: work / k for k in names}
-        taken = [str(p) for p in outs.values() if p.exists()]
+    outs = {k: work.at(k) for k in names}
+    taken = [str(o) for o in outs.values() if o.occupied()]
     if taken:
         raise BridgeError(f"demo outputs already exist ({taken[0]}); choose an empty --workdir")
     rows = []
@@ -171,7 +167,7 @@ def run_in(work: Path | str, keep: bool) -> int:
                  f"logical ({r1.arrays} arrays)", r1.bytes, t1,
                  "padding dropped, SwiGLU halves unscrambled; bf16 weight == bf16(fp32 master) for every param"))
     (n, nb, sample), t2 = timed(lambda: orbax_restore_check(str(outs["logical"])))
-    rows.append(("restore" if is_remote(str(work)) else "Orbax restore", "logical", f"JAX 2x4 CPU mesh ({n} leaves)", nb, t2,
+    rows.append(("Orbax restore" if work.file_system else "restore", "logical", f"JAX 2x4 CPU mesh ({n} leaves)", nb, t2,
                  f"bit-exact vs TensorStore; e.g. {sample}"))
     r3, t3 = timed(lambda: to_megatron(str(outs["logical"]), str(outs["megatron_tp2_dp2"]),
                                        MegatronTarget(tp=2, dp=2, fmt="dp_reshardable", bucket_size=4000)))

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from bridge.errors import BridgeError
-from bridge.location import is_remote, location
+from bridge.store import open_storage
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.sharding_rules import ShardingRules, default_spec
 from bridge.store.reader import open_root
@@ -64,8 +64,9 @@ def stored_arrays(directory: str | os.PathLike, *, allow_edited_metadata: bool |
     checkpoint whose `_METADATA` was edited after commit (unless `allow_edited_metadata`, or
     GTP_BRIDGE_ALLOW_EDITED_METADATA=1).
     """
-    if isinstance(directory, str) and is_remote(location(directory)):  # s3:// / gs://
-        return _stored_arrays_remote(location(directory), allow_edited_metadata)
+    storage = open_storage(directory) if isinstance(directory, str) else None
+    if storage is not None and not storage.file_system:  # s3:// / gs://: read with TensorStore
+        return _stored_arrays_remote(storage.root, allow_edited_metadata)
     import orbax.checkpoint as ocp
 
     # the same rules as `open_checkpoint`; absolute, since Orbax reads no metadata from a relative path

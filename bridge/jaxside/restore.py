@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding, Sharding
 
 from bridge.errors import BridgeError
-from bridge.location import is_remote
+from bridge.store import open_storage
 from bridge.format import schema
 from bridge.format.manifest import Manifest, manifest_from_custom
 from bridge.format.schema import (COUNT_PATH, MODEL, MODEL_PATH, MOMENTS, MU, MU_PATH, NU, NU_PATH, OPT_STATE, PARAMS,
@@ -181,7 +181,7 @@ def _optimizer_state(stored: StoredTree, count: Any, results: Mapping[str, Mappi
 def _orbax_restore(stored: StoredTree, abstract: Mapping[Path, jax.ShapeDtypeStruct],
                    concurrent_gb: int | None = None) -> dict[Path, jax.Array]:
     """One Orbax restore of the requested arrays (partial when not everything is requested)."""
-    if is_remote(stored.directory):  # Orbax cannot open s3:// (and needs gcsfs for gs://)
+    if not open_storage(stored.directory).file_system:  # Orbax cannot open s3:// (and needs gcsfs for gs://)
         from bridge.jaxside.remote import restore_remote
 
         return restore_remote(stored.directory, abstract, concurrent_gb)

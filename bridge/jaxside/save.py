@@ -33,9 +33,9 @@ from bridge.errors import BridgeError
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str, to_path
 from bridge.jaxside.optax_state import extract_adam
 from bridge.layout.boxes import Box
-from bridge.location import is_remote, location
 from bridge.progress import progress
 from bridge.store import digest as store_digest
+from bridge.store import open_storage
 from bridge.store.claim import check_destination_free, claim_destination, tmp_dir_for
 from bridge.store.commit import publish_orbax_checkpoint
 from bridge.format.manifest import (MEGATRON_KEY, PREVIOUS_SOURCE_KEY, ArrayRecord, Manifest, SourceLayout, as_manifest,
@@ -71,8 +71,8 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     `optimizer_from_manifest` built); recorded, so `to-megatron` writes the scheduler state Megatron-LM's
     `--load` needs (another schedule is refused: optax schedules are plain functions).
     """
-    directory = location(directory, "destination")  # a path, s3:// or gs://; an unknown scheme is refused
-    remote = is_remote(directory)
+    storage = open_storage(directory, "destination")  # a path, s3:// or gs://; an unknown scheme is refused
+    directory = storage.root
     if orbax_manager:
         return _save_as_manager_step(directory, int(jax.device_get(step)), params=params, opt_state=opt_state,
                                      step=step, model=model, manifest=manifest, plans=plans,
@@ -132,7 +132,7 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     check_tree_paths(leaves_by_path(tree))  # no '.' or '/' in names: Orbax joins names with '.'
 
     out = _manifest_for(tree, as_manifest(manifest), hyperparams, int(jax.device_get(count)), scheduler)
-    if remote:  # Orbax cannot write s3:// (and needs gcsfs for gs://): the store's writer and commit
+    if not storage.file_system:  # Orbax cannot write s3:// (and needs gcsfs for gs://): the store's writer and commit
         from bridge.jaxside.remote import save_remote
 
         save_remote(d, tree, out, chunk_byte_size=chunk_byte_size)

@@ -37,7 +37,7 @@ from bridge import _testing
 from bridge.dist import TorchCoordinator
 from bridge.dtypes import torch_dtype
 from bridge.errors import BridgeError
-from bridge.location import is_remote, location
+from bridge.location import location
 from bridge.layout.boxes import Box
 from bridge.layout.chunks import ArrayOwnership
 from bridge.live.api import LiveRun, LocalParam
@@ -60,6 +60,7 @@ from bridge.format.manifest import (GROUP_PARAMS, OPTIMIZER_EXTRA_KEY, PADS_KEY,
                                     SourceLayout)
 from bridge.format.schema import COUNT_PATH, SCALAR_DTYPE, STEP_PATH, adamw_empty_paths
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
+from bridge.store import open_storage
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.store.writer import CheckpointWriter, default_batch_bytes
 
@@ -645,7 +646,7 @@ def _exchange_and_write(planned: _Planned, holdings: list[Holding], run: LiveRun
     on_host = not seams.stage_all and not recv.is_cuda and not any(it.data.is_cuda for it in local_items)
     depth = 2 if on_host else opts.commit_depth
     mem = (export_split(opts.budget, depth) if opts.budget
-           else staged_split(default_batch_bytes(is_remote(tmp)), depth))  # bridge.budget: the one split
+           else staged_split(open_storage(tmp).default_batch_bytes(), depth))  # bridge.budget: the one split
     order = {name: i for i, name in enumerate(wplan.arrays)}
     with progress(plan.written_bytes(rank), f"export rank {rank}") as bar:
         # CPU items (views of the holdings and of `recv`) stay alive until the writer has finished, so
@@ -809,7 +810,7 @@ def _write_in_process(job: _StageJob, planned: _Planned, run: LiveRun, tmp: str,
     """The background part on this rank by the exporter's writer process (out of the training's GIL:
     bridge/live/writer_process.py): the same store writer, batches and slot releases as
     `_write_staged`. Failures are kept, not raised."""
-    begin = {"tmp": tmp, "plan": planned.wplan, "rank": rank, "inflight_bytes": 2 * job.stats.slot_bytes,
+    begin = {"tmp": tmp, "plan": planned.wplan, "rank": rank, "batch_bytes": 2 * job.stats.slot_bytes,
              "compute_digest": opts.digest, "depth": job.depth, "staging": seams.writer_staging,
              "target_data_file_size": seams.target_data_file_size, "digest_step": LIVE_DIGEST_STEP}
     scalar = np.dtype(SCALAR_DTYPE).name

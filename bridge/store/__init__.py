@@ -8,6 +8,8 @@ Every writer plans the same catalog and writes only the chunks it owns; one comm
         w.write(("params", "w"), b, full[b.slices])
     w.finish(); finalize(dst, plan, rank, Manifest())          # then: open_checkpoint(dst).read(("params", "w"))
 
+Where a checkpoint lives is decided once: `open_storage(location)` (a local path, s3://, gs://).
+
 The modules and their roles: docs/ARCHITECTURE.md.
 """
 
@@ -17,13 +19,14 @@ from bridge.store.commit import begin_checkpoint, commit_checkpoint, finalize, p
 from bridge.format.manifest import ArrayRecord, Manifest, OptimizerConfig, SourceLayout
 from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan
 from bridge.store.reader import ArrayInfo, Checkpoint, open_checkpoint
+from bridge.store.storage import LocalStorage, ObjectStorage, Storage, open_storage
 from bridge.format.schema import adamw_empty_paths
 from bridge.format.tree import megatron_key_to_path, name_to_path, path_to_name
 from bridge.store.writer import CheckpointWriter
 
 __all__ = [
     "ArrayInfo", "ArrayPlan", "ArrayRecord", "ArraySpec", "Checkpoint", "CheckpointWriter", "Destination",
-    "DestinationClaim",
+    "DestinationClaim", "LocalStorage", "ObjectStorage", "Storage", "open_storage",
     "Manifest", "OptimizerConfig", "SourceLayout", "WritePlan", "adamw_empty_paths", "begin_checkpoint",
     "check_destination_free", "check_sources", "claim_destination", "commit_checkpoint",
     "finalize", "publish_checkpoint", "make_write_plan", "megatron_key_to_path", "name_to_path", "open_checkpoint", "path_to_name",

@@ -101,7 +101,13 @@ def check_sources(dst: str, sources: Iterable[str | os.PathLike] = ()) -> None:
     >>> check_sources("/x/out", ["/x/out.orbax-checkpoint-tmp"])
     Traceback (most recent call last):
     bridge.errors.BridgeError: source /x/out.orbax-checkpoint-tmp is the temporary directory of destination /x/out; write to another destination
+
+    An s3:// / gs:// destination: a source prefix inside it or holding it is refused
+    (`bridge.store.remote.check_remote_sources`).
     """
+    if is_remote(os.fspath(dst)):
+        remote.check_remote_sources(os.fspath(dst), [os.fspath(s) for s in sources])
+        return
     d = os.path.realpath(dst)
     t = os.path.realpath(tmp_dir_for(dst))
     for src in sources:

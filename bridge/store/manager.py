@@ -190,11 +190,13 @@ def check_step_free(root: str, step: int, item: str = ITEM) -> None:
 
 
 def commit_step(item_dir: str, step: int, step_metadata: dict | None = None,
-                files: dict[str, bytes] | None = None) -> str:
+                files: dict[str, bytes] | None = None, *, commit_marker: bool = False) -> str:
     """Turn the staging directory holding the written `item_dir` into step `step` of its root; returns it.
 
     Writes the step metadata Orbax's CheckpointManager reads, then renames the staging directory to
-    `root/<step>` in one step (a crash leaves only the hidden staging directory).
+    `root/<step>` in one step (a crash leaves only the hidden staging directory). `commit_marker`:
+    write Orbax's `commit_success.txt` into the step too (on object storage it is always written,
+    last: there it is what makes the step complete).
     """
     if is_remote(item_dir):
         return _commit_remote_step(item_dir, step, step_metadata, files)
@@ -208,6 +210,8 @@ def commit_step(item_dir: str, step: int, step_metadata: dict | None = None,
         check_step_free(root, step)
         for name, data in (files or {}).items():
             write_bytes_atomic(os.path.join(staging, name), data)
+        if commit_marker:
+            write_bytes_atomic(os.path.join(staging, COMMIT_SUCCESS), _commit_success(final))
         write_json_atomic(os.path.join(staging, STEP_METADATA), step_metadata or _step_metadata())
         try:
             rename_noreplace(staging, final)  # a step another process made meanwhile is never replaced
@@ -240,13 +244,18 @@ def _commit_remote_step(item_url: str, step: int, step_metadata: dict | None = N
     for name, data in (files or {}).items():
         kvstore.write_bytes(final, name, data)
     kvstore.write_bytes(final, STEP_METADATA, json_bytes(step_metadata or _step_metadata()))
-    kvstore.write_bytes(final, COMMIT_SUCCESS, f"Checkpoint commit was successful to {final}".encode())
+    kvstore.write_bytes(final, COMMIT_SUCCESS, _commit_success(final))
     return final
 
 
+def _commit_success(step_dir: str) -> bytes:
+    """The content Orbax writes to a step's `commit_success.txt`."""
+    return f"Checkpoint commit was successful to {step_dir}".encode()
+
+
 def write_step(root: str, write: Callable[[str], R], step_of: Callable[[R], int], *,
-               step: int | None = None, item: str = ITEM, step_metadata: dict | None = None,
-               files: Callable[[R], dict[str, bytes]] | None = None) -> tuple[R, str]:
+               step: int | Callable[[], int | None] | None = None, item: str = ITEM, step_metadata: dict | None = None,
+               files: Callable[[R], dict[str, bytes]] | None = None, commit_marker: bool = False) -> tuple[R, str]:
     """Run `write(item_dir)` (a writer that creates a new checkpoint directory) into a staging step of
     manager root `root`, then commit it as step `step_of(result)`; returns (result, step directory).
 
@@ -254,13 +263,15 @@ def write_step(root: str, write: Callable[[str], R], step_of: Callable[[R], int]
         write_step(root, lambda d: convert(src, d), lambda r: r.step)
 
     On object storage the item is written in place, so the step must be known before writing
-    (`step`); `step_of(result)` must then agree with it. `item`: the item's name (Orbax's
+    (`step`, or a function giving it: called only there); `step_of(result)` must then agree with it. `item`: the item's name (Orbax's
     `default`; MaxText's `items`); `step_metadata`: the step's `_CHECKPOINT_METADATA` when not a
     PyTree item's default; `files(result)`: more files of the step directory, written before it
-    becomes a step.
+    becomes a step; `commit_marker`: see `commit_step`.
     """
     more = files or (lambda _r: {})
     if is_remote(root):
+        if callable(step):
+            step = step()
         if step is None:
             raise BridgeError(f"{root}: the checkpoint records no step, so it cannot become a step of an Orbax "
                               f"CheckpointManager root; write it to a plain prefix instead")
@@ -276,7 +287,7 @@ def write_step(root: str, write: Callable[[str], R], step_of: Callable[[R], int]
         if step is None:
             raise BridgeError("the checkpoint records no step, so it cannot become a step of an Orbax "
                               "CheckpointManager root; write it to a plain directory instead")
-        return result, commit_step(item_dir, int(step), step_metadata, more(result))
+        return result, commit_step(item_dir, int(step), step_metadata, more(result), commit_marker=commit_marker)
     except BaseException:
         shutil.rmtree(os.path.dirname(item_dir), ignore_errors=True)
         raise

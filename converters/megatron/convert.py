@@ -16,7 +16,6 @@ ranks (`converters.megatron.distributed`), which both build on the plan and the 
 from __future__ import annotations
 
 import os
-import time
 from typing import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence

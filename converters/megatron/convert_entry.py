@@ -13,7 +13,7 @@ import time
 
 from bridge.format.manifest import REPLICAS_KEY
 from bridge.phases import seconds_since_start
-from bridge.location import absolute, basename, is_remote, location
+from bridge.location import absolute, basename, location
 from bridge.progress import progress
 from bridge.store.claim import check_destination_free, check_sources, claim_destination
 from bridge.store.commit import commit_checkpoint
@@ -35,8 +35,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
     opts = opts or ConvertOptions()
     dst = absolute(dst)
     check_destination_free(dst)  # s3:// / gs:// too (bridge.store.remote.check_remote_free)
-    if not is_remote(dst):
-        check_sources(dst, [src_dir])
+    check_sources(dst, [src_dir])
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     budget, asked_workers = resources(opts)

@@ -21,8 +21,8 @@ final report (bytes, seconds, per-rank skew) is gathered there too.
 
 from __future__ import annotations
 
-import os
 import sys
+import os
 import time
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict

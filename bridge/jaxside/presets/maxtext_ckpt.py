@@ -31,11 +31,9 @@ from bridge.errors import BridgeError, IntegrityError
 from bridge.format import schema
 from bridge.format.manifest import (MAXTEXT_KEY, MEGATRON_KEY, Manifest, MegatronRecord, OptimizerConfig,
                                    SourceLayout, check_step)
-from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, active_table, adamw_mask_patterns, decayed,
-                                           from_maxtext, maxtext_moe_module, maxtext_overrides, maxtext_shapes,
-                                           to_maxtext)
+from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, adamw_mask_patterns, decayed, maxtext_moe_module,
+                                           maxtext_shapes)
 from bridge.jaxside.presets.maxtext_moe import block_of_module, check_moe_args
-from bridge.location import local_path
 from bridge.progress import progress
 
 SIDECAR = "gtp_bridge_maxtext.json"

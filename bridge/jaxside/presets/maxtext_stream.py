@@ -38,10 +38,11 @@ from bridge.format.manifest import Manifest
 from bridge.jaxside.presets.maxtext_schedule import MaxTextRunSchedule, ScheduleOptions, plan_schedule, with_scheduler
 from bridge.layout.boxes import Box
 from bridge.layout.shares import contiguous_parts
-from bridge.location import absolute, basename, is_remote, join, location
+from bridge.location import absolute, basename, join, location
 from bridge.budget import ShareSplit, per_worker, split_share
 from bridge.machine import MIN_BYTES_PER_WORKER, default_budget, default_workers, mem_available, return_freed_memory
 from bridge.progress import progress
+from bridge.store import open_storage
 
 Path = tuple[str, ...]
 ITEMS = "items"
@@ -299,7 +300,7 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
     """
     from bridge.jaxside.presets import maxtext_ckpt as mc
     from bridge.jaxside.manifest_view import scheduler_of
-    from bridge.store.manager import COMMIT_SUCCESS, check_step_free, write_step
+    from bridge.store.manager import check_step_free, write_step
     from bridge.store.reader import open_checkpoint
 
     stream = stream or StreamOptions()
@@ -340,11 +341,7 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
     planned = plan_schedule(scheduler_of(man), args, count, schedule or ScheduleOptions(), src)
     overrides.update(planned.settings)
     dir_step = max(count - 1, 0)
-    if is_remote(dst_root):
-        check_step_free(dst_root, dir_step, ITEMS)
-    elif os.path.lexists(os.path.join(dst_root, str(dir_step))):
-        raise BridgeError(f"{os.path.join(dst_root, str(dir_step))} exists; MaxText checkpoints are never "
-                          f"overwritten (choose another root or step)")
+    check_step_free(dst_root, dir_step, ITEMS)   # MaxText checkpoints are never overwritten
     moves = moves_to_maxtext(trees[schema.PARAMS], dims, opts, dtype)
     check_sources(moves, {p: i.shape for p, i in infos.items()}, src)
     c32 = np.asarray(count, np.int32)   # optax's counts and MaxText's TrainState.step are int32
@@ -370,11 +367,9 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
         return dir_step
 
     files = {SIDECAR: json_bytes(sidecar)}
-    if not is_remote(dst_root):   # (on object storage the step's commit writes Orbax's marker itself, last)
-        files[COMMIT_SUCCESS] = f"Checkpoint commit was successful to {join(dst_root, str(dir_step))}".encode()
     def make_step(write_item) -> str:
         return write_step(dst_root, write_item, lambda s: s, step=dir_step, item=ITEMS, step_metadata=step_meta,
-                          files=lambda _r: files)[1]
+                          files=lambda _r: files, commit_marker=True)[1]
 
     if launched_world() > 1:   # torchrun: rank 0 makes the step, every rank writes a share of its item
         from bridge.jaxside.presets.maxtext_ranks import write_step_ranks
@@ -393,16 +388,15 @@ def find_items(src: str) -> str:
     """`maxtext_ckpt.find_items` for a local path or a URL (s3://, gs://)."""
     from bridge.jaxside.presets.maxtext_ckpt import find_items as local_items
 
-    if not is_remote(src):
+    storage = open_storage(src, "source")
+    if storage.file_system:   # a file path: MaxText's own reader
         return local_items(src)
-    from bridge.store import kvstore
-
-    src = src.rstrip("/")
-    if src.rsplit("/", 1)[-1] == ITEMS and kvstore.exists(src, "_METADATA"):
+    src = storage.root
+    if src.rsplit("/", 1)[-1] == ITEMS and storage.exists("_METADATA"):
         return src
-    if kvstore.exists(src, f"{ITEMS}/_METADATA"):
+    if storage.exists(f"{ITEMS}/_METADATA"):
         return join(src, ITEMS)
-    steps = sorted({int(k.split("/", 1)[0]) for k in kvstore.list_keys(src)
+    steps = sorted({int(k.split("/", 1)[0]) for k in storage.list_keys()
                     if k.split("/", 1)[0].isdigit() and k.endswith(f"/{ITEMS}/_METADATA")})
     if not steps:
         raise BridgeError(f"{src} is not a MaxText checkpoint (no items/ and no <step>/items/); pass its root, "
@@ -415,13 +409,11 @@ def read_sidecar(items: str):
     None (`maxtext_ckpt.find_sidecar`; on object storage: this step's own)."""
     from bridge.jaxside.presets.maxtext_ckpt import find_sidecar, load_sidecar
 
-    if not is_remote(items):
+    if open_storage(items, "source").file_system:   # a file path: MaxText's own reader
         path = find_sidecar(items)
         return load_sidecar(path) if path else None
-    from bridge.store import kvstore
-
     step_dir = items.rstrip("/").rsplit("/", 1)[0]
-    raw = kvstore.read_bytes(step_dir, SIDECAR)
+    raw = open_storage(step_dir).read_bytes(SIDECAR)
     return load_sidecar(join(step_dir, SIDECAR), raw) if raw is not None else None
 
 

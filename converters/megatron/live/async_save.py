@@ -21,11 +21,10 @@ on every rank, naming the rank that failed.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Sequence
 
 from bridge.dist import TorchCoordinator
-from bridge.location import is_remote
+from bridge.store import open_storage
 from converters.megatron.read.rundir import plan_run_dir, write_tracker
 
 
@@ -87,8 +86,7 @@ class AsyncSave:
 
         def target() -> str:  # rank 0 checks the run directory (and creates it); every rank gets the path
             t = plan_run_dir(run_dir, iteration)
-            if not is_remote(t.run_dir):
-                os.makedirs(t.run_dir, exist_ok=True)
+            open_storage(t.run_dir).make_dirs()
             return t.iter_dir
 
         iter_dir = coord.broadcast("the run directory", target)

@@ -26,7 +26,7 @@ their edge, for callers that want tensors.
 This module holds the unpickler (`SafeUnpickler`, `safe_loads`), torch.save archives read without
 torch.load, and `DcpCheckpoint`; beside it: what a pickle may build (`read.unpickle_rules`), its time
 bounds (`read.unpickle_bounds`), `.metadata` as data (`read.dcp_metadata`), where bytes come from
-(`read.sources`).
+(`bridge.store.sources`).
 """
 
 from __future__ import annotations
@@ -46,16 +46,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from bridge.errors import BridgeError
-from bridge.location import is_remote, local_path
+from bridge.store import open_storage
 from bridge.store.ranged import open_range
 from converters.megatron.read.dcp_metadata import ChunkInfo, StorageRef, interpret_metadata
 from converters.megatron.read.inert import InertStub
-from converters.megatron.read.sources import ObjectSource, source_of
+from bridge.store.sources import ObjectSource, short_value, source_of
 from converters.megatron.read.unpickle_bounds import MAX_NESTING, Immutables, KeyGuard, check_graph
 from converters.megatron.read.unpickle_rules import (ALLOC_PER_INPUT_BYTE, ALLOC_SLACK, CALL_RULES, EMPTY_NEW,
                                                      RECORD_CLASSES, STORAGE_KINDS, STUB_PREFIXES, TORCH_NAMES,
                                                      StorageKind, allowed_globals, int_tuple, is_stub_class, make_stub,
-                                                     plain_numeric_dtype, short_repr)
+                                                     plain_numeric_dtype)
 from converters.megatron.read.torch_archive import ArchiveTensor, Storage, TorchDtype, to_torch
 
 class SafeUnpickler(pickle._Unpickler):
@@ -168,7 +168,7 @@ class SafeUnpickler(pickle._Unpickler):
             self.refuse("a persistent reference outside a torch.save archive")
         if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], StorageKind)
                 and type(pid[2]) is str and type(pid[4]) is int and pid[4] >= 0):
-            self.refuse(f"an invalid tensor storage reference {short_repr(pid)}")
+            self.refuse(f"an invalid tensor storage reference {short_value(pid)}")
         _, kind, key, _loc, numel = pid
         if key in self.storages:
             return self.storages[key]
@@ -197,7 +197,7 @@ class SafeUnpickler(pickle._Unpickler):
         except TypeError:
             rule = None
         if rule is None:
-            name = func.__name__ if hasattr(func, "__name__") else short_repr(func)
+            name = func.__name__ if hasattr(func, "__name__") else short_value(func)
             self.refuse(f"calling {name} is not allowed")
         return rule(self, args, kw or {})
 
@@ -276,7 +276,7 @@ class SafeUnpickler(pickle._Unpickler):
         _, shape, dtype, fortran, raw = state
         shape = int_tuple(shape, f"{self.what}: numpy array shape", 32)
         if not plain_numeric_dtype(dtype):
-            shown = short_repr(str(dtype)) if isinstance(dtype, np.dtype) else short_repr(dtype)
+            shown = short_value(str(dtype)) if isinstance(dtype, np.dtype) else short_value(dtype)
             self.refuse(f"a numpy array of dtype {shown}: only bool/integer/float/complex arrays (no object or "
                         f"structured dtypes)")
         if type(fortran) is not bool or type(raw) not in (bytes, bytearray):
@@ -619,7 +619,7 @@ def tensor_member(f: Any, size: int, what: str) -> TensorMember:
     data = {k: m[1] for k, m in members.items() if k.startswith("data/")}
     t = safe_loads(small["data.pkl"], what, data)
     if not isinstance(t, ArchiveTensor) or len(data) != 1:
-        raise BridgeError(f"cannot read {what}: expected one tensor in the record, found {short_repr(t)} and "
+        raise BridgeError(f"cannot read {what}: expected one tensor in the record, found {short_value(t)} and "
                           f"{len(data)} data members; damaged checkpoint")
     if not t.is_contiguous() or t.dtype.itemsize is None:
         raise BridgeError(f"cannot read {what}: a {t.dtype} tensor of shape {t.shape} with strides {t.stride} "
@@ -663,8 +663,9 @@ def safe_torch_load_tensor(data: bytes | bytearray, what: str) -> "Any":
 def resolve_checkpoint_dir(path: str | os.PathLike) -> Path | str:
     """The directory holding `.metadata`: SRC itself, or SRC's latest `iter_*` (Megatron save dir).
     For an s3:// / gs:// SRC, the prefix (a URL string) found the same way."""
-    if isinstance(path, str) and is_remote(path):
-        return _resolve_remote_dir(path)
+    storage = open_storage(path, "source")
+    if not storage.file_system:
+        return _resolve_remote_dir(storage.root)
     root = Path(path)
     if not root.exists():
         raise BridgeError(f"{root}: no such directory; give the torch_dist checkpoint directory (iter_<N>)")
@@ -716,9 +717,7 @@ class DcpCheckpoint:
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        if not isinstance(path, str) or not is_remote(path):
-            path = local_path(path, "source")
-        self.root = resolve_checkpoint_dir(path)
+        self.root = resolve_checkpoint_dir(open_storage(path, "source").root)
         self.source = source_of(self.root)
         meta_path = f"{self.root}/.metadata"
         raw = self.source.read_whole(".metadata")

@@ -4,18 +4,17 @@ type-checked, and file names kept inside the checkpoint directory (`check_relati
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 from typing import Any
 
 from bridge.errors import BridgeError
-from bridge.location import is_remote
+from bridge.store.sources import check_relative_path, short_value
 from converters.megatron.read.inert import InertStub
 from converters.megatron.read.torch_archive import TorchDtype
 from converters.megatron.read.unpickle_bounds import Immutables, KeyGuard
-from converters.megatron.read.unpickle_rules import int_tuple, short_repr
+from converters.megatron.read.unpickle_rules import int_tuple
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoint directory model
@@ -83,7 +82,7 @@ MCORE_METADATA = "megatron.core.dist_checkpointing.strategies.torch.MCoreMetadat
 def _record(obj: Any, kind: str, what: str) -> InertStub:
     """`obj` must be the DCP record class `kind` (read as an InertStub)."""
     if not isinstance(obj, InertStub) or obj.stub_name.rsplit(".", 1)[-1] != kind:
-        raise BridgeError(f"{what}: expected a DCP {kind}, found {short_repr(obj)}; the file is damaged "
+        raise BridgeError(f"{what}: expected a DCP {kind}, found {short_value(obj)}; the file is damaged "
                           f"or not a torch_dist checkpoint")
     return obj
 
@@ -117,7 +116,7 @@ def interpret_metadata(md: Any, root: Path, what: str) -> tuple[dict[str, "Tenso
         idx = _record(idx, "MetadataIndex", f"{what}: storage_data key")
         fqn = idx.get("fqn")
         if type(fqn) is not str:
-            raise BridgeError(f"{what}: a storage entry without a string fqn ({short_repr(fqn)})")
+            raise BridgeError(f"{what}: a storage entry without a string fqn ({short_value(fqn)})")
         off = idx.get("offset")
         off = () if off is None else _index_tuple(off, f"{what}: storage entry {fqn} offset")
         info = _record(info, "_StorageInfo", f"{what}: storage entry {fqn}")
@@ -125,7 +124,7 @@ def interpret_metadata(md: Any, root: Path, what: str) -> tuple[dict[str, "Tenso
         if info.get("transform_descriptors"):
             raise BridgeError(f"{what}: entry {fqn} uses storage transforms (compression?), which are not supported")
         if type(o) is not int or type(n) is not int or not (0 <= o < 1 << 63 and 0 <= n < 1 << 63):
-            raise BridgeError(f"{what}: entry {fqn} has an invalid byte range ({short_repr(o)}, {short_repr(n)})")
+            raise BridgeError(f"{what}: entry {fqn} has an invalid byte range ({short_value(o)}, {short_value(n)})")
         check_relative_path(root, rel, what)
         keys.admit((fqn, off))
         if (fqn, off) in by_key:
@@ -136,7 +135,7 @@ def interpret_metadata(md: Any, root: Path, what: str) -> tuple[dict[str, "Tenso
     objects: dict[str, ObjectInfo] = {}
     for fqn, entry in sdm.items():
         if type(fqn) is not str:
-            raise BridgeError(f"{what}: an entry name that is not a string ({short_repr(fqn)})")
+            raise BridgeError(f"{what}: an entry name that is not a string ({short_value(fqn)})")
         if isinstance(entry, InertStub) and entry.stub_name.endswith(".BytesStorageMetadata"):
             items = by_fqn.get(fqn, [])
             if not items:
@@ -151,7 +150,7 @@ def interpret_metadata(md: Any, root: Path, what: str) -> tuple[dict[str, "Tenso
         shape = _index_tuple(entry.get("size"), f"{what}: tensor {fqn} size")
         chunks = entry.get("chunks")
         if type(chunks) is not list:
-            raise BridgeError(f"{what}: tensor {fqn} has no chunk list (found {short_repr(chunks)})")
+            raise BridgeError(f"{what}: tensor {fqn} has no chunk list (found {short_value(chunks)})")
         ti = TensorInfo(fqn, dtype, shape)
         for ch in chunks:
             ch = _record(ch, "ChunkStorageMetadata", f"{what}: tensor {fqn} chunk")
@@ -168,31 +167,5 @@ def interpret_metadata(md: Any, root: Path, what: str) -> tuple[dict[str, "Tenso
             ti.chunks.append(ChunkInfo(offs, sizes, ref))
         tensors[fqn] = ti
     return tensors, objects
-
-
-def check_relative_path(root: Path, rel: str, what: str) -> Path:
-    """Resolve `rel` inside `root`, refusing absolute paths, `..` and symlink escapes.
-
-    >>> check_relative_path(Path("/ck"), "__0_0.distcp", "x").name
-    '__0_0.distcp'
-    """
-    if not isinstance(rel, str) or not rel or "\x00" in rel:
-        raise BridgeError(f"{what}: invalid file name {short_repr(rel)} in .metadata")
-    p = Path(rel)
-    if p.is_absolute() or ".." in p.parts or rel.startswith(("/", "\\")):
-        raise BridgeError(f"{what}: file name {rel!r} escapes the checkpoint directory; refusing")
-    if isinstance(root, str) and is_remote(root):
-        if "\\" in rel or any(c in ("", ".") for c in rel.split("/")):
-            raise BridgeError(f"{what}: file name {rel!r} is not a plain object name; refusing")
-        return f"{root}/{rel}"  # an object key: no symlinks to follow
-    full = root / p
-    try:
-        real_root = os.path.realpath(root)
-        real = os.path.realpath(full)
-    except OSError:
-        return full
-    if os.path.commonpath([real_root, real]) != real_root:
-        raise BridgeError(f"{what}: file {rel!r} resolves outside the checkpoint directory; refusing")
-    return full
 
 

@@ -48,7 +48,7 @@ def object_tensors(ck, name: str) -> Any:
     re-encoded inside the pickle, so nothing can be located."""
     from bridge.store.ranged import open_range
     from converters.megatron.read.dcp import archive_members, read_small_members, safe_loads
-    from converters.megatron.read.dcp_metadata import check_relative_path
+    from bridge.store.sources import check_relative_path
     from converters.megatron.read.torch_archive import ArchiveTensor
 
     fqn = ck.object_key(name) or name

@@ -66,7 +66,7 @@ def record_layout(ck, key: str, chunk) -> RecordLayout:
     contiguous, stored (uncompressed) tensor of the chunk's dtype and size."""
     from bridge.store.ranged import open_range
     from converters.megatron.read.dcp import tensor_member
-    from converters.megatron.read.dcp_metadata import check_relative_path
+    from bridge.store.sources import check_relative_path
 
     ref = chunk.storage
     what = f"{key} chunk {chunk.offsets} in {ref.relative_path}"

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 from bridge.errors import BridgeError
-from bridge.location import is_remote, location
+from bridge.store import Storage, open_storage
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -118,8 +118,9 @@ def locate_megatron_dir(path: str) -> Resolved:
     A run directory without a tracker is refused, listing its `iter_*` directories, rather than
     guessed: Megatron-LM itself would not load any of them.
     """
-    path = location(path, "source")
-    if is_remote(path):
+    storage = open_storage(path, "source")
+    path = storage.root
+    if not storage.file_system:
         return Resolved(path)  # the reader finds a run prefix's tracker itself (dcp_reader)
     if not os.path.isdir(path) or is_checkpoint_dir(path):
         return Resolved(path)  # missing, a file, or the checkpoint itself: the reader's messages apply
@@ -167,9 +168,10 @@ def plan_run_dir(dst: str, iteration: int) -> RunDirTarget:
     DST is either the run directory (new, empty, or a Megatron run directory: one with a tracker or
     `iter_*` directories) or an `iter_<step, 7 digits>` directory in one, whose number must be `iteration`.
     """
-    dst = location(dst, "destination")
-    if is_remote(dst):
-        return _plan_remote_run_dir(dst, iteration)
+    storage = open_storage(dst, "destination")
+    if not storage.file_system:
+        return _plan_remote_run_dir(storage, iteration)
+    dst = storage.root
     dst = os.path.abspath(dst).rstrip("/") or "/"
     name = os.path.basename(dst)
     named = parse_iteration_dir_name(name)
@@ -200,10 +202,9 @@ def plan_run_dir(dst: str, iteration: int) -> RunDirTarget:
     return RunDirTarget(run_dir, iter_dir, iteration, previous)
 
 
-def _plan_remote_run_dir(dst: str, iteration: int) -> RunDirTarget:
+def _plan_remote_run_dir(storage: Storage, iteration: int) -> RunDirTarget:
     """`plan_run_dir` for an s3:// / gs:// DST: the same rules over the objects under the prefix."""
-    from bridge.store import kvstore
-
+    dst = storage.root
     parent, _, name = dst.rpartition("/")
     named = parse_iteration_dir_name(name)
     if named is not None and name != iteration_dir_name(iteration):
@@ -212,7 +213,8 @@ def _plan_remote_run_dir(dst: str, iteration: int) -> RunDirTarget:
                           f"{parent}/{iteration_dir_name(iteration)} or give the run prefix {parent}")
     run_dir = parent if named is not None else dst
     iter_dir = f"{run_dir}/{iteration_dir_name(iteration)}"
-    keys = kvstore.list_keys(run_dir)
+    run = open_storage(run_dir)
+    keys = run.list_keys()
     top = {k.split("/", 1)[0] for k in keys}
     if ".metadata" in top or "metadata.json" in top:
         raise BridgeError(f"{run_dir} is itself a checkpoint; give a new run prefix, or its parent run prefix")
@@ -224,7 +226,7 @@ def _plan_remote_run_dir(dst: str, iteration: int) -> RunDirTarget:
     if done:
         raise BridgeError(f"{iter_dir} already exists; remove it or write to another run prefix")
     # objects of a killed earlier run under iter_dir: the claim decides about them
-    raw = kvstore.read_bytes(run_dir, TRACKER_NAME)
+    raw = run.read_bytes(TRACKER_NAME)
     previous = parse_tracker(raw[:4096].decode("utf-8", errors="replace"), f"{run_dir}/{TRACKER_NAME}") \
         if raw is not None else None
     return RunDirTarget(run_dir, iter_dir, iteration, previous)
@@ -236,23 +238,4 @@ def write_tracker(run_dir: str, iteration: int) -> None:
     Called only once the iteration directory is complete, so a reader never finds a tracker naming
     a directory that is not there or half written.
     """
-    from bridge.store.durable import fsync_path
-
-    if is_remote(run_dir):  # one PUT replaces an object atomically
-        from bridge.store import kvstore
-
-        kvstore.write_bytes(run_dir, TRACKER_NAME, tracker_text(iteration).encode())
-        return
-    path = os.path.join(run_dir, TRACKER_NAME)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(tracker_text(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_path(run_dir)
+    open_storage(run_dir).replace_bytes(TRACKER_NAME, tracker_text(iteration).encode())

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bridge.errors import BridgeError
+from bridge.store.sources import short_value
 from converters.megatron.read.inert import InertStub
 from converters.megatron.read.unpickle_bounds import copy_keys
 from converters.megatron.read.torch_archive import (DTYPE_NAMES, LAYOUT_NAMES, MEMORY_FORMAT_NAMES, STORAGE_DTYPES,
@@ -161,19 +162,8 @@ def int_tuple(x: Any, what: str, max_len: int = MAX_DIMS) -> tuple[int, ...]:
                 ok = False
                 break
     if not ok:
-        raise BridgeError(f"{what}: expected at most {max_len} integers in [0, 2**63), found {short_repr(x)}")
+        raise BridgeError(f"{what}: expected at most {max_len} integers in [0, 2**63), found {short_value(x)}")
     return tuple(x)
-
-
-def short_repr(x: Any) -> str:
-    """A bounded description of an untrusted value for messages."""
-    if isinstance(x, int) and x.bit_length() > 128:
-        return f"an integer of {x.bit_length()} bits"   # repr would fail past 4300 digits
-    if isinstance(x, (int, float, bool, type(None))):
-        return repr(x)[:40]
-    if isinstance(x, str):
-        return repr(x[:40])
-    return type(x).__name__
 
 
 def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
@@ -197,7 +187,7 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
     def container(cls):
         def rule(u, args, kw):
             if kw or len(args) > 1 or (args and not _sized(args[0])):
-                raise BridgeError(f"{u.what}: {cls.__name__}() with arguments {[short_repr(a) for a in args]}; "
+                raise BridgeError(f"{u.what}: {cls.__name__}() with arguments {[short_value(a) for a in args]}; "
                                   f"only a copy of an already-built container is allowed")
             if args:
                 u.charge(len(args[0]))
@@ -212,7 +202,7 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
         def rule(u, args, kw):
             if kw or len(args) > 2 or not all(isinstance(a, (int, float, str, bytes, complex)) for a in args) \
                     or any(isinstance(a, (str, bytes)) and len(a) > max_len for a in args):
-                raise BridgeError(f"{u.what}: {cls.__name__}() with arguments {[short_repr(a) for a in args]}")
+                raise BridgeError(f"{u.what}: {cls.__name__}() with arguments {[short_value(a) for a in args]}")
             return cls(*args)
         return rule
 
@@ -220,7 +210,7 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
         def rule(u, args, kw):
             if kw or len(args) > 3 or (args and isinstance(args[0], int)) or (args and not _sized(args[0])) \
                     or not all(isinstance(a, str) for a in args[1:]):
-                raise BridgeError(f"{u.what}: {cls.__name__}() with arguments {[short_repr(a) for a in args]}; "
+                raise BridgeError(f"{u.what}: {cls.__name__}() with arguments {[short_value(a) for a in args]}; "
                                   f"only bytes given in the file are allowed")
             if args:
                 u.charge(len(args[0]) * (4 if isinstance(args[0], str) else 1))
@@ -229,7 +219,7 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
 
     def str_rule(u, args, kw):
         if kw or len(args) > 3 or (args and not isinstance(args[0], (str, bytes, bytearray, int, float))):
-            raise BridgeError(f"{u.what}: str() with arguments {[short_repr(a) for a in args]}")
+            raise BridgeError(f"{u.what}: str() with arguments {[short_value(a) for a in args]}")
         if args and isinstance(args[0], (str, bytes, bytearray)):
             u.charge(len(args[0]) * 4)
         return str(*args)
@@ -256,7 +246,7 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
 
     def bytesio(u, args, kw):
         if kw or len(args) > 1 or (args and type(args[0]) not in (bytes, bytearray)):
-            raise BridgeError(f"{u.what}: BytesIO() with arguments {[short_repr(a) for a in args]}")
+            raise BridgeError(f"{u.what}: BytesIO() with arguments {[short_value(a) for a in args]}")
         u.charge(len(args[0]) if args else 0)
         return io.BytesIO(*args)
 
@@ -272,7 +262,7 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
             ok = (type(None), int, float, bool, str, bytes)
             if kw or len(args) > n or not all(isinstance(a, ok) and (not isinstance(a, (str, bytes)) or len(a) < 64)
                                               for a in args):
-                raise BridgeError(f"{u.what}: {cls.__name__}() with arguments {[short_repr(a) for a in args]}")
+                raise BridgeError(f"{u.what}: {cls.__name__}() with arguments {[short_value(a) for a in args]}")
             return cls(*args)
         return rule
 
@@ -285,7 +275,7 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
         m = re.fullmatch(r"([a-z_]{1,24})(?::(\d{1,4}))?", args[0]) if args and isinstance(args[0], str) else None
         if kw or not 1 <= len(args) <= 2 or m is None or \
                 (len(args) == 2 and (type(args[1]) is not int or not 0 <= args[1] < 1 << 16 or m.group(2))):
-            raise BridgeError(f"{u.what}: torch.device() with arguments {[short_repr(a) for a in args]}")
+            raise BridgeError(f"{u.what}: torch.device() with arguments {[short_value(a) for a in args]}")
         index = args[1] if len(args) == 2 else int(m.group(2)) if m.group(2) else None
         return TorchDevice(m.group(1), index)
 
@@ -294,7 +284,7 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
             raise BridgeError(f"{u.what}: _get_layout() needs a layout name")
         v = TORCH_NAMES.get(args[0][len("torch."):]) if args[0].startswith("torch.") else None
         if not isinstance(v, TorchLayout):
-            raise BridgeError(f"{u.what}: unknown tensor layout {short_repr(args[0])}")
+            raise BridgeError(f"{u.what}: unknown tensor layout {short_value(args[0])}")
         return v
 
     def rebuild_tensor(u, args, kw):
@@ -309,7 +299,7 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
         stride = int_tuple(stride, f"{u.what}: tensor stride")
         if type(offset) is not int or offset < 0 or len(stride) != len(shape) \
                 or (len(args) > 4 and not isinstance(args[4], bool)) or hooks or meta:
-            raise BridgeError(f"{u.what}: invalid tensor rebuild arguments (offset {short_repr(offset)}, "
+            raise BridgeError(f"{u.what}: invalid tensor rebuild arguments (offset {short_value(offset)}, "
                               f"shape {shape}, stride {stride})")
         item = storage.dtype.itemsize
         end = offset + (sum((n - 1) * s for n, s in zip(shape, stride)) + 1 if all(shape) else 0)
@@ -344,7 +334,7 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
         if kw or not 1 <= len(args) <= 3 or not isinstance(args[0], str) or \
                 re.fullmatch(r"[<>|=]?(?:[biufc]\d{1,2}|\?)", args[0]) is None or \
                 not all(isinstance(a, bool) for a in args[1:]):
-            raise BridgeError(f"{u.what}: numpy dtype {short_repr(args[0] if args else None)} refused: only "
+            raise BridgeError(f"{u.what}: numpy dtype {short_value(args[0] if args else None)} refused: only "
                               f"bool/integer/float/complex arrays may be stored in a checkpoint")
         d = np.dtype(args[0], False, True)  # a private copy: BUILD must never change numpy's shared dtypes
         if not plain_numeric_dtype(d):
@@ -356,7 +346,7 @@ def _call_rules(g: dict[tuple[str, str], Any]) -> dict[Any, Any]:
         if kw or len(args) != 3 or args[0] is not np.ndarray or type(args[1]) is not tuple or args[1] != (0,) \
                 or type(args[2]) not in (bytes, str) or args[2] not in (b"b", "b"):
             raise BridgeError(f"{u.what}: numpy array reconstruction with arguments "
-                              f"{[short_repr(a) for a in args]} refused (only plain ndarrays)")
+                              f"{[short_value(a) for a in args]} refused (only plain ndarrays)")
         arr = np_reconstruct(np.ndarray, (0,), b"b")  # an empty int8 array until its BUILD
         u.open_array(arr)
         return arr

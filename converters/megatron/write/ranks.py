@@ -28,7 +28,7 @@ from typing import Any
 from bridge.errors import BridgeError
 from bridge.layout.shares import contiguous_parts
 from bridge.progress import progress
-from bridge.store.claim import hold_claim
+from bridge.store import open_storage
 from bridge.torchrun import Ranks, _testing_fault, command_ranks
 from converters.megatron.read.rundir import write_tracker
 from converters.megatron.write.torch_dist import (MegatronPlan, OpenFile, Stats, Written, publish_iteration, take_back,
@@ -74,7 +74,7 @@ def _write(ranks: Ranks, mp: MegatronPlan, open_file: OpenFile | None, show_prog
                 return state["claim"].tmp
 
             tmp = coord.broadcast("the claim", claim)
-            coord.all_gather("the claim", lambda: coord.rank == 0 or _join(stack, tmp, remote))
+            coord.all_gather("the claim", lambda: coord.rank == 0 or _join(stack, tmp))
             shares = coord.all_gather("writing", lambda: _write_share(ranks, mp, tmp, open_file, mine, show_progress))
             coord.broadcast("the commit", lambda: _commit(mp, state, shares))
     except BaseException:
@@ -90,14 +90,13 @@ def _write(ranks: Ranks, mp: MegatronPlan, open_file: OpenFile | None, show_prog
     return res
 
 
-def _join(stack: ExitStack, tmp: str, remote: bool) -> bool:
+def _join(stack: ExitStack, tmp: str) -> bool:
     """On a rank other than 0: rank 0's temp directory must be visible here; hold it while writing."""
-    if remote:
-        return True
-    if not os.path.isdir(tmp):
+    storage = open_storage(tmp)
+    if not storage.visible():
         raise BridgeError(f"rank 0's temporary directory {tmp} is not visible here: under torchrun the destination "
                           f"must be on a file system every rank shares, or on s3:// / gs://")
-    stack.enter_context(hold_claim(tmp))
+    stack.enter_context(storage.hold_claim())
     return True
 
 

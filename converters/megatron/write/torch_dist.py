@@ -37,7 +37,7 @@ import numpy as np
 
 from bridge.cast_check import cast_mismatch
 from bridge.errors import BridgeError, require, write_failure
-from bridge.location import is_remote, location
+from bridge.location import location
 from bridge.budget import per_worker
 from bridge.machine import default_workers, mem_available, return_freed_memory
 from bridge.layout.boxes import Box
@@ -45,8 +45,7 @@ from bridge.layout.distopt import buffer_layout, BufferParam
 from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
-from bridge.store.claim import claim_destination
-from bridge.store.remote import claim_remote
+from bridge.store import Storage, open_storage
 from bridge.store.durable import fsync_path
 from bridge.torchrun import host_ranks
 from bridge.format.manifest import Manifest, MegatronRecord
@@ -464,8 +463,14 @@ class MegatronPlan:
     objects: list           # (key, value) of the common state and other objects, in the target's convention
 
     @property
+    def storage(self) -> Storage:
+        """Where the iteration is written (decided once, from DST, by `plan_run_dir`)."""
+        return open_storage(self.where.iter_dir)
+
+    @property
     def remote(self) -> bool:
-        return is_remote(self.where.iter_dir)
+        """Written in place, `.metadata` last (object storage), rather than renamed into place."""
+        return not self.storage.file_system
 
     @property
     def total_bytes(self) -> int:
@@ -489,9 +494,7 @@ class MegatronPlan:
     def claim(self):
         """Exclusive temp dir beside the iteration dir, renamed when complete (bridge.store.claim); on
         object storage the iteration prefix itself, `.metadata` written last (bridge.store.remote)."""
-        if self.remote:
-            return claim_remote(self.where.iter_dir, sources=[self.src], marker=".metadata")
-        return claim_destination(self.where.iter_dir, sources=[self.src])
+        return self.storage.claim(sources=[self.src], marker=".metadata")
 
     def result(self, nbytes: int, stats: "Stats") -> dict:
         man, where = self.man, self.where

@@ -1,15 +1,57 @@
 """Byte sources: where the files of a checkpoint are read from (a local directory or an object
-store prefix), by byte ranges, so a large record is never read whole."""
+store prefix), by byte ranges (`bridge.store.ranged`), so a large record is never read whole; and
+the check that a file name an untrusted checkpoint records stays inside its directory.
+
+>>> check_relative_path(Path("/ck"), "__0_0.distcp", "x").name
+'__0_0.distcp'
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 from bridge.errors import BridgeError
 from bridge.location import is_remote
 from bridge.store.ranged import open_range
-from converters.megatron.read.dcp_metadata import check_relative_path
 
+
+def short_value(x: Any) -> str:
+    """A bounded description of an untrusted value for messages."""
+    if isinstance(x, int) and x.bit_length() > 128:
+        return f"an integer of {x.bit_length()} bits"   # repr would fail past 4300 digits
+    if isinstance(x, (int, float, bool, type(None))):
+        return repr(x)[:40]
+    if isinstance(x, str):
+        return repr(x[:40])
+    return type(x).__name__
+
+
+def check_relative_path(root: Path, rel: str, what: str) -> Path:
+    """Resolve `rel` inside `root`, refusing absolute paths, `..` and symlink escapes.
+
+    >>> check_relative_path(Path("/ck"), "__0_0.distcp", "x").name
+    '__0_0.distcp'
+    """
+    if not isinstance(rel, str) or not rel or "\x00" in rel:
+        raise BridgeError(f"{what}: invalid file name {short_value(rel)} in .metadata")
+    p = Path(rel)
+    if p.is_absolute() or ".." in p.parts or rel.startswith(("/", "\\")):
+        raise BridgeError(f"{what}: file name {rel!r} escapes the checkpoint directory; refusing")
+    if isinstance(root, str) and is_remote(root):
+        if "\\" in rel or any(c in ("", ".") for c in rel.split("/")):
+            raise BridgeError(f"{what}: file name {rel!r} is not a plain object name; refusing")
+        return f"{root}/{rel}"  # an object key: no symlinks to follow
+    full = root / p
+    try:
+        real_root = os.path.realpath(root)
+        real = os.path.realpath(full)
+    except OSError:
+        return full
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise BridgeError(f"{what}: file {rel!r} resolves outside the checkpoint directory; refusing")
+    return full
 
 
 class FileSource:
@@ -63,5 +105,3 @@ class ObjectSource:
 
 def source_of(root: Path | str) -> FileSource | ObjectSource:
     return ObjectSource(root) if isinstance(root, str) and is_remote(root) else FileSource(Path(root))
-
-
