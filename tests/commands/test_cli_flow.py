@@ -46,7 +46,7 @@ def logical(tmp_path_factory):
 
 
 # --- item 3: an unknown URL scheme is refused in one line, never taken for a local path -----------------------
-# (s3:// and gs:// are storage locations since issue 20: tests/test_remote_*.py)
+# (s3:// and gs:// are storage locations since issue 20: tests/*/test_remote_*.py)
 
 @pytest.mark.parametrize("argv", [
     ["convert", str(DEMO_SRC), "hdfs://bucket/x"],

@@ -1,7 +1,7 @@
 """Coordinators on real gloo process groups: errors reach every rank, exports run on subgroups.
 
 World 4 throughout. The exported checkpoints are compared with the state assembled independently
-from the ranks' raw shards (`test_live_sharding`), read back with the store reader.
+from the ranks' raw shards (`tests/support/live_reference.py`), read back with the store reader.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""The JAX tiny GPT (tests/jax_tinygpt.py) reproduces real Megatron-Core 0.19.2 losses from converted checkpoints.
+"""The JAX tiny GPT (tests/support/jax_tinygpt.py) reproduces real Megatron-Core 0.19.2 losses from converted checkpoints.
 
 Reference: each fixture's `run.json["next_losses"][0]`, the loss Megatron computed (in bf16, on
 H200s) for batch 3 on exactly the saved weights. The JAX forward reads the converted logical
 checkpoint's `model` subtree through `bridge.jaxside.restore` on a 2x4 mesh.
 
 Tolerances (jax_tinygpt.BF16_RTOL / FP32_RTOL, found on these fixtures and the live runs of
-tests/test_megatron_jax_step.py):
+tests/jaxside/test_megatron_jax_step.py):
 - bf16-activation emulation: |rel| <= 2.2e-7 observed (about one float32 ulp of the loss) -> 1e-6;
 - float32 activations from the bf16 weights: |rel| <= 3.2e-5 observed -> 6e-5.
 Sharpness: the subtlest layout mistakes (query heads in the wrong group order, SwiGLU gate/up

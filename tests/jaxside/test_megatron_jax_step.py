@@ -13,7 +13,7 @@ Checks, each on every run found (skipped with the reason when the data is absent
 1. `test_adam_step_matches_megatron`: restore `live` with bridge.jaxside (restore + optimizer_from_manifest),
    one optax update with Megatron's recorded grads == live_after's masters / mu / nu / count within ADAM_ULP_TOL
    float32 ulp (betas, eps, weight decay and its no-decay mask, lr at that step, bias correction, step count).
-2. `test_jax_grads_match_megatron`: tests/jax_tinygpt.py forward + jax.grad on batch 3 from the restored state
+2. `test_jax_grads_match_megatron`: tests/support/jax_tinygpt.py forward + jax.grad on batch 3 from the restored state
    (bf16 emulation at the run's TP size, and float32): Megatron's loss (jax_tinygpt's BF16_RTOL / FP32_RTOL) and
    its pre-clip grads (recorded grads / clip factor): per-array cosine > GRAD_COSINE and global norm within
    GRAD_NORM_RTOL of Megatron's recorded grad_norm; the attention key bias, whose exact gradient is zero, must be

@@ -162,7 +162,7 @@ def test_6_3_swiglu_physical_rows():
                     assert i not in rows                       # pad
 
 
-# §2.5 A legacy padded grid: see tests/test_layout_legacy.py
+# §2.5 A legacy padded grid: see tests/layout/test_layout_legacy.py
 
 
 # §4.6 (a): dp_reshardable keys are bound to dp_group_idx; offsets d*s + gbuf_local_start -------------

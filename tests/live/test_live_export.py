@@ -2,7 +2,7 @@
 
 One spawned group per scenario does several checks (export, then reloads at other layouts), and
 the parent restores the checkpoint with plain Orbax. Per-rank state is built from random logical
-arrays by `test_live_sharding` (index arrays from the doc's formulas, no `bridge.layout`).
+arrays by `live_reference` (tests/support; index arrays from the doc's formulas, no `bridge.layout`).
 """
 
 from __future__ import annotations

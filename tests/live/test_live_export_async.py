@@ -3,7 +3,7 @@
 The checkpoint an asynchronous export commits must hold the state at the call, bit for bit, while
 the "training" overwrites every source tensor right after the call returns (a seam holds the
 background writer after its first batch until the mutation is done); it is compared with the state
-assembled independently from the ranks' raw shards (`test_live_sharding`) through plain Orbax, and
+assembled independently from the ranks' raw shards (`tests/support/live_reference.py`) through plain Orbax, and
 with a synchronous export of the same state (digests). Failures in the background reach every rank
 naming the failing one; a SIGKILL during the background write leaves nothing loadable and a retry
 succeeds; staging slots are allocated once and reused.

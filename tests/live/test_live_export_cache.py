@@ -4,7 +4,7 @@ World 2 on gloo. One spawned group exports five times: (1) a fresh plan, (2) new
 geometry (other values) -> plan reused, (3) the same tensors modified in place -> reused, (4) another
 TP / GTP layout -> replanned, (5) the first layout again -> reused. Each checkpoint is compared
 bit-exactly with the state assembled independently from the ranks' raw shards
-(`test_live_sharding`), so a stale plan or stale data would show.
+(`tests/support/live_reference.py`), so a stale plan or stale data would show.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 World 2 on gloo (TP1 x GTP2), arrays of 128-512 KiB in chunks of 64 KiB and writer batches of
 256 KiB, so every rank's writer commits many transactions with two in flight (host data: the
 export's fixed depth 2; device data: `device_commits` = 2 by default), each into its slot's
-database (see tests/test_store_commit_slots.py for the duplication that avoids: the live export
+database (see tests/store/test_store_commit_slots.py for the duplication that avoids: the live export
 did not hit it in the sizes measured, 1.001-1.010 before as well, but goes through the same
 writer). The bytes of every file of the checkpoint are compared with the logical bytes computed
 from the independently assembled reference state (element counts x the stored width: bf16 model

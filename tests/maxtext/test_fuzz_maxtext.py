@@ -4,7 +4,7 @@ one `to-maxtext` wrote (with its sidecar).
 
 Every input must convert or raise a one-line `BridgeError`: no other exception, no crash (the inputs run
 in a subprocess, so an abort fails the test), no more memory than a bound (`RLIMIT_AS` in that
-subprocess, as `tests/test_fuzz_dcp.py` does for Megatron sources).
+subprocess, as `tests/megatron/test_fuzz_dcp.py` does for Megatron sources).
 """
 
 from __future__ import annotations

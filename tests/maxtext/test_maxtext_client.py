@@ -5,7 +5,7 @@ cleanly otherwise. The command (README, "MaxText"):
 
     python3.12 -m venv /opt/venv-maxtext && /opt/venv-maxtext/bin/pip install maxtext==0.2.5 \\
         "jax>=0.11.1" flax optax orbax-checkpoint ...   (docs/maxtext.md lists the set)
-    MAXTEXT_PYTHON=/opt/venv-maxtext/bin/python python -m pytest -q tests/test_maxtext_client.py
+    MAXTEXT_PYTHON=/opt/venv-maxtext/bin/python python -m pytest -q tests/maxtext/test_maxtext_client.py
 
 Data: tests/fixtures/maxtext/llama (a llama-style megatron-core 0.19.2 run on an H200: the state at
 step 3, Megatron's step-3 grads, the state after step 3, its losses and tokens).
@@ -16,7 +16,7 @@ step 3, Megatron's step-3 grads, the state after step 3, its losses and tokens).
    takes Megatron's step-3 grads: MaxText's loss on batch 4 == Megatron's (and the control: before
    the step it is far off), MaxText's own `save_checkpoint` writes step 3; `read_maxtext` brings it back
    and it equals Megatron's state after step 3 within ADAM_ULP_TOL / MOMENT_ULP_TOL (same metric as
-   tests/test_megatron_jax_step.py); count and step 4.
+   tests/jaxside/test_megatron_jax_step.py); count and step 4.
 3. `to-megatron` writes it as a Megatron torch_dist checkpoint (iteration 4) and the converter reads
    that back bit-exactly.
 4. A fresh MaxText run (its own init and 2 training steps, a checkpoint we did not write) reads back

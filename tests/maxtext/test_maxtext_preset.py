@@ -6,7 +6,7 @@
 - logical -> MaxText -> logical bit-exact where no value transform applies (in memory, and through
   MaxText's on-disk layout with Orbax);
 - the tree we write equals, key for key and in key types, the tree of a checkpoint real MaxText 0.2.5
-  saved (`tests/fixtures/maxtext/fresh_maxtext/`, made by `tests/maxtext_client.py fresh`), except the
+  saved (`tests/fixtures/maxtext/fresh_maxtext/`, made by `tests/support/maxtext_client.py fresh`), except the
   NNX rng state MaxText re-initialises;
 - that MaxText checkpoint (one we did not write) read back into a logical checkpoint, its values
   checked against the stored arrays read with plain TensorStore and independent index formulas,

@@ -8,7 +8,7 @@
 - a ~0.5 GiB llama-style checkpoint (benchmarks/scale_synth.py, converted) moved to MaxText and
   back at `--budget 64M` in subprocesses: the largest process stays under 512 MiB + the budget
   (VmHWM of the command and its workers, sampled from /proc), and the round trip is bit-exact;
-- source and destination on a local S3 server (moto, tests/servers.py).
+- source and destination on a local S3 server (moto, tests/support/servers.py).
 At 20ceaea the arrays were read whole (42.4 GiB peak for 11.94 GB of state on the H200).
 """
 

@@ -1,4 +1,4 @@
-"""The fuzz harness of tests/test_fuzz_dcp.py on remote sources (issue 29): fuzzed archives read by
+"""The fuzz harness of tests/megatron/test_fuzz_dcp.py on remote sources (issue 29): fuzzed archives read by
 byte ranges through the local S3 server, and random byte ranges of a real `.distcp` file.
 
 Each fuzzed record (the harness's mutators over real tensor and object records and their re-zipped

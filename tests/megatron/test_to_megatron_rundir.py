@@ -325,7 +325,7 @@ def test_edited_manifest_is_refused_before_the_run_dir_is_touched(logical, tmp_p
 
 @pytest.mark.parametrize("url", ["hdfs://bucket/run", "az://b/run/iter_0000003"])
 def test_a_url_dst_is_refused_not_made_a_local_dir(logical, tmp_path, monkeypatch, capsys, url):
-    """An unknown scheme (s3:// and gs:// are storage locations: tests/test_remote_megatron.py)."""
+    """An unknown scheme (s3:// and gs:// are storage locations: tests/megatron/test_remote_megatron.py)."""
     monkeypatch.chdir(tmp_path)
     assert main(["to-megatron", "--no-scheduler", logical, url, "--tp", "1"]) == 2
     err = capsys.readouterr().err.strip()

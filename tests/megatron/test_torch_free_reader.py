@@ -72,7 +72,7 @@ def test_convert_processes_never_import_torch(tmp_path, budget):
     workers = [ln for ln in text.splitlines() if ln.startswith("START") and "--multiprocessing-fork" in ln]
     assert len(workers) >= 2, text[:2000]   # the two writers (and multiprocessing's helpers) were watched
     assert "TORCH" not in text, text[:4000]
-    # the conversion itself is right: every array equals the run's own dumps (tests/convert_reference.py)
+    # the conversion itself is right: every array equals the run's own dumps (tests/support/convert_reference.py)
     from bridge.store.reader import open_checkpoint
     from converters.megatron.plan import role_path
 

@@ -16,7 +16,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(REPO, "README.md")
-NOT_RUN = "# Not run by tests/test_readme.py"
+NOT_RUN = "# Not run by tests/repo/test_readme.py"
 
 
 def python_blocks(text: str) -> list[str]:

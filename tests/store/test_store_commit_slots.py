@@ -4,7 +4,7 @@ Two TensorStore transactions committing into one OCDBT database race for its man
 loser's retry writes all its values again into new data files, the first copy left unreferenced
 (1.1-1.4x the logical bytes stored with this load). The writer therefore commits transaction i
 into the database of slot i mod `commit_depth` (`ocdbt.process_<w>.<s>`), merged at the commit.
-The load: tests/test_store_writer_scale.py's converter-shaped one (fp32 master, two moments, a
+The load: tests/store/test_store_writer_scale.py's converter-shaped one (fp32 master, two moments, a
 bf16 copy per parameter, 110 MB in chunks of 3-13 MB), every chunk whole in one write, batches
 of 8 MiB. Stored bytes are
 every file / object under the checkpoint (listed by boto3 on S3), the logical bytes the sources'

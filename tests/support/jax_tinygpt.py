@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# How closely the JAX loss reproduces Megatron's bf16 run (tests/test_jax_tinygpt.py, six real fixtures):
+# How closely the JAX loss reproduces Megatron's bf16 run (tests/jaxside/test_jax_tinygpt.py, six real fixtures):
 BF16_RTOL = 1e-6   # bf16-activation emulation: |rel| <= 2.2e-7 observed (about one float32 ulp of the loss)
 FP32_RTOL = 6e-5   # float32 activations from the bf16 weights: |rel| <= 3.2e-5 observed (incl. the live dp2 run)
 LN_EPS = 1e-5            # TransformerConfig.layernorm_epsilon default

@@ -1,7 +1,7 @@
-"""Real MaxText client for tests/test_maxtext_client.py (runs in a Python 3.12 venv with `maxtext` 0.2.5).
+"""Real MaxText client for tests/maxtext/test_maxtext_client.py (runs in a Python 3.12 venv with `maxtext` 0.2.5).
 
-    python tests/maxtext_client.py step --base-dir DIR --run RUN --overrides JSON --batch JSON --grads JSON --out JSON
-    python tests/maxtext_client.py fresh --base-dir DIR --run RUN --overrides JSON --out JSON
+    python tests/support/maxtext_client.py step --base-dir DIR --run RUN --overrides JSON --batch JSON --grads JSON --out JSON
+    python tests/support/maxtext_client.py fresh --base-dir DIR --run RUN --overrides JSON --out JSON
 
 `step`: MaxText's own code restores the train state under DIR/RUN/checkpoints (the latest step, as
 its trainer does), computes its loss on the given tokens (`loss_fn`, eval mode), applies its own
