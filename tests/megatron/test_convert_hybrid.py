@@ -9,7 +9,7 @@ bit against the live dumps in test_convert_megatron.py (these runs are discovere
 command line, the section tables, `to-megatron` reproducing Megatron's own save, and a TP=2 target
 laid out as the dumps' TP attributes say. That the to-megatron output loads in megatron-core 0.19.2
 (bit-equal state, the run's next losses) was checked on the GPU: scripts/gpu/run_hybrid.sh,
-results in scripts/gpu/results/2026-12-02_session9/hybrid_*.
+results in records/gpu/2026-12-02_session9/hybrid_*.
 """
 
 from __future__ import annotations

@@ -349,7 +349,7 @@ def test_pp2_dp_reshardable_without_pp_is_refused(synth_pp2, tmp_path):
 def test_to_megatron_for_016_writes_common_pt_and_round_trips(tmp_path, capsys):
     """0.15 / 0.16 read the common state from common.pt (0.19 from a DCP object); the output
     converts back to the same logical arrays. (Loaded by megatron-core 0.16.1 on the GPU:
-    scripts/gpu/results/2026-12-01_savers/load/.)"""
+    records/gpu/2026-12-01_savers/load/.)"""
     src = os.path.join(cref.FIXTURES, "release_0_14_0", "fully_sharded_model_space")
     assert cli(capsys, "convert", src, str(tmp_path / "l"))[0] == 0
     rc, out = cli(capsys, "to-megatron", "--no-scheduler", str(tmp_path / "l"), str(tmp_path / "run"), "--tp", "1",
