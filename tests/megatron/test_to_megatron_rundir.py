@@ -273,16 +273,37 @@ def _cli_to_megatron(logical: str, run, tensor_hook: str) -> str:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_midway_leaves_no_temp_dir(logical, tmp_path, sig):
-    """SIGTERM / SIGINT while the .distcp files are being written: the CLI exits, nothing is left behind."""
+    """SIGTERM / SIGINT while the .distcp files are being written: the CLI exits, nothing is left behind.
+
+    The run is held at a known point: its first tensor write says `held` and waits for a line on stdin;
+    the test signals the process (as a kill / Ctrl-C from outside does) and only then lets the write go
+    on. The held write keeps the run inside its writing loop until the signal has been received, however
+    loaded the machine (the signal used to come from the write hook itself, and once under heavy load
+    the run exited 0)."""
     run = tmp_path / "run"
     code = _cli_to_megatron(logical, run, (
-        "if not getattr(Hooked, 'sent', False):  # one signal, as from one Ctrl-C / one kill\n"
-        "    Hooked.sent = True\n"
-        f"    os.kill(os.getpid(), {int(sig)})\n"
+        "if not getattr(Hooked, 'held', False):  # the first tensor: say so, wait for the test's signal\n"
+        "    Hooked.held = True\n"
+        "    print('held', flush=True)\n"
+        "    sys.stdin.readline()\n"
         "return super().tensor(*a, **k)"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode in (130, 143, -int(sig)) and proc.returncode != 0, proc.stderr[-2000:]
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()   # blocks until a writer is mid-write (EOF if the run failed before)
+        if line != "held\n":
+            proc.kill()
+            pytest.fail(f"the run never reached its first tensor write: {line!r} {proc.communicate()[1][-2000:]}")
+        os.kill(proc.pid, sig)          # one signal, as from one kill / one Ctrl-C
+        proc.stdin.write("go\n")        # only now: the held write may finish
+        proc.stdin.flush()
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode in (130, 143, -int(sig)) and proc.returncode != 0, err[-2000:]
     assert not _leftovers(tmp_path), _leftovers(tmp_path)
     assert not run.exists()
 
