@@ -51,14 +51,16 @@ def _write_all(tmp, plan, data, writer, stop_after=None):
     return w
 
 
-def _run(dst, seed, go, started, other_started, out):
-    """One save of seed's data to dst. Run `started` is set once its begin_checkpoint returned (or
-    failed); the run then waits for the other's start before writing, so the two overlap."""
+def _run(dst, seed, go, started, before_begin, before_commit, out):
+    """One save of seed's data to dst. `started` is set once its begin_checkpoint returned (or failed).
+    The later run begins only once `before_begin` (the first run's start) is set; the first run commits
+    only once `before_commit` (the later run's start) is set, so the two overlap however loaded the
+    machine (the waits' timeouts only end a run whose partner died: that run then reports it)."""
     plan, data = _plan(), _data(seed)
     try:
-        go.wait(60)
-        if other_started is not None:           # the later run: starts while the first one is writing
-            other_started.wait(60)
+        assert go.wait(120), "never told to go"
+        if before_begin is not None:            # the later run: starts while the first one is writing
+            assert before_begin.wait(120), "the first run never started"
         tmp = begin_checkpoint(dst)
     except BaseException as e:
         started.set()
@@ -68,8 +70,8 @@ def _run(dst, seed, go, started, other_started, out):
     try:
         for w in range(2):
             _write_all(tmp, plan, data, w)
-        if other_started is None:
-            time.sleep(2.0)                     # the first run keeps writing while the second starts
+        if before_commit is not None:           # the first run keeps its claim until the second has tried
+            assert before_commit.wait(120), "the second run never tried to start"
         commit_checkpoint(dst, plan, timeout=10)
         out.put((seed, "ok", "", ""))
     except BaseException as e:
@@ -81,8 +83,8 @@ def test_two_runs_to_one_destination_one_wins_the_other_fails_in_one_line(tmp_pa
     dst = str(tmp_path / "ck")
     ctx = mp.get_context("spawn")
     go, s1, s2, out = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
-    first = ctx.Process(target=_run, args=(dst, 1, go, s1, None, out))
-    second = ctx.Process(target=_run, args=(dst, 2, go, s2, s1, out))
+    first = ctx.Process(target=_run, args=(dst, 1, go, s1, None, s2, out))
+    second = ctx.Process(target=_run, args=(dst, 2, go, s2, s1, None, out))
     first.start(), second.start()
     go.set()
     results = {r[0]: r for r in (out.get(timeout=120), out.get(timeout=120))}
