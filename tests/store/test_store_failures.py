@@ -65,12 +65,12 @@ def test_sigkilled_writer_leaves_no_checkpoint_and_rerun_succeeds(tmp_path):
     ctx = mp.get_context("spawn")
     victim = ctx.Process(target=_write, args=(dst, 1, stall))
     victim.start()
-    deadline = time.monotonic() + 60
-    while not os.path.exists(stall) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 300   # only bounds a writer that failed to start: not a race
+    while not os.path.exists(stall) and victim.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert os.path.exists(stall), "writer 1 never reached the middle of its writes"
     os.kill(victim.pid, signal.SIGKILL)
-    victim.join(10)
+    victim.join(120)
     assert victim.exitcode == -signal.SIGKILL
     _write(dst, 0)
     with pytest.raises(BridgeError, match=r"writers \[1\] did not finish"):
