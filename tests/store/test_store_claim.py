@@ -363,7 +363,9 @@ def test_destination_appearing_mid_run_gives_a_true_message(tmp_path):
 
 
 WRITER_SCRIPT = textwrap.dedent("""
-    import os, sys, time
+    import os, signal, sys, time
+    # Ctrl-C as from a terminal, even when the suite runs as a background job (SIGINT then ignored, inherited)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import numpy as np
     from bridge.store import ArraySpec, CheckpointWriter, begin_checkpoint, make_write_plan
     from bridge.layout.boxes import Box
