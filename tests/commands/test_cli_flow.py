@@ -224,6 +224,7 @@ def test_declared_minimums_are_the_verified_ones():
 
 # --- item 6: Orbax CheckpointManager roots --------------------------------------------------------------
 
+@pytest.mark.slow
 def test_convert_into_an_orbax_manager_root_and_read_it_back(logical, tmp_path):
     import jax
     import orbax.checkpoint as ocp

@@ -4,7 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     r = subprocess.run([sys.executable, "-m", "bridge.cli", "demo", "--workdir", str(tmp_path / "w")],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from live_model import FP8, MODEL, STEP, expected_state, local_params
 from spawn_ranks import spawn
@@ -37,6 +38,7 @@ def _gather_in_halves(rank, world):
     return {"got": got, "rank": coord.rank, "world": coord.world}
 
 
+@pytest.mark.slow
 def test_gather_on_subgroups_raises_on_every_rank_of_the_failing_group_only(tmp_path):
     results, _ = spawn(4, _gather_in_halves, (), tmp_path, timeout_s=120)
     assert results[0] == {"got": [{"world_rank": 0}, {"world_rank": 1}], "rank": 0, "world": 2}
@@ -61,6 +63,7 @@ def _export_half(rank, world, root):
     return {"path": rep.path, "rank": rep.rank}
 
 
+@pytest.mark.slow
 def test_export_state_on_two_subgroups_at_once(tmp_path):
     """Two independent exports on the two halves of a world of 4: each checkpoint holds exactly the
     state of its half (its own step), as assembled from the raw shards."""
@@ -115,6 +118,7 @@ def _export_failing(rank, world, dst, victim, stage, action):
     return {"error": error, "coordinators_alive": alive}
 
 
+@pytest.mark.slow
 def test_a_rank_failing_while_writing_fails_every_rank_naming_it(tmp_path):
     """Rank 2 fails after the exchange: every rank raises one line naming rank 2 and the stage, at
     once (no rank waits for a timeout), and nothing of the export stays."""
@@ -130,6 +134,7 @@ def test_a_rank_failing_while_writing_fails_every_rank_naming_it(tmp_path):
     assert not os.path.exists(dst) and not os.path.exists(dst + ".orbax-checkpoint-tmp")
 
 
+@pytest.mark.slow
 def test_a_failing_commit_fails_every_rank_naming_rank_0(tmp_path):
     """The destination appears while the ranks write: rank 0's commit refuses to replace it, and
     every rank raises that, naming rank 0 and the commit; the run's temporary directory is gone."""

@@ -109,6 +109,7 @@ def big_pair(tmp_path_factory):
     return root, idx, float(big[idx]), float(flipped[idx])
 
 
+@pytest.mark.slow
 def test_diff_finds_single_flipped_element(big_pair):
     root, idx, va, vb = big_pair
     r = run_cli("diff", str(root / "a"), str(root / "b"), "--json", "--budget", "1M")
@@ -135,6 +136,7 @@ def test_diff_identical_exit_zero(big_pair):
     assert "equal within tolerance" in r.stdout
 
 
+@pytest.mark.slow
 def test_diff_nan_signed_zero_missing_arrays_and_shapes(tmp_path):
     a = {"x": np.array([np.nan, 0.0, 1.0, 2.0], np.float32), "only_a": np.ones(3, np.float32),
          "s": np.zeros((2, 3), np.float32), "h": np.array([1.0, 2.0], ml_dtypes.bfloat16)}
@@ -160,6 +162,7 @@ def test_diff_nan_signed_zero_missing_arrays_and_shapes(tmp_path):
     assert rep["equal"] is False
 
 
+@pytest.mark.slow
 def test_diff_equal_across_writers_and_formats(tmp_path):
     """The same state written by Orbax (zarr2, zstd) and by the bridge store (zarr3, OCDBT) compares equal."""
     from bridge.store.commit import save_checkpoint

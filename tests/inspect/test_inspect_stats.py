@@ -66,6 +66,7 @@ def _flatten(tree, prefix=()):
         yield "/".join(prefix), tree
 
 
+@pytest.mark.slow
 def test_stats_report_planted_nans_in_right_array(planted):
     path, state = planted
     r = run_cli("inspect", path, "--stats", "--json", "--budget", "4K")
@@ -95,6 +96,7 @@ def test_stats_report_planted_nans_in_right_array(planted):
 @pytest.mark.parametrize("fmt", [dict(use_zarr3=False, use_compression=True),   # Orbax v0 default
                                  dict(use_ocdbt=False, use_zarr3=True),
                                  dict(use_ocdbt=False, use_zarr3=False)])
+@pytest.mark.slow
 def test_stats_on_other_orbax_layouts(tmp_path, fmt):
     state = small_state(9, layers=2)
     state["opt_state"]["mu"]["embedding"]["word_embeddings"]["weight"][3] = np.nan
@@ -108,6 +110,7 @@ def test_stats_on_other_orbax_layouts(tmp_path, fmt):
     assert rep["format"] == {"use_ocdbt": fmt.get("use_ocdbt", True), "use_zarr3": fmt["use_zarr3"]}
 
 
+@pytest.mark.slow
 def test_inspect_lists_layout_without_reading_data(planted):
     path, state = planted
     rep = json.loads(run_cli("inspect", path, "--json", "--only", "params/*").stdout)
@@ -118,6 +121,7 @@ def test_inspect_lists_layout_without_reading_data(planted):
     assert a["chunk"] is not None and len(a["chunk"]) == 3 and a["read_chunk"] is not None
 
 
+@pytest.mark.slow
 def test_inspect_bridge_checkpoint_shows_manifest_provenance(tmp_path):
     from bridge.store.commit import save_checkpoint
     from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout

@@ -104,6 +104,7 @@ def _te_reference(state, grads, h, no_decay):
     return out_p, out_m, out_v
 
 
+@pytest.mark.slow
 def test_one_step_agrees_across_frameworks(setup):
     r, tx, grads = setup["restored"], setup["tx"], setup["grads"]
     h = adam_hparams(setup["manifest"])

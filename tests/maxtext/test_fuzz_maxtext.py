@@ -175,6 +175,7 @@ def fuzz_main(seconds: float, written: str, outdir: str) -> None:  # pragma: no 
                      | {"failures": len(stats["failures"])}))
 
 
+@pytest.mark.slow
 def test_fuzz_maxtext_read_path(tmp_path):
     """A bounded fuzz run (GTP_FUZZ_MAXTEXT_SECONDS, default 12): no crash, no other exception, memory bounded."""
     from bridge.jaxside.presets.maxtext_ckpt import write_maxtext

@@ -35,6 +35,7 @@ def zero_tp2_dp2(tmp_path_factory):
     return d, st
 
 
+@pytest.mark.slow
 def test_object_tensors_located_without_reading(zero_tp2_dp2):
     """Every tensor of the object is found at the bytes torch.load reads for it."""
     d, _ = zero_tp2_dp2

@@ -52,6 +52,7 @@ def converted(tmp_path_factory):
     return done
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", RUNS)
 def test_fixture_converts_bit_exact_to_reference(run, converted):
     ref, step = cref.load_reference(run)

@@ -71,6 +71,7 @@ def test_convert_at_budget_and_workers(sources, tmp_path, fmt, budget, workers):
     check_output(dst, st)
 
 
+@pytest.mark.slow
 def test_convert_small_budget_in_process(sources, tmp_path):
     """The CI-fast variant: one process, a budget far below the largest array."""
     d, st = sources
@@ -129,6 +130,7 @@ def _flip_bit(src, suffix: str, at: int) -> None:
     ("bucket_idx_0.exp_avg", -1, 1),        # the record's last byte
     ("bucket_idx_0.exp_avg_sq", 1001, 3),   # spans of several worker processes, merged by the parent
 ])
+@pytest.mark.slow
 def test_ranged_read_checks_the_record_crc(sources, tmp_path, suffix, at, workers):
     """A flipped bit in a record read by ranges is caught by its CRC-32 (not converted silently),
     whichever process read that byte, and no checkpoint is produced."""
@@ -216,6 +218,7 @@ def test_blocks_filled_by_ranges_equal_whole_chunk_fills(sources, fmt, block_byt
     assert ranged.bytes_read + extra <= 1.05 * whole.bytes_read, (ranged.bytes_read, extra, whole.bytes_read)
 
 
+@pytest.mark.slow
 def test_ranged_reads_land_in_the_block(tp1_source):
     """A TP=1 source's records read by ranges into whole-array blocks go straight into the block:
     filling one (the records' layouts already parsed) allocates the block and nothing of a region's
@@ -261,6 +264,7 @@ def wide_source(tmp_path_factory):
     return d / "dp", st
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget,workers", [(128 << 20, 1), (512 << 20, 2)])
 def test_blocks_refilled_in_one_buffer_are_exact(wide_source, tmp_path, budget, workers):
     """Blocks whose inner chunks are not runs of their rows are assembled in one reused buffer per

@@ -37,6 +37,7 @@ def logical(tmp_path_factory):
     ("moe_ep2", MegatronTarget(tp=1, dp=2, ep=1)),                           # chained -> experts in the dense buffer
     ("moe_ep2", MegatronTarget(tp=2, dp=2, ep=2, fmt="dp_reshardable")),     # chained dense + expert buckets
 ])
+@pytest.mark.slow
 def test_round_trip_other_layout_is_identical(run, target, logical, tmp_path):
     to_megatron(logical[run], str(tmp_path / "mc"), target)
     convert(str(tmp_path / "mc"), str(tmp_path / "back"), ConvertOptions(workers=1))

@@ -178,6 +178,7 @@ def test_a_failing_rank_stops_every_rank_and_the_retry_succeeds(source, referenc
     assert_same_arrays(plain_arrays(dst), reference)
 
 
+@pytest.mark.slow
 def test_a_launch_of_one_process_is_the_single_process_path(source, reference, tmp_path):
     """torchrun --nproc-per-node 1 runs the single-process conversion: one writer, no rank report."""
     d, _ = source

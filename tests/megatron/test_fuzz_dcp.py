@@ -76,6 +76,7 @@ def assert_clean_refusal(r: subprocess.CompletedProcess, *words: str) -> None:
 # item 1: forged pointers (fails at e9efc35: convert dies with SIGSEGV)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["relpath_array", "relpath_scalar", "args_array"])
 def test_forged_object_pointer_refused(tmp_path, variant):
     src = copy_base(tmp_path)
@@ -119,6 +120,7 @@ print("GROWTH_MB", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
                                          ("list_range.metadata", "builtins.range"),
                                          ("bytearray.metadata", "bytearray()"),
                                          ("bytearray8.metadata", "-byte bytearray in a 20-byte file")])
+@pytest.mark.slow
 def test_tiny_pickle_cannot_allocate_gigabytes(tmp_path, seed, reason):
     ck = tmp_path / "ck"
     ck.mkdir()
@@ -162,6 +164,7 @@ def flip_bit(src: Path, key: str, bit: int = 0) -> str:
 CRC_BASE = FIXTURES / "tp2" / "fully_reshardable"
 
 
+@pytest.mark.slow
 def test_flipped_bit_in_exp_avg_fails_convert_naming_file_and_key(tmp_path):
     src = copy_base(tmp_path, CRC_BASE)
     key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc2.weight"
@@ -192,6 +195,7 @@ def test_flipped_bit_in_any_record_is_detected(tmp_path, key):
 # item 10: malformed structures are one clean line (fails at e9efc35: "unexpected TypeError/BadZipFile")
 
 
+@pytest.mark.slow
 def test_chunk_offsets_none_refused_naming_file(tmp_path):
     src = copy_base(tmp_path, CRC_BASE)
     md = pickle.loads((src / ".metadata").read_bytes())
@@ -211,6 +215,7 @@ def _multi_disk(blob: bytes, zip64: bool) -> bytes:
     return blob[:i + 4] + b"\x01\x00" + blob[i + 6:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["multi_disk", "multi_disk64", "not_zip", "truncated_directory"])
 def test_bad_common_state_zip_refused_naming_file(tmp_path, damage):
     from converters.megatron.dcp_reader import DcpCheckpoint
@@ -238,6 +243,7 @@ def drop_entries(src: Path, keep) -> None:
     (src / ".metadata").write_bytes(pickle.dumps(md))
 
 
+@pytest.mark.slow
 def test_missing_exp_avg_entry_fails_convert(tmp_path):
     src = copy_base(tmp_path, CRC_BASE)
     key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc2.weight"
