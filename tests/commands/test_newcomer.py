@@ -47,6 +47,7 @@ def test_readme_installs_from_a_clone():
     assert "not on PyPI" in README[:README.index("## Two commands")]
 
 
+@pytest.mark.slow
 def test_demo_is_described_as_convert_reports_it(tmp_path):
     pytest.importorskip("torch")
     import tensorstore as ts

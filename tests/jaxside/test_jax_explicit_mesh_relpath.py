@@ -42,6 +42,7 @@ def explicit_state():
     return mesh, host, params, tx.init(params)
 
 
+@pytest.mark.slow
 def test_consistent_model_on_explicit_mesh_is_accepted(explicit_state, tmp_path):
     mesh, host, params, opt_state = explicit_state
     model = {k: jax.device_put(_torch_bf16(v).astype(jnp.bfloat16), params[k].sharding) for k, v in host.items()}
@@ -53,6 +54,7 @@ def test_consistent_model_on_explicit_mesh_is_accepted(explicit_state, tmp_path)
 
 @pytest.mark.parametrize("name,sharding", [("w", P("fsdp", "tp")), ("w", P(None, "tp")), ("b", P("tp")),
                                            ("e", P(None, "fsdp", "tp")), ("e", P("tp", None, "fsdp"))])
+@pytest.mark.slow
 def test_inconsistent_model_on_explicit_mesh_is_refused(explicit_state, tmp_path, name, sharding):
     mesh, host, params, opt_state = explicit_state
     model_host = {k: _torch_bf16(v) for k, v in host.items()}
@@ -74,6 +76,7 @@ def test_inconsistent_model_on_explicit_mesh_is_refused(explicit_state, tmp_path
     assert not os.path.exists(dst)
 
 
+@pytest.mark.slow
 def test_relative_paths(explicit_state, tmp_path, monkeypatch):
     from bridge.store.verify import verify_checkpoint
     mesh, host, params, opt_state = explicit_state

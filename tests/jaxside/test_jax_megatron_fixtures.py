@@ -32,6 +32,7 @@ def converted(request, tmp_path_factory):
     return dst
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not RUNS, reason="Megatron fixtures not present")
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)])
 def test_real_fixture_restores_bit_exact(converted, mesh_shape):
@@ -63,6 +64,7 @@ def test_real_fixture_restores_bit_exact(converted, mesh_shape):
     assert int(new[0].count) == int(r.opt_state[0].count) + 1
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("tp1" not in RUNS, reason="Megatron fixtures not present")
 def test_jax_trained_state_goes_back_to_megatron(tmp_path):
     """Real fixture -> JAX AdamW step -> JAX save -> `gtp-bridge to-megatron --tp 2` -> `convert` back:

@@ -87,6 +87,7 @@ def test_fill_template_by_path(ckpt, mesh, name):
     assert counts == [STEP + 1] * len(counts)
 
 
+@pytest.mark.slow
 def test_schedule_count_drives_learning_rate(ckpt, mesh):
     """The schedule's own count is filled too: the step uses lr(STEP), not lr(0) = 0."""
     d, _ = ckpt
@@ -233,6 +234,7 @@ def test_template_shardings_place_the_moments(ckpt, mesh):
     assert np.array_equal(bits(leaves_by_path(w.nu)[p]), bits(arrays[("opt_state", "0", "nu") + p]))
 
 
+@pytest.mark.slow
 def test_clip_grad_is_megatrons_and_opt_in(ckpt, mesh):
     """optimizer_from_manifest(clip_grad=True) clips with Megatron's formula at the recorded threshold,
     restores into its (EmptyState, adamw state) template, and refuses when nothing is recorded."""

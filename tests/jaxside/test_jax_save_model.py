@@ -81,6 +81,7 @@ def test_default_weights_are_torch_bf16_of_the_masters(state, tmp_path):
         assert _same_bf16(bits(weight), _torch_bf16_bits(master)), name
 
 
+@pytest.mark.slow
 def test_weights_from_before_the_step_are_refused_naming_array_and_index(state, tmp_path):
     params, opt_state, tx = state
     stale = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)   # weights of the previous step

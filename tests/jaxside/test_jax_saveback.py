@@ -45,6 +45,7 @@ def _abstract():
     return nested_from_paths({p: jax.ShapeDtypeStruct(a.shape, jnp.float32) for p, a in tiny_params(0).items()})
 
 
+@pytest.mark.slow
 def test_train_save_back_read_by_store(src, mesh, tmp_path):
     d, _ = src
     manifest = tiny_manifest(STEP)
@@ -85,6 +86,7 @@ def test_train_save_back_read_by_store(src, mesh, tmp_path):
     assert cli_main(["verify", dst]) == 0
 
 
+@pytest.mark.slow
 def test_naming_round_trip_is_bit_exact(src, mesh, tmp_path):
     """Restore through a naming map (joined, unstacked, transposed, renamed), save back unchanged:
     the logical arrays come back bit-identical."""
@@ -108,6 +110,7 @@ def test_naming_round_trip_is_bit_exact(src, mesh, tmp_path):
     assert cli_main(["verify", dst]) == 0
 
 
+@pytest.mark.slow
 def test_stacked_sections_restore_sharded_and_save_back(src, mesh, tmp_path):
     """gate/up stacked as [layers, 2, ffn, hidden]: TP splits ffn inside each section; exact round trip."""
     from jax.sharding import PartitionSpec as P
@@ -126,6 +129,7 @@ def test_stacked_sections_restore_sharded_and_save_back(src, mesh, tmp_path):
         assert np.array_equal(bits(ck.read(p)), bits(arrays[p])), p
 
 
+@pytest.mark.slow
 def test_make_jax_checkpoint_helper(tmp_path):
     """The helper other tests use: what it returns is exactly what the store reader sees."""
     dst = str(tmp_path / "helper")
@@ -143,6 +147,7 @@ def test_make_jax_checkpoint_helper(tmp_path):
     assert ("model", "a", "weight") not in exp2 and exp2[("params", "a", "weight")].shape == (8, 4)
 
 
+@pytest.mark.slow
 def test_save_refusals(src, mesh, tmp_path):
     d, _ = src
     r = restore(d, mesh=mesh)

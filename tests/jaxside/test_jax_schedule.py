@@ -318,6 +318,7 @@ def converted_with_scheduler(tmp_path_factory):
     return dst, kw, step
 
 
+@pytest.mark.slow
 def test_converted_manifest_carries_the_schedule(converted_with_scheduler):
     from bridge.store.reader import open_checkpoint
 
@@ -352,6 +353,7 @@ def test_to_megatron_writes_megatrons_scheduler_state_back(converted_with_schedu
                    "start_wd": 0.1, "end_wd": 0.1, "wd_incr_style": "constant", "wd_incr_steps": 40 * GBS}
 
 
+@pytest.mark.slow
 def test_optimizer_from_manifest_applies_megatron_lr_at_the_restored_count(converted_with_scheduler):
     """One optax update from count=step uses exactly the lr Megatron would use for its next update."""
     from bridge.store.reader import open_checkpoint
@@ -387,6 +389,7 @@ def test_scheduler_record_reads_old_key_names():
     assert scheduler_record({"iteration": 3}, args, 3) is None
 
 
+@pytest.mark.slow
 def test_groups_with_their_own_max_min_lr_follow_their_own_schedule():
     """Megatron param groups carry max_lr/min_lr (decoupled lr, muP); get_lr reads them per group."""
     from bridge.format.manifest import Manifest, OptimizerConfig
@@ -444,6 +447,7 @@ def test_written_back_state_dict_resumes_real_megatron_at_the_schedule(name, cas
         assert abs(opt.param_groups[0]["lr"] - float(sched(count))) <= _tol(kw), (name, count)
 
 
+@pytest.mark.slow
 def test_restored_state_continues_megatron_schedule(converted_with_scheduler):
     """Real restore (8 devices, 2x4 mesh) into the manifest's optimizer: every count, the schedule's
     too, is the checkpoint's step, and the next update uses the lr Megatron would use next."""

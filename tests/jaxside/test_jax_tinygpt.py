@@ -53,6 +53,7 @@ def _rel(x: float, want: float) -> float:
     return (x - want) / want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", [r for r in PLAIN if _present(r)])
 def test_loss_matches_megatron(run, mesh):
     r = _restored(run, mesh, items=("model", "params"))
@@ -72,6 +73,7 @@ def test_loss_matches_megatron(run, mesh):
     assert float(mean_loss(masters, x, y, dims, "bf16")) == bf16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", [r for r in GTP if _present(r)])
 def test_gtp_loss_matches_with_each_ranks_replica(run, mesh):
     """GTP=2: each GTP rank trains on half the batch with its own position-embedding replica.

@@ -368,16 +368,19 @@ def check_count_matters(live: LiveStep) -> None:
 # ------------------------------------------------------------------ real Megatron data (GPU run)
 
 
+@pytest.mark.slow
 @live_runs
 def test_adam_step_matches_megatron(live):
     check_adam_step(live)
 
 
+@pytest.mark.slow
 @live_runs
 def test_jax_grads_match_megatron(live):
     check_grads(live)
 
 
+@pytest.mark.slow
 @live_runs
 @pytest.mark.parametrize("activations", ["bf16", "fp32"])
 def test_full_jax_step_matches_megatron(live, activations):
@@ -458,6 +461,7 @@ def make_synthetic_live(root: str, run: str = "dp2", clip: float = 0.5, noise: f
     return LiveStep(f"synthetic_{run}", live, grads_dir, after_dir, result)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not FIXTURE_RUNS, reason="Megatron fixtures not present")
 def test_step_checks_on_synthetic_megatron_data(tmp_path):
     """The three checks above on data made from a committed fixture, and they are sharp."""
@@ -485,6 +489,7 @@ def test_step_checks_on_synthetic_megatron_data(tmp_path):
     assert max(unclipped.values()) > 2 * UPDATE_RTOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", FIXTURE_RUNS)
 def test_jax_step_reproduces_megatron_next_loss(run):
     """Real Megatron data already committed: from the converted step-3 state, the JAX step (own grads on

@@ -90,6 +90,7 @@ def test_plain_orbax_restores_from_gcs(remote_ckpts):
         assert np.array_equal(bits(a), bits(arrays[p])), p
 
 
+@pytest.mark.slow
 def test_save_to_object_storage_equals_orbax_local_save(remote_ckpts, tmp_path):
     """Restore from S3, save back to GCS (the store's writer) and to a local path (Orbax): the two
     checkpoints hold the same arrays under the same names, bit for bit, with the same digests."""

@@ -15,6 +15,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))  # tests/support: shared helpers
@@ -35,6 +36,7 @@ def _read(url: str, path: tuple) -> np.ndarray:
     return np.asarray(ts.open(spec, open=True).result().read().result())
 
 
+@pytest.mark.slow
 def test_save_to_s3_donates_only_its_own_blocks_and_stores_exact(tmp_path):
     from bridge.jaxside.restore import restore
     from bridge.jaxside.save import save

@@ -7,6 +7,7 @@ interleave query groups, zero-pad, slice GTP rows), not the engine's row runs.
 from math import lcm, prod
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from bridge.layout import FusedSpec, ParamGeometry
@@ -93,6 +94,7 @@ def shard_keys(geom, tp, gtp):
     return [(t, g, idx) for t in range(tp) for g in gs for idx in np.ndindex(*geom.prepend)]
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(geometries(), st.integers(0, 2**31 - 1))
 def test_physical_shards_tile_logical_exactly_once(case, seed):
@@ -145,6 +147,7 @@ def buffers(draw):
     return geoms, tp, gtp, dp, bucket, shared
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(buffers(), st.integers(0, 2**31 - 1))
 def test_dp_fragments_tile_logical_exactly_once(case, seed):

@@ -139,6 +139,7 @@ def _export_and_die(rank, world, dst, victim, stage):
     return {"exported": True}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["exchanged", "written"])
 def test_killed_rank_leaves_no_checkpoint_and_others_fail(tmp_path, stage):
     """A rank killed mid-export: no loadable checkpoint, every other rank fails with an error (no hang)."""
@@ -182,6 +183,7 @@ def _export_bad_input(rank, world, dst):
     return {"error": None}
 
 
+@pytest.mark.slow
 def test_bad_input_on_one_rank_fails_everywhere_and_writes_nothing(tmp_path):
     dst = str(tmp_path / "ckpt")
     results, _ = spawn(2, _export_bad_input, (dst,), tmp_path, timeout_s=120)

@@ -95,6 +95,7 @@ def _check_against_reference(dst):
 
 @pytest.mark.parametrize("opts", [{}, pytest.param({"inflight_bytes": 4096, "staging_bytes": 2048},
                                                   marks=pytest.mark.slow)], ids=["slots_for_all", "two_slots"])
+@pytest.mark.slow
 def test_async_export_is_the_state_at_the_call(tmp_path, opts):
     """Sources overwritten with NaN right after the call: the checkpoint still holds the state at the
     call (plain Orbax vs the independently assembled state; digests equal to a synchronous export).
@@ -219,6 +220,7 @@ def _twice(rank, world, base):
                                                                          second.staging.allocations]}
 
 
+@pytest.mark.slow
 def test_two_exports_reuse_the_staging_slots(tmp_path):
     """The second asynchronous export waits for the first and copies into the same slots (no allocation)."""
     results, _ = spawn(2, _twice, (str(tmp_path),), tmp_path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from live_model import FP8, MODEL, STEP, expected_state, local_params
 from spawn_ranks import spawn
@@ -61,6 +62,7 @@ def _export_series(rank, world, root):
     return out
 
 
+@pytest.mark.slow
 def test_plan_cache_reuses_plans_writes_new_values_and_replans_on_layout_change(tmp_path):
     from bridge.store.reader import open_checkpoint
     from bridge.format.tree import megatron_key_to_path

@@ -161,6 +161,7 @@ def _export_staged(rank, world, dst, commits=1):
     return {"peak": rep.staging.peak_bytes, "calls": rep.staging.write_calls}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("commits", [1, 2])
 def test_export_through_donated_staging_matches_reference(tmp_path, commits):
     """World 4, TP1xGTP2xDP2 with FP8 and padding: the staged (GPU-shaped) flow writes exactly the

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from live_model import expected_state, local_params
 from live_reference import RefModel, RefParam
@@ -44,6 +45,7 @@ def _export(rank, world, dst):
     return {}
 
 
+@pytest.mark.slow
 def test_live_export_stores_the_logical_bytes_once(tmp_path):
     from bridge.live.export import writer_batch_bytes
     from bridge.store.reader import open_checkpoint

@@ -75,6 +75,7 @@ def written(tmp_path_factory):
     return tmp, r.stdout
 
 
+@pytest.mark.slow
 def test_printed_command_is_whole_words(written):
     tmp, stdout = written
     command, cpu = printed(stdout)

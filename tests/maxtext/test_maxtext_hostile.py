@@ -100,6 +100,7 @@ def items(root: str) -> str:
 # ------------------------------------------------------------------------------------------- item 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [[10**7, 10**5], [2 * 10**8, 24]])
 def test_embedding_claiming_a_huge_shape_is_refused_not_an_abort(fresh, tmp_path, shape):
     """(at 20ceaea: std::bad_alloc, exit 134) the embedding's zarr.json alone claims the shape."""
@@ -109,6 +110,7 @@ def test_embedding_claiming_a_huge_shape_is_refused_not_an_abort(fresh, tmp_path
     assert not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_consistently_forged_vocab_is_refused_by_the_stored_bytes(fresh, tmp_path):
     """Every leaf with a vocab axis claims 2e8 rows (the sizes agree with each other): the 19 GB each claims
     cannot come from a 284 KB checkpoint."""
@@ -120,6 +122,7 @@ def test_consistently_forged_vocab_is_refused_by_the_stored_bytes(fresh, tmp_pat
     assert not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_logical_checkpoint_with_a_huge_zarr_shape_is_refused_by_its_manifest(tmp_path):
     """The same edit in a logical checkpoint: its manifest's record (verify's check) refuses it in to-maxtext
     (at 20ceaea: std::bad_alloc) and in any read through the public reader."""
@@ -138,6 +141,7 @@ def test_logical_checkpoint_with_a_huge_zarr_shape_is_refused_by_its_manifest(tm
     assert r.returncode == 0 and r.stdout.startswith("REFUSED") and "!= manifest shape" in r.stdout, r
 
 
+@pytest.mark.slow
 def test_forged_chunk_shape_is_refused_by_inspect_verify_and_from_maxtext(fresh, tmp_path):
     """A zarr.json whose shape and chunk (the one TensorStore decodes whole for any read) both claim
     [1e7, 1e5] (at 20ceaea: `inspect --stats` aborted with std::bad_alloc)."""

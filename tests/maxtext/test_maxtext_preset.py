@@ -277,6 +277,7 @@ def _plain_read(items: str) -> dict[str, np.ndarray]:
     return out
 
 
+@pytest.mark.slow
 def test_foreign_maxtext_checkpoint_reads_and_converts_to_megatron(tmp_path):
     """A checkpoint MaxText saved on its own (fresh CPU run) -> logical (values checked independently) ->
     to-megatron -> the converter reads it back equal."""
@@ -340,6 +341,7 @@ def _cli(*args: str) -> "subprocess.CompletedProcess":
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_to_and_from_maxtext(tmp_path):
     root, back = str(tmp_path / "root"), str(tmp_path / "back")
     r = _cli("to-maxtext", os.path.join(LLAMA, "live"), root, "--overrides-json", str(tmp_path / "ov.json"))

@@ -92,6 +92,7 @@ def test_docstring_examples(name):
 
 @pytest.mark.parametrize("opts", [mx.Options(), mx.Options(decoder_block="llama2"), mx.Options(scan_layers=False)],
                          ids=["qwen2", "llama2", "unscanned"])
+@pytest.mark.slow
 def test_streamed_arrays_equal_the_whole_array_mapping(tmp_path, opts):
     from bridge.jaxside.presets.maxtext_ckpt import read_maxtext, write_maxtext
     from bridge.jaxside.presets.maxtext_stream import StreamOptions
@@ -216,6 +217,7 @@ def test_half_gib_round_trip_at_64m_stays_within_budget(half_gib, tmp_path):
 # ---------------------------------------------------------------------------------------------- object storage
 
 
+@pytest.mark.slow
 def test_to_and_from_maxtext_on_s3(tmp_path):
     """Source and destination on a local S3 server: the MaxText step lands at <root>/<step>/items with
     its step metadata, sidecar and commit marker; back on S3 it equals the source."""

@@ -108,11 +108,13 @@ def converted(tmp_path_factory):
     return dst
 
 
+@pytest.mark.slow
 def test_convert_output_restores_by_default_on_8_devices_and_on_1(converted):
     assert_restored_equals_stored(converted, default_restore(converted))
     restore_on_one_device(converted)
 
 
+@pytest.mark.slow
 def test_convert_step_dir_restores_with_checkpoint_manager_defaults(tmp_path):
     import orbax.checkpoint as ocp
 
@@ -178,6 +180,7 @@ def test_live_export_restores_by_default(tmp_path):
     assert_restored_equals_stored(dst, default_restore(dst))
 
 
+@pytest.mark.slow
 def test_sharding_file_is_sealed(converted, tmp_path):
     """Editing or removing `_sharding` is reported by verify (the metadata checksum covers it);
     restore, inspect, verify and Orbax's StandardRestore keep working on the intact checkpoint."""

@@ -102,6 +102,7 @@ def run_writer(dst, mode):
     return p
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_killed_writer_leaves_nothing_loadable_and_a_retry_cleans_it(stores, scheme, capfd):
     from bridge.store.commit import save_checkpoint

@@ -67,6 +67,7 @@ def test_world1_distopt_step_matches_independent_fused_adam():
     assert np.abs(wrong - s.frag.master.numpy()).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_world1_trains_and_bf16_weights_are_rounded_masters():
     st = train(ParallelLayout(), 25, seed=3, config=TrainerConfig(adam=ADAM))
     assert np.mean(st.losses[-5:]) < np.mean(st.losses[:5]) - 0.5
@@ -110,6 +111,7 @@ def test_fp8_weights_quantize_with_the_logical_amax_and_bind_by_backlink():
         assert 0 < float((copy.float().reshape(-1) - master).abs().max()) <= float(amax) / 8
 
 
+@pytest.mark.slow
 def test_resume_from_logical_state_continues_bit_exactly():
     cfg = TrainerConfig(adam=ADAM, weights="fp8")
     full = train(ParallelLayout(), 3, seed=5, config=cfg)

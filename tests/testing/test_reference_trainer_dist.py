@@ -158,6 +158,7 @@ def _scenario(table, name):
     return sc
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", [s["name"] for s in WORLD2])
 def test_world2_matches_world1(world2, name):
@@ -166,6 +167,7 @@ def test_world2_matches_world1(world2, name):
         assert facts["pads"]["pad_elements"] > 0 and facts["pads"]["nonzero_pad_values"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", [s["name"] for s in WORLD4])
 def test_world4_matches_world1(world4, name):

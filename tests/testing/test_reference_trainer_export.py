@@ -23,6 +23,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_export_at_gtp2_fp8_reload_at_tp2_next_step_matches(tmp_path):
     mp.spawn(run_export_reload, args=(2, f"tcp://127.0.0.1:{_port()}", str(tmp_path), "fp8", {"gtp": 2, "egtp": 2},

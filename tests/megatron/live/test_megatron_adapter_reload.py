@@ -65,6 +65,7 @@ def _expect(flat: np.ndarray, pieces, arrays: dict[str, np.ndarray], what: str) 
     assert not flat[~covered].any(), f"{what}: padding elements are not zero"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["dp2", "gtp2_local", "tp1"])
 def test_reload_tp2_state_into_other_real_layouts(source, target):
     src, arrays, steps = source
@@ -89,6 +90,7 @@ def test_reload_tp2_state_into_other_real_layouts(source, target):
             assert pads and rank in (0, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hybrid", "hybrid_gdn"])
 def test_reload_hybrid_run_gives_back_its_live_state(name, tmp_path):
     run = Run(name)
@@ -143,6 +145,7 @@ def _tp_shard(arrays: dict[str, np.ndarray], key: str, dim: int | None, t: int, 
     return np.concatenate([half(arrays[f"{key}.{s}"]) for s in order])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hybrid", "hybrid_gdn"])
 def test_reload_hybrid_state_into_tp2(name, tmp_path):
     """A TP=2 target of the hybrid runs (its metadata derived from the recorded TP1 rank: each
