@@ -19,6 +19,7 @@ def stores():
         yield servers
 
 
+@pytest.mark.slow
 def test_export_world2_to_s3_and_reload_at_another_layout(stores, tmp_path):
     pytest.importorskip("torch.distributed")
     from test_live_export import _export_then_reload

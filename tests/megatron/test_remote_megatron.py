@@ -54,6 +54,7 @@ def same_arrays(a_loc, b_loc):
         assert x.dtype == y.dtype and np.array_equal(x, y), p
 
 
+@pytest.mark.slow
 def test_convert_megatron_run_on_s3_to_gcs_with_ranged_reads(stores, tmp_path):
     """SRC is a Megatron run prefix on S3 (tracker -> iter_0000003), DST on GCS; a 64 KiB budget makes
     the larger records exceed the chunk cache, so they are read by byte ranges."""
@@ -76,6 +77,7 @@ def test_convert_megatron_run_on_s3_to_gcs_with_ranged_reads(stores, tmp_path):
     same_arrays(str(tmp_path / "ref"), gs.url("logical/tp1b"))
 
 
+@pytest.mark.slow
 def test_to_megatron_on_s3_is_what_megatron_saved(stores, tmp_path):
     """to-megatron writes the run prefix on S3 (iteration, then the tracker); downloaded, torch's own
     dcp.load reads every tensor equal to Megatron-Core's save at that layout; converting the S3

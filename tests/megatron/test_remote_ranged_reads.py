@@ -61,6 +61,7 @@ def same_arrays(a_loc: str, b_loc: str) -> int:
 # ---------------------------------------------------------------------------------------------
 # The reader itself
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_every_read_returns_exactly_the_bytes_asked_for(stores, scheme):
     from converters.megatron.dcp_reader import open_range   # where the readers take it from
@@ -125,6 +126,7 @@ def test_real_saves_have_records_of_every_size_class():
 @pytest.mark.parametrize("scheme,budget", [("s3", None), ("gs", None), ("gs", SMALL_BUDGET),
                                            pytest.param("s3", SMALL_BUDGET, marks=pytest.mark.slow)],
                          ids=["s3-default-budget", "gs-default-budget", "gs-64k-budget", "s3-64k-budget"])
+@pytest.mark.slow
 @pytest.mark.parametrize("run,fmt", REAL, ids=[r for r, _ in REAL])
 def test_real_save_on_object_storage_converts_as_the_local_copy(stores, local_conversions, scheme, budget, run, fmt):
     from converters.megatron.convert import ConvertOptions, convert

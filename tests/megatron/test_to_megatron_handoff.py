@@ -163,6 +163,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_scheduler_from_args_equals_megatrons_own(name, monkeypatch):
     """record_from_args at iteration N == state_dict() of Megatron-LM's scheduler built from the same
@@ -235,6 +236,7 @@ def test_no_scheduler_recorded_or_given_is_refused(logicals, tmp_path, capsys):
     assert main(["to-megatron", logicals["tp1"], str(tmp_path / "r2"), "--tp", "1", "--no-scheduler", *SCHED]) == 2
 
 
+@pytest.mark.slow
 def test_jax_save_records_the_megatron_schedule_it_trained_with(tmp_path, monkeypatch):
     """bridge.save(lr_schedule=megatron_schedule(args)) records it: the state written back at count N is
     Megatron-LM's scheduler for those args after N iterations. Any other optax schedule is refused."""

@@ -271,6 +271,7 @@ def _cli_to_megatron(logical: str, run, tensor_hook: str) -> str:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_midway_leaves_no_temp_dir(logical, tmp_path, sig):
     """SIGTERM / SIGINT while the .distcp files are being written: the CLI exits, nothing is left behind.
@@ -308,6 +309,7 @@ def test_signal_midway_leaves_no_temp_dir(logical, tmp_path, sig):
     assert not run.exists()
 
 
+@pytest.mark.slow
 def test_a_killed_runs_temp_dir_is_removed_by_the_next_run(logical, tmp_path):
     """SIGKILL cannot be caught: the next run to the same DST recognises the dead run's temp and removes it."""
     run = tmp_path / "run"

@@ -53,6 +53,7 @@ def _load_all(mc: str) -> dict[str, torch.Tensor]:
     return sd
 
 
+@pytest.mark.slow
 def test_stale_weights_are_refused_naming_the_element(logical, tmp_path, capsys):
     """Masters moved by an optimizer step, weights saved from before it: refused, without blaming Megatron."""
     def step(arrays):
@@ -100,6 +101,7 @@ def test_weights_derived_from_masters_when_the_checkpoint_has_none(logical, tmp_
 
 @pytest.mark.parametrize("run,fmt,tp,ep,dp", [("tp2", "fully_reshardable", 2, 1, 1),
                                              ("moe_ep2", "dp_reshardable", 2, 2, 2)])
+@pytest.mark.slow
 def test_any_budget_and_workers_give_the_same_checkpoint_reading_each_element_once(logical, tmp_path, run, fmt,
                                                                                     tp, ep, dp):
     from bridge.store.reader import open_checkpoint
@@ -160,6 +162,7 @@ def test_plan_groups_fit_the_budget_and_read_exact_boxes(logical):
     (["--tp", "1", "--ep", "2"], "--ep 2"),
     (["--tp", "0"], "--tp 0"),
 ])
+@pytest.mark.slow
 def test_layout_flags_beyond_the_checkpoint_are_refused_before_any_work(logical, tmp_path, flags, needle):
     dst = tmp_path / "out"
     code = f"import sys; from bridge.cli import main; sys.exit(main({['to-megatron', '--no-scheduler', logical['tp2'], str(dst)] + flags!r}))"

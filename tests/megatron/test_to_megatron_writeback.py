@@ -41,6 +41,7 @@ def _files(d: str) -> dict[str, bytes]:
     return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d)) if n.endswith(".distcp")}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(w._SYNC_FILE_RANGE is None, reason="no sync_file_range on this platform")
 def test_early_writeback_leaves_every_byte_and_reads_back_exactly(logical, tmp_path):
     from bridge.store.reader import open_checkpoint
@@ -80,6 +81,7 @@ def test_early_writeback_leaves_every_byte_and_reads_back_exactly(logical, tmp_p
     cref.assert_same_checkpoint(logical, str(tmp_path / "back"))
 
 
+@pytest.mark.slow
 def test_cli_in_a_fresh_process_writes_what_the_api_writes(logical, tmp_path):
     """A fresh interpreter has not imported torch.distributed.checkpoint: to-megatron imports it on a
     thread while it works; the `.metadata` it then writes indexes the same tensors."""

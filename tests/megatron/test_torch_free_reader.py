@@ -56,6 +56,7 @@ print("WORKERS", r.workers)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [256 << 10, 64 << 20])   # records read by byte ranges / whole
 def test_convert_processes_never_import_torch(tmp_path, budget):
     run = "tp2"
@@ -171,6 +172,7 @@ def _check_checkpoint(path: str, seen: set) -> tuple[int, int]:
     return records, objects
 
 
+@pytest.mark.slow
 def test_fixture_records_and_objects_equal_torch_load():
     seen: set = set()
     records = objects = 0

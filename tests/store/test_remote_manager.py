@@ -39,6 +39,7 @@ def _state(seed: int):
     return host, params, optax.adam(1e-3).init(params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_jax_save_into_a_manager_root_on_object_storage(stores, scheme):
     from bridge.jaxside.restore import restore
@@ -71,6 +72,7 @@ def test_jax_save_into_a_manager_root_on_object_storage(stores, scheme):
         save(f"{root}/12", params=params12, opt_state=opt12, step=13, orbax_manager=True)
 
 
+@pytest.mark.slow
 def test_orbax_checkpoint_manager_lists_and_restores_our_steps_on_gcs(stores):
     """Orbax's own CheckpointManager on the GCS root: it takes a step as finalized by its
     commit_success.txt, so it lists exactly the committed steps and restores our arrays."""
@@ -95,6 +97,7 @@ def test_orbax_checkpoint_manager_lists_and_restores_our_steps_on_gcs(stores):
     assert np.array_equal(bits(np.asarray(got[("params", "w")])), bits(host["w"]))
 
 
+@pytest.mark.slow
 def test_convert_orbax_step_dir_on_s3_equals_a_local_convert(stores, tmp_path):
     """`gtp-bridge convert SRC s3://.../mgr --orbax-step-dir` writes step <iteration> in place; `verify`
     and our reader take the root; the arrays equal a plain local conversion of the same source."""

@@ -89,6 +89,7 @@ def same_as_reference(dst, local_reference):
     return len(want)
 
 
+@pytest.mark.slow
 def test_cli_convert_verify_inspect_diff_on_s3(stores, local_reference, tmp_path, capsys, monkeypatch):
     srv = stores["s3"]
     dst = srv.url("runs/convert-cli")

@@ -103,6 +103,7 @@ def delete(srv, scheme: str, key: str) -> None:
 
 @pytest.mark.parametrize("scheme,point", [pytest.param("s3", "claimed", marks=pytest.mark.slow), ("s3", "written"),
                                           pytest.param("gs", "written", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_retry_after_a_killed_convert_never_deletes_a_users_object(stores, scheme, point, capfd):
     from bridge.errors import BridgeError
     from bridge.store.reader import open_checkpoint
@@ -137,6 +138,7 @@ def test_retry_after_a_killed_convert_never_deletes_a_users_object(stores, schem
     assert not any(k.endswith("_gtpb_claim.json") for k in after)
 
 
+@pytest.mark.slow
 def test_a_stopped_run_removes_its_objects_and_leaves_the_users(stores):
     """SIGTERM while the user's object sits under the prefix: the run removes what it wrote, its claim
     included, and only that."""
@@ -158,6 +160,7 @@ def test_a_stopped_run_removes_its_objects_and_leaves_the_users(stores):
     assert body == NOTE
 
 
+@pytest.mark.slow
 def test_owned_names_are_what_writers_write(stores, capfd):
     """The names a cleanup may delete (`OWNED_NAMES`) cover every object a committed convert and
     to-megatron left on S3 (so a partial one is removed whole), and no user-like name."""

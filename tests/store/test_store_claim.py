@@ -78,6 +78,7 @@ def _run(dst, seed, go, started, before_begin, before_commit, out):
         out.put((seed, "commit", type(e).__name__, str(e)))
 
 
+@pytest.mark.slow
 def test_two_runs_to_one_destination_one_wins_the_other_fails_in_one_line(tmp_path):
     """Issue 17 item 2: a second run started while the first writes (the reported 1 s later)."""
     dst = str(tmp_path / "ck")
@@ -114,6 +115,7 @@ def _race(dst, barrier, done, out):
     done.wait(120)
 
 
+@pytest.mark.slow
 def test_simultaneous_claims_exactly_one_succeeds(tmp_path):
     dst = str(tmp_path / "ck")
     ctx = mp.get_context("spawn")
@@ -136,6 +138,7 @@ def _killed_writer(dst, ready):
     time.sleep(600)
 
 
+@pytest.mark.slow
 def test_stale_temp_of_a_killed_run_is_recognised_and_removed(tmp_path, capfd):
     dst = str(tmp_path / "ck")
     ctx = mp.get_context("spawn")
@@ -317,6 +320,7 @@ def _tree(root):
             for d, _, fs in os.walk(root) for f in fs}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir(FIXTURE), reason="needs the moe_ep1 Megatron fixture")
 def test_convert_from_the_destinations_temp_keeps_the_source(tmp_path):
     """Issue 17 item 3 through the CLI: `convert X.orbax-checkpoint-tmp X` must not empty the source."""
@@ -379,6 +383,7 @@ WRITER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_during_a_write_leaves_nothing(tmp_path, sig):
     """Issue 17 item 8: SIGTERM / SIGINT of a writing process removes its temp directory."""
@@ -414,6 +419,7 @@ FULL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_full_disk_leaves_nothing(tmp_path):
     """Issue 17 item 8: a write that fails for lack of space (a file-size limit: EFBIG) removes the temp."""
     dst = str(tmp_path / "ck")

@@ -64,6 +64,7 @@ def _check(stored: int, src: dict) -> None:
     assert logical <= stored < logical * 1.01 + (64 << 10), (stored, logical, stored / logical)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth,donate", [(2, False), (2, True), (3, False)])
 def test_commits_in_flight_store_each_byte_once_on_disk(tmp_path, depth, donate):
     src = _sources()
@@ -96,6 +97,7 @@ def _orbax_restores(dst: str, src: dict) -> None:
         assert np.array_equal(np.asarray(node).view(np.uint8), a.view(np.uint8)), path
 
 
+@pytest.mark.slow
 def test_commits_in_flight_store_each_byte_once_on_s3():
     src = _sources()
     with S3Server(memory_objects=True) as srv, environ(**srv.env):

@@ -56,6 +56,7 @@ def _save_all(dst):
     return commit_checkpoint(dst, plan, timeout=5)
 
 
+@pytest.mark.slow
 def test_sigkilled_writer_leaves_no_checkpoint_and_rerun_succeeds(tmp_path):
     earlier = _save_all(str(tmp_path / "step_1"))
     dst = str(tmp_path / "step_2")
@@ -110,6 +111,7 @@ def _truncate(path):
     os.truncate(path, os.path.getsize(path) // 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
 def test_damaged_data_is_detected_by_verify_and_reads(tmp_path, damage):
     dst = _save_all(str(tmp_path / "ck"))
@@ -125,6 +127,7 @@ def test_damaged_data_is_detected_by_verify_and_reads(tmp_path, damage):
     assert np.array_equal(open_checkpoint(dst).read(("params", "y")), _data()[("params", "y")])
 
 
+@pytest.mark.slow
 def test_edited_metadata_is_detected(tmp_path):
     dst = _save_all(str(tmp_path / "ck"))
     meta_path = os.path.join(dst, "_METADATA")

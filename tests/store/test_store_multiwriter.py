@@ -107,6 +107,7 @@ def _bits(a) -> bytes:
     return np.asarray(a).tobytes()
 
 
+@pytest.mark.slow
 def test_four_writers_read_back_bit_exact_with_digests(written):
     data = tree_data()
     ck = open_checkpoint(written)
@@ -198,6 +199,7 @@ def make_plan_for(world: int):
     return make_write_plan(catalog, world, empty_paths=adamw_empty_paths()), data
 
 
+@pytest.mark.slow
 def test_torch_distributed_barrier_commit(tmp_path):
     import socket
 

@@ -59,6 +59,7 @@ def test_metadata_equals_what_orbax_writes_for_the_same_tree(tmp_path):
         assert mine.read(p).tobytes() == orbax_ck.read(p).tobytes(), p
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ocdbt", [True, False])
 @pytest.mark.parametrize("zarr3", [True, False])
 @pytest.mark.parametrize("compression", [True, False])

@@ -23,6 +23,7 @@ from bridge.store.staging import SlabPool, grid_cells, num_grid_cells
 from bridge.store.verify import verify_checkpoint
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12), st.integers(1, 9)), min_size=0, max_size=3))
 def test_grid_cells_tile_the_box_within_single_grid_cells(dims):

@@ -73,6 +73,7 @@ DAMAGES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_any_metadata_damage_exits_1(tmp_path, damage):
     dst = _ck(tmp_path)

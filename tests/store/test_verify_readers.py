@@ -46,6 +46,7 @@ def converted(tmp_path_factory):
     return dst
 
 
+@pytest.mark.slow
 def test_to_megatron_refuses_an_edited_manifest(converted, tmp_path):
     """The issue's case: lr=123, betas=(0, 0) in the manifest; verify says 1, to-megatron must not write."""
     src = str(tmp_path / "edited")
