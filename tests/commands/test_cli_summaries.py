@@ -148,6 +148,7 @@ def test_convert_report_keeps_given_flags_apart(tmp_path):
     assert lines[0].startswith("convert: 1 worker,") and "asked" not in r.stdout
 
 
+@pytest.mark.slow
 def test_to_megatron_and_verify_json(tmp_path):
     pytest.importorskip("torch")
     logical = str(tmp_path / "logical")

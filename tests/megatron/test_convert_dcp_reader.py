@@ -59,6 +59,7 @@ def _reference():
     return torch.randn(6, 4, generator=g), torch.randn(8, generator=g).to(torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_reads_real_two_rank_dcp_bit_exact(two_rank_ckpt):
     ck = DcpCheckpoint(two_rank_ckpt)
     full, fullb = _reference()

@@ -65,6 +65,7 @@ def test_synthetic_dp_zero_converts(zero_tp2_dp2, tmp_path, budget):
     assert_matches(str(tmp_path / "out"), {r: dict(v) for r, v in st.items()}, 3)
 
 
+@pytest.mark.slow
 def test_damaged_object_tensor_is_refused(zero_tp2_dp2, tmp_path):
     """A flipped bit inside a gathered tensor fails its zip member's CRC-32, also when read in ranges."""
     import shutil

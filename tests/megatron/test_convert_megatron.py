@@ -61,6 +61,7 @@ def test_fixture_converts_bit_exact_to_reference(run, converted):
             assert_matches(converted[(run, fmt)], ref, step)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", [r for r in RUNS if r not in MULTI_BUCKET])
 def test_both_formats_convert_identically(run, converted):
     cref.assert_same_checkpoint(converted[(run, "dp_reshardable")], converted[(run, "fully_reshardable")])

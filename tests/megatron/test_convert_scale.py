@@ -80,6 +80,7 @@ def test_convert_small_budget_in_process(sources, tmp_path):
     check_output(dst, st)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["dp", "fr"])
 def test_ranged_reads_equal_whole_chunk_reads(sources, fmt):
     """Records larger than the cache are read by byte ranges; each block's regions equal the same

@@ -120,6 +120,7 @@ def test_four_writers_read_back_bit_exact_with_digests(written):
                                                   "manifest.ocdbt"] + [f"ocdbt.process_{w}" for w in range(W)])
 
 
+@pytest.mark.slow
 def test_plain_orbax_restores_on_meshes_and_one_device_bit_exact(written):
     import jax
     import jax.numpy as jnp
