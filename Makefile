@@ -1,6 +1,7 @@
 # Two entry points do all set-up on a fresh machine:
 #   make demo   -> creates .venv, installs gtp-bridge with its extras, runs `gtp-bridge demo`
-#   make test   -> same set-up, then the whole test suite
+#   make test   -> same set-up, then the whole test suite (what CI runs)
+#   make test-fast -> same set-up, then the fast tier: every test not marked `slow` (tests/README.md)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -21,4 +22,7 @@ demo: install
 test: install
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python -m pytest -q
 
-.PHONY: install demo test
+test-fast: install
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python -m pytest -q -m "not slow"
+
+.PHONY: install demo test test-fast

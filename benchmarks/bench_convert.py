@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
 
 
 def build_source(path: str, hidden: int, layers: int, vocab: int) -> int:

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_remote.py --mib 256 --reps 3 --server s3
 
-A local S3 server (moto) or GCS emulator (fake-gcs-server) is started on 127.0.0.1 (tests/servers.py).
+A local S3 server (moto) or GCS emulator (fake-gcs-server) is started on 127.0.0.1 (tests/support/servers.py).
 Variants, each on the same `--mib` MiB of fp32 in `--arrays` arrays:
   store_write  `save_checkpoint` to a fresh prefix: claim object, OCDBT databases of `--writers` writers,
                merge, metadata objects, `_METADATA` last (the whole commit)
@@ -44,7 +44,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
 
 COLS = 4096
 RAW_OBJECT_BYTES = 16 << 20

@@ -5,7 +5,7 @@ the same bytes, same local server, one run.
 
 One checkpoint of `--mib` MiB of fp32 in `--arrays` arrays (`save_checkpoint`, so the object-storage
 chunking: 16 MiB shards of 1 MiB inner chunks) and the same bytes as raw 16 MiB objects, on a local
-S3 server (moto) or GCS emulator (tests/servers.py). Patterns, each reading every byte once:
+S3 server (moto) or GCS emulator (tests/support/servers.py). Patterns, each reading every byte once:
   whole    every array read whole through the bridge's reader (8 threads over arrays)
   verify   `verify_checkpoint` (blocks aligned to the stored chunks, digests)
   rows8    each array in 8 row blocks, as a restore onto 8 devices sharded on the first axis
@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_remote import make_arrays, paired_ratio, raw_read, raw_write  # noqa: E402

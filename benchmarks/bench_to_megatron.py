@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))
 
 
 def time_to_megatron(logical: str, run: str, tp: int, budget: int | None, workers: int | None) -> tuple[float, dict]:

@@ -11,7 +11,7 @@ Public signatures carry no test seams. A test or benchmark sets them for a block
 
 The seams live in a `ContextVar`: a block sets them for its own thread (and the tasks it starts
 with a copy of its context) only, and they are gone when it ends; nothing is patched
-(tests/test_no_global_patches.py). Product code reads them once, on the caller's thread, when a
+(tests/repo/test_no_global_patches.py). Product code reads them once, on the caller's thread, when a
 call starts (`current()`), and passes them down with the call, so a background thread that call
 starts sees the same ones. Not to be confused with `bridge.testing`, the test harness (a reference
 trainer and scenarios), which product code never imports.

@@ -11,7 +11,7 @@
 # Found by bisecting with this script (older versions fail):
 #   tensorstore 0.1.71 and 0.1.76 fail the demo (file_io_locking mode "non_atomic" is unknown there);
 #   orbax-checkpoint before 0.11.26 lacks `use_compression` and StepMetadata.item_metadata (used by the JAX
-#   side); 0.11.26-0.11.33 fail tests/test_store_orbax_compat.py or test_jax_saveback.py (None leaves, async
+#   side); 0.11.26-0.11.33 fail tests/store/test_store_orbax_compat.py or test_jax_saveback.py (None leaves, async
 #   save), 0.11.34 imports flax; 0.11.35 passes. jax 0.7.0 fails the same tests (0.6.x too); 0.7.1 passes.
 #   torch: to-megatron writes DCP `Metadata(version=...)`, a field torch gained in 2.9.0 (2.4.0 fails the
 #   demo with "unexpected keyword argument 'version'"; 2.5-2.8 lack the field as well).
@@ -52,6 +52,6 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 env -u XLA_FLAGS -u JAX_PLATFORMS "$VENV/bin/python" -m bridge.cli demo --workdir "$work/demo"  # = gtp-bridge demo
 XLA_FLAGS=--xla_force_host_platform_device_count=8 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-  tests/test_store_orbax_compat.py tests/test_jax_saveback.py tests/test_jax_save_model.py \
-  tests/test_jax_optax.py tests/test_cli_errors.py tests/test_cli_flow.py tests/test_convert_dcp_reader.py
+  tests/store/test_store_orbax_compat.py tests/jaxside/test_jax_saveback.py tests/jaxside/test_jax_save_model.py \
+  tests/jaxside/test_jax_optax.py tests/commands/test_cli_errors.py tests/commands/test_cli_flow.py tests/megatron/test_convert_dcp_reader.py
 echo "minimum versions OK: $pins"

@@ -1,6 +1,6 @@
 """Same bytes on disk before and after a change (issue 32): digest what convert, convert
 --orbax-step-dir, to-megatron, to-maxtext and a live export (2 gloo ranks) write from the test
-fixtures, to a local directory and to the local S3 / GCS servers of tests/servers.py.
+fixtures, to a local directory and to the local S3 / GCS servers of tests/support/servers.py.
 
     PYTHONPATH=<tree A> python scripts/same_bytes.py digest a1.json   # twice on the old tree:
     PYTHONPATH=<tree A> python scripts/same_bytes.py digest a2.json   #   what varies by itself

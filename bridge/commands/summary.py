@@ -3,7 +3,7 @@
 With `--json` a command prints ONE JSON object on stdout and its human lines on stderr, so
 `gtp-bridge convert ... --json | jq .arrays` reads the result alone. The fields are listed in the
 README's command reference ("JSON summaries"); each is also what an independent read of the output
-gives (tests/test_cli_summaries.py reads them back with plain TensorStore, torch DCP and du).
+gives (tests/commands/test_cli_summaries.py reads them back with plain TensorStore, torch DCP and du).
 """
 
 from __future__ import annotations

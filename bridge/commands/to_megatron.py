@@ -8,7 +8,7 @@ from bridge.commands.convert import add_split_flags
 from bridge.format.scheduler_args import add_scheduler_flags, given_args
 
 #: the megatron-core releases --megatron-core offers: those that load a format to-megatron writes
-#: (converters.megatron.write.torch_dist.RELEASES; tests/test_cli_help.py keeps the two in step)
+#: (converters.megatron.write.torch_dist.RELEASES; tests/commands/test_cli_help.py keeps the two in step)
 RELEASES = ["0.15", "0.16", "0.19"]
 
 EPILOG = """examples:

@@ -12,7 +12,7 @@ reference a conversion of the save is compared with. No TransformerEngine on the
 uses Megatron-Core's local layer spec. `nvrx_version_shim` bridges a version attribute the PyPI
 packages disagree on.
 
-Status (2026-12-01, scripts/gpu/results/2026-12-01_session8/, releases2_mbridge/): this has NOT run to
+Status (2026-12-01, records/gpu/2026-12-01_session8/, releases2_mbridge/): this has NOT run to
 completion. With megatron-bridge 0.6.2 (PyPI's newest for Python 3.12), megatron-core 0.19.2 and
 nvidia-resiliency-ext 0.4.1 (PyPI's newest) `import megatron.core.dist_checkpointing` itself fails:
 0.19.2 asserts nvidia-resiliency-ext >= 0.6.0 whenever it is importable, and Megatron-Bridge's

@@ -5,7 +5,7 @@ Run from the repository root on the GPU machine:
     python scripts/gpu/reference_nccl.py [--out DIR]
 
 Spawns 2 processes (one GPU each, NCCL), trains 3 steps per layout with the same checks as
-tests/test_reference_trainer_dist.py (buffer layout vs §4.2-4.3 recomputed, zero pad-row grads,
+tests/testing/test_reference_trainer_dist.py (buffer layout vs §4.2-4.3 recomputed, zero pad-row grads,
 shards reassembled without bridge.layout and compared with a world-size-1 run on cuda:0), plus a
 reload of the world-size-1 state after 2 steps into TP1xGTP2 continued for one step, DP2xEP2, and
 (when the live exporter is present) a real `export_state` at TP1xGTP2 (FP8, padded) reloaded by

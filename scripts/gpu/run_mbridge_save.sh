@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU machine (one GPU): try a real Megatron-Bridge save of the tiny GPT (scripts/gpu/mbridge_save.py).
 # Usage, from a directory holding scripts/gpu, tests/fixtures/megatron, mbwhl/ (megatron-bridge and its
-# import-time deps, --no-deps wheels for Python 3.12; list in scripts/gpu/results/2026-12-01_session8/
+# import-time deps, --no-deps wheels for Python 3.12; list in records/gpu/2026-12-01_session8/
 # releases2_mbridge/wheels.txt) and ../../.whl (megatron-core):  bash scripts/gpu/run_mbridge_save.sh OUTDIR
 # Status (2026-12-01): never got past the imports -- megatron-core 0.19.2 asserts nvidia-resiliency-ext
 # >= 0.6.0 while PyPI's newest is 0.4.1 (results README, releases2_mbridge/).

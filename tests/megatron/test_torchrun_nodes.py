@@ -1,0 +1,65 @@
+"""`convert` under torchrun across "nodes" and onto gs:// (issue 34).
+
+- a destination on the local GCS server (tests/support/servers.py): two ranks write their databases under
+  the gs:// prefix, one commit; the arrays read back with plain TensorStore's gcs driver equal, bit
+  for bit, the single-process conversion (`verify` under torchrun passes too);
+- a launch of two "nodes" on this machine: two torchrun agents (`--nnodes 2 --node-rank 0/1`, two
+  ranks each) meeting through a c10d rendezvous on localhost, as hosts meet through the first one's
+  address; four ranks, one commit, bit-equal to the single-process conversion; rank 0 (on node 0)
+  reports for all.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from test_convert_torchrun import BUDGET, _ok, reference, source  # noqa: F401 - fixtures
+from torchrun_cases import assert_same_arrays, plain_arrays, torchrun, two_nodes
+
+
+@pytest.mark.slow
+def test_convert_to_gs_under_torchrun(source, reference):  # noqa: F811
+    from servers import remote_servers
+
+    d, _ = source
+    with remote_servers() as servers:
+        gs = servers["gs"]
+        url = gs.url("torchrun34/gs-out")
+        out = _ok(torchrun(2, "convert", str(d / "src"), url, "--budget", BUDGET))
+        assert "ranks: 2 (2 writers)" in out, out
+        keys = gs.list_keys("torchrun34/gs-out/")
+        assert any(k.startswith("torchrun34/gs-out/ocdbt.process_1/") for k in keys), keys
+        assert_same_arrays(plain_arrays(url), reference)
+        assert "OK: " in _ok(torchrun(2, "verify", url))
+
+
+@pytest.mark.slow
+def test_two_nodes_convert_as_one_process(source, reference, tmp_path):  # noqa: F811
+    d, _ = source
+    dst = str(tmp_path / "out")
+    node0, node1 = two_nodes(2, "convert", str(d / "src"), dst, "--budget", BUDGET)
+    out = _ok(node0)
+    _ok(node1)
+    assert (node0.stdout + node1.stdout).count("converted ") == 1    # one report, by rank 0
+    assert "ranks: 4 (4 writers)" in node0.stdout + node1.stdout
+    assert sorted(n for n in os.listdir(dst) if n.startswith("ocdbt.process_")) == \
+        [f"ocdbt.process_{r}" for r in range(4)], out
+    assert_same_arrays(plain_arrays(dst), reference)
+
+
+@pytest.mark.slow
+def test_a_planning_error_is_told_by_every_rank(tmp_path):
+    """Ranks plan before joining the launch (their writers start meanwhile); a source that is no
+    checkpoint still ends every rank with the same one-line error naming the ranks, nothing written."""
+    src = tmp_path / "not_a_checkpoint"
+    src.mkdir()
+    (src / "junk.txt").write_text("x")
+    res = torchrun(2, "convert", str(src), str(tmp_path / "out"))
+    assert res.returncode != 0
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("gtp-bridge: error:")]
+    assert len(errors) == 2 and errors[0] == errors[1], res.stderr[-3000:]
+    assert "rank 0 failed during planning" in errors[0] and "not a torch_dist checkpoint" in errors[0] \
+        and "also ranks [1]" in errors[0], errors[0]
+    assert not os.path.exists(tmp_path / "out")
