@@ -28,8 +28,7 @@ from typing import Any
 from bridge.errors import BridgeError
 from bridge.layout.shares import contiguous_parts
 from bridge.progress import progress
-from bridge.store import open_storage
-from bridge.torchrun import Ranks, _testing_fault, command_ranks
+from bridge.torchrun import Ranks, _testing_fault, command_ranks, join_claim
 from converters.megatron.read.rundir import write_tracker
 from converters.megatron.write.torch_dist import (MegatronPlan, OpenFile, Stats, Written, publish_iteration, take_back,
                                                   write_files)
@@ -74,7 +73,7 @@ def _write(ranks: Ranks, mp: MegatronPlan, open_file: OpenFile | None, show_prog
                 return state["claim"].tmp
 
             tmp = coord.broadcast("the claim", claim)
-            coord.all_gather("the claim", lambda: coord.rank == 0 or _join(stack, tmp))
+            coord.all_gather("the claim", lambda: coord.rank == 0 or join_claim(stack, tmp, mp.where.iter_dir))
             shares = coord.all_gather("writing", lambda: _write_share(ranks, mp, tmp, open_file, mine, show_progress))
             coord.broadcast("the commit", lambda: _commit(mp, state, shares))
     except BaseException:
@@ -88,16 +87,6 @@ def _write(ranks: Ranks, mp: MegatronPlan, open_file: OpenFile | None, show_prog
     res.update(rank=coord.rank, ranks=[{k: s[k] for k in ("rank", "writers", "bytes", "seconds")} for s in shares],
                seconds=round(time.perf_counter() - t_start, 3))
     return res
-
-
-def _join(stack: ExitStack, tmp: str) -> bool:
-    """On a rank other than 0: rank 0's temp directory must be visible here; hold it while writing."""
-    storage = open_storage(tmp)
-    if not storage.visible():
-        raise BridgeError(f"rank 0's temporary directory {tmp} is not visible here: under torchrun the destination "
-                          f"must be on a file system every rank shares, or on s3:// / gs://")
-    stack.enter_context(storage.hold_claim())
-    return True
 
 
 def _write_share(ranks: Ranks, mp: MegatronPlan, tmp: str, open_file: OpenFile | None, jobs: list,
