@@ -121,7 +121,7 @@ def locate_megatron_dir(path: str) -> Resolved:
     storage = open_storage(path, "source")
     path = storage.root
     if not storage.file_system:
-        return Resolved(path)  # the reader finds a run prefix's tracker itself (dcp_reader)
+        return Resolved(path)  # the reader finds a run prefix's tracker itself (read.dcp)
     if not os.path.isdir(path) or is_checkpoint_dir(path):
         return Resolved(path)  # missing, a file, or the checkpoint itself: the reader's messages apply
     it = read_tracker(path)
