@@ -64,7 +64,7 @@ def make_plan():
 
 def writer_main(dst: str, writer_id: int) -> None:
     """One writer process: write owned chunks in two halves each (partial-chunk writes), then finalize."""
-    from bridge.store.commit import tmp_dir_for
+    from bridge.store.claim import tmp_dir_for
 
     plan, data = make_plan()
     w = CheckpointWriter(tmp_dir_for(dst), plan, writer_id, batch_bytes=2048)
