@@ -75,14 +75,15 @@ def write_bridge(dst: str, arrays: dict, writers: int, inner_chunk_bytes: int, t
             inner = tp_aligned_inner_chunk(ap.ownership.chunk_shape, ap.spec.itemsize, inner_chunk_bytes,
                                            ap.spec.shape, tp_aligned)
             plan.arrays[name] = dataclasses.replace(ap, inner_chunk_shape=inner)
-    tmp = begin_checkpoint(dst)
+    claim = begin_checkpoint(dst)
+    tmp = claim.tmp
     for w in range(writers):
         writer = CheckpointWriter(tmp, plan, w)
         for name, ap in plan.arrays.items():
             for box in ap.ownership.boxes_owned_by(w):
                 writer.write(name, box, arrays[ap.spec.path][box.slices])
         writer.finish()
-    commit_checkpoint(dst, plan, None, timeout=30.0)
+    commit_checkpoint(claim, plan, None, timeout=30.0)
 
 
 def write_orbax(dst: str, arrays: dict, writers: int) -> None:

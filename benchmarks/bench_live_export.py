@@ -317,7 +317,8 @@ def _store_only(run, params, args: dict, rank: int, writer_class: type):
 
     def write(path: str) -> None:
         coord = TorchCoordinator(dist.group.WORLD)
-        tmp = begin_checkpoint(path, coordinator=coord)
+        claim = begin_checkpoint(path, coordinator=coord)
+        tmp = claim.tmp
         batch = export_split(args["inflight"], 2).batch if args["inflight"] else None  # None: the export's default
         w = writer_class(tmp, planned.wplan, rank, batch_bytes=batch, compute_digest=args["digest"],
                          staging=not args.get("writer_nostage"), target_data_file_size=args.get("target_file"))
@@ -327,7 +328,7 @@ def _store_only(run, params, args: dict, rank: int, writer_class: type):
             for p in (STEP_PATH, COUNT_PATH):
                 w.write(p, Box((), ()), np.asarray(10, dtype=np.int32))
         w.finish()
-        finalize(path, planned.wplan, rank, Manifest(), coordinator=coord)
+        finalize(claim, planned.wplan, rank, Manifest(), coordinator=coord)
 
     return write
 

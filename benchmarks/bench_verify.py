@@ -83,13 +83,14 @@ def build(root: str, mib: int, layers: int) -> tuple[str, int]:
         plans[name] = ArrayPlan(ap.spec, ArrayOwnership(s, s, np.zeros((1, 1, 1), np.int32)), inner[ap.spec.path])
     plan = WritePlan(plans, 1)
     dst = os.path.join(root, "ck")
-    w = CheckpointWriter(begin_checkpoint(dst), plan, 0)
+    claim = begin_checkpoint(dst)
+    w = CheckpointWriter(claim.tmp, plan, 0)
     rng = np.random.default_rng(0)
     for ap in plan.arrays.values():
         s = ap.spec.shape
         w.write(ap.spec.path, Box.full(s), rng.standard_normal(s, dtype=np.float32))  # one piece: no rewrites
     w.finish()
-    commit_checkpoint(dst, plan, timeout=120)
+    commit_checkpoint(claim, plan, timeout=120)
     return dst, plan.total_bytes
 
 

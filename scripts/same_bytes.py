@@ -82,10 +82,10 @@ def dcp_values(root: str, tmp: str) -> dict[str, str]:
 
 
 def digest(out: str) -> None:
-    sys.path.insert(0, str(TREE / "tests"))
+    sys.path[:0] = [str(TREE / "tests/support"), str(TREE / "tests/live")]   # tests in folders (tests/README.md)
     from servers import remote_servers
     from test_live_export import _export_then_reload
-    from test_live_sharding import spawn
+    from spawn_ranks import spawn
 
     if not COPY.exists():
         COPY.mkdir()

@@ -172,7 +172,6 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
     from bridge.jaxside.keypaths import leaves_by_path
     from bridge.progress import progress
     from bridge.store.commit import begin_checkpoint, commit_checkpoint
-    from bridge.store.remote import held_remote
     from bridge.store.plan import ArraySpec, make_write_plan
     from bridge.dtypes import check_name
     from bridge.store.specs import DEFAULT_INNER_CHUNK_BYTES, max_chunk_bytes
@@ -192,11 +191,11 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
                            inner_chunk_bytes=DEFAULT_INNER_CHUNK_BYTES if chunk_byte_size is None else chunk_byte_size,
                            max_chunk_bytes=limit)
     by_name = {spec.name: flat[tuple(spec.path)] for spec in catalog}
-    tmp = begin_checkpoint(url, coordinator=coord)
+    claim = begin_checkpoint(url, coordinator=coord)
 
     def write() -> dict:
         with progress(plan.bytes_of_writer(rank), "save" if world == 1 else f"save (process {rank})") as bar:
-            writer = (writer_class or CheckpointWriter)(tmp, plan, rank)
+            writer = (writer_class or CheckpointWriter)(claim.tmp, plan, rank)
             for name, ap in plan.arrays.items():
                 # A jax.Array's host blocks are the save's own copy or views of an immutable buffer:
                 # the writer references them (no copy; released before `finish` returns). A numpy
@@ -211,11 +210,11 @@ def save_remote(url: str, tree: dict, manifest, *, chunk_byte_size: int | None =
         # every writer's report reaches process 0 through the coordinator (no report objects), and a
         # failing process's error reaches every process
         reports = coord.all_gather("writing", write)
-        coord.broadcast("the commit", lambda: commit_checkpoint(url, plan, manifest, reports=reports))
+        coord.broadcast("the commit", lambda: commit_checkpoint(claim, plan, manifest, reports=reports))
     except BaseException:
-        held = held_remote(url)  # process 0's claim (a failed commit released it already)
-        if held is not None:
-            held.release(reason="the save failed")
+        # process 0's claim removes what this run wrote (a failed commit released it already); the
+        # other processes' handles remove nothing
+        claim.release(reason="the save failed")
         raise
 
 

@@ -36,8 +36,8 @@ from bridge.layout.boxes import Box
 from bridge.progress import progress
 from bridge.store import digest as store_digest
 from bridge.store import open_storage
-from bridge.store.claim import check_destination_free, claim_destination, tmp_dir_for
-from bridge.store.commit import publish_orbax_checkpoint
+from bridge.store.claim import check_destination_free
+from bridge.store.commit import begin_checkpoint, publish_orbax_checkpoint
 from bridge.format.manifest import (MEGATRON_KEY, PREVIOUS_SOURCE_KEY, ArrayRecord, Manifest, SourceLayout, as_manifest,
                                     custom_metadata)
 from bridge.format.schema import MODEL, MU, NU, OPT_STATE, PARAMS, SCALAR_DTYPE, STEP
@@ -146,9 +146,8 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     # the store's `publish_orbax_checkpoint` (sealed _METADATA, no-replace publish), so `d` only ever
     # appears complete.
     coord = JaxCoordinator(job=f"save to {d}")
-    held = []
-    coord.broadcast("the start", lambda: held.append(claim_destination(d)))  # no process writes unless claimed
-    staging = os.path.join(tmp_dir_for(d), "item")
+    claim = begin_checkpoint(d, coordinator=coord)  # no process writes unless claimed; every one gets the claim
+    staging = os.path.join(claim.tmp, "item")
     try:
         handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
                                               save_concurrent_gb=concurrent_gb)
@@ -156,11 +155,10 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
         ck.save(staging, args=ocp.args.PyTreeSave(tree, save_args=save_args,
                                                   custom_metadata=custom_metadata(out)))
     except BaseException:
-        for claim in held:
-            claim.release()
+        claim.release()  # process 0's removes what this save wrote; the other processes' handles remove nothing
         raise
     # every process returns once the checkpoint is published, or raises what failed
-    coord.broadcast("the commit", lambda: publish_orbax_checkpoint(held[0], staging))
+    coord.broadcast("the commit", lambda: publish_orbax_checkpoint(claim, staging))
     return out
 
 

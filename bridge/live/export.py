@@ -54,7 +54,6 @@ from bridge.dtypes import to_numpy
 from bridge.progress import progress
 from bridge.budget import export_split, staged_split
 from bridge.renamed import renamed
-from bridge.store.claim import held_destination
 from bridge.store.commit import begin_checkpoint, commit_checkpoint
 from bridge.format.manifest import (GROUP_PARAMS, OPTIMIZER_EXTRA_KEY, PADS_KEY, Manifest, OptimizerConfig,
                                     SourceLayout)
@@ -361,18 +360,16 @@ class Exporter:
         holdings, planned, hit = self._agree_plan(params, run, coord, opts, clock)
         manifest = _manifest(run, planned.fused, planned.pads)
         clock.mark("plan")
-        tmp = begin_checkpoint(dst, coordinator=coord)  # rank 0 claims, every rank gets the path or the error
+        claim = begin_checkpoint(dst, coordinator=coord)  # rank 0 claims, every rank gets a handle or the error
         clock.mark("begin")
         try:
-            written = _exchange_and_write(planned, holdings, run, tmp, coord, clock, on_stage, opts, self.buffers,
-                                          _testing.current())
+            written = _exchange_and_write(planned, holdings, run, claim.tmp, coord, clock, on_stage, opts,
+                                          self.buffers, _testing.current())
             clock.mark("barrier")
         except BaseException:
-            claim = held_destination(dst)  # rank 0's: nothing of this run stays
-            if claim is not None:
-                claim.release()
+            claim.release()  # rank 0's removes what this run wrote; the other ranks' handles remove nothing
             raise
-        path = coord.broadcast("the commit", lambda: commit_checkpoint(dst, planned.wplan, manifest,
+        path = coord.broadcast("the commit", lambda: commit_checkpoint(claim, planned.wplan, manifest,
                                                                       timeout=opts.timeout))
         clock.mark("commit")
         return ExportReport(path=path, rank=coord.rank, bytes_written=written.bytes_written,
@@ -424,14 +421,13 @@ class Exporter:
         holdings, planned, hit = self._agree_plan(params, run, coord, opts, clock)
         manifest = _manifest(run, planned.fused, planned.pads)
         clock.mark("plan")
-        tmp = begin_checkpoint(dst, coordinator=coord)
+        claim = begin_checkpoint(dst, coordinator=coord)
+        tmp = claim.tmp
         clock.mark("begin")
         try:
             job = self._stage(planned, holdings, run, coord, clock, on_stage, opts)
         except BaseException:
-            claim = held_destination(dst)
-            if claim is not None:
-                claim.release()
+            claim.release()  # rank 0's removes what this run wrote; the other ranks' handles remove nothing
             raise
 
         def background() -> ExportReport:
@@ -446,16 +442,14 @@ class Exporter:
                 clock.mark("barrier")
 
                 def commit() -> str:
-                    path = commit_checkpoint(dst, planned.wplan, manifest, timeout=opts.timeout)
+                    path = commit_checkpoint(claim, planned.wplan, manifest, timeout=opts.timeout)
                     if on_commit is not None:
                         on_commit(path)
                     return path
 
                 path = bg.broadcast("the commit", commit)
             except BaseException:
-                claim = held_destination(dst)  # rank 0's: nothing of this run stays
-                if claim is not None:
-                    claim.release()
+                claim.release()  # rank 0's: nothing of this run stays
                 raise
             finally:
                 written.failed.clear()

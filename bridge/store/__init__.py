@@ -3,10 +3,11 @@
 Every writer plans the same catalog and writes only the chunks it owns; one commit publishes:
 
     plan = make_write_plan([ArraySpec(("params", "w"), (1024, 512), "float32")], num_writers=2)
-    w = CheckpointWriter(begin_checkpoint(dst), plan, rank)    # begin: before any writer starts
+    claim = begin_checkpoint(dst, coordinator=coord)           # begin: before any writer starts; the claim
+    w = CheckpointWriter(claim.tmp, plan, rank)
     for b in plan.lookup(("params", "w")).ownership.boxes_owned_by(rank):
         w.write(("params", "w"), b, full[b.slices])
-    w.finish(); finalize(dst, plan, rank, Manifest())          # then: open_checkpoint(dst).read(("params", "w"))
+    w.finish(); finalize(claim, plan, rank, Manifest(), coordinator=coord)  # then: open_checkpoint(dst).read(...)
 
 Where a checkpoint lives is decided once: `open_storage(location)` (a local path, s3://, gs://).
 

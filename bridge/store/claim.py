@@ -271,8 +271,8 @@ class DestinationClaim(HeldDestination):
         self.released = True
         _forget(self)
         self._drop_hold()
-        if os.getpid() != self.info.pid:
-            return  # a forked child never cleans its parent's claim
+        if not self.made_here():
+            return  # a forked child, or another rank's handle on this claim, never cleans it
         if not os.path.isdir(self.tmp) or not self.owned():
             return
         _rmtree_retry(self.tmp)
@@ -318,21 +318,22 @@ def _rmtree_retry(path: str, attempts: int = 5) -> None:
 
 
 def _forget(claim: DestinationClaim) -> None:
-    held.forget(claim.tmp, claim)
+    held.forget(claim)
 
 
-def held_claim(tmp_or_dst: str) -> DestinationClaim | None:
-    """The claim this process holds on a destination (or its temp directory), if any."""
-    p = os.path.abspath(tmp_or_dst).rstrip("/")
-    mine = held.lookup(p if p.endswith(TMP_SUFFIX) else p + TMP_SUFFIX)
-    return mine if isinstance(mine, DestinationClaim) else None
-
-
-def held_destination(dst: str | os.PathLike) -> "Destination | None":
-    """The destination this process claimed at `dst` (a path or an s3:// / gs:// prefix), if any."""
-    if is_remote(os.fspath(dst)):
-        return remote.held_remote(os.fspath(dst))
-    return held_claim(os.fspath(dst))
+def resume_claim(dst: str | os.PathLike) -> DestinationClaim:
+    """A handle on the claim another process of this run made on `dst` (e.g. the writer that commits
+    after the file barrier, in a process that did not call `begin_checkpoint`): read from the claim
+    file in DST's temp directory. BridgeError when there is none."""
+    dst = os.path.abspath(os.fspath(dst)).rstrip("/")
+    tmp = tmp_dir_for(dst)
+    if not os.path.isdir(tmp):
+        raise BridgeError(f"no checkpoint in progress at {tmp}; call begin_checkpoint(dst) and run the writers first")
+    info = ClaimInfo.load(tmp)
+    if info is None:
+        raise BridgeError(f"{tmp} holds no gtp-bridge claim; it was not created by begin_checkpoint(dst): "
+                          f"nothing was committed")
+    return DestinationClaim(dst, info)
 
 
 def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.PathLike] = ()) -> DestinationClaim:
@@ -371,7 +372,7 @@ def claim_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
             raise
     claim = DestinationClaim(dst, info)
     claim._hold = hold
-    held.hold(claim.tmp, claim)
+    held.hold(claim)
     return claim
 
 
@@ -393,8 +394,8 @@ def _take_over_stale(dst: str, tmp: str) -> None:
         raise BridgeError(f"{tmp} exists and holds no gtp-bridge claim (a user's directory, another tool's or a "
                           f"run that is just starting); it was left untouched: remove it yourself if no run is "
                           f"writing {dst}, or choose another destination")
-    mine = held_claim(tmp)
-    if mine is not None and mine.run_id == info.run_id:
+    mine = next((c for c in held.all_held() if isinstance(c, DestinationClaim) and c.run_id == info.run_id), None)
+    if mine is not None:
         if mine.thread != threading.get_ident():
             raise BridgeError(f"destination {dst} is already being written by another thread of this process "
                               f"(run {info.run_id[:8]}); wait for it or choose another destination")

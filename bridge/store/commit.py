@@ -2,14 +2,16 @@
 
 Protocol (W writers, any number of processes)::
 
-    tmp = begin_checkpoint(dst, sources=[src])        # claims dst (bridge.store.claim); once, before writers start
-    ... each writer: CheckpointWriter(tmp, plan, w).write(...); .finish()
-    commit_checkpoint(dst, plan, manifest)            # one process; waits for all writer reports
+    claim = begin_checkpoint(dst, sources=[src])      # claims dst (bridge.store.claim); once, before writers start
+    ... each writer: CheckpointWriter(claim.tmp, plan, w).write(...); .finish()
+    commit_checkpoint(claim, plan, manifest)          # one process; waits for all writer reports
 
-or, in one process, `with claim_destination(dst, sources=[src]) as claim:` ... writers on
-`claim.tmp` ... `commit_checkpoint(dst, plan, manifest, claim=claim)`.
+`begin_checkpoint` returns the handle the commit needs (a `bridge.store.claim.Destination`), and
+it is passed down to `commit_checkpoint`: nothing looks the claim up again by its location. A
+committing process that did not begin (writers started as separate programs) passes DST instead,
+and the claim is read from what it recorded (`Storage.claimed`).
 
-`finalize(dst, plan, writer_id, manifest, coordinator=...)` wraps the last step for every writer:
+`finalize(claim, plan, writer_id, manifest, coordinator=...)` wraps the last step for every writer:
 with a `bridge.dist.TorchCoordinator` the writers of its group meet, rank 0 commits and every rank
 returns dst or raises the same error naming the failing rank; with the default
 `LocalCoordinator` (writers that do not talk) writer 0 waits (file barrier with a timeout) for the
@@ -27,6 +29,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import asdict
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -36,8 +39,7 @@ from bridge.errors import BridgeError
 from bridge.progress import progress
 from bridge.store import digest as dg
 from bridge.store import specs
-from bridge.store.claim import (ClaimInfo, Destination, DestinationClaim, claim_destination, held_destination,
-                                tmp_dir_for)
+from bridge.store.claim import ClaimInfo, Destination, claim_destination
 from bridge.store.durable import json_bytes
 from bridge.format.manifest import ArrayRecord, Manifest, custom_metadata
 from bridge.format.seal import CHECKSUM_KEY, seal_metadata
@@ -45,23 +47,42 @@ from bridge.format.sharding_file import SHARDING_FILE, record_sharding, sharding
 from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
 from bridge.format.tree import path_str, tree_metadata
 from bridge.store.writer import MAX_COMMIT_DEPTH, REPORT_DIR, CheckpointWriter, report_key, report_path, slot_db_dir
-from bridge.location import absolute, basename, is_remote
+from bridge.location import basename, is_remote
+from bridge.store.storage import open_storage
 
 ITEM_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 COMMIT_MARKER = "commit_success.txt"
 
 
-def begin_checkpoint(dst: str, sources: Sequence[str] = (), *, coordinator: Coordinator | None = None) -> str:
-    """Claim `dst` for this run (`bridge.store.claim.claim_destination`) and return its temp directory.
+def begin_checkpoint(dst: str | os.PathLike, sources: Sequence[str] = (), *,
+                     coordinator: Coordinator | None = None) -> Destination:
+    """Claim `dst` for this run (`Storage.claim`) and return the claim: writers write to its `tmp`,
+    and `commit_checkpoint(claim, ...)` publishes it.
 
     Refuses an existing `dst`, a `dst` overlapping one of `sources`, and a temp directory that is
     not provably a stale one of ours. With a `TorchCoordinator` every rank of its group calls it:
-    rank 0 claims and all ranks return the same temp path (or raise the same error). Without one,
-    call it once before starting the writer processes. The claim is released (its directory
-    removed) when `commit_checkpoint` fails, on SIGTERM/SIGINT, or at exit.
+    rank 0 claims, the other ranks get a handle on the same claim (its record travels as JSON; their
+    `release()` removes nothing), or all raise the same error. Without one, call it once before
+    starting the writer processes. The claim is released (its directory removed) when
+    `commit_checkpoint` fails, on SIGTERM/SIGINT, or at exit.
     """
     coord = coordinator or LocalCoordinator()
-    return coord.broadcast("the start", lambda: claim_destination(dst, sources=sources).tmp)
+    storage = open_storage(os.fspath(dst))
+    mine: list[Destination] = []
+
+    def claim() -> dict:
+        mine.append(storage.claim(sources))
+        return asdict(mine[0].info)
+
+    sent = coord.broadcast("the start", claim)
+    if mine:
+        return mine[0]
+    if sent is None:   # a LocalCoordinator of another rank: nobody tells it what rank 0 claimed
+        raise BridgeError(f"begin_checkpoint({dst}) runs once, in the process that claims; writers of other "
+                          f"processes write to its temporary directory and commit_checkpoint(dst) reads the claim")
+    info = ClaimInfo(**sent)
+    # rank 0's record names DST as rank 0 resolved it (absolute): every rank's writers write there
+    return open_storage(info.dst).handle(info)
 
 
 def checkpoint_metadata_json(init_ns: int, commit_ns: int | None = None, checksum: str | None = None) -> dict:
@@ -306,40 +327,26 @@ def check_stored_chunks(tmp_dir: str, plan: WritePlan) -> None:
                               f"the merge; nothing was committed, rerun")
 
 
-def _claim_for(dst: str, claim: DestinationClaim | None) -> DestinationClaim:
-    """The claim on dst: the one given, the one this process holds, or (another process of the run
-    made it) the one recorded in the temp directory."""
-    claim = claim or held_destination(dst)
-    if claim is not None:
-        return claim
-    if is_remote(dst):
-        from bridge.store.remote import RemoteDestination, _load_claim
-
-        info = _load_claim(dst)
-        if info is None:
-            raise BridgeError(f"{dst} holds no gtp-bridge claim; call begin_checkpoint(dst) and run the writers first")
-        return RemoteDestination(dst, info)
-    tmp = tmp_dir_for(dst)
-    if not os.path.isdir(tmp):
-        raise BridgeError(f"no checkpoint in progress at {tmp}; call begin_checkpoint(dst) and run the writers first")
-    info = ClaimInfo.load(tmp)
-    if info is None:
-        raise BridgeError(f"{tmp} holds no gtp-bridge claim; it was not created by begin_checkpoint(dst): "
-                          f"nothing was committed")
-    return DestinationClaim(dst, info)
+def _destination(claim: Destination | str | os.PathLike) -> Destination:
+    """The claim handed down (`begin_checkpoint`'s), or for a location the claim another process of
+    the run made there, read from its record (`Storage.claimed`)."""
+    if isinstance(claim, (str, os.PathLike)):
+        return open_storage(os.fspath(claim)).claimed()
+    return claim
 
 
-def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = None, *, timeout: float = 600.0,
-                      claim: DestinationClaim | None = None, reports: Sequence[dict] | None = None) -> str:
+def commit_checkpoint(claim: Destination | str | os.PathLike, plan: WritePlan, manifest: Manifest | None = None, *,
+                      timeout: float = 600.0, reports: Sequence[dict] | None = None) -> str:
     """Wait for all writers, check coverage and every writer's database, merge, check every chunk is
-    stored, write sealed metadata, fsync, rename tmp -> dst (never over an existing dst).
+    stored, write sealed metadata, fsync, rename tmp -> dst (never over an existing dst). Returns DST.
 
+    `claim`: what `begin_checkpoint` (or `Storage.claim`) returned; a process that did not begin
+    (writers started apart, the file barrier) passes DST, whose recorded claim is read.
     `reports`: every writer's report (`CheckpointWriter.finish(publish=False)`), when the writers ran
     in this process: no barrier, and no report files or objects written, read and removed.
 
     On any failure the run's temp directory is removed (by the process holding the claim)."""
-    dst = absolute(dst)
-    claim = _claim_for(dst, claim)
+    claim = _destination(claim)
     tmp = claim.tmp
     init_ns = time.time_ns()
     try:
@@ -375,9 +382,11 @@ def commit_checkpoint(dst: str, plan: WritePlan, manifest: Manifest | None = Non
                               marker=True)  # releases the claim itself if it fails
 
 
-def finalize(dst: str, plan: WritePlan, writer_id: int, manifest: Manifest | None = None, *,
-             timeout: float = 600.0, coordinator: Coordinator | None = None) -> str | None:
-    """Called by every writer after `finish()`: the writers meet, then writer 0 commits.
+def finalize(claim: Destination | str | os.PathLike, plan: WritePlan, writer_id: int,
+             manifest: Manifest | None = None, *, timeout: float = 600.0,
+             coordinator: Coordinator | None = None) -> str | None:
+    """Called by every writer after `finish()`: the writers meet, then writer 0 commits `claim`
+    (`begin_checkpoint`'s handle, or DST in a process that did not begin: `commit_checkpoint`).
 
     With a `TorchCoordinator` (its rank = `writer_id`) all ranks return dst or raise the same
     error naming the failing rank; with the default `LocalCoordinator` writers other than 0
@@ -387,7 +396,7 @@ def finalize(dst: str, plan: WritePlan, writer_id: int, manifest: Manifest | Non
     if coord.rank != writer_id:
         raise BridgeError(f"writer {writer_id} finalizes as rank {coord.rank} of its coordinator; they must agree")
     coord.all_gather("writing", lambda: None)  # the one barrier: every writer's report is published
-    return coord.broadcast("the commit", lambda: commit_checkpoint(dst, plan, manifest, timeout=timeout))
+    return coord.broadcast("the commit", lambda: commit_checkpoint(claim, plan, manifest, timeout=timeout))
 
 
 def catalog_of(arrays: Mapping[Sequence[str] | str, np.ndarray]) -> list[ArraySpec]:
@@ -429,4 +438,4 @@ def save_checkpoint(dst: str, arrays: Mapping[Sequence[str] | str, np.ndarray], 
                         writer.write(name, box, block, donate=True)
                         bar.update(block.nbytes)
                 reports.append(writer.finish(publish=False))
-        return commit_checkpoint(dst, plan, manifest, timeout=10.0, claim=claim, reports=reports)
+        return commit_checkpoint(claim, plan, manifest, timeout=10.0, reports=reports)

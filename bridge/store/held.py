@@ -1,22 +1,26 @@
 """The destinations this process holds: claimed, and neither published nor released yet.
 
-Both kinds of claim register here: `bridge.store.claim.DestinationClaim` (a file system; keyed by
-its temporary directory) and `bridge.store.remote.RemoteDestination` (object storage; keyed by its
-URL). While any is held, SIGTERM / SIGHUP raise `Terminated` in the main thread, so the `with`
-blocks that hold them release what they wrote; at exit every one still held is released.
+Both kinds of claim enter here: `bridge.store.claim.DestinationClaim` (a file system) and
+`bridge.store.remote.RemoteDestination` (object storage). This is no registry to find a claim by
+its location: the claim is the handle `begin_checkpoint` / `Storage.claim` returns, passed down to
+the commit. It serves the process's exit only: while any is held, SIGTERM / SIGHUP raise
+`Terminated` in the main thread, so the `with` blocks that hold them release what they wrote; at
+exit every one still held is released.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import signal
+import socket
 import threading
 from abc import ABC, abstractmethod
 from typing import Self
 
 from bridge.store.claim_info import ClaimInfo
 
-_HELD: dict[str, "HeldDestination"] = {}   # a local claim's temp directory / a remote claim's URL -> its claim
+_LIVE: list["HeldDestination"] = []   # claims of this process not yet published or released (by identity)
 _LOCK = threading.Lock()
 _PREVIOUS_HANDLERS: dict[int, object] = {}
 _TERM_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -41,6 +45,11 @@ class HeldDestination(ABC):
     def run_id(self) -> str:
         return self.info.run_id
 
+    def made_here(self) -> bool:
+        """True in the process that claimed (never in another rank's process holding a handle on
+        the same claim, nor in a forked child): only that process removes what the run wrote."""
+        return self.info.pid == os.getpid() and self.info.host == socket.gethostname()
+
     def __enter__(self) -> Self:
         return self
 
@@ -63,33 +72,28 @@ def release_reason(exc: BaseException | None) -> str:
     return ""  # errors are reported by whoever catches them
 
 
-def hold(key: str, dest: HeldDestination) -> None:
-    """Register `dest` as held under `key`; SIGTERM / SIGHUP now raise `Terminated` (main thread)."""
+def hold(dest: HeldDestination) -> None:
+    """`dest` is held by this process; SIGTERM / SIGHUP now raise `Terminated` (main thread)."""
     with _LOCK:
-        _HELD[key] = dest
+        if not any(d is dest for d in _LIVE):
+            _LIVE.append(dest)
     install_signal_handlers()
 
 
-def forget(key: str, dest: HeldDestination) -> None:
+def forget(dest: HeldDestination) -> None:
     """`dest` is no longer held (published or released); with the last one, the signal handlers
     the application had come back."""
     with _LOCK:
-        if _HELD.get(key) is dest:
-            del _HELD[key]
-        empty = not _HELD
+        _LIVE[:] = [d for d in _LIVE if d is not dest]
+        empty = not _LIVE
     if empty:
         restore_signal_handlers()
 
 
-def lookup(key: str) -> HeldDestination | None:
-    """The destination held under `key`, if any."""
-    with _LOCK:
-        return _HELD.get(key)
-
-
 def all_held() -> list[HeldDestination]:
+    """Every destination this process holds (for its exit, and for a claim's stale check of its own run)."""
     with _LOCK:
-        return list(_HELD.values())
+        return list(_LIVE)
 
 
 def _on_terminate(signum, frame) -> None:

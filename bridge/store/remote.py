@@ -43,7 +43,7 @@ from bridge.format.sharding_file import SHARDING_FILE
 from bridge.location import is_remote, parse_url
 from bridge.store import kvstore as kv
 from bridge.store.claim_info import TOOL, ClaimInfo, boot_id, process_alive
-from bridge.store.held import HeldDestination, forget, hold, lookup
+from bridge.store.held import HeldDestination, forget, hold
 
 CLAIM_KEY = "_gtpb_claim.json"
 METADATA = "_METADATA"
@@ -195,8 +195,8 @@ class RemoteDestination(HeldDestination):
             return
         self.released = True
         self._forget()
-        if os.getpid() != self.info.pid:
-            return  # a child process never cleans its parent's claim
+        if not self.made_here():
+            return  # a child process, or another rank's handle on this claim, never cleans it
         if self.remove_objects() and reason:
             print(f"gtp-bridge: {reason}; removed this run's objects under {self.dst}", file=sys.stderr)
 
@@ -229,7 +229,7 @@ class RemoteDestination(HeldDestination):
         return True
 
     def _forget(self) -> None:
-        forget(self.dst, self)
+        forget(self)
 
 
 def remove_written(dst: str, marker: str) -> None:
@@ -289,14 +289,18 @@ def claim_remote(dst: str, *, sources: Iterable[str] = (), marker: str = METADAT
     if held is None or held.run_id != info.run_id:
         raise BridgeError(f"destination {dst} was claimed by another run at the same time; choose another destination")
     dest = RemoteDestination(dst, info, marker)
-    hold(dest.dst, dest)  # SIGTERM raises, so the `with` block's release runs
+    hold(dest)  # SIGTERM raises, so the `with` block's release runs
     return dest
 
 
-def held_remote(dst: str) -> RemoteDestination | None:
-    """The claim this process holds on the prefix `dst`, if any."""
-    mine = lookup(dst.rstrip("/"))
-    return mine if isinstance(mine, RemoteDestination) else None
+def resume_remote(dst: str, marker: str = METADATA) -> RemoteDestination:
+    """A handle on the claim another process of this run made on the prefix `dst` (read from its
+    claim object); BridgeError when there is none."""
+    dst = dst.rstrip("/")
+    info = _load_claim(dst)
+    if info is None:
+        raise BridgeError(f"{dst} holds no gtp-bridge claim; call begin_checkpoint(dst) and run the writers first")
+    return RemoteDestination(dst, info, marker)
 
 
 def wait_for_objects(root: str, keys: Sequence[str], timeout: float, what: str) -> None:

@@ -75,6 +75,17 @@ class Storage(ABC):
         checkpoint, `.metadata` for a torch_dist one (on object storage it is written last)."""
 
     @abstractmethod
+    def claimed(self, marker: str = "_METADATA"):
+        """A handle (`Destination`) on the claim another process of this run made here, read from what
+        that claim recorded; BridgeError when there is none. Its `release()` removes nothing unless
+        this process made the claim."""
+
+    @abstractmethod
+    def handle(self, info, marker: str = "_METADATA"):
+        """A handle (`Destination`) on the claim `info` (a `ClaimInfo`) made here by another rank of
+        this run, which sent it (`begin_checkpoint`): no I/O."""
+
+    @abstractmethod
     def visible(self) -> bool:
         """True when this process sees the location (a temporary directory another process of the
         run created must be on a file system they share; an object-store prefix always is)."""
@@ -160,6 +171,16 @@ class LocalStorage(Storage):
 
         return claim_destination(self.root, sources=sources)   # complete once renamed: no marker needed
 
+    def claimed(self, marker: str = "_METADATA"):
+        from bridge.store.claim import resume_claim
+
+        return resume_claim(self.root)
+
+    def handle(self, info, marker: str = "_METADATA"):
+        from bridge.store.claim import DestinationClaim
+
+        return DestinationClaim(self.root, info)
+
     def visible(self) -> bool:
         return os.path.isdir(self.root)
 
@@ -232,6 +253,16 @@ class ObjectStorage(Storage):
         from bridge.store.remote import claim_remote
 
         return claim_remote(self.root, sources=[os.fspath(s) for s in sources], marker=marker)
+
+    def claimed(self, marker: str = "_METADATA"):
+        from bridge.store.remote import resume_remote
+
+        return resume_remote(self.root, marker)
+
+    def handle(self, info, marker: str = "_METADATA"):
+        from bridge.store.remote import RemoteDestination
+
+        return RemoteDestination(self.root, info, marker)
 
     def visible(self) -> bool:
         return True

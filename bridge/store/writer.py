@@ -1,8 +1,8 @@
 """CheckpointWriter: one writer process writing its owned chunks into its own OCDBT database.
 
-Usage (every writer w of W, after `begin_checkpoint(dst)` created the tmp dir)::
+Usage (every writer w of W, after `begin_checkpoint(dst)` claimed DST and created the tmp dir)::
 
-    w = CheckpointWriter(tmp_dir_for(dst), plan, writer_id)
+    w = CheckpointWriter(claim.tmp, plan, writer_id)               # claim: what begin_checkpoint returned
     w.write(("params", "w"), Box.of((0, 0), block.shape), block)   # only boxes inside owned chunks
     w.finish()                                                      # flush + report for the commit
 

@@ -65,7 +65,7 @@ def convert(src_dir: str, dst: str, opts: ConvertOptions | None = None) -> Conve
         replica_rec = record_replicas(manifest, units, [d for r in results for d in r[3]], opts.strict_replicas)
         warnings += replicas.report_lines(replica_rec)
         t0 = time.perf_counter()
-        commit_checkpoint(dst, plan, manifest, timeout=60.0, claim=claim)
+        commit_checkpoint(claim, plan, manifest, timeout=60.0)
         timings["commit"] = time.perf_counter() - t0
     for w in warnings:
         print(f"gtp-bridge: warning: {w}", file=sys.stderr)

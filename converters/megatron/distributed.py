@@ -110,8 +110,8 @@ def _convert(ranks: Ranks, cp: ConvertPlan | None, plan_error: BaseException | N
         replica_rec = record_replicas(cp.manifest, cp.units, [replicas.BlockDiff(**d) for s in shares for d in s["replicas"]],
                                       opts.strict_replicas)
         with _phase(phases, "commit"):
-            coord.broadcast("the commit", lambda: commit_checkpoint(dst, cp.plan, cp.manifest, timeout=60.0,
-                                                                    claim=mine["claim"]))
+            coord.broadcast("the commit", lambda: commit_checkpoint(mine["claim"], cp.plan, cp.manifest,
+                                                                    timeout=60.0))
         timings["commit"] = time.perf_counter() - t0
     warnings = [w for s in shares for w in s["warnings"]] + replicas.report_lines(replica_rec)
     if coord.rank == 0:

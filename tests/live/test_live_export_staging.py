@@ -85,12 +85,13 @@ class _Watched:
 def _export(dst: str, flush_commits: bool, depth: int = 1, part: int = 2048):
     src = _sources()
     plan = _plan(src, 512, chunk_rows=8)
-    tmp = begin_checkpoint(dst)
+    claim = begin_checkpoint(dst)
+    tmp = claim.tmp
     writer = _Watched(CheckpointWriter(tmp, plan, 0, batch_bytes=1 << 20, commit_depth=depth), flush_commits)
     staged = StagedWriter(writer, (depth + 2) * part, commit_depth=depth, stage_all=True, cut_cells=False)
     staged.write_items(_items(src))
     staged.finish()
-    commit_checkpoint(dst, plan)
+    commit_checkpoint(claim, plan)
     ck = open_checkpoint(dst)
     return src, {p: ck.read(p) for p in src}, writer.flushes, staged.peak_bytes, writer.copied
 
@@ -134,10 +135,11 @@ def test_copying_staging_path_round_trips(tmp_path, budget):
     src = _sources()
     dst = str(tmp_path / "ck")
     plan = _plan(src, 512, chunk_rows=8)
-    writer = _Watched(CheckpointWriter(begin_checkpoint(dst), plan, 0, batch_bytes=1 << 20))
+    claim = begin_checkpoint(dst)
+    writer = _Watched(CheckpointWriter(claim.tmp, plan, 0, batch_bytes=1 << 20))
     StagedWriter(writer, budget, donate=False, stage_all=True).write_items(_items(src))
     writer.finish()
-    commit_checkpoint(dst, plan)
+    commit_checkpoint(claim, plan)
     assert len(writer.copied) > len(_items(src)) or budget > 64
     ck = open_checkpoint(dst)
     for p, a in src.items():
@@ -206,13 +208,14 @@ def test_cells_cut_before_staging_are_written_without_a_second_copy(tmp_path):
             super().write(name, box, data, donate)
 
     def export(dst, cut):
-        writer = Boxes(CheckpointWriter(begin_checkpoint(dst), plan, 0, batch_bytes=1 << 20, commit_depth=2))
+        claim = begin_checkpoint(dst)
+        writer = Boxes(CheckpointWriter(claim.tmp, plan, 0, batch_bytes=1 << 20, commit_depth=2))
         items = [WriteItem(".".join(p), Box((r, 0), (r + 256, a.shape[1])), from_numpy(a[r:r + 256].copy()))
                  for p, a in src.items() for r in range(0, a.shape[0], 256)]
         staged = StagedWriter(writer, 4 << 20, commit_depth=2, stage_all=True, cut_cells=cut)
         staged.write_items(items)
         staged.finish()
-        commit_checkpoint(dst, plan)
+        commit_checkpoint(claim, plan)
         return writer.w.bytes_staged, writer.boxes
 
     staged, boxes = export(str(tmp_path / "cut"), True)

@@ -49,7 +49,7 @@ def test_second_save_of_a_step_leaves_the_first_writers_staging(tmp_path):
 
         item_b = manager.begin_step(root, 5)  # the second save starts while the first writes
         assert claim.owned() and os.path.isdir(claim.tmp) and item_b != item_a
-        commit_checkpoint(item_a, plan, reports=[report], claim=claim)
+        commit_checkpoint(claim, plan, reports=[report])
     final = manager.commit_step(item_a, 5)
 
     save_checkpoint(item_b, theirs)

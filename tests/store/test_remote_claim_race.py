@@ -129,6 +129,7 @@ def test_gcs_create_if_absent_is_refused_by_the_server_when_the_object_exists(gc
 def test_gcs_claim_that_lost_the_race_is_refused_and_the_winners_claim_kept(gcs):
     """The other run's claim lands between our listing (DST empty) and our create: the server refuses
     our create (412), the claim fails in one line and theirs stays."""
+    from bridge.store import held
     from bridge.store import kvstore as kv
     from bridge.store import remote
 
@@ -153,7 +154,7 @@ def test_gcs_claim_that_lost_the_race_is_refused_and_the_winners_claim_kept(gcs)
         proxy.after = lambda command, path: None
     assert landed and "\n" not in str(exc.value)
     assert kv.read_bytes(dst, remote.CLAIM_KEY) == theirs
-    assert remote.held_remote(dst) is None
+    assert not any(d.dst == dst for d in held.all_held())   # this process holds no claim on dst
 
 
 def _their_claim(dst: str) -> bytes:
@@ -165,6 +166,7 @@ def _their_claim(dst: str) -> bytes:
 def test_s3_claim_whose_put_lost_the_race_is_refused(servers):
     """The other run's claim lands between our HEAD (absent) and our PUT: moto refuses our PUT
     (If-None-Match: *), the claim fails in one line and theirs stays."""
+    from bridge.store import held
     from bridge.store import kvstore as kv
     from bridge.store import remote
 
@@ -189,7 +191,7 @@ def test_s3_claim_whose_put_lost_the_race_is_refused(servers):
         proxy.close()
     assert landed and "\n" not in str(exc.value)
     assert kv.read_bytes(dst, remote.CLAIM_KEY) == theirs
-    assert remote.held_remote(dst) is None
+    assert not any(d.dst == dst for d in held.all_held())   # this process holds no claim on dst
 
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])

@@ -253,7 +253,7 @@ def test_writer_in_many_transactions_stores_each_byte_once(stores, scheme):
                     writer.write(path, part, a[part.slices])
         report = writer.finish(publish=False)
         assert writer._issued >= 4
-        commit_checkpoint(url, plan, reports=[report], claim=claim)
+        commit_checkpoint(claim, plan, reports=[report])
     logical = sum(a.nbytes for a in arrays.values())
     if scheme == "s3":
         c = srv.client()

@@ -61,7 +61,7 @@ def _run(dst, seed, go, started, before_begin, before_commit, out):
         assert go.wait(120), "never told to go"
         if before_begin is not None:            # the later run: starts while the first one is writing
             assert before_begin.wait(120), "the first run never started"
-        tmp = begin_checkpoint(dst)
+        tmp = begin_checkpoint(dst).tmp
     except BaseException as e:
         started.set()
         out.put((seed, "begin", type(e).__name__, str(e)))
@@ -132,7 +132,7 @@ def test_simultaneous_claims_exactly_one_succeeds(tmp_path):
 
 def _killed_writer(dst, ready):
     plan, data = _plan(), _data(5)
-    tmp = begin_checkpoint(dst)
+    tmp = begin_checkpoint(dst).tmp
     _write_all(tmp, plan, data, 0, stop_after=1)
     ready.set()
     time.sleep(600)
@@ -160,7 +160,7 @@ def test_stale_temp_of_a_killed_run_is_recognised_and_removed(tmp_path, capfd):
 ORPHAN_SCRIPT = textwrap.dedent("""
     import subprocess, sys, time
     from bridge.store import begin_checkpoint
-    tmp = begin_checkpoint(sys.argv[1])
+    tmp = begin_checkpoint(sys.argv[1]).tmp
     child = "from bridge.store.claim import hold_claim; import sys, time; h = hold_claim(sys.argv[1]); " \\
             "open(sys.argv[2], 'w').close(); time.sleep(600)"
     subprocess.Popen([sys.executable, "-c", child, tmp, sys.argv[2]])
@@ -252,7 +252,7 @@ def test_a_live_runs_claim_is_refused_not_taken_over(tmp_path):
     import threading
 
     dst = str(tmp_path / "ck")
-    tmp = begin_checkpoint(dst)
+    tmp = begin_checkpoint(dst).tmp
     errors = []
 
     def second():
@@ -278,10 +278,10 @@ def test_the_same_thread_may_start_over_after_an_unfinished_run(tmp_path, capfd)
     """A run that failed between begin and commit without cleaning (a live export whose collective
     failed, in a training process that goes on) does not block the next attempt of that thread."""
     dst = str(tmp_path / "ck")
-    tmp = begin_checkpoint(dst)
+    tmp = begin_checkpoint(dst).tmp
     _write_all(tmp, _plan(), _data(1), 0, stop_after=1).flush()   # then the run "fails" (its commits landed)
     capfd.readouterr()
-    tmp2 = begin_checkpoint(dst)
+    tmp2 = begin_checkpoint(dst).tmp
     assert tmp2 == tmp and "earlier unfinished run" in capfd.readouterr().err
     plan = _plan()
     for w in range(2):
@@ -342,7 +342,7 @@ def test_missing_writer_database_fails_the_commit(tmp_path):
     """Issue 17 item 2: a writer's database deleted after its report -> no commit (was: skipped)."""
     dst = str(tmp_path / "ck")
     plan, data = _plan(), _data(1)
-    tmp = begin_checkpoint(dst)
+    tmp = begin_checkpoint(dst).tmp
     for w in range(2):
         _write_all(tmp, plan, data, w)
     shutil.rmtree(os.path.join(tmp, "ocdbt.process_1"))
@@ -355,7 +355,7 @@ def test_destination_appearing_mid_run_gives_a_true_message(tmp_path):
     """Issue 17 item 2: another process creates DST while we write; no false 'left in ...tmp'."""
     dst = str(tmp_path / "ck")
     plan, data = _plan(), _data(1)
-    tmp = begin_checkpoint(dst)
+    tmp = begin_checkpoint(dst).tmp
     for w in range(2):
         _write_all(tmp, plan, data, w)
     os.mkdir(dst)                                  # empty: a plain rename would replace it silently
@@ -375,7 +375,7 @@ WRITER_SCRIPT = textwrap.dedent("""
     from bridge.layout.boxes import Box
     dst, ready = sys.argv[1], sys.argv[2]
     plan = make_write_plan([ArraySpec(("params", "w"), (64, 32), "float32")], 1)
-    w = CheckpointWriter(begin_checkpoint(dst), plan, 0, batch_bytes=1)
+    w = CheckpointWriter(begin_checkpoint(dst).tmp, plan, 0, batch_bytes=1)
     w.write(("params", "w"), Box((0, 0), (8, 32)), np.ones((8, 32), np.float32))
     w.flush()
     open(ready, "w").close()

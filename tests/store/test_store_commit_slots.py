@@ -44,7 +44,7 @@ def _write(dst: str, src: dict, depth: int, donate: bool) -> None:
                     w.write(path, chunk, np.array(src[path][chunk.slices]), donate=donate)
         report = w.finish(publish=False)
         assert w._issued >= 8
-        commit_checkpoint(dst, plan, reports=[report], claim=claim)
+        commit_checkpoint(claim, plan, reports=[report])
 
 
 def _read_back(dst: str, src: dict) -> None:

@@ -50,7 +50,7 @@ def test_round_trip_multi_writer_reads_back_bit_exact(tmp_path):
 
 def test_write_outside_owned_chunks_is_refused_naming_array_box_owner(tmp_path):
     plan = make_write_plan([ArraySpec(("params", "w"), (8, 2), "float32")], 2)
-    tmp = begin_checkpoint(str(tmp_path / "ck"))
+    tmp = begin_checkpoint(str(tmp_path / "ck")).tmp
     w0 = CheckpointWriter(tmp, plan, 0)
     with pytest.raises(BridgeError, match=r"params/w.*\[2:6, 0:2\].*owned by writer 1"):
         w0.write(("params", "w"), Box((2, 0), (6, 2)), np.zeros((4, 2), np.float32))
@@ -63,7 +63,8 @@ def test_write_outside_owned_chunks_is_refused_naming_array_box_owner(tmp_path):
 def test_gap_fails_commit_naming_region_and_nothing_appears(tmp_path):
     dst = str(tmp_path / "ck")
     plan = make_write_plan([ArraySpec(("params", "w"), (8, 2), "float32")], 2)
-    tmp = begin_checkpoint(dst)
+    claim = begin_checkpoint(dst)
+    tmp = claim.tmp
     w0 = CheckpointWriter(tmp, plan, 0)
     w0.write(("params", "w"), Box((0, 0), (4, 2)), np.ones((4, 2), np.float32))
     w0.finish()
@@ -71,7 +72,7 @@ def test_gap_fails_commit_naming_region_and_nothing_appears(tmp_path):
     w1.write(("params", "w"), Box((4, 0), (7, 2)), np.ones((3, 2), np.float32))
     w1.finish()
     with pytest.raises(BridgeError, match=r"params/w: region \[4:8, 0:2\] was not fully written"):
-        commit_checkpoint(dst, plan, timeout=5)
+        commit_checkpoint(claim, plan, timeout=5)
     assert not os.path.exists(dst)
     with pytest.raises(BridgeError, match="uncommitted"):
         open_checkpoint(tmp)

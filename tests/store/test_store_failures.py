@@ -159,7 +159,8 @@ def test_bad_input_writes_nothing(tmp_path):
     dst = tmp_path / "ck"
     # data/catalog mismatch in a writer: refused, and the commit then refuses the gap.
     plan = make_write_plan([ArraySpec(("params", "w"), (8, 4), "float32")], 1)
-    tmp = begin_checkpoint(str(dst))
+    claim = begin_checkpoint(str(dst))
+    tmp = claim.tmp
     w = CheckpointWriter(tmp, plan, 0)
     with pytest.raises(BridgeError, match="params/w: data shape"):
         w.write(("params", "w"), Box((0, 0), (8, 4)), np.zeros((8, 5), np.float32))
@@ -167,7 +168,7 @@ def test_bad_input_writes_nothing(tmp_path):
         w.write(("params", "v"), Box((0, 0), (8, 4)), np.zeros((8, 4), np.float32))
     w.finish()
     with pytest.raises(BridgeError, match="not fully written"):
-        commit_checkpoint(str(dst), plan, timeout=1)
+        commit_checkpoint(claim, plan, timeout=1)
     assert not dst.exists()
     with pytest.raises(BridgeError, match="unsupported dtype"):
         make_write_plan([ArraySpec(("params", "w"), (8, 4), "float8")], 1)
@@ -184,7 +185,8 @@ def test_overlapping_writes_are_refused_and_the_rest_commits(tmp_path):
     a = np.random.default_rng(5).standard_normal((8, 4)).astype(np.float32)
     plan = make_write_plan([ArraySpec(path, (8, 4), "float32")], 1,
                            {path: ArrayOwnership((8, 4), (2, 4), np.zeros((4, 1), np.int32))})
-    w = CheckpointWriter(begin_checkpoint(dst), plan, 0)
+    claim = begin_checkpoint(dst)
+    w = CheckpointWriter(claim.tmp, plan, 0)
     w.write(path, Box((0, 0), (3, 2)), a[0:3, 0:2])
     with pytest.raises(BridgeError, match=r"params/w: box \[2:4, 1:2\] overlaps box \[0:3, 0:2\] written before"):
         w.write(path, Box((2, 1), (4, 2)), a[2:4, 1:2])
@@ -194,5 +196,5 @@ def test_overlapping_writes_are_refused_and_the_rest_commits(tmp_path):
     for r in range(8):  # one box per row: the boxes of a chunk add up
         w.write(path, Box((r, 2), (r + 1, 4)), a[r:r + 1, 2:4])
     w.finish()
-    commit_checkpoint(dst, plan, timeout=5)
+    commit_checkpoint(claim, plan, timeout=5)
     np.testing.assert_array_equal(open_checkpoint(dst).read(path), a)

@@ -64,7 +64,7 @@ def make_plan():
 
 def writer_main(dst: str, writer_id: int) -> None:
     """One writer process: write owned chunks in two halves each (partial-chunk writes), then finalize."""
-    from bridge.store.commit import tmp_dir_for
+    from bridge.store.claim import tmp_dir_for
 
     plan, data = make_plan()
     w = CheckpointWriter(tmp_dir_for(dst), plan, writer_id, batch_bytes=2048)
@@ -182,13 +182,13 @@ def _dist_writer(dst: str, rank: int, world: int, port: int) -> None:
     try:
         coord = TorchCoordinator(dist.group.WORLD)
         plan, data = make_plan_for(world)
-        tmp = begin_checkpoint(dst, coordinator=coord)
-        w = CheckpointWriter(tmp, plan, rank)
+        claim = begin_checkpoint(dst, coordinator=coord)
+        w = CheckpointWriter(claim.tmp, plan, rank)
         for ap in plan.arrays.values():
             for box in ap.ownership.boxes_owned_by(rank):
                 w.write(ap.spec.path, box, np.array(data[ap.spec.path][box.slices]))
         w.finish()
-        assert finalize(dst, plan, rank, Manifest(), coordinator=coord) == os.path.abspath(dst)
+        assert finalize(claim, plan, rank, Manifest(), coordinator=coord) == os.path.abspath(dst)
         assert os.path.isdir(dst)          # every rank sees the committed checkpoint
     finally:
         dist.destroy_process_group()

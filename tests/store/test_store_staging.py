@@ -113,7 +113,8 @@ def test_staged_writes_store_exact_bytes_across_many_batches(tmp_path, donate, t
     assert all(len(grid_cells(Box.full(ap.ownership.chunk_shape), inner[ap.spec.path])) > 1
                for ap in plan.arrays.values()), "the catalog must exercise staging"
     dst = str(tmp_path / "ck")
-    tmp = begin_checkpoint(dst)
+    claim = begin_checkpoint(dst)
+    tmp = claim.tmp
     for w in range(plan.num_writers):
         # Tiny budget + two commits in flight: slabs are recycled while other batches still commit.
         t0 = time.perf_counter()
@@ -133,7 +134,7 @@ def test_staged_writes_store_exact_bytes_across_many_batches(tmp_path, donate, t
         assert writer.bytes_staged > 0
         # finish() waits for the last commit at least; the waits are part of this writer's wall time
         assert 0 < writer.commit_wait_s <= time.perf_counter() - t0
-    commit_checkpoint(dst, plan, timeout=10)
+    commit_checkpoint(claim, plan, timeout=10)
     ck = open_checkpoint(dst)
     for path, a in ref.items():
         got = ck.read(path)
@@ -149,14 +150,15 @@ def test_staging_off_and_on_write_identical_checkpoint_contents(tmp_path):
     results = []
     for staging in (False, True):
         dst = str(tmp_path / f"ck_{staging}")
-        tmp = begin_checkpoint(dst)
+        claim = begin_checkpoint(dst)
+        tmp = claim.tmp
         for w in range(plan.num_writers):
             writer = CheckpointWriter(tmp, plan, w, staging=staging, batch_bytes=2 << 20)
             for ap in plan.arrays.values():
                 for box in ap.ownership.boxes_owned_by(w):
                     writer.write(ap.spec.path, box, ref[ap.spec.path][box.slices])
             writer.finish()
-        commit_checkpoint(dst, plan, timeout=10)
+        commit_checkpoint(claim, plan, timeout=10)
         ck = open_checkpoint(dst)
         results.append({p: ck.read(p).tobytes() for p in ref})
         results[-1]["digests"] = {n: r.digest for n, r in ck.manifest.arrays.items()}
@@ -172,12 +174,13 @@ def test_caller_may_reuse_a_non_donated_buffer_as_soon_as_write_returns(tmp_path
     assert plan.lookup(("params", "w")).inner_chunk_shape == (64, 64)   # 16 KiB cells: not staged
     ref = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
     dst = str(tmp_path / "ck")
-    writer = CheckpointWriter(begin_checkpoint(dst), plan, 0, threads=threads)
+    claim = begin_checkpoint(dst)
+    writer = CheckpointWriter(claim.tmp, plan, 0, threads=threads)
     buf = ref.copy()
     writer.write(("params", "w"), Box.full(shape), buf)
     buf[...] = 7.0
     writer.finish()
-    commit_checkpoint(dst, plan, timeout=10)
+    commit_checkpoint(claim, plan, timeout=10)
     assert writer.bytes_staged == 0
     ck = open_checkpoint(dst)
     assert np.array_equal(ck.read(("params", "w")), ref)

@@ -89,7 +89,8 @@ def test_arrays_larger_than_the_batch_written_over_many_transactions_are_exact(t
     src = _sources()
     plan = _plan(writers)
     dst = str(tmp_path / "ck")
-    tmp = begin_checkpoint(dst)
+    claim = begin_checkpoint(dst)
+    tmp = claim.tmp
     transactions = 0
     for w in range(writers):
         writer = CheckpointWriter(tmp, plan, w, batch_bytes=batch)
@@ -108,7 +109,7 @@ def test_arrays_larger_than_the_batch_written_over_many_transactions_are_exact(t
                             buf[...] = 0        # the caller reuses its buffer at once
         writer.finish()
         transactions += writer._issued
-    commit_checkpoint(dst, plan, timeout=60)
+    commit_checkpoint(claim, plan, timeout=60)
     assert transactions >= 2 * len(PARAMS), "the arrays must be spread over many transactions"
     damaged = {}
     for path, a in src.items():
@@ -137,7 +138,7 @@ def _one_chunk_plan(rows=8, cols=256):
 def test_writer_refuses_a_chunk_rewritten_in_a_later_transaction(tmp_path):
     plan = _one_chunk_plan()
     a = np.arange(8 * 256, dtype=np.float32).reshape(8, 256)
-    writer = CheckpointWriter(begin_checkpoint(str(tmp_path / "ck")), plan, 0)
+    writer = CheckpointWriter(begin_checkpoint(str(tmp_path / "ck")).tmp, plan, 0)
     writer.write(("params", "w"), Box((0, 0), (4, 256)), a[:4])
     writer.flush()
     with pytest.raises(BridgeError, match=r"writer 0: params/w: box \[4:8, 0:256\] touches chunk \[0:8, 0:256\], "
@@ -151,13 +152,14 @@ def test_partial_writes_of_a_chunk_in_one_transaction_are_allowed_and_the_auto_f
     plan = _one_chunk_plan()
     a = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
     dst = str(tmp_path / "ck")
-    writer = CheckpointWriter(begin_checkpoint(dst), plan, 0, batch_bytes=1024)
+    claim = begin_checkpoint(dst)
+    writer = CheckpointWriter(claim.tmp, plan, 0, batch_bytes=1024)
     for k, r in enumerate([3, 0, 7, 1, 2, 6, 4, 5]):
         writer.write(("params", "w"), Box((r, 0), (r + 1, 256)), a[r:r + 1])
         assert writer._issued == (1 if k == 7 else 0)
         assert writer.open_chunk_count == (0 if k == 7 else 1)
     writer.finish()
-    commit_checkpoint(dst, plan, timeout=10)
+    commit_checkpoint(claim, plan, timeout=10)
     assert np.array_equal(_plain_read(dst, "params.w"), a)
 
 

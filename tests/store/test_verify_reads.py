@@ -36,7 +36,8 @@ def _plan(arrays: dict, inner: dict, owners: dict) -> WritePlan:
 
 def _save(dst, arrays, inner, owners):
     plan = _plan(arrays, inner, owners)
-    tmp = begin_checkpoint(dst)
+    claim = begin_checkpoint(dst)
+    tmp = claim.tmp
     for w in range(plan.num_writers):
         writer = CheckpointWriter(tmp, plan, w)
         for name, ap in plan.arrays.items():
@@ -48,7 +49,7 @@ def _save(dst, arrays, inner, owners):
                     part = type(box)((layer,) + box.start[1:], (layer + 1,) + box.stop[1:])
                     writer.write(ap.spec.path, part, arrays[ap.spec.path][part.slices])
         writer.finish()
-    return commit_checkpoint(dst, plan, timeout=30)
+    return commit_checkpoint(claim, plan, timeout=30)
 
 
 def _flip_a_byte_in_every_file(d: str) -> None:

@@ -201,7 +201,7 @@ def run_job(src: str, dst: str, job: Job, share: ShareSplit, dims: Dims, opts: O
         return _run_parallel([(src, tmp, job, w, share, dims, opts, forward, scalars) for w in ids], bar) if ids else []
 
     def commit(d: str, claim, reports: list[dict]) -> str:
-        return commit_checkpoint(d, job.plan, manifest, timeout=60.0, claim=claim, reports=reports)
+        return commit_checkpoint(claim, job.plan, manifest, timeout=60.0, reports=reports)
 
     if ranks is not None or launched_world() > 1:   # a rank of a torchrun launch: its share of the writers
         from bridge.jaxside.presets.maxtext_ranks import run_job_ranks
