@@ -94,7 +94,7 @@ def run(make_parser: Callable[[], argparse.ArgumentParser], argv: list[str] | No
     except BridgeError as e:
         if debug:
             raise
-        print(f"gtp-bridge: error: {_one_line(str(e))}", file=sys.stderr)
+        _error_line(_one_line(str(e)))
         return e.exit_code
     except KeyboardInterrupt:
         print("gtp-bridge: interrupted", file=sys.stderr)
@@ -105,16 +105,22 @@ def run(make_parser: Callable[[], argparse.ArgumentParser], argv: list[str] | No
         if debug:
             raise
         if e.errno in NO_SPACE:
-            print(f"gtp-bridge: error: {write_failure(e.filename or 'the destination', e)}", file=sys.stderr)
+            _error_line(write_failure(e.filename or 'the destination', e))
             return 2
-        print(f"gtp-bridge: error: {_one_line(str(e))} (check the path and permissions)", file=sys.stderr)
+        _error_line(f"{_one_line(str(e))} (check the path and permissions)")
         return 2
     except Exception as e:  # a bug or an input we failed to classify: still one line, traceback on --debug
         if debug:
             raise
-        print(f"gtp-bridge: error: unexpected {type(e).__name__}: {_one_line(str(e))} "
-              "(rerun with --debug for the traceback)", file=sys.stderr)
+        _error_line(f"unexpected {type(e).__name__}: {_one_line(str(e))} (rerun with --debug for the traceback)")
         return 2
+
+
+def _error_line(message: str) -> None:
+    """The one error line, written in one call: the ranks of a torchrun launch share stderr, and
+    print's two writes (text, then newline) on an unbuffered stream interleave their lines."""
+    sys.stderr.write(f"gtp-bridge: error: {message}\n")
+    sys.stderr.flush()
 
 
 def _show_notes() -> None:
