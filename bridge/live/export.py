@@ -430,6 +430,11 @@ class Exporter:
             claim.release()  # rank 0's removes what this run wrote; the other ranks' handles remove nothing
             raise
 
+        if seams.writer_class is None:
+            # Started (or restarted) here, on the caller's thread, not on the background one: the
+            # writer dies with the thread that started it (bridge.worker_life.die_with_parent).
+            self.writer.ensure()
+
         def background() -> ExportReport:
             if seams.writer_class is None:
                 written = _write_in_process(job, planned, run, tmp, bg.rank, opts, on_stage, seams, self.writer,

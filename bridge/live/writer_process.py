@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any, Callable, Sequence
 
 from bridge.errors import BridgeError
+from bridge.worker_life import die_with_parent
 
 class WriterProcess:
     """The writer child of one exporter (see the module docstring); `ensure()` starts it when needed.
@@ -192,9 +192,10 @@ def _child(fd: int) -> None:
     from bridge.layout.boxes import Box
     from bridge.store.writer import CheckpointWriter
 
-    # Ctrl-C reaches the whole process group: the training process decides, and the writer ends
-    # when its pipe does.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C reaches the whole process group: the training process decides. A killed trainer's
+    # writer stops at once (not at its pipe's end after the batch in hand): the other ranks remove
+    # the temporary directory, and an orphan still writing would recreate it without a claim.
+    die_with_parent()
     conn = Connection(fd)
     maps: dict[int, mmap.mmap] = {}
     writer = None
