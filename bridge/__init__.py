@@ -31,9 +31,9 @@ __version__ = "0.1.0"
 
 # public name -> (module, attribute): imported on first access (PEP 562)
 _LAZY = {
-    "open_checkpoint": ("bridge.store.reader", "open_checkpoint"),
-    "Checkpoint": ("bridge.store.reader", "Checkpoint"),
-    "verify": ("bridge.store.verify", "verify_checkpoint"),
+    "open_checkpoint": ("bridge.store", "open_checkpoint"),
+    "Checkpoint": ("bridge.store", "Checkpoint"),
+    "verify": ("bridge.store", "verify_checkpoint"),
     "convert": ("converters.megatron.convert_entry", "convert"),
     "ConvertOptions": ("converters.megatron.convert", "ConvertOptions"),
     "to_megatron": ("converters.megatron.write.to_megatron", "to_megatron"),

@@ -38,12 +38,10 @@ def cli(*args: str) -> None:
 
 def read_all(root: str) -> dict[str, bytes]:
     """Every file under a directory / object under a prefix (with what both trees have)."""
-    from bridge.location import is_remote
-    from bridge.store import kvstore
+    from bridge.store import open_storage
 
-    if is_remote(root):
-        return {k: kvstore.read_bytes(root, k) for k in kvstore.list_keys(root)}
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in pathlib.Path(root).rglob("*") if p.is_file()}
+    storage = open_storage(root)
+    return {k: storage.read_bytes(k) for k in storage.list_keys()}
 
 
 def files(root: str, base: str) -> dict[str, str]:

@@ -163,7 +163,7 @@ def _convert(args: argparse.Namespace):
         if launched_world() > 1:
             raise BridgeError("--orbax-step-dir is not supported under torchrun yet; convert to a plain DST, or "
                               "run one process")
-        from bridge.store.manager import write_step
+        from bridge.store import write_step
 
         # Where the step is written in place (object storage) its number is needed before writing.
         res, step_dir = write_step(args.dst, lambda item: convert(args.src, item, opts), lambda r: r.step,
@@ -197,7 +197,7 @@ def dry_run(args: argparse.Namespace) -> int:
 
     from bridge.commands.summary import dry_run_json, emit, print_dry_run
     from bridge.location import absolute, join
-    from bridge.store.claim import check_destination_free, check_sources
+    from bridge.store import check_destination_free, check_sources
     from converters.megatron.convert import plan_conversion
     from converters.megatron.plan.fact_sources import fact_sources
 
@@ -207,7 +207,7 @@ def dry_run(args: argparse.Namespace) -> int:
     dst = absolute(args.dst)
     if args.orbax_manager:  # the step directory the real run would commit (Orbax's default item name)
         from bridge.errors import BridgeError
-        from bridge.store.manager import ITEM
+        from bridge.store import ITEM
 
         if cp.step is None:
             raise BridgeError("the checkpoint records no step, so it cannot become a step of an Orbax "

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from bridge.errors import BridgeError
-from bridge.store.verify import verify_checkpoint
+from bridge.store import verify_checkpoint
 
 
 def add_parser(sub) -> None:

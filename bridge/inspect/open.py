@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bridge.errors import BridgeError
-from bridge.store.reader import Checkpoint, open_checkpoint
+from bridge.store import Checkpoint, open_checkpoint
 
 
 @dataclass

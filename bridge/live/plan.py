@@ -30,9 +30,8 @@ from bridge.layout.chunks import ArrayOwnership
 from bridge.layout.ownership import plan_ownership_many
 from bridge.format.schema import ROLE_ROOTS
 from bridge.live.holdings import RankSummary
-from bridge.store.plan import ArraySpec
+from bridge.store import ArraySpec, inner_chunk_shape
 from bridge.dtypes import ITEMSIZE
-from bridge.store.specs import inner_chunk_shape
 from bridge.format.tree import name_to_path
 
 

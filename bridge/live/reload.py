@@ -27,7 +27,7 @@ from bridge.live.holdings import tree_name
 from bridge.dtypes import from_numpy
 from bridge.progress import progress
 from bridge.renamed import renamed
-from bridge.store.reader import Checkpoint, open_checkpoint
+from bridge.store import Checkpoint, open_checkpoint
 from bridge.format.schema import MODEL, PARAMS, SCALAR_PATHS, has_role
 from bridge.format.tree import name_to_path, path_str
 

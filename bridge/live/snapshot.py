@@ -23,8 +23,7 @@ import torch
 
 from bridge.errors import BridgeError
 from bridge.live.staging import ALIGN, WriteItem, _Copier, _grouped_batches, _slot, chunk_groups, split_cells
-from bridge.store.plan import WritePlan
-from bridge.store.staging import grid_cells
+from bridge.store import WritePlan, grid_cells
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import torch
 
 from bridge.budget import staging_buffers
 from bridge.layout.boxes import Box
-from bridge.store.staging import cells_are_row_runs, grid_cells
+from bridge.store import cells_are_row_runs, grid_cells
 from bridge.dtypes import numpy_dtype_of_torch, to_numpy
 
 

@@ -14,22 +14,65 @@ Where a checkpoint lives is decided once: `open_storage(location)` (a local path
 The modules and their roles: docs/ARCHITECTURE.md.
 """
 
+# The public face: code outside bridge/store imports from here only (`from bridge.store import ...`),
+# never a submodule (counted by tests/repo/test_store_face.py). The submodules stay the store's own.
+# Importing it loads numpy but neither TensorStore, torch nor JAX (they load on first use).
+
+# claim & commit: who owns a destination, and the one commit every writer ends with
 from bridge.store.claim import (Destination, DestinationClaim, check_destination_free, check_sources, claim_destination,
                                 tmp_dir_for)
-from bridge.store.commit import begin_checkpoint, commit_checkpoint, finalize, publish_checkpoint, save_checkpoint
-from bridge.format.manifest import ArrayRecord, Manifest, OptimizerConfig, SourceLayout
+from bridge.store.commit import (begin_checkpoint, commit_checkpoint, finalize, publish_checkpoint,
+                                 publish_orbax_checkpoint, save_checkpoint)
+# plan & writer: the catalog, chunk ownership, the writers and their staging grid
 from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan
-from bridge.store.reader import ArrayInfo, Checkpoint, open_checkpoint
+from bridge.store.staging import cells_are_row_runs, grid_cells
+from bridge.store.writer import CheckpointWriter, default_batch_bytes
+# reader: opening a committed checkpoint, its integrity check
+from bridge.store.reader import ArrayInfo, Checkpoint, find_checkpoint_root, one_line, open_checkpoint, open_root
+from bridge.store.verify import VerifyResult, verify_checkpoint
+# storage & byte sources: where a checkpoint lives (chosen once) and ranged reads of its files
 from bridge.store.storage import LocalStorage, ObjectStorage, Storage, open_storage
+from bridge.store.ranged import RangeReader, open_range
+from bridge.store.sources import check_relative_path, short_value, source_of
+# manager steps: Orbax CheckpointManager roots (`<root>/<step>/default`)
+from bridge.store.manager import ITEM, begin_step, check_step_free, commit_step, write_step
+# durable file helpers: fsync and JSON as the store writes them
+from bridge.store.durable import fsync_path, fsync_tree, json_bytes
+# specs: chunking of arrays as every writer lays it out
+from bridge.store.specs import DEFAULT_INNER_CHUNK_BYTES, divisors, inner_chunk_shape, max_chunk_bytes, orbax_chunk_args
+# digests: the integrity digest of each array (summed over boxes, combined across writers)
+from bridge.store.digest import ALGORITHM as DIGEST_ALGORITHM
+from bridge.store.digest import combine as combine_digests
+from bridge.store.digest import digest_box
+from bridge.store.digest import to_hex as digest_hex
+# the checkpoint's schema (owned by bridge.format), re-exported for writers of a store
+from bridge.format.manifest import ArrayRecord, Manifest, OptimizerConfig, SourceLayout
 from bridge.format.schema import adamw_empty_paths
 from bridge.format.tree import megatron_key_to_path, name_to_path, path_to_name
-from bridge.store.writer import CheckpointWriter
 
 __all__ = [
-    "ArrayInfo", "ArrayPlan", "ArrayRecord", "ArraySpec", "Checkpoint", "CheckpointWriter", "Destination",
-    "DestinationClaim", "LocalStorage", "ObjectStorage", "Storage", "open_storage",
-    "Manifest", "OptimizerConfig", "SourceLayout", "WritePlan", "adamw_empty_paths", "begin_checkpoint",
-    "check_destination_free", "check_sources", "claim_destination", "commit_checkpoint",
-    "finalize", "publish_checkpoint", "make_write_plan", "megatron_key_to_path", "name_to_path", "open_checkpoint", "path_to_name",
+    # claim & commit
+    "Destination", "DestinationClaim", "begin_checkpoint", "check_destination_free", "check_sources",
+    "claim_destination", "commit_checkpoint", "finalize", "publish_checkpoint", "publish_orbax_checkpoint",
     "save_checkpoint", "tmp_dir_for",
+    # plan & writer
+    "ArrayPlan", "ArraySpec", "CheckpointWriter", "WritePlan", "cells_are_row_runs", "default_batch_bytes",
+    "grid_cells", "make_write_plan",
+    # reader
+    "ArrayInfo", "Checkpoint", "VerifyResult", "find_checkpoint_root", "one_line", "open_checkpoint", "open_root",
+    "verify_checkpoint",
+    # storage & byte sources
+    "LocalStorage", "ObjectStorage", "RangeReader", "Storage", "check_relative_path", "open_range", "open_storage",
+    "short_value", "source_of",
+    # manager steps
+    "ITEM", "begin_step", "check_step_free", "commit_step", "write_step",
+    # durable file helpers
+    "fsync_path", "fsync_tree", "json_bytes",
+    # specs
+    "DEFAULT_INNER_CHUNK_BYTES", "divisors", "inner_chunk_shape", "max_chunk_bytes", "orbax_chunk_args",
+    # digests
+    "DIGEST_ALGORITHM", "combine_digests", "digest_box", "digest_hex",
+    # schema
+    "ArrayRecord", "Manifest", "OptimizerConfig", "SourceLayout", "adamw_empty_paths", "megatron_key_to_path",
+    "name_to_path", "path_to_name",
 ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Iterable
@@ -46,6 +47,10 @@ class Storage(ABC):
     #: True where a writer stages into a temporary directory renamed into place at the commit
     #: (a file system); false where everything is written in place, `_METADATA` last (object storage).
     renames: bool
+    #: True where a file can be opened and appended to while it is written (a file system); false
+    #: where each object is put whole in one request (object storage), so a writer of a long file
+    #: collects its bytes in memory and puts them as parts.
+    appends: bool
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -121,8 +126,25 @@ class Storage(ABC):
         """True when something is already there (a file or directory; an object under the prefix)."""
 
     @abstractmethod
-    def make_dirs(self) -> None:
-        """Create the directory `root` where directories exist (nothing on object storage)."""
+    def make_dirs(self) -> bool:
+        """Create the directory `root` where directories exist (nothing on object storage); True when
+        this call created it (nothing was there), so that a failed run can take it back."""
+
+    @abstractmethod
+    def path(self):
+        """`root` for readers written against `pathlib.Path` (`/`, `name`, `parent`, `is_file`,
+        `read_bytes`, `glob`, ...): a `Path`, or on object storage a str with those methods over objects."""
+
+    @abstractmethod
+    def holds_partial(self) -> bool:
+        """True when a run of this tool claimed `root` and never committed: what is there is its partial
+        checkpoint (locally its temporary directory beside `root`; on object storage its claim object)."""
+
+    @abstractmethod
+    def remove_published(self, marker: str = "_METADATA") -> None:
+        """Take back a checkpoint this run published at `root` (a later step of the command failed):
+        the directory, or on object storage the objects a writer of `marker` checkpoints writes
+        (others under the prefix stay)."""
 
     def committed_steps(self) -> list[int]:
         """The committed steps of the manager root `root`, ascending (`bridge.store.manager`)."""
@@ -160,6 +182,7 @@ class LocalStorage(Storage):
 
     file_system = True
     renames = True
+    appends = True
 
     def check_sources(self, sources: Iterable[str | os.PathLike]) -> None:
         from bridge.store.claim import check_sources
@@ -229,8 +252,21 @@ class LocalStorage(Storage):
     def occupied(self) -> bool:
         return os.path.lexists(self.root)
 
-    def make_dirs(self) -> None:
+    def make_dirs(self) -> bool:
+        created = not os.path.lexists(self.root)
         os.makedirs(self.root, exist_ok=True)
+        return created
+
+    def path(self) -> Path:
+        return Path(self.root)
+
+    def holds_partial(self) -> bool:
+        from bridge.store.claim import ClaimInfo, tmp_dir_for
+
+        return ClaimInfo.load(tmp_dir_for(self.root)) is not None
+
+    def remove_published(self, marker: str = "_METADATA") -> None:
+        shutil.rmtree(self.root, ignore_errors=True)   # renamed into place whole: all of it is this run's
 
     def source(self):
         from bridge.store.sources import FileSource
@@ -243,6 +279,7 @@ class ObjectStorage(Storage):
 
     file_system = False
     renames = False
+    appends = False
 
     def check_sources(self, sources: Iterable[str | os.PathLike]) -> None:
         from bridge.store.remote import check_remote_sources
@@ -293,8 +330,23 @@ class ObjectStorage(Storage):
     def occupied(self) -> bool:
         return bool(self.list_keys())
 
-    def make_dirs(self) -> None:
-        return None   # object stores have no directories
+    def make_dirs(self) -> bool:
+        return False   # object stores have no directories
+
+    def path(self):
+        from bridge.store.kvstore import ObjectPath
+
+        return ObjectPath(self.root)
+
+    def holds_partial(self) -> bool:
+        from bridge.store.remote import CLAIM_KEY
+
+        return self.exists(CLAIM_KEY)
+
+    def remove_published(self, marker: str = "_METADATA") -> None:
+        from bridge.store.remote import remove_written
+
+        remove_written(self.root, marker)
 
     def source(self):
         from bridge.store.sources import ObjectSource

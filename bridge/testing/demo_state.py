@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from bridge.store.commit import save_checkpoint
+from bridge.store import save_checkpoint
 from bridge.format.manifest import Manifest, OptimizerConfig, SourceLayout
 from bridge.format.schema import adamw_empty_paths
 

@@ -11,7 +11,7 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from bridge.errors import BridgeError
-from bridge.store.ranged import open_range
+from bridge.store import open_range
 from converters.megatron.read.records import RecordLayout, record_layout
 
 

@@ -38,11 +38,9 @@ from bridge.format.manifest import (MEGATRON_KEY, REPLICAS_KEY, Manifest, Megatr
                                     SourceLayout)
 from bridge.format.schema import (MODEL, MU, NU, OPTIMIZER_ROLES, PARAMS, SCALAR_DTYPE, SCALAR_PATHS, STATE_ROLE,
                                   adamw_empty_paths)
-from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
-from bridge.store.staging import cells_are_row_runs
+from bridge.store import ArraySpec, CheckpointWriter, WritePlan, cells_are_row_runs, make_write_plan
 from bridge.dtypes import name_of_torch, numpy_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
-from bridge.store.writer import CheckpointWriter
 from converters.megatron.read.dcp import DcpCheckpoint
 from converters.megatron.read.dcp_metadata import ChunkInfo
 from converters.megatron.read.object_layout import object_tensors

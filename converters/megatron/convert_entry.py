@@ -15,8 +15,7 @@ from bridge.format.manifest import REPLICAS_KEY
 from bridge.phases import seconds_since_start
 from bridge.location import absolute, basename, location
 from bridge.progress import progress
-from bridge.store.claim import check_destination_free, check_sources, claim_destination
-from bridge.store.commit import commit_checkpoint
+from bridge.store import check_destination_free, check_sources, claim_destination, commit_checkpoint
 from bridge.torchrun import launched_world
 from converters.megatron import replicas
 from converters.megatron.cache import check_records

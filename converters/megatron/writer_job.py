@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bridge.store.plan import WritePlan
+from bridge.store import WritePlan
 
 
 @dataclass(frozen=True)

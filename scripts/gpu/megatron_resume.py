@@ -113,7 +113,7 @@ def expected_tensors(gpt, logical_dir: str, groups: int) -> dict:
     model's own sharded_state_dict (checkpoint key, layer offset), read with the bridge's TensorStore reader."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from bridge.store.reader import open_checkpoint
+    from bridge.store import open_checkpoint
 
     ck = open_checkpoint(logical_dir)
     stored = {".".join(p) for p in ck.paths()}
@@ -254,7 +254,7 @@ def main() -> int:
             res["tracker"] = f.read()
         import numpy as np
 
-        from bridge.store.reader import open_checkpoint
+        from bridge.store import open_checkpoint
 
         step = int(open_checkpoint(a.logical).read("step"))
         res["logical_step"] = step

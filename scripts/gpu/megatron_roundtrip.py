@@ -48,7 +48,7 @@ def compare_checkpoints(a: str, b: str, exact: bool, rtol: float = 1e-4, atol: f
     """
     import numpy as np
 
-    from bridge.store.reader import open_checkpoint
+    from bridge.store import open_checkpoint
 
     ca, cb = open_checkpoint(a), open_checkpoint(b)
     pa, pb = set(map(tuple, ca.paths())), set(map(tuple, cb.paths()))
@@ -84,7 +84,7 @@ def check_export_against_live(path: str, params, run) -> list[str]:
     import torch
 
     from bridge.live.holdings import tree_name
-    from bridge.store.reader import open_checkpoint
+    from bridge.store import open_checkpoint
 
     ck = open_checkpoint(path)
     bad = []

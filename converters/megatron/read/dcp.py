@@ -46,11 +46,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from bridge.errors import BridgeError
-from bridge.store import open_storage
-from bridge.store.ranged import open_range
+from bridge.store import open_range, open_storage, short_value, source_of
 from converters.megatron.read.dcp_metadata import ChunkInfo, StorageRef, interpret_metadata
 from converters.megatron.read.inert import InertStub
-from bridge.store.sources import ObjectSource, short_value, source_of
 from converters.megatron.read.unpickle_bounds import MAX_NESTING, Immutables, KeyGuard, check_graph
 from converters.megatron.read.unpickle_rules import (ALLOC_PER_INPUT_BYTE, ALLOC_SLACK, CALL_RULES, EMPTY_NEW,
                                                      RECORD_CLASSES, STORAGE_KINDS, STUB_PREFIXES, TORCH_NAMES,
@@ -665,7 +663,7 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path | str:
     For an s3:// / gs:// SRC, the prefix (a URL string) found the same way."""
     storage = open_storage(path, "source")
     if not storage.file_system:
-        return _resolve_remote_dir(storage.root)
+        return _resolve_remote_dir(storage)
     root = Path(path)
     if not root.exists():
         raise BridgeError(f"{root}: no such directory; give the torch_dist checkpoint directory (iter_<N>)")
@@ -689,20 +687,17 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path | str:
                       f"iter_<N> directory that Megatron-Core wrote")
 
 
-def _resolve_remote_dir(url: str) -> str:
-    from bridge.store.kvstore import ObjectPath
-
-    url = ObjectPath(url)  # a str with the Path methods readers use on a checkpoint directory
-    src = ObjectSource(url)
+def _resolve_remote_dir(storage) -> str:
+    """`resolve_checkpoint_dir` for the object storage (a `bridge.store.Storage`) of an s3:// / gs:// SRC."""
+    url = storage.path()  # a str with the Path methods readers use on a checkpoint directory
+    src = source_of(url)
     if src.read_whole(".metadata") is not None:
         return url
     text = (src.read_whole("latest_checkpointed_iteration.txt") or b"").decode(errors="replace").strip()
-    cand = f"{url}/iter_{int(text):07d}" if text.isdigit() else f"{url}/release" if text == "release" else None
-    if cand is not None and ObjectSource(cand).read_whole(".metadata") is not None:
-        return ObjectPath(cand)
-    from bridge.store.remote import CLAIM_KEY
-
-    if src.read_whole(CLAIM_KEY) is not None:
+    name = f"iter_{int(text):07d}" if text.isdigit() else "release" if text == "release" else None
+    if name is not None and source_of(url / name).read_whole(".metadata") is not None:
+        return url / name
+    if storage.holds_partial():
         raise BridgeError(f"{url} is a partial checkpoint (its writer never committed: no .metadata); "
                           f"rerun the write, which removes it")
     raise BridgeError(f"{url}: not a torch_dist checkpoint (no .metadata object); point SRC at the "

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.errors import BridgeError
-from bridge.store.sources import check_relative_path, short_value
+from bridge.store import check_relative_path, short_value
 from converters.megatron.read.inert import InertStub
 from converters.megatron.read.torch_archive import TorchDtype
 from converters.megatron.read.unpickle_bounds import Immutables, KeyGuard

@@ -46,9 +46,8 @@ def object_tensors(ck, name: str) -> Any:
     contiguous. None when the blob is a pickled BytesIO holding the archive (DCP's default planner
     saves a BytesIO so; Megatron's torch_dist writer stores the archive itself): its bytes are
     re-encoded inside the pickle, so nothing can be located."""
-    from bridge.store.ranged import open_range
+    from bridge.store import check_relative_path, open_range
     from converters.megatron.read.dcp import archive_members, read_small_members, safe_loads
-    from bridge.store.sources import check_relative_path
     from converters.megatron.read.torch_archive import ArchiveTensor
 
     fqn = ck.object_key(name) or name

@@ -64,9 +64,8 @@ def record_layout(ck, key: str, chunk) -> RecordLayout:
     """Parse a DCP tensor record's torch.save zip without reading its data (torch-free:
     `read.dcp.tensor_member`), the member's CRC from the zip directory. Refuses anything but one
     contiguous, stored (uncompressed) tensor of the chunk's dtype and size."""
-    from bridge.store.ranged import open_range
+    from bridge.store import check_relative_path, open_range
     from converters.megatron.read.dcp import tensor_member
-    from bridge.store.sources import check_relative_path
 
     ref = chunk.storage
     what = f"{key} chunk {chunk.offsets} in {ref.relative_path}"

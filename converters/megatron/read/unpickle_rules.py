@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bridge.errors import BridgeError
-from bridge.store.sources import short_value
+from bridge.store import short_value
 from converters.megatron.read.inert import InertStub
 from converters.megatron.read.unpickle_bounds import copy_keys
 from converters.megatron.read.torch_archive import (DTYPE_NAMES, LAYOUT_NAMES, MEMORY_FORMAT_NAMES, STORAGE_DTYPES,

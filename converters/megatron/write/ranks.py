@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from contextlib import ExitStack
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 from bridge.errors import BridgeError
 from bridge.layout.shares import contiguous_parts
 from bridge.progress import progress
+from bridge.store import open_storage
 from bridge.torchrun import Ranks, _testing_fault, command_ranks, join_claim
 from converters.megatron.read.rundir import write_tracker
 from converters.megatron.write.torch_dist import (MegatronPlan, OpenFile, Stats, Written, publish_iteration, take_back,
@@ -58,7 +58,7 @@ def _write(ranks: Ranks, mp: MegatronPlan, open_file: OpenFile | None, show_prog
     if other:
         raise BridgeError(f"ranks {other} planned another to-megatron than rank 0 (their source, flags or version "
                           f"differ); start every rank with the same SRC, DST and flags")
-    where, remote = mp.where, mp.remote
+    where = mp.where
     jobs = mp.jobs()
     owner = contiguous_parts([n for _, _, n in jobs], coord.world)
     mine = [j for j, o in zip(jobs, owner) if o == coord.rank]
@@ -66,9 +66,7 @@ def _write(ranks: Ranks, mp: MegatronPlan, open_file: OpenFile | None, show_prog
     try:
         with ExitStack() as stack:  # leaving it by an error releases rank 0's claim (its temp directory)
             def claim() -> str:
-                if not remote:
-                    state["created_run"] = not os.path.lexists(where.run_dir)
-                    os.makedirs(where.run_dir, exist_ok=True)
+                state["created_run"] = open_storage(where.run_dir).make_dirs()
                 state["claim"] = stack.enter_context(mp.claim())
                 return state["claim"].tmp
 
@@ -110,7 +108,7 @@ def _commit(mp: MegatronPlan, state: dict, shares: list[dict]) -> str:
     for s in shares:
         index.written += [Written(fqn, None if off is None else tuple(off), None if sizes is None else tuple(sizes),
                                   rel, at, n) for fqn, off, sizes, rel, at, n in s["written"]]
-    publish_iteration(state["claim"], index, mp.remote)
+    publish_iteration(state["claim"], index)
     state["published"] = True
     write_tracker(mp.where.run_dir, mp.step)  # only now: the iteration directory is complete
     return mp.where.iter_dir

@@ -9,10 +9,10 @@ neither imports the other's caller.
 from __future__ import annotations
 
 import importlib
-import os
 import threading
 
 from bridge.progress import progress
+from bridge.store import open_storage
 from bridge.torchrun import launched_world
 from converters.megatron.read.rundir import write_tracker
 from converters.megatron.write.ranks import to_megatron_ranks
@@ -36,10 +36,8 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
     mp = plan_megatron(src, dst, target, budget, workers, weights_from_masters)
     if launched_world() > 1:
         return to_megatron_ranks(mp, open_file, show_progress)
-    where, remote = mp.where, mp.remote
-    created_run = not remote and not os.path.lexists(where.run_dir)
-    if not remote:
-        os.makedirs(where.run_dir, exist_ok=True)
+    where = mp.where
+    created_run = open_storage(where.run_dir).make_dirs()   # taken back if empty after a failure
     published = False
     importer = _import_dcp_meanwhile()
     try:
@@ -48,7 +46,7 @@ def to_megatron(src: str, dst: str, target: MegatronTarget, *, budget: int | Non
             with progress(mp.total_bytes, f"to-megatron {where.iter_dir}", enabled=show_progress) as bar:
                 written, stats, nbytes = write_files(mp, claim.tmp, open_file, 0, mp.jobs(), True, bar)
             index.written += written
-            publish_iteration(claim, index, remote)
+            publish_iteration(claim, index)
             published = True
         write_tracker(where.run_dir, mp.step)  # only now: the iteration directory is complete
     except BaseException:

@@ -25,7 +25,6 @@ import io
 import json
 import os
 import queue
-import shutil
 import threading
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -45,13 +44,11 @@ from bridge.layout.distopt import buffer_layout, BufferParam
 from bridge.layout.fused import FusedSpec
 from bridge.layout.parallel import ParallelLayout
 from bridge.layout.params import ParamGeometry
-from bridge.store import Storage, open_storage
-from bridge.store.durable import fsync_path
+from bridge.store import Checkpoint, Storage, open_checkpoint, open_storage
 from bridge.torchrun import host_ranks
 from bridge.format.manifest import Manifest, MegatronRecord
 from bridge.format import schema
 from bridge.format.schema import COUNT_PATH, MODEL, OPTIMIZER_ROLES, PARAMS, STEP_PATH, has_role, split_role
-from bridge.store.reader import Checkpoint, open_checkpoint
 from bridge.dtypes import numpy_dtype, torch_dtype
 from bridge.format.tree import megatron_key_to_path, path_str
 from bridge.dtypes import from_numpy
@@ -296,14 +293,15 @@ class DcpFile:
 
 
 class RemoteDcpFile:
-    """`DcpFile` for an s3:// / gs:// prefix: blobs collect in memory and go out as whole objects
-    of about `part_bytes` (`__<i>_<j>.distcp`, j = 0, 1, ...; DCP's metadata names each blob's
-    object), so memory stays bounded however much one worker writes."""
+    """`DcpFile` for storage that puts each object whole (s3:// / gs://): blobs collect in memory and
+    go out as whole objects of about `part_bytes` (`__<i>_<j>.distcp`, j = 0, 1, ...; DCP's metadata
+    names each blob's object), so memory stays bounded however much one worker writes."""
 
     def __init__(self, root: str, index: int, part_bytes: int) -> None:
         import torch
 
         self.torch = torch
+        self.storage = open_storage(root)
         self.root, self.index, self.part_bytes = root, index, max(1, part_bytes)
         self.part = 0
         self.rel = f"__{index}_0.distcp"
@@ -317,10 +315,8 @@ class RemoteDcpFile:
             self.rel = f"__{self.index}_{self.part}.distcp"
 
     def _put(self) -> None:
-        from bridge.store import kvstore
-
         if self.f.tell():
-            kvstore.write_bytes(self.root, self.rel, self.f.getbuffer().tobytes())
+            self.storage.replace_bytes(self.rel, self.f.getbuffer().tobytes())
         self.f = io.BytesIO()
 
     def tensor(self, fqn: str, offsets: Sequence[int], tensor: Any) -> Written:
@@ -352,9 +348,10 @@ class RemoteDcpFile:
 OpenFile = Callable[[str, int], "DcpFile | RemoteDcpFile"]
 
 
-def default_open_file(remote: bool, limit: int) -> OpenFile:
-    """`DcpFile`, or for s3:// / gs:// a `RemoteDcpFile` putting objects of about `limit` (1..256 MiB)."""
-    if remote:
+def default_open_file(storage: Storage, limit: int) -> OpenFile:
+    """`DcpFile`, or where files are put whole (s3:// / gs://) a `RemoteDcpFile` putting objects of
+    about `limit` (1..256 MiB)."""
+    if not storage.appends:
         part = max(1 << 20, min(limit, 256 << 20))
         return lambda root, index: RemoteDcpFile(root, index, part)
     return DcpFile
@@ -369,17 +366,6 @@ class DcpIndex:
 
     def declare(self, fqn: str, dtype: str, shape: Sequence[int]) -> None:
         self.tensors.setdefault(fqn, (dtype, tuple(int(s) for s in shape)))
-
-    def write(self, root: str) -> None:
-        """`.metadata` and `metadata.json` into directory `root` (fsync'd)."""
-        md, mj = self.encode()
-        for name, data in ((".metadata", md), ("metadata.json", mj)):
-            path = os.path.join(root, name)
-            with writing(path), open(path, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        fsync_path(root)
 
     def encode(self) -> tuple[bytes, bytes]:
         """(`.metadata`, `metadata.json`) as bytes."""
@@ -466,11 +452,6 @@ class MegatronPlan:
     def storage(self) -> Storage:
         """Where the iteration is written (decided once, from DST, by `plan_run_dir`)."""
         return open_storage(self.where.iter_dir)
-
-    @property
-    def remote(self) -> bool:
-        """Written in place, `.metadata` last (object storage), rather than renamed into place."""
-        return not self.storage.file_system
 
     @property
     def total_bytes(self) -> int:
@@ -576,7 +557,7 @@ def write_files(mp: MegatronPlan, tmp: str, open_file: OpenFile | None, first: i
     then, with `objects`, the plan's objects (common state, DistOpt objects) into the first file.
     Returns (every blob written, read statistics, bytes written)."""
     return_freed_memory()
-    opener = open_file or default_open_file(mp.remote, mp.limit)
+    opener = open_file or default_open_file(mp.storage, mp.limit)
     files = [opener(tmp, first + i) for i in range(mp.workers)]
     written: list[Written] = []
     stats = Stats()
@@ -599,24 +580,18 @@ def write_files(mp: MegatronPlan, tmp: str, open_file: OpenFile | None, first: i
     return written, stats, nbytes
 
 
-def publish_iteration(claim: Any, index: DcpIndex, remote: bool) -> None:
-    """Write the DCP metadata and make the iteration directory visible (`.metadata` last on object storage)."""
-    if remote:
-        md, mj = index.encode()
+def publish_iteration(claim: Any, index: DcpIndex) -> None:
+    """Write the DCP metadata and make the iteration directory visible: the claim's publish writes the
+    files into its temporary directory and renames it, or on object storage puts `.metadata` last."""
+    md, mj = index.encode()
+    with writing(os.path.join(claim.tmp, ".metadata")):   # a full disk: one line naming it
         claim.publish(files=[("metadata.json", mj), (".metadata", md)])
-    else:
-        index.write(claim.tmp)
-        claim.publish()
 
 
 def take_back(mp: MegatronPlan, published: bool, created_run: bool) -> None:
     """After a failure: remove a published iteration (its tracker was not set), and an emptied new run dir."""
-    if published and mp.remote:  # only what this run wrote there
-        from bridge.store.remote import remove_written
-
-        remove_written(mp.where.iter_dir, ".metadata")
-    elif published:
-        shutil.rmtree(mp.where.iter_dir, ignore_errors=True)
+    if published:  # only what this run wrote there
+        mp.storage.remove_published(".metadata")
     if created_run:
         _remove_if_empty(mp.where.run_dir)
 

@@ -43,7 +43,7 @@ def sync() -> None:
 
 def main() -> None:
     from bridge.live.export import Exporter
-    from bridge.store.reader import open_checkpoint
+    from bridge.store import open_checkpoint
     from converters.megatron.live.adapter import export_megatron, export_megatron_async
 
     D, out = sys.argv[1], sys.argv[2]
@@ -173,7 +173,7 @@ def main() -> None:
     # (the writer-class seam selects the thread writer): the GIL's effect on the training steps
     if left() > 150:
         from bridge import _testing
-        from bridge.store.writer import CheckpointWriter
+        from bridge.store import CheckpointWriter
 
         path = os.path.join(D, "Bthread")
         drop_caches()
@@ -194,7 +194,7 @@ def main() -> None:
     # diagnostic: the synchronous export with the store's default digest step (before LIVE_DIGEST_STEP)
     if left() > 150:
         from bridge.live.export import ExportOptions
-        from bridge.store.writer import CheckpointWriter
+        from bridge.store import CheckpointWriter
 
         class DefaultStep(CheckpointWriter):
             def __init__(self, *a, **k):
@@ -276,7 +276,7 @@ def main() -> None:
 
     import tensorstore as ts
 
-    from bridge.store.durable import fsync_tree
+    from bridge.store import fsync_tree
 
     res["raw_s"] = []
     total = sum(s.numel() for s in slots)

@@ -13,7 +13,7 @@ import numpy as np
 
 from bridge.format import schema
 from bridge.jaxside.presets.maxtext import TABLE
-from bridge.store.reader import open_checkpoint
+from bridge.store import open_checkpoint
 
 
 def canonical(p: tuple[str, ...]) -> tuple[str, ...]:

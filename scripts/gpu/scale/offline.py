@@ -98,7 +98,7 @@ def cmd_compare(a) -> int:
 
 
 def cmd_digests(a) -> int:
-    from bridge.store.reader import open_checkpoint
+    from bridge.store import open_checkpoint
 
     ms = [open_checkpoint(p).manifest for p in a.paths]
     base = {k: r.digest for k, r in ms[0].arrays.items()}
@@ -211,7 +211,7 @@ def cmd_convert_ab(a) -> int:
                 conv_s.append(r.seconds)
         append(a.json, rec)
         if out is not None and out != dst and os.path.isdir(out):
-            from bridge.store.reader import open_checkpoint
+            from bridge.store import open_checkpoint
 
             d0 = {k: v.digest for k, v in open_checkpoint(dst).manifest.arrays.items()}
             d1 = {k: v.digest for k, v in open_checkpoint(out).manifest.arrays.items()}
@@ -303,7 +303,7 @@ def cmd_layer_read(a) -> int:
 
     from bench_scale import ts_bytes_read
     from bridge.layout.boxes import Box
-    from bridge.store.reader import open_checkpoint
+    from bridge.store import open_checkpoint
 
     conv, live = a.paths
     ck = open_checkpoint(conv)
@@ -346,8 +346,8 @@ def cmd_verify(a) -> int:
     With --reads-only: also a warm run with the digest skipped (TensorStore's reads alone)."""
     import resource
 
-    import bridge.store.verify as v
-    from bridge.store.reader import open_checkpoint
+    import bridge.store as v   # its verify_checkpoint, beside a --baseline module's
+    from bridge.store import open_checkpoint
 
     def cpu() -> float:
         r = resource.getrusage(resource.RUSAGE_SELF)
