@@ -19,8 +19,8 @@ The modules and their roles: docs/ARCHITECTURE.md.
 # Importing it loads numpy but neither TensorStore, torch nor JAX (they load on first use).
 
 # claim & commit: who owns a destination, and the one commit every writer ends with
-from bridge.store.claim import (Destination, DestinationClaim, check_destination_free, check_sources, claim_destination,
-                                tmp_dir_for)
+from bridge.store.claim import (TMP_SUFFIX, Destination, DestinationClaim, check_destination_free, check_sources,
+                                claim_destination, tmp_dir_for)
 from bridge.store.commit import (begin_checkpoint, commit_checkpoint, finalize, publish_checkpoint,
                                  publish_orbax_checkpoint, save_checkpoint)
 # plan & writer: the catalog, chunk ownership, the writers and their staging grid
@@ -52,7 +52,7 @@ from bridge.format.tree import megatron_key_to_path, name_to_path, path_to_name
 
 __all__ = [
     # claim & commit
-    "Destination", "DestinationClaim", "begin_checkpoint", "check_destination_free", "check_sources",
+    "Destination", "DestinationClaim", "TMP_SUFFIX", "begin_checkpoint", "check_destination_free", "check_sources",
     "claim_destination", "commit_checkpoint", "finalize", "publish_checkpoint", "publish_orbax_checkpoint",
     "save_checkpoint", "tmp_dir_for",
     # plan & writer

@@ -660,15 +660,10 @@ def safe_torch_load_tensor(data: bytes | bytearray, what: str) -> "Any":
 
 def resolve_checkpoint_dir(path: str | os.PathLike) -> Path | str:
     """The directory holding `.metadata`: SRC itself, or SRC's latest `iter_*` (Megatron save dir).
-    For an s3:// / gs:// SRC, the prefix (a URL string) found the same way."""
+    For an s3:// / gs:// SRC, the prefix found the same way, as a str with the `Path` methods used
+    here (`bridge.store.Storage.path`)."""
     storage = open_storage(path, "source")
-    if not storage.file_system:
-        return _resolve_remote_dir(storage)
-    root = Path(path)
-    if not root.exists():
-        raise BridgeError(f"{root}: no such directory; give the torch_dist checkpoint directory (iter_<N>)")
-    if not root.is_dir():
-        raise BridgeError(f"{root}: not a directory; give the torch_dist checkpoint directory (iter_<N>)")
+    root = storage.path()
     if (root / ".metadata").is_file():
         return root
     tracker = root / "latest_checkpointed_iteration.txt"
@@ -680,28 +675,23 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path | str:
                 return cand
         elif text == "release" and (root / "release" / ".metadata").is_file():
             return root / "release"
-    if (root / "common.pt").exists() or list(root.glob("mp_rank_*")):
-        raise BridgeError(f"{root}: this is a legacy 'torch' format checkpoint (mp_rank_*/common.pt), "
-                          f"not torch_dist; re-save it with --ckpt-format torch_dist")
-    raise BridgeError(f"{root}: not a torch_dist checkpoint (no .metadata file); point SRC at the "
-                      f"iter_<N> directory that Megatron-Core wrote")
+    raise _not_a_checkpoint(storage, root)
 
 
-def _resolve_remote_dir(storage) -> str:
-    """`resolve_checkpoint_dir` for the object storage (a `bridge.store.Storage`) of an s3:// / gs:// SRC."""
-    url = storage.path()  # a str with the Path methods readers use on a checkpoint directory
-    src = source_of(url)
-    if src.read_whole(".metadata") is not None:
-        return url
-    text = (src.read_whole("latest_checkpointed_iteration.txt") or b"").decode(errors="replace").strip()
-    name = f"iter_{int(text):07d}" if text.isdigit() else "release" if text == "release" else None
-    if name is not None and source_of(url / name).read_whole(".metadata") is not None:
-        return url / name
+def _not_a_checkpoint(storage, root: Path | str) -> BridgeError:
+    """Why `root` (of `storage`, a `bridge.store.Storage`) holds no torch_dist checkpoint, most specific first."""
     if storage.holds_partial():
-        raise BridgeError(f"{url} is a partial checkpoint (its writer never committed: no .metadata); "
-                          f"rerun the write, which removes it")
-    raise BridgeError(f"{url}: not a torch_dist checkpoint (no .metadata object); point SRC at the "
-                      f"iter_<N> prefix that Megatron-Core wrote")
+        return BridgeError(f"{root} is a partial checkpoint (its writer never committed: no .metadata); "
+                           f"rerun the write, which removes it")
+    if not root.exists():
+        return BridgeError(f"{root}: no such directory; give the torch_dist checkpoint directory (iter_<N>)")
+    if not root.is_dir():
+        return BridgeError(f"{root}: not a directory; give the torch_dist checkpoint directory (iter_<N>)")
+    if (root / "common.pt").exists() or list(root.glob("mp_rank_*")):
+        return BridgeError(f"{root}: this is a legacy 'torch' format checkpoint (mp_rank_*/common.pt), "
+                           f"not torch_dist; re-save it with --ckpt-format torch_dist")
+    return BridgeError(f"{root}: not a torch_dist checkpoint (no .metadata file); point SRC at the "
+                       f"iter_<N> directory that Megatron-Core wrote")
 
 
 class DcpCheckpoint:

@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass
 
 from bridge.errors import BridgeError
-from bridge.store import Storage, open_storage
+from bridge.location import absolute
+from bridge.store import TMP_SUFFIX, open_storage
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -77,13 +78,14 @@ def tracker_text(iteration: int) -> str:
 
 
 def read_tracker(run_dir: str) -> int | str | None:
-    """The tracker's value in `run_dir`, None when there is none."""
-    path = os.path.join(run_dir, TRACKER_NAME)
-    if not os.path.isfile(path):
+    """The tracker's value in `run_dir` (a directory or an s3:// / gs:// run prefix), None when there
+    is none. Only its first 4 KiB are read (Megatron's tracker holds a number)."""
+    storage = open_storage(run_dir)
+    if not (storage.path() / TRACKER_NAME).is_file():
         return None
-    with open(path, "rb") as f:
-        raw = f.read(4096)
-    return parse_tracker(raw.decode("utf-8", errors="replace"), path)
+    with storage.open_range(TRACKER_NAME) as f:
+        raw = f.pread(4096, 0)
+    return parse_tracker(raw.decode("utf-8", errors="replace"), os.path.join(run_dir, TRACKER_NAME))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,8 +110,9 @@ class Resolved:
 
 
 def is_checkpoint_dir(path: str) -> bool:
-    """A torch_dist checkpoint directory (`.metadata` or Megatron's `metadata.json`)."""
-    return os.path.isfile(os.path.join(path, ".metadata")) or os.path.isfile(os.path.join(path, "metadata.json"))
+    """A torch_dist checkpoint directory or prefix (`.metadata` or Megatron's `metadata.json`)."""
+    root = open_storage(path).path()
+    return (root / ".metadata").is_file() or (root / "metadata.json").is_file()
 
 
 def locate_megatron_dir(path: str) -> Resolved:
@@ -119,20 +122,19 @@ def locate_megatron_dir(path: str) -> Resolved:
     guessed: Megatron-LM itself would not load any of them.
     """
     storage = open_storage(path, "source")
-    path = storage.root
-    if not storage.file_system:
-        return Resolved(path)  # the reader finds a run prefix's tracker itself (read.dcp)
-    if not os.path.isdir(path) or is_checkpoint_dir(path):
+    path, root = storage.root, storage.path()   # a Path, or a str with its methods over objects
+    if not root.is_dir() or is_checkpoint_dir(path):
         return Resolved(path)  # missing, a file, or the checkpoint itself: the reader's messages apply
     it = read_tracker(path)
-    iters = sorted(n for n in os.listdir(path) if parse_iteration_dir_name(n) is not None)
+    iters = sorted(p.name for p in root.glob("iter_*") if parse_iteration_dir_name(p.name) is not None)
     if it is None:
         if iters:
             raise BridgeError(f"{path}: a Megatron run directory without {TRACKER_NAME} (Megatron-LM would start "
                               f"from scratch); give the iteration directory, e.g. {os.path.join(path, iters[-1])}")
         return Resolved(path)
-    sub = os.path.join(path, RELEASE if it == RELEASE else iteration_dir_name(it))
-    if not os.path.isdir(sub):
+    name = RELEASE if it == RELEASE else iteration_dir_name(it)
+    sub = os.path.join(path, name)
+    if not (root / name).is_dir():
         have = f"; it has {', '.join(iters[-3:])}" if iters else ""
         raise BridgeError(f"{os.path.join(path, TRACKER_NAME)} names iteration {it} but {sub} does not exist{have}; "
                           f"fix the tracker or give the iteration directory")
@@ -167,12 +169,9 @@ def plan_run_dir(dst: str, iteration: int) -> RunDirTarget:
 
     DST is either the run directory (new, empty, or a Megatron run directory: one with a tracker or
     `iter_*` directories) or an `iter_<step, 7 digits>` directory in one, whose number must be `iteration`.
+    The same rules hold for an s3:// / gs:// run prefix (read through `bridge.store.Storage`).
     """
-    storage = open_storage(dst, "destination")
-    if not storage.file_system:
-        return _plan_remote_run_dir(storage, iteration)
-    dst = storage.root
-    dst = os.path.abspath(dst).rstrip("/") or "/"
+    dst = absolute(open_storage(dst, "destination").root).rstrip("/") or "/"
     name = os.path.basename(dst)
     named = parse_iteration_dir_name(name)
     if named is not None:
@@ -185,51 +184,24 @@ def plan_run_dir(dst: str, iteration: int) -> RunDirTarget:
     else:
         run_dir = dst
     iter_dir = os.path.join(run_dir, iteration_dir_name(iteration))
-    if os.path.lexists(run_dir):
-        if not os.path.isdir(run_dir):
+    run = open_storage(run_dir)
+    if run.occupied():
+        root = run.path()   # a Path, or a str with its methods over objects
+        if not root.is_dir():
             raise BridgeError(f"{run_dir} exists and is not a directory; give a new or a Megatron run directory")
         if is_checkpoint_dir(run_dir):
             raise BridgeError(f"{run_dir} is itself a checkpoint; give a new run directory, or its parent run directory")
         # a temp dir of an earlier killed run is not the user's: the claim decides about it
-        entries = [n for n in os.listdir(run_dir) if not n.endswith(".orbax-checkpoint-tmp")]
+        entries = [p.name for p in root.glob("*") if not p.name.endswith(TMP_SUFFIX)]
         if entries and named is None and TRACKER_NAME not in entries and \
                 not any(parse_iteration_dir_name(n) is not None for n in entries):
             raise BridgeError(f"{run_dir} exists and is not a Megatron run directory (no {TRACKER_NAME}, no iter_* "
                               f"directories); give a new directory or an empty one")
-    if os.path.lexists(iter_dir):
+    it = open_storage(iter_dir)
+    # a partial checkpoint of a killed earlier run there (on object storage; locally it is beside): the claim decides
+    if it.occupied() and not it.holds_partial():
         raise BridgeError(f"{iter_dir} already exists; remove it or write to another run directory")
-    previous = read_tracker(run_dir) if os.path.isdir(run_dir) else None
-    return RunDirTarget(run_dir, iter_dir, iteration, previous)
-
-
-def _plan_remote_run_dir(storage: Storage, iteration: int) -> RunDirTarget:
-    """`plan_run_dir` for an s3:// / gs:// DST: the same rules over the objects under the prefix."""
-    dst = storage.root
-    parent, _, name = dst.rpartition("/")
-    named = parse_iteration_dir_name(name)
-    if named is not None and name != iteration_dir_name(iteration):
-        raise BridgeError(f"DST {dst} names iteration {named} but the checkpoint is at step {iteration}: Megatron-LM "
-                          f"would look for {iteration_dir_name(iteration)}; name DST "
-                          f"{parent}/{iteration_dir_name(iteration)} or give the run prefix {parent}")
-    run_dir = parent if named is not None else dst
-    iter_dir = f"{run_dir}/{iteration_dir_name(iteration)}"
-    run = open_storage(run_dir)
-    keys = run.list_keys()
-    top = {k.split("/", 1)[0] for k in keys}
-    if ".metadata" in top or "metadata.json" in top:
-        raise BridgeError(f"{run_dir} is itself a checkpoint; give a new run prefix, or its parent run prefix")
-    if top and named is None and TRACKER_NAME not in top and \
-            not any(parse_iteration_dir_name(n) is not None for n in top):
-        raise BridgeError(f"{run_dir} holds objects but is not a Megatron run prefix (no {TRACKER_NAME}, no iter_* "
-                          f"prefixes); give a new prefix")
-    done = f"{iteration_dir_name(iteration)}/.metadata" in keys
-    if done:
-        raise BridgeError(f"{iter_dir} already exists; remove it or write to another run prefix")
-    # objects of a killed earlier run under iter_dir: the claim decides about them
-    raw = run.read_bytes(TRACKER_NAME)
-    previous = parse_tracker(raw[:4096].decode("utf-8", errors="replace"), f"{run_dir}/{TRACKER_NAME}") \
-        if raw is not None else None
-    return RunDirTarget(run_dir, iter_dir, iteration, previous)
+    return RunDirTarget(run_dir, iter_dir, iteration, read_tracker(run_dir))
 
 
 def write_tracker(run_dir: str, iteration: int) -> None:
