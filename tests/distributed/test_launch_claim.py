@@ -151,3 +151,12 @@ def test_a_claim_already_gone_is_refused(claimed):
     rec = claim.info.record()
     claim.release()
     _refused(dst, rec, "is not visible here" if open_storage(dst).file_system else "is not the claim at")
+
+
+def test_docstring_examples():
+    import doctest
+
+    from bridge.store import claim_info
+
+    res = doctest.testmod(claim_info)
+    assert res.attempted > 0 and res.failed == 0
