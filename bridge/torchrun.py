@@ -23,7 +23,7 @@ import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from bridge.dist import TorchCoordinator
 from bridge.errors import BridgeError
@@ -166,15 +166,30 @@ def check_same_plan(fingerprints: Sequence[str]) -> None:
                           f"version differ); start every rank with the same SRC, DST and flags")
 
 
-def join_claim(stack: ExitStack, tmp: str, dst: str) -> bool:
-    """On a rank other than 0: rank 0's temp directory must be visible here; hold it while writing
-    (so no other run takes it for a stale one)."""
-    storage = open_storage(tmp)
-    if not storage.visible():
-        raise BridgeError(f"rank 0's temporary directory {tmp} for {dst} is not visible here: under torchrun DST "
-                          f"must be on a file system every rank shares, or on s3:// / gs://")
-    stack.enter_context(storage.hold_claim())
-    return True
+def launch_claim(coord: TorchCoordinator, stack: ExitStack, dst: str, make_claim: Callable[[], Any],
+                 marker: str = "_METADATA") -> Any:
+    """The launch's one claim on `dst` (stage "the claim"): rank 0 claims (`make_claim()`, a
+    `bridge.store.claim.Destination`, held in `stack`) and sends the claim's record; every other rank
+    joins it (`Storage.joined`: the record must be a claim of the same `dst` and the claim recorded
+    there; held in use in `stack` while this rank writes). Returns rank 0's claim on rank 0 and a
+    handle on it on the others (its release removes nothing), whose `tmp` the writers write into and
+    which rank 0 commits; a failure on any rank raises the same one-line error on every rank.
+    `marker`: the claim's marker (`Storage.claim`), `.metadata` for a torch_dist iteration."""
+    mine: list[Any] = []
+
+    def claim() -> dict:
+        mine.append(stack.enter_context(make_claim()))
+        return mine[0].info.record()
+
+    record = coord.broadcast("the claim", claim)
+
+    def join() -> bool:
+        if coord.rank != 0:
+            mine.append(stack.enter_context(open_storage(dst, "destination").joined(record, marker)))
+        return True
+
+    coord.all_gather("the claim", join)
+    return mine[0]
 
 
 def _cpu() -> Any:

@@ -14,7 +14,8 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 CLAIM_FILE = ".gtpb-claim.json"
 TOOL = "gtp-bridge"
@@ -43,10 +44,35 @@ class ClaimInfo:
         """The claim in `tmp`, or None when there is none or it is not a gtp-bridge claim."""
         try:
             with open(os.path.join(tmp, CLAIM_FILE)) as f:
-                d = json.load(f)
-            info = cls(**{k: d[k] for k in cls.__dataclass_fields__})
-        except (OSError, ValueError, TypeError, KeyError):
+                return cls.from_record(json.load(f))
+        except (OSError, ValueError):
             return None
+
+    def record(self) -> dict:
+        """The claim as JSON, as its claim file holds it and as it is sent to the other processes of
+        its run (`from_record` reads it back)."""
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, record: Any) -> "ClaimInfo | None":
+        """The claim `record` describes, or None when it is no gtp-bridge claim: not a mapping, a field
+        missing or of another type (untrusted: a claim file, a claim object, what another rank sent).
+
+        >>> ClaimInfo.from_record(ClaimInfo("r", 1, "h", "b", "9", 2.0, "/d").record())
+        ClaimInfo(run_id='r', pid=1, host='h', boot_id='b', pid_start='9', created=2.0, dst='/d', tool='gtp-bridge')
+        >>> ClaimInfo.from_record({"run_id": "r"}), ClaimInfo.from_record([1])
+        (None, None)
+        """
+        if not isinstance(record, dict):
+            return None
+        kinds = {"int": (int,), "float": (int, float), "str": (str,)}
+        values = {}
+        for f in fields(cls):
+            v = record.get(f.name)
+            if isinstance(v, bool) or not isinstance(v, kinds[str(f.type)]):
+                return None
+            values[f.name] = float(v) if f.type == "float" else v
+        info = cls(**values)
         return info if info.tool == TOOL else None
 
     def describe(self) -> str:

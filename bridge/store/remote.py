@@ -42,7 +42,7 @@ from bridge.errors import BridgeError
 from bridge.format.sharding_file import SHARDING_FILE
 from bridge.location import is_remote, parse_url
 from bridge.store import kvstore as kv
-from bridge.store.claim_info import TOOL, ClaimInfo, boot_id, process_alive
+from bridge.store.claim_info import ClaimInfo, boot_id, process_alive
 from bridge.store.held import HeldDestination, forget, hold
 
 CLAIM_KEY = "_gtpb_claim.json"
@@ -91,11 +91,9 @@ def _parse_claim(data: bytes | None) -> ClaimInfo | None:
     if data is None:
         return None
     try:
-        d = json.loads(data)
-        info = ClaimInfo(**{k: d[k] for k in ClaimInfo.__dataclass_fields__})
-    except (ValueError, TypeError, KeyError):
+        return ClaimInfo.from_record(json.loads(data))
+    except ValueError:
         return None
-    return info if info.tool == TOOL else None
 
 
 def _writer_gone(info: ClaimInfo) -> bool:

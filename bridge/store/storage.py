@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Iterable
 
+from bridge.errors import BridgeError
 from bridge.location import Location, is_remote, join, location
 
 
@@ -99,6 +100,38 @@ class Storage(ABC):
     def hold_claim(self):
         """For a writer process of a multi-process run: a context manager keeping the claim another
         process made on `root` (its temporary directory) in use while this process writes."""
+
+    @contextlib.contextmanager
+    def joined(self, record: object, marker: str = "_METADATA"):
+        """For a process of a multi-process run that writes into the claim another of its processes
+        made here and sent as `record` (`ClaimInfo.record()`, JSON): a handle (`Destination`) on that
+        claim, held in use while the block runs (`hold_claim`); its `release()` removes nothing
+        (`HeldDestination.made_here`). BridgeError (one line) when the record is no gtp-bridge claim,
+        is a claim of another destination, or is not the claim recorded here (forged, or replaced)."""
+        from bridge.store.claim_info import ClaimInfo
+
+        info = ClaimInfo.from_record(record)
+        if info is None:
+            raise BridgeError(f"the claim record sent for {self.root} is not a gtp-bridge claim; every process of "
+                              f"the run must run the same gtp-bridge version")
+        handle = self.handle(info, marker)
+        claimed_dst = open_storage(info.dst).handle(info, marker).dst   # both as the handle resolves them
+        if claimed_dst != handle.dst:
+            raise BridgeError(f"the claim sent for {handle.dst} is a claim of {claimed_dst}; start every process "
+                              f"of the run with the same destination")
+        tmp = open_storage(handle.tmp)
+        if not tmp.visible():
+            raise BridgeError(f"the temporary directory {handle.tmp} claimed for {handle.dst} is not visible here: "
+                              f"every process of the run must share its file system (or write to s3:// / gs://)")
+        with tmp.hold_claim():   # before the check: the claim checked is the one held
+            try:
+                found = self.claimed(marker).info
+            except BridgeError:
+                found = None
+            if found != info:
+                raise BridgeError(f"the claim sent for {handle.dst} (run {info.run_id[:8]}, pid {info.pid} on "
+                                  f"{info.host}) is not the claim at {handle.tmp}; nothing was written")
+            yield handle
 
     @abstractmethod
     def check_sources(self, sources: Iterable[str | os.PathLike]) -> None:

@@ -9,8 +9,9 @@ step goes through the launch's coordinator (`bridge.dist.TorchCoordinator`): a f
 raises the same one-line error on every rank, naming the rank, and nothing is committed.
 
   planning    every rank plans; the plans' fingerprints must agree (same source, flags, version)
-  the claim   rank 0 claims DST, the one claim of the launch; the others see its temp directory
-              (a file system every rank shares, or s3:// / gs://) and hold it while they write
+  the claim   rank 0 claims DST, the one claim of the launch, and sends the claim's record; the
+              others join that claim (`bridge.torchrun.launch_claim`: its temp directory on a file
+              system every rank shares, or s3:// / gs://) and hold it while they write
   writing     each rank runs its writers (their reports are published into the temp directory)
               and checks the CRC-32s of the source records they read
   the commit  rank 0 merges every writer's database (`ocdbt.process_<w>.<s>`) and publishes
@@ -33,7 +34,7 @@ from bridge.location import basename
 from bridge.progress import progress
 from bridge.store.claim import claim_destination
 from bridge.store.commit import commit_checkpoint
-from bridge.torchrun import Ranks, _testing_fault, check_same_plan, command_ranks, join_claim, launched_world
+from bridge.torchrun import Ranks, _testing_fault, check_same_plan, command_ranks, launch_claim, launched_world
 from bridge.units import human_bytes
 from bridge.format.manifest import REPLICAS_KEY
 from converters.megatron import replicas
@@ -78,7 +79,6 @@ def _convert(ranks: Ranks, cp: ConvertPlan | None, plan_error: BaseException | N
     coord = ranks.coord
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
-    mine: dict[str, Any] = {}
 
     def plan() -> str:
         if plan_error is not None:
@@ -92,16 +92,11 @@ def _convert(ranks: Ranks, cp: ConvertPlan | None, plan_error: BaseException | N
         opts.announce(ranks_line(coord.world, cp, budget, asked_workers))
     timings["plan"] = phases["plan"] + time.perf_counter() - t_start
     with ExitStack() as stack:
-        def claim() -> str:
-            mine["claim"] = stack.enter_context(claim_destination(dst, sources=[src_dir, str(cp.ck.root)]))
-            return mine["claim"].tmp
-
         with _phase(phases, "claim"):
-            tmp = coord.broadcast("the claim", claim)
-            coord.all_gather("the claim", lambda: coord.rank == 0 or join_claim(stack, tmp, dst))
+            claim = launch_claim(coord, stack, dst, lambda: claim_destination(dst, sources=[src_dir, str(cp.ck.root)]))
         t0 = time.perf_counter()
         with _phase(phases, "barrier"):
-            shares = coord.all_gather("writing", lambda: _write(ranks, cp, tmp, dst, opts, phases, pool))
+            shares = coord.all_gather("writing", lambda: _write(ranks, cp, claim.tmp, dst, opts, phases, pool))
         timings["write"] = time.perf_counter() - t0
         # the barrier is the wait for the slowest rank after this one's share was written
         phases["barrier"] = round(phases["barrier"] - phases["write"], 3)
@@ -110,8 +105,7 @@ def _convert(ranks: Ranks, cp: ConvertPlan | None, plan_error: BaseException | N
         replica_rec = record_replicas(cp.manifest, cp.units, [replicas.BlockDiff(**d) for s in shares for d in s["replicas"]],
                                       opts.strict_replicas)
         with _phase(phases, "commit"):
-            coord.broadcast("the commit", lambda: commit_checkpoint(mine["claim"], cp.plan, cp.manifest,
-                                                                    timeout=60.0))
+            coord.broadcast("the commit", lambda: commit_checkpoint(claim, cp.plan, cp.manifest, timeout=60.0))
         timings["commit"] = time.perf_counter() - t0
     warnings = [w for s in shares for w in s["warnings"]] + replicas.report_lines(replica_rec)
     if coord.rank == 0:

@@ -4,14 +4,15 @@ and commits once.
     torchrun --nnodes N --nproc-per-node P ... gtp-bridge from-maxtext gs://run/checkpoints/1000 DST --workers W
     torchrun --nnodes N --nproc-per-node P ... gtp-bridge to-maxtext s3://ckpts/logical gs://run/checkpoints
 
-Every rank plans alike (`maxtext_stream.plan_job` for W writers per rank, so the job has W x ranks
+Every rank plans alike (`maxtext_job.plan_job` for W writers per rank, so the job has W x ranks
 writers in all) and runs the writers of its contiguous share of writer ids
 (`bridge.layout.shares.contiguous_parts`, the rule the blocks go to writers by), with its own budget.
 The steps go through the launch's coordinator (`bridge.dist.TorchCoordinator`), as `convert`'s do
-(`converters.megatron.distributed`): the plans' fingerprints must agree; rank 0 claims DST, the other
-ranks see and hold its temp directory (a shared file system, or s3:// / gs://); each rank's writers'
-reports are gathered and rank 0 commits them after the barrier. A failure on any rank raises the same
-one-line error on every rank, naming the rank, and nothing is committed. `to-maxtext` writes a step of
+(`converters.megatron.distributed`): the plans' fingerprints must agree; rank 0 claims DST and sends
+the claim's record, the other ranks join and hold that claim (`bridge.torchrun.launch_claim`: a
+shared file system, or s3:// / gs://); each rank's writers' reports are gathered and rank 0 commits
+them after the barrier. A failure on any rank raises the same one-line error on every rank, naming
+the rank, and nothing is committed. `to-maxtext` writes a step of
 a MaxText root: rank 0 alone makes the step (`write_step_ranks`), the ranks write its item together.
 """
 
@@ -22,7 +23,8 @@ from typing import Any, Callable, Sequence
 
 from bridge.errors import BridgeError
 from bridge.layout.shares import contiguous_parts
-from bridge.torchrun import Ranks, _testing_fault, check_same_plan, command_ranks, join_claim
+from bridge.jaxside.presets.maxtext_job import StreamOutput, StreamWriterJob
+from bridge.torchrun import Ranks, _testing_fault, check_same_plan, command_ranks, launch_claim
 
 
 def writers_of(rank: int, world: int, writers: int) -> list[int]:
@@ -35,38 +37,32 @@ def writers_of(rank: int, world: int, writers: int) -> list[int]:
     return [w for w, r in enumerate(parts) if r == rank]
 
 
-def run_job_ranks(ranks: Ranks, src: str, dst: str, plan: Any, total: int, label: str, show_progress: bool | None,
+def run_job_ranks(ranks: Ranks, wj: StreamWriterJob, out: StreamOutput,
                   write_share: Callable[[str, Sequence[int], Any], list[dict]],
-                  commit: Callable[[str, Any, list[dict]], str]) -> str:
-    """One rank's part of a streamed MaxText move into `dst` (`plan`: the job's `WritePlan`);
-    `write_share(tmp, writer_ids, bar)` runs this rank's writers and returns their reports,
-    `commit(dst, claim, reports)` is rank 0's commit. Returns dst on every rank."""
+                  commit: Callable[[Any, list[dict]], str]) -> str:
+    """One rank's part of the streamed MaxText move `wj` into `out.dst`: `write_share(tmp, writer_ids,
+    bar)` runs this rank's writers and returns their reports, `commit(claim, reports)` is rank 0's
+    commit. Returns dst on every rank."""
     from bridge.progress import progress
     from bridge.store.claim import claim_destination
 
-    coord = ranks.coord
+    coord, plan, dst = ranks.coord, wj.job.plan, out.dst
     check_same_plan(coord.all_gather("planning", plan.fingerprint))
-    mine: dict[str, Any] = {}
     with ExitStack() as stack:
-        def claim() -> str:
-            mine["claim"] = stack.enter_context(claim_destination(dst, sources=[src]))
-            return mine["claim"].tmp
-
-        tmp = coord.broadcast("the claim", claim)
-        coord.all_gather("the claim", lambda: coord.rank == 0 or join_claim(stack, tmp, dst))
+        claim = launch_claim(coord, stack, dst, lambda: claim_destination(dst, sources=[wj.src]))
         ids = writers_of(coord.rank, coord.world, plan.num_writers)
 
         def write() -> list[dict]:
-            enabled = show_progress if coord.rank == 0 else False
-            with progress(total, label, enabled=enabled) as bar, ranks.counter.watch(bar) as update:
-                reports = write_share(tmp, ids, update)
+            enabled = out.show_progress if coord.rank == 0 else False
+            with progress(wj.job.nbytes, out.label, enabled=enabled) as bar, ranks.counter.watch(bar) as update:
+                reports = write_share(claim.tmp, ids, update)
             _testing_fault(coord.rank)
             return reports
 
         reports = [r for share in coord.all_gather("writing", write) for r in share]
         if len(reports) != plan.num_writers:
             raise BridgeError(f"{dst}: {len(reports)} writer reports for {plan.num_writers} writers")
-        coord.broadcast("the commit", lambda: commit(dst, mine["claim"], reports))
+        coord.broadcast("the commit", lambda: commit(claim, reports))
     return dst
 
 

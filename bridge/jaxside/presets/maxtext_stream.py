@@ -31,13 +31,13 @@ from bridge.worker_life import die_with_parent, testing_hold
 from bridge.format import schema
 from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, _value_forward, _value_inverse, block_for,
                                            check_llama, maxtext_moe_module, maxtext_overrides)
+from bridge.jaxside.presets.maxtext_job import StreamOutput, StreamWriterJob, plan_job
 from bridge.jaxside.presets.maxtext_moe import block_of_module, logical_topk
-from bridge.jaxside.presets.maxtext_plan import (MT_ADAM, Move, arrange_block, blocks_of, chunk_shape,
+from bridge.jaxside.presets.maxtext_plan import (MT_ADAM, Move, arrange_block,
                                                 moves_from_maxtext, moves_to_maxtext, source_box)
 from bridge.format.manifest import Manifest
 from bridge.jaxside.presets.maxtext_schedule import MaxTextRunSchedule, ScheduleOptions, plan_schedule, with_scheduler
 from bridge.layout.boxes import Box
-from bridge.layout.shares import contiguous_parts
 from bridge.location import absolute, basename, join, location
 from bridge.budget import ShareSplit, per_worker, split_share
 from bridge.machine import MIN_BYTES_PER_WORKER, default_budget, default_workers, mem_available, return_freed_memory
@@ -75,49 +75,6 @@ def _split(budget: int, workers: int) -> ShareSplit:
 # ------------------------------------------------------------------------------------ planning
 
 
-@dataclass(frozen=True)
-class Job:
-    """The blocks of a conversion and who writes them."""
-
-    moves: list[Move]
-    blocks: list[tuple[int, Box]]      # (move index, output box): one output chunk each
-    owners: list[int]
-    workers: int
-    plan: Any                          # bridge.store.plan.WritePlan
-
-
-def plan_job(moves: Sequence[Move], scalars: Mapping[Path, np.ndarray], workers: int, share: ShareSplit, *,
-             empty_paths: Sequence[Path] = (), stacked_outputs: bool = True, max_chunk_bytes: int = 1 << 30) -> Job:
-    """Cut every output on its chunk grid, give contiguous runs of chunks to `workers` writers, and
-    build the write plan (scalars to writer 0). `stacked_outputs=False`: the outputs have no leading
-    stacked axis (MaxText's layer axis is the second), so inner chunks are cut freely."""
-    from bridge.layout.chunks import ArrayOwnership, grid_shape
-    from bridge.store.plan import ArraySpec, make_write_plan
-
-    blocks: list[tuple[int, Box]] = []
-    chunks = []
-    for i, m in enumerate(moves):
-        cs = chunk_shape(m, np.dtype(m.dtype).itemsize, min(share.block, max_chunk_bytes))
-        chunks.append(cs)
-        blocks += [(i, b) for b in blocks_of(m.shape, cs)]
-    workers = max(1, min(workers, len(blocks)))
-    owners = contiguous_parts([b.size * np.dtype(moves[i].dtype).itemsize for i, b in blocks], workers)
-    catalog, ownership, stacked = [], {}, {}
-    grids = {i: np.zeros(grid_shape(m.shape, chunks[i]), dtype=np.int32) for i, m in enumerate(moves)}
-    for (i, b), w in zip(blocks, owners):
-        grids[i][tuple(s // c for s, c in zip(b.start, chunks[i]))] = w
-    for i, m in enumerate(moves):
-        catalog.append(ArraySpec(m.dst, m.shape, m.dtype))
-        ownership[m.dst] = ArrayOwnership(m.shape, chunks[i], grids[i])
-        if not stacked_outputs:
-            stacked[m.dst] = 0
-    for p, a in scalars.items():
-        catalog.append(ArraySpec(p, (), a.dtype.name))
-        ownership[p] = ArrayOwnership((), (), np.zeros((), dtype=np.int32))
-    plan = make_write_plan(catalog, workers, ownership, empty_paths=empty_paths, stacked=stacked)
-    return Job(list(moves), blocks, owners, workers, plan)
-
-
 def check_sources(moves: Sequence[Move], shapes: Mapping[Path, Sequence[int]], where: str) -> None:
     """Every source array has the shape its layout needs (else a block would read a wrong region)."""
     from bridge.jaxside.presets.maxtext import pattern_shape
@@ -140,37 +97,37 @@ def transform(move: Move, block: np.ndarray, dims: Dims, opts: Options, forward:
     return np.ascontiguousarray(f(block, move.leaf, move.kind, dims, opts), dtype=move.dtype)
 
 
-def write_blocks(src: str, tmp: str, job: Job, writer_id: int, share: ShareSplit, dims: Dims, opts: Options,
-                 forward: bool, scalars: Mapping[Path, np.ndarray], on_progress=None) -> dict:
-    """Writer `writer_id`'s blocks: read each source box, rearrange, transform, write; its report."""
+def write_blocks(wj: StreamWriterJob, tmp: str, writer_id: int, on_progress=None) -> dict:
+    """Writer `writer_id`'s blocks of `wj` into the claimed temporary directory `tmp`: read each
+    source box, rearrange, transform, write; its report."""
     from bridge.store.reader import open_checkpoint
     from bridge.store.writer import CheckpointWriter
 
     return_freed_memory()
-    ck = open_checkpoint(src)
-    writer = CheckpointWriter(tmp, job.plan, writer_id, batch_bytes=share.batch)
+    job = wj.job
+    ck = open_checkpoint(wj.src)
+    writer = CheckpointWriter(tmp, job.plan, writer_id, batch_bytes=wj.share.batch)
     for (i, box), w in zip(job.blocks, job.owners):
         if w != writer_id:
             continue
         m = job.moves[i]
         path, sbox = source_box(m, box)
-        y = transform(m, arrange_block(m, box, ck.read(path, sbox)), dims, opts, forward)
+        y = transform(m, arrange_block(m, box, ck.read(path, sbox)), wj.dims, wj.opts, wj.forward)
         writer.write(m.dst, box, y, donate=True)
         if on_progress:
             on_progress(y.nbytes)
         del y
         testing_hold(writer_id)
     if writer_id == 0:
-        for p, a in scalars.items():
+        for p, a in wj.scalars.items():
             writer.write(p, Box((), ()), np.asarray(a))
     return writer.finish(publish=False)
 
 
-def _worker_main(q, args) -> None:  # pragma: no cover - subprocess
+def _worker_main(q, wj: StreamWriterJob, tmp: str, w: int) -> None:  # pragma: no cover - subprocess
     die_with_parent()   # a SIGKILLed command leaves no writer behind
-    w = args[3]
     try:
-        rep = write_blocks(*args, on_progress=lambda n: q.put(("p", w, n)))
+        rep = write_blocks(wj, tmp, w, on_progress=lambda n: q.put(("p", w, n)))
         q.put(("ok", w, rep))
         q.close()
         q.join_thread()
@@ -184,42 +141,42 @@ def _worker_main(q, args) -> None:  # pragma: no cover - subprocess
         traceback.print_exc(file=sys.stderr)
 
 
-def run_job(src: str, dst: str, job: Job, share: ShareSplit, dims: Dims, opts: Options, forward: bool,
-            scalars: Mapping[Path, np.ndarray], manifest, label: str, show_progress: bool | None,
-            ranks=None) -> str:
-    """Claim `dst`, run the writers (in process for one), commit once; returns dst. Under torchrun
-    (`ranks`, a `bridge.torchrun.Ranks`, or a launch this call joins) this rank's share of the writers."""
+def run_job(wj: StreamWriterJob, out: StreamOutput, ranks=None) -> str:
+    """Claim `out.dst`, run the writers of `wj` (in process for one), commit once; returns dst. Under
+    torchrun (`ranks`, a `bridge.torchrun.Ranks`, or a launch this call joins) this rank's share of
+    the writers."""
     from bridge.store.claim import claim_destination
     from bridge.store.commit import commit_checkpoint
     from bridge.torchrun import command_ranks
 
-    total = sum(b.size * np.dtype(job.moves[i].dtype).itemsize for i, b in job.blocks)
+    job = wj.job
 
     def write_share(tmp: str, ids, bar) -> list[dict]:
         if len(ids) == 1:   # one writer here: in this process
-            return [write_blocks(src, tmp, job, ids[0], share, dims, opts, forward, scalars, bar.update)]
-        return _run_parallel([(src, tmp, job, w, share, dims, opts, forward, scalars) for w in ids], bar) if ids else []
+            return [write_blocks(wj, tmp, ids[0], bar.update)]
+        return _run_parallel(wj, tmp, ids, bar) if ids else []
 
-    def commit(d: str, claim, reports: list[dict]) -> str:
-        return commit_checkpoint(claim, job.plan, manifest, timeout=60.0, reports=reports)
+    def commit(claim, reports: list[dict]) -> str:
+        return commit_checkpoint(claim, job.plan, out.manifest, timeout=60.0, reports=reports)
 
     if ranks is not None or launched_world() > 1:   # a rank of a torchrun launch: its share of the writers
         from bridge.jaxside.presets.maxtext_ranks import run_job_ranks
 
         if ranks is not None:
-            return run_job_ranks(ranks, src, dst, job.plan, total, label, show_progress, write_share, commit)
-        with command_ranks(f"{label.split()[0]} to {dst}") as joined:
-            return run_job_ranks(joined, src, dst, job.plan, total, label, show_progress, write_share, commit)
-    with claim_destination(dst, sources=[src]) as claim:
-        with progress(total, label, enabled=show_progress) as bar:
+            return run_job_ranks(ranks, wj, out, write_share, commit)
+        with command_ranks(f"{out.label.split()[0]} to {out.dst}") as joined:
+            return run_job_ranks(joined, wj, out, write_share, commit)
+    with claim_destination(out.dst, sources=[wj.src]) as claim:
+        with progress(job.nbytes, out.label, enabled=out.show_progress) as bar:
             reports = write_share(claim.tmp, list(range(job.workers)), bar)
-        return commit(dst, claim, reports)
+        return commit(claim, reports)
 
 
-def _run_parallel(args: list[tuple], bar) -> list[dict]:
+def _run_parallel(wj: StreamWriterJob, tmp: str, ids: Sequence[int], bar) -> list[dict]:
+    """One spawned process per writer id of `ids`, each sent `wj` once; their reports in id order."""
     ctx = mp.get_context("spawn")   # TensorStore aborts in a forked child once the parent used it
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker_main, args=(q, a), daemon=True) for a in args]
+    procs = [ctx.Process(target=_worker_main, args=(q, wj, tmp, w), daemon=True) for w in ids]
     done: dict[int, dict] = {}
     errors: list[str] = []
     try:
@@ -361,9 +318,11 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
                  "custom_metadata": {"scan_layers": scan_layers}}
     from bridge.store.durable import json_bytes
 
+    writers = StreamWriterJob(src, job, share, dims, opts, forward=True, scalars=scalars)
+
     def write(item: str, ranks=None) -> int:
-        run_job(src, item, job, share, dims, opts, True, scalars, None, f"to-maxtext {basename(dst_root)}",
-                stream.show_progress, ranks=ranks)
+        run_job(writers, StreamOutput(item, None, f"to-maxtext {basename(dst_root)}", stream.show_progress),
+                ranks=ranks)
         return dir_step
 
     files = {SIDECAR: json_bytes(sidecar)}
@@ -500,7 +459,7 @@ def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Opt
     job = plan_job(moves, scalars, workers * launched_world(), share, empty_paths=schema.adamw_empty_paths())
     if stream.announce:
         stream.announce(budget_line("from-maxtext", job.workers, budget))
-    run_job(items, dst, job, share, dims, opts, False, scalars, man, f"from-maxtext {basename(dst)}",
-            stream.show_progress)
+    run_job(StreamWriterJob(items, job, share, dims, opts, forward=False, scalars=scalars),
+            StreamOutput(dst, man, f"from-maxtext {basename(dst)}", stream.show_progress))
     return {"dst": dst, "items": items, "trained_steps": step, "adam_count": count, "dims": asdict(dims),
             "options": asdict(opts), "sidecar": side is not None}

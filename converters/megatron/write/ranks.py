@@ -8,8 +8,9 @@ runs its run on W threads, each writing its own file `__<r*W + i>_0.distcp`. Thr
 coordinator, so a failure on any rank raises the same line on every rank and nothing is published:
 
   planning    every rank plans; the plans must agree (same iteration, same chunks)
-  the claim   rank 0 claims the iteration directory (one claim for the launch); the other ranks see
-              its temp directory (a shared file system, or s3:// / gs://) and hold it while writing
+  the claim   rank 0 claims the iteration directory (one claim for the launch) and sends the claim's
+              record; the other ranks join it (`bridge.torchrun.launch_claim`: its temp directory on
+              a shared file system, or s3:// / gs://) and hold it while writing
   writing     each rank writes its files (rank 0 also the common state and DistOpt objects) and
               sends where every blob went (`Written`, JSON) to the others
   the commit  rank 0 writes `.metadata` / `metadata.json` over every rank's blobs, publishes the
@@ -28,7 +29,7 @@ from bridge.errors import BridgeError
 from bridge.layout.shares import contiguous_parts
 from bridge.progress import progress
 from bridge.store import open_storage
-from bridge.torchrun import Ranks, _testing_fault, command_ranks, join_claim
+from bridge.torchrun import Ranks, _testing_fault, command_ranks, launch_claim
 from converters.megatron.read.rundir import write_tracker
 from converters.megatron.write.torch_dist import (MegatronPlan, OpenFile, Stats, Written, publish_iteration, take_back,
                                                   write_files)
@@ -65,13 +66,12 @@ def _write(ranks: Ranks, mp: MegatronPlan, open_file: OpenFile | None, show_prog
     state: dict[str, Any] = {"published": False, "created_run": False}
     try:
         with ExitStack() as stack:  # leaving it by an error releases rank 0's claim (its temp directory)
-            def claim() -> str:
+            def claim():
                 state["created_run"] = open_storage(where.run_dir).make_dirs()
-                state["claim"] = stack.enter_context(mp.claim())
-                return state["claim"].tmp
+                return mp.claim()
 
-            tmp = coord.broadcast("the claim", claim)
-            coord.all_gather("the claim", lambda: coord.rank == 0 or join_claim(stack, tmp, mp.where.iter_dir))
+            state["claim"] = launch_claim(coord, stack, where.iter_dir, claim, marker=".metadata")
+            tmp = state["claim"].tmp
             shares = coord.all_gather("writing", lambda: _write_share(ranks, mp, tmp, open_file, mine, show_progress))
             coord.broadcast("the commit", lambda: _commit(mp, state, shares))
     except BaseException:
