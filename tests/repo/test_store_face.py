@@ -26,8 +26,6 @@ PRODUCT = ("bridge", "converters", "scripts")
 INTERNAL_IMPORTS_ALLOWED = {
     "bridge/jaxside/save.py", "bridge/jaxside/remote.py", "bridge/jaxside/abstract.py", "bridge/jaxside/naming.py",
     "bridge/commands/demo.py",                                                                        # fold32
-    "bridge/jaxside/presets/maxtext_stream.py", "bridge/jaxside/presets/maxtext_ranks.py",
-    "bridge/jaxside/presets/maxtext_ckpt.py", "converters/megatron/distributed.py",                    # chains32
     "bridge/live/writer_process.py", "bridge/live/export.py",                                            # abort33
 }
 #: Where a location is handed to a library that takes a file path (Orbax, MaxText's reader), in files

@@ -111,7 +111,7 @@ def _scalar(ck: Any, p: Path, name: str) -> int:
 def read_logical(src: str) -> tuple[Manifest | None, dict[str, dict[Path, np.ndarray]], int, int]:
     """(manifest, {role: {param path: array}} for the masters and both moments, Adam count, step) of a
     logical checkpoint."""
-    from bridge.store.reader import open_checkpoint
+    from bridge.store import open_checkpoint
 
     ck = open_checkpoint(src)
     trees: dict[str, dict[Path, np.ndarray]] = {r: {} for r in ROLES}
@@ -359,7 +359,7 @@ def read_maxtext_tree(items: str, side: Sidecar | None = None) -> tuple[dict[str
     """({role: {path under MaxText's params: array}} for masters and moments, Adam count, step) of an items dir.
 
     Every array's metadata is checked first (`_check_tree`), the count and step range-checked."""
-    from bridge.store.reader import open_checkpoint
+    from bridge.store import open_checkpoint
 
     ck = open_checkpoint(items)
     trees: dict[str, dict[Path, np.ndarray]] = {r: {} for r in ROLES}

@@ -74,7 +74,7 @@ def plan_job(moves: Sequence[Move], scalars: Mapping[Path, np.ndarray], workers:
     build the write plan (scalars to writer 0). `stacked_outputs=False`: the outputs have no leading
     stacked axis (MaxText's layer axis is the second), so inner chunks are cut freely."""
     from bridge.layout.chunks import ArrayOwnership, grid_shape
-    from bridge.store.plan import ArraySpec, make_write_plan
+    from bridge.store import ArraySpec, make_write_plan
 
     blocks: list[tuple[int, Box]] = []
     chunks = []

@@ -44,7 +44,7 @@ def run_job_ranks(ranks: Ranks, wj: StreamWriterJob, out: StreamOutput,
     bar)` runs this rank's writers and returns their reports, `commit(claim, reports)` is rank 0's
     commit. Returns dst on every rank."""
     from bridge.progress import progress
-    from bridge.store.claim import claim_destination
+    from bridge.store import claim_destination
 
     coord, plan, dst = ranks.coord, wj.job.plan, out.dst
     check_same_plan(coord.all_gather("planning", plan.fingerprint))

@@ -100,8 +100,8 @@ def transform(move: Move, block: np.ndarray, dims: Dims, opts: Options, forward:
 def write_blocks(wj: StreamWriterJob, tmp: str, writer_id: int, on_progress=None) -> dict:
     """Writer `writer_id`'s blocks of `wj` into the claimed temporary directory `tmp`: read each
     source box, rearrange, transform, write; its report."""
-    from bridge.store.reader import open_checkpoint
-    from bridge.store.writer import CheckpointWriter
+    from bridge.store import open_checkpoint
+    from bridge.store import CheckpointWriter
 
     return_freed_memory()
     job = wj.job
@@ -145,8 +145,8 @@ def run_job(wj: StreamWriterJob, out: StreamOutput, ranks=None) -> str:
     """Claim `out.dst`, run the writers of `wj` (in process for one), commit once; returns dst. Under
     torchrun (`ranks`, a `bridge.torchrun.Ranks`, or a launch this call joins) this rank's share of
     the writers."""
-    from bridge.store.claim import claim_destination
-    from bridge.store.commit import commit_checkpoint
+    from bridge.store import claim_destination
+    from bridge.store import commit_checkpoint
     from bridge.torchrun import command_ranks
 
     job = wj.job
@@ -257,8 +257,8 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
     """
     from bridge.jaxside.presets import maxtext_ckpt as mc
     from bridge.jaxside.manifest_view import scheduler_of
-    from bridge.store.manager import check_step_free, write_step
-    from bridge.store.reader import open_checkpoint
+    from bridge.store import check_step_free, write_step
+    from bridge.store import open_checkpoint
 
     stream = stream or StreamOptions()
     src, dst_root = absolute(location(src, "source")), absolute(location(dst_root, "destination"))
@@ -316,7 +316,7 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
     step_meta = {"item_handlers": {ITEMS: ITEMS_HANDLER}, "metrics": {}, "performance_metrics": {},
                  "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now,
                  "custom_metadata": {"scan_layers": scan_layers}}
-    from bridge.store.durable import json_bytes
+    from bridge.store import json_bytes
 
     writers = StreamWriterJob(src, job, share, dims, opts, forward=True, scalars=scalars)
 
@@ -392,7 +392,7 @@ def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Opt
     """
     from bridge.jaxside.presets import maxtext_ckpt as mc
     from bridge.jaxside.presets.maxtext import active_table
-    from bridge.store.reader import open_checkpoint
+    from bridge.store import open_checkpoint
 
     stream = stream or StreamOptions()
     src, dst = absolute(location(src, "source")), absolute(location(dst, "destination"))
