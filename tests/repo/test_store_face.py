@@ -29,9 +29,9 @@ INTERNAL_IMPORTS_ALLOWED = {
     "bridge/live/writer_process.py", "bridge/live/export.py",                                            # abort33
 }
 #: Where a location is handed to a library that takes a file path (Orbax, MaxText's reader), in files
-#: other helpers own this session (fold32; chains32's maxtext_stream): switched by the coordinator after merge.
+#: other helpers own this session (fold32): switched by the coordinator after merge.
 FILE_SYSTEM_ALLOWED = {"bridge/jaxside/save.py", "bridge/jaxside/restore.py", "bridge/jaxside/abstract.py",
-                       "bridge/commands/demo.py", "bridge/jaxside/presets/maxtext_stream.py"}
+                       "bridge/commands/demo.py"}
 
 
 def _product_files(root: Path):

@@ -34,7 +34,9 @@ from bridge.format.manifest import (MAXTEXT_KEY, MEGATRON_KEY, Manifest, Megatro
 from bridge.jaxside.presets.maxtext import (Dims, Hyper, Options, adamw_mask_patterns, decayed, maxtext_moe_module,
                                            maxtext_shapes)
 from bridge.jaxside.presets.maxtext_moe import block_of_module, check_moe_args
+from bridge.location import absolute, basename, join
 from bridge.progress import progress
+from bridge.store import open_storage
 
 SIDECAR = "gtp_bridge_maxtext.json"
 ITEMS = "items"
@@ -208,33 +210,60 @@ def train_state(params: Mapping[Path, np.ndarray], mu: Mapping[Path, np.ndarray]
 
 
 def find_items(src: str) -> str:
-    """The `items` directory of a MaxText checkpoint given as a root (latest step), a step dir or `items/`."""
-    src = os.path.abspath(src)
-    if os.path.basename(src) == ITEMS and os.path.isdir(src):
-        return src
-    if os.path.isdir(os.path.join(src, ITEMS)):
-        return os.path.join(src, ITEMS)
-    steps = sorted(int(n) for n in (os.listdir(src) if os.path.isdir(src) else [])
-                   if n.isdigit() and os.path.isdir(os.path.join(src, n, ITEMS)))
+    """The `items` directory of a MaxText checkpoint given as a root (latest step), a step directory or
+    `items/` itself, on a file system or object storage alike (a path made absolute, or the URL): an
+    items directory counts once its `_METADATA` is there (Orbax writes it last)."""
+    storage = open_storage(src, "source")
+    root = absolute(storage.root)
+    if basename(root) == ITEMS and storage.exists("_METADATA"):
+        return root
+    if storage.exists(f"{ITEMS}/_METADATA"):
+        return join(root, ITEMS)
+    steps = _steps_holding(storage, f"{ITEMS}/_METADATA")
     if not steps:
         raise BridgeError(f"{src} is not a MaxText checkpoint (no items/ and no <step>/items/); pass its root, "
                           f"a step directory or the items directory")
-    return os.path.join(src, str(steps[-1]), ITEMS)
+    return join(root, str(steps[-1]), ITEMS)
 
 
 def find_sidecar(items: str) -> str | None:
     """The sidecar of this step, else of the latest earlier step in the same root (the step gtp-bridge
-    wrote that MaxText resumed from and saved after), else None."""
-    step_dir = os.path.dirname(items)
-    own = os.path.join(step_dir, SIDECAR)
-    if os.path.exists(own):
-        return own
-    root, name = os.path.split(step_dir)
+    wrote that MaxText resumed from and saved after), else None; a path or a URL."""
+    step_dir = _parent(items)
+    if open_storage(step_dir, "source").exists(SIDECAR):
+        return join(step_dir, SIDECAR)
+    root, name = _parent(step_dir), basename(step_dir)
     if not name.isdigit():
         return None
-    earlier = sorted((int(n) for n in os.listdir(root) if n.isdigit() and int(n) < int(name)
-                      and os.path.exists(os.path.join(root, n, SIDECAR))), reverse=True)
-    return os.path.join(root, str(earlier[0]), SIDECAR) if earlier else None
+    earlier = [n for n in _steps_holding(open_storage(root, "source"), SIDECAR) if n < int(name)]
+    return join(root, str(earlier[-1]), SIDECAR) if earlier else None
+
+
+def read_sidecar(items: str) -> Sidecar | None:
+    """The sidecar `find_sidecar` finds for an items directory, parsed and checked (`load_sidecar`), or None."""
+    path = find_sidecar(items)
+    if path is None:
+        return None
+    raw = open_storage(_parent(path), "source").read_bytes(basename(path))
+    return load_sidecar(path, raw if raw is not None else b"")
+
+
+def _steps_holding(storage: Any, name: str) -> list[int]:
+    """The step numbers `n`, ascending, of the keys `n/name` under a MaxText root.
+
+    >>> import tempfile; root = tempfile.mkdtemp()
+    >>> for k in ("3/items/_METADATA", "12/items/_METADATA", "7/other", "x/items/_METADATA"):
+    ...     os.makedirs(os.path.dirname(os.path.join(root, k)), exist_ok=True); open(os.path.join(root, k), "w").close()
+    >>> _steps_holding(open_storage(root), "items/_METADATA")
+    [3, 12]
+    """
+    return sorted({int(k.split("/", 1)[0]) for k in storage.list_keys()
+                   if k.split("/", 1)[0].isdigit() and k.split("/", 1)[1:] == [name]})
+
+
+def _parent(where: str) -> str:
+    """The directory holding a path or URL (`/a/b/items` -> `/a/b`)."""
+    return where.rstrip("/").rsplit("/", 1)[0]
 
 
 @dataclass(frozen=True)

@@ -38,15 +38,13 @@ from bridge.jaxside.presets.maxtext_plan import (MT_ADAM, Move, arrange_block,
 from bridge.format.manifest import Manifest
 from bridge.jaxside.presets.maxtext_schedule import MaxTextRunSchedule, ScheduleOptions, plan_schedule, with_scheduler
 from bridge.layout.boxes import Box
-from bridge.location import absolute, basename, join, location
+from bridge.location import absolute, basename, location
 from bridge.budget import ShareSplit, per_worker, split_share
 from bridge.machine import MIN_BYTES_PER_WORKER, default_budget, default_workers, mem_available, return_freed_memory
+from bridge.jaxside.presets.maxtext_ckpt import ITEMS, SIDECAR
 from bridge.progress import progress
-from bridge.store import open_storage
 
 Path = tuple[str, ...]
-ITEMS = "items"
-SIDECAR = "gtp_bridge_maxtext.json"
 # What Orbax's v1 training.Checkpointer records for MaxText's `items` (tests/fixtures/maxtext/fresh_maxtext).
 ITEMS_HANDLER = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
 MT_COUNT: Path = MT_ADAM + ("count",)  # foreign: maxtext / optax tree
@@ -343,39 +341,6 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
 # ------------------------------------------------------------------------------------ from MaxText
 
 
-def find_items(src: str) -> str:
-    """`maxtext_ckpt.find_items` for a local path or a URL (s3://, gs://)."""
-    from bridge.jaxside.presets.maxtext_ckpt import find_items as local_items
-
-    storage = open_storage(src, "source")
-    if storage.file_system:   # a file path: MaxText's own reader
-        return local_items(src)
-    src = storage.root
-    if src.rsplit("/", 1)[-1] == ITEMS and storage.exists("_METADATA"):
-        return src
-    if storage.exists(f"{ITEMS}/_METADATA"):
-        return join(src, ITEMS)
-    steps = sorted({int(k.split("/", 1)[0]) for k in storage.list_keys()
-                    if k.split("/", 1)[0].isdigit() and k.endswith(f"/{ITEMS}/_METADATA")})
-    if not steps:
-        raise BridgeError(f"{src} is not a MaxText checkpoint (no items/ and no <step>/items/); pass its root, "
-                          f"a step directory or the items directory")
-    return join(src, str(steps[-1]), ITEMS)
-
-
-def read_sidecar(items: str):
-    """The preset's sidecar for an items directory, parsed and checked (`maxtext_ckpt.load_sidecar`), or
-    None (`maxtext_ckpt.find_sidecar`; on object storage: this step's own)."""
-    from bridge.jaxside.presets.maxtext_ckpt import find_sidecar, load_sidecar
-
-    if open_storage(items, "source").file_system:   # a file path: MaxText's own reader
-        path = find_sidecar(items)
-        return load_sidecar(path) if path else None
-    step_dir = items.rstrip("/").rsplit("/", 1)[0]
-    raw = open_storage(step_dir).read_bytes(SIDECAR)
-    return load_sidecar(join(step_dir, SIDECAR), raw) if raw is not None else None
-
-
 def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Options | None = None,
                  rotary_base: float | None = None, norm_epsilon: float | None = None,
                  stream: StreamOptions | None = None, topk: int = 0,
@@ -396,8 +361,8 @@ def read_maxtext(src: str, dst: str, *, hyper: Hyper | None = None, options: Opt
 
     stream = stream or StreamOptions()
     src, dst = absolute(location(src, "source")), absolute(location(dst, "destination"))
-    items = find_items(src)
-    side = read_sidecar(items)
+    items = mc.find_items(src)
+    side = mc.read_sidecar(items)
     ck = open_checkpoint(items)
     infos = ck.arrays()
     # untrusted: every leaf's metadata checked (shapes from the model's sizes, floating dtypes, the
