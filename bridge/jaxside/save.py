@@ -7,8 +7,10 @@ manifest records another), round-to-nearest-even as Megatron's `.to(torch.bfloat
 masters agree by construction. Weights passed as `model=` must equal that cast (else BridgeError naming
 the array and the first differing index), unless `allow_inconsistent_model=True`.
 
-Orbax writes it (`PyTreeCheckpointHandler`, OCDBT + zarr3, no compression, atomic tmp+rename,
-each process writing its own shards): the tree is exactly what Orbax writes for
+The store's writer and commit write it (`bridge.jaxside.save_io`: OCDBT + zarr3, no compression,
+a crc32c per chunk, one claim and one commit, each process writing its own shards), to a local path
+and to s3:// / gs:// alike, so the same state saved anywhere, or converted, is the same logical
+bytes; plain Orbax restores it. The tree is exactly what Orbax writes for
 `{"params", "opt_state": optax.adamw(...).init(params), "model", "step"}`, whatever optax
 structure the user trained with (moments and count are taken from it by key path). Arrays restored
 through a naming map are inverted to the logical layout first (`plans` from `restore`). The manifest
@@ -37,13 +39,12 @@ from bridge.progress import progress
 from bridge.store import digest as store_digest
 from bridge.store import open_storage
 from bridge.store.claim import check_destination_free
-from bridge.store.commit import begin_checkpoint, publish_orbax_checkpoint
 from bridge.format.manifest import (MEGATRON_KEY, PREVIOUS_SOURCE_KEY, ArrayRecord, Manifest, SourceLayout, as_manifest,
                                     custom_metadata)
 from bridge.format.schema import MODEL, MU, NU, OPT_STATE, PARAMS, SCALAR_DTYPE, STEP
-from bridge.store.specs import orbax_chunk_args
 from bridge.format.tree import check_tree_paths, path_to_name
 from bridge.jaxside.naming import Plan, jax_backend
+from bridge.jaxside.save_io import write_tree
 
 
 def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any, model: Any = None,
@@ -65,8 +66,9 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     `opt_state` is any optax state holding Adam moments (adamw, chain, multi_transform...).
     `manifest` is the base manifest (e.g. `restored.manifest`) whose section tables and
     hyper-parameters are kept; `hyperparams` ({"lr", "betas", "eps", "weight_decay"}) overrides them.
-    `chunk_byte_size` asks Orbax for inner chunks of that size (cheaper resharded reads later);
-    `concurrent_gb` bounds Orbax's in-flight save bytes (host memory). `lr_schedule`: the optax
+    `chunk_byte_size`: inner chunks of about that size (default the store's; smaller ones make later
+    resharded reads cheaper); `concurrent_gb` bounds the writer's batches in flight (host memory; an
+    array is still moved to the host whole, one at a time, from a single process). `lr_schedule`: the optax
     schedule trained with, when it is Megatron's (`bridge.lr_schedule.megatron_schedule`, or the one
     `optimizer_from_manifest` built); recorded, so `to-megatron` writes the scheduler state Megatron-LM's
     `--load` needs (another schedule is refused: optax schedules are plain functions).
@@ -80,7 +82,6 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
                                      concurrent_gb=concurrent_gb, model_dtype=model_dtype, with_model=with_model,
                                      allow_inconsistent_model=allow_inconsistent_model, lr_schedule=lr_schedule)
     import optax
-    import orbax.checkpoint as ocp
 
     d = os.fspath(directory)
     scheduler = None
@@ -132,33 +133,8 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     check_tree_paths(leaves_by_path(tree))  # no '.' or '/' in names: Orbax joins names with '.'
 
     out = _manifest_for(tree, as_manifest(manifest), hyperparams, int(jax.device_get(count)), scheduler)
-    if not storage.file_system:  # Orbax cannot write s3:// (and needs gcsfs for gs://): the store's writer and commit
-        from bridge.jaxside.remote import save_remote
-
-        save_remote(d, tree, out, chunk_byte_size=chunk_byte_size)
-        return out
-    # The store's inner-chunk policy (one layer / expert per inner chunk), as Orbax SaveArgs.
-    save_args = jax.tree_util.tree_map_with_path(
-        lambda kp, x: ocp.SaveArgs(**orbax_chunk_args(to_path(kp), np.ndim(x),
-                                                      None if chunk_byte_size is None else int(chunk_byte_size))), tree)
-    # One claim and one commit per save, as every writer (bridge.store): process 0 claims `d`; Orbax
-    # writes (its own tmp + rename) into a sub-directory of the claim; process 0 then commits it with
-    # the store's `publish_orbax_checkpoint` (sealed _METADATA, no-replace publish), so `d` only ever
-    # appears complete.
-    coord = JaxCoordinator(job=f"save to {d}")
-    claim = begin_checkpoint(d, coordinator=coord)  # no process writes unless claimed; every one gets the claim
-    staging = os.path.join(claim.tmp, "item")
-    try:
-        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
-                                              save_concurrent_gb=concurrent_gb)
-        ck = ocp.Checkpointer(handler)
-        ck.save(staging, args=ocp.args.PyTreeSave(tree, save_args=save_args,
-                                                  custom_metadata=custom_metadata(out)))
-    except BaseException:
-        claim.release()  # process 0's removes what this save wrote; the other processes' handles remove nothing
-        raise
-    # every process returns once the checkpoint is published, or raises what failed
-    coord.broadcast("the commit", lambda: publish_orbax_checkpoint(claim, staging))
+    # One claim, one writer per process, one commit: the store's, wherever `d` is (bridge.jaxside.save_io).
+    write_tree(d, tree, out, chunk_byte_size=chunk_byte_size, concurrent_gb=concurrent_gb)
     return out
 
 
