@@ -32,15 +32,14 @@ import numpy as np
 
 from bridge.dist import JaxCoordinator
 from bridge.errors import BridgeError
-from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str, to_path
+from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.optax_state import extract_adam
 from bridge.layout.boxes import Box
 from bridge.progress import progress
 from bridge.store import digest as store_digest
 from bridge.store import open_storage
 from bridge.store.claim import check_destination_free
-from bridge.format.manifest import (MEGATRON_KEY, PREVIOUS_SOURCE_KEY, ArrayRecord, Manifest, SourceLayout, as_manifest,
-                                    custom_metadata)
+from bridge.format.manifest import MEGATRON_KEY, PREVIOUS_SOURCE_KEY, ArrayRecord, Manifest, SourceLayout, as_manifest
 from bridge.format.schema import MODEL, MU, NU, OPT_STATE, PARAMS, SCALAR_DTYPE, STEP
 from bridge.format.tree import check_tree_paths, path_to_name
 from bridge.jaxside.naming import Plan, jax_backend
