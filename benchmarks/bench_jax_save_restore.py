@@ -5,8 +5,8 @@
 The same training state (fp32 params, mu, nu, bf16 model; stacked layer arrays) sharded on an 8-device
 CPU mesh (2 x 4, the default `ShardingRules`) is saved and restored, interleaved, by:
 - **new**: `bridge.jaxside.save` (store writer + commit) and `bridge.jaxside.restore` (block reads);
-- **old**: what `save` / `restore` did on a local path before the fold: the per-array digests
-  (`save`'s manifest, computed by both paths), then Orbax `PyTreeCheckpointHandler(use_ocdbt=True,
+- **old**: what `save` / `restore` did on a local path before the fold: a digest pass over the
+  shards (the new path's writers digest what they write), then Orbax `PyTreeCheckpointHandler(use_ocdbt=True,
   use_zarr3=True, use_compression=False)` with the store's inner chunk policy as `SaveArgs`; and
   Orbax's restore with `ArrayRestoreArgs` onto the same shardings the bridge restores to (Orbax's
   restore alone: the old path's metadata reads and planning are not counted, so the restore ratio
@@ -36,7 +36,9 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from bridge.jaxside.abstract import Target, abstract_tree, stored_arrays  # noqa: E402
 from bridge.jaxside.keypaths import leaves_by_path, nested_from_paths, to_path  # noqa: E402
 from bridge.jaxside.restore import restore  # noqa: E402
-from bridge.jaxside.save import _digests, save  # noqa: E402
+from bridge.jaxside.save import save  # noqa: E402
+from bridge.layout.boxes import Box  # noqa: E402
+from bridge.store import digest as store_digest  # noqa: E402
 from bridge.jaxside.sharding_rules import ShardingRules  # noqa: E402
 from bridge.store.specs import DEFAULT_INNER_CHUNK_BYTES, stacked_axes  # noqa: E402
 
@@ -62,11 +64,27 @@ def make_state(mib: int, mesh: Mesh) -> dict:
     return dict(params=params, opt_state=opt, step=7, model=model)
 
 
+def old_digests(arrays: list) -> list[int]:
+    """The former save's digest pass (one process): every replica-0 shard moved to the host and
+    digested (the new path's writers digest the blocks they write instead)."""
+    out = []
+    for a in arrays:
+        a = jax.numpy.asarray(a)
+        total = 0
+        for shard in a.addressable_shards:
+            if shard.replica_id == 0:
+                data = np.asarray(shard.data)
+                start = tuple((s.start or 0) for s in shard.index)
+                total += store_digest.digest_box(a.shape, Box.of(start, data.shape), data)
+        out.append(store_digest.combine([total]))
+    return out
+
+
 def old_save(d: str, state: dict) -> None:
     """The former local save: digests, then Orbax with the store's chunk policy as SaveArgs."""
     tree = {"params": state["params"], "opt_state": state["opt_state"], "model": state["model"],
             "step": jax.numpy.asarray(state["step"], jax.numpy.int32)}
-    _digests(list(leaves_by_path(tree).values()))
+    old_digests(list(leaves_by_path(tree).values()))
 
     def args(kp, x):
         path = to_path(kp)

@@ -16,7 +16,8 @@ structure the user trained with (moments and count are taken from it by key path
 through a naming map are inverted to the logical layout first (`plans` from `restore`). The manifest
 in `_METADATA["custom_metadata"]["gtp_bridge"]` carries the base checkpoint's section tables and
 hyper-parameters, the new step, the writer's layout and a digest per array computed with
-`bridge.store.digest` from each process's addressable shards (partial sums added across processes).
+`bridge.store.digest` by the store's writers from the blocks they write (partial sums combined at the
+commit); `save` returns the manifest as committed.
 """
 
 from __future__ import annotations
@@ -34,14 +35,12 @@ from bridge.dist import JaxCoordinator
 from bridge.errors import BridgeError
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.optax_state import extract_adam
-from bridge.layout.boxes import Box
-from bridge.progress import progress
-from bridge.store import digest as store_digest
 from bridge.store import open_storage
+from bridge.store.reader import open_checkpoint
 from bridge.store.claim import check_destination_free
-from bridge.format.manifest import MEGATRON_KEY, PREVIOUS_SOURCE_KEY, ArrayRecord, Manifest, SourceLayout, as_manifest
+from bridge.format.manifest import MEGATRON_KEY, PREVIOUS_SOURCE_KEY, Manifest, SourceLayout, as_manifest
 from bridge.format.schema import MODEL, MU, NU, OPT_STATE, PARAMS, SCALAR_DTYPE, STEP
-from bridge.format.tree import check_tree_paths, path_to_name
+from bridge.format.tree import check_tree_paths
 from bridge.jaxside.naming import Plan, jax_backend
 from bridge.jaxside.save_io import write_tree
 
@@ -131,10 +130,10 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
         tree[MODEL] = nested_from_paths(logical[MODEL])
     check_tree_paths(leaves_by_path(tree))  # no '.' or '/' in names: Orbax joins names with '.'
 
-    out = _manifest_for(tree, as_manifest(manifest), hyperparams, int(jax.device_get(count)), scheduler)
+    out = _manifest_for(as_manifest(manifest), hyperparams, int(jax.device_get(count)), scheduler)
     # One claim, one writer per process, one commit: the store's, wherever `d` is (bridge.jaxside.save_io).
-    write_tree(d, tree, out, chunk_byte_size=chunk_byte_size, concurrent_gb=concurrent_gb)
-    return out
+    written = write_tree(d, tree, out, chunk_byte_size=chunk_byte_size, concurrent_gb=concurrent_gb)
+    return open_checkpoint(written).manifest  # as committed: with the digests the writers computed
 
 
 def _to_logical(flat: dict[Path, Any], plan: Plan | None) -> dict[Path, Any]:
@@ -151,10 +150,10 @@ def _to_logical(flat: dict[Path, Any], plan: Plan | None) -> dict[Path, Any]:
     return out
 
 
-def _manifest_for(tree: dict, base: Manifest | None, hyperparams: Mapping[str, Any] | None, count: int,
+def _manifest_for(base: Manifest | None, hyperparams: Mapping[str, Any] | None, count: int,
                   scheduler: Any = None) -> Manifest:
-    """The manifest of the checkpoint being saved: base tables + this writer + digests (+ the
-    Megatron scheduler record of the schedule trained with)."""
+    """The manifest of the checkpoint being saved: base tables + this writer (+ the Megatron scheduler
+    record of the schedule trained with); the commit adds the arrays' records."""
     m = copy.deepcopy(base) if base is not None else Manifest()
     if scheduler is not None:
         m.extra = dict(m.extra)
@@ -172,39 +171,7 @@ def _manifest_for(tree: dict, base: Manifest | None, hyperparams: Mapping[str, A
         setattr(m.optimizer, key, tuple(value) if key == "betas" else value)
     m.optimizer.step = count
     m.optimizer.check("save: hyperparams")
-    leaves = leaves_by_path(tree)
-    digests = _digests(list(leaves.values()))
-    return m.with_arrays({path_to_name(path): ArrayRecord(tuple(int(s) for s in arr.shape), np.dtype(arr.dtype).name,
-                                                          store_digest.to_hex(dig))
-                          for (path, arr), dig in zip(leaves.items(), digests)}, store_digest.ALGORITHM)
-
-
-def _digests(arrays: list[jax.Array]) -> list[int]:
-    """Per-array digests: each process digests its addressable replica-0 shards; sums are combined."""
-    partial = np.zeros(len(arrays), dtype=np.uint64)
-    local = sum(int(np.prod(s.data.shape)) * np.dtype(a.dtype).itemsize
-                for a in arrays for s in jnp.asarray(a).addressable_shards if s.replica_id == 0)
-    with progress(local, f"digest (process {jax.process_index()})") as bar:
-        for i, a in enumerate(arrays):
-            a = jnp.asarray(a)
-            total = 0
-            for shard in a.addressable_shards:
-                if shard.replica_id != 0:
-                    continue  # one replica digests each region, so the cross-process sum counts it once
-                start = tuple((s.start or 0) for s in shard.index)
-                data = np.asarray(shard.data)
-                total += store_digest.digest_box(a.shape, Box.of(start, data.shape), data)
-                bar.update(data.nbytes)
-            partial[i] = np.uint64(store_digest.combine([total]))
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        halves = np.stack([(partial & np.uint64(0xFFFFFFFF)).astype(np.uint32),
-                           (partial >> np.uint64(32)).astype(np.uint32)], axis=-1)
-        gathered = np.asarray(multihost_utils.process_allgather(halves))  # (processes, n, 2)
-        parts = gathered[..., 0].astype(np.uint64) | (gathered[..., 1].astype(np.uint64) << np.uint64(32))
-        return [store_digest.combine(parts[:, i].tolist()) for i in range(len(arrays))]
-    return [int(p) for p in partial]
+    return m  # its arrays (shape, dtype, digest): recorded by the commit, from what the writers wrote
 
 
 def _save_as_manager_step(root: str, number: int, **kwargs: Any) -> Manifest:
