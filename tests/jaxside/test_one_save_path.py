@@ -134,14 +134,20 @@ def test_local_and_s3_saves_write_the_same_logical_bytes(state, tmp_path):
 
 def test_plain_orbax_restores_a_local_save(state, tmp_path):
     """A user's plain Orbax (`StandardCheckpointer`, an abstract tree with shardings built from the
-    reference shapes, no bridge code) restores what `save` wrote locally, bit for bit, onto the mesh."""
+    reference shapes, no bridge code) restores what `save` wrote locally, bit for bit, onto the mesh
+    (saved with writer batches of 1 MiB: `concurrent_gb` far below the state; 0 is refused, nothing
+    written)."""
     import orbax.checkpoint as ocp
 
+    from bridge.errors import BridgeError
     from bridge.jaxside.save import save
 
     arrays, kw = state
     d = str(tmp_path / "ck")
-    save(d, **kw)
+    with pytest.raises(BridgeError, match="concurrent_gb=0 must be positive"):
+        save(d, concurrent_gb=0, **kw)
+    assert os.listdir(tmp_path) == []
+    save(d, concurrent_gb=0.001, **kw)
     mesh = _mesh()
     abstract = _nested({p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, _spec(a.shape)))
                         for p, a in arrays.items()})
