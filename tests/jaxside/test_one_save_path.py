@@ -257,6 +257,29 @@ def test_local_save_of_a_converted_state_equals_converts_output(tmp_path):
     assert gb["source"]["framework"] == "jax"
 
 
+def test_restore_reads_a_checkpoint_plain_orbax_wrote(tmp_path):
+    """`restore` reads what plain Orbax saved itself (a user's checkpoint, or a local save of a bridge
+    before the fold), zarr3 over OCDBT and per-array zarr alike, bit for bit onto the mesh."""
+    import orbax.checkpoint as ocp
+
+    from bridge.jaxside.keypaths import leaves_by_path
+    from bridge.jaxside.restore import restore
+
+    arrays = {p: a for p, a in logical_state(tiny_params(1), step=7).items() if p[0] in ("params", "step")}
+    mesh = _mesh()
+    tree = _nested({p: jax.device_put(a, NamedSharding(mesh, _spec(a.shape))) for p, a in arrays.items()})
+    for ocdbt in (True, False):
+        d = str(tmp_path / f"orbax_ocdbt_{ocdbt}")
+        ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=ocdbt)).save(
+            d, args=ocp.args.PyTreeSave(tree))
+        r = restore(d, mesh=mesh, items=("params", "step"))
+        got = {("params",) + p: a for p, a in leaves_by_path(r.params).items()}
+        got[("step",)] = r.step
+        assert set(got) == set(arrays) and r.manifest is None
+        for p, a in got.items():
+            assert a.dtype == arrays[p].dtype and np.array_equal(bits(a), bits(arrays[p])), (ocdbt, p)
+
+
 def test_placement_docstring_examples():
     from bridge.jaxside import placement
 
