@@ -36,10 +36,10 @@ class Seams:
     writer_staging: bool = True
     # Live export, diagnostics: the OCDBT data file size (None: `bridge.store.specs.TARGET_DATA_FILE_SIZE`).
     target_data_file_size: int | None = None
-    # Live export and the JAX save to s3:// / gs://: the store writer class (None: `CheckpointWriter`;
+    # Live export and the JAX save: the store writer class (None: `CheckpointWriter`;
     # a subclass that records or times its calls).
     writer_class: type | None = None
-    # JAX restore from s3:// / gs:// (`bridge.jaxside.remote.restore_remote`): hears each block's
+    # JAX restore (`bridge.jaxside.restore_io.read_arrays`): hears each block's
     # ("read", bytes) when its read starts and ("placed", bytes) once on its devices.
     restore_watch: Callable[[str, int], None] | None = None
 

@@ -101,3 +101,14 @@ def staging_buffers(commit_depth: int) -> int:
     4
     """
     return max(1, int(commit_depth)) + 2
+
+
+def save_batch(budget: int) -> int:
+    """Bytes per writer transaction of a JAX save held to `budget` bytes in flight (`save(...,
+    concurrent_gb=)`): half of it, since the writer holds the batch filling and the one committing
+    (at least MIN_BATCH_BYTES).
+
+    >>> save_batch(256 << 20) >> 20, save_batch(1000) == MIN_BATCH_BYTES
+    (128, True)
+    """
+    return max(MIN_BATCH_BYTES, int(budget) // 2)

@@ -60,7 +60,7 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
     from bridge.errors import BridgeError
     from bridge.format.schema import ADAM_INDEX, OPT_STATE
     from bridge.jaxside.keypaths import nested_from_paths
-    from bridge.store.reader import open_checkpoint
+    from bridge.store import open_checkpoint
     from bridge.store import open_storage
     from bridge.dtypes import numpy_dtype
 
@@ -82,10 +82,10 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
 
     abstract = {p: jax.ShapeDtypeStruct(tuple(info.shape), numpy_dtype(info.dtype), sharding=sharding(tuple(info.shape)))
                 for p, info in arrays.items()}
-    if not open_storage(path).file_system:  # Orbax cannot open s3:// URLs: the bridge's TensorStore restore
-        from bridge.jaxside.remote import restore_remote
+    if not open_storage(path).orbax_can_open:  # e.g. s3://: the bridge's own restore read
+        from bridge.jaxside.restore_io import read_arrays
 
-        restored = nested_from_paths(restore_remote(path, abstract))
+        restored = nested_from_paths(read_arrays(path, abstract))
     else:
         nested = nested_from_paths(abstract)
         opt = nested.pop(OPT_STATE)
@@ -110,7 +110,7 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
 def same_checkpoints(a: str, b: str) -> int:
     """Number of arrays compared; raises on any difference."""
     from bridge.errors import BridgeError
-    from bridge.store.reader import open_checkpoint
+    from bridge.store import open_checkpoint
 
     ca, cb = open_checkpoint(a), open_checkpoint(b)
     if set(ca.arrays()) != set(cb.arrays()):
@@ -167,7 +167,7 @@ def run_in(work: "Storage", keep: bool) -> int:
                  f"logical ({r1.arrays} arrays)", r1.bytes, t1,
                  "padding dropped, SwiGLU halves unscrambled; bf16 weight == bf16(fp32 master) for every param"))
     (n, nb, sample), t2 = timed(lambda: orbax_restore_check(str(outs["logical"])))
-    rows.append(("Orbax restore" if work.file_system else "restore", "logical", f"JAX 2x4 CPU mesh ({n} leaves)", nb, t2,
+    rows.append(("Orbax restore" if work.orbax_can_open else "restore", "logical", f"JAX 2x4 CPU mesh ({n} leaves)", nb, t2,
                  f"bit-exact vs TensorStore; e.g. {sample}"))
     r3, t3 = timed(lambda: to_megatron(str(outs["logical"]), str(outs["megatron_tp2_dp2"]),
                                        MegatronTarget(tp=2, dp=2, fmt="dp_reshardable", bucket_size=4000)))

@@ -6,8 +6,9 @@
     ...train...
     save(new_path, params=p, opt_state=s, step=n, manifest=state.manifest, plans=state.plans)
 
-Everything is read and written by Orbax; this package builds abstract trees, shardings and the
-optax mapping (docs/ARCHITECTURE.md maps the modules).
+Everything is read and written by the store (TensorStore), on a local path and s3:// / gs://
+alike, in the layout plain Orbax restores; this package builds abstract trees, shardings, the
+block reads and the optax mapping (docs/ARCHITECTURE.md maps the modules).
 """
 
 from bridge.errors import require

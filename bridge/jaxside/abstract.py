@@ -1,7 +1,7 @@
 """What a logical checkpoint holds, and abstract trees of `jax.ShapeDtypeStruct` to restore it.
 
 `stored_arrays(path)` lists every stored array (full tree path -> shape, dtype) and the checkpoint's
-custom metadata from Orbax's own metadata API. `Target` turns a mesh + `ShardingRules`, or explicit
+custom metadata, read with the store's reader. `Target` turns a mesh + `ShardingRules`, or explicit
 shardings, into a sharding for each logical array; `abstract_tree` builds the exact abstract tree
 `ocp.StandardCheckpointer().restore(path, abstract)` needs (opt_state as `[{count, mu, nu}, None,
 None]`, the structure Orbax records for `optax.adamw(...).init(params)`).
@@ -18,10 +18,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from bridge.errors import BridgeError
-from bridge.store import open_storage
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.sharding_rules import ShardingRules, default_spec
-from bridge.store.reader import open_root
 from bridge.format import schema
 from bridge.format.schema import ADAM_PATH as ADAM, COUNT_PATH as COUNT, MODEL_PATH as MODEL, STEP_PATH as STEP
 from bridge.format.schema import PARAMS_PATH as PARAMS  # noqa: F401 - tests and scripts take it from here
@@ -57,43 +55,22 @@ class StoredTree:
 
 
 def stored_arrays(directory: str | os.PathLike, *, allow_edited_metadata: bool | None = None) -> StoredTree:
-    """Read a checkpoint's array metadata through Orbax (no data is read).
+    """Read a checkpoint's array metadata with the store's reader (no data is read), from a local
+    path or an s3:// / gs:// prefix alike.
 
     Opens by `bridge.store.reader.open_root`'s rules, the same as `open_checkpoint`: BridgeError
     for a missing, uncommitted or non-Orbax directory, IntegrityError for a damaged one or a bridge
     checkpoint whose `_METADATA` was edited after commit (unless `allow_edited_metadata`, or
     GTP_BRIDGE_ALLOW_EDITED_METADATA=1).
     """
-    storage = open_storage(directory) if isinstance(directory, str) else None
-    if storage is not None and not storage.file_system:  # s3:// / gs://: read with TensorStore
-        return _stored_arrays_remote(storage.root, allow_edited_metadata)
-    import orbax.checkpoint as ocp
-
-    # the same rules as `open_checkpoint`; absolute, since Orbax reads no metadata from a relative path
-    d, _, _ = open_root(os.fspath(directory), allow_edited_metadata)
-    meta = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(d).item_metadata
-    arrays = {}
-    for p, m in leaves_by_path(meta.tree).items():
-        if m is None or not hasattr(m, "shape"):
-            continue
-        arrays[p] = StoredArray(p, tuple(int(s) for s in m.shape), np.dtype(m.dtype))
-    return StoredTree(d, arrays, dict(meta.custom_metadata or {}))
-
-
-def _stored_arrays_remote(url: str, allow_edited_metadata: bool | None = None) -> StoredTree:
-    """`stored_arrays` for an s3:// / gs:// checkpoint, through the store's reader (no data read)."""
     from bridge.dtypes import numpy_dtype
-    from bridge.format.tree import validate_path
-    from bridge.store.reader import find_checkpoint_root, open_checkpoint
+    from bridge.store import open_checkpoint
 
-    root = find_checkpoint_root(url)
-    ck = open_checkpoint(root, allow_edited_metadata=allow_edited_metadata)
-    for p in ck.paths():
-        validate_path(p)
+    ck = open_checkpoint(os.fspath(directory), allow_edited_metadata=allow_edited_metadata)
     arrays = {tuple(p): StoredArray(tuple(p), tuple(int(s) for s in info.shape), numpy_dtype(info.dtype))
               for p, info in ck.arrays().items()}
     custom = ck.metadata.get("custom_metadata") or {}
-    return StoredTree(root, arrays, dict(custom) if isinstance(custom, dict) else {})
+    return StoredTree(ck.root, arrays, dict(custom) if isinstance(custom, dict) else {})
 
 
 ShardingSource = Callable[[Path, tuple[int, ...]], Sharding]

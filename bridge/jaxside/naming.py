@@ -426,7 +426,7 @@ def named_views(directory: str, naming: NamingMap, prefix: Path = PARAMS_PATH) -
     index transforms / virtual concatenations, so a slice reads only the bytes it covers. Section
     orders come from the checkpoint's manifest.
     """
-    from bridge.store.reader import open_checkpoint
+    from bridge.store import open_checkpoint
 
     ck = open_checkpoint(directory)
     n = len(prefix)

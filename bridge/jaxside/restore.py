@@ -1,4 +1,4 @@
-"""Restore a logical checkpoint as sharded `jax.Array`s, with Orbax doing all the reading.
+"""Restore a logical checkpoint as sharded `jax.Array`s, read by the store's reader onto the target shardings.
 
     state = restore(path, mesh=mesh)                                  # default PartitionSpec rules
     state = restore(path, mesh=mesh, rules=ShardingRules([("*/linear_fc2/weight", (None, "tp"))]))
@@ -6,10 +6,10 @@
     state = restore(path, mesh=mesh, optimizer=jax.eval_shape(tx.init, params_abstract))
     state.params, state.opt_state, state.model, state.step
 
-Each process asks Orbax (`PyTreeCheckpointHandler` + `ArrayRestoreArgs` with the target sharding)
-for the arrays, so it reads only its addressable shards; multi-process JAX (`jax.distributed`) works
-unchanged (every process passes the same arguments). Optional `dtypes` casts on read (TensorStore
-`cast`). An optional `NamingMap` presents the tree the way a JAX model expects (joined sections,
+Each process reads the device boxes its addressable devices hold, each box once, all at once within
+`concurrent_gb` (`bridge.jaxside.restore_io`), from a local path or s3:// / gs:// alike; multi-process
+JAX (`jax.distributed`) works unchanged (every process passes the same arguments). Optional `dtypes`
+casts on read. An optional `NamingMap` presents the tree the way a JAX model expects (joined sections,
 `[in, out]` kernels, unstacked layers): stored arrays are restored with shardings derived from the
 target ones, then transformed on device under `jit` with the target shardings.
 """
@@ -26,15 +26,15 @@ import numpy as np
 from jax.sharding import NamedSharding, Sharding
 
 from bridge.errors import BridgeError
-from bridge.store import open_storage
 from bridge.format import schema
 from bridge.format.manifest import Manifest, manifest_from_custom
 from bridge.format.schema import (COUNT_PATH, MODEL, MODEL_PATH, MOMENTS, MU, MU_PATH, NU, NU_PATH, OPT_STATE, PARAMS,
                                   PARAMS_PATH, STEP, STEP_PATH)
-from bridge.jaxside.abstract import CASTABLE, StoredTree, Target, stored_arrays, to_orbax_structure
+from bridge.jaxside.abstract import CASTABLE, StoredTree, Target, stored_arrays
 from bridge.jaxside.keypaths import Path, nested_from_paths, path_str
 from bridge.jaxside.manifest_view import adam_hparams, section_orders
 from bridge.jaxside.optax_state import check_template, fill_template, template_roles
+from bridge.jaxside.restore_io import read_arrays
 from bridge.jaxside.sharding_rules import ShardingRules
 from bridge.jaxside.naming import Group, NamingMap, Plan, jax_backend
 
@@ -68,8 +68,8 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
     must match the (named) parameter tree and shapes, else BridgeError names the first differing path.
     `dtypes` ({"params"|"model"|"mu"|"nu": dtype}) casts on read; moments default to the template's dtype.
     Moments whose template leaf carries a NamedSharding are restored with it (else their param's).
-    `concurrent_gb` bounds the bytes read in flight (host memory), default Orbax's; from s3:// / gs://
-    the same bound holds (`bridge.jaxside.remote.restore_remote`).
+    `concurrent_gb` bounds the bytes read in flight (host memory; GB, Orbax's knob and default), from
+    a local path and from s3:// / gs:// alike (`bridge.jaxside.restore_io.read_arrays`).
     """
     bad = set(items) - set(ITEMS)
     if bad:
@@ -113,7 +113,7 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
         requests.append((NU_PATH, NU, plans[PARAMS], dtypes.get(NU)))
     scalars = ([COUNT_PATH] if want_opt else []) + ([STEP_PATH] if STEP in items else [])
     abstract, jobs = _plan_reads(stored, target, requests, moment_dtypes, moment_shardings, scalars)
-    flat = _orbax_restore(stored, abstract, concurrent_gb)
+    flat = read_arrays(stored.directory, abstract, concurrent_gb)
 
     results: dict[str, dict[Path, Any]] = {role: {} for role in CASTABLE}
     for prefix, kind, g, outs, _ in jobs:
@@ -176,31 +176,6 @@ def _optimizer_state(stored: StoredTree, count: Any, results: Mapping[str, Mappi
     return (optax.ScaleByAdamState(count=count, mu=nested_from_paths(results[MU]),
                                    nu=nested_from_paths(results[NU])),
             optax.EmptyState(), optax.EmptyState())
-
-
-def _orbax_restore(stored: StoredTree, abstract: Mapping[Path, jax.ShapeDtypeStruct],
-                   concurrent_gb: int | None = None) -> dict[Path, jax.Array]:
-    """One Orbax restore of the requested arrays (partial when not everything is requested)."""
-    if not open_storage(stored.directory).file_system:  # Orbax cannot open s3:// (and needs gcsfs for gs://)
-        from bridge.jaxside.remote import restore_remote
-
-        return restore_remote(stored.directory, abstract, concurrent_gb)
-    import orbax.checkpoint as ocp
-
-    from bridge.jaxside.keypaths import leaves_by_path
-
-    item = to_orbax_structure(abstract)
-    restore_args = jax.tree.map(
-        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), item)
-    partial = set(abstract) != set(stored.arrays)
-    ck = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(restore_concurrent_gb=concurrent_gb))
-    try:
-        out = ck.restore(stored.directory,
-                         args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=partial))
-    except (ValueError, FileNotFoundError) as e:
-        raise BridgeError(f"process {jax.process_index()}: Orbax could not restore {stored.directory}: "
-                          f"{str(e).splitlines()[0]}") from None
-    return {p: v for p, v in leaves_by_path(out).items() if p in abstract}
 
 
 def _source_sharding(g: Group, out: Sharding, target: Target) -> Sharding:

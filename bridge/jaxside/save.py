@@ -7,14 +7,17 @@ manifest records another), round-to-nearest-even as Megatron's `.to(torch.bfloat
 masters agree by construction. Weights passed as `model=` must equal that cast (else BridgeError naming
 the array and the first differing index), unless `allow_inconsistent_model=True`.
 
-Orbax writes it (`PyTreeCheckpointHandler`, OCDBT + zarr3, no compression, atomic tmp+rename,
-each process writing its own shards): the tree is exactly what Orbax writes for
+The store's writer and commit write it (`bridge.jaxside.save_io`: OCDBT + zarr3, no compression,
+a crc32c per chunk, one claim and one commit, each process writing its own shards), to a local path
+and to s3:// / gs:// alike, so the same state saved anywhere, or converted, is the same logical
+bytes; plain Orbax restores it. The tree is exactly what Orbax writes for
 `{"params", "opt_state": optax.adamw(...).init(params), "model", "step"}`, whatever optax
 structure the user trained with (moments and count are taken from it by key path). Arrays restored
 through a naming map are inverted to the logical layout first (`plans` from `restore`). The manifest
 in `_METADATA["custom_metadata"]["gtp_bridge"]` carries the base checkpoint's section tables and
 hyper-parameters, the new step, the writer's layout and a digest per array computed with
-`bridge.store.digest` from each process's addressable shards (partial sums added across processes).
+`bridge.store.digest` by the store's writers from the blocks they write (partial sums combined at the
+commit); `save` returns the manifest as committed.
 """
 
 from __future__ import annotations
@@ -30,20 +33,16 @@ import numpy as np
 
 from bridge.dist import JaxCoordinator
 from bridge.errors import BridgeError
-from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str, to_path
+from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.optax_state import extract_adam
-from bridge.layout.boxes import Box
-from bridge.progress import progress
-from bridge.store import digest as store_digest
 from bridge.store import open_storage
-from bridge.store.claim import check_destination_free
-from bridge.store.commit import begin_checkpoint, publish_orbax_checkpoint
-from bridge.format.manifest import (MEGATRON_KEY, PREVIOUS_SOURCE_KEY, ArrayRecord, Manifest, SourceLayout, as_manifest,
-                                    custom_metadata)
+from bridge.store import open_checkpoint
+from bridge.store import check_destination_free
+from bridge.format.manifest import MEGATRON_KEY, PREVIOUS_SOURCE_KEY, Manifest, SourceLayout, as_manifest
 from bridge.format.schema import MODEL, MU, NU, OPT_STATE, PARAMS, SCALAR_DTYPE, STEP
-from bridge.store.specs import orbax_chunk_args
-from bridge.format.tree import check_tree_paths, path_to_name
+from bridge.format.tree import check_tree_paths
 from bridge.jaxside.naming import Plan, jax_backend
+from bridge.jaxside.save_io import write_tree
 
 
 def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any, model: Any = None,
@@ -65,8 +64,9 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
     `opt_state` is any optax state holding Adam moments (adamw, chain, multi_transform...).
     `manifest` is the base manifest (e.g. `restored.manifest`) whose section tables and
     hyper-parameters are kept; `hyperparams` ({"lr", "betas", "eps", "weight_decay"}) overrides them.
-    `chunk_byte_size` asks Orbax for inner chunks of that size (cheaper resharded reads later);
-    `concurrent_gb` bounds Orbax's in-flight save bytes (host memory). `lr_schedule`: the optax
+    `chunk_byte_size`: inner chunks of about that size (default the store's; smaller ones make later
+    resharded reads cheaper); `concurrent_gb` bounds the writer's batches in flight (host memory; an
+    array is still moved to the host whole, one at a time, from a single process). `lr_schedule`: the optax
     schedule trained with, when it is Megatron's (`bridge.lr_schedule.megatron_schedule`, or the one
     `optimizer_from_manifest` built); recorded, so `to-megatron` writes the scheduler state Megatron-LM's
     `--load` needs (another schedule is refused: optax schedules are plain functions).
@@ -80,7 +80,6 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
                                      concurrent_gb=concurrent_gb, model_dtype=model_dtype, with_model=with_model,
                                      allow_inconsistent_model=allow_inconsistent_model, lr_schedule=lr_schedule)
     import optax
-    import orbax.checkpoint as ocp
 
     d = os.fspath(directory)
     scheduler = None
@@ -131,35 +130,10 @@ def save(directory: str | os.PathLike, *, params: Any, opt_state: Any, step: Any
         tree[MODEL] = nested_from_paths(logical[MODEL])
     check_tree_paths(leaves_by_path(tree))  # no '.' or '/' in names: Orbax joins names with '.'
 
-    out = _manifest_for(tree, as_manifest(manifest), hyperparams, int(jax.device_get(count)), scheduler)
-    if not storage.file_system:  # Orbax cannot write s3:// (and needs gcsfs for gs://): the store's writer and commit
-        from bridge.jaxside.remote import save_remote
-
-        save_remote(d, tree, out, chunk_byte_size=chunk_byte_size)
-        return out
-    # The store's inner-chunk policy (one layer / expert per inner chunk), as Orbax SaveArgs.
-    save_args = jax.tree_util.tree_map_with_path(
-        lambda kp, x: ocp.SaveArgs(**orbax_chunk_args(to_path(kp), np.ndim(x),
-                                                      None if chunk_byte_size is None else int(chunk_byte_size))), tree)
-    # One claim and one commit per save, as every writer (bridge.store): process 0 claims `d`; Orbax
-    # writes (its own tmp + rename) into a sub-directory of the claim; process 0 then commits it with
-    # the store's `publish_orbax_checkpoint` (sealed _METADATA, no-replace publish), so `d` only ever
-    # appears complete.
-    coord = JaxCoordinator(job=f"save to {d}")
-    claim = begin_checkpoint(d, coordinator=coord)  # no process writes unless claimed; every one gets the claim
-    staging = os.path.join(claim.tmp, "item")
-    try:
-        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
-                                              save_concurrent_gb=concurrent_gb)
-        ck = ocp.Checkpointer(handler)
-        ck.save(staging, args=ocp.args.PyTreeSave(tree, save_args=save_args,
-                                                  custom_metadata=custom_metadata(out)))
-    except BaseException:
-        claim.release()  # process 0's removes what this save wrote; the other processes' handles remove nothing
-        raise
-    # every process returns once the checkpoint is published, or raises what failed
-    coord.broadcast("the commit", lambda: publish_orbax_checkpoint(claim, staging))
-    return out
+    out = _manifest_for(as_manifest(manifest), hyperparams, int(jax.device_get(count)), scheduler)
+    # One claim, one writer per process, one commit: the store's, wherever `d` is (bridge.jaxside.save_io).
+    written = write_tree(d, tree, out, chunk_byte_size=chunk_byte_size, concurrent_gb=concurrent_gb)
+    return open_checkpoint(written).manifest  # as committed: with the digests the writers computed
 
 
 def _to_logical(flat: dict[Path, Any], plan: Plan | None) -> dict[Path, Any]:
@@ -176,10 +150,10 @@ def _to_logical(flat: dict[Path, Any], plan: Plan | None) -> dict[Path, Any]:
     return out
 
 
-def _manifest_for(tree: dict, base: Manifest | None, hyperparams: Mapping[str, Any] | None, count: int,
+def _manifest_for(base: Manifest | None, hyperparams: Mapping[str, Any] | None, count: int,
                   scheduler: Any = None) -> Manifest:
-    """The manifest of the checkpoint being saved: base tables + this writer + digests (+ the
-    Megatron scheduler record of the schedule trained with)."""
+    """The manifest of the checkpoint being saved: base tables + this writer (+ the Megatron scheduler
+    record of the schedule trained with); the commit adds the arrays' records."""
     m = copy.deepcopy(base) if base is not None else Manifest()
     if scheduler is not None:
         m.extra = dict(m.extra)
@@ -197,50 +171,18 @@ def _manifest_for(tree: dict, base: Manifest | None, hyperparams: Mapping[str, A
         setattr(m.optimizer, key, tuple(value) if key == "betas" else value)
     m.optimizer.step = count
     m.optimizer.check("save: hyperparams")
-    leaves = leaves_by_path(tree)
-    digests = _digests(list(leaves.values()))
-    return m.with_arrays({path_to_name(path): ArrayRecord(tuple(int(s) for s in arr.shape), np.dtype(arr.dtype).name,
-                                                          store_digest.to_hex(dig))
-                          for (path, arr), dig in zip(leaves.items(), digests)}, store_digest.ALGORITHM)
-
-
-def _digests(arrays: list[jax.Array]) -> list[int]:
-    """Per-array digests: each process digests its addressable replica-0 shards; sums are combined."""
-    partial = np.zeros(len(arrays), dtype=np.uint64)
-    local = sum(int(np.prod(s.data.shape)) * np.dtype(a.dtype).itemsize
-                for a in arrays for s in jnp.asarray(a).addressable_shards if s.replica_id == 0)
-    with progress(local, f"digest (process {jax.process_index()})") as bar:
-        for i, a in enumerate(arrays):
-            a = jnp.asarray(a)
-            total = 0
-            for shard in a.addressable_shards:
-                if shard.replica_id != 0:
-                    continue  # one replica digests each region, so the cross-process sum counts it once
-                start = tuple((s.start or 0) for s in shard.index)
-                data = np.asarray(shard.data)
-                total += store_digest.digest_box(a.shape, Box.of(start, data.shape), data)
-                bar.update(data.nbytes)
-            partial[i] = np.uint64(store_digest.combine([total]))
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        halves = np.stack([(partial & np.uint64(0xFFFFFFFF)).astype(np.uint32),
-                           (partial >> np.uint64(32)).astype(np.uint32)], axis=-1)
-        gathered = np.asarray(multihost_utils.process_allgather(halves))  # (processes, n, 2)
-        parts = gathered[..., 0].astype(np.uint64) | (gathered[..., 1].astype(np.uint64) << np.uint64(32))
-        return [store_digest.combine(parts[:, i].tolist()) for i in range(len(arrays))]
-    return [int(p) for p in partial]
+    return m  # its arrays (shape, dtype, digest): recorded by the commit, from what the writers wrote
 
 
 def _save_as_manager_step(root: str, number: int, **kwargs: Any) -> Manifest:
     """`save` into a hidden staging step of manager root `root`, then commit it as `root/<number>`."""
-    from bridge.store import manager
+    from bridge.store import begin_step, check_step_free, commit_step
 
     coord = JaxCoordinator(job=f"save to {root}")
-    manager.check_step_free(root, number)  # on every process, so that all refuse together
-    item = coord.broadcast("the start", lambda: manager.begin_step(root, number))
+    check_step_free(root, number)  # on every process, so that all refuse together
+    item = coord.broadcast("the start", lambda: begin_step(root, number))
     out = save(item, **kwargs)
-    coord.broadcast("the commit", lambda: manager.commit_step(item, number))
+    coord.broadcast("the commit", lambda: commit_step(item, number))
     return out
 
 

@@ -22,7 +22,7 @@ The modules and their roles: docs/ARCHITECTURE.md.
 from bridge.store.claim import (TMP_SUFFIX, Destination, DestinationClaim, check_destination_free, check_sources,
                                 claim_destination, tmp_dir_for)
 from bridge.store.commit import (begin_checkpoint, commit_checkpoint, finalize, publish_checkpoint,
-                                 publish_orbax_checkpoint, save_checkpoint)
+                                 save_checkpoint)
 # plan & writer: the catalog, chunk ownership, the writers and their staging grid
 from bridge.store.plan import ArrayPlan, ArraySpec, WritePlan, make_write_plan
 from bridge.store.staging import cells_are_row_runs, grid_cells
@@ -39,12 +39,7 @@ from bridge.store.manager import ITEM, begin_step, check_step_free, commit_step,
 # durable file helpers: fsync and JSON as the store writes them
 from bridge.store.durable import fsync_path, fsync_tree, json_bytes
 # specs: chunking of arrays as every writer lays it out
-from bridge.store.specs import DEFAULT_INNER_CHUNK_BYTES, divisors, inner_chunk_shape, max_chunk_bytes, orbax_chunk_args
-# digests: the integrity digest of each array (summed over boxes, combined across writers)
-from bridge.store.digest import ALGORITHM as DIGEST_ALGORITHM
-from bridge.store.digest import combine as combine_digests
-from bridge.store.digest import digest_box
-from bridge.store.digest import to_hex as digest_hex
+from bridge.store.specs import DEFAULT_INNER_CHUNK_BYTES, divisors, inner_chunk_shape, max_chunk_bytes
 # the checkpoint's schema (owned by bridge.format), re-exported for writers of a store
 from bridge.format.manifest import ArrayRecord, Manifest, OptimizerConfig, SourceLayout
 from bridge.format.schema import adamw_empty_paths
@@ -53,7 +48,7 @@ from bridge.format.tree import megatron_key_to_path, name_to_path, path_to_name
 __all__ = [
     # claim & commit
     "Destination", "DestinationClaim", "TMP_SUFFIX", "begin_checkpoint", "check_destination_free", "check_sources",
-    "claim_destination", "commit_checkpoint", "finalize", "publish_checkpoint", "publish_orbax_checkpoint",
+    "claim_destination", "commit_checkpoint", "finalize", "publish_checkpoint",
     "save_checkpoint", "tmp_dir_for",
     # plan & writer
     "ArrayPlan", "ArraySpec", "CheckpointWriter", "WritePlan", "cells_are_row_runs", "default_batch_bytes",
@@ -69,9 +64,7 @@ __all__ = [
     # durable file helpers
     "fsync_path", "fsync_tree", "json_bytes",
     # specs
-    "DEFAULT_INNER_CHUNK_BYTES", "divisors", "inner_chunk_shape", "max_chunk_bytes", "orbax_chunk_args",
-    # digests
-    "DIGEST_ALGORITHM", "combine_digests", "digest_box", "digest_hex",
+    "DEFAULT_INNER_CHUNK_BYTES", "divisors", "inner_chunk_shape", "max_chunk_bytes",
     # schema
     "ArrayRecord", "Manifest", "OptimizerConfig", "SourceLayout", "adamw_empty_paths", "megatron_key_to_path",
     "name_to_path", "path_to_name",

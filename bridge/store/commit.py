@@ -17,7 +17,7 @@ returns dst or raises the same error naming the failing rank; with the default
 `LocalCoordinator` (writers that do not talk) writer 0 waits (file barrier with a timeout) for the
 other writers' reports and commits. The store never reads torch's global process-group state.
 
-Every writer of a logical checkpoint (this store, the JAX save through Orbax) ends with the one
+Every writer of a logical checkpoint (convert, the live export, the JAX save) ends with the one
 commit, `publish_checkpoint`: seal `_METADATA`, copy its checksum into `_CHECKPOINT_METADATA`, and
 let the claim (`bridge.store.claim.Destination`) make it visible, `_METADATA` last; on a local
 file system one no-replace rename, so `dst` is either a complete checkpoint or absent.
@@ -219,23 +219,6 @@ def _payload_file(payload: str, name: str) -> bytes | None:
             return f.read()
     except FileNotFoundError:
         return None
-
-
-def publish_orbax_checkpoint(claim: Destination, payload: str) -> str:
-    """`publish_checkpoint` for a checkpoint another writer (Orbax) produced in `payload` (inside the
-    claim's temp directory): its own `_METADATA` / `_CHECKPOINT_METADATA`, sealed."""
-    try:
-        with open(os.path.join(payload, "_METADATA")) as f:
-            meta = json.load(f)
-        cpath = os.path.join(payload, "_CHECKPOINT_METADATA")
-        cmeta = None
-        if os.path.isfile(cpath):
-            with open(cpath) as f:
-                cmeta = json.load(f)
-    except BaseException:
-        claim.release()
-        raise
-    return publish_checkpoint(claim, meta, cmeta, payload=payload)
 
 
 def check_writer_databases(tmp_dir: str, plan: WritePlan) -> list[int]:

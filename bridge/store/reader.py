@@ -246,7 +246,6 @@ def one_line(e: Exception) -> str:
     return " ".join(str(e).split())[:500]
 
 
-_one_line = one_line   # bridge/jaxside/remote.py (fold32's this session) still imports it; switched after the merge
 
 
 def _array_info(t, zarr3: bool) -> ArrayInfo:

@@ -190,18 +190,6 @@ def inner_chunk_shape(path: Sequence[str], chunk_shape: Sequence[int], itemsize:
     return (1,) * k + choose_inner_chunk(chunk[k:], itemsize, target_bytes)
 
 
-def orbax_chunk_args(path: Sequence[str], ndim: int, target_bytes: int | None = DEFAULT_INNER_CHUNK_BYTES) -> dict:
-    """`orbax.checkpoint.SaveArgs` keywords applying `inner_chunk_shape`'s policy to an Orbax save.
-
-    Orbax picks inner chunks itself; `shard_axes` makes it cut those axes down to 1 (one layer /
-    expert per inner chunk) and `chunk_byte_size` bounds the rest.
-
-    >>> orbax_chunk_args(("params", "decoder", "layers", "w"), 3)
-    {'chunk_byte_size': 1048576, 'shard_axes': (0,)}
-    """
-    return {"chunk_byte_size": target_bytes, "shard_axes": tuple(range(stacked_axes(path, ndim)))}
-
-
 def zarr3_metadata(shape: Sequence[int], dtype: str, chunk_shape: Sequence[int], inner_chunk_shape: Sequence[int],
                    compression: str | None = None, checksum: bool = True) -> dict:
     """zarr3 array metadata: regular outer grid, one sharding_indexed codec (Orbax's shape).

@@ -45,6 +45,9 @@ class Storage(ABC):
     #: for gs://), so the bridge reads and writes those with TensorStore. The one question about the
     #: kind of storage that callers may still ask: which library to hand the location to.
     file_system: bool
+    #: True where plain Orbax (a user's `ocp.StandardCheckpointer().restore`) opens the location
+    #: without extra packages: a local path (s3:// it cannot open, gs:// only with gcsfs installed).
+    orbax_can_open: bool
     #: True where a writer stages into a temporary directory renamed into place at the commit
     #: (a file system); false where everything is written in place, `_METADATA` last (object storage).
     renames: bool
@@ -214,6 +217,7 @@ class LocalStorage(Storage):
     """A directory of a local (or shared, POSIX) file system; `root` as the caller named it."""
 
     file_system = True
+    orbax_can_open = True
     renames = True
     appends = True
 
@@ -311,6 +315,7 @@ class ObjectStorage(Storage):
     """The objects under an s3:// / gs:// prefix (canonical URL, no trailing '/')."""
 
     file_system = False
+    orbax_can_open = False
     renames = False
     appends = False
 

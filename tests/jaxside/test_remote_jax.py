@@ -91,9 +91,9 @@ def test_plain_orbax_restores_from_gcs(remote_ckpts):
 
 
 @pytest.mark.slow
-def test_save_to_object_storage_equals_orbax_local_save(remote_ckpts, tmp_path):
-    """Restore from S3, save back to GCS (the store's writer) and to a local path (Orbax): the two
-    checkpoints hold the same arrays under the same names, bit for bit, with the same digests."""
+def test_save_to_object_storage_equals_local_save(remote_ckpts, tmp_path):
+    """Restore from S3, save back to GCS and to a local path: the two checkpoints hold the same arrays
+    under the same names, bit for bit, with the same digests."""
     from bridge.jaxside.restore import restore
     from bridge.jaxside.save import save
     from bridge.store.reader import open_checkpoint

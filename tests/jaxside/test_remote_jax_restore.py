@@ -1,4 +1,4 @@
-"""`restore_remote` (JAX restore from s3:// / gs://, issue 20): every device box of every array is read
+"""`read_arrays` (the JAX restore's read, here from s3:// / gs://, issue 20): every device box of every array is read
 at once within the restore's host-memory budget, then placed.
 
 Exactness against the arrays that were saved (numpy, before any bridge read) on an 8-device CPU mesh for
@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from bridge import _testing
 from bridge.errors import BridgeError
-from bridge.jaxside import remote
+from bridge.jaxside import placement, restore_io
 from bridge.store.commit import save_checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))  # tests/support: shared helpers
@@ -81,7 +81,7 @@ def test_restore_remote_equals_saved_arrays(saved, scheme, layout, concurrent_gb
     want = {W: jax.ShapeDtypeStruct(arrays[W].shape, np.float32, sharding=w_sh),
             B: jax.ShapeDtypeStruct(arrays[B].shape, arrays[B].dtype, sharding=b_sh),
             S: jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(w_sh.mesh, P()))}
-    got = remote.restore_remote(urls[scheme], want, concurrent_gb)
+    got = restore_io.read_arrays(urls[scheme], want, concurrent_gb)
     assert set(got) == set(want)
     for p, w in want.items():
         check_exact(got[p], arrays[p], w.sharding)
@@ -94,7 +94,7 @@ def test_restore_remote_casts_on_host(saved):
     sh = NamedSharding(mesh_2d(), P("a", "b"))
     want = {W: jax.ShapeDtypeStruct(arrays[W].shape, ml_dtypes.bfloat16, sharding=sh),
             B: jax.ShapeDtypeStruct(arrays[B].shape, np.float32, sharding=NamedSharding(mesh_2d(), P("b")))}
-    got = remote.restore_remote(urls["s3"], want, 1e-5)
+    got = restore_io.read_arrays(urls["s3"], want, 1e-5)
     for p, w in want.items():
         check_exact(got[p], arrays[p].astype(w.dtype), w.sharding)
 
@@ -105,7 +105,7 @@ def test_restore_remote_matches_plain_tensorstore_reads(saved, tmp_path):
     urls, arrays = saved
     local = save_checkpoint(str(tmp_path / "ck"), arrays)
     sh = NamedSharding(mesh_2d(), P("b", "a"))
-    got = remote.restore_remote(urls["gs"], {W: jax.ShapeDtypeStruct(arrays[W].shape, np.float32, sharding=sh)})
+    got = restore_io.read_arrays(urls["gs"], {W: jax.ShapeDtypeStruct(arrays[W].shape, np.float32, sharding=sh)})
     kv = {"driver": "ocdbt", "base": {"driver": "file", "path": local + "/"}, "path": ".".join(W) + "/"}
     plain = ts.open({"driver": "zarr3", "kvstore": kv, "open": True}, read=True).result().read().result()
     assert np.array_equal(np.asarray(got[W]), plain)
@@ -148,7 +148,7 @@ def test_restore_remote_holds_at_most_the_budget(big, budget_bytes, most_blocks)
             ("params", "y"): jax.ShapeDtypeStruct((512, 1024), np.float32, sharding=NamedSharding(mesh, P(None, "d")))}
     seen, watch = _counting_watch()
     with _testing.seams(restore_watch=watch):
-        got = remote.restore_remote(url, want, budget_bytes / 1e9)
+        got = restore_io.read_arrays(url, want, budget_bytes / 1e9)
     block = 512 * 1024 * 4 // 8
     assert seen["started"] == sum(a.nbytes for a in arrays.values()) and seen["blocks"] == 16 and seen["now"] == 0
     assert seen["peak"] == most_blocks * block, seen
@@ -161,7 +161,7 @@ def test_restore_remote_refuses_a_budget_of_nothing(big):
     url, _ = big
     want = {("params", "x"): jax.ShapeDtypeStruct((512, 1024), np.float32, sharding=NamedSharding(mesh_1d(), P()))}
     with pytest.raises(BridgeError, match="concurrent_gb=0 must be positive"):
-        remote.restore_remote(url, want, 0)
+        restore_io.read_arrays(url, want, 0)
 
 
 def _s3_gets() -> int:
@@ -179,7 +179,7 @@ def test_row_split_restore_fetches_a_shard_in_few_gets():
         url = save_checkpoint(servers["s3"].url("restore_remote/gets"), {W: a})
         want = {W: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=NamedSharding(mesh_1d(), P("d", None)))}
         before = _s3_gets()
-        got = remote.restore_remote(url, want)
+        got = restore_io.read_arrays(url, want)
         gets = _s3_gets() - before
     check_exact(got[W], a, want[W].sharding)
     # 6 here: _METADATA, the OCDBT manifest and B-tree nodes, zarr.json and the shard index (5 before
@@ -204,10 +204,10 @@ def test_restore_remote_names_the_array_whose_data_is_gone():
         c.delete_object(Bucket=s3.buckets[0], Key=biggest["Key"])
         want = {W: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=NamedSharding(mesh_1d(), P(None, "d")))}
         with pytest.raises(IntegrityError, match=r"process 0: array params/w: read of \[0:1024, 0:512\] from s3://"):
-            remote.restore_remote(url, want)
+            restore_io.read_arrays(url, want)
 
 
 def test_default_budget_is_orbaxs_restore_default():
-    """A restore from a URL and a local one (Orbax's PyTreeCheckpointHandler) default to the same bound."""
+    """The restore's default bound is Orbax's PyTreeCheckpointHandler's (the knob a user of Orbax knows)."""
     pytree_handler = pytest.importorskip("orbax.checkpoint._src.handlers.pytree_checkpoint_handler")
-    assert remote.DEFAULT_CONCURRENT_GB == pytree_handler.DEFAULT_CONCURRENT_GB
+    assert placement.DEFAULT_CONCURRENT_GB == pytree_handler.DEFAULT_CONCURRENT_GB

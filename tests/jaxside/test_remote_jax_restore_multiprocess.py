@@ -1,4 +1,4 @@
-"""`restore_remote` from S3 and GCS in 2 JAX processes (jax.distributed on 127.0.0.1, 4 CPU devices each), onto
+"""`read_arrays` (the JAX restore's read) from S3 and GCS in 2 JAX processes (jax.distributed on 127.0.0.1, 4 CPU devices each), onto
 a global 2 x 4 mesh: every process builds the global arrays from its own devices' shards, each equal to the saved
 array's slice, and reads only the boxes its devices hold (counted at the read seam)."""
 
@@ -34,12 +34,12 @@ def _worker(rank: int, world: int, port: int, urls: list[str]) -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from bridge import _testing
-    from bridge.jaxside import remote
+    from bridge.jaxside import restore_io
     from jax_checkpoints import bits
 
     started = []
 
-    def watch(event: str, nbytes: int) -> None:  # restore_remote's testing seam: each read started
+    def watch(event: str, nbytes: int) -> None:  # read_arrays' testing seam: each read started
         if event == "read":
             started.append(nbytes)
 
@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, port: int, urls: list[str]) -> None:
     for url in urls:
         started.clear()
         with _testing.seams(restore_watch=watch):
-            got = remote.restore_remote(url, want, 1e-5)
+            got = restore_io.read_arrays(url, want, 1e-5)
         expected = 0
         for p, a in arrays.items():
             assert got[p].shape == a.shape and got[p].sharding == want[p].sharding, p

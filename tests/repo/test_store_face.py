@@ -24,14 +24,10 @@ PRODUCT = ("bridge", "converters", "scripts")
 
 #: Files other helpers own this session: switched by the coordinator after merge (then this list is emptied).
 INTERNAL_IMPORTS_ALLOWED = {
-    "bridge/jaxside/save.py", "bridge/jaxside/remote.py", "bridge/jaxside/abstract.py", "bridge/jaxside/naming.py",
-    "bridge/commands/demo.py",                                                                        # fold32
     "bridge/live/writer_process.py", "bridge/live/export.py",                                            # abort33
 }
-#: Where a location is handed to a library that takes a file path (Orbax, MaxText's reader), in files
-#: other helpers own this session (fold32): switched by the coordinator after merge.
-FILE_SYSTEM_ALLOWED = {"bridge/jaxside/save.py", "bridge/jaxside/restore.py", "bridge/jaxside/abstract.py",
-                       "bridge/commands/demo.py"}
+#: None: what differs between a path and an object prefix is a method of the storage object.
+FILE_SYSTEM_ALLOWED: set[str] = set()
 
 
 def _product_files(root: Path):

@@ -31,12 +31,13 @@ def test_no_public_entry_point_takes_a_seam():
     pytest.importorskip("torch")
     pytest.importorskip("jax")
     import bridge
-    from bridge.jaxside.remote import restore_remote, save_remote
+    from bridge.jaxside.restore_io import read_arrays
+    from bridge.jaxside.save_io import write_tree
     from bridge.live.export import Exporter, ExportOptions
 
     offenders = {}
     entries = {n: getattr(bridge, n) for n in bridge.__all__ if callable(getattr(bridge, n, None))}
-    entries.update({"restore_remote": restore_remote, "save_remote": save_remote,
+    entries.update({"read_arrays": read_arrays, "write_tree": write_tree,
                     "Exporter.export": Exporter.export, "Exporter.export_async": Exporter.export_async})
     for name, obj in entries.items():
         bad = _parameters(obj) & FORMER

@@ -209,8 +209,8 @@ def test_inner_chunks_hold_one_layer_and_one_expert():
 
 
 def test_jax_save_writes_one_layer_per_inner_chunk(tmp_path):
-    """`bridge.jaxside.save` (Orbax) applies the same policy: the stacked layer axis of a param and
-    its moments has inner chunk 1; an unstacked array keeps Orbax's own choice."""
+    """`bridge.jaxside.save` (the store's writer) applies the same policy: the stacked layer axis of a
+    param and its moments has inner chunk 1; a small unstacked array is one inner chunk."""
     import jax.numpy as jnp
     import optax
     import tensorstore as ts
