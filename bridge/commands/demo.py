@@ -60,8 +60,7 @@ def orbax_restore_check(path: str) -> tuple[int, int, str]:
     from bridge.errors import BridgeError
     from bridge.format.schema import ADAM_INDEX, OPT_STATE
     from bridge.jaxside.keypaths import nested_from_paths
-    from bridge.store import open_checkpoint
-    from bridge.store import open_storage
+    from bridge.store import open_checkpoint, open_storage
     from bridge.dtypes import numpy_dtype
 
     devs = jax.devices()

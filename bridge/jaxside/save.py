@@ -35,9 +35,7 @@ from bridge.dist import JaxCoordinator
 from bridge.errors import BridgeError
 from bridge.jaxside.keypaths import Path, leaves_by_path, nested_from_paths, path_str
 from bridge.jaxside.optax_state import extract_adam
-from bridge.store import open_storage
-from bridge.store import open_checkpoint
-from bridge.store import check_destination_free
+from bridge.store import open_storage, open_checkpoint, check_destination_free
 from bridge.format.manifest import MEGATRON_KEY, PREVIOUS_SOURCE_KEY, Manifest, SourceLayout, as_manifest
 from bridge.format.schema import MODEL, MU, NU, OPT_STATE, PARAMS, SCALAR_DTYPE, STEP
 from bridge.format.tree import check_tree_paths

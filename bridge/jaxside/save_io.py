@@ -37,10 +37,8 @@ def write_tree(directory: str, tree: dict, manifest, *, chunk_byte_size: int | N
     from bridge.format.schema import adamw_empty_paths
     from bridge.jaxside.keypaths import leaves_by_path
     from bridge.progress import progress
-    from bridge.store import begin_checkpoint, commit_checkpoint
-    from bridge.store import ArraySpec, make_write_plan
-    from bridge.store import DEFAULT_INNER_CHUNK_BYTES, max_chunk_bytes
-    from bridge.store import CheckpointWriter
+    from bridge.store import (DEFAULT_INNER_CHUNK_BYTES, ArraySpec, CheckpointWriter, begin_checkpoint, commit_checkpoint,
+                              make_write_plan, max_chunk_bytes)
 
     writer_class = _testing.current().writer_class  # read on the caller's thread
     batch = None if concurrent_gb is None else save_batch(concurrent_bytes(concurrent_gb))

@@ -32,8 +32,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from bridge.errors import BridgeError
 from bridge.location import basename
 from bridge.progress import progress
-from bridge.store import claim_destination
-from bridge.store import commit_checkpoint
+from bridge.store import claim_destination, commit_checkpoint
 from bridge.torchrun import Ranks, _testing_fault, check_same_plan, command_ranks, launch_claim, launched_world
 from bridge.units import human_bytes
 from bridge.format.manifest import REPLICAS_KEY

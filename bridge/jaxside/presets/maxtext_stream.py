@@ -98,8 +98,7 @@ def transform(move: Move, block: np.ndarray, dims: Dims, opts: Options, forward:
 def write_blocks(wj: StreamWriterJob, tmp: str, writer_id: int, on_progress=None) -> dict:
     """Writer `writer_id`'s blocks of `wj` into the claimed temporary directory `tmp`: read each
     source box, rearrange, transform, write; its report."""
-    from bridge.store import open_checkpoint
-    from bridge.store import CheckpointWriter
+    from bridge.store import open_checkpoint, CheckpointWriter
 
     return_freed_memory()
     job = wj.job
@@ -143,8 +142,7 @@ def run_job(wj: StreamWriterJob, out: StreamOutput, ranks=None) -> str:
     """Claim `out.dst`, run the writers of `wj` (in process for one), commit once; returns dst. Under
     torchrun (`ranks`, a `bridge.torchrun.Ranks`, or a launch this call joins) this rank's share of
     the writers."""
-    from bridge.store import claim_destination
-    from bridge.store import commit_checkpoint
+    from bridge.store import claim_destination, commit_checkpoint
     from bridge.torchrun import command_ranks
 
     job = wj.job
@@ -255,8 +253,7 @@ def write_maxtext(src: str, dst_root: str, *, decoder_block: str | None = None, 
     """
     from bridge.jaxside.presets import maxtext_ckpt as mc
     from bridge.jaxside.manifest_view import scheduler_of
-    from bridge.store import check_step_free, write_step
-    from bridge.store import open_checkpoint
+    from bridge.store import check_step_free, write_step, open_checkpoint
 
     stream = stream or StreamOptions()
     src, dst_root = absolute(location(src, "source")), absolute(location(dst_root, "destination"))

@@ -478,7 +478,7 @@ class MegatronPlan:
         return self.storage.claim(sources=[self.src], marker=".metadata")
 
     def result(self, nbytes: int, stats: "Stats") -> dict:
-        man, where = self.man, self.where
+        where = self.where
         return {"dst": where.iter_dir, "run_dir": where.run_dir, "tracker": where.tracker,
                 "tracker_previous": where.previous, "layout": self.lay.to_json(), "format": self.target.fmt,
                 "bytes": nbytes, "params": len(self.params), "step": self.step,  # foreign: report keys (commands/to_megatron.py)
