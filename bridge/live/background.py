@@ -79,8 +79,10 @@ class ExportHandle:
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the checkpoint is committed; returns this rank's `ExportReport`.
 
-        Raises the background failure (the same on every rank). With `timeout` (seconds) and the
-        export still running then, raises BridgeError saying so (the export continues).
+        Raises the background failure (the same on every rank): each call a new copy of it (type,
+        message, attributes; the background thread's traceback as a note), see `_kept`. With
+        `timeout` (seconds) and the export still running then, raises BridgeError saying so (the
+        export continues).
         """
         self._thread.join(timeout)
         if self._thread.is_alive():
