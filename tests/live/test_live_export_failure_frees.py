@@ -98,18 +98,40 @@ def _fail_then_drop(rank, world, dst):
             raised.append(str(e))
         return weakref.ref(exporter), weakref.ref(h), raised
 
+    import torch.distributed as dist
+
     with _no_gc():
         exporter, handle, raised = run()
-        return {"exporter_freed": exporter() is None, "handle_freed": handle() is None, "raised": raised}
+        out = {"exporter_freed": exporter() is None, "handle_freed": handle() is None, "raised": raised,
+               "gloo_threads": _gloo_threads()}
+        dist.destroy_process_group()
+        out["gloo_threads_after_destroy"] = _gloo_threads()   # what would run into the interpreter's exit
+    # a group again, for `spawn`'s own destroy_process_group
+    dist.init_process_group("gloo", init_method=f"file://{dst}.pg", rank=rank, world_size=world)
+    return out
+
+
+def _gloo_threads() -> int:
+    """This process's gloo worker threads (torch names them pt_gloo_runloop)."""
+    n = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                n += f.read().strip() == "pt_gloo_runloop"
+        except OSError:  # the thread ended meanwhile
+            pass
+    return n
 
 
 @pytest.mark.slow
 def test_a_failed_export_frees_its_exporter_without_the_collector(tmp_path):
     """After a failure in the writer process, every rank's exporter (its background gloo group, its
     writer process, its slots) is freed as soon as the rank drops it, so `destroy_process_group`
-    destroys that group and joins its threads before the interpreter exits."""
+    destroys that group and joins its gloo threads before the interpreter exits."""
     dst = str(tmp_path / "ckpt")
     results, _ = spawn(2, _fail_then_drop, (dst,), tmp_path, timeout_s=200, pg_timeout_s=30)
     for r in results:
         assert len(r["raised"]) == 2 and all("rank 1 failed during writing" in m for m in r["raised"]), r
         assert r["exporter_freed"] and r["handle_freed"], r
+        # the world's group and the exporter's background group had theirs; none is left
+        assert r["gloo_threads"] > 0 and r["gloo_threads_after_destroy"] == 0, r
