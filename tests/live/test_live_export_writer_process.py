@@ -78,7 +78,8 @@ def _kill_writer_then_retry(rank, world, base):
 # collective aborted the process. The order matters: the exporter must be freed (by reference
 # counting, tests/live/test_live_export_failure_frees.py) before the group is destroyed, so that the
 # group's threads are joined while Python can still run them. Measured on the 2-core machine under
-# load: aborts in N of M runs before the fix, 0 of M after (issue 33).
+# the other sessions' load, both tests' rank functions interleaved: a rank aborted in 10 of 140 runs
+# at 5855b1c, 0 of 138 with the fix (issue 33).
 def test_writer_process_killed_mid_write_fails_every_rank_and_is_replaced(tmp_path):
     base = str(tmp_path)
     results, _ = spawn(2, _kill_writer_then_retry, (base,), tmp_path, timeout_s=200, pg_timeout_s=30)
