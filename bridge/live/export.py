@@ -54,14 +54,12 @@ from bridge.dtypes import to_numpy
 from bridge.progress import progress
 from bridge.budget import export_split, staged_split
 from bridge.renamed import renamed
-from bridge.store.commit import begin_checkpoint, commit_checkpoint
 from bridge.format.manifest import (GROUP_PARAMS, OPTIMIZER_EXTRA_KEY, PADS_KEY, Manifest, OptimizerConfig,
                                     SourceLayout)
 from bridge.format.schema import COUNT_PATH, SCALAR_DTYPE, STEP_PATH, adamw_empty_paths
-from bridge.store.plan import ArraySpec, WritePlan, make_write_plan
-from bridge.store import open_storage
 from bridge.format.tree import megatron_key_to_path, path_str
-from bridge.store.writer import CheckpointWriter, default_batch_bytes
+from bridge.store import (ArraySpec, CheckpointWriter, WritePlan, begin_checkpoint, commit_checkpoint, default_batch_bytes,
+                          make_write_plan, open_storage)
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,7 @@ def _child(fd: int) -> None:
 
     from bridge.dtypes import numpy_dtype
     from bridge.layout.boxes import Box
-    from bridge.store.writer import CheckpointWriter
+    from bridge.store import CheckpointWriter
 
     # Ctrl-C reaches the whole process group: the training process decides. A killed trainer's
     # writer stops at once (not at its pipe's end after the batch in hand): the other ranks remove

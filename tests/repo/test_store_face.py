@@ -22,12 +22,6 @@ from test_layering import _write
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("bridge", "converters", "scripts")
 
-#: Files other helpers own this session: switched by the coordinator after merge (then this list is emptied).
-INTERNAL_IMPORTS_ALLOWED = {
-    "bridge/live/writer_process.py", "bridge/live/export.py",                                            # abort33
-}
-#: None: what differs between a path and an object prefix is a method of the storage object.
-FILE_SYSTEM_ALLOWED: set[str] = set()
 
 
 def _product_files(root: Path):
@@ -72,34 +66,22 @@ def file_system_questions(root: Path) -> dict[str, list[int]]:
 
 
 def test_product_code_imports_only_the_store_face():
-    found = store_internals(REPO)
-    bad = [f"{rel}:{line} {mod} {', '.join(names)}".rstrip() for rel, hits in found.items()
-           if rel not in INTERNAL_IMPORTS_ALLOWED for line, mod, names in hits]
+    bad = [f"{rel}:{line} {mod} {', '.join(names)}".rstrip() for rel, hits in store_internals(REPO).items()
+           for line, mod, names in hits]
     assert bad == [], "imports past bridge.store's public face (export the name from bridge/store/__init__.py, " \
                       "or give Storage a method):\n" + "\n".join(bad)
-    stale = sorted(INTERNAL_IMPORTS_ALLOWED - set(found))
-    assert stale == [], f"these files import only the store's face now; take them off the allow-list: {stale}"
 
 
-def test_the_face_exports_what_the_allowed_files_import():
-    """The names the allow-listed files import from store submodules are on the face (a private `_x`
-    as `x`), so switching them is a plain edit of the import line."""
+def test_the_face_exports_only_what_it_has():
     import bridge.store
 
-    wanted = {n.lstrip("_") for rel, hits in store_internals(REPO).items() if rel in INTERNAL_IMPORTS_ALLOWED
-              for _line, mod, names in hits if mod != "bridge.store" for n in names}
-    missing = sorted(n for n in wanted if n not in bridge.store.__all__)
-    assert missing == []
     assert [n for n in bridge.store.__all__ if not hasattr(bridge.store, n)] == []
 
 
 def test_nothing_outside_the_store_asks_for_a_file_system():
-    found = file_system_questions(REPO)
-    bad = [f"{rel}:{line}" for rel, lines in found.items() if rel not in FILE_SYSTEM_ALLOWED for line in lines]
+    bad = [f"{rel}:{line}" for rel, lines in file_system_questions(REPO).items() for line in lines]
     assert bad == [], "`.file_system` asked outside bridge/store (give Storage a method saying what differs): " + \
                       ", ".join(bad)
-    stale = sorted(FILE_SYSTEM_ALLOWED - set(found))
-    assert stale == [], f"these files no longer ask; take them off the allow-list: {stale}"
 
 
 def test_checks_catch_the_old_shapes(tmp_path):
