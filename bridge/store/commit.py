@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -72,7 +71,7 @@ def begin_checkpoint(dst: str | os.PathLike, sources: Sequence[str] = (), *,
 
     def claim() -> dict:
         mine.append(storage.claim(sources))
-        return asdict(mine[0].info)
+        return mine[0].info.record()
 
     sent = coord.broadcast("the start", claim)
     if mine:
@@ -80,7 +79,9 @@ def begin_checkpoint(dst: str | os.PathLike, sources: Sequence[str] = (), *,
     if sent is None:   # a LocalCoordinator of another rank: nobody tells it what rank 0 claimed
         raise BridgeError(f"begin_checkpoint({dst}) runs once, in the process that claims; writers of other "
                           f"processes write to its temporary directory and commit_checkpoint(dst) reads the claim")
-    info = ClaimInfo(**sent)
+    info = ClaimInfo.from_record(sent)
+    if info is None:  # what travelled is checked as a claim file is (`bridge.torchrun.launch_claim` does the same)
+        raise BridgeError(f"begin_checkpoint({dst}): what the claiming rank sent is not a gtp-bridge claim record")
     # rank 0's record names DST as rank 0 resolved it (absolute): every rank's writers write there
     return open_storage(info.dst).handle(info)
 
