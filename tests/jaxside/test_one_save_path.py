@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))  # tests/support: shared helpers
 from jax_checkpoints import bits, logical_state, tiny_manifest, tiny_params  # noqa: E402
 from servers import S3Server, environ  # noqa: E402
+from restore_watch import counting_watch  # noqa: E402
 
 from bridge import _testing  # noqa: E402
 
@@ -205,16 +206,7 @@ def test_local_restore_holds_at_most_the_budget(tmp_path):
     arrays = {("params", "x"): rng.standard_normal((512, 1024), dtype=np.float32),
               ("params", "y"): rng.standard_normal((512, 1024), dtype=np.float32)}
     d = save_checkpoint(str(tmp_path / "big"), arrays)
-    seen = {"now": 0, "peak": 0, "started": 0, "blocks": 0}
-
-    def watch(event: str, n: int) -> None:
-        if event == "read":
-            seen["now"] += n
-            seen["started"] += n
-            seen["blocks"] += 1
-            seen["peak"] = max(seen["peak"], seen["now"])
-        else:
-            seen["now"] -= n
+    seen, watch = counting_watch()
 
     mesh = Mesh(np.array(jax.devices()), ("d",))
     budget = 700_000

@@ -29,6 +29,7 @@ from bridge.store.commit import save_checkpoint
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support"))  # tests/support: shared helpers
 from jax_checkpoints import bits  # noqa: E402
 from servers import remote_servers  # noqa: E402
+from restore_watch import counting_watch  # noqa: E402
 
 W, B, S = ("params", "w"), ("params", "b"), ("step",)
 
@@ -121,22 +122,6 @@ def big():
         yield save_checkpoint(servers["s3"].url("restore_remote/big"), arrays), arrays
 
 
-def _counting_watch():
-    """A `restore_watch` seam (`bridge._testing`) that keeps the bytes in flight between a read starting and its block placed."""
-    seen = {"now": 0, "peak": 0, "started": 0, "blocks": 0}
-
-    def watch(event: str, n: int) -> None:
-        if event == "read":
-            seen["now"] += n
-            seen["started"] += n
-            seen["blocks"] += 1
-            seen["peak"] = max(seen["peak"], seen["now"])
-        else:
-            seen["now"] -= n
-
-    return seen, watch
-
-
 @pytest.mark.parametrize("budget_bytes, most_blocks", [(700_000, 2), (2_000_000, 7), (100_000, 1)])
 def test_restore_remote_holds_at_most_the_budget(big, budget_bytes, most_blocks):
     """4 MiB in two arrays, one split by rows and one by columns (8 blocks of 256 KiB each): the
@@ -146,7 +131,7 @@ def test_restore_remote_holds_at_most_the_budget(big, budget_bytes, most_blocks)
     mesh = mesh_1d()
     want = {("params", "x"): jax.ShapeDtypeStruct((512, 1024), np.float32, sharding=NamedSharding(mesh, P("d", None))),
             ("params", "y"): jax.ShapeDtypeStruct((512, 1024), np.float32, sharding=NamedSharding(mesh, P(None, "d")))}
-    seen, watch = _counting_watch()
+    seen, watch = counting_watch()
     with _testing.seams(restore_watch=watch):
         got = restore_io.read_arrays(url, want, budget_bytes / 1e9)
     block = 512 * 1024 * 4 // 8
