@@ -1,6 +1,6 @@
 """JAX save to S3 hands its host blocks to the writer without a copy only where they are its own.
 
-`save_remote` donates the host blocks of jax.Arrays (views of an immutable buffer, or the save's
+The save (`bridge.jaxside.save_io.write_tree`) donates the host blocks of jax.Arrays (views of an immutable buffer, or the save's
 own device-to-host copy) and lets the writer copy a numpy leaf (the caller's live buffer). Saved
 from 8-device CPU meshes to a local S3 server (moto); the stored arrays, read with plain
 TensorStore (no bridge reader), equal the reference tree bit for bit, and the caller's arrays are
