@@ -121,7 +121,7 @@ def test_save_to_object_storage_equals_local_save(remote_ckpts, tmp_path):
 
 def test_restore_from_object_storage_keeps_concurrent_gb(remote_ckpts):
     """`restore(url, concurrent_gb=)` reaches the remote read's budget (refused when not positive, as
-    `restore_remote` refuses it; the budget itself: test_remote_jax_restore), and a budget far
+    `restore_io.read_arrays` refuses it; the budget itself: test_remote_jax_restore), and a budget far
     smaller than the state still restores every array exactly."""
     from bridge.errors import BridgeError
     from bridge.jaxside.restore import restore
