@@ -44,6 +44,9 @@ class StoredTree:
     directory: str
     arrays: dict[Path, StoredArray]
     custom_metadata: dict = field(default_factory=dict)
+    #: the open checkpoint the arrays were listed from (`bridge.store.Checkpoint`): a restore reads
+    #: through it rather than opening the checkpoint and every array a second time
+    checkpoint: Any = field(default=None, repr=False, compare=False)
 
     def section(self, prefix: Path) -> dict[Path, StoredArray]:
         """Arrays under `prefix`, keyed by the path below it."""
@@ -70,7 +73,7 @@ def stored_arrays(directory: str | os.PathLike, *, allow_edited_metadata: bool |
     arrays = {tuple(p): StoredArray(tuple(p), tuple(int(s) for s in info.shape), numpy_dtype(info.dtype))
               for p, info in ck.arrays().items()}
     custom = ck.metadata.get("custom_metadata") or {}
-    return StoredTree(ck.root, arrays, dict(custom) if isinstance(custom, dict) else {})
+    return StoredTree(ck.root, arrays, dict(custom) if isinstance(custom, dict) else {}, checkpoint=ck)
 
 
 ShardingSource = Callable[[Path, tuple[int, ...]], Sharding]

@@ -113,7 +113,7 @@ def restore(directory: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = No
         requests.append((NU_PATH, NU, plans[PARAMS], dtypes.get(NU)))
     scalars = ([COUNT_PATH] if want_opt else []) + ([STEP_PATH] if STEP in items else [])
     abstract, jobs = _plan_reads(stored, target, requests, moment_dtypes, moment_shardings, scalars)
-    flat = read_arrays(stored.directory, abstract, concurrent_gb)
+    flat = read_arrays(stored.directory, abstract, concurrent_gb, checkpoint=stored.checkpoint)
 
     results: dict[str, dict[Path, Any]] = {role: {} for role in CASTABLE}
     for prefix, kind, g, outs, _ in jobs:

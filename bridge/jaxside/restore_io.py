@@ -9,7 +9,7 @@ neighbouring chunks (and object storage's round trips) overlap.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -21,7 +21,7 @@ from bridge.layout.boxes import Box
 
 
 def read_arrays(directory: str, abstract: Mapping[Path, jax.ShapeDtypeStruct],
-                concurrent_gb: float | None = None) -> dict[Path, jax.Array]:
+                concurrent_gb: float | None = None, checkpoint: Any = None) -> dict[Path, jax.Array]:
     """Every requested array of the committed checkpoint at `directory` (a path or a URL) on its
     sharding, cast to its dtype.
 
@@ -30,14 +30,15 @@ def read_arrays(directory: str, abstract: Mapping[Path, jax.ShapeDtypeStruct],
     blocks read and not yet placed on their devices fit in it (a block larger than the budget is
     read alone). Each finished block goes to its devices and the array is built from the placed
     shards. (Tests of the budget hear each block's "read" and "placed" through `bridge._testing`'s
-    `restore_watch`.)"""
+    `restore_watch`.) `checkpoint`: `directory` already open (`bridge.store.Checkpoint`), its
+    metadata and arrays' handles reused."""
     from bridge import _testing
     from bridge.progress import progress
     from bridge.store import open_checkpoint
 
     watch = _testing.current().restore_watch
     budget = concurrent_bytes(concurrent_gb)
-    ck = open_checkpoint(directory)
+    ck = checkpoint if checkpoint is not None else open_checkpoint(directory)
     paths = list(abstract)
     stores = dict(zip(paths, ck.open_many(paths)))
     reads = plan_block_reads(abstract, {p: t.dtype.numpy_dtype.itemsize for p, t in stores.items()})
