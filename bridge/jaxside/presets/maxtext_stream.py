@@ -182,9 +182,10 @@ def _run_parallel(wj: StreamWriterJob, tmp: str, ids: Sequence[int], bar) -> lis
             try:
                 kind, w, payload = q.get(timeout=1.0)
             except Exception:  # queue.Empty: is a writer gone without a word?
-                dead = [i for i, p in enumerate(procs) if i not in done and p.exitcode not in (0, None)]
+                # by writer id (a torchrun rank's ids do not start at 0), as `done` is keyed
+                dead = [(w, p.exitcode) for w, p in zip(ids, procs) if w not in done and p.exitcode not in (0, None)]
                 if dead and q.empty():
-                    errors.append(f"writer {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                    errors.append(f"writer {dead[0][0]} died with exit code {dead[0][1]}")
                 continue
             if kind == "p":
                 bar.update(payload)
